@@ -1,0 +1,86 @@
+"""The Jupyter wire protocol's framing and HMAC signing, shared by every hop that touches it.
+
+Tandem forwards Jupyter messages as their raw frames (signature, header, parent header, metadata,
+content, buffers) so that most hops never parse JSON; only the hops that must look inside (the
+gateway checking signatures, the scheduler routing by msg_id and rewriting execute_request into
+yield_request) call into here. One implementation, so signing cannot drift between services.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Any
+
+DELIMITER = b"<IDS|MSG>"
+
+_DIGESTS = {"hmac-sha256": hashlib.sha256, "hmac-sha1": hashlib.sha1, "hmac-md5": hashlib.md5}
+
+
+class WireError(ValueError):
+    """A Jupyter message that cannot be accepted (bad framing or signature); says why."""
+
+
+class Signer:
+    """HMAC over header, parent, metadata and content, as the Jupyter protocol specifies."""
+
+    def __init__(self, key: bytes, scheme: str = "hmac-sha256") -> None:
+        digest = _DIGESTS.get(scheme)
+        if digest is None:
+            raise WireError(f"unsupported signature scheme {scheme!r}")
+        self._key = key
+        self._digest = digest
+
+    def sign(self, parts: list[bytes]) -> bytes:
+        if not self._key:
+            return b""
+        mac = hmac.new(self._key, digestmod=self._digest)
+        for part in parts[:4]:
+            mac.update(part)
+        return mac.hexdigest().encode()
+
+    def verify(self, signature: bytes, parts: list[bytes]) -> bool:
+        if not self._key:
+            return True
+        return hmac.compare_digest(signature, self.sign(parts))
+
+
+def split_identities(frames: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+    """[ids..., DELIM, sig, header, parent, metadata, content, *buffers] -> (ids, msg frames)."""
+    try:
+        at = frames.index(DELIMITER)
+    except ValueError:
+        raise WireError("no <IDS|MSG> delimiter in message") from None
+    msg = frames[at + 1 :]
+    if len(msg) < 5:
+        raise WireError(f"message has {len(msg)} frames after the delimiter, needs at least 5")
+    return frames[:at], msg
+
+
+def header_of(msg_frames: list[bytes]) -> dict[str, Any]:
+    """Parse the header of [sig, header, parent, metadata, content, ...]."""
+    try:
+        header = json.loads(msg_frames[1])
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise WireError(f"header is not JSON: {exc}") from exc
+    if not isinstance(header, dict) or not isinstance(header.get("msg_id"), str):
+        raise WireError("header must be a JSON object with a msg_id")
+    if not isinstance(header.get("msg_type"), str):
+        raise WireError("header has no msg_type")
+    return header
+
+
+def parent_msg_id(msg_frames: list[bytes]) -> str | None:
+    try:
+        parent = json.loads(msg_frames[2])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if isinstance(parent, dict):
+        msg_id = parent.get("msg_id")
+        return msg_id if isinstance(msg_id, str) else None
+    return None
+
+
+def json_part(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), default=str).encode()

@@ -1,0 +1,169 @@
+"""Every internal message type and the shape of its body, in one place.
+
+Services exchange these over ZMQ ROUTER/DEALER inside an ``Envelope``. A request is answered by
+a ``reply`` (same envelope id) or an ``error`` carrying a reason. Schemas are deliberately light
+(required keys and their Python types after msgpack decoding) because validation runs on the
+execute path for every Jupyter frame we forward.
+
+Who sends what (G = gateway, S = global scheduler, L = local scheduler, R = kernel replica,
+C = CLI / provisioner):
+
+    C -> G   kernel.start, kernel.shutdown, kernel.status, kernel.interrupt
+    G -> S   kernel.start, kernel.shutdown, kernel.status, jupyter.request
+    S -> G   jupyter.reply, kernel.dead
+    C -> S   cluster.status, host.cordon, host.uncordon
+    L -> S   host.register, host.heartbeat, jupyter.reply, replica.event
+    S -> L   replica.start, replica.configure, replica.stop, jupyter.request
+    R -> L   replica.register, gpu.commit, gpu.release, replica.event
+    L -> R   replica.configure, replica.stop
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# ---- generic answers -------------------------------------------------------------------------
+REPLY = "reply"
+ERROR = "error"
+
+# ---- kernels (client-facing lifecycle) -------------------------------------------------------
+KERNEL_START = "kernel.start"
+KERNEL_SHUTDOWN = "kernel.shutdown"
+KERNEL_STATUS = "kernel.status"
+KERNEL_INTERRUPT = "kernel.interrupt"
+KERNEL_DEAD = "kernel.dead"
+
+# ---- Jupyter traffic, carried opaquely -------------------------------------------------------
+JUPYTER_REQUEST = "jupyter.request"  # towards the replicas
+JUPYTER_REPLY = "jupyter.reply"  # towards the client (shell/control/stdin replies and iopub)
+
+# ---- cluster ---------------------------------------------------------------------------------
+CLUSTER_STATUS = "cluster.status"
+HOST_REGISTER = "host.register"
+HOST_HEARTBEAT = "host.heartbeat"
+HOST_CORDON = "host.cordon"
+HOST_UNCORDON = "host.uncordon"
+
+# ---- replicas --------------------------------------------------------------------------------
+REPLICA_START = "replica.start"
+REPLICA_CONFIGURE = "replica.configure"
+REPLICA_STOP = "replica.stop"
+REPLICA_REGISTER = "replica.register"
+REPLICA_EVENT = "replica.event"
+GPU_COMMIT = "gpu.commit"
+GPU_RELEASE = "gpu.release"
+
+CHANNELS = ("shell", "control", "stdin", "iopub")
+REPLICA_EVENTS = ("elected", "election_failed", "done", "raft_role", "exited", "ready")
+
+_int = (int,)
+_str = (str,)
+_bool = (bool,)
+_list = (list,)
+_map = (dict,)
+_num = (int, float)
+_opt_str = (str, type(None))
+
+# type -> {key: (allowed types, required)}
+_SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    REPLY: {},
+    ERROR: {"reason": (_str, True), "code": (_str, False)},
+    KERNEL_START: {
+        "kernel_id": (_str, True),
+        "key": (_str, True),
+        "signature_scheme": (_str, False),
+        "resources": (_map, True),
+    },
+    KERNEL_SHUTDOWN: {"kernel_id": (_str, True), "restart": (_bool, False)},
+    KERNEL_STATUS: {"kernel_id": (_str, True)},
+    KERNEL_INTERRUPT: {"kernel_id": (_str, True)},
+    KERNEL_DEAD: {"kernel_id": (_str, True), "reason": (_str, True)},
+    JUPYTER_REQUEST: {
+        "kernel_id": (_str, True),
+        "channel": (_str, True),
+        "frames": (_list, True),  # [signature, header, parent, metadata, content, *buffers] as bytes
+        "replica_id": (_str, False),  # set by the global scheduler when addressing one replica
+    },
+    JUPYTER_REPLY: {
+        "kernel_id": (_str, True),
+        "channel": (_str, True),
+        "frames": (_list, True),
+        "replica_id": (_str, False),
+    },
+    CLUSTER_STATUS: {},
+    HOST_REGISTER: {
+        "host_id": (_str, True),
+        "address": (_str, False),
+        "resources": (_map, True),  # millicpus, memory_mb, gpus, vram_gb
+        "gpu_kind": (_str, True),  # "nvidia" | "virtual"
+        "replicas": (_list, False),  # what already runs there (a restarted scheduler rebuilds from it)
+    },
+    HOST_HEARTBEAT: {"host_id": (_str, True), "committed": (_map, False), "replicas": (_list, False)},
+    HOST_CORDON: {"host_id": (_str, True)},
+    HOST_UNCORDON: {"host_id": (_str, True)},
+    REPLICA_START: {
+        "kernel_id": (_str, True),
+        "replica_id": (_str, True),
+        "key": (_str, True),
+        "signature_scheme": (_str, False),
+        "resources": (_map, True),
+        "join": (_bool, False),  # True: start as a new member of an existing Raft group
+    },
+    REPLICA_CONFIGURE: {
+        "kernel_id": (_str, True),
+        "replica_id": (_str, True),
+        "peers": (_map, True),  # replica_id -> raft address, the initial voters
+    },
+    REPLICA_STOP: {"kernel_id": (_str, True), "replica_id": (_str, True)},
+    REPLICA_REGISTER: {
+        "kernel_id": (_str, True),
+        "replica_id": (_str, True),
+        "raft_address": (_str, True),
+        "pid": (_int, True),
+    },
+    REPLICA_EVENT: {
+        "kernel_id": (_str, True),
+        "replica_id": (_str, True),
+        "event": (_str, True),
+        "msg_id": (_opt_str, False),
+        "detail": (_map, False),
+    },
+    GPU_COMMIT: {
+        "kernel_id": (_str, True),
+        "replica_id": (_str, True),
+        "msg_id": (_str, True),
+        "gpus": (_int, True),
+    },
+    GPU_RELEASE: {"kernel_id": (_str, True), "replica_id": (_str, True), "msg_id": (_str, True)},
+}
+
+_CHECKED_CHANNEL = {JUPYTER_REQUEST, JUPYTER_REPLY}
+
+
+def known_types() -> tuple[str, ...]:
+    return tuple(_SCHEMAS)
+
+
+def validate(msg_type: str, body: dict[str, Any]) -> str | None:
+    """Return why ``body`` is not a valid ``msg_type`` body, or None if it is."""
+    schema = _SCHEMAS.get(msg_type)
+    if schema is None:
+        return "unknown message type"
+    for key, (types, required) in schema.items():
+        if key not in body:
+            if required:
+                return f"missing field {key!r}"
+            continue
+        value = body[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            expected = "/".join(t.__name__ for t in types)
+            return f"field {key!r} must be {expected}, got {type(value).__name__}"
+    if msg_type in _CHECKED_CHANNEL:
+        if body["channel"] not in CHANNELS:
+            return f"unknown channel {body['channel']!r}"
+        frames = body["frames"]
+        if len(frames) < 5 or not all(isinstance(f, bytes) for f in frames):
+            return "frames must be at least 5 byte strings (signature, header, parent, metadata, content)"
+    if msg_type == REPLICA_EVENT and body["event"] not in REPLICA_EVENTS:
+        return f"unknown replica event {body['event']!r}"
+    return None

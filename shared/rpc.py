@@ -1,0 +1,281 @@
+"""Request/reply and push messaging over ZMQ ROUTER/DEALER, carrying ``Envelope``s.
+
+Why not a plain REQ/REP: services talk both ways at once (the global scheduler pushes Jupyter
+traffic to the gateway while the gateway asks it to start kernels) and must never block on a
+peer that died, so every link is an asynchronous DEALER <-> ROUTER pair, requests are matched to
+replies by envelope id, and every wait has a timeout.
+
+Handlers are plain callables returning ``Envelope | None`` (answered in arrival order, which the
+Jupyter forwarding path relies on) or an awaitable of one (run as its own task, so a slow
+operation such as starting a replica never stalls the socket).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from shared import messages
+from shared.envelope import Envelope, EnvelopeError, decode
+
+log = structlog.get_logger("rpc")
+
+HandlerResult = Envelope | None | Awaitable[Envelope | None]
+ServerHandler = Callable[[bytes, Envelope], HandlerResult]
+ClientHandler = Callable[[Envelope], HandlerResult]
+
+
+class RpcError(RuntimeError):
+    """The peer answered with an ``error`` envelope."""
+
+    def __init__(self, reason: str, code: str = "error") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.code = code
+
+
+class RpcTimeout(TimeoutError):
+    """No answer within the deadline (after all retries)."""
+
+
+def _configure(sock: zmq.asyncio.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+
+
+def _error_id(data: bytes) -> str:
+    """Best effort: the id of an envelope that failed validation, so the sender's wait ends."""
+    try:
+        import msgpack
+
+        raw = msgpack.unpackb(data, raw=False)
+        if isinstance(raw, dict) and isinstance(raw.get("id"), str):
+            return raw["id"]
+    except Exception:
+        pass
+    return "unknown"
+
+
+class _Dispatcher:
+    """Runs handler results: sync ones inline, awaitables as tracked tasks."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, aw: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(aw)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def cancel_all(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class RpcServer:
+    """A ROUTER socket that validates, dispatches and answers envelopes."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, handler: ServerHandler, *, name: str) -> None:
+        self._sock = ctx.socket(zmq.ROUTER)
+        _configure(self._sock)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._handler = handler
+        self._log = log.bind(server=name)
+        self._dispatch = _Dispatcher()
+        self._loop_task: asyncio.Task[None] | None = None
+        self.address = ""
+
+    def bind(self, address: str) -> str:
+        """Bind (``tcp://127.0.0.1:0`` picks a free port) and return the real address."""
+        if address.endswith(":0"):
+            base = address.rsplit(":", 1)[0]
+            port = self._sock.bind_to_random_port(base)
+            self.address = f"{base}:{port}"
+        else:
+            self._sock.bind(address)
+            self.address = address
+        return self.address
+
+    def start(self) -> None:
+        self._loop_task = asyncio.ensure_future(self._recv_loop())
+
+    def send(self, identity: bytes, env: Envelope) -> None:
+        """Push to a connected peer; never blocks (the peer may be gone: then it is dropped)."""
+        try:
+            self._sock.send_multipart([identity, env.encode()], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._log.warning("send_failed", peer=identity, type=env.type, error=str(exc))
+
+    async def _recv_loop(self) -> None:
+        sock = self._sock
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) != 2:
+                self._log.warning("malformed_frames", count=len(frames))
+                if len(frames) > 2:
+                    self.send(frames[0], Envelope(messages.ERROR, {"reason": "expected one payload frame"}))
+                continue
+            identity, payload = frames
+            try:
+                env = decode(payload)
+            except EnvelopeError as exc:
+                self._log.warning("rejected_message", peer=identity, reason=str(exc))
+                bad = Envelope(
+                    messages.ERROR, {"reason": str(exc), "code": "bad_message"}, id=_error_id(payload)
+                )
+                self.send(identity, bad)
+                continue
+            self._run(identity, env)
+
+    def _run(self, identity: bytes, env: Envelope) -> None:
+        try:
+            result = self._handler(identity, env)
+        except Exception as exc:
+            self._log.exception("handler_failed", type=env.type, request_id=env.id)
+            self.send(identity, env.error(f"{exc.__class__.__name__}: {exc}", code="internal"))
+            return
+        if inspect.isawaitable(result):
+            self._dispatch.spawn(self._finish(identity, env, result))
+        elif result is not None:
+            self.send(identity, result)
+
+    async def _finish(self, identity: bytes, env: Envelope, pending: Awaitable[Envelope | None]) -> None:
+        try:
+            result = await pending
+        except asyncio.CancelledError:
+            raise
+        except RpcError as exc:
+            result = env.error(exc.reason, code=exc.code)
+        except Exception as exc:
+            self._log.exception("handler_failed", type=env.type, request_id=env.id)
+            result = env.error(f"{exc.__class__.__name__}: {exc}", code="internal")
+        if result is not None:
+            self.send(identity, result)
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        await self._dispatch.cancel_all()
+        self._sock.close(linger=0)
+
+
+class RpcClient:
+    """A DEALER socket: requests with correlation ids, timeouts and retries; pushes both ways."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        *,
+        identity: bytes | None = None,
+        on_message: ClientHandler | None = None,
+        name: str = "client",
+    ) -> None:
+        self._sock = ctx.socket(zmq.DEALER)
+        _configure(self._sock)
+        if identity is not None:
+            self._sock.setsockopt(zmq.IDENTITY, identity)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        self._on_message = on_message
+        self._pending: dict[str, asyncio.Future[Envelope]] = {}
+        self._log = log.bind(client=name)
+        self._dispatch = _Dispatcher()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def connect(self, address: str) -> None:
+        self._sock.connect(address)
+        if self._loop_task is None:
+            self._loop_task = asyncio.ensure_future(self._recv_loop())
+
+    def send(self, env: Envelope) -> None:
+        """Fire and forget. Queues while disconnected (up to the high-water mark)."""
+        try:
+            self._sock.send(env.encode(), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._log.warning("send_failed", type=env.type, error=str(exc))
+
+    async def request(self, env: Envelope, *, timeout: float = 10.0, retries: int = 0) -> Envelope:
+        """Send and wait for the matching reply; ``RpcError`` on an error answer.
+
+        A retry resends the same envelope id, so a receiver can recognise a duplicate.
+        """
+        fut: asyncio.Future[Envelope] = asyncio.get_running_loop().create_future()
+        self._pending[env.id] = fut
+        try:
+            for attempt in range(retries + 1):
+                self.send(env)
+                try:
+                    answer = await asyncio.wait_for(asyncio.shield(fut), timeout)
+                    break
+                except TimeoutError:
+                    if attempt == retries:
+                        raise RpcTimeout(
+                            f"no answer to {env.type} within {timeout:g}s (attempts: {retries + 1})"
+                        ) from None
+                    self._log.info("request_retry", type=env.type, request_id=env.id, attempt=attempt + 1)
+        finally:
+            self._pending.pop(env.id, None)
+        if answer.type == messages.ERROR:
+            raise RpcError(str(answer.body.get("reason")), str(answer.body.get("code", "error")))
+        return answer
+
+    async def _recv_loop(self) -> None:
+        while True:
+            payload = await self._sock.recv()
+            try:
+                env = decode(payload)
+            except EnvelopeError as exc:
+                self._log.warning("rejected_message", reason=str(exc))
+                continue
+            if env.type in (messages.REPLY, messages.ERROR):
+                fut = self._pending.get(env.id)
+                if fut is not None and not fut.done():
+                    fut.set_result(env)
+                elif env.type == messages.ERROR:
+                    self._log.warning("peer_error", reason=env.body.get("reason"), request_id=env.id)
+                continue
+            if self._on_message is None:
+                self._log.warning("unexpected_message", type=env.type)
+                continue
+            try:
+                result = self._on_message(env)
+            except Exception:
+                self._log.exception("handler_failed", type=env.type)
+                continue
+            if inspect.isawaitable(result):
+                self._dispatch.spawn(self._finish(env, result))
+            elif result is not None:
+                self.send(result)
+
+    async def _finish(self, env: Envelope, pending: Awaitable[Envelope | None]) -> None:
+        try:
+            result = await pending
+        except asyncio.CancelledError:
+            raise
+        except RpcError as exc:
+            result = env.error(exc.reason, code=exc.code)
+        except Exception as exc:
+            self._log.exception("handler_failed", type=env.type)
+            result = env.error(f"{exc.__class__.__name__}: {exc}", code="internal")
+        if result is not None:
+            self.send(result)
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        await self._dispatch.cancel_all()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.cancel()
+        self._sock.close(linger=0)
