@@ -1,0 +1,555 @@
+"""Durable Raft storage: a CRC-framed write-ahead log plus atomically written snapshot files.
+
+Layout of a storage directory::
+
+    wal-<seq:016x>.log                 segments, replayed in sequence order
+    snap-<index:016x>-<term:016x>.snap the newest snapshot (older ones are removed on compaction)
+
+A segment is an 8-byte magic followed by records ``[u32 length][u32 crc32(payload)][payload]``; the
+payload is a msgpack array, one of
+
+* ``[APPEND, hard_state | nil, [entry, ...]]`` — one per ``Ready``: its entries and hard state land
+  (or are lost to a crash) together. An entry at index ``i`` implicitly truncates any stored entry
+  ``>= i``: that is how a conflicting suffix is overwritten without a separate marker.
+* ``[RESET, index, term]`` — the log restarts after ``(index, term)``, which a snapshot on disk
+  covers. Written when a snapshot from the leader is installed and at the head of every compacted
+  segment.
+
+Why this shape: one ``write`` and at most one ``fdatasync`` per ``Ready`` (group commit), replay is a
+single forward scan, a torn or corrupt tail is found by the CRC and cut off (logged, never applied),
+and compaction is "write a fresh self-contained segment, then delete the old ones", which is crash
+safe at every step. Log calls are synchronous and meant to run on the event loop: an ``fdatasync``
+of a small append measures ~0.14 ms here, and a ``run_in_executor`` hop costs ~0.06 ms on top of it
+(plus a wake-up), which measured end to end gives higher commit latency and lower throughput than
+syncing inline (see ``PeerConfig.sync_in_thread``). Writing a snapshot file may be slow for a large
+state: ``write_snapshot_file`` changes no state here, so it is safe in a worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import structlog
+
+from shared.raft.codec import (
+    entry_from_wire,
+    hard_state_from_wire,
+    hard_state_to_wire,
+    snapshot_meta_from_wire,
+    snapshot_meta_to_wire,
+)
+from shared.raft.types import Entry, HardState, RestoredState, Snapshot, SnapshotMeta
+
+WAL_MAGIC = b"TNDWAL1\n"
+SNAP_MAGIC = b"TNDSNP1\n"
+HEADER = struct.Struct("<II")  # payload length, crc32(payload)
+MAX_RECORD = 1 << 30  # a length field beyond this is garbage, not a record
+
+REC_APPEND = 1
+REC_RESET = 2
+
+DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
+
+_SEGMENT_RE = re.compile(r"^wal-([0-9a-f]{16})\.log$")
+_SNAPSHOT_RE = re.compile(r"^snap-([0-9a-f]{16})-([0-9a-f]{16})\.snap$")
+
+
+class StorageError(Exception):
+    """The directory cannot be turned back into a consistent Raft state; refuse to start."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryReport:
+    """What ``Storage`` found when it opened the directory (also logged)."""
+
+    segments: int = 0
+    records: int = 0
+    truncated_bytes: int = 0  # bytes cut from the segment where the problem was found
+    discarded_segments: tuple[str, ...] = ()  # later segments set aside as ``*.discarded``
+    problem: str | None = None  # what was wrong and where; None for a clean open
+
+    @property
+    def clean(self) -> bool:
+        return self.problem is None
+
+
+class Storage:
+    """The durable half of a Raft node. Opening the directory replays it (see ``restored()``)."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        fsync: bool = True,
+        logger: Any = None,
+    ) -> None:
+        self._dir = Path(directory)
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._segment_bytes = segment_bytes
+        self._fsync = fsync
+        self._log = logger if logger is not None else structlog.get_logger("raft.storage")
+        self._hard_state = HardState()
+        self._snapshot_meta = SnapshotMeta()  # newest snapshot on disk
+        self._base_index = 0  # the log holds entries base_index+1 .. base_index+len(entries)
+        self._base_term = 0
+        self._entries: list[Entry] = []
+        self._fd = -1
+        self._seq = 0
+        self._size = 0
+        self._dirty = False  # written but not yet fdatasync'd, and the write needs it
+        self.recovery = RecoveryReport()
+        self._open()
+
+    # ------------------------------------------------------------------ reading
+
+    def restored(self) -> RestoredState:
+        """The state to hand to ``RaftNode`` on start."""
+        return RestoredState(self._hard_state, self._snapshot_meta, tuple(self._entries))
+
+    def load_snapshot(self) -> Snapshot | None:
+        """The newest snapshot including its data (read from disk now), or None if there is none."""
+        meta = self._snapshot_meta
+        if meta.index == 0:
+            return None
+        return _read_snapshot_file(self._snapshot_path(meta.index, meta.term))
+
+    @property
+    def hard_state(self) -> HardState:
+        return self._hard_state
+
+    @property
+    def snapshot_meta(self) -> SnapshotMeta:
+        return self._snapshot_meta
+
+    @property
+    def first_index(self) -> int:
+        return self._base_index + 1
+
+    @property
+    def last_index(self) -> int:
+        return self._base_index + len(self._entries)
+
+    def term(self, index: int) -> int | None:
+        """Term of the entry at ``index`` (the snapshot's term at its index), None if not held."""
+        if index == self._base_index:
+            return self._base_term
+        if self._base_index < index <= self.last_index:
+            return self._entries[index - self._base_index - 1].term
+        return None
+
+    # ------------------------------------------------------------------ writing
+
+    def append(self, entries: Sequence[Entry], hard_state: HardState | None) -> bool:
+        """Write one ``Ready``'s entries and hard state as a single record (not yet synced).
+
+        Returns whether the write must be made durable before dependent messages go out: new
+        entries, or a term/vote change. A commit-only change is written but needs no fsync (the
+        commit index can always be relearned), which spares followers one fsync per heartbeat.
+        """
+        if not entries and hard_state is None:
+            return False
+        if entries:
+            first = entries[0].index
+            if first <= self._base_index:
+                raise ValueError(f"entry {first} is at or below the compacted index {self._base_index}")
+            if first > self.last_index + 1:
+                raise ValueError(f"entry {first} leaves a gap after last index {self.last_index}")
+            if entries[-1].index != first + len(entries) - 1:
+                raise ValueError("entries to append are not contiguous")
+        prev = self._hard_state
+        payload = msgpack.packb(
+            [
+                REC_APPEND,
+                None if hard_state is None else [hard_state.term, hard_state.vote, hard_state.commit],
+                [[e.term, e.index, int(e.type), e.data, e.proposal_id] for e in entries],
+            ],
+            use_bin_type=True,
+        )
+        self._write_record(payload)
+        if entries:
+            del self._entries[entries[0].index - self._base_index - 1 :]
+            self._entries.extend(entries)
+        need_sync = bool(entries)
+        if hard_state is not None:
+            need_sync = need_sync or hard_state.term != prev.term or hard_state.vote != prev.vote
+            self._hard_state = hard_state
+        self._dirty = self._dirty or need_sync
+        return need_sync
+
+    def sync(self) -> None:
+        """Make everything written so far durable (one fdatasync), if anything needs it."""
+        if self._dirty:
+            if self._fsync:
+                os.fdatasync(self._fd)
+            self._dirty = False
+
+    def save(self, entries: Sequence[Entry], hard_state: HardState | None) -> None:
+        """``append`` + ``sync``: what a ``Ready`` needs before its messages are sent."""
+        self.append(entries, hard_state)
+        self.sync()
+
+    def install_snapshot(self, snapshot: Snapshot) -> None:
+        """Persist a snapshot received from the leader. Durable on return.
+
+        If the log already holds the snapshot's last entry (same index and term) the entries after
+        it are kept, as Raft's log matching makes them a valid continuation; otherwise the log
+        restarts after the snapshot (a ``RESET`` record), as in etcd's ``raftLog.restore``.
+        """
+        meta = snapshot.meta
+        if meta.index <= self._snapshot_meta.index:
+            self._log.warning(
+                "raft.storage.stale_snapshot_ignored", index=meta.index, have=self._snapshot_meta.index
+            )
+            return
+        self.save_snapshot(snapshot)
+        if self.term(meta.index) == meta.term:
+            self._entries = self._entries[meta.index - self._base_index :]
+        else:
+            self._write_record(msgpack.packb([REC_RESET, meta.index, meta.term], use_bin_type=True))
+            self._dirty = True
+            self.sync()
+            self._entries = []
+        self._base_index, self._base_term = meta.index, meta.term
+        if self._hard_state.commit < meta.index:
+            self._hard_state = HardState(self._hard_state.term, self._hard_state.vote, meta.index)
+
+    def save_snapshot(self, snapshot: Snapshot) -> None:
+        """Write a snapshot file atomically and remember it as the newest; follow with ``compact()``."""
+        self.write_snapshot_file(snapshot)
+        if snapshot.meta.index > self._snapshot_meta.index:
+            self._snapshot_meta = snapshot.meta
+
+    def write_snapshot_file(self, snapshot: Snapshot) -> None:
+        """Only the file part of ``save_snapshot`` (tmp, fsync, rename, fsync dir).
+
+        Changes no state of this object, so a large snapshot can be written from a worker thread
+        while the event loop keeps appending to the log; then ``compact(snapshot.meta)`` on the loop.
+        """
+        meta = snapshot.meta
+        payload = msgpack.packb([snapshot_meta_to_wire(meta), snapshot.data], use_bin_type=True)
+        path = self._snapshot_path(meta.index, meta.term)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(SNAP_MAGIC + HEADER.pack(len(payload), zlib.crc32(payload)))
+            f.write(payload)
+            f.flush()
+            if self._fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self._fsync_dir()
+
+    def compact(self, snapshot_meta: SnapshotMeta | None = None, *, unlink: bool = True) -> list[Path]:
+        """Drop the log up to the newest saved snapshot so the disk stays bounded.
+
+        ``snapshot_meta`` names a snapshot written with ``write_snapshot_file`` (it becomes the
+        newest if it is newer); without it the newest ``save_snapshot``/``install_snapshot`` counts.
+
+        Writes a fresh segment holding ``RESET(snapshot)``, the hard state and the entries after the
+        snapshot (normally only the few not yet applied) and makes it durable; every older segment
+        and snapshot is then obsolete. A crash at any point leaves a replayable directory: until
+        they are deleted the old files replay first and the new segment's RESET supersedes them.
+
+        Returns the obsolete files. Unlinking a large segment takes milliseconds on ext4, so a
+        caller on an event loop passes ``unlink=False`` and removes them with ``remove_files`` in a
+        worker thread.
+        """
+        if snapshot_meta is not None and snapshot_meta.index > self._snapshot_meta.index:
+            self._snapshot_meta = snapshot_meta
+        meta = self._snapshot_meta
+        if meta.index <= self._base_index:
+            return []
+        if meta.index > self.last_index:
+            raise ValueError(f"cannot compact to {meta.index}: log ends at {self.last_index}")
+        self.sync()
+        keep = self._entries[meta.index - self._base_index :]
+        records = [
+            msgpack.packb([REC_RESET, meta.index, meta.term], use_bin_type=True),
+            msgpack.packb(
+                [
+                    REC_APPEND,
+                    hard_state_to_wire(self._hard_state),
+                    [[e.term, e.index, int(e.type), e.data, e.proposal_id] for e in keep],
+                ],
+                use_bin_type=True,
+            ),
+        ]
+        old = self._segments()
+        self._start_segment(self._seq + 1, records)
+        obsolete = [self._segment_path(seq) for seq in old if seq < self._seq]
+        obsolete += [self._snapshot_path(i, t) for i, t in self._snapshots() if i < meta.index]
+        self._entries = list(keep)
+        self._base_index, self._base_term = meta.index, meta.term
+        self._log.debug("raft.storage.compacted", index=meta.index, kept_entries=len(keep))
+        if unlink:
+            remove_files(obsolete)
+        return obsolete
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                self.sync()
+            os.close(self._fd)
+            self._fd = -1
+
+    # ------------------------------------------------------------------ internals: files
+
+    def _segment_path(self, seq: int) -> Path:
+        return self._dir / f"wal-{seq:016x}.log"
+
+    def _snapshot_path(self, index: int, term: int) -> Path:
+        return self._dir / f"snap-{index:016x}-{term:016x}.snap"
+
+    def _segments(self) -> list[int]:
+        return sorted(int(m.group(1), 16) for p in self._dir.iterdir() if (m := _SEGMENT_RE.match(p.name)))
+
+    def _snapshots(self) -> list[tuple[int, int]]:
+        found = (_SNAPSHOT_RE.match(p.name) for p in self._dir.iterdir())
+        return sorted((int(m.group(1), 16), int(m.group(2), 16)) for m in found if m)
+
+    def _fsync_dir(self) -> None:
+        if not self._fsync:
+            return
+        fd = os.open(self._dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _write_record(self, payload: bytes) -> None:
+        buf = HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+        view = memoryview(buf)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+        self._size += len(buf)
+        if self._size >= self._segment_bytes:
+            self._rotate()
+
+    def _rotate(self) -> None:
+        """Continue in a new segment; the old one is synced first so no gap can appear."""
+        if self._fsync:
+            os.fdatasync(self._fd)
+        hs = msgpack.packb([REC_APPEND, hard_state_to_wire(self._hard_state), []], use_bin_type=True)
+        self._start_segment(self._seq + 1, [hs])
+        self._dirty = False
+
+    def _start_segment(self, seq: int, payloads: list[bytes]) -> None:
+        """Create segment ``seq`` with ``payloads`` durably (tmp + fsync + rename) and make it active."""
+        path = self._segment_path(seq)
+        tmp = path.with_name(path.name + ".tmp")
+        body = WAL_MAGIC + b"".join(HEADER.pack(len(p), zlib.crc32(p)) + p for p in payloads)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, body)
+            if self._fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        self._fsync_dir()
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._seq, self._size = seq, len(body)
+
+    # ------------------------------------------------------------------ internals: recovery
+
+    def _open(self) -> None:
+        for p in self._dir.iterdir():
+            if p.name.endswith(".tmp"):
+                p.unlink()  # an interrupted atomic write; the original (if any) is intact
+        self._load_newest_snapshot()
+        # Replay models the full log: `_replay_last` is its last index (possibly below the
+        # snapshot) and `_anchor_term` the term it holds at the snapshot's index, if any.
+        self._replay_last = 0
+        self._anchor_term: int | None = 0 if self._base_index == 0 else None
+        seqs = self._segments()
+        records = 0
+        problem: str | None = None
+        truncated = 0
+        discarded: list[str] = []
+        for pos, seq in enumerate(seqs):
+            path = self._segment_path(seq)
+            data = path.read_bytes()
+            good, count, problem = self._replay_segment(data)
+            records += count
+            if problem is None:
+                continue
+            problem = f"{path.name} at byte {good}: {problem}"
+            truncated = len(data) - good
+            ordinary_crash = pos == len(seqs) - 1  # a torn tail of the newest segment
+            for later in seqs[pos + 1 :]:
+                later_path = self._segment_path(later)
+                later_path.rename(later_path.with_name(later_path.name + ".discarded"))
+                discarded.append(later_path.name)
+            seqs = seqs[: pos + 1]
+            with open(path, "r+b") as f:
+                if good < len(WAL_MAGIC):  # not even a valid header: make it an empty segment
+                    f.truncate(0)
+                    f.write(WAL_MAGIC)
+                else:
+                    f.truncate(good)
+                f.flush()
+                if self._fsync:
+                    os.fsync(f.fileno())
+            # A torn tail of the newest segment is what a crash leaves; anything else is data loss.
+            (self._log.warning if ordinary_crash else self._log.error)(
+                "raft.storage.wal_truncated",
+                problem=problem,
+                truncated_bytes=truncated,
+                discarded_segments=discarded,
+                last_good_index=self.last_index,
+            )
+            break
+        self._reconcile_with_snapshot()
+        self.recovery = RecoveryReport(len(seqs), records, truncated, tuple(discarded), problem)
+        if seqs:
+            path = self._segment_path(seqs[-1])
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+            self._seq, self._size = seqs[-1], path.stat().st_size
+        else:
+            self._start_segment(0, [])
+        if records or self._snapshot_meta.index:
+            self._log.info(
+                "raft.storage.opened",
+                segments=len(seqs),
+                records=records,
+                snapshot_index=self._snapshot_meta.index,
+                first_index=self.first_index,
+                last_index=self.last_index,
+                term=self._hard_state.term,
+                commit=self._hard_state.commit,
+            )
+
+    def _replay_segment(self, data: bytes) -> tuple[int, int, str | None]:
+        """Apply the segment's records; return (offset after the last good record, count, problem)."""
+        if data[: len(WAL_MAGIC)] != WAL_MAGIC:
+            return 0, 0, "bad segment magic"
+        off = len(WAL_MAGIC)
+        count = 0
+        end = len(data)
+        while off < end:
+            if end - off < HEADER.size:
+                return off, count, f"torn record header ({end - off} of {HEADER.size} bytes)"
+            length, crc = HEADER.unpack_from(data, off)
+            start = off + HEADER.size
+            if length > MAX_RECORD or start + length > end:
+                return off, count, f"torn record (header says {length} bytes, {end - start} present)"
+            payload = data[start : start + length]
+            if zlib.crc32(payload) != crc:
+                return off, count, "CRC mismatch"
+            try:
+                self._apply_record(msgpack.unpackb(payload, raw=False))
+            except (ValueError, TypeError, msgpack.UnpackException) as exc:
+                return off, count, f"undecodable record: {exc}"
+            off = start + length
+            count += 1
+        return off, count, None
+
+    def _apply_record(self, rec: Any) -> None:
+        if type(rec) is not list or len(rec) != 3:
+            raise ValueError("record is not a 3-element array")
+        kind = rec[0]
+        base = self._base_index
+        if kind == REC_APPEND:
+            hs = None if rec[1] is None else hard_state_from_wire(rec[1])
+            if type(rec[2]) is not list:
+                raise ValueError("entries is not an array")
+            entries = [entry_from_wire(e) for e in rec[2]]
+            if entries:
+                first, last = entries[0].index, entries[-1].index
+                if last != first + len(entries) - 1:
+                    raise ValueError("entries in the record are not contiguous")
+                if first > self._replay_last + 1:
+                    raise ValueError(f"entry {first} leaves a gap after {self._replay_last}")
+                self._replay_last = last
+                if first <= base:  # rewrites the log from below the snapshot: nothing after it survives
+                    self._entries = []
+                    self._anchor_term = entries[base - first].term if last >= base else None
+                    entries = entries[base - first + 1 :]
+                else:
+                    del self._entries[first - base - 1 :]
+                self._entries.extend(entries)
+            if hs is not None:
+                self._hard_state = hs
+        elif kind == REC_RESET:
+            index, term = rec[1], rec[2]
+            if type(index) is not int or type(term) is not int:
+                raise ValueError("reset record index/term are not ints")
+            if index > base:
+                raise StorageError(
+                    f"the log restarts after index {index} but the newest readable snapshot is at "
+                    f"{base}: the snapshot file is missing or corrupt"
+                )
+            self._entries = []
+            self._replay_last = index
+            self._anchor_term = term if index == base else None
+        else:
+            raise ValueError(f"unknown record kind {kind!r}")
+
+    def _load_newest_snapshot(self) -> None:
+        for index, term in reversed(self._snapshots()):
+            path = self._snapshot_path(index, term)
+            try:
+                snap = _read_snapshot_file(path)
+            except (OSError, ValueError) as exc:
+                self._log.error("raft.storage.snapshot_unreadable", file=path.name, error=str(exc))
+                path.rename(path.with_name(path.name + ".corrupt"))
+                continue
+            self._snapshot_meta = snap.meta
+            self._base_index, self._base_term = snap.meta.index, snap.meta.term
+            return
+
+    def _reconcile_with_snapshot(self) -> None:
+        """Keep only a log that continues the snapshot; the commit index lies within what is held.
+
+        Entries after the snapshot survive only if the log held the snapshot's last entry with the
+        same term. That covers a crash between writing an installed snapshot and its RESET record.
+        """
+        if self._entries and self._anchor_term != self._base_term:
+            self._log.warning(
+                "raft.storage.log_does_not_continue_snapshot",
+                snapshot_index=self._base_index,
+                snapshot_term=self._base_term,
+                log_term_at_snapshot=self._anchor_term,
+                dropped_entries=len(self._entries),
+            )
+            self._entries = []
+        hs = self._hard_state
+        commit = max(hs.commit, self._base_index)
+        if commit > self.last_index:
+            self._log.error("raft.storage.commit_beyond_log", commit=commit, last_index=self.last_index)
+            commit = self.last_index
+        if commit != hs.commit:
+            self._hard_state = HardState(hs.term, hs.vote, commit)
+
+
+def remove_files(paths: Sequence[Path]) -> None:
+    """Delete files that compaction made obsolete (thread-safe: touches nothing else)."""
+    for p in paths:
+        p.unlink(missing_ok=True)
+
+
+def _read_snapshot_file(path: Path) -> Snapshot:
+    data = path.read_bytes()
+    head = len(SNAP_MAGIC) + HEADER.size
+    if len(data) < head or data[: len(SNAP_MAGIC)] != SNAP_MAGIC:
+        raise ValueError(f"{path.name}: bad snapshot header")
+    length, crc = HEADER.unpack_from(data, len(SNAP_MAGIC))
+    payload = data[head:]
+    if len(payload) != length or zlib.crc32(payload) != crc:
+        raise ValueError(f"{path.name}: snapshot length or CRC mismatch")
+    raw = msgpack.unpackb(payload, raw=False)
+    if type(raw) is not list or len(raw) != 2 or type(raw[1]) is not bytes:
+        raise ValueError(f"{path.name}: malformed snapshot payload")
+    return Snapshot(snapshot_meta_from_wire(raw[0]), raw[1])
