@@ -1,0 +1,125 @@
+"""Launcher of one kernel replica, started by the local scheduler (docs/protocol.md, kernel start 3):
+
+    python -m kernel_replica --kernel-id K --replica-id R --connection-file F \\
+        --local-scheduler ADDR --data-dir DIR [--config-json JSON] [--join]
+
+Order matters: the ipykernel app binds the five Jupyter sockets from the connection file; the Raft
+thread starts and the replica registers ``{kernel_id, replica_id, raft_address, pid}`` with the local
+scheduler; Raft itself starts when ``replica.configure {peers}`` arrives (bootstrap voters, or with
+``--join`` the members of the group this replica is being added to). Until then cells are answered
+with a ``ReplicaNotReady``-style error rather than hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+
+import structlog
+
+from shared.config import Config, config_from_json, load_config
+from shared.logs import configure_logging
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m kernel_replica", description=__doc__.split("\n")[0])
+    parser.add_argument("--kernel-id", required=True)
+    parser.add_argument("--replica-id", required=True)
+    parser.add_argument("--connection-file", required=True)
+    parser.add_argument("--local-scheduler", required=True, help="the local scheduler's replica ROUTER")
+    parser.add_argument("--data-dir", required=True, help="Raft WAL and snapshots of this replica")
+    parser.add_argument("--config-json", default=None, help="the merged configuration of `tandem up`")
+    parser.add_argument("--join", action="store_true", help="join an existing Raft group as a new member")
+    parser.add_argument("--raft-host", default=None, help="IP the Raft ROUTER binds (default: cluster.ip)")
+    return parser.parse_args(argv)
+
+
+def free_port(host: str) -> int:
+    """The Raft address must be known before Raft starts (it is registered, then peers are
+    configured), so the port is chosen here; the race with another process is negligible on a
+    node where ports come from the kernel's ephemeral range."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def raft_address_for(data_dir: Path, host: str) -> str:
+    """The same address across restarts: peers know a member by the address it bootstrapped or
+    joined with, so a replica restarted on its data dir must come back where they look for it."""
+    saved = data_dir / "raft_address"
+    if saved.exists():
+        return saved.read_text().strip()
+    address = f"tcp://{host}:{free_port(host)}"
+    saved.write_text(address)
+    return address
+
+
+def _log_stream() -> object:
+    """A private copy of the real stderr: ipykernel later redirects fd 2 into the cell's output."""
+    return os.fdopen(os.dup(2), "w", buffering=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config: Config = config_from_json(args.config_json) if args.config_json else load_config()
+    configure_logging(config.get("log.format"), config.get("log.level"), service="replica")
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=_log_stream()))  # type: ignore[arg-type]
+    log = structlog.get_logger("replica").bind(kernel=args.kernel_id, replica=args.replica_id)
+    os.environ["TANDEM_KERNEL_ID"] = args.kernel_id
+    os.environ["TANDEM_REPLICA_ID"] = args.replica_id
+    os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+
+    # Imported late: ipykernel pulls in IPython, and the logging above should catch its failures.
+    from ipykernel.kernelapp import IPKernelApp
+    from tornado import ioloop
+
+    from kernel_replica.kernel import TandemKernel
+    from kernel_replica.raft_bridge import RaftBridge, ReplicaSettings
+
+    app = IPKernelApp.instance(kernel_class=TandemKernel)
+    app.initialize(["-f", args.connection_file, "--IPKernelApp.quiet=True"])
+    kernel: TandemKernel = app.kernel
+    main_loop = ioloop.IOLoop.current().asyncio_loop  # the loop app.start() runs
+
+    data_dir = Path(args.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    raft_address = raft_address_for(data_dir, args.raft_host or config.get("cluster.ip"))
+    settings = ReplicaSettings(
+        gpus=int(os.environ.get("TANDEM_KERNEL_GPUS", config.get("kernel.gpus"))),
+        tick_interval_s=config.get("raft.tick_ms") / 1000,
+        election_ticks=config.get("raft.election_ticks"),
+        snapshot_every=config.get("raft.snapshot_every"),
+        propose_votes=os.environ.get("TANDEM_PROPOSE_VOTES", "1") != "0",
+        executor_silence_s=float(os.environ.get("TANDEM_EXECUTOR_SILENCE_S", "10")),
+    )
+    bridge = RaftBridge.start(
+        kernel_id=args.kernel_id,
+        replica_id=args.replica_id,
+        data_dir=data_dir,
+        raft_address=raft_address,
+        scheduler_address=args.local_scheduler,
+        settings=settings,
+        post_to_kernel=main_loop.call_soon_threadsafe,
+        join=args.join,
+    )
+    kernel.attach(bridge, kernel_id=args.kernel_id, replica_id=args.replica_id)
+    try:
+        bridge.call_blocking(bridge.core.connect_scheduler(), timeout=30)
+    except Exception as exc:
+        log.error("register_failed", scheduler=args.local_scheduler, error=repr(exc))
+        bridge.shutdown()
+        return 1
+    log.info("replica_started", pid=os.getpid(), raft_address=raft_address, join=args.join)
+    try:
+        app.start()
+    finally:
+        bridge.shutdown()
+        log.info("replica_exited")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""The executor election of NotebookOS §3.2.2 as a pure book: committed entries in, decisions out.
+
+Every replica feeds the same committed log entries in the same order, so every replica reaches the
+same decisions without talking about them: for each cell (msg_id) the first committed LEAD from a
+current voter wins; if every current voter has YIELDed before any LEAD, the election failed; later
+LEAD/YIELD entries for a decided msg_id change nothing. DONE records the reply every replica sends
+(the first DONE per msg_id counts, which is what makes a retried msg_id run at most once). STATE is
+accepted only for the latest DONE, so a namespace update that arrives too late can never overwrite
+a newer cell's state (the replica that executed meanwhile gave up waiting for it).
+
+No I/O, no clock, no threads: the Raft thread owns one instance and serialises access to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kernel_replica.log_entries import Done, Lead, LogEntry, Progress, State, Vote, Yield
+
+
+@dataclass(frozen=True, slots=True)
+class ElectionDecided:
+    msg_id: str
+    winner: str
+
+
+@dataclass(frozen=True, slots=True)
+class ElectionFailed:
+    msg_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorLost:
+    """The winner of msg_id left the voters before its DONE committed: it will never finish."""
+
+    msg_id: str
+    executor: str
+
+
+@dataclass(frozen=True, slots=True)
+class CellDone:
+    done: Done
+
+
+@dataclass(frozen=True, slots=True)
+class StateAccepted:
+    state: State
+
+
+@dataclass(frozen=True, slots=True)
+class EntryIgnored:
+    """An entry that changes nothing; ``reason`` is for the log (late LEAD, duplicate DONE, ...)."""
+
+    entry: LogEntry
+    reason: str
+
+
+BookEvent = ElectionDecided | ElectionFailed | ExecutorLost | CellDone | StateAccepted | EntryIgnored
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A finished election: ``winner`` is None exactly when it failed."""
+
+    winner: str | None
+
+    @property
+    def failed(self) -> bool:
+        return self.winner is None
+
+
+@dataclass(slots=True)
+class _Election:
+    leads: list[str] = field(default_factory=list)  # LEADs seen (first one from a voter wins)
+    yielded: set[str] = field(default_factory=set)
+    votes: dict[str, str] = field(default_factory=dict)
+    outcome: Outcome | None = None
+
+
+class ElectionBook:
+    """Decisions for every msg_id seen in the log, plus the voters they are counted against."""
+
+    def __init__(self, voters: Iterable[str] = ()) -> None:
+        self._voters: frozenset[str] = frozenset(voters)
+        self._elections: dict[str, _Election] = {}
+        self._done: dict[str, Done] = {}
+        self._awaiting_state: str | None = None
+
+    # ---- queries ---------------------------------------------------------------------------------
+    @property
+    def voters(self) -> frozenset[str]:
+        return self._voters
+
+    def outcome(self, msg_id: str) -> Outcome | None:
+        """The decided outcome, or None while the election is open (or never started)."""
+        election = self._elections.get(msg_id)
+        return election.outcome if election is not None else None
+
+    def done(self, msg_id: str) -> Done | None:
+        return self._done.get(msg_id)
+
+    def last_done(self) -> Done | None:
+        """The most recent DONE in log order (its execution count is the kernel's)."""
+        return next(reversed(self._done.values()), None)
+
+    def awaiting_state(self) -> str | None:
+        """msg_id of the latest DONE whose STATE has not committed yet (None: state is current)."""
+        return self._awaiting_state
+
+    def silent_voters(self, msg_id: str) -> frozenset[str]:
+        """Voters that have neither LEADed nor YIELDed for msg_id (who an open election waits on)."""
+        election = self._elections.get(msg_id)
+        if election is None:
+            return self._voters
+        return self._voters - election.yielded - set(election.leads)
+
+    # ---- updates ---------------------------------------------------------------------------------
+    def set_voters(self, voters: Iterable[str]) -> list[BookEvent]:
+        """A membership change committed: open elections may now have failed (a voter left), and
+        a running cell whose executor was removed will never see its DONE."""
+        self._voters = frozenset(voters)
+        events: list[BookEvent] = []
+        for msg_id, election in self._elections.items():
+            if election.outcome is None and self._all_yielded(election):
+                election.outcome = Outcome(None)
+                events.append(ElectionFailed(msg_id))
+            elif (
+                election.outcome is not None
+                and election.outcome.winner is not None
+                and election.outcome.winner not in self._voters
+                and msg_id not in self._done
+            ):
+                events.append(ExecutorLost(msg_id, election.outcome.winner))
+        return events
+
+    def apply(self, entry: LogEntry) -> list[BookEvent]:
+        """Feed one committed entry (in log order); returns what it decided."""
+        match entry:
+            case Lead():
+                return self._on_lead(entry)
+            case Yield():
+                return self._on_yield(entry)
+            case Vote():
+                election = self._elections.setdefault(entry.msg_id, _Election())
+                election.votes[entry.replica_id] = entry.winner
+                if election.outcome is not None and election.outcome.winner != entry.winner:
+                    return [
+                        EntryIgnored(entry, f"vote disagrees with decided winner {election.outcome.winner}")
+                    ]
+                return []
+            case Done():
+                return self._on_done(entry)
+            case Progress():
+                return []  # liveness only; the replica's shell times it, the book has no clock
+            case State():
+                if entry.msg_id != self._awaiting_state:
+                    return [EntryIgnored(entry, f"stale state (awaiting {self._awaiting_state!r})")]
+                self._awaiting_state = None
+                return [StateAccepted(entry)]
+        raise TypeError(f"not a log entry: {type(entry).__name__}")
+
+    def _on_lead(self, entry: Lead) -> list[BookEvent]:
+        election = self._elections.setdefault(entry.msg_id, _Election())
+        election.leads.append(entry.replica_id)
+        if election.outcome is not None:
+            return [EntryIgnored(entry, "election already decided")]
+        if entry.replica_id not in self._voters:
+            return [EntryIgnored(entry, "LEAD from a non-voter")]
+        election.outcome = Outcome(entry.replica_id)
+        return [ElectionDecided(entry.msg_id, entry.replica_id)]
+
+    def _on_yield(self, entry: Yield) -> list[BookEvent]:
+        election = self._elections.setdefault(entry.msg_id, _Election())
+        if election.outcome is not None:
+            return [EntryIgnored(entry, "election already decided")]
+        election.yielded.add(entry.replica_id)
+        if self._all_yielded(election):
+            election.outcome = Outcome(None)
+            return [ElectionFailed(entry.msg_id)]
+        return []
+
+    def _on_done(self, entry: Done) -> list[BookEvent]:
+        if entry.msg_id in self._done:
+            return [EntryIgnored(entry, "duplicate DONE")]
+        # Only the winner proposes DONE; whoever proposed the first one, it counts, so the cell is
+        # never run again.
+        self._done[entry.msg_id] = entry
+        self._awaiting_state = entry.msg_id if entry.state_follows else None
+        return [CellDone(entry)]
+
+    def _all_yielded(self, election: _Election) -> bool:
+        return bool(self._voters) and self._voters <= election.yielded
+
+    # ---- snapshots -------------------------------------------------------------------------------
+    def to_snapshot(self) -> dict[str, Any]:
+        """Plain data (msgpack-able) that ``from_snapshot`` turns back into an equal book."""
+        return {
+            "voters": sorted(self._voters),
+            "elections": {
+                msg_id: {
+                    "leads": list(e.leads),
+                    "yielded": sorted(e.yielded),
+                    "votes": dict(e.votes),
+                    "decided": e.outcome is not None,
+                    "winner": e.outcome.winner if e.outcome is not None else None,
+                }
+                for msg_id, e in self._elections.items()
+            },
+            "done": {
+                msg_id: [d.replica_id, d.content, d.execution_count, d.state_follows]
+                for msg_id, d in self._done.items()
+            },
+            "awaiting_state": self._awaiting_state,
+        }
+
+    @classmethod
+    def from_snapshot(cls, data: dict[str, Any]) -> ElectionBook:
+        book = cls(data["voters"])
+        for msg_id, raw in data["elections"].items():
+            book._elections[msg_id] = _Election(
+                leads=list(raw["leads"]),
+                yielded=set(raw["yielded"]),
+                votes=dict(raw["votes"]),
+                outcome=Outcome(raw["winner"]) if raw["decided"] else None,
+            )
+        for msg_id, (replica_id, content, count, follows) in data["done"].items():
+            book._done[msg_id] = Done(msg_id, replica_id, content, count, follows)
+        book._awaiting_state = data["awaiting_state"]
+        return book

@@ -1,0 +1,381 @@
+"""The Tandem kernel replica: an ``IPythonKernel`` that executes a cell only when its Raft group
+elects it (NotebookOS §3.2.2; docs/protocol.md, execute path steps 3-7).
+
+Hooks into ipykernel 7.4 (tornado/asyncio, not anyio; the shell handler runs on the main thread
+and user code blocks it):
+
+* ``execute_request`` is replaced (the base publishes ``execute_input`` and runs the code before
+  anything could be decided), reusing ``do_execute``, ``init_metadata``/``finish_metadata`` and
+  ``_publish_execute_input``; ``yield_request`` is added as a shell handler via ``msg_types``;
+* ``pre_handler_hook``/``post_handler_hook`` install a SIGINT handler that raises
+  ``KeyboardInterrupt`` only while user code runs (ipykernel's own ``default_int_handler`` would
+  raise it inside the event loop while a handler awaits Raft, which ends the kernel);
+* ``_abort_queues`` is disabled: which queued requests an error aborts depends on each replica's
+  arrival timing, so replicas would disagree; the scheduler owns that decision;
+* ``do_shutdown`` stops Raft before the base shuts the kernel down.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import typing as t
+from collections import deque
+from types import FrameType
+
+import structlog
+from ipykernel.ipkernel import IPythonKernel
+from ipykernel.jsonutil import json_clean
+
+from kernel_replica import helper
+from kernel_replica.log_entries import Done, State
+from kernel_replica.raft_bridge import (
+    BindFailed,
+    Execute,
+    Failed,
+    RaftBridge,
+    Replay,
+    Standby,
+    Unavailable,
+)
+from kernel_replica.state_sync import ChangeDetector, PickleDiffDetector, StateDiff, load_into
+from shared.raft.driver import RaftError
+
+EXECUTOR = "executor"
+STANDBY = "standby"
+
+
+def error_content(ename: str, evalue: str, execution_count: int) -> dict[str, t.Any]:
+    """An ``execute_reply`` error body for a cell Tandem could not run (no user traceback)."""
+    return {
+        "status": "error",
+        "ename": ename,
+        "evalue": evalue,
+        "traceback": [f"{ename}: {evalue}"],
+        "execution_count": execution_count,
+        "user_expressions": {},
+        "payload": [],
+    }
+
+
+class TandemKernel(IPythonKernel):
+    """One replica of a distributed kernel; see the module docstring for the ipykernel hooks."""
+
+    implementation = "tandem"
+    msg_types = [*IPythonKernel.msg_types, "yield_request"]
+
+    def __init__(self, **kwargs: t.Any) -> None:
+        super().__init__(**kwargs)
+        self.replica_id = os.environ.get("TANDEM_REPLICA_ID", "r?")
+        self.kernel_id = os.environ.get("TANDEM_KERNEL_ID", "?")
+        self._bridge: RaftBridge | None = None
+        self._slog = structlog.get_logger("replica.kernel")
+        self._user_code_running = False
+        self._interrupt_pending = False
+        self._detector: ChangeDetector = PickleDiffDetector(
+            hidden=lambda: self.shell.user_ns_hidden if self.shell is not None else (),
+            warn=self._warn_unreplicable,
+        )
+        self.timings: deque[dict[str, float]] = deque(maxlen=1000)  # recent per-cell step timings (ms)
+
+    def attach(self, bridge: RaftBridge, *, kernel_id: str, replica_id: str) -> None:
+        """Called by the launcher once the Raft thread runs; wires the Raft thread's callbacks."""
+        self._bridge = bridge
+        self.kernel_id, self.replica_id = kernel_id, replica_id
+        self._slog = structlog.get_logger("replica.kernel").bind(kernel=kernel_id, replica=replica_id)
+        core = bridge.core
+        core.on_done = self._apply_remote_done
+        core.on_state = self._apply_remote_state
+        core.on_namespace_restored = self._load_namespace
+        core.on_stop_requested = self._stop_requested
+
+    # ---- SIGINT: KeyboardInterrupt only inside user code ---------------------------------------------
+    def pre_handler_hook(self) -> None:
+        self.saved_sigint_handler = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def post_handler_hook(self) -> None:
+        signal.signal(signal.SIGINT, self.saved_sigint_handler)
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        if self._user_code_running:
+            raise KeyboardInterrupt
+        # Waiting on Raft (election, DONE): raising here would unwind the event loop. Remember it so
+        # a cell this replica is about to execute is not started.
+        self._interrupt_pending = True
+        self._slog.info("interrupt_outside_user_code")
+
+    def _abort_queues(self, subshell_id: str | None = None) -> None:
+        """Disabled: replicas must agree on every cell, and abort timing is per replica."""
+
+    # ---- the execute path ----------------------------------------------------------------------------
+    async def execute_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
+        await self._cell_request(stream, ident, parent, lead=True)
+
+    async def yield_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
+        """The scheduler decided this replica cannot execute the cell (``execute_request`` rewritten)."""
+        await self._cell_request(stream, ident, parent, lead=False)
+
+    async def _cell_request(
+        self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any], *, lead: bool
+    ) -> None:
+        if not self.session or self.shell is None:
+            return
+        try:
+            msg_id: str = parent["header"]["msg_id"]
+            content = parent["content"]
+            code: str = content["code"]
+            silent: bool = content.get("silent", False)
+            execute_args: dict[str, t.Any] = {
+                "code": code,
+                "silent": silent,
+                "store_history": content.get("store_history", not silent),
+                "user_expressions": content.get("user_expressions", {}),
+                "allow_stdin": content.get("allow_stdin", False),
+            }
+            cell_meta = parent.get("metadata") or {}
+            if self._do_exec_accepted_params["cell_meta"]:
+                execute_args["cell_meta"] = cell_meta
+            if self._do_exec_accepted_params["cell_id"]:
+                execute_args["cell_id"] = cell_meta.get("cellId")
+        except Exception:
+            self.log.error("Got bad msg: %s", parent)
+            return
+        log = self._slog.bind(msg_id=msg_id)
+        self._interrupt_pending = False
+        metadata = self.init_metadata(parent)
+        started = time.perf_counter()
+        timing: dict[str, float] = {}
+        executed = replayed = False
+        bridge = self._bridge
+        if bridge is None:
+            reply, role = (
+                error_content("ReplicaNotReady", "the replica has no Raft bridge", self._count()),
+                STANDBY,
+            )
+        else:
+            decision = await bridge.call(bridge.core.decide(msg_id, lead=lead))
+            timing["decide_ms"] = (time.perf_counter() - started) * 1000
+            match decision:
+                case Execute(device_ids=device_ids):
+                    timing |= {"elect_ms": decision.elect_ms, "state_wait_ms": decision.state_wait_ms}
+                    timing["bind_ms"] = decision.bind_ms
+                    reply, timing["done_ms"] = await self._execute(parent, execute_args, device_ids, log)
+                    role, executed = EXECUTOR, True
+                case BindFailed(reason=reason):
+                    reply = error_content(
+                        "GpuUnavailable",
+                        f"replica {self.replica_id} could not bind GPUs: {reason}",
+                        self._count(),
+                    )
+                    reply, role = await self._commit_done(msg_id, reply, False, log), EXECUTOR
+                case Standby(winner=winner):
+                    log.debug("standby", executor=winner)
+                    reply, role = await self._wait_for_executor(msg_id, winner), STANDBY
+                    self._record_history(execute_args, reply)
+                case Replay(done=done):
+                    log.info("answered_from_log", executor=done.replica_id)
+                    # the original executor answers as executor again, so a merger that waits
+                    # for the executor's reply gets one (unless that replica is gone)
+                    role = EXECUTOR if done.replica_id == self.replica_id else STANDBY
+                    reply, replayed = done.content, True
+                case Failed():
+                    reply = error_content(
+                        "NoExecutorAvailable",
+                        "no replica of this kernel can run the cell now: every replica yielded "
+                        "(no free GPUs on their hosts); the scheduler will migrate a replica",
+                        self._count(),
+                    )
+                    role = STANDBY
+                case Unavailable(reason=reason):
+                    log.warning("cell_not_run", reason=reason)
+                    reply, role = error_content("ReplicaUnavailable", reason, self._count()), STANDBY
+        timing["total_ms"] = (time.perf_counter() - started) * 1000
+        metadata = self.finish_metadata(parent, metadata, reply)
+        metadata["tandem"] = {"replica_id": self.replica_id, "role": role}
+        if replayed:
+            metadata["tandem"]["replayed"] = True
+        self.session.send(stream, "execute_reply", reply, parent, metadata=metadata, ident=ident)
+        self.timings.append(timing)
+        log.info(
+            "cell_replied",
+            role=role,
+            status=reply.get("status"),
+            **{k: round(v, 3) for k, v in timing.items()},
+        )
+        if executed and bridge is not None:
+            # After the reply (off the client's critical path) but before the handler returns, so
+            # `status: idle` means the namespace is replicated: a client or scheduler that sees
+            # idle may lose this replica without losing the cell's state.
+            await self._replicate_state(msg_id, code, log)
+
+    async def _execute(
+        self, parent: dict[str, t.Any], args: dict[str, t.Any], device_ids: list[int], log: t.Any
+    ) -> tuple[dict[str, t.Any], float]:
+        """Steps 4-5 on the executor: run with the bound GPUs, release them, commit DONE.
+        Returns the reply and how long the DONE commit took (ms)."""
+        assert self.shell is not None
+        msg_id = parent["header"]["msg_id"]
+        if not args["silent"]:
+            self._publish_execute_input(args["code"], parent, self.execution_count)
+        saved_env = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "TANDEM_GPU_IDS")}
+        ids = ",".join(str(d) for d in device_ids)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ids
+        os.environ["TANDEM_GPU_IDS"] = ids
+        helper._bind(device_ids)
+        try:
+            if self._interrupt_pending:
+                reply = error_content(
+                    "KeyboardInterrupt", "interrupted before the cell started", self._count()
+                )
+            else:
+                self._user_code_running = True
+                try:
+                    reply = await self.do_execute(**args)
+                finally:
+                    self._user_code_running = False
+        except KeyboardInterrupt:  # landed outside IPython's own handler: still a normal reply
+            reply = error_content("KeyboardInterrupt", "interrupted", self._count())
+        except Exception as exc:  # a bug of ours: the GPUs must still go back and DONE still commit
+            log.exception("execute_failed")
+            reply = error_content("TandemInternalError", f"{exc.__class__.__name__}: {exc}", self._count())
+        finally:
+            helper._unbind()
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        if sys.stdout is not None:
+            sys.stdout.flush()
+        if sys.stderr is not None:
+            sys.stderr.flush()
+        # ipykernel sleeps ``_execute_sleep`` here so flushed output reaches clients before the
+        # reply; the DONE commit below takes longer than that, so the sleep would only add latency.
+        try:
+            reply = json_clean(reply)
+        except Exception as exc:
+            reply = error_content("TandemInternalError", f"reply is not JSON-able: {exc}", self._count())
+        ran = time.perf_counter()
+        reply = await self._commit_done(msg_id, reply, True, log, release_gpus=True)
+        return reply, (time.perf_counter() - ran) * 1000
+
+    async def _commit_done(
+        self,
+        msg_id: str,
+        reply: dict[str, t.Any],
+        state_follows: bool,
+        log: t.Any,
+        *,
+        release_gpus: bool = False,
+    ) -> dict[str, t.Any]:
+        """Commit DONE so every replica replies the same; a lost quorum becomes an error reply."""
+        assert self._bridge is not None
+        done = Done(msg_id, self.replica_id, reply, self._count(), state_follows)
+        try:
+            await self._bridge.call(self._bridge.core.finish(done, release_gpus=release_gpus))
+        except RaftError as exc:
+            log.error("done_not_committed", error=str(exc))
+            return error_content(
+                "ReplicationFailed",
+                f"the cell ran on {self.replica_id} but its completion could not be committed to the "
+                f"kernel's Raft log ({exc.__class__.__name__}: {exc}); the kernel has probably lost quorum",
+                self._count(),
+            )
+        return reply
+
+    async def _wait_for_executor(self, msg_id: str, winner: str) -> dict[str, t.Any]:
+        assert self._bridge is not None
+        result = await self._bridge.call(self._bridge.core.wait_done(msg_id, winner, self._count()))
+        if isinstance(result, Done):
+            return result.content
+        return error_content(
+            "ReplicaUnavailable", f"waiting for {winner} to finish the cell: {result}", self._count()
+        )
+
+    def _record_history(self, args: dict[str, t.Any], reply: dict[str, t.Any]) -> None:
+        """A standby keeps the cell in its input history too, so history requests answered by any
+        replica list the same cells (``_i``/``In`` included)."""
+        count = reply.get("execution_count")
+        if self.shell is None or args["silent"] or not args["store_history"] or not isinstance(count, int):
+            return
+        if reply.get("ename") in ("ExecutorLost", "ReplicaUnavailable"):
+            return
+        try:
+            self.shell.history_manager.store_inputs(
+                count, self.shell.transform_cell(args["code"]), args["code"]
+            )
+        except Exception as exc:  # history is a convenience; never fail the reply for it
+            self._slog.debug("history_not_recorded", error=repr(exc))
+
+    def _count(self) -> int:
+        return int(self.shell.execution_count) if self.shell is not None else 0
+
+    # ---- state replication ---------------------------------------------------------------------------
+    async def _replicate_state(self, msg_id: str, code: str, log: t.Any) -> None:
+        """Step 7: propose the namespace changes as one STATE entry and wait for it to commit (the
+        next cell's executor, on whichever replica, waits for this entry too)."""
+        assert self._bridge is not None and self.shell is not None
+        started = time.perf_counter()
+        core = self._bridge.core
+        try:
+            diff = self._detector.detect(self.shell.user_ns, core.namespace.digests(), code=code)
+        except Exception:  # never leave the group waiting for a STATE that will not come
+            log.exception("state_detection_failed")
+            diff = StateDiff()
+        state = State(
+            msg_id, self.replica_id, diff.digests, diff.namespace, tuple(diff.deleted), diff.skipped
+        )
+        detected = time.perf_counter()
+        try:
+            await self._bridge.call(core.propose(state))
+        except RaftError as exc:
+            log.warning("state_not_replicated", error=str(exc))
+            return
+        log.debug(
+            "state_replicated",
+            changed=diff.changed,
+            deleted=diff.deleted,
+            state_bytes=len(diff.namespace),
+            skipped=len(diff.skipped),
+            detect_ms=round((detected - started) * 1000, 3),
+            commit_ms=round((time.perf_counter() - detected) * 1000, 3),
+        )
+
+    def _warn_unreplicable(self, name: str, reason: str) -> None:
+        self._slog.warning("variable_not_replicated", variable=name, reason=reason)
+
+    # ---- callbacks from the Raft thread (run on this thread via call_soon_threadsafe) ---------------
+    def _apply_remote_done(self, done: Done) -> None:
+        """Another replica finished a cell: number the next cell as it will (counts must agree)."""
+        if self.shell is not None:
+            self.shell.execution_count = done.execution_count
+
+    def _apply_remote_state(self, state: State) -> None:
+        if self.shell is None:
+            return
+        failure = load_into(self.shell.user_ns, state.namespace, state.digests, state.deleted)
+        if failure is not None:
+            self._slog.warning("namespace_not_loaded", reason=failure, msg_id=state.msg_id)
+
+    def _load_namespace(self, blob: bytes, names: list[str]) -> None:
+        """A snapshot was restored: rebuild the namespace from it (the log replays the rest)."""
+        if self.shell is not None:
+            failure = load_into(self.shell.user_ns, blob, names, ())
+            if failure is not None:
+                self._slog.warning("namespace_not_loaded", reason=failure, msg_id="snapshot")
+
+    def _stop_requested(self) -> None:
+        """``replica.stop`` from the local scheduler: stop Raft, then leave the event loop."""
+        self._slog.info("stopping")
+        if self._bridge is not None:
+            self._bridge.shutdown()
+        self.io_loop.call_later(0.1, self.io_loop.stop)
+
+    # ---- shutdown ------------------------------------------------------------------------------------
+    def do_shutdown(self, restart: bool) -> dict[str, t.Any]:
+        self._slog.info("shutdown_request", restart=restart)
+        if self._bridge is not None:
+            self._bridge.shutdown()
+        return super().do_shutdown(restart)

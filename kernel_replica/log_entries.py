@@ -1,0 +1,196 @@
+"""The application entries a kernel's Raft log carries, and their msgpack encoding.
+
+Every replica decides who executes a cell, whether it already ran, and what state it left, only
+from these entries in commit order, so decoding is strict: anything malformed raises
+``LogEntryError`` naming the problem and the caller logs and skips it. One corrupt or foreign
+entry must never stop a replica from applying the rest of its log.
+
+Wire shape: a msgpack map ``{"t": 1, "k": kind, ...fields}``; maps rather than arrays because
+these entries are few (a handful per cell) and readable dumps matter more than bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+ENTRY_VERSION = 1
+
+LEAD = "LEAD"
+YIELD = "YIELD"
+VOTE = "VOTE"
+DONE = "DONE"
+STATE = "STATE"
+PROGRESS = "PROGRESS"
+KINDS = (LEAD, YIELD, VOTE, DONE, STATE, PROGRESS)
+
+
+class LogEntryError(ValueError):
+    """An entry that cannot be decoded or fails validation; ``str(exc)`` says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lead:
+    """``replica_id`` asks to execute ``msg_id`` (it received ``execute_request``)."""
+
+    msg_id: str
+    replica_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Yield:
+    """``replica_id`` declines to execute ``msg_id``.
+
+    ``proposer`` is who appended it: normally ``replica_id`` itself, or a peer that waited too long
+    for a silent voter and yields on its behalf so the election can end (the log order still decides:
+    a LEAD committed before that proxy YIELD wins).
+    """
+
+    msg_id: str
+    replica_id: str
+    proposer: str
+
+
+@dataclass(frozen=True, slots=True)
+class Vote:
+    """``replica_id`` saw ``winner``'s LEAD commit first (informational; the log order decides)."""
+
+    msg_id: str
+    replica_id: str
+    winner: str
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The executor finished ``msg_id``: the reply every replica sends, and the counter after it."""
+
+    msg_id: str
+    replica_id: str
+    content: dict[str, Any]
+    execution_count: int  # the shell's counter after the cell (what the next cell will be numbered)
+    state_follows: bool = True  # a STATE entry for this msg_id will follow (the cell ran)
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """The namespace ``msg_id`` left behind, if it changed.
+
+    ``namespace`` is ONE cloudpickle of ``{name: value}`` for every replicated name, so objects
+    shared between names (a model and the optimizer holding its parameters) stay shared on the
+    standbys; empty when nothing changed. ``digests`` (name -> digest of that name's own pickle) let
+    whichever replica executes next detect changes against it.
+    """
+
+    msg_id: str
+    replica_id: str
+    digests: dict[str, bytes] = field(default_factory=dict)
+    namespace: bytes = b""
+    deleted: tuple[str, ...] = ()
+    # name -> why it could not be replicated (unpicklable, too large); kept for the record.
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """The executor of ``msg_id`` is alive and still running it (appended every few seconds), so
+    standbys can tell a long cell from a dead executor."""
+
+    msg_id: str
+    replica_id: str
+
+
+LogEntry = Lead | Yield | Vote | Done | State | Progress
+
+
+def encode(entry: LogEntry) -> bytes:
+    body: dict[str, Any]
+    match entry:
+        case Lead():
+            body = {"k": LEAD, "m": entry.msg_id, "r": entry.replica_id}
+        case Yield():
+            body = {"k": YIELD, "m": entry.msg_id, "r": entry.replica_id, "p": entry.proposer}
+        case Vote():
+            body = {"k": VOTE, "m": entry.msg_id, "r": entry.replica_id, "w": entry.winner}
+        case Done():
+            body = {
+                "k": DONE,
+                "m": entry.msg_id,
+                "r": entry.replica_id,
+                "c": entry.content,
+                "n": entry.execution_count,
+                "s": entry.state_follows,
+            }
+        case Progress():
+            body = {"k": PROGRESS, "m": entry.msg_id, "r": entry.replica_id}
+        case State():
+            body = {
+                "k": STATE,
+                "m": entry.msg_id,
+                "r": entry.replica_id,
+                "dg": entry.digests,
+                "ns": entry.namespace,
+                "d": list(entry.deleted),
+                "sk": entry.skipped,
+            }
+        case _:
+            raise TypeError(f"not a log entry: {type(entry).__name__}")
+    body["t"] = ENTRY_VERSION
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _str(raw: dict[str, Any], key: str, kind: str) -> str:
+    value = raw.get(key)
+    if not isinstance(value, str) or not value:
+        raise LogEntryError(f"{kind}: field {key!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def decode(data: bytes) -> LogEntry:
+    """Parse and validate one entry; raises ``LogEntryError`` with the reason."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise LogEntryError(f"not msgpack: {exc.__class__.__name__}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise LogEntryError(f"entry must be a map, got {type(raw).__name__}")
+    if raw.get("t") != ENTRY_VERSION:
+        raise LogEntryError(f"unsupported entry version {raw.get('t')!r} (expected {ENTRY_VERSION})")
+    kind = raw.get("k")
+    if kind not in KINDS:
+        raise LogEntryError(f"unknown entry kind {kind!r}")
+    msg_id = _str(raw, "m", kind)
+    replica_id = _str(raw, "r", kind)
+    if kind == LEAD:
+        return Lead(msg_id, replica_id)
+    if kind == YIELD:
+        return Yield(msg_id, replica_id, _str(raw, "p", kind))
+    if kind == VOTE:
+        return Vote(msg_id, replica_id, _str(raw, "w", kind))
+    if kind == PROGRESS:
+        return Progress(msg_id, replica_id)
+    if kind == DONE:
+        content, count, follows = raw.get("c"), raw.get("n"), raw.get("s", True)
+        if not isinstance(content, dict) or not isinstance(content.get("status"), str):
+            raise LogEntryError("DONE: content must be a map with a string 'status'")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise LogEntryError(f"DONE: execution count must be a non-negative int, got {count!r}")
+        if not isinstance(follows, bool):
+            raise LogEntryError("DONE: 's' must be a bool")
+        return Done(msg_id, replica_id, content, count, follows)
+    digests, blob = raw.get("dg", {}), raw.get("ns", b"")
+    deleted, skipped = raw.get("d", []), raw.get("sk", {})
+    if not isinstance(digests, dict) or not all(
+        isinstance(k, str) and isinstance(v, bytes) for k, v in digests.items()
+    ):
+        raise LogEntryError("STATE: 'dg' must map names to bytes")
+    if not isinstance(blob, bytes):
+        raise LogEntryError("STATE: 'ns' must be bytes")
+    if not isinstance(deleted, list) or not all(isinstance(n, str) for n in deleted):
+        raise LogEntryError("STATE: 'd' must be a list of names")
+    if not isinstance(skipped, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in skipped.items()
+    ):
+        raise LogEntryError("STATE: 'sk' must map names to reasons")
+    return State(msg_id, replica_id, digests, blob, tuple(deleted), skipped)

@@ -1,0 +1,677 @@
+"""The replica's Raft side: a thread with its own uvloop running the Raft peer, the election book,
+the replicated namespace and the scheduler link, plus the cross-thread calls the kernel makes.
+
+Why a thread: user code blocks the kernel's main thread (and its event loop) for as long as a cell
+runs; Raft must keep heartbeating and the scheduler link must keep answering meanwhile. Everything
+Raft-related therefore lives on the ``tandem-raft`` thread; the kernel calls in with
+``run_coroutine_threadsafe`` (one hop per step of the execute path) and the Raft thread calls out
+with ``call_soon_threadsafe`` on the kernel's loop (namespace loads, execution counts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgpack
+import structlog
+import uvloop
+import zmq.asyncio
+
+from kernel_replica import log_entries
+from kernel_replica.election import (
+    CellDone,
+    ElectionBook,
+    ElectionDecided,
+    ElectionFailed,
+    EntryIgnored,
+    ExecutorLost,
+    Outcome,
+    StateAccepted,
+)
+from kernel_replica.log_entries import Done, Lead, LogEntry, LogEntryError, Progress, State, Vote, Yield
+from kernel_replica.scheduler_link import SchedulerLink
+from kernel_replica.state_sync import ReplicatedNamespace
+from shared.raft.driver import NotRunning, PeerConfig, ProposalDropped, RaftError, RaftPeer, RaftTimeout
+from shared.raft.types import ConfChange, ConfState, Entry, RaftConfig
+from shared.rpc import RpcError, RpcTimeout
+
+T = TypeVar("T")
+
+SNAPSHOT_VERSION = 1
+# One propose() attempt: a proposal forwarded to a leader that then died is never answered, so it
+# is proposed again (a duplicate LEAD/YIELD/VOTE/DONE/STATE changes nothing in the book).
+PROPOSE_ATTEMPT_S = 1.0
+# After replica.stop, how long the main thread gets to stop gracefully before the process exits.
+STOP_GRACE_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSettings:
+    """Timeouts of the execute path; defaults suit the embedded cluster."""
+
+    gpus: int = 0
+    propose_timeout_s: float = 5.0  # a proposal not applied by then is reported as a lost quorum
+    election_wait_s: float = 5.0  # a yielder waits this long for silent voters, then yields for them
+    state_wait_s: float = 10.0  # the next executor waits this long for the previous cell's STATE
+    quorum_timeout_s: float = 10.0  # a standby with no Raft leader for this long gives up on DONE
+    tick_interval_s: float = 0.02
+    election_ticks: int = 10
+    snapshot_every: int = 1000
+    # NotebookOS appends VOTE(winner) after the election. Here the commit order alone decides, so
+    # votes only record each replica's view in the log; they ride along with this replica's next
+    # proposal (same Ready, same fsync) or go out after ``vote_flush_s`` of quiet.
+    propose_votes: bool = True
+    vote_flush_s: float = 0.5
+    # A replica told to yield first waits this long for the candidate's LEAD to commit; only if it
+    # does not (the candidate is slow, dead, or there is none) does it append its YIELD. Saves two
+    # log entries per cell; a failed election is detected this much later.
+    yield_grace_s: float = 0.05
+    # The executor appends PROGRESS this often while a cell runs; a standby that hears neither
+    # PROGRESS nor DONE for ``executor_silence_s`` (with a healthy Raft group) commits a DONE with
+    # an ``ExecutorLost`` error itself, so a dead executor cannot block the kernel forever.
+    progress_interval_s: float = 2.0
+    executor_silence_s: float = 10.0
+
+
+# ---- what the kernel is told to do with a cell ---------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """DONE is already in the log: answer from it, never run again."""
+
+    done: Done
+
+
+@dataclass(frozen=True, slots=True)
+class Execute:
+    device_ids: list[int]
+    elect_ms: float = 0.0  # LEAD proposed -> outcome known
+    state_wait_ms: float = 0.0  # waiting for the previous cell's STATE
+    bind_ms: float = 0.0  # gpu.commit round trip
+
+
+@dataclass(frozen=True, slots=True)
+class BindFailed:
+    """Won the election but the local scheduler refused the GPUs."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Standby:
+    winner: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """Every voter yielded."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unavailable:
+    """Raft could not decide (no quorum, not configured, stopped); ``reason`` says which."""
+
+    reason: str
+
+
+Decision = Replay | Execute | BindFailed | Standby | Failed | Unavailable
+
+
+def lost_content(reason: str, execution_count: int) -> dict[str, Any]:
+    """The ``execute_reply`` a standby commits for a cell whose executor vanished."""
+    return {
+        "status": "error",
+        "ename": "ExecutorLost",
+        "evalue": reason,
+        "traceback": [f"ExecutorLost: {reason}"],
+        "execution_count": execution_count,
+        "user_expressions": {},
+        "payload": [],
+    }
+
+
+class RaftThread:
+    """A daemon thread running a uvloop event loop; ``submit`` schedules coroutines on it."""
+
+    def __init__(self, name: str = "tandem-raft") -> None:
+        self.loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def stop(self, timeout: float = 2.0) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+
+
+class ReplicaCore:
+    """Everything of one replica that runs on the Raft thread. Only touch it from that thread."""
+
+    def __init__(
+        self,
+        *,
+        kernel_id: str,
+        replica_id: str,
+        data_dir: Path,
+        raft_address: str,
+        scheduler_address: str,
+        settings: ReplicaSettings,
+        post_to_kernel: Callable[..., None],
+        join: bool = False,
+    ) -> None:
+        self.kernel_id = kernel_id
+        self.replica_id = replica_id
+        self.settings = settings
+        self.raft_address = raft_address
+        self.join = join  # start as a new member of an existing group, not a bootstrap voter
+        self._data_dir = data_dir
+        self._post = post_to_kernel  # thread-safe: runs fn(*args) on the kernel's main thread
+        self._log = structlog.get_logger("replica.raft").bind(kernel=kernel_id, replica=replica_id)
+        self.book = ElectionBook()
+        self.namespace = ReplicatedNamespace()
+        self.peer: RaftPeer | None = None
+        self._ctx = zmq.asyncio.Context()
+        self.scheduler = SchedulerLink(
+            self._ctx, kernel_id=kernel_id, replica_id=replica_id, address=scheduler_address
+        )
+        self._election_waiters: dict[str, list[asyncio.Future[Outcome]]] = {}
+        self._done_waiters: dict[str, list[asyncio.Future[Done]]] = {}
+        self._state_waiters: list[asyncio.Future[None]] = []
+        self._background: set[asyncio.Task[Any]] = set()
+        self._pending_votes: list[Vote] = []
+        self._own_entries: set[tuple[str, str]] = set()  # (kind, msg_id) proposed by this process
+        self._last_progress: dict[str, float] = {}  # msg_id -> when its executor was last heard
+        self._progress_task: asyncio.Task[None] | None = None
+        self._vote_timer: asyncio.TimerHandle | None = None
+        self.on_stop_requested: Callable[[], None] = lambda: None
+        self.on_done: Callable[[Done], None] = lambda done: None
+        self.on_state: Callable[[State], None] = lambda state: None
+        self.on_namespace_restored: Callable[[bytes, list[str]], None] = lambda blob, names: None
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    async def connect_scheduler(self) -> None:
+        self.scheduler.set_handlers(on_configure=self.configure, on_stop=self._stop_requested)
+        self.scheduler.connect()
+        await self.scheduler.register(self.raft_address)
+        self._log.info("registered", raft_address=self.raft_address)
+
+    async def configure(self, peers: dict[str, str]) -> None:
+        """Start Raft with ``peers`` as bootstrap voters (or, joining, as the members to reach)."""
+        join = self.join
+        if self.peer is not None:
+            self._log.info("already_configured")
+            return
+        others = {rid: addr for rid, addr in peers.items() if rid != self.replica_id}
+        voters = () if join else tuple(sorted(peers))
+        config = PeerConfig(
+            node_id=self.replica_id,
+            address=self.raft_address,
+            data_dir=self._data_dir / "raft",
+            peers=others,
+            bootstrap_voters=voters,
+            tick_interval=self.settings.tick_interval_s,
+            raft=RaftConfig(election_ticks=self.settings.election_ticks),
+            snapshot_every=self.settings.snapshot_every,
+        )
+        if voters:
+            self.book.set_voters(voters)
+        peer = RaftPeer(
+            config,
+            on_apply=self._on_apply,
+            take_snapshot=self._take_snapshot,
+            restore_snapshot=self._restore_snapshot,
+            on_conf_change=self._on_conf_change,
+            logger=self._log,
+        )
+        await peer.start()
+        self.peer = peer
+        status = peer.status()
+        if status.voters and not self.book.voters:  # restarted from a data dir without a snapshot
+            self._handle(self.book.set_voters(status.voters))
+        self._spawn(self._report_raft_role())
+        self._log.info("raft_running", voters=status.voters, join=join)
+
+    async def _report_raft_role(self) -> None:
+        """Push ``replica.event raft_role`` on every change: the global scheduler prefers the Raft
+        leader as executor candidate (its LEAD commits one hop sooner)."""
+        last: tuple[Any, ...] | None = None
+        while self.peer is not None:
+            st = self.peer.status()
+            now = (st.role.name, st.leader, st.term)
+            if now != last:
+                last = now
+                self.scheduler.event(
+                    "raft_role", None, role=st.role.name.lower(), leader=st.leader, term=st.term
+                )
+            await asyncio.sleep(self.settings.tick_interval_s * 5)
+
+    async def _stop_requested(self) -> None:
+        """``replica.stop``: the kernel stops gracefully on its main thread; if user code holds that
+        thread (a long cell), this thread stops Raft and ends the process after a short grace."""
+        self._log.info("stop_requested")
+        self._post(self.on_stop_requested)
+        self._spawn(self._exit_if_stuck())
+
+    async def _exit_if_stuck(self) -> None:
+        await asyncio.sleep(STOP_GRACE_S)  # cancelled by stop() when the graceful path runs
+        self._log.warning("forced_exit", reason="the main thread is busy (user code) after replica.stop")
+        if self.peer is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.peer.stop(), 1.0)
+        os._exit(0)
+
+    async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self.peer is not None:
+            with contextlib.suppress(Exception):
+                await self.peer.stop()
+        with contextlib.suppress(Exception):
+            await self.scheduler.close()
+        self._ctx.term()
+
+    def status(self) -> dict[str, Any]:
+        """This replica's view of its Raft group, for logs and debugging."""
+        if self.peer is None:
+            return {"configured": False}
+        st = self.peer.status()
+        return {
+            "configured": True,
+            "role": st.role.name,
+            "leader": st.leader,
+            "term": st.term,
+            "commit": st.commit,
+            "applied": st.applied,
+            "voters": list(st.voters),
+        }
+
+    # ---- applying the log (called by RaftPeer, in log order) ---------------------------------------
+    def _on_apply(self, entry: Entry) -> None:
+        try:
+            decoded = log_entries.decode(entry.data)
+        except LogEntryError as exc:
+            self._log.warning("log_entry_skipped", index=entry.index, reason=str(exc))
+            return
+        if isinstance(decoded, Progress):
+            self._last_progress[decoded.msg_id] = time.monotonic()
+            return
+        try:
+            self._handle(self.book.apply(decoded))
+        except Exception:  # a bug here must not stop the replica applying its log
+            self._log.exception("log_entry_failed", index=entry.index, kind=type(decoded).__name__)
+
+    def _on_conf_change(self, change: ConfChange, conf: ConfState) -> None:
+        self._handle(self.book.set_voters(conf.voters))
+
+    def _handle(self, events: list[Any]) -> None:
+        for event in events:
+            match event:
+                case ElectionDecided(msg_id=msg_id, winner=winner):
+                    self._resolve(self._election_waiters, msg_id, Outcome(winner))
+                case ElectionFailed(msg_id=msg_id):
+                    self._resolve(self._election_waiters, msg_id, Outcome(None))
+                case ExecutorLost(msg_id=msg_id, executor=executor):
+                    self._resolve(
+                        self._done_waiters,
+                        msg_id,
+                        f"the executor {executor} was removed from the kernel's Raft group before it finished",
+                    )
+                case CellDone(done=done):
+                    self._resolve(self._done_waiters, done.msg_id, done)
+                    if not self._proposed_here(done):
+                        self._post(self.on_done, done)
+                case StateAccepted(state=state):
+                    self.namespace.apply(state)
+                    if not self._proposed_here(state):
+                        self._post(self.on_state, state)
+                    waiters, self._state_waiters = self._state_waiters, []
+                    for fut in waiters:
+                        if not fut.done():
+                            fut.set_result(None)
+                case EntryIgnored(entry=entry, reason=reason):
+                    self._log.debug(
+                        "log_entry_ignored", kind=type(entry).__name__, msg_id=entry.msg_id, reason=reason
+                    )
+
+    def _proposed_here(self, entry: Done | State) -> bool:
+        """True for this process's own DONE/STATE (the kernel already reflects it). The same
+        replica's entries from before a restart are applied like anyone else's."""
+        key = (type(entry).__name__, entry.msg_id)
+        if key in self._own_entries:
+            self._own_entries.discard(key)
+            return True
+        return False
+
+    @staticmethod
+    def _resolve(table: dict[str, list[asyncio.Future[Any]]], msg_id: str, value: Any) -> None:
+        for fut in table.pop(msg_id, []):
+            if not fut.done():
+                fut.set_result(value)
+
+    def _take_snapshot(self) -> bytes:
+        return msgpack.packb(
+            {"v": SNAPSHOT_VERSION, "book": self.book.to_snapshot(), "ns": self.namespace.to_snapshot()},
+            use_bin_type=True,
+        )
+
+    def _restore_snapshot(self, data: bytes) -> None:
+        if not data:
+            return
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if raw.get("v") != SNAPSHOT_VERSION:
+            raise ValueError(f"unsupported replica snapshot version {raw.get('v')!r}")
+        self.book = ElectionBook.from_snapshot(raw["book"])
+        self.namespace.restore(raw["ns"])
+        self._post(self.on_namespace_restored, *self.namespace.contents())
+        last = self.book.last_done()
+        if last is not None:
+            self._post(self.on_done, last)
+        self._log.info("snapshot_restored", names=len(self.namespace.digests()))
+
+    # ---- proposing ---------------------------------------------------------------------------------
+    async def propose(self, entry: LogEntry, *, timeout: float | None = None) -> int:
+        """Propose until applied here; retries dropped proposals (a duplicate entry is harmless:
+        the book ignores a second LEAD/YIELD/DONE). Raises ``RaftError`` naming the cause."""
+        if self.peer is None:
+            raise NotRunning("this replica's Raft group is not configured yet")
+        if self._pending_votes and not isinstance(entry, Vote):
+            self._flush_votes()  # proposed in this loop turn, so they share this entry's Ready
+        if isinstance(entry, Done | State):
+            self._own_entries.add((type(entry).__name__, entry.msg_id))
+        data = log_entries.encode(entry)
+        deadline = time.monotonic() + (timeout or self.settings.propose_timeout_s)
+        last: RaftError | None = None
+        attempts = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise last or RaftTimeout("proposal timed out")
+            attempts += 1
+            try:
+                return await self.peer.propose(data, timeout=min(remaining, PROPOSE_ATTEMPT_S))
+            except ProposalDropped as exc:  # definitely not appended: safe to retry
+                last = exc
+                await asyncio.sleep(0.02)
+            except RaftTimeout as exc:  # lost with a dead leader, or just slow: propose again
+                last = exc
+            if attempts in (1, 10, 100):
+                self._log.info(
+                    "proposal_retry",
+                    kind=type(entry).__name__,
+                    msg_id=entry.msg_id,
+                    attempts=attempts,
+                    error=str(last),
+                )
+
+    def propose_in_background(self, entry: LogEntry, what: str) -> None:
+        async def run() -> None:
+            try:
+                await self.propose(entry)
+            except RaftError as exc:
+                self._log.warning(
+                    "background_proposal_failed", what=what, msg_id=entry.msg_id, error=str(exc)
+                )
+
+        self._spawn(run())
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _waiter(self, table: dict[str, list[asyncio.Future[Any]]], msg_id: str) -> asyncio.Future[Any]:
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        table.setdefault(msg_id, []).append(fut)
+        return fut
+
+    # ---- the execute path (called from the kernel through RaftThread.submit) -----------------------
+    async def decide(self, msg_id: str, *, lead: bool) -> Decision:
+        """Steps 3-4 of the execute path: election, waiting for the previous state, GPU binding."""
+        log = self._log.bind(msg_id=msg_id)
+        started = time.perf_counter()
+        if self.peer is None:
+            return Unavailable("this replica's Raft group is not configured yet")
+        done = self.book.done(msg_id)
+        if done is not None:
+            return Replay(done)
+        outcome = self.book.outcome(msg_id)
+        decided_before = outcome is not None
+        if outcome is None and not lead:
+            outcome = await self._grace_for_lead(msg_id)
+        if outcome is None:
+            waiter = self._waiter(self._election_waiters, msg_id)
+            entry: LogEntry = (
+                Lead(msg_id, self.replica_id) if lead else Yield(msg_id, self.replica_id, self.replica_id)
+            )
+            try:
+                await self.propose(entry)
+                outcome = await self._wait_outcome(msg_id, waiter)
+            except RaftError as exc:
+                return Unavailable(f"Raft could not commit the election for this cell: {exc}")
+        if outcome.failed:
+            log.info("election_failed")
+            self.scheduler.event("election_failed", msg_id)
+            return Failed()
+        winner = outcome.winner
+        assert winner is not None
+        if winner != self.replica_id:
+            return Standby(winner)
+        if decided_before:
+            # A retry of a cell this replica already won: it ran (or started) here, and its DONE
+            # is not in the log. Running it again would break at-most-once.
+            return Unavailable(
+                f"this cell was already claimed by {self.replica_id} but its completion is not in the log"
+            )
+        elected = time.perf_counter()
+        waited = await self._wait_state_current(log)
+        binding = time.perf_counter()
+        try:
+            device_ids = await self.scheduler.gpu_commit(msg_id, self.settings.gpus)
+        except (RpcError, RpcTimeout, ValueError) as exc:
+            log.warning("gpu_commit_failed", error=str(exc))
+            return BindFailed(str(exc))
+        self._progress_task = asyncio.ensure_future(self._beat(msg_id))
+        return Execute(
+            device_ids,
+            elect_ms=(elected - started) * 1000,
+            state_wait_ms=waited,
+            bind_ms=(time.perf_counter() - binding) * 1000,
+        )
+
+    async def _grace_for_lead(self, msg_id: str) -> Outcome | None:
+        if self.settings.yield_grace_s <= 0:
+            return None
+        waiter = self._waiter(self._election_waiters, msg_id)
+        try:
+            return await asyncio.wait_for(waiter, self.settings.yield_grace_s)
+        except TimeoutError:
+            return self.book.outcome(msg_id)
+
+    async def _wait_outcome(self, msg_id: str, waiter: asyncio.Future[Outcome]) -> Outcome:
+        """After our own LEAD/YIELD applied: a LEAD decides at once; a YIELD waits for the others,
+        and after ``election_wait_s`` yields on behalf of voters that stayed silent."""
+        outcome = self.book.outcome(msg_id)
+        if outcome is not None:
+            return outcome
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), self.settings.election_wait_s)
+        except TimeoutError:
+            pass
+        silent = sorted(self.book.silent_voters(msg_id))
+        self._log.warning("election_waiting_on_silent_voters", msg_id=msg_id, silent=silent)
+        for voter in silent:
+            await self.propose(Yield(msg_id, voter, self.replica_id))
+        outcome = self.book.outcome(msg_id)
+        if outcome is not None:
+            return outcome
+        return await asyncio.wait_for(waiter, self.settings.propose_timeout_s)
+
+    async def _wait_state_current(self, log: Any) -> float:
+        """The executor must see the namespace the previous cell left (its STATE must be applied)."""
+        if self.book.awaiting_state() is None:
+            return 0.0
+        started = time.perf_counter()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._state_waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, self.settings.state_wait_s)
+        except TimeoutError:
+            log.warning(
+                "previous_state_missing",
+                awaiting=self.book.awaiting_state(),
+                waited_s=self.settings.state_wait_s,
+            )
+        return (time.perf_counter() - started) * 1000
+
+    async def _beat(self, msg_id: str) -> None:
+        """While this replica executes msg_id: PROGRESS entries tell the standbys it is alive."""
+        while True:
+            await asyncio.sleep(self.settings.progress_interval_s)
+            with contextlib.suppress(RaftError):
+                await self.propose(Progress(msg_id, self.replica_id))
+
+    async def finish(self, done: Done, *, release_gpus: bool) -> None:
+        """Step 5: release the GPUs (not on the critical path) and commit DONE."""
+        if self._progress_task is not None:
+            self._progress_task.cancel()
+            self._progress_task = None
+        if release_gpus:
+            self._spawn(self._release(done.msg_id))
+        self._vote_later(done.msg_id, self.replica_id)
+        await self.propose(done)
+
+    def _vote_later(self, msg_id: str, winner: str) -> None:
+        if not self.settings.propose_votes:
+            return
+        self._pending_votes.append(Vote(msg_id, self.replica_id, winner))
+        if self._vote_timer is None:
+            self._vote_timer = asyncio.get_running_loop().call_later(
+                self.settings.vote_flush_s, self._flush_votes
+            )
+
+    def _flush_votes(self) -> None:
+        if self._vote_timer is not None:
+            self._vote_timer.cancel()
+            self._vote_timer = None
+        votes, self._pending_votes = self._pending_votes, []
+        for vote in votes:
+            self.propose_in_background(vote, "vote")
+
+    async def _release(self, msg_id: str) -> None:
+        try:
+            await self.scheduler.gpu_release(msg_id)
+        except (RpcError, RpcTimeout) as exc:
+            self._log.warning("gpu_release_failed", msg_id=msg_id, error=str(exc))
+
+    async def wait_done(self, msg_id: str, winner: str, execution_count: int) -> Done | str:
+        """A standby's wait for the executor's DONE: no deadline while the executor shows progress
+        (cells run for minutes), but a group without a leader for ``quorum_timeout_s`` ends it with
+        the reason, and a silent executor gets an ``ExecutorLost`` DONE committed on its behalf."""
+        done = self.book.done(msg_id)
+        if done is None:
+            result = await self._wait_done(msg_id, winner, execution_count)
+        else:
+            result = done
+        if isinstance(result, Done):
+            self._vote_later(msg_id, winner)
+        return result
+
+    async def _wait_done(self, msg_id: str, winner: str, execution_count: int) -> Done | str:
+        waiter = self._waiter(self._done_waiters, msg_id)
+        leaderless_since: float | None = None
+        gave_up = False
+        self._last_progress.setdefault(msg_id, time.monotonic())
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(waiter), 0.5)
+                except TimeoutError:
+                    pass
+                peer = self.peer
+                if peer is None or not peer.status().running:
+                    return "this replica's Raft peer is not running"
+                now = time.monotonic()
+                if peer.status().leader is None:
+                    leaderless_since = leaderless_since or now
+                    if now - leaderless_since > self.settings.quorum_timeout_s:
+                        return (
+                            f"the kernel's Raft group has had no leader for "
+                            f"{self.settings.quorum_timeout_s:g}s (quorum lost: fewer than 2 of 3 "
+                            "replicas reachable)"
+                        )
+                    continue
+                leaderless_since = None
+                silent_s = now - self._last_progress[msg_id]
+                if not gave_up and silent_s > self.settings.executor_silence_s:
+                    gave_up = True  # once: the DONE (ours or the executor's) then ends the wait
+                    self._log.warning(
+                        "executor_silent", msg_id=msg_id, executor=winner, silent_s=round(silent_s, 1)
+                    )
+                    reason = (
+                        f"the executor {winner} stopped reporting progress for "
+                        f"{self.settings.executor_silence_s:g}s (it probably died); the cell's outcome is unknown"
+                    )
+                    lost = Done(
+                        msg_id, self.replica_id, lost_content(reason, execution_count), execution_count, False
+                    )
+                    self.propose_in_background(lost, "executor_lost")
+        finally:
+            self._last_progress.pop(msg_id, None)
+
+
+class RaftBridge:
+    """The kernel's handle on the Raft thread: builds the core there and carries calls to it."""
+
+    def __init__(self, thread: RaftThread, core: ReplicaCore) -> None:
+        self.thread = thread
+        self.core = core
+        self._stopped = False
+
+    @classmethod
+    def start(cls, **core_kwargs: Any) -> RaftBridge:
+        thread = RaftThread()
+        thread.start()
+
+        async def build() -> ReplicaCore:  # on the Raft thread, so its sockets belong to that loop
+            return ReplicaCore(**core_kwargs)
+
+        return cls(thread, thread.submit(build()).result(timeout=10))
+
+    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the Raft thread and await its result from the kernel's loop."""
+        return await asyncio.wrap_future(self.thread.submit(coro))
+
+    def call_blocking(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """For threads without a loop of their own in use (the launcher, the control thread)."""
+        return self.thread.submit(coro).result(timeout)
+
+    def shutdown(self, timeout: float = 3.0) -> None:
+        """Stop Raft cleanly (closing its WAL and sockets), then the thread. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self.call_blocking(self.core.stop(), timeout)
+        except Exception as exc:  # shutting down regardless
+            structlog.get_logger("replica.raft").warning("raft_stop_failed", error=repr(exc))
+        self.thread.stop()

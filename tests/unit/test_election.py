@@ -1,0 +1,153 @@
+"""The executor election book: first committed LEAD wins, all-YIELD fails, DONE at most once."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernel_replica.election import (
+    CellDone,
+    ElectionBook,
+    ElectionDecided,
+    ElectionFailed,
+    EntryIgnored,
+    ExecutorLost,
+    StateAccepted,
+)
+from kernel_replica.log_entries import Done, Lead, LogEntry, State, Vote, Yield
+
+VOTERS = ("r1", "r2", "r3")
+
+
+def feed(book: ElectionBook, entries: list[LogEntry]) -> list[object]:
+    events: list[object] = []
+    for entry in entries:
+        events += book.apply(entry)
+    return events
+
+
+def test_first_committed_lead_wins_and_later_leads_are_ignored() -> None:
+    book = ElectionBook(VOTERS)
+    events = feed(book, [Yield("m", "r1", "r1"), Lead("m", "r2"), Lead("m", "r3")])
+    assert events[0] == ElectionDecided("m", "r2")
+    assert isinstance(events[1], EntryIgnored)
+    outcome = book.outcome("m")
+    assert outcome is not None and outcome.winner == "r2" and not outcome.failed
+
+
+def test_all_voters_yield_fails_the_election() -> None:
+    book = ElectionBook(VOTERS)
+    events = feed(book, [Yield("m", r, r) for r in VOTERS])
+    assert events == [ElectionFailed("m")]
+    assert book.outcome("m") is not None and book.outcome("m").failed  # type: ignore[union-attr]
+    # a LEAD after the failure changes nothing: every replica already answered with an error
+    assert isinstance(book.apply(Lead("m", "r1"))[0], EntryIgnored)
+
+
+def test_proxy_yield_for_a_silent_voter_ends_the_election() -> None:
+    book = ElectionBook(VOTERS)
+    feed(book, [Yield("m", "r1", "r1"), Yield("m", "r2", "r2")])
+    assert book.silent_voters("m") == {"r3"}
+    assert book.apply(Yield("m", "r3", "r1")) == [ElectionFailed("m")]
+
+
+def test_lead_from_non_voter_cannot_win() -> None:
+    book = ElectionBook(VOTERS)
+    assert isinstance(book.apply(Lead("m", "r9"))[0], EntryIgnored)
+    assert book.outcome("m") is None
+    assert book.apply(Lead("m", "r1")) == [ElectionDecided("m", "r1")]
+
+
+def test_removing_a_silent_voter_fails_an_open_all_yield_election() -> None:
+    book = ElectionBook(VOTERS)
+    feed(book, [Yield("m", "r1", "r1"), Yield("m", "r2", "r2")])
+    assert book.set_voters(["r1", "r2"]) == [ElectionFailed("m")]
+
+
+def test_removing_the_executor_before_done_reports_it_lost() -> None:
+    book = ElectionBook(VOTERS)
+    feed(book, [Lead("m", "r1"), Lead("n", "r1"), Done("n", "r1", {"status": "ok"}, 1)])
+    assert book.set_voters(["r2", "r3"]) == [ExecutorLost("m", "r1")]
+
+
+def test_done_is_recorded_once_and_state_must_match_latest_done() -> None:
+    book = ElectionBook(VOTERS)
+    first = Done("m", "r1", {"status": "ok", "execution_count": 1}, 2)
+    events = feed(book, [Lead("m", "r1"), Vote("m", "r2", "r1"), first])
+    assert events[-1] == CellDone(first)
+    assert isinstance(book.apply(Done("m", "r2", {"status": "ok"}, 9))[0], EntryIgnored)
+    assert book.done("m") == first
+    assert book.awaiting_state() == "m"
+    state = State("m", "r1", {"x": b"1"}, b"blob")
+    assert book.apply(state) == [StateAccepted(state)]
+    assert book.awaiting_state() is None
+    # a STATE for an older cell after a newer DONE is stale and must not overwrite anything
+    feed(book, [Lead("n", "r2"), Done("n", "r2", {"status": "ok"}, 3)])
+    assert isinstance(book.apply(State("m", "r1", {"x": b"0"}, b"old"))[0], EntryIgnored)
+
+
+def test_done_without_state_does_not_block_the_next_cell() -> None:
+    book = ElectionBook(VOTERS)
+    feed(book, [Lead("m", "r1"), Done("m", "r1", {"status": "error"}, 1, state_follows=False)])
+    assert book.awaiting_state() is None
+
+
+# ---- properties ----------------------------------------------------------------------------------
+
+replica_ids = st.sampled_from(["r1", "r2", "r3", "r4"])
+msg_ids = st.sampled_from(["a", "b", "c"])
+entries = st.one_of(
+    st.builds(Lead, msg_ids, replica_ids),
+    st.builds(lambda m, r, p: Yield(m, r, p), msg_ids, replica_ids, replica_ids),
+    st.builds(Vote, msg_ids, replica_ids, replica_ids),
+    st.builds(
+        lambda m, r, n: Done(m, r, {"status": "ok", "execution_count": n}, n + 1),
+        msg_ids,
+        replica_ids,
+        st.integers(0, 9),
+    ),
+    st.builds(lambda m, r: State(m, r, {"x": m.encode()}, m.encode()), msg_ids, replica_ids),
+)
+
+
+def decisions(book: ElectionBook) -> dict[str, object]:
+    return {m: (book.outcome(m), book.done(m)) for m in ("a", "b", "c")} | {"state": book.awaiting_state()}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(entries, max_size=40), st.integers(0, 40))
+def test_every_replica_feeding_the_same_log_decides_the_same(log: list[LogEntry], cut: int) -> None:
+    # Replica A applies the whole log; replica B restarts at `cut` from a snapshot (the way a
+    # restarted or joining replica catches up) and applies the rest.
+    a = ElectionBook(VOTERS)
+    feed(a, log)
+    b = ElectionBook(VOTERS)
+    feed(b, log[:cut])
+    b = ElectionBook.from_snapshot(b.to_snapshot())
+    feed(b, log[cut:])
+    assert decisions(a) == decisions(b)
+    assert a.last_done() == b.last_done()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(entries, max_size=40))
+def test_winner_is_the_first_voter_lead_before_all_voters_yield(log: list[LogEntry]) -> None:
+    book = ElectionBook(VOTERS)
+    feed(book, log)
+    for m in ("a", "b", "c"):
+        yielded: set[str] = set()
+        expected: str | None = None
+        decided = False
+        for entry in log:
+            if entry.msg_id != m or decided:
+                continue
+            if isinstance(entry, Lead) and entry.replica_id in VOTERS:
+                expected, decided = entry.replica_id, True
+            elif isinstance(entry, Yield):
+                yielded.add(entry.replica_id)
+                decided = set(VOTERS) <= yielded
+        outcome = book.outcome(m)
+        if not decided:
+            assert outcome is None
+        else:
+            assert outcome is not None and outcome.winner == expected
