@@ -1,0 +1,1 @@
+"""The global scheduler: placement, per-cell routing, reply merging, failure detection."""

@@ -1,0 +1,63 @@
+"""Command-line plumbing shared by the scheduler services: config layering and logging flags.
+
+Configuration layers, later wins: built-in defaults, ``--config PATH`` (TOML), ``--config-json``
+(what ``tandem up`` hands its children), then each ``--set section.key=value``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from shared.config import Config, ConfigError, load_config, parse_overrides
+from shared.logs import configure_logging
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="PATH", help="TOML configuration file")
+    parser.add_argument("--config-json", metavar="JSON", help="merged configuration from a parent process")
+    parser.add_argument(
+        "--set",
+        metavar="SECTION.KEY=VALUE",
+        action="append",
+        default=[],
+        help="override one configuration key",
+    )
+    parser.add_argument("--log-format", choices=("console", "json"), help="overrides log.format")
+    parser.add_argument("--log-level", help="overrides log.level")
+
+
+def load_service_config(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = {}
+    if args.config_json:
+        tree = json.loads(args.config_json)
+        if not isinstance(tree, dict):
+            raise ConfigError("--config-json must be a JSON object of [section] maps")
+        for section, keys in tree.items():
+            if not isinstance(keys, dict):
+                raise ConfigError(f"--config-json: {section!r} must be a map")
+            overrides.update({f"{section}.{key}": value for key, value in keys.items()})
+    overrides.update(parse_overrides(args.set))
+    if args.log_format:
+        overrides["log.format"] = args.log_format
+    if args.log_level:
+        overrides["log.level"] = args.log_level
+    return load_config(args.config, overrides)
+
+
+def setup(args: argparse.Namespace, service: str) -> Config:
+    """Load the configuration and configure logging; exit 2 with the reason on a bad config."""
+    try:
+        cfg = load_service_config(args)
+        configure_logging(cfg.get("log.format"), cfg.get("log.level"), service=service)
+    except (ConfigError, ValueError) as exc:
+        print(f"{service}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    return cfg
+
+
+def announce(service: str, **fields: Any) -> None:
+    """One JSON line on stdout saying where the service listens (parents parse it)."""
+    print(json.dumps({"service": service, "event": "listening", **fields}), flush=True)

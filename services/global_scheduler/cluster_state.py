@@ -1,0 +1,249 @@
+"""The global scheduler's model of the cluster: hosts, their GPU ledgers as last reported, kernels
+and their replicas. Pure (time is passed in), so the rules live here and the service only does I/O.
+
+The local schedulers are the authority on committed GPUs; this view adds the scheduler's own
+tentative reservations (an executor candidate designated but not yet elected), keyed by
+``"<kernel_id>/<msg_id>"`` like the heartbeat's ``committed`` map, so a reservation and the commit
+that replaces it are never counted twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.global_scheduler.jupyter_router import KernelRouter
+from shared.policies.executor_choice import HostLedgerView, ReplicaView
+from shared.policies.placement import HostView
+from shared.resources import Resources
+
+STARTING, RUNNING, STOPPING, STOPPED, DEAD = "starting", "running", "stopping", "stopped", "dead"
+MIN_LIVE_REPLICAS = 2
+
+
+def commit_key(kernel_id: str, msg_id: str) -> str:
+    return f"{kernel_id}/{msg_id}"
+
+
+@dataclass(slots=True)
+class HostRecord:
+    host_id: str
+    capacity: Resources
+    gpu_kind: str
+    address: str = ""
+    cordoned: bool = False
+    alive: bool = True
+    last_seen: float = 0.0
+    committed: dict[str, int] = field(default_factory=dict)  # from heartbeats and elected events
+    reservations: dict[str, int] = field(default_factory=dict)  # tentative, by this scheduler
+
+    @property
+    def identity(self) -> bytes:
+        return self.host_id.encode()
+
+    @property
+    def gpus(self) -> int:
+        return self.capacity.gpus
+
+    @property
+    def committed_gpus(self) -> int:
+        if not self.reservations:
+            return sum(self.committed.values())
+        return sum({**self.committed, **self.reservations}.values())
+
+    def forget(self, key: str) -> None:
+        self.committed.pop(key, None)
+        self.reservations.pop(key, None)
+
+
+@dataclass(slots=True)
+class ReplicaRecord:
+    replica_id: str
+    host_id: str
+    pid: int | None = None
+    raft_address: str = ""
+    role: str | None = None
+    alive: bool = True
+    started: bool = False  # replica.start answered
+
+
+@dataclass(slots=True)
+class KernelRecord:
+    kernel_id: str
+    key: str
+    signature_scheme: str
+    resources: Resources
+    router: KernelRouter
+    state: str = STARTING
+    replicas: dict[str, ReplicaRecord] = field(default_factory=dict)
+    dead_reason: str | None = None
+    reserved_on: dict[str, str] = field(default_factory=dict)  # msg_id -> host holding a reservation
+
+    def live_replicas(self) -> list[str]:
+        return [r.replica_id for r in self.replicas.values() if r.alive]
+
+    @property
+    def alive(self) -> bool:
+        return self.state in (STARTING, RUNNING) and len(self.live_replicas()) >= MIN_LIVE_REPLICAS
+
+    def next_replica_id(self) -> str:
+        n = 1
+        while f"r{n}" in self.replicas:
+            n += 1
+        return f"r{n}"
+
+
+class ClusterState:
+    def __init__(self, *, replicas_per_kernel: int = 3) -> None:
+        self.hosts: dict[str, HostRecord] = {}
+        self.kernels: dict[str, KernelRecord] = {}
+        self.replicas_per_kernel = replicas_per_kernel
+
+    # ---- hosts ------------------------------------------------------------------------------
+
+    def register_host(
+        self, host_id: str, capacity: Resources, gpu_kind: str, address: str, now: float
+    ) -> HostRecord:
+        host = self.hosts.get(host_id)
+        if host is None:
+            host = self.hosts[host_id] = HostRecord(host_id, capacity, gpu_kind, address)
+        else:  # a reconnecting host keeps its cordon: an operator's decision outlives a restart
+            host.capacity, host.gpu_kind, host.address = capacity, gpu_kind, address
+        host.alive = True
+        host.last_seen = now
+        return host
+
+    def heartbeat(self, host_id: str, committed: dict[str, Any] | None, now: float) -> HostRecord | None:
+        host = self.hosts.get(host_id)
+        if host is None or not host.alive:
+            return None  # unknown (or declared dead): the host must register again
+        host.last_seen = now
+        if committed is not None:
+            host.committed = {k: len(v) if isinstance(v, list) else int(v) for k, v in committed.items()}
+        return host
+
+    def silent_hosts(self, now: float, timeout: float) -> list[HostRecord]:
+        """Hosts alive in our view whose last report is older than ``timeout``."""
+        return [h for h in self.hosts.values() if h.alive and now - h.last_seen > timeout]
+
+    def subscribed_on(self, host_id: str) -> tuple[int, Resources]:
+        """GPUs and resources subscribed by the live replicas of active kernels placed on a host."""
+        gpus = 0
+        total = Resources()
+        for kernel in self.kernels.values():
+            if kernel.state not in (STARTING, RUNNING):
+                continue
+            for replica in kernel.replicas.values():
+                if replica.host_id == host_id and replica.alive:
+                    gpus += kernel.resources.gpus
+                    total = total + kernel.resources
+        return gpus, total
+
+    def host_views(self) -> list[HostView]:
+        views = []
+        for host in self.hosts.values():
+            gpus, subscribed = self.subscribed_on(host.host_id)
+            views.append(
+                HostView(
+                    host_id=host.host_id,
+                    gpus=host.gpus,
+                    committed_gpus=host.committed_gpus,
+                    subscribed_gpus=gpus,
+                    capacity=host.capacity,
+                    subscribed=subscribed,
+                    cordoned=host.cordoned,
+                    alive=host.alive,
+                    replicas_per_kernel=self.replicas_per_kernel,
+                )
+            )
+        return views
+
+    def ledger_views(self, host_ids: Iterable[str]) -> dict[str, HostLedgerView]:
+        views = {}
+        for host_id in host_ids:
+            host = self.hosts.get(host_id)
+            if host is not None:
+                views[host_id] = HostLedgerView(
+                    host_id, max(host.gpus - host.committed_gpus, 0), host.cordoned, host.alive
+                )
+        return views
+
+    # ---- GPU reservations -------------------------------------------------------------------
+
+    def reserve(self, kernel: KernelRecord, msg_id: str, host_id: str) -> None:
+        host = self.hosts.get(host_id)
+        if host is not None and kernel.resources.gpus > 0:
+            host.reservations[commit_key(kernel.kernel_id, msg_id)] = kernel.resources.gpus
+            kernel.reserved_on[msg_id] = host_id
+
+    def committed_by_election(self, kernel: KernelRecord, msg_id: str, host_id: str, gpus: int) -> None:
+        """The local scheduler bound ``gpus`` for ``msg_id``: the reservation becomes a commit."""
+        self.release(kernel, msg_id)
+        host = self.hosts.get(host_id)
+        if host is not None and gpus > 0:
+            host.committed[commit_key(kernel.kernel_id, msg_id)] = gpus
+
+    def release(self, kernel: KernelRecord, msg_id: str) -> None:
+        """The request finished (the replica released before its reply): forget its GPUs now
+        rather than at the next heartbeat, so the next cell does not see a stale commit."""
+        key = commit_key(kernel.kernel_id, msg_id)
+        kernel.reserved_on.pop(msg_id, None)
+        for replica in kernel.replicas.values():
+            host = self.hosts.get(replica.host_id)
+            if host is not None:
+                host.forget(key)
+
+    # ---- kernels ----------------------------------------------------------------------------
+
+    def replica_views(self, kernel: KernelRecord) -> list[ReplicaView]:
+        return [ReplicaView(r.replica_id, r.host_id, r.alive, r.role) for r in kernel.replicas.values()]
+
+    def replicas_on(self, host_id: str) -> list[tuple[KernelRecord, ReplicaRecord]]:
+        return [(k, r) for k in self.kernels.values() for r in k.replicas.values() if r.host_id == host_id]
+
+    # ---- reports ----------------------------------------------------------------------------
+
+    def kernel_status(self, kernel: KernelRecord) -> dict[str, Any]:
+        return {
+            "id": kernel.kernel_id,
+            "state": kernel.state,
+            "alive": kernel.alive,
+            "reason": kernel.dead_reason,
+            "last_executor": kernel.router.last_executor,
+            "resources": kernel.resources.to_dict(),
+            "replicas": [
+                {
+                    "id": r.replica_id,
+                    "host": r.host_id,
+                    "pid": r.pid,
+                    "role": r.role,
+                    "alive": r.alive,
+                    "raft_address": r.raft_address,
+                }
+                for r in kernel.replicas.values()
+            ],
+        }
+
+    def cluster_status(self) -> dict[str, Any]:
+        hosts = []
+        for host in sorted(self.hosts.values(), key=lambda h: h.host_id):
+            subscribed, _ = self.subscribed_on(host.host_id)
+            hosts.append(
+                {
+                    "id": host.host_id,
+                    "gpus": host.gpus,
+                    "gpu_kind": host.gpu_kind,
+                    "committed": host.committed_gpus,
+                    "subscribed": subscribed,
+                    "subscription_ratio": round(subscribed / (host.gpus * self.replicas_per_kernel), 4)
+                    if host.gpus
+                    else 0.0,
+                    "cordoned": host.cordoned,
+                    "alive": host.alive,
+                }
+            )
+        return {
+            "hosts": hosts,
+            "kernels": [self.kernel_status(k) for k in self.kernels.values()],
+        }

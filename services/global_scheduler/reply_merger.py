@@ -1,0 +1,282 @@
+"""Merge the replicas' Jupyter traffic for one kernel into what a single ipykernel would send.
+
+Per request msg_id the client must see exactly one ``status: busy``, the responder's outputs once,
+its one reply and its ``status: idle`` (protocol.md, execute path step 6). The responder is:
+
+- the elected executor (``replica.event elected``, or an ``execute_reply`` whose
+  ``metadata.tandem.role`` is ``executor``);
+- for a request sent to one replica, that replica (known when the request is opened);
+- for a broadcast whose replies are all alike (shutdown, interrupt) the first replica to reply;
+- after a failed election, or when every live target replied without naming an executor (a
+  msg_id answered from the Raft log), the first replica to reply.
+
+Frames from a replica whose role is not yet known are held and released in arrival order once it
+is. Pure and clock-free on the hot path: the shell parses the few header fields needed and passes
+them in; only ``expired`` takes the time, from the shell's periodic check.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+Frames = list[bytes]
+Forward = tuple[str, Frames]  # (channel, frames) for the client
+
+REPLY_CHANNELS = frozenset(("shell", "control"))
+FINISHED_MEMORY = 4096  # how many finished msg_ids keep routing late frames from their responder
+
+
+@dataclass(slots=True)
+class Incoming:
+    """One Jupyter message from a replica, with the header fields the merger needs."""
+
+    replica_id: str
+    channel: str
+    msg_type: str
+    parent_id: str | None
+    frames: Frames
+    execution_state: str | None = None  # for iopub status messages
+    role: str | None = None  # metadata.tandem.role of a reply, when the shell looked
+
+
+@dataclass(slots=True)
+class Failed:
+    """A request the merger gave up on; the shell synthesizes what the client still lacks."""
+
+    msg_id: str
+    context: Any
+    reply_channel: str
+    busy_sent: bool
+    reply_sent: bool
+    idle_sent: bool
+
+
+@dataclass(slots=True)
+class Merged:
+    forwards: list[Forward] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # msg_ids now fully answered
+    responders: list[tuple[str, str]] = field(default_factory=list)  # (msg_id, replica_id) newly known
+
+
+@dataclass(slots=True)
+class _Request:
+    msg_id: str
+    reply_channel: str
+    targets: set[str]
+    responder: str | None
+    context: Any
+    serial: bool
+    first_reply_wins: bool
+    busy_sent: bool = False
+    reply_sent: bool = False
+    idle_sent: bool = False
+    progressed: bool = False
+    election_failed: bool = False
+    armed_at: float | None = None
+    repliers: list[str] = field(default_factory=list)
+    held: dict[str, list[Incoming]] = field(default_factory=dict)
+
+
+class ReplyMerger:
+    """One per kernel; replica ids are unique within a kernel."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, _Request] = {}  # insertion order = arrival order
+        self._finished: OrderedDict[str, str | None] = OrderedDict()  # msg_id -> responder
+        self.dropped = 0  # frames deliberately not forwarded (other replicas' copies, unknown parents)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def open(
+        self,
+        msg_id: str,
+        targets: set[str] | frozenset[str],
+        *,
+        reply_channel: str = "shell",
+        responder: str | None = None,
+        context: Any = None,
+        serial: bool = True,
+        first_reply_wins: bool = False,
+    ) -> None:
+        """Start tracking a request sent to ``targets``.
+
+        ``serial``: the replicas handle it in order behind earlier shell requests, so its deadline
+        only starts once every earlier serial request finished (a long cell is not a hang).
+        """
+        self._finished.pop(msg_id, None)
+        self._pending[msg_id] = _Request(
+            msg_id,
+            reply_channel,
+            set(targets),
+            responder,
+            context,
+            serial,
+            first_reply_wins,
+        )
+
+    def is_pending(self, msg_id: str) -> bool:
+        return msg_id in self._pending
+
+    def pending_ids(self) -> list[str]:
+        return list(self._pending)
+
+    def responder_of(self, msg_id: str) -> str | None:
+        req = self._pending.get(msg_id)
+        if req is not None:
+            return req.responder
+        return self._finished.get(msg_id)
+
+    # ---- frames -----------------------------------------------------------------------------
+
+    def on_frame(self, inc: Incoming) -> Merged:
+        out = Merged()
+        parent = inc.parent_id
+        req = self._pending.get(parent) if parent is not None else None
+        if req is None:
+            # Late output of a finished request (a thread still printing) flows from its responder.
+            if (
+                parent is not None
+                and inc.msg_type != "status"
+                and inc.channel == "iopub"
+                and self._finished.get(parent) == inc.replica_id
+            ):
+                out.forwards.append((inc.channel, inc.frames))
+            else:
+                self.dropped += 1
+            return out
+        if inc.replica_id not in req.targets:
+            self.dropped += 1
+            return out
+        if inc.msg_type == "status" and inc.execution_state == "busy" and not req.busy_sent:
+            req.busy_sent = True
+            out.forwards.append((inc.channel, inc.frames))
+            return out
+        if req.responder is None:
+            req.held.setdefault(inc.replica_id, []).append(inc)
+            if inc.channel in REPLY_CHANNELS:
+                req.repliers.append(inc.replica_id)
+                if inc.role == "executor" or req.first_reply_wins or req.election_failed:
+                    self._decide(req, req.repliers[0] if inc.role != "executor" else inc.replica_id, out)
+                else:
+                    self._decide_if_all_replied(req, out)
+            return out
+        if inc.replica_id == req.responder:
+            self._forward(req, inc, out)
+        else:
+            self.dropped += 1
+        return out
+
+    def set_responder(self, msg_id: str, replica_id: str) -> Merged:
+        """The elected executor is known (``replica.event elected``)."""
+        out = Merged()
+        req = self._pending.get(msg_id)
+        if req is not None and req.responder is None and replica_id in req.targets:
+            self._decide(req, replica_id, out)
+        return out
+
+    def election_failed(self, msg_id: str) -> Merged:
+        out = Merged()
+        req = self._pending.get(msg_id)
+        if req is not None and req.responder is None:
+            req.election_failed = True
+            if req.repliers:
+                self._decide(req, req.repliers[0], out)
+        return out
+
+    # ---- failures ---------------------------------------------------------------------------
+
+    def replica_lost(self, replica_id: str) -> tuple[Merged, list[Failed]]:
+        """A replica died: requests it was answering (or that have no one left) fail."""
+        out = Merged()
+        failed: list[Failed] = []
+        for req in list(self._pending.values()):
+            if replica_id not in req.targets:
+                continue
+            req.targets.discard(replica_id)
+            req.held.pop(replica_id, None)
+            if replica_id in req.repliers:
+                req.repliers.remove(replica_id)
+            if req.responder == replica_id or not req.targets:
+                failed.append(self._fail(req))
+            elif req.responder is None:
+                self._decide_if_all_replied(req, out)
+        return out, failed
+
+    def fail(self, msg_id: str) -> Failed | None:
+        req = self._pending.get(msg_id)
+        return self._fail(req) if req is not None else None
+
+    def fail_all(self) -> list[Failed]:
+        return [self._fail(req) for req in list(self._pending.values())]
+
+    def expired(self, now: float, timeout: float) -> list[Failed]:
+        """Requests that made no progress for ``timeout`` seconds since they could have."""
+        failed: list[Failed] = []
+        serial_ahead = False
+        for req in list(self._pending.values()):
+            if req.serial:
+                if serial_ahead:
+                    continue
+                serial_ahead = True
+            if req.progressed:
+                continue
+            if req.armed_at is None:
+                req.armed_at = now
+            elif now - req.armed_at >= timeout:
+                failed.append(self._fail(req))
+        return failed
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _decide_if_all_replied(self, req: _Request, out: Merged) -> None:
+        if req.repliers and req.targets.issubset(req.repliers):
+            self._decide(req, req.repliers[0], out)
+
+    def _decide(self, req: _Request, replica_id: str, out: Merged) -> None:
+        req.responder = replica_id
+        req.progressed = True
+        out.responders.append((req.msg_id, replica_id))
+        held = req.held.pop(replica_id, ())
+        self.dropped += sum(len(v) for v in req.held.values())
+        req.held.clear()
+        for inc in held:
+            if req.msg_id not in self._pending:
+                break
+            self._forward(req, inc, out)
+
+    def _forward(self, req: _Request, inc: Incoming, out: Merged) -> None:
+        req.progressed = True
+        if inc.msg_type == "status":
+            if inc.execution_state == "busy":
+                if req.busy_sent:
+                    self.dropped += 1
+                    return
+                req.busy_sent = True
+            elif inc.execution_state == "idle":
+                if req.idle_sent:
+                    self.dropped += 1
+                    return
+                req.idle_sent = True
+        elif inc.channel in REPLY_CHANNELS:
+            if req.reply_sent:
+                self.dropped += 1
+                return
+            req.reply_sent = True
+        out.forwards.append((inc.channel, inc.frames))
+        if req.reply_sent and req.idle_sent:
+            self._finish(req, req.responder)
+            out.finished.append(req.msg_id)
+
+    def _fail(self, req: _Request) -> Failed:
+        self._finish(req, None)
+        return Failed(
+            req.msg_id, req.context, req.reply_channel, req.busy_sent, req.reply_sent, req.idle_sent
+        )
+
+    def _finish(self, req: _Request, responder: str | None) -> None:
+        self._pending.pop(req.msg_id, None)
+        self._finished[req.msg_id] = responder
+        if len(self._finished) > FINISHED_MEMORY:
+            self._finished.popitem(last=False)

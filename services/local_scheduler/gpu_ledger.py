@@ -1,0 +1,89 @@
+"""The authoritative record of which GPUs on this host are committed to which executing replica.
+
+Pure (no I/O): the local scheduler feeds it ``gpu.commit`` / ``gpu.release`` and replica exits.
+A commit is keyed by (kernel, replica, msg_id) and is idempotent, because a replica's retry of the
+same ``gpu.commit`` must get the same device ids rather than a second set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+class LedgerError(RuntimeError):
+    """A commit that cannot be granted (not enough free GPUs); ``str`` says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    kernel_id: str
+    replica_id: str
+    msg_id: str
+    device_ids: tuple[int, ...]
+
+
+class GpuLedger:
+    def __init__(self, device_ids: Iterable[int]) -> None:
+        self._all: tuple[int, ...] = tuple(sorted(set(device_ids)))
+        self._free: set[int] = set(self._all)
+        self._commits: dict[tuple[str, str, str], Commit] = {}
+
+    @property
+    def device_ids(self) -> tuple[int, ...]:
+        return self._all
+
+    @property
+    def total(self) -> int:
+        return len(self._all)
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    @property
+    def committed_count(self) -> int:
+        return len(self._all) - len(self._free)
+
+    def commits(self) -> list[Commit]:
+        return list(self._commits.values())
+
+    def commit(self, kernel_id: str, replica_id: str, msg_id: str, gpus: int) -> Commit:
+        """Bind ``gpus`` device ids (lowest free first) to the replica executing ``msg_id``.
+
+        A replica executes one cell at a time, so a commit it still holds for another msg_id is a
+        missed release; it is released here rather than leaking GPUs forever.
+        """
+        if gpus < 0:
+            raise LedgerError(f"cannot commit {gpus} GPUs")
+        key = (kernel_id, replica_id, msg_id)
+        existing = self._commits.get(key)
+        if existing is not None:
+            return existing
+        self.release_replica(kernel_id, replica_id)
+        if gpus > len(self._free):
+            raise LedgerError(f"needs {gpus} GPUs, {len(self._free)} of {len(self._all)} free")
+        chosen = tuple(sorted(self._free)[:gpus])
+        self._free.difference_update(chosen)
+        commit = Commit(kernel_id, replica_id, msg_id, chosen)
+        self._commits[key] = commit
+        return commit
+
+    def release(self, kernel_id: str, replica_id: str, msg_id: str) -> tuple[int, ...]:
+        """Give back what ``msg_id`` holds; releasing twice (a retry) is harmless and returns ()."""
+        commit = self._commits.pop((kernel_id, replica_id, msg_id), None)
+        if commit is None:
+            return ()
+        self._free.update(commit.device_ids)
+        return commit.device_ids
+
+    def release_replica(self, kernel_id: str, replica_id: str) -> tuple[int, ...]:
+        """Give back everything a replica holds (it exited, or it is committing anew)."""
+        released: list[int] = []
+        for key in [k for k in self._commits if k[0] == kernel_id and k[1] == replica_id]:
+            released.extend(self.release(*key))
+        return tuple(sorted(released))
+
+    def snapshot(self) -> dict[str, list[int]]:
+        """``{"<kernel_id>/<msg_id>": [device ids]}``: the ``committed`` map of ``host.heartbeat``."""
+        return {f"{c.kernel_id}/{c.msg_id}": list(c.device_ids) for c in self._commits.values()}

@@ -1,0 +1,268 @@
+"""One kernel replica process on this host, and the Jupyter client sockets that talk to it.
+
+The replica runs in its own session (``start_new_session=True``) so an ipykernel interrupt's
+``killpg`` never reaches the local scheduler, and so stopping it can signal its whole process
+group: nothing it started outlives it. Its exit is noticed at once (we await the process), and the
+local scheduler reports it to the global scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+from jupyter_client.connect import write_connection_file
+
+from shared.jupyter_wire import DELIMITER
+
+FrameSink = Callable[[str, list[bytes]], None]  # (channel, [sig, header, parent, metadata, content, ...])
+
+REQUEST_CHANNELS = ("shell", "control", "stdin")
+SETPRIV = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+LOG_TAIL_BYTES = 4000
+
+
+class ReplicaProcess:
+    def __init__(
+        self,
+        *,
+        host_id: str,
+        kernel_id: str,
+        replica_id: str,
+        key: str,
+        signature_scheme: str,
+        resources: dict[str, Any],
+        data_dir: Path,
+        ip: str = "127.0.0.1",
+    ) -> None:
+        self.host_id = host_id
+        self.kernel_id = kernel_id
+        self.replica_id = replica_id
+        self.key = key
+        self.signature_scheme = signature_scheme
+        self.resources = resources
+        self.data_dir = data_dir
+        self.ip = ip
+        self.connection_file = data_dir / "connection.json"
+        self.log_file = data_dir / "replica.log"
+        self.process: asyncio.subprocess.Process | None = None
+        self.identity: bytes | None = None  # its DEALER identity on our replica ROUTER
+        self.raft_address = ""
+        self.role: str | None = None
+        self.registered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.stopping = False
+        self.returncode: int | None = None
+        self._sockets: dict[str, zmq.asyncio.Socket] = {}
+        self._readers: list[asyncio.Task[None]] = []
+        self._watcher: asyncio.Task[None] | None = None
+        self.log = structlog.get_logger("replica").bind(host=host_id, kernel=kernel_id, replica=replica_id)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.returncode is None
+
+    def describe(self) -> dict[str, Any]:
+        """What ``host.register`` reports, enough for a restarted global scheduler to adopt it."""
+        return {
+            "kernel_id": self.kernel_id,
+            "replica_id": self.replica_id,
+            "pid": self.pid,
+            "raft_address": self.raft_address,
+            "role": self.role,
+            "alive": self.running,
+            "key": self.key,
+            "signature_scheme": self.signature_scheme,
+            "resources": self.resources,
+        }
+
+    async def spawn(
+        self,
+        *,
+        python: str,
+        local_scheduler: str,
+        config_json: str,
+        join: bool,
+        on_exit: Callable[[ReplicaProcess], None],
+    ) -> None:
+        if not join and self.data_dir.exists():
+            # A fresh replica (a new kernel, or a restart under the same kernel id) must not
+            # recover the Raft log of a previous incarnation that happened to use this path.
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        write_connection_file(
+            str(self.connection_file),
+            ip=self.ip,
+            key=self.key.encode(),
+            signature_scheme=self.signature_scheme,
+            kernel_name="tandem",
+        )
+        argv = [
+            python or sys.executable,
+            "-m",
+            "kernel_replica",
+            "--kernel-id",
+            self.kernel_id,
+            "--replica-id",
+            self.replica_id,
+            "--connection-file",
+            str(self.connection_file),
+            "--local-scheduler",
+            local_scheduler,
+            "--data-dir",
+            str(self.data_dir),
+            "--config-json",
+            config_json,
+        ]
+        if join:
+            argv.append("--join")
+        if SETPRIV is not None:
+            # Linux: if this local scheduler is SIGKILLed, its replicas get SIGTERM instead of
+            # living on unmanaged (setpriv execs, so the pid stays the replica's).
+            argv = [SETPRIV, "--pdeathsig", "TERM", *argv]
+        env = dict(os.environ)
+        repo_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
+        env["TANDEM_HOST_ID"] = self.host_id
+        env["TANDEM_KERNEL_GPUS"] = str(int(self.resources.get("gpus", 0)))  # what it asks gpu.commit for
+        with open(self.log_file, "ab") as out:
+            self.process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
+        self.log.info("replica_spawned", pid=self.process.pid)
+        self._watcher = asyncio.ensure_future(self._watch(on_exit))
+
+    async def _watch(self, on_exit: Callable[[ReplicaProcess], None]) -> None:
+        assert self.process is not None
+        self.returncode = await self.process.wait()
+        self._kill_group(signal.SIGKILL)  # anything the replica started goes with it
+        if not self.registered.done():
+            self.registered.set_exception(
+                RuntimeError(f"replica exited with {self.returncode} before registering: {self.log_tail()}")
+            )
+        self.close_sockets()
+        on_exit(self)
+
+    def log_tail(self) -> str:
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(f.tell() - LOG_TAIL_BYTES, 0))
+                return f.read().decode(errors="replace").strip()[-LOG_TAIL_BYTES:]
+        except OSError:
+            return ""
+
+    # ---- Jupyter client sockets -------------------------------------------------------------
+
+    def connect(self, ctx: zmq.asyncio.Context, sink: FrameSink) -> None:
+        """shell/control/stdin DEALERs with one identity (stdin requests go to the shell's
+        sender) and an iopub SUB, each with a reader forwarding frames to ``sink``."""
+        import json
+
+        info = json.loads(self.connection_file.read_text())
+        transport, ip = info.get("transport", "tcp"), info["ip"]
+        identity = f"tandem-{self.host_id}-{self.kernel_id}-{self.replica_id}".encode()
+        for channel in (*REQUEST_CHANNELS, "iopub"):
+            sock = ctx.socket(zmq.SUB if channel == "iopub" else zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            if channel == "iopub":
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+            else:
+                sock.setsockopt(zmq.IDENTITY, identity)
+            sock.connect(f"{transport}://{ip}:{info[channel + '_port']}")
+            self._sockets[channel] = sock
+            self._readers.append(asyncio.ensure_future(self._read(channel, sock, sink)))
+
+    async def _read(self, channel: str, sock: zmq.asyncio.Socket, sink: FrameSink) -> None:
+        delimiter = DELIMITER
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                at = frames.index(delimiter)
+            except ValueError:
+                self.log.warning("frames_without_delimiter", channel=channel)
+                continue
+            msg = frames[at + 1 :]
+            if len(msg) < 5:
+                self.log.warning("short_message", channel=channel, frames=len(msg))
+                continue
+            try:
+                sink(channel, msg)
+            except Exception:
+                self.log.exception("forward_failed", channel=channel)
+
+    def send(self, channel: str, frames: list[bytes]) -> bool:
+        """Forward a client message ``[sig, header, parent, metadata, content, ...]`` to the replica."""
+        sock = self._sockets.get(channel)
+        if sock is None:
+            return False
+        try:
+            sock.send_multipart([DELIMITER, *frames], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self.log.warning("send_failed", channel=channel, error=str(exc))
+            return False
+        return True
+
+    def close_sockets(self) -> None:
+        for task in self._readers:
+            task.cancel()
+        self._readers.clear()
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        self._sockets.clear()
+
+    # ---- stopping ---------------------------------------------------------------------------
+
+    async def stop(self, *, ask: Callable[[], None] | None, grace_s: float = 2.0) -> int | None:
+        """Ask (``replica.stop``), then SIGTERM, then SIGKILL the process group, a grace apart."""
+        self.stopping = True
+        if self.process is None:
+            return None
+        if self.returncode is None and ask is not None:
+            ask()
+            if await self._wait(grace_s):
+                return self.returncode
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self.returncode is not None:
+                break
+            self.log.info("signalling_replica", signal=sig.name)
+            self._kill_group(sig)
+            if await self._wait(grace_s):
+                break
+        self._kill_group(signal.SIGKILL)
+        return self.returncode
+
+    async def _wait(self, timeout: float) -> bool:
+        assert self.process is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(self.process.wait()), timeout)
+        except TimeoutError:
+            return False
+        self.returncode = self.process.returncode
+        return True
+
+    def _kill_group(self, sig: signal.Signals) -> None:
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, sig)

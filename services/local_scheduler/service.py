@@ -1,0 +1,353 @@
+"""The local scheduler's asyncio shell: one per host.
+
+Upstream, a DEALER (identity = host id) to the global scheduler: ``host.register`` /
+``host.heartbeat``, replica lifecycle requests, Jupyter frames both ways. Downstream, a ROUTER
+where replicas register and ask for GPUs, plus per replica the Jupyter client sockets. The GPU
+ledger (pure) is the authority for this host's GPUs. Jupyter forwarding is synchronous: a frame
+read from a replica is sent upstream in the same callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from services.global_scheduler.outbound import OutboundRequests
+from services.local_scheduler.gpu_ledger import GpuLedger, LedgerError
+from services.local_scheduler.gpus import GpuInventory, detect_gpus
+from services.local_scheduler.replica_process import ReplicaProcess
+from shared import messages
+from shared.config import Config
+from shared.envelope import Envelope
+from shared.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
+
+log = structlog.get_logger("local_scheduler")
+
+REPLICA_REQUEST_TIMEOUT_S = 30.0
+STOP_GRACE_S = 2.0
+START_ATTEMPTS = 2
+PORT_RACE = "Address already in use"
+
+ReplicaKey = tuple[str, str]  # (kernel_id, replica_id)
+
+
+class LocalScheduler:
+    def __init__(
+        self, cfg: Config, *, host_id: str, scheduler_address: str, gpus: GpuInventory | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.host_id = host_id
+        self.scheduler_address = scheduler_address
+        host = cfg["host"]
+        self.gpus = gpus or detect_gpus(
+            use_nvml=bool(host["use_nvml"]),
+            virtual_count=int(host["gpus"]),
+            virtual_vram_gb=float(host["vram_gb_per_gpu"]),
+        )
+        self.ledger = GpuLedger(self.gpus.device_ids)
+        self.replicas: dict[ReplicaKey, ReplicaProcess] = {}
+        self.log = log.bind(host=host_id)
+        self._heartbeat_interval = float(cfg.get("scheduler.heartbeat_interval_s"))
+        self._start_timeout = float(cfg.get("scheduler.replica_start_timeout_s"))
+        self._ctx = zmq.asyncio.Context()
+        self._upstream = RpcClient(
+            self._ctx, identity=host_id.encode(), on_message=self._on_upstream, name="global_scheduler"
+        )
+        self._server = RpcServer(self._ctx, self._on_replica_message, name=f"local_scheduler:{host_id}")
+        self._outbound = OutboundRequests(self._server)
+        self._registered = asyncio.Event()
+        self._data_root = cfg.state_dir() / "hosts" / host_id
+
+    @property
+    def address(self) -> str:
+        return self._server.address
+
+    def bind(self, address: str) -> str:
+        return self._server.bind(address)
+
+    def resources(self) -> dict[str, Any]:
+        host = self.cfg["host"]
+        return {
+            "millicpus": int(host["millicpus"]),
+            "memory_mb": int(host["memory_mb"]),
+            "gpus": self.gpus.count,
+            "vram_gb": float(self.gpus.vram_gb_per_gpu * self.gpus.count),
+        }
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._server.start()
+        self._upstream.connect(self.scheduler_address)
+        heartbeat = asyncio.ensure_future(self._heartbeat_loop())
+        self.log.info("started", address=self.address, scheduler=self.scheduler_address, gpus=self.gpus.count)
+        try:
+            await stop.wait()
+        finally:
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
+            await self.stop_all_replicas()
+            self._outbound.cancel_all()
+            await self._upstream.close()
+            await self._server.close()
+            self._ctx.term()
+            self.log.info("stopped")
+
+    async def stop_all_replicas(self) -> None:
+        replicas = list(self.replicas.values())
+        if replicas:
+            self.log.info("stopping_replicas", count=len(replicas))
+        await asyncio.gather(*(self._stop(r) for r in replicas), return_exceptions=True)
+
+    async def _register(self) -> None:
+        body = {
+            "host_id": self.host_id,
+            "address": self.address,
+            "resources": self.resources(),
+            "gpu_kind": self.gpus.kind,
+            "replicas": [r.describe() for r in self.replicas.values() if r.running and r.registered.done()],
+        }
+        await self._upstream.request(
+            Envelope(messages.HOST_REGISTER, body), timeout=max(self._heartbeat_interval, 1.0)
+        )
+        self._registered.set()
+        self.log.info("registered", scheduler=self.scheduler_address, replicas=len(body["replicas"]))
+
+    async def _heartbeat_loop(self) -> None:
+        """Register (again whenever the scheduler does not know us), then heartbeat forever."""
+        while True:
+            try:
+                if not self._registered.is_set():
+                    await self._register()
+                else:
+                    await self._upstream.request(
+                        Envelope(
+                            messages.HOST_HEARTBEAT,
+                            {"host_id": self.host_id, "committed": self.ledger.snapshot()},
+                        ),
+                        timeout=max(self._heartbeat_interval * 2, 1.0),
+                    )
+            except RpcError as exc:
+                if exc.code == "unknown_host":
+                    self.log.warning("scheduler_forgot_host", reason=exc.reason)
+                else:
+                    self.log.warning("heartbeat_rejected", reason=exc.reason, code=exc.code)
+                self._registered.clear()
+            except RpcTimeout:
+                self.log.warning("scheduler_unreachable", scheduler=self.scheduler_address)
+                self._registered.clear()
+            await asyncio.sleep(self._heartbeat_interval)
+
+    # ---- from the global scheduler ----------------------------------------------------------
+
+    def _on_upstream(self, env: Envelope) -> Any:
+        if env.type == messages.JUPYTER_REQUEST:  # hot path: synchronous, no task
+            body = env.body
+            replica = self.replicas.get((body["kernel_id"], body.get("replica_id", "")))
+            if replica is None or not replica.send(body["channel"], body["frames"]):
+                self.log.warning(
+                    "request_for_absent_replica", kernel=body["kernel_id"], replica=body.get("replica_id")
+                )
+            return None
+        if env.type == messages.REPLICA_START:
+            return self._replica_start(env)
+        if env.type == messages.REPLICA_CONFIGURE:
+            return self._replica_configure(env)
+        if env.type == messages.REPLICA_STOP:
+            return self._replica_stop(env)
+        return env.error(f"a local scheduler does not handle {env.type!r}", code="unsupported")
+
+    async def _replica_start(self, env: Envelope) -> Envelope:
+        body = env.body
+        key: ReplicaKey = (body["kernel_id"], body["replica_id"])
+        existing = self.replicas.get(key)
+        if existing is not None and existing.running:
+            await asyncio.wait_for(asyncio.shield(existing.registered), self._start_timeout)
+            return env.reply({"pid": existing.pid, "raft_address": existing.raft_address})
+        for attempt in range(1, START_ATTEMPTS + 1):
+            replica = ReplicaProcess(
+                host_id=self.host_id,
+                kernel_id=key[0],
+                replica_id=key[1],
+                key=body["key"],
+                signature_scheme=str(body.get("signature_scheme") or "hmac-sha256"),
+                resources=dict(body["resources"]),
+                data_dir=self._data_root / key[0] / key[1],
+                ip=str(self.cfg.get("cluster.ip")),
+            )
+            self.replicas[key] = replica
+            try:
+                await replica.spawn(
+                    python=str(self.cfg.get("kernel.python")),
+                    local_scheduler=self.address,
+                    config_json=self.cfg.to_json(),
+                    join=bool(body.get("join", False)),
+                    on_exit=self._on_replica_exit,
+                )
+                await asyncio.wait_for(asyncio.shield(replica.registered), self._start_timeout)
+                break
+            except BaseException as exc:
+                reason = str(exc) or f"no replica.register within {self._start_timeout:g}s"
+                await self._stop(replica)
+                self.replicas.pop(key, None)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                tail = replica.log_tail()
+                # jupyter_client picks free ports and releases them before the kernel binds: on a
+                # busy machine another process can take one in between. Fresh ports fix that.
+                if attempt < START_ATTEMPTS and PORT_RACE in tail:
+                    replica.log.warning("replica_port_race_retry", attempt=attempt)
+                    continue
+                replica.log.error("replica_start_failed", reason=reason)
+                raise RpcError(
+                    f"{reason}{' | log: ' + tail[-800:] if tail and tail not in reason else ''}",
+                    "start_failed",
+                ) from None
+        replica.connect(self._ctx, self._sink_for(replica))
+        replica.log.info("replica_started", pid=replica.pid, raft_address=replica.raft_address)
+        return env.reply({"pid": replica.pid, "raft_address": replica.raft_address})
+
+    def _sink_for(self, replica: ReplicaProcess) -> Any:
+        """Forwarding closure: one envelope per Jupyter message, sent upstream immediately."""
+        send = self._upstream.send
+        kernel_id, replica_id = replica.kernel_id, replica.replica_id
+        reply_type = messages.JUPYTER_REPLY
+
+        def sink(channel: str, frames: list[bytes]) -> None:
+            send(
+                Envelope(
+                    reply_type,
+                    {"kernel_id": kernel_id, "replica_id": replica_id, "channel": channel, "frames": frames},
+                )
+            )
+
+        return sink
+
+    async def _replica_configure(self, env: Envelope) -> Envelope:
+        body = env.body
+        replica = self.replicas.get((body["kernel_id"], body["replica_id"]))
+        if replica is None or not replica.running or replica.identity is None:
+            raise RpcError(
+                f"replica {body['kernel_id']}/{body['replica_id']} is not running here", "not_found"
+            )
+        answer = await self._outbound.request(
+            replica.identity,
+            Envelope(messages.REPLICA_CONFIGURE, dict(body)),
+            timeout=REPLICA_REQUEST_TIMEOUT_S,
+        )
+        return env.reply(answer.body)
+
+    async def _replica_stop(self, env: Envelope) -> Envelope:
+        replica = self.replicas.get((env.body["kernel_id"], env.body["replica_id"]))
+        if replica is None:
+            return env.reply({"returncode": None})
+        returncode = await self._stop(replica)
+        return env.reply({"returncode": returncode})
+
+    async def _stop(self, replica: ReplicaProcess) -> int | None:
+        def ask() -> None:
+            if replica.identity is not None:
+                self._server.send(
+                    replica.identity,
+                    Envelope(
+                        messages.REPLICA_STOP,
+                        {"kernel_id": replica.kernel_id, "replica_id": replica.replica_id},
+                    ),
+                )
+
+        return await replica.stop(ask=ask, grace_s=STOP_GRACE_S)
+
+    def _on_replica_exit(self, replica: ReplicaProcess) -> None:
+        key = (replica.kernel_id, replica.replica_id)
+        if self.replicas.get(key) is replica:
+            del self.replicas[key]
+        released = self.ledger.release_replica(replica.kernel_id, replica.replica_id)
+        replica.log.log(
+            20 if replica.stopping else 30,
+            "replica_exited",
+            returncode=replica.returncode,
+            requested=replica.stopping,
+            released_gpus=list(released),
+        )
+        if replica.registered.done() and not replica.registered.exception():
+            self._upstream.send(
+                Envelope(
+                    messages.REPLICA_EVENT,
+                    {
+                        "kernel_id": replica.kernel_id,
+                        "replica_id": replica.replica_id,
+                        "event": "exited",
+                        "detail": {"returncode": replica.returncode, "requested": replica.stopping},
+                    },
+                )
+            )
+
+    # ---- from replicas ----------------------------------------------------------------------
+
+    def _on_replica_message(self, identity: bytes, env: Envelope) -> Envelope | None:
+        body = env.body
+        if env.type == messages.GPU_COMMIT:
+            return self._gpu_commit(env)
+        if env.type == messages.GPU_RELEASE:
+            released = self.ledger.release(body["kernel_id"], body["replica_id"], body["msg_id"])
+            return env.reply({"device_ids": list(released)})
+        if env.type == messages.REPLICA_EVENT:
+            replica = self.replicas.get((body["kernel_id"], body["replica_id"]))
+            if replica is not None and body["event"] == "raft_role":
+                role = (body.get("detail") or {}).get("role")
+                replica.role = role.lower() if isinstance(role, str) else replica.role
+            self._upstream.send(Envelope(messages.REPLICA_EVENT, dict(body)))
+            return env.reply()
+        if env.type == messages.REPLICA_REGISTER:
+            return self._replica_register(identity, env)
+        if env.type in (messages.REPLY, messages.ERROR):
+            if not self._outbound.on_answer(env) and env.type == messages.ERROR:
+                self.log.warning("replica_error", reason=body.get("reason"))
+            return None
+        return env.error(f"a local scheduler does not accept {env.type!r} from replicas", code="unsupported")
+
+    def _replica_register(self, identity: bytes, env: Envelope) -> Envelope:
+        body = env.body
+        replica = self.replicas.get((body["kernel_id"], body["replica_id"]))
+        if replica is None or not replica.running:
+            return env.error(
+                f"no replica {body['kernel_id']}/{body['replica_id']} was started here", code="not_found"
+            )
+        if replica.pid != body["pid"]:
+            replica.log.info("register_pid_differs", spawned=replica.pid, reported=body["pid"])
+        replica.identity = identity
+        replica.raft_address = body["raft_address"]
+        if not replica.registered.done():
+            replica.registered.set_result(None)
+        return env.reply({"host_id": self.host_id})
+
+    def _gpu_commit(self, env: Envelope) -> Envelope:
+        """Bind device ids; tell the global scheduler who was elected BEFORE the replica hears back,
+        so the scheduler knows the executor before any of its output arrives (same upstream link)."""
+        body = env.body
+        kernel_id, replica_id, msg_id = body["kernel_id"], body["replica_id"], body["msg_id"]
+        try:
+            commit = self.ledger.commit(kernel_id, replica_id, msg_id, body["gpus"])
+        except LedgerError as exc:
+            self.log.warning(
+                "gpu_commit_refused", kernel=kernel_id, replica=replica_id, msg_id=msg_id, reason=str(exc)
+            )
+            return env.error(str(exc), code="no_gpus")
+        device_ids = list(commit.device_ids)
+        self._upstream.send(
+            Envelope(
+                messages.REPLICA_EVENT,
+                {
+                    "kernel_id": kernel_id,
+                    "replica_id": replica_id,
+                    "event": "elected",
+                    "msg_id": msg_id,
+                    "detail": {"gpus": device_ids},
+                },
+            )
+        )
+        return env.reply({"device_ids": device_ids})

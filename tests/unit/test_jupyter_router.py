@@ -1,0 +1,191 @@
+"""Routing decisions and the messages the scheduler signs itself, checked with jupyter_client."""
+
+from __future__ import annotations
+
+from jupyter_client.session import Session
+
+from services.global_scheduler.jupyter_router import KernelRouter, reply_type_of
+from shared.jupyter_wire import DELIMITER
+from shared.policies.executor_choice import ExecutorChoice
+
+KEY = b"secret-key"
+LIVE = ["r1", "r2", "r3"]
+
+
+def session() -> Session:
+    return Session(key=KEY, signature_scheme="hmac-sha256")
+
+
+def client_frames(s: Session, msg_type: str, content: dict | None = None) -> tuple[str, list[bytes]]:
+    msg = s.msg(msg_type, content or {})
+    wire = s.serialize(msg)
+    return msg["header"]["msg_id"], wire[wire.index(DELIMITER) + 1 :]
+
+
+def parse(_s: Session, frames: list[bytes]) -> dict:
+    """Each replica has its own session; a fresh one avoids its duplicate-signature guard."""
+    return session().deserialize(frames, content=True)  # raises on a bad signature
+
+
+def choose(executor: str | None) -> ExecutorChoice:
+    return ExecutorChoice(executor, tuple(r for r in LIVE if r != executor), {})
+
+
+def reply_frames(
+    s: Session, msg_type: str, parent_id: str, content: dict, metadata: dict | None = None
+) -> list[bytes]:
+    msg = s.msg(msg_type, content, parent={"msg_id": parent_id, "msg_type": "x"}, metadata=metadata or {})
+    wire = s.serialize(msg)
+    return wire[wire.index(DELIMITER) + 1 :]
+
+
+def test_execute_goes_to_one_executor_and_signed_yields_to_the_rest() -> None:
+    s = session()
+    router = KernelRouter("k", KEY)
+    msg_id, frames = client_frames(s, "execute_request", {"code": "x = 1"})
+    routed = router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r2"))
+    assert routed.executor == "r2"
+    by_replica = {r: f for r, _, f in routed.to_replicas}
+    assert by_replica["r2"] is frames
+    for yielder in ("r1", "r3"):
+        msg = parse(s, by_replica[yielder])
+        assert msg["header"]["msg_type"] == "yield_request"
+        assert msg["header"]["msg_id"] == msg_id
+        assert msg["content"]["code"] == "x = 1"
+
+
+def test_all_yield_when_no_executor() -> None:
+    s = session()
+    router = KernelRouter("k", KEY)
+    _, frames = client_frames(s, "execute_request", {"code": "1"})
+    routed = router.route_request("shell", frames, live=LIVE, choose=lambda: choose(None))
+    assert {parse(s, f)["header"]["msg_type"] for _, _, f in routed.to_replicas} == {"yield_request"}
+
+
+def test_non_execute_requests_go_to_one_replica_and_pass_through() -> None:
+    s = session()
+    router = KernelRouter("k", KEY)
+    msg_id, frames = client_frames(s, "kernel_info_request")
+    routed = router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"), single="r3")
+    assert routed.to_replicas == [("r3", "shell", frames)]
+    assert router.merger.responder_of(msg_id) == "r3"
+
+
+def test_shutdown_is_broadcast_and_interrupt_goes_to_the_executor() -> None:
+    s = session()
+    router = KernelRouter("k", KEY)
+    _, exec_frames = client_frames(s, "execute_request", {"code": "import time; time.sleep(100)"})
+    exec_id = router.route_request("shell", exec_frames, live=LIVE, choose=lambda: choose("r2")).msg_id
+    router.on_elected("r2", exec_id)
+    _, frames = client_frames(s, "interrupt_request")
+    assert [
+        r
+        for r, _, _ in router.route_request(
+            "control", frames, live=LIVE, choose=lambda: choose(None)
+        ).to_replicas
+    ] == ["r2"]
+    _, frames = client_frames(s, "input_reply", {"value": "x"})
+    assert [
+        r
+        for r, _, _ in router.route_request(
+            "stdin", frames, live=LIVE, choose=lambda: choose(None)
+        ).to_replicas
+    ] == ["r2"]
+    _, frames = client_frames(s, "shutdown_request", {"restart": False})
+    assert [
+        r
+        for r, _, _ in router.route_request(
+            "control", frames, live=LIVE, choose=lambda: choose(None)
+        ).to_replicas
+    ] == LIVE
+
+
+def test_replica_messages_are_merged_by_parent_msg_id() -> None:
+    s = session()
+    router = KernelRouter("k", KEY)
+    msg_id, frames = client_frames(s, "execute_request", {"code": "x"})
+    router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"))
+    busy = reply_frames(s, "status", msg_id, {"execution_state": "busy"})
+    assert router.on_replica_message("r3", "iopub", busy).forwards == [("iopub", busy)]
+    reply = reply_frames(
+        s, "execute_reply", msg_id, {"status": "ok", "execution_count": 7}, {"tandem": {"role": "executor"}}
+    )
+    idle = reply_frames(s, "status", msg_id, {"execution_state": "idle"})
+    assert router.on_replica_message("r1", "shell", reply).forwards == [("shell", reply)]
+    merged = router.on_replica_message("r1", "iopub", idle)
+    assert merged.finished == [msg_id]
+    assert router.execution_count == 7
+    assert router.last_executor is None or router.last_executor == "r1"
+
+
+def test_dead_kernel_answers_at_once_with_signed_error_reply_error_and_idle() -> None:
+    s = session()
+    router = KernelRouter("k", KEY)
+    router.dead_reason = "1 of 3 replicas alive"
+    msg_id, frames = client_frames(s, "execute_request", {"code": "x"})
+    routed = router.route_request("shell", frames, live=["r1"], choose=lambda: choose("r1"))
+    assert routed.to_replicas == []
+    msgs = [(ch, parse(s, f)) for ch, f in routed.to_client]
+    assert [(ch, m["header"]["msg_type"]) for ch, m in msgs] == [
+        ("iopub", "status"),
+        ("iopub", "error"),
+        ("shell", "execute_reply"),
+        ("iopub", "status"),
+    ]
+    assert all(m["parent_header"]["msg_id"] == msg_id for _, m in msgs)
+    assert msgs[2][1]["content"]["status"] == "error"
+    assert msgs[2][1]["content"]["ename"] == "KernelDead"
+    assert msgs[3][1]["content"]["execution_state"] == "idle"
+
+
+def test_losing_the_executor_mid_cell_fails_only_what_is_missing() -> None:
+    s = session()
+    router = KernelRouter("k", KEY)
+    msg_id, frames = client_frames(s, "execute_request", {"code": "x"})
+    router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"))
+    router.on_replica_message("r1", "iopub", reply_frames(s, "status", msg_id, {"execution_state": "busy"}))
+    router.on_elected("r1", msg_id)
+    forwards, done = router.on_replica_lost("r1", "replica r1 exited (-9)")
+    assert done == [msg_id]
+    assert [parse(s, f)["header"]["msg_type"] for _, f in forwards] == ["error", "execute_reply", "status"]
+
+
+def test_timeout_synthesizes_a_reply_of_the_right_type() -> None:
+    s = session()
+    router = KernelRouter("k", KEY)
+    msg_id, frames = client_frames(s, "complete_request", {"code": "x.", "cursor_pos": 2})
+    router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"))
+    assert router.expire(0.0, 5.0) == ([], [])
+    forwards, done = router.expire(6.0, 5.0)
+    assert done == [msg_id]
+    types = [(ch, parse(s, f)["header"]["msg_type"]) for ch, f in forwards]
+    assert types == [("iopub", "status"), ("shell", "complete_reply"), ("iopub", "status")]
+
+
+def test_bad_header_is_dropped_with_a_reason() -> None:
+    router = KernelRouter("k", KEY)
+    routed = router.route_request(
+        "shell", [b"", b"not json", b"{}", b"{}", b"{}"], live=LIVE, choose=lambda: choose("r1")
+    )
+    assert routed.problem and routed.to_replicas == []
+
+
+def test_reply_type_of() -> None:
+    assert reply_type_of("execute_request") == "execute_reply"
+    assert reply_type_of("comm_info_request") == "comm_info_reply"
+
+
+def test_fast_header_reads_agree_with_json_and_fall_back() -> None:
+    from services.global_scheduler.jupyter_router import header_msg_type, parent_msg_id
+
+    s = session()
+    msg = s.msg("status", {"execution_state": "busy"}, parent=s.msg("execute_request", {})["header"])
+    wire = s.serialize(msg)
+    frames = wire[wire.index(DELIMITER) + 1 :]
+    assert header_msg_type(frames[1]) == "status"
+    assert parent_msg_id(frames[2]) == msg["parent_header"]["msg_id"]
+    assert header_msg_type(b'{"msg_id":"a","msg_type":"stream"}') == "stream"  # compact JSON
+    assert parent_msg_id(b'{"msg_id":"p1"}') == "p1"
+    assert parent_msg_id(b'{"msg_id": "we\\"ird"}') == 'we"ird'  # escaped quote: parsed properly
+    assert parent_msg_id(b"{}") is None
+    assert header_msg_type(b'{"msg_id": "x"}') == ""
