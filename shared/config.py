@@ -52,6 +52,31 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "election_ticks": 10,
         "snapshot_every": 1000,
     },
+    "gateway": {
+        # The Jupyter-facing edge. Port 0 picks a free port (the embedded cluster); a node
+        # deployment pins it so the provisioner's cluster.json stays valid across restarts.
+        "api_address": "tcp://127.0.0.1:0",
+        "kernel_ip": "127.0.0.1",  # where each kernel's five Jupyter sockets are bound
+        "kernel_start_timeout_s": 90.0,
+        "status_poll_interval_s": 2.0,  # how often the liveness seen by heartbeats is refreshed
+        "scheduler_address": "",  # empty: the one written in cluster.json / passed by `tandem up`
+    },
+    "embedded": {
+        "virtual_gpus": True,  # hosts of `tandem up` declare host.gpus virtual GPUs, not NVML's
+        "ready_timeout_s": 60.0,  # until every host has registered
+        "log_dir": "",  # empty: <state_dir>/logs
+    },
+    "datastore": {
+        # Where replicas keep large objects (shared/datastore); the Raft log carries only pointers.
+        "backend": "local",  # local | s3 | redis
+        "path": "",  # local: a directory; empty: <state_dir>/datastore
+        "bucket": "tandem",  # s3 (credentials from the standard AWS variables)
+        "endpoint_url": "",  # s3: empty for AWS itself, else e.g. http://127.0.0.1:9000
+        "url": "redis://127.0.0.1:6379/0",  # redis
+        "large_object_bytes": 1_048_576,  # objects above this go to the store, smaller ones to Raft
+        "cache_bytes": 268_435_456,  # per-process LRU read cache
+        "chunk_bytes": 8_388_608,  # stream unit: file write, S3 part (>= 5 MiB), Redis value
+    },
     "log": {
         "format": "console",  # "console" for development, "json" for production
         "level": "info",

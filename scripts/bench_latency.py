@@ -1,0 +1,124 @@
+"""Per-cell latency of trivial cells: Tandem vs a stock local ipykernel, same client code.
+
+Each sample is one ``x = 1`` through jupyter_client's BlockingKernelClient: send execute_request,
+wait for the execute_reply and for iopub ``status: idle`` of that request (what a notebook front
+end waits for). The two kernels are measured in alternating blocks so machine noise hits both
+alike; the figure that matters is the ratio. Prints one JSON line.
+
+Targets (issue): ratio_p50 <= 1.3, tandem_p99_ms <= 20.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from jupyter_client import BlockingKernelClient, KernelManager  # noqa: E402
+
+from services.embedded import EmbeddedCluster  # noqa: E402
+from services.kernelspec import install  # noqa: E402
+from shared.config import load_config, parse_overrides  # noqa: E402
+from shared.logs import configure_logging  # noqa: E402
+
+
+def one_cell(kc: BlockingKernelClient, code: str = "x = 1", timeout: float = 30.0) -> float:
+    """Milliseconds from send to (reply and idle) for one cell."""
+    started = time.perf_counter()
+    msg_id = kc.execute(code)
+    got_reply = got_idle = False
+    deadline = time.monotonic() + timeout
+    while not got_reply:
+        reply = kc.get_shell_msg(timeout=max(0.01, deadline - time.monotonic()))
+        got_reply = reply["parent_header"].get("msg_id") == msg_id
+    while not got_idle:
+        msg = kc.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
+        got_idle = (
+            msg["parent_header"].get("msg_id") == msg_id
+            and msg["msg_type"] == "status"
+            and msg["content"]["execution_state"] == "idle"
+        )
+    return (time.perf_counter() - started) * 1000.0
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    index = min(len(ordered) - 1, max(0, round(q / 100.0 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def start(kernel_name: str) -> tuple[KernelManager, BlockingKernelClient]:
+    km = KernelManager(kernel_name=kernel_name)
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
+    return km, kc
+
+
+def measure(cells: int, block: int, warmup: int) -> dict[str, Any]:
+    kernels = {name: start(spec) for name, spec in (("tandem", "tandem"), ("ipykernel", "python3"))}
+    samples: dict[str, list[float]] = {name: [] for name in kernels}
+    try:
+        for _, kc in kernels.values():
+            for _ in range(warmup):
+                one_cell(kc)
+        while min(len(s) for s in samples.values()) < cells:
+            for name, (_, kc) in kernels.items():
+                for _ in range(min(block, cells - len(samples[name]))):
+                    samples[name].append(one_cell(kc))
+    finally:
+        for km, kc in kernels.values():
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+    result: dict[str, Any] = {"cells": cells}
+    for name, values in samples.items():
+        result[f"{name}_p50_ms"] = round(statistics.median(values), 3)
+        result[f"{name}_p99_ms"] = round(percentile(values, 99), 3)
+        result[f"{name}_mean_ms"] = round(statistics.fmean(values), 3)
+    result["ratio_p50"] = round(result["tandem_p50_ms"] / result["ipykernel_p50_ms"], 3)
+    result["meets_targets"] = result["ratio_p50"] <= 1.3 and result["tandem_p99_ms"] <= 20.0
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cells", type=int, default=500)
+    parser.add_argument("--block", type=int, default=50, help="cells per kernel before switching")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--hosts", type=int, default=3)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    overrides = {"cluster.hosts": str(args.hosts), **parse_overrides(args.set)}
+    cfg = load_config(None, overrides)
+    configure_logging("console", "warning", service="bench")
+    logging.getLogger("traitlets").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
+        state_dir = Path(tmp) / "state"
+        install(prefix=str(Path(tmp) / "prefix"))
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(
+            filter(None, [str(Path(tmp) / "prefix" / "share" / "jupyter"), os.environ.get("JUPYTER_PATH")])
+        )
+        os.environ["TANDEM_STATE_DIR"] = str(state_dir)
+        cluster = EmbeddedCluster(cfg, state_dir=state_dir)
+        try:
+            cluster.start()
+            result = measure(args.cells, args.block, args.warmup)
+        finally:
+            cluster.stop()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""``tandem``: run the embedded cluster, inspect it, run notebooks on it, install the kernelspec.
+
+Every flag maps to a configuration key (``shared/config.py`` layering: defaults < ``--config``
+TOML < flags and ``--set section.key=value``), so anything the CLI can do a config file can pin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from services.cluster_file import ClusterNotRunning, ask_sync, read_cluster
+from shared import messages
+from shared.config import Config, ConfigError, load_config, parse_overrides
+from shared.rpc import RpcError, RpcTimeout
+
+# flag dest -> configuration key
+FLAG_KEYS = {
+    "hosts": "cluster.hosts",
+    "gpus_per_host": "host.gpus",
+    "state_dir": "cluster.state_dir",
+    "log_format": "log.format",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Replicated, GPU-efficient Jupyter kernels.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", help="TOML configuration file (see configs/local.toml)")
+        p.add_argument(
+            "--set", action="append", default=[], metavar="KEY=VALUE", help="override a configuration key"
+        )
+        p.add_argument(
+            "--state-dir", help="where cluster.json lives (cluster.state_dir; env TANDEM_STATE_DIR)"
+        )
+
+    up = sub.add_parser("up", help="run the embedded cluster in the foreground (Ctrl-C stops it)")
+    common(up)
+    up.add_argument("--hosts", type=int, help="number of local schedulers (cluster.hosts)")
+    up.add_argument("--gpus-per-host", type=int, help="virtual GPUs per host (host.gpus)")
+    up.add_argument("--log-format", choices=["console", "json"], help="log.format")
+
+    status = sub.add_parser("status", help="hosts, GPUs and kernels of the running cluster")
+    common(status)
+    status.add_argument("--json", action="store_true", help="the scheduler's cluster.status as JSON")
+
+    host = sub.add_parser("host", help="host administration")
+    host_sub = host.add_subparsers(dest="host_command", required=True)
+    for name, text in (("cordon", "stop placing work on HOST"), ("uncordon", "allow work on HOST again")):
+        p = host_sub.add_parser(name, help=text)
+        common(p)
+        p.add_argument("host_id", metavar="HOST")
+
+    run = sub.add_parser("run", help="execute a notebook on the tandem kernel")
+    common(run)
+    run.add_argument("notebook")
+    run.add_argument("-o", "--output", help="write the executed notebook here")
+    run.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds")
+
+    ks = sub.add_parser("kernelspec", help="manage the 'tandem' kernelspec")
+    ks_sub = ks.add_subparsers(dest="kernelspec_command", required=True)
+    install = ks_sub.add_parser("install", help="install the 'Tandem (replicated)' kernelspec")
+    where = install.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="for the current user")
+    where.add_argument("--sys-prefix", action="store_true", help="into sys.prefix (the active venv)")
+    where.add_argument("--prefix", help="under this prefix")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = parse_overrides(getattr(args, "set", []))
+    for dest, key in FLAG_KEYS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            overrides[key] = str(value) if not isinstance(value, str) else value
+    return load_config(getattr(args, "config", None), overrides)
+
+
+def state_dir_of(args: argparse.Namespace, cfg: Config) -> Path:
+    """--state-dir > $TANDEM_STATE_DIR > configuration."""
+    if getattr(args, "state_dir", None):
+        return Path(os.path.expanduser(args.state_dir)).resolve()
+    return cfg.state_dir().resolve()
+
+
+# ---- commands ------------------------------------------------------------------------------
+
+
+def cmd_up(args: argparse.Namespace, cfg: Config) -> int:
+    from services.embedded import EmbeddedCluster, run_foreground
+    from shared.logs import configure_logging
+
+    configure_logging(cfg.get("log.format"), cfg.get("log.level"), service="tandem-up")
+    state = state_dir_of(args, cfg)
+    if cfg.get("cluster.hosts") < cfg.get("cluster.replicas_per_kernel"):
+        print(
+            f"tandem up: warning: {cfg.get('cluster.hosts')} hosts cannot place a kernel's "
+            f"{cfg.get('cluster.replicas_per_kernel')} replicas on distinct hosts; kernels will not start",
+            file=sys.stderr,
+        )
+    cluster = EmbeddedCluster(cfg, state_dir=state)
+
+    def announce(info: dict[str, Any]) -> None:
+        print(
+            f"Tandem is up: {len(info['hosts'])} hosts x {cfg.get('host.gpus')} GPUs, gateway {info['gateway']}\n"
+            f"  cluster file: {cluster.cluster_file}\n  logs: {info['log_dir']}\n"
+            "  Pick the 'Tandem (replicated)' kernel in Jupyter. Ctrl-C stops the cluster.",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return run_foreground(cluster, on_ready=announce)
+
+
+def _scheduler(args: argparse.Namespace, cfg: Config) -> str:
+    return read_cluster(state_dir_of(args, cfg)).scheduler
+
+
+def cmd_status(args: argparse.Namespace, cfg: Config) -> int:
+    status = ask_sync(_scheduler(args, cfg), messages.CLUSTER_STATUS, {}, timeout=5.0)
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True, default=str))
+        return 0
+    render_status(status)
+    return 0
+
+
+def render_status(status: dict[str, Any]) -> None:
+    """Hosts and kernels as tables; the shape is the global scheduler's ``cluster.status``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    table = Table(title="Tandem hosts")
+    for column in (
+        "host",
+        "alive",
+        "cordoned",
+        "GPUs committed/total",
+        "GPUs subscribed",
+        "subscription ratio",
+    ):
+        table.add_column(column)
+    for host in status.get("hosts", []):
+        table.add_row(
+            str(host.get("id", "?")),
+            "yes" if host.get("alive", True) else "[red]no[/red]",
+            "[yellow]yes[/yellow]" if host.get("cordoned") else "no",
+            f"{host.get('committed', 0)}/{host.get('gpus', '?')}",
+            str(host.get("subscribed", "")),
+            str(host.get("subscription_ratio", "")),
+        )
+    console.print(table)
+    kernels = status.get("kernels", [])
+    if not kernels:
+        console.print("no kernels")
+        return
+    ktable = Table(title="Kernels")
+    for column in ("kernel", "state", "replicas (id@host role)", "last executor"):
+        ktable.add_column(column)
+    for kernel in kernels:
+        replicas = ", ".join(
+            f"{r.get('id')}@{r.get('host')} {r.get('role') or ''}{'' if r.get('alive', True) else ' (dead)'}".strip()
+            for r in kernel.get("replicas", [])
+        )
+        ktable.add_row(
+            str(kernel.get("id", "?")),
+            str(kernel.get("state", "")),
+            replicas,
+            str(kernel.get("last_executor") or ""),
+        )
+    console.print(ktable)
+
+
+def cmd_host(args: argparse.Namespace, cfg: Config) -> int:
+    msg_type = messages.HOST_CORDON if args.host_command == "cordon" else messages.HOST_UNCORDON
+    ask_sync(_scheduler(args, cfg), msg_type, {"host_id": args.host_id}, timeout=5.0)
+    print(f"{args.host_id}: {args.host_command}ed")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace, cfg: Config) -> int:
+    state = state_dir_of(args, cfg)
+    read_cluster(state)  # a clear error before nbclient's
+    os.environ["TANDEM_STATE_DIR"] = str(state)
+    report = run_notebook(
+        Path(args.notebook), Path(args.output) if args.output else None, timeout=args.timeout
+    )
+    print_report(report)
+    return 0 if report["ok"] else 1
+
+
+AfterCell = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def run_notebook(
+    path: Path, output: Path | None, *, timeout: int = 600, after_cell: AfterCell | None = None
+) -> dict[str, Any]:
+    """Execute ``path`` on the tandem kernel; per code cell: executor replica, host, interactivity delay.
+
+    ``after_cell`` (async) sees each cell's row as soon as it ran: the demo uses it to cordon the
+    executor's host mid-notebook and show the namespace following the new executor.
+    """
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    nb = nbformat.read(path, as_version=4)
+    cells: list[dict[str, Any]] = []
+
+    async def on_cell_executed(cell: Any, cell_index: int, execute_reply: dict[str, Any]) -> None:
+        meta = (execute_reply or {}).get("metadata", {}).get("tandem", {})
+        row = {
+            "cell": cell_index,
+            "status": (execute_reply or {}).get("content", {}).get("status"),
+            "replica": meta.get("replica_id"),
+            "host": meta.get("host_id"),
+            "interactivity_delay_ms": meta.get("interactivity_delay_ms"),
+            "source": cell.source.splitlines()[0] if cell.source else "",
+        }
+        cells.append(row)
+        if after_cell is not None:
+            await after_cell(row)
+
+    client = NotebookClient(
+        nb, kernel_name="tandem", timeout=timeout, on_cell_executed=on_cell_executed,
+        resources={"metadata": {"path": str(path.parent)}},
+    )  # fmt: skip
+    started = time.monotonic()
+    error = ""
+    try:
+        client.execute()
+    except CellExecutionError as exc:
+        error = str(exc)
+    except Exception as exc:  # kernel start failure, timeout, dead kernel: report, do not trace back
+        error = f"{exc.__class__.__name__}: {exc}"
+    if output is not None:
+        nbformat.write(nb, output)
+    ok = not error and all(c["status"] == "ok" for c in cells)
+    return {"ok": ok, "error": error, "cells": cells, "seconds": round(time.monotonic() - started, 2)}
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Executed in {report['seconds']} s")
+    for column in ("cell", "status", "executor", "host", "delay ms"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("first line of the cell", no_wrap=True, overflow="ellipsis", max_width=44)
+    for cell in report["cells"]:
+        delay = cell["interactivity_delay_ms"]
+        table.add_row(str(cell["cell"]), str(cell["status"]), str(cell["replica"]), str(cell["host"]),
+                      f"{delay:.1f}" if isinstance(delay, int | float) else "?", cell["source"])  # fmt: skip
+    console = Console(width=None if sys.stdout.isatty() else 120)  # CI logs: do not squeeze the table
+    console.print(table)
+    if report["error"]:
+        console.print(f"[red]failed:[/red] {report['error']}")
+
+
+def cmd_kernelspec(args: argparse.Namespace, _cfg: Config) -> int:
+    from services.kernelspec import install
+
+    prefix = sys.prefix if args.sys_prefix else args.prefix
+    where = install(user=args.user, prefix=prefix)
+    print(f"installed kernelspec 'tandem' in {where}")
+    return 0
+
+
+COMMANDS = {
+    "up": cmd_up,
+    "status": cmd_status,
+    "host": cmd_host,
+    "run": cmd_run,
+    "kernelspec": cmd_kernelspec,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        return COMMANDS[args.command](args, cfg)
+    except (ConfigError, ClusterNotRunning) as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 2
+    except RpcError as exc:
+        print(f"tandem: the cluster refused: {exc.reason}", file=sys.stderr)
+        return 1
+    except RpcTimeout as exc:
+        print(f"tandem: no answer from the cluster: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Finding a running cluster (``$TANDEM_STATE_DIR/cluster.json``) and asking it one question.
+
+Shared by the provisioner and the CLI, which are short-lived clients: each question opens a DEALER,
+waits for the answer with a deadline, and closes it, so nothing lingers in a Jupyter server's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from shared.envelope import Envelope
+from shared.rpc import RpcClient
+
+CLUSTER_FILE = "cluster.json"
+
+
+class ClusterNotRunning(RuntimeError):
+    """No usable cluster.json, or the process that wrote it is gone; the message says what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterInfo:
+    gateway: str
+    scheduler: str
+    pid: int
+    path: Path
+    raw: dict[str, Any]
+
+
+def state_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """``explicit`` > ``$TANDEM_STATE_DIR`` > ``~/.tandem`` (the config default)."""
+    chosen = explicit or os.environ.get("TANDEM_STATE_DIR") or "~/.tandem"
+    return Path(os.path.expanduser(str(chosen)))
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_cluster(explicit_state_dir: str | os.PathLike[str] | None = None) -> ClusterInfo:
+    path = state_dir(explicit_state_dir) / CLUSTER_FILE
+    hint = "start one with `tandem up` (or set TANDEM_STATE_DIR to the state directory of a running cluster)"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ClusterNotRunning(f"no Tandem cluster is running: {path} does not exist; {hint}") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ClusterNotRunning(f"cannot read {path}: {exc}; {hint}") from exc
+    try:
+        info = ClusterInfo(str(raw["gateway"]), str(raw["scheduler"]), int(raw["pid"]), path, raw)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ClusterNotRunning(f"{path} lacks gateway/scheduler/pid ({exc}); {hint}") from exc
+    if not pid_alive(info.pid):
+        raise ClusterNotRunning(f"the cluster in {path} is not running (pid {info.pid} is gone); {hint}")
+    return info
+
+
+_shared_ctx: zmq.asyncio.Context | None = None
+
+
+def _context() -> zmq.asyncio.Context:
+    global _shared_ctx
+    if _shared_ctx is None or _shared_ctx.closed:
+        _shared_ctx = zmq.asyncio.Context()
+    return _shared_ctx
+
+
+async def ask(address: str, msg_type: str, body: dict[str, Any], *, timeout: float = 10.0) -> dict[str, Any]:
+    """One request to a ROUTER service; returns the reply body, raises RpcError / RpcTimeout."""
+    client = RpcClient(_context(), name=f"ask-{msg_type}")
+    client.connect(address)
+    try:
+        answer = await client.request(Envelope(msg_type, body), timeout=timeout)
+    finally:
+        await client.close()
+    return answer.body
+
+
+def ask_sync(address: str, msg_type: str, body: dict[str, Any], *, timeout: float = 10.0) -> dict[str, Any]:
+    """``ask`` for synchronous callers (the CLI)."""
+    return asyncio.run(ask(address, msg_type, body, timeout=timeout))

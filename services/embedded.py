@@ -1,0 +1,391 @@
+"""The embedded cluster behind ``tandem up``: every service as a real OS process on loopback.
+
+Start order: global scheduler, gateway, N local schedulers (virtual GPUs); then wait until every
+host has registered, write ``cluster.json`` and hand control back. Stop order is the reverse, and
+the "no orphans, ever" rule is enforced three ways, because each alone has a hole:
+
+1. every child gets ``PR_SET_PDEATHSIG`` (SIGTERM), so if ``tandem up`` is killed outright the
+   services still receive a polite stop and stop their replicas;
+2. ``tandem up`` is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so replicas orphaned by a
+   crashed local scheduler are re-parented to us instead of init;
+3. on stop, after the polite SIGTERM and a grace period, every process still descending from us
+   (a /proc walk) gets SIGKILL, and zombies are reaped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import structlog
+
+from services.cluster_file import CLUSTER_FILE, ClusterNotRunning, ask_sync, pid_alive, read_cluster
+from shared import messages
+from shared.config import Config
+from shared.rpc import RpcError, RpcTimeout
+
+log = structlog.get_logger("embedded")
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+STOP_GRACE_S = 10.0
+
+
+class ClusterStartError(RuntimeError):
+    """The cluster did not come up; the message names the service and the tail of its log."""
+
+
+def _prctl(option: int, value: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent(parent_pid: int) -> Any:
+    """preexec_fn for children: SIGTERM when ``tandem up`` dies; exit if it already has."""
+
+    def setup() -> None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return setup
+
+
+def free_port(ip: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((ip, 0))
+        return int(sock.getsockname()[1])
+
+
+def descendants(root: int) -> list[int]:
+    """All live descendants of ``root`` (children first), from /proc; empty where /proc is absent."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # comm may contain spaces and parentheses: the ppid is the 2nd field after the last ')'
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found: list[int] = []
+    frontier = [root]
+    while frontier:
+        pid = frontier.pop()
+        for child in children.get(pid, []):
+            found.append(child)
+            frontier.append(child)
+    return found
+
+
+def registered_hosts(status: dict[str, Any]) -> list[str]:
+    """Ids of the live hosts in a ``cluster.status`` reply (``hosts: [{id, alive, ...}]``)."""
+    up = []
+    for host in status.get("hosts", []):
+        if isinstance(host, dict) and host.get("alive", True):
+            up.append(str(host.get("id", host.get("host_id", ""))))
+    return up
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    critical: bool  # its death ends the cluster
+    process: subprocess.Popen[bytes] | None = None
+    log_file: IO[bytes] | None = field(default=None, repr=False)
+
+
+class EmbeddedCluster:
+    """Start, watch and stop the embedded cluster's processes; see the module docstring."""
+
+    def __init__(self, cfg: Config, *, state_dir: Path, python: str | None = None) -> None:
+        self.cfg = cfg
+        self.state_dir = state_dir
+        self.python = python or sys.executable
+        self.ip: str = cfg.get("cluster.ip")
+        self.hosts: int = cfg.get("cluster.hosts")
+        log_dir = cfg.get("embedded.log_dir")
+        self.log_dir = Path(os.path.expanduser(log_dir)) if log_dir else state_dir / "logs"
+        self.children: list[Child] = []
+        self.scheduler_address = ""
+        self.gateway_address = ""
+        self.cluster_file = state_dir / CLUSTER_FILE
+
+    # ---- start -----------------------------------------------------------------------------
+
+    def start(self) -> dict[str, Any]:
+        """Bring every service up and write cluster.json; on any failure stop what started."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(ClusterNotRunning):
+            running = read_cluster(self.state_dir)
+            raise ClusterStartError(
+                f"a cluster is already running from {self.state_dir} (pid {running.pid}); "
+                "stop it or use another --state-dir"
+            )
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _child_config(self) -> str:
+        data = self.cfg.as_dict()
+        if self.cfg.get("embedded.virtual_gpus"):
+            data["host"]["use_nvml"] = False
+        data["cluster"]["state_dir"] = str(self.state_dir)
+        return json.dumps(data)
+
+    def _start(self) -> dict[str, Any]:
+        config_json = self._child_config()
+        log_format = ["--log-format", self.cfg.get("log.format")]
+        self.scheduler_address = f"tcp://{self.ip}:{free_port(self.ip)}"
+        self._spawn(
+            "global-scheduler",
+            [
+                "-m",
+                "services.global_scheduler",
+                "--bind",
+                self.scheduler_address,
+                "--config-json",
+                config_json,
+                *log_format,
+            ],
+            critical=True,
+        )
+        address_file = self.state_dir / "gateway.address"
+        address_file.unlink(missing_ok=True)
+        self._spawn(
+            "gateway",
+            [
+                "-m", "services.gateway", "--scheduler", self.scheduler_address,
+                "--bind", self.cfg.get("gateway.api_address"), "--address-file", str(address_file),
+                "--config-json", config_json, *log_format,
+            ],
+            critical=True,
+        )  # fmt: skip
+        for index in range(self.hosts):
+            host_id = f"host-{index}"
+            self._spawn(
+                host_id,
+                ["-m", "services.local_scheduler", "--host-id", host_id, "--scheduler", self.scheduler_address,
+                 "--config-json", config_json, *log_format],
+                critical=False,
+            )  # fmt: skip
+        deadline = time.monotonic() + float(self.cfg.get("embedded.ready_timeout_s"))
+        self.gateway_address = self._wait_for_file(address_file, deadline)
+        hosts = self._wait_for_hosts(deadline)
+        info = {
+            "gateway": self.gateway_address,
+            "scheduler": self.scheduler_address,
+            "pid": os.getpid(),
+            "hosts": hosts,
+            "state_dir": str(self.state_dir),
+            "log_dir": str(self.log_dir),
+            "processes": {c.name: c.process.pid for c in self.children if c.process is not None},
+            "started_at": time.time(),
+        }
+        tmp = self.cluster_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=2))
+        os.replace(tmp, self.cluster_file)
+        log.info(
+            "cluster_ready", gateway=self.gateway_address, scheduler=self.scheduler_address, hosts=len(hosts)
+        )
+        return info
+
+    def _spawn(self, name: str, args: list[str], *, critical: bool) -> Child:
+        child = Child(name, [self.python, *args], self.log_dir / f"{name}.log", critical)
+        child.log_file = open(child.log_path, "ab")  # noqa: SIM115 - lives as long as the child
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        child.process = subprocess.Popen(
+            child.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=child.log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
+            preexec_fn=die_with_parent(os.getpid()),
+            env=env,
+            cwd=os.getcwd(),
+        )
+        self.children.append(child)
+        log.info("service_started", service=name, pid=child.process.pid, log=str(child.log_path))
+        return child
+
+    def _check_children(self) -> None:
+        for child in self.children:
+            if child.process is not None and child.process.poll() is not None:
+                raise ClusterStartError(
+                    f"{child.name} exited with code {child.process.returncode} during start-up; "
+                    f"last lines of {child.log_path}:\n{tail(child.log_path)}"
+                )
+
+    def _wait_for_file(self, path: Path, deadline: float) -> str:
+        while time.monotonic() < deadline:
+            self._check_children()
+            if path.exists():
+                return path.read_text().strip()
+            time.sleep(0.05)
+        raise ClusterStartError(
+            f"gateway did not come up; last lines of its log:\n{tail(self.log_dir / 'gateway.log')}"
+        )
+
+    def _wait_for_hosts(self, deadline: float) -> list[str]:
+        hosts: list[str] = []
+        while time.monotonic() < deadline:
+            self._check_children()
+            try:
+                status = ask_sync(self.scheduler_address, messages.CLUSTER_STATUS, {}, timeout=1.0)
+            except (RpcTimeout, RpcError):
+                time.sleep(0.1)
+                continue
+            hosts = registered_hosts(status)
+            if len(hosts) >= self.hosts:
+                return sorted(hosts)
+            time.sleep(0.1)
+        raise ClusterStartError(
+            f"only {len(hosts)} of {self.hosts} hosts registered in time ({hosts}); "
+            f"global scheduler log:\n{tail(self.log_dir / 'global-scheduler.log')}"
+        )
+
+    # ---- run -------------------------------------------------------------------------------
+
+    def failed_critical(self) -> Child | None:
+        """A critical service that died on its own (the cluster cannot go on without it)."""
+        for child in self.children:
+            if child.critical and child.process is not None and child.process.poll() is not None:
+                return child
+        return None
+
+    def reap_orphans(self) -> None:
+        """Collect exit statuses of re-parented replicas so they do not linger as zombies."""
+        known = {c.process.pid for c in self.children if c.process is not None}
+        for pid in descendants(os.getpid()):
+            if pid in known:
+                continue
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+
+    # ---- stop ------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """SIGTERM (reverse start order), grace period, then SIGKILL to everything still ours."""
+        with contextlib.suppress(FileNotFoundError):
+            if (
+                self.cluster_file.exists()
+                and json.loads(self.cluster_file.read_text()).get("pid") == os.getpid()
+            ):
+                self.cluster_file.unlink()
+        running = [c for c in reversed(self.children) if c.process is not None and c.process.poll() is None]
+        # Local schedulers first (they stop their replicas), then the gateway, the scheduler last.
+        for child in running:
+            log.info("service_stopping", service=child.name, pid=child.process.pid if child.process else None)
+            with contextlib.suppress(ProcessLookupError):
+                assert child.process is not None
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in running:
+            assert child.process is not None
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("service_kill", service=child.name, reason="did not stop within grace period")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.process.pid, signal.SIGKILL)
+                child.process.wait(timeout=5)
+        self._kill_leftovers()
+        (self.state_dir / "gateway.address").unlink(missing_ok=True)
+        for child in self.children:
+            if child.log_file is not None:
+                child.log_file.close()
+        self.children.clear()
+
+    def _kill_leftovers(self) -> None:
+        leftovers = descendants(os.getpid())
+        for pid in leftovers:
+            if pid == os.getpid():
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                log.warning("orphan_killed", pid=pid)
+        for pid in leftovers:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, 0)
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def run_foreground(cluster: EmbeddedCluster, *, on_ready: Any = None) -> int:
+    """``tandem up``: start, then wait for Ctrl-C / SIGTERM / SIGHUP or a critical service's death."""
+    stop_signal: list[int] = []
+
+    def request_stop(signum: int, _frame: Any) -> None:
+        if stop_signal:  # a second Ctrl-C while stopping: hurry
+            for child in cluster.children:
+                if child.process is not None and child.process.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(child.process.pid, signal.SIGKILL)
+        stop_signal.append(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, request_stop)
+    try:
+        info = cluster.start()
+    except ClusterStartError as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 1
+    if stop_signal:
+        cluster.stop()
+        return 0
+    if on_ready is not None:
+        on_ready(info)
+    exit_code = 0
+    try:
+        while not stop_signal:
+            failed = cluster.failed_critical()
+            if failed is not None:
+                assert failed.process is not None
+                print(
+                    f"tandem up: {failed.name} exited with code {failed.process.returncode}; stopping the cluster. "
+                    f"Last lines of {failed.log_path}:\n{tail(failed.log_path)}",
+                    file=sys.stderr,
+                )
+                exit_code = 1
+                break
+            cluster.reap_orphans()
+            time.sleep(0.5)
+    finally:
+        cluster.stop()
+    return exit_code
+
+
+def cluster_alive(state_dir: Path) -> bool:
+    try:
+        info = read_cluster(state_dir)
+    except ClusterNotRunning:
+        return False
+    return pid_alive(info.pid)

@@ -1,0 +1,1 @@
+"""The Jupyter-facing edge of Tandem: see ``service.Gateway``."""

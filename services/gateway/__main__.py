@@ -1,0 +1,84 @@
+"""``python -m services.gateway --scheduler ADDR [--bind ADDR] [--address-file PATH] ...``.
+
+``--address-file`` receives the API address actually bound (useful with port 0), written only once
+the gateway answers requests, so a launcher can wait on the file instead of guessing ports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import structlog
+import zmq.asyncio
+
+from services.gateway.service import Gateway
+from shared.config import Config, ConfigError, config_from_json, load_config, parse_overrides
+from shared.logs import configure_logging
+from shared.runner import run_service
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
+    parser.add_argument("--scheduler", help="global scheduler ROUTER address (gateway.scheduler_address)")
+    parser.add_argument("--bind", help="API ROUTER address, port 0 for a free one (gateway.api_address)")
+    parser.add_argument("--address-file", help="write the bound API address here once ready")
+    parser.add_argument("--config", help="TOML configuration file")
+    parser.add_argument("--config-json", help="merged configuration from a parent `tandem up`")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
+    parser.add_argument("--log-format", choices=["console", "json"], help="log.format")
+    return parser.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    overrides = parse_overrides(args.set)
+    if args.scheduler:
+        overrides["gateway.scheduler_address"] = args.scheduler
+    if args.bind:
+        overrides["gateway.api_address"] = args.bind
+    if args.log_format:
+        overrides["log.format"] = args.log_format
+    if args.config_json:
+        base = config_from_json(args.config_json).as_dict()
+        merged = {f"{s}.{k}": v for s, keys in base.items() for k, v in keys.items()}
+        merged.update(overrides)
+        return load_config(None, merged)
+    return load_config(args.config, overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = build_config(args)
+    except ConfigError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(cfg.get("log.format"), cfg.get("log.level"), service="gateway")
+    scheduler = cfg.get("gateway.scheduler_address")
+    if not scheduler:
+        print("gateway: no scheduler address (--scheduler or gateway.scheduler_address)", file=sys.stderr)
+        return 2
+
+    async def serve(stop: asyncio.Event) -> None:
+        ctx = zmq.asyncio.Context()
+        gateway = Gateway(ctx, cfg, scheduler_address=scheduler)
+        try:
+            address = await gateway.start(cfg.get("gateway.api_address"))
+            if args.address_file:
+                tmp = Path(args.address_file + ".tmp")
+                tmp.write_text(address)
+                os.replace(tmp, args.address_file)
+            await stop.wait()
+        finally:
+            await gateway.close()
+            ctx.term()
+            structlog.get_logger("gateway").info("gateway_stopped")
+
+    return run_service(serve, name="gateway")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""One distributed kernel presented as one ordinary Jupyter kernel.
+
+A ``KernelEndpoint`` owns the five sockets a Jupyter client connects to (shell, control and stdin
+ROUTERs, an iopub PUB, a heartbeat ROUTER) and the kernel's HMAC key. It checks every incoming
+message's framing and signature, remembers which client identity asked what (by msg_id), and
+hands the raw frames to ``forward``; replies coming back are routed to the identity that asked,
+iopub traffic is published. It knows nothing about replicas or scheduling: that is the point.
+
+The heartbeat socket is a ROUTER rather than a REP (wire compatible with the client's REQ) so the
+endpoint can *not* answer while the kernel is dead, which is how Jupyter clients learn of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from shared.jupyter_wire import (
+    DELIMITER,
+    Signer,
+    WireError,
+    header_of,
+    json_part,
+    parent_msg_id,
+    split_identities,
+)
+
+log = structlog.get_logger("gateway.kernel")
+
+ForwardFn = Callable[[str, list[bytes]], None]
+
+# Requests whose reply never came (a client that vanished) must not grow memory without bound.
+MAX_PENDING_ROUTES = 10_000
+
+ROUTED_CHANNELS = ("shell", "control", "stdin")
+
+
+@dataclass(slots=True)
+class PendingRoute:
+    """Where the answer to one request goes, and when the request reached us."""
+
+    channel: str
+    identities: list[bytes]
+    msg_type: str
+    arrived_at: float  # wall clock, comparable with the replica's execution start
+    code_started_at: float | None = None  # when the executor's execute_input passed through here
+
+
+@dataclass(slots=True)
+class EndpointStats:
+    forwarded: int = 0
+    delivered: int = 0
+    rejected: int = 0
+    last_rejection: str = ""
+    unroutable: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class KernelEndpoint:
+    """The client-facing sockets of one kernel; see the module docstring."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        kernel_id: str,
+        key: bytes,
+        signature_scheme: str,
+        forward: ForwardFn,
+        *,
+        ip: str = "127.0.0.1",
+    ) -> None:
+        self.kernel_id = kernel_id
+        self.ip = ip
+        self.key = key
+        self.signature_scheme = signature_scheme
+        self._signer = Signer(key, signature_scheme)
+        self._forward = forward
+        self._ctx = ctx
+        self._log = log.bind(kernel=kernel_id)
+        self._routes: OrderedDict[str, PendingRoute] = OrderedDict()
+        self._iopub_topic = f"kernel.{kernel_id}".encode()
+        self.alive = False
+        self.stats = EndpointStats()
+        self._sockets: dict[str, zmq.asyncio.Socket] = {}
+        self.ports: dict[str, int] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        # replica_id -> host_id, kept fresh by the gateway from the scheduler's kernel.status, so
+        # replies can say where they ran without the replica knowing its host.
+        self.replica_hosts: dict[str, str] = {}
+        self.on_unknown_replica: Callable[[], None] | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def bind(self) -> dict[str, int]:
+        """Bind the five sockets on free ports; idempotent, so a restart keeps the client's ports."""
+        if self._sockets:
+            return self.ports
+        kinds = {
+            "shell": zmq.ROUTER,
+            "control": zmq.ROUTER,
+            "stdin": zmq.ROUTER,
+            "iopub": zmq.PUB,
+            "hb": zmq.ROUTER,
+        }
+        for channel, kind in kinds.items():
+            sock = self._ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            if kind == zmq.ROUTER:
+                sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            self.ports[channel] = sock.bind_to_random_port(f"tcp://{self.ip}")
+            self._sockets[channel] = sock
+        for channel in ROUTED_CHANNELS:
+            self._tasks.append(asyncio.ensure_future(self._client_loop(channel)))
+        self._tasks.append(asyncio.ensure_future(self._heartbeat_loop()))
+        return self.ports
+
+    def set_key(self, key: bytes, signature_scheme: str) -> None:
+        """A restart may come with a new key; clients sign with whatever the provisioner handed out."""
+        self.key = key
+        self.signature_scheme = signature_scheme
+        self._signer = Signer(key, signature_scheme)
+
+    def connection_info(self) -> dict[str, Any]:
+        return {
+            "ip": self.ip,
+            "transport": "tcp",
+            "shell_port": self.ports["shell"],
+            "iopub_port": self.ports["iopub"],
+            "stdin_port": self.ports["stdin"],
+            "control_port": self.ports["control"],
+            "hb_port": self.ports["hb"],
+            "key": self.key.decode(),
+            "signature_scheme": self.signature_scheme,
+        }
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        self._sockets.clear()
+        self._routes.clear()
+
+    # ---- client -> cluster -----------------------------------------------------------------
+
+    async def _client_loop(self, channel: str) -> None:
+        sock = self._sockets[channel]
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                self._accept(channel, frames)
+            except WireError as exc:
+                self._reject(channel, str(exc))
+            except Exception as exc:  # never let one odd message kill the channel
+                self._log.exception("client_message_failed", channel=channel)
+                self._reject(channel, f"{exc.__class__.__name__}: {exc}")
+
+    def _accept(self, channel: str, frames: list[bytes]) -> None:
+        identities, msg = split_identities(frames)
+        if not self._signer.verify(msg[0], msg[1:5]):
+            raise WireError("invalid HMAC signature")
+        header = header_of(msg)
+        msg_id = header["msg_id"]
+        if channel != "stdin":  # an input_reply is answered by nobody
+            self._remember(msg_id, PendingRoute(channel, identities, header["msg_type"], time.time()))
+        self.stats.forwarded += 1
+        self._log.debug("client_request", channel=channel, msg_id=msg_id, msg_type=header["msg_type"])
+        self._forward(channel, msg)
+
+    def _reject(self, channel: str, reason: str) -> None:
+        self.stats.rejected += 1
+        self.stats.last_rejection = reason
+        self._log.warning("rejected_jupyter_message", channel=channel, reason=reason)
+
+    def _remember(self, msg_id: str, route: PendingRoute) -> None:
+        self._routes[msg_id] = route
+        if len(self._routes) > MAX_PENDING_ROUTES:
+            dropped, _ = self._routes.popitem(last=False)
+            self._log.warning("pending_route_evicted", msg_id=dropped)
+
+    def expect_reply(self, msg_id: str, channel: str, msg_type: str) -> None:
+        """Register a request the gateway itself sent (e.g. kernel.interrupt) so its reply is swallowed."""
+        self._remember(msg_id, PendingRoute(channel, [], msg_type, time.time()))
+
+    def sign(self, parts: list[bytes]) -> bytes:
+        return self._signer.sign(parts)
+
+    # ---- cluster -> client -----------------------------------------------------------------
+
+    def deliver(self, channel: str, frames: list[bytes]) -> None:
+        """Route one message from the executor (via the scheduler) to the client that asked."""
+        if not self._sockets:
+            return
+        if channel == "iopub":
+            self._note_execute_input(frames)
+            self._send(self._sockets["iopub"], [self._iopub_topic, DELIMITER, *frames])
+            self.stats.delivered += 1
+            return
+        parent_id = parent_msg_id(frames)
+        route = self._routes.get(parent_id) if parent_id else None
+        if route is None:
+            self.stats.unroutable += 1
+            self._log.warning("unroutable_reply", channel=channel, msg_id=parent_id)
+            return
+        if channel != "stdin":  # stdin traffic (input_request) precedes the shell reply it belongs to
+            del self._routes[parent_id]
+            if route.msg_type == "execute_request":
+                frames = self._stamp_arrival(frames, route)
+        if not route.identities:  # a request the gateway made itself
+            return
+        self._send(self._sockets[channel], [*route.identities, DELIMITER, *frames])
+        self.stats.delivered += 1
+        self._log.debug("reply_routed", channel=channel, msg_id=parent_id, request_type=route.msg_type)
+
+    def _note_execute_input(self, frames: list[bytes]) -> None:
+        """The executor publishes execute_input right before user code runs: our view of "started"."""
+        if b'"execute_input"' not in frames[1]:  # cheap pre-check: most iopub traffic is not this
+            return
+        parent_id = parent_msg_id(frames)
+        route = self._routes.get(parent_id) if parent_id else None
+        if route is not None and route.code_started_at is None:
+            route.code_started_at = time.time()
+
+    def _stamp_arrival(self, frames: list[bytes], route: PendingRoute) -> list[bytes]:
+        """Add our arrival time to execute_reply metadata.tandem, so clients can measure the
+        interactivity delay (arrival here -> start of user code at the replica). Re-signs."""
+        try:
+            header = json.loads(frames[1])
+            if header.get("msg_type") != "execute_reply":
+                return frames
+            metadata = json.loads(frames[3])
+        except (json.JSONDecodeError, UnicodeDecodeError, IndexError):
+            return frames
+        if not isinstance(metadata, dict):
+            return frames
+        tandem = metadata.setdefault("tandem", {})
+        if not isinstance(tandem, dict):
+            return frames
+        tandem["gateway_received_at"] = route.arrived_at
+        started = tandem.get("started_at")  # the replica's own clock reading, when it reports one
+        if not isinstance(started, int | float):
+            started = route.code_started_at
+            tandem["started_at_source"] = "gateway"
+        if isinstance(started, int | float):
+            tandem["interactivity_delay_ms"] = round((started - route.arrived_at) * 1000.0, 3)
+        replica_id = tandem.get("replica_id")
+        if "host_id" not in tandem and isinstance(replica_id, str):
+            host = self.replica_hosts.get(replica_id)
+            if host is None and self.on_unknown_replica is not None:
+                self.on_unknown_replica()
+            tandem["host_id"] = host
+        parts = [frames[1], frames[2], json_part(metadata), frames[4]]
+        return [self._signer.sign(parts), *parts, *frames[5:]]
+
+    def _send(self, sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._log.warning("client_send_failed", error=str(exc))
+
+    # ---- heartbeat -------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        sock = self._sockets["hb"]
+        while True:
+            frames = await sock.recv_multipart()
+            if self.alive:
+                self._send(sock, frames)
+
+    def pending_count(self) -> int:
+        return len(self._routes)

@@ -1,0 +1,331 @@
+"""The gateway service: Jupyter edge for every distributed kernel, plus the kernel lifecycle API.
+
+Two links: an API ROUTER (``kernel.start/shutdown/status/interrupt`` from the provisioner and the
+CLI) and a DEALER to the global scheduler (identity ``gateway``) carrying ``jupyter.request`` out
+and ``jupyter.reply`` / ``kernel.dead`` back. All decisions about replicas live in the scheduler;
+the gateway only binds sockets, checks signatures and routes frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from services.gateway.kernel_endpoint import KernelEndpoint
+from shared import messages
+from shared.config import Config
+from shared.envelope import Envelope
+from shared.jupyter_wire import WireError, json_part
+from shared.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
+
+log = structlog.get_logger("gateway")
+
+GATEWAY_IDENTITY = b"gateway"
+
+
+class KernelState:
+    STARTING = "starting"
+    ALIVE = "alive"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+class Gateway:
+    """Owns the API server, the scheduler link and one ``KernelEndpoint`` per kernel."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, cfg: Config, *, scheduler_address: str) -> None:
+        self._ctx = ctx
+        self._cfg = cfg
+        self._kernel_ip: str = cfg.get("gateway.kernel_ip")
+        self._start_timeout: float = cfg.get("gateway.kernel_start_timeout_s")
+        self._request_timeout: float = cfg.get("scheduler.request_timeout_s")
+        self._poll_interval: float = cfg.get("gateway.status_poll_interval_s")
+        self._scheduler_address = scheduler_address
+        self.api = RpcServer(ctx, self._on_api, name="gateway-api")
+        self.scheduler = RpcClient(
+            ctx, identity=GATEWAY_IDENTITY, on_message=self._on_scheduler_push, name="gateway->scheduler"
+        )
+        self.kernels: dict[str, KernelEndpoint] = {}
+        self.states: dict[str, str] = {}
+        self.reasons: dict[str, str] = {}
+        self._poller: asyncio.Task[None] | None = None
+        self._refreshing: set[str] = set()
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def start(self, api_address: str) -> str:
+        address = self.api.bind(api_address)
+        self.api.start()
+        self.scheduler.connect(self._scheduler_address)
+        self._poller = asyncio.ensure_future(self._poll_liveness())
+        log.info("gateway_started", api=address, scheduler=self._scheduler_address)
+        return address
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+        for endpoint in list(self.kernels.values()):
+            await endpoint.close()
+        self.kernels.clear()
+        await self.api.close()
+        await self.scheduler.close()
+
+    # ---- API -------------------------------------------------------------------------------
+
+    def _on_api(self, identity: bytes, env: Envelope) -> Any:
+        handlers = {
+            messages.KERNEL_START: self._kernel_start,
+            messages.KERNEL_SHUTDOWN: self._kernel_shutdown,
+            messages.KERNEL_STATUS: self._kernel_status,
+            messages.KERNEL_INTERRUPT: self._kernel_interrupt,
+        }
+        handler = handlers.get(env.type)
+        if handler is None:
+            log.warning("rejected_api_message", type=env.type, reason="not a gateway API request")
+            return env.error(f"the gateway does not handle {env.type!r}", code="bad_message")
+        return handler(env)
+
+    async def _kernel_start(self, env: Envelope) -> Envelope:
+        body = env.body
+        kernel_id: str = body["kernel_id"]
+        klog = log.bind(kernel=kernel_id)
+        scheme = body.get("signature_scheme", "hmac-sha256")
+        key = body["key"].encode()
+        if self.states.get(kernel_id) in (KernelState.STARTING, KernelState.ALIVE):
+            return env.error(f"kernel {kernel_id} is already running", code="conflict")
+        endpoint = self.kernels.get(kernel_id)
+        fresh = endpoint is None
+        try:
+            if endpoint is None:
+                endpoint = KernelEndpoint(
+                    self._ctx, kernel_id, key, scheme, self._forwarder(kernel_id), ip=self._kernel_ip
+                )
+            else:
+                endpoint.set_key(key, scheme)
+        except WireError as exc:
+            return env.error(str(exc), code="bad_message")
+        endpoint.bind()
+        self.kernels[kernel_id] = endpoint
+        self.states[kernel_id] = KernelState.STARTING
+        self.reasons.pop(kernel_id, None)
+        klog.info("kernel_starting", resources=body["resources"], reused_ports=not fresh)
+        forward = Envelope(messages.KERNEL_START, dict(body))
+        try:
+            answer = await self.scheduler.request(forward, timeout=self._start_timeout)
+        except (RpcError, RpcTimeout) as exc:
+            reason = exc.reason if isinstance(exc, RpcError) else str(exc)
+            klog.warning("kernel_start_failed", reason=reason)
+            # The scheduler may still finish placing replicas after our deadline: tell it to stop.
+            self.scheduler.send(Envelope(messages.KERNEL_SHUTDOWN, {"kernel_id": kernel_id}))
+            self.states[kernel_id] = KernelState.DEAD
+            self.reasons[kernel_id] = reason
+            if fresh:
+                await self._forget(kernel_id)
+            return env.error(f"kernel start failed: {reason}", code="start_failed")
+        endpoint.alive = True
+        endpoint.on_unknown_replica = lambda: self._refresh_placement_soon(kernel_id)
+        self._learn_placement(kernel_id, answer.body)
+        self.states[kernel_id] = KernelState.ALIVE
+        info = endpoint.connection_info()
+        info["kernel_id"] = kernel_id
+        info["placement"] = answer.body
+        klog.info("kernel_started", ports=endpoint.ports)
+        return env.reply(info)
+
+    async def _kernel_shutdown(self, env: Envelope) -> Envelope:
+        kernel_id: str = env.body["kernel_id"]
+        restart = bool(env.body.get("restart", False))
+        endpoint = self.kernels.get(kernel_id)
+        if endpoint is None:
+            return env.error(f"unknown kernel {kernel_id}", code="unknown_kernel")
+        endpoint.alive = False
+        scheduler_error = ""
+        if self.states.get(kernel_id) != KernelState.STOPPED:
+            try:
+                await self.scheduler.request(
+                    Envelope(messages.KERNEL_SHUTDOWN, dict(env.body)), timeout=self._request_timeout
+                )
+            except (RpcError, RpcTimeout) as exc:
+                scheduler_error = exc.reason if isinstance(exc, RpcError) else str(exc)
+                log.warning("kernel_shutdown_scheduler_error", kernel=kernel_id, reason=scheduler_error)
+        self.states[kernel_id] = KernelState.STOPPED
+        if not restart:
+            await self._forget(kernel_id)
+        log.info("kernel_stopped", kernel=kernel_id, restart=restart)
+        return env.reply(
+            {"kernel_id": kernel_id, "state": KernelState.STOPPED, "scheduler_error": scheduler_error}
+        )
+
+    def _kernel_status(self, env: Envelope) -> Envelope:
+        kernel_id: str = env.body["kernel_id"]
+        state = self.states.get(kernel_id)
+        if state is None:
+            return env.error(f"unknown kernel {kernel_id}", code="unknown_kernel")
+        endpoint = self.kernels.get(kernel_id)
+        body: dict[str, Any] = {
+            "kernel_id": kernel_id,
+            "state": state,
+            "reason": self.reasons.get(kernel_id, ""),
+        }
+        if endpoint is not None:
+            stats = endpoint.stats
+            body.update(
+                alive=endpoint.alive,
+                forwarded=stats.forwarded,
+                delivered=stats.delivered,
+                rejected=stats.rejected,
+                last_rejection=stats.last_rejection,
+                pending=endpoint.pending_count(),
+            )
+        return env.reply(body)
+
+    def _kernel_interrupt(self, env: Envelope) -> Envelope:
+        kernel_id: str = env.body["kernel_id"]
+        endpoint = self.kernels.get(kernel_id)
+        if endpoint is None or self.states.get(kernel_id) != KernelState.ALIVE:
+            return env.error(f"kernel {kernel_id} is not running", code="unknown_kernel")
+        header = {
+            "msg_id": uuid.uuid4().hex,
+            "msg_type": "interrupt_request",
+            "session": "tandem-gateway",
+            "username": "tandem",
+            "date": _now_iso(),
+            "version": "5.3",
+        }
+        parts = [json_part(header), b"{}", b"{}", b"{}"]
+        endpoint.expect_reply(header["msg_id"], "control", "interrupt_request")
+        self._forward(kernel_id, "control", [endpoint.sign(parts), *parts])
+        return env.reply({"kernel_id": kernel_id, "msg_id": header["msg_id"]})
+
+    async def _forget(self, kernel_id: str) -> None:
+        endpoint = self.kernels.pop(kernel_id, None)
+        if endpoint is not None:
+            await endpoint.close()
+
+    # ---- Jupyter traffic -------------------------------------------------------------------
+
+    def _forwarder(self, kernel_id: str) -> Any:
+        def forward(channel: str, frames: list[bytes]) -> None:
+            self._forward(kernel_id, channel, frames)
+
+        return forward
+
+    def _forward(self, kernel_id: str, channel: str, frames: list[bytes]) -> None:
+        self.scheduler.send(
+            Envelope(messages.JUPYTER_REQUEST, {"kernel_id": kernel_id, "channel": channel, "frames": frames})
+        )
+
+    def _on_scheduler_push(self, env: Envelope) -> None:
+        kernel_id = env.body.get("kernel_id", "")
+        endpoint = self.kernels.get(kernel_id)
+        if env.type == messages.JUPYTER_REPLY:
+            if endpoint is None:
+                log.warning("reply_for_unknown_kernel", kernel=kernel_id)
+                return
+            endpoint.deliver(env.body["channel"], env.body["frames"])
+        elif env.type == messages.KERNEL_DEAD:
+            reason = env.body["reason"]
+            log.warning("kernel_dead", kernel=kernel_id, reason=reason)
+            if endpoint is not None:
+                endpoint.alive = False
+            if self.states.get(kernel_id) in (KernelState.ALIVE, KernelState.STARTING):
+                self.states[kernel_id] = KernelState.DEAD
+                self.reasons[kernel_id] = reason
+        else:
+            log.warning("unexpected_scheduler_message", type=env.type)
+
+    async def _poll_liveness(self) -> None:
+        """Backstop for a lost ``kernel.dead`` push: ask the scheduler about each live kernel."""
+        while True:
+            await asyncio.sleep(self._poll_interval)
+            for kernel_id, state in list(self.states.items()):
+                if state != KernelState.ALIVE:
+                    continue
+                try:
+                    answer = await self.scheduler.request(
+                        Envelope(messages.KERNEL_STATUS, {"kernel_id": kernel_id}),
+                        timeout=self._request_timeout,
+                    )
+                except RpcError as exc:
+                    if exc.code in ("unknown_kernel", "not_found"):
+                        self._mark_dead(kernel_id, f"scheduler does not know the kernel: {exc.reason}")
+                    continue
+                except RpcTimeout:
+                    continue
+                self._learn_placement(kernel_id, answer.body)
+                state = str(answer.body.get("state", "")).lower()
+                if state in ("stopping", "stopped"):  # a client's own shutdown_request on control
+                    self._mark_stopped(kernel_id)
+                elif scheduler_says_dead(answer.body):
+                    self._mark_dead(kernel_id, str(answer.body.get("reason") or "scheduler reports it dead"))
+
+    def _learn_placement(self, kernel_id: str, status: dict[str, Any]) -> None:
+        """Remember replica -> host from a kernel status, to label replies with where they ran."""
+        endpoint = self.kernels.get(kernel_id)
+        replicas = status.get("replicas")
+        if endpoint is None or not isinstance(replicas, list):
+            return
+        for replica in replicas:
+            if isinstance(replica, dict):
+                replica_id = replica.get("id", replica.get("replica_id"))
+                host = replica.get("host", replica.get("host_id"))
+                if isinstance(replica_id, str) and isinstance(host, str):
+                    endpoint.replica_hosts[replica_id] = host
+
+    def _refresh_placement_soon(self, kernel_id: str) -> None:
+        """A reply named a replica we have not seen (a replacement): ask where it lives."""
+        if kernel_id in self._refreshing:
+            return
+        self._refreshing.add(kernel_id)
+
+        async def refresh() -> None:
+            try:
+                answer = await self.scheduler.request(
+                    Envelope(messages.KERNEL_STATUS, {"kernel_id": kernel_id}), timeout=self._request_timeout
+                )
+                self._learn_placement(kernel_id, answer.body)
+            except (RpcError, RpcTimeout):
+                pass
+            finally:
+                self._refreshing.discard(kernel_id)
+
+        task = asyncio.ensure_future(refresh())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _mark_stopped(self, kernel_id: str) -> None:
+        if self.states.get(kernel_id) != KernelState.ALIVE:
+            return
+        log.info("kernel_stopped_by_client", kernel=kernel_id)
+        self.states[kernel_id] = KernelState.STOPPED
+        endpoint = self.kernels.get(kernel_id)
+        if endpoint is not None:
+            endpoint.alive = False
+
+    def _mark_dead(self, kernel_id: str, reason: str) -> None:
+        if self.states.get(kernel_id) != KernelState.ALIVE:
+            return
+        log.warning("kernel_dead", kernel=kernel_id, reason=reason)
+        self.states[kernel_id] = KernelState.DEAD
+        self.reasons[kernel_id] = reason
+        endpoint = self.kernels.get(kernel_id)
+        if endpoint is not None:
+            endpoint.alive = False
+
+
+def scheduler_says_dead(body: dict[str, Any]) -> bool:
+    """Tolerant reading of the scheduler's ``kernel.status``: ``alive: false`` or a dead state."""
+    if body.get("alive") is False:
+        return True
+    return str(body.get("state", "")).lower() in ("dead", "failed")
+
+
+def _now_iso() -> str:
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).isoformat()

@@ -1,0 +1,129 @@
+"""Starting and stopping a real embedded cluster for tests (used by conftest.py and tests).
+
+``tandem_cluster`` runs ``tandem up`` (the real CLI, as a subprocess) in a temporary state
+directory once per test session, points this process's provisioner at it (``TANDEM_STATE_DIR``)
+and installs the ``tandem`` kernelspec into a temporary prefix, so ``KernelManager(kernel_name=
+"tandem")``, nbclient and ``jupyter_kernel_test`` all work unmodified. Teardown sends SIGTERM and
+checks that no process of the cluster survived.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.embedded import die_with_parent
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUIRED_MODULES = (
+    "services/global_scheduler/__main__.py",
+    "services/local_scheduler/__main__.py",
+    "kernel_replica/__main__.py",
+)
+START_TIMEOUT_S = 120.0
+
+
+@dataclass
+class ClusterHandle:
+    """A running embedded cluster: where it lives and how to reach it."""
+
+    state_dir: Path
+    log_dir: Path
+    process: subprocess.Popen[bytes]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gateway(self) -> str:
+        return str(self.info["gateway"])
+
+    @property
+    def scheduler(self) -> str:
+        return str(self.info["scheduler"])
+
+    def log_text(self, service: str) -> str:
+        path = self.log_dir / f"{service}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def cli(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "services.cli", *args, "--state-dir", str(self.state_dir)],
+            capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        )  # fmt: skip
+
+    def replica_pids(self, kernel_id: str) -> list[int]:
+        """Live replica processes of ``kernel_id`` (found by the kernel id in their command line or env)."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+                if b"kernel_replica" not in cmdline:
+                    continue
+                if (
+                    kernel_id.encode() in cmdline
+                    or kernel_id.encode() in Path(f"/proc/{entry}/environ").read_bytes()
+                ):
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                    if stat.rsplit(")", 1)[1].split()[0] != "Z":
+                        pids.append(int(entry))
+            except OSError:
+                continue
+        return pids
+
+
+def missing_services() -> list[str]:
+    return [m for m in REQUIRED_MODULES if not (ROOT / m).exists()]
+
+
+def start_cluster(state_dir: Path, *extra: str) -> ClusterHandle:
+    """Run ``tandem up`` in the background and wait for its cluster.json."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    out = open(state_dir / "tandem-up.out", "wb")  # noqa: SIM115 - closed by stop_cluster
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--state-dir", str(state_dir), "--log-format", "json", *extra],
+        stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+        preexec_fn=die_with_parent(os.getpid()),  # a killed test run must not leave a cluster behind
+    )  # fmt: skip
+    handle = ClusterHandle(state_dir, state_dir / "logs", process)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    cluster_file = state_dir / "cluster.json"
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            break
+        if cluster_file.exists():
+            handle.info = json.loads(cluster_file.read_text())
+            return handle
+        time.sleep(0.1)
+    stop_cluster(handle)
+    output = (state_dir / "tandem-up.out").read_text(errors="replace")[-4000:]
+    pytest.fail(f"tandem up did not become ready (exit code {process.returncode}):\n{output}")
+
+
+def stop_cluster(handle: ClusterHandle) -> list[int]:
+    """SIGTERM ``tandem up``; return the pids of its services that are still alive afterwards."""
+    pids = list(handle.info.get("processes", {}).values())
+    if handle.process.poll() is None:
+        handle.process.send_signal(signal.SIGTERM)
+        try:
+            handle.process.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            os.killpg(handle.process.pid, signal.SIGKILL)
+            handle.process.wait(timeout=10)
+    survivors = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            survivors.append(pid)
+        except ProcessLookupError:
+            pass
+    return survivors

@@ -1,0 +1,53 @@
+"""Fixtures shared by the whole suite; the main one is a real embedded cluster.
+
+``tandem_cluster`` runs ``tandem up`` (the real CLI, as a subprocess) in a temporary state
+directory once per test session, points this process's provisioner at it (``TANDEM_STATE_DIR``)
+and installs the ``tandem`` kernelspec into a temporary prefix, so ``KernelManager(kernel_name=
+"tandem")``, nbclient and ``jupyter_kernel_test`` all work unmodified. Teardown sends SIGTERM and
+checks that no process of the cluster survived.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _cluster import ClusterHandle, missing_services, start_cluster, stop_cluster
+
+
+@pytest.fixture(scope="session")
+def tandem_kernelspec(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The ``tandem`` kernelspec in a private prefix, visible to this process's Jupyter clients."""
+    from services.kernelspec import install
+
+    prefix = tmp_path_factory.mktemp("jupyter-prefix")
+    install(prefix=str(prefix))
+    old = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(prefix / "share" / "jupyter"), old]))
+    yield prefix
+    if old is None:
+        os.environ.pop("JUPYTER_PATH", None)
+    else:
+        os.environ["JUPYTER_PATH"] = old
+
+
+@pytest.fixture(scope="session")
+def tandem_cluster(
+    tmp_path_factory: pytest.TempPathFactory, tandem_kernelspec: Path
+) -> Iterator[ClusterHandle]:
+    missing = missing_services()
+    if missing:
+        pytest.skip(f"cluster services not written yet: {', '.join(missing)}")
+    state_dir = tmp_path_factory.mktemp("tandem-state")
+    handle = start_cluster(state_dir)
+    old = os.environ.get("TANDEM_STATE_DIR")
+    os.environ["TANDEM_STATE_DIR"] = str(state_dir)
+    yield handle
+    if old is None:
+        os.environ.pop("TANDEM_STATE_DIR", None)
+    else:
+        os.environ["TANDEM_STATE_DIR"] = old
+    survivors = stop_cluster(handle)
+    assert not survivors, f"services survived tandem up's SIGTERM: {survivors}"

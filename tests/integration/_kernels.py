@@ -1,0 +1,62 @@
+"""Small helpers for integration tests that drive tandem kernels through jupyter_client."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from jupyter_client import BlockingKernelClient, KernelManager
+
+
+@dataclass
+class CellResult:
+    reply: dict[str, Any]
+    stdout: str = ""
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    results: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def status(self) -> str:
+        return str(self.reply["content"]["status"])
+
+    @property
+    def tandem(self) -> dict[str, Any]:
+        return dict(self.reply.get("metadata", {}).get("tandem", {}))
+
+
+@contextlib.contextmanager
+def tandem_kernel(**resources: Any) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
+    km = KernelManager(kernel_name="tandem")
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        with contextlib.suppress(Exception):
+            km.shutdown_kernel(now=True)
+
+
+def run(kc: BlockingKernelClient, code: str, timeout: float = 30.0) -> CellResult:
+    """Execute ``code`` and collect its reply and outputs, as a notebook front end would."""
+    result = CellResult(reply={})
+
+    def on_output(msg: dict[str, Any]) -> None:
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            result.stdout += content["text"]
+        elif kind == "error":
+            result.errors.append(content)
+        elif kind == "execute_result":
+            result.results.append(content["data"].get("text/plain", ""))
+
+    started = time.monotonic()
+    result.reply = kc.execute_interactive(code, timeout=timeout, output_hook=on_output)
+    result.seconds = time.monotonic() - started
+    return result

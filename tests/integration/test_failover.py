@@ -1,0 +1,84 @@
+"""A notebook keeps its variables when the executor changes, and survives losing one replica."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from _cluster import ClusterHandle
+from _kernels import run, tandem_kernel
+
+pytestmark = pytest.mark.integration
+
+
+def _executor_pid(kc) -> int:  # type: ignore[no-untyped-def]
+    cell = run(kc, "import os; print(os.getpid())")
+    assert cell.status == "ok", cell.errors
+    return int(cell.stdout.strip())
+
+
+def test_variables_survive_cordon_of_the_executors_host(tandem_cluster: ClusterHandle) -> None:
+    with tandem_kernel() as (_km, kc):
+        first = run(kc, "x = 41")
+        assert first.status == "ok"
+        host = first.tandem.get("host_id")
+        replica = first.tandem.get("replica_id")
+        assert host, f"execute_reply metadata.tandem lacks host_id: {first.tandem}"
+        cordon = tandem_cluster.cli("host", "cordon", host)
+        assert cordon.returncode == 0, cordon.stderr
+        try:
+            second = run(kc, "x += 1; print(x)")
+            assert second.status == "ok", second.errors
+            assert second.stdout.strip() == "42"
+            assert second.tandem.get("host_id") != host
+            assert second.tandem.get("replica_id") != replica
+        finally:
+            assert tandem_cluster.cli("host", "uncordon", host).returncode == 0
+
+
+def test_variables_survive_killing_the_executor(tandem_cluster: ClusterHandle) -> None:
+    with tandem_kernel() as (_km, kc):
+        assert run(kc, "data = {'a': [1, 2, 3]}").status == "ok"
+        executor = _executor_pid(kc)
+        os.kill(executor, signal.SIGKILL)
+        time.sleep(0.5)
+        cell = run(kc, "data['a'].append(4); print(sum(data['a']), os.getpid())", timeout=30)
+        assert cell.status == "ok", cell.errors
+        total, pid = cell.stdout.split()
+        assert total == "10"
+        assert int(pid) != executor
+
+
+def test_one_replica_lost_cells_still_run_two_lost_fails_fast(tandem_cluster: ClusterHandle) -> None:
+    with tandem_kernel() as (km, kc):
+        assert run(kc, "y = 1").status == "ok"
+        pids = tandem_cluster.replica_pids(km.kernel_id)
+        assert len(pids) == 3, pids
+        executor = _executor_pid(kc)
+        standby = next(p for p in pids if p != executor)
+        os.kill(standby, signal.SIGKILL)
+        for _ in range(3):
+            cell = run(kc, "y += 1")
+            assert cell.status == "ok", cell.reply["content"]
+        survivors = [p for p in tandem_cluster.replica_pids(km.kernel_id) if p != standby]
+        os.kill(survivors[0], signal.SIGKILL)
+        started = time.monotonic()
+        failed = run(kc, "y += 1", timeout=15)
+        assert time.monotonic() - started < 10
+        assert failed.status == "error"
+        message = (
+            failed.reply["content"].get("ename", "") + failed.reply["content"].get("evalue", "")
+        ).lower()
+        assert "replica" in message or "dead" in message or "executor" in message, failed.reply["content"]
+        # jupyter_client sees a dead kernel (no silent auto-restart) ...
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and km.is_alive():
+            time.sleep(0.2)
+        assert not km.is_alive()
+        # ... and an explicit restart gives a fresh, working kernel
+        km.restart_kernel()
+        kc.wait_for_ready(timeout=60)
+        fresh = run(kc, "print('y' in dir())")
+        assert fresh.status == "ok" and fresh.stdout.strip() == "False"
