@@ -1,0 +1,198 @@
+"""Cluster autoscaling (NotebookOS §3.4.2): when to add hosts, how many, and which idle ones to release.
+
+Two triggers for scale-out:
+
+1. A kernel's placement failed. Enough hosts are requested for its missing replicas, and a replica
+   slot is *reserved* on each host being added, before it registers, so a burst of kernel starts
+   cannot claim the same arriving host twice; when the host registers, ``on_host_registered``
+   says which replicas to place on it.
+2. The periodic check: expected capacity ΣG' = f·ΣC (ΣC GPUs committed to executing replicas,
+   f = 1.05) plus a *scaling buffer* of extra hosts for bursts. Fewer provisioned → scale out; more
+   → release idle hosts (nothing committed), 1-2 at a time, fewest replicas first, and never so
+   many that the remaining hosts' cluster subscription ratio would pass ``max_ratio_after_scale_in``.
+
+Stateful only in what it has asked for and not yet seen (pending hosts and their reservations);
+the caller passes the cluster's loads. No clock: the caller decides how often ``evaluate`` runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from shared.policies.placement import PlacementDecision, PlacementRequest, subscription_ratio
+from shared.resources import Resources
+
+
+@dataclass(frozen=True, slots=True)
+class HostLoad:
+    host_id: str
+    gpus: int
+    committed_gpus: int = 0  # ΣC's share: GPUs bound to executing replicas here
+    subscribed_gpus: int = 0  # S: what would have to move elsewhere if the host is released
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleOut:
+    count: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleIn:
+    host_ids: tuple[str, ...]
+    reason: str  # the caller migrates these hosts' replicas away, then releases them
+
+
+@dataclass(frozen=True, slots=True)
+class NoScale:
+    reason: str
+
+
+ScaleDecision = ScaleOut | ScaleIn | NoScale
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscaleConfig:
+    scaling_factor: float = 1.05  # f in ΣG' = f·ΣC
+    gpus_per_host: int = 8  # GPUs of a host that scale-out would add
+    buffer_hosts: int = 1  # the scaling buffer: extra hosts kept for bursts
+    min_hosts: int = 3  # enough for the 3 replicas of one kernel
+    max_hosts: int = 1_000
+    max_release: int = 2  # hosts released per evaluation
+    replicas_per_kernel: int = 3
+    max_ratio_after_scale_in: float = 3.0  # cluster ΣS/(ΣG·R) must stay under this after a release
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_host <= 0 or self.min_hosts < 0 or self.max_hosts < self.min_hosts:
+            raise ValueError(f"bad autoscale config: {self}")
+
+
+@dataclass(slots=True)
+class _PendingHost:
+    slot: int
+    reservations: list[tuple[str, Resources]] = field(default_factory=list)
+
+
+def feasible_hosts(decision: PlacementDecision) -> int:
+    """Hosts that passed every filter of a failed placement (they were too few)."""
+    return sum(1 for why in decision.rejected.values() if why.startswith("only "))
+
+
+class Autoscaler:
+    def __init__(self, config: AutoscaleConfig | None = None) -> None:
+        self.config = config or AutoscaleConfig()
+        self._pending: list[_PendingHost] = []
+        self._next_slot = 0
+
+    @property
+    def pending_hosts(self) -> int:
+        return len(self._pending)
+
+    def reserved_for(self, kernel_id: str) -> int:
+        """Replica slots of ``kernel_id`` still waiting for their host to register."""
+        return sum(1 for p in self._pending for k, _ in p.reservations if k == kernel_id)
+
+    def _add_pending(self, n: int) -> list[_PendingHost]:
+        added = [_PendingHost(self._next_slot + i) for i in range(n)]
+        self._next_slot += n
+        self._pending.extend(added)
+        return added
+
+    def _room(self, live_hosts: int) -> int:
+        return max(self.config.max_hosts - live_hosts - len(self._pending), 0)
+
+    def on_placement_failed(self, request: PlacementRequest, feasible: int, live_hosts: int) -> ScaleDecision:
+        """Reserve the missing replicas of ``request`` on hosts being added, requesting new ones as needed.
+
+        ``feasible``: hosts that could take a replica now (``feasible_hosts(decision)``); those get
+        the other replicas once the new hosts arrive, since placement is retried then.
+        """
+        cfg = self.config
+        missing = max(request.replicas - feasible, 0)
+        if missing == 0:
+            return NoScale("placement can succeed without new hosts")
+        if request.resources.gpus > cfg.gpus_per_host:
+            return NoScale(f"needs {request.resources.gpus} GPUs, new hosts have {cfg.gpus_per_host}")
+        limit = cfg.gpus_per_host * cfg.replicas_per_kernel * cfg.max_ratio_after_scale_in
+        reusable = [
+            p
+            for p in self._pending
+            if all(k != request.kernel_id for k, _ in p.reservations)
+            and sum(r.gpus for _, r in p.reservations) + request.resources.gpus <= limit
+        ][:missing]
+        new = missing - len(reusable)
+        if new > self._room(live_hosts):
+            return NoScale(
+                f"kernel {request.kernel_id} needs {new} more hosts; at max_hosts={cfg.max_hosts} "
+                f"({live_hosts} live, {len(self._pending)} pending)"
+            )
+        for p in [*reusable, *self._add_pending(new)]:
+            p.reservations.append((request.kernel_id, request.resources))
+        if new == 0:
+            return NoScale(
+                f"reserved {missing} replica(s) of {request.kernel_id} on hosts already being added"
+            )
+        return ScaleOut(new, f"placement of {request.kernel_id} failed: {missing} replica host(s) missing")
+
+    def on_host_registered(self, host_id: str) -> tuple[tuple[str, Resources], ...]:
+        """A new host arrived: the (kernel_id, resources) replicas reserved on it, to place there now.
+
+        Reserved hosts are consumed first (oldest first); an unexpected host consumes nothing.
+        """
+        if not self._pending:
+            return ()
+        self._pending.sort(key=lambda p: (not p.reservations, p.slot))
+        return tuple(self._pending.pop(0).reservations)
+
+    def on_scale_out_failed(self, count: int) -> tuple[str, ...]:
+        """``count`` requested hosts will never come: the kernels whose reservations are lost."""
+        lost: list[str] = []
+        self._pending.sort(key=lambda p: (bool(p.reservations), -p.slot))  # drop unreserved, newest first
+        for p in self._pending[:count]:
+            lost.extend(k for k, _ in p.reservations)
+        del self._pending[:count]
+        return tuple(dict.fromkeys(lost))
+
+    def evaluate(self, hosts: Sequence[HostLoad]) -> ScaleDecision:
+        """The periodic check over the registered, live hosts."""
+        cfg = self.config
+        committed = sum(h.committed_gpus for h in hosts)
+        expected_gpus = cfg.scaling_factor * committed
+        wanted = math.ceil(expected_gpus / cfg.gpus_per_host - 1e-9) + cfg.buffer_hosts
+        wanted = min(max(wanted, cfg.min_hosts), cfg.max_hosts)
+        have = len(hosts) + len(self._pending)
+        provisioned = sum(h.gpus for h in hosts) + len(self._pending) * cfg.gpus_per_host
+        if have < wanted:
+            return ScaleOut(
+                wanted - have,
+                f"provisioned {provisioned} GPUs on {have} hosts; f·ΣC = {expected_gpus:.1f} "
+                f"+ {cfg.buffer_hosts} buffer host(s) needs {wanted} hosts",
+            )
+        if have == wanted or self._pending:
+            return NoScale(
+                f"{have} hosts match the {wanted} wanted" if have == wanted else "scale-out pending"
+            )
+        total_s = sum(h.subscribed_gpus for h in hosts)
+        total_g = sum(h.gpus for h in hosts)
+        candidates = sorted(
+            (h for h in hosts if h.committed_gpus == 0), key=lambda h: (h.subscribed_gpus, h.host_id)
+        )
+        release: list[str] = []
+        for h in candidates:
+            if len(release) >= min(cfg.max_release, have - wanted):
+                break
+            if (
+                subscription_ratio(total_s, total_g - h.gpus, cfg.replicas_per_kernel)
+                > cfg.max_ratio_after_scale_in
+            ):
+                continue
+            total_g -= h.gpus
+            release.append(h.host_id)
+        if not release:
+            return NoScale(f"{have - wanted} host(s) over target, but none idle that can be released")
+        return ScaleIn(
+            tuple(release),
+            f"f·ΣC = {expected_gpus:.1f} GPUs + buffer needs {wanted} hosts, {have} provisioned",
+        )

@@ -1,0 +1,522 @@
+"""The evaluation's scheduling modes (NotebookOS §5.1.1) behind one session-level interface.
+
+The simulator and the global scheduler ask a ``SessionPolicy`` only four things, the four events
+of a notebook session's life, and carry out the returned actions in order:
+
+    on_session_start(session)           -> actions
+    on_cell_submit(session_id, cell_id) -> actions
+    on_cell_end(session_id, cell_id)    -> actions
+    on_session_end(session_id)          -> actions
+
+plus cluster membership (``add_host``/``remove_host``) since hosts come and go with autoscaling.
+Each policy keeps its own GPU ledger of what it allocated: in every mode the policy is the authority
+on which GPUs a session holds, so the driver never has to reconcile two books. Actions are plain
+data (start/stop a runtime, take/return a warm one, run a cell, queue, migrate, scale out, reject);
+"queued" cells are dispatched by a later event (a cell or session ending, a host arriving), never
+by a timer, so the policies stay clock-free.
+
+* ``reservation``: one runtime per session with its GPUs bound exclusively for the session's life.
+* ``batch``: FCFS over cells; a fresh runtime per cell with its GPUs, stopped when the cell ends.
+* ``lcp``: a large pool of warm runtimes; a cell takes one (and GPUs), returns it when done.
+* ``notebookos``: 3 subscribed replicas per session (placement index + SR limit), GPUs bound to one
+  replica per cell, migration when no replica's host can bind, scale-out when placement fails.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from shared.policies.autoscale import Autoscaler, ScaleOut, feasible_hosts
+from shared.policies.executor_choice import ReplicaView
+from shared.policies.migration import MigrationPlan, plan_migration
+from shared.policies.placement import HostView, PlacementRequest
+from shared.policies.placement_index import PlacementIndex
+from shared.policies.subscription import SubscriptionTotals, dynamic_limit
+from shared.resources import Resources
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    session_id: str
+    resources: Resources
+
+
+# ---- actions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StartRuntime:
+    session_id: str
+    host_id: str
+    bound_gpus: int = 0  # GPUs bound to it from the start (reservation, batch)
+    replica: int | None = None  # notebookos: which of the R replicas
+
+
+@dataclass(frozen=True, slots=True)
+class StopRuntime:
+    session_id: str
+    host_id: str
+    replica: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TakeWarm:
+    session_id: str
+    host_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnWarm:
+    session_id: str
+    host_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunCell:
+    session_id: str
+    cell_id: str
+    host_id: str
+    gpus: int  # bind these before executing (already bound under reservation)
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    session_id: str
+    cell_id: str | None  # None: the session start itself waits
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Migrate:
+    session_id: str
+    plan: MigrationPlan
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    session_id: str
+    cell_id: str | None
+    reason: str
+
+
+Action = StartRuntime | StopRuntime | TakeWarm | ReturnWarm | RunCell | Queued | Migrate | Rejected | ScaleOut
+
+
+class SessionPolicy(Protocol):
+    name: str
+
+    def add_host(self, host_id: str, gpus: int) -> list[Action]: ...
+
+    def remove_host(self, host_id: str) -> None: ...
+
+    def on_session_start(self, session: Session) -> list[Action]: ...
+
+    def on_cell_submit(self, session_id: str, cell_id: str) -> list[Action]: ...
+
+    def on_cell_end(self, session_id: str, cell_id: str) -> list[Action]: ...
+
+    def on_session_end(self, session_id: str) -> list[Action]: ...
+
+
+# ---- a shared GPU ledger ---------------------------------------------------------------------
+
+
+class _Ledger:
+    """Total and committed GPUs per host, kept by the policy that allocates them."""
+
+    def __init__(self, hosts: Mapping[str, int]) -> None:
+        self.gpus: dict[str, int] = dict(hosts)
+        self.committed: dict[str, int] = dict.fromkeys(hosts, 0)
+
+    def add(self, host_id: str, gpus: int) -> None:
+        self.gpus[host_id] = gpus
+        self.committed.setdefault(host_id, 0)
+
+    def remove(self, host_id: str) -> None:
+        self.gpus.pop(host_id, None)
+        self.committed.pop(host_id, None)
+
+    def free(self, host_id: str) -> int:
+        return self.gpus.get(host_id, 0) - self.committed.get(host_id, 0)
+
+    def best_fit(self, gpus: int, among: Mapping[str, int] | None = None) -> str | None:
+        """The host with the most free GPUs that fits ``gpus`` (spreads load), else None."""
+        best: tuple[int, str] | None = None
+        for h in self.gpus:
+            if among is not None and among.get(h, 0) <= 0:
+                continue
+            free = self.free(h)
+            if free >= gpus and (best is None or (-free, h) < best):
+                best = (-free, h)
+        return None if best is None else best[1]
+
+    def commit(self, host_id: str, gpus: int) -> None:
+        self.committed[host_id] += gpus
+
+    def release(self, host_id: str, gpus: int) -> None:
+        if host_id in self.committed:
+            self.committed[host_id] = max(self.committed[host_id] - gpus, 0)
+
+
+# ---- reservation -----------------------------------------------------------------------------
+
+
+class ReservationPolicy:
+    name = "reservation"
+
+    def __init__(self, hosts: Mapping[str, int] | None = None) -> None:
+        self.ledger = _Ledger(hosts or {})
+        self.sessions: dict[str, tuple[Session, str]] = {}  # session -> (spec, host)
+        self.waiting: deque[Session] = deque()
+
+    def add_host(self, host_id: str, gpus: int) -> list[Action]:
+        self.ledger.add(host_id, gpus)
+        return self._admit()
+
+    def remove_host(self, host_id: str) -> None:
+        self.ledger.remove(host_id)
+
+    def _admit(self) -> list[Action]:
+        actions: list[Action] = []
+        while self.waiting:
+            s = self.waiting[0]
+            host = self.ledger.best_fit(s.resources.gpus)
+            if host is None:
+                break
+            self.waiting.popleft()
+            self.ledger.commit(host, s.resources.gpus)
+            self.sessions[s.session_id] = (s, host)
+            actions.append(StartRuntime(s.session_id, host, bound_gpus=s.resources.gpus))
+        return actions
+
+    def on_session_start(self, session: Session) -> list[Action]:
+        self.waiting.append(session)
+        actions = self._admit()
+        if any(isinstance(a, StartRuntime) and a.session_id == session.session_id for a in actions):
+            return actions
+        return [*actions, Queued(session.session_id, None, f"no host has {session.resources.gpus} free GPUs")]
+
+    def on_cell_submit(self, session_id: str, cell_id: str) -> list[Action]:
+        entry = self.sessions.get(session_id)
+        if entry is None:
+            return [Rejected(session_id, cell_id, "session has no runtime yet")]
+        spec, host = entry
+        return [RunCell(session_id, cell_id, host, spec.resources.gpus)]
+
+    def on_cell_end(self, session_id: str, cell_id: str) -> list[Action]:
+        return []  # the GPUs stay bound: that is the point (and the waste) of this mode
+
+    def on_session_end(self, session_id: str) -> list[Action]:
+        self.waiting = deque(s for s in self.waiting if s.session_id != session_id)
+        entry = self.sessions.pop(session_id, None)
+        if entry is None:
+            return []
+        spec, host = entry
+        self.ledger.release(host, spec.resources.gpus)
+        return [StopRuntime(session_id, host), *self._admit()]
+
+
+# ---- batch (FCFS) and LCP share a cell queue -------------------------------------------------
+
+
+class _CellQueuePolicy:
+    """FCFS over cells with strict head-of-line order (no backfilling), as a batch scheduler."""
+
+    def __init__(self, hosts: Mapping[str, int] | None) -> None:
+        self.ledger = _Ledger(hosts or {})
+        self.specs: dict[str, Session] = {}
+        self.queue: deque[tuple[str, str]] = deque()
+        self.running: dict[tuple[str, str], str] = {}  # (session, cell) -> host
+
+    def add_host(self, host_id: str, gpus: int) -> list[Action]:
+        self.ledger.add(host_id, gpus)
+        return self._dispatch()
+
+    def remove_host(self, host_id: str) -> None:
+        self.ledger.remove(host_id)
+
+    def on_session_start(self, session: Session) -> list[Action]:
+        self.specs[session.session_id] = session
+        return []
+
+    def on_cell_submit(self, session_id: str, cell_id: str) -> list[Action]:
+        if session_id not in self.specs:
+            return [Rejected(session_id, cell_id, "unknown session")]
+        self.queue.append((session_id, cell_id))
+        actions = self._dispatch()
+        if (session_id, cell_id) in self.running:
+            return actions
+        gpus = self.specs[session_id].resources.gpus
+        return [*actions, Queued(session_id, cell_id, f"FCFS: waiting for {gpus} free GPUs on one host")]
+
+    def _dispatch(self) -> list[Action]:
+        actions: list[Action] = []
+        while self.queue:
+            session_id, cell_id = self.queue[0]
+            started = self._start(session_id, cell_id, self.specs[session_id].resources.gpus)
+            if started is None:
+                break
+            self.queue.popleft()
+            actions.extend(started)
+        return actions
+
+    def _start(self, session_id: str, cell_id: str, gpus: int) -> list[Action] | None:
+        raise NotImplementedError
+
+    def _finish(self, session_id: str, host: str, gpus: int) -> list[Action]:
+        raise NotImplementedError
+
+    def on_cell_end(self, session_id: str, cell_id: str) -> list[Action]:
+        host = self.running.pop((session_id, cell_id), None)
+        if host is None:
+            return []
+        gpus = self.specs[session_id].resources.gpus
+        self.ledger.release(host, gpus)
+        return [*self._finish(session_id, host, gpus), *self._dispatch()]
+
+    def on_session_end(self, session_id: str) -> list[Action]:
+        self.queue = deque(q for q in self.queue if q[0] != session_id)
+        actions: list[Action] = []
+        for session, cell in [k for k in self.running if k[0] == session_id]:
+            actions.extend(self.on_cell_end(session, cell))
+        self.specs.pop(session_id, None)
+        return actions
+
+
+class BatchPolicy(_CellQueuePolicy):
+    name = "batch"
+
+    def __init__(self, hosts: Mapping[str, int] | None = None) -> None:
+        super().__init__(hosts)
+
+    def _start(self, session_id: str, cell_id: str, gpus: int) -> list[Action] | None:
+        host = self.ledger.best_fit(gpus)
+        if host is None:
+            return None
+        self.ledger.commit(host, gpus)
+        self.running[(session_id, cell_id)] = host
+        return [StartRuntime(session_id, host, bound_gpus=gpus), RunCell(session_id, cell_id, host, gpus)]
+
+    def _finish(self, session_id: str, host: str, gpus: int) -> list[Action]:
+        return [StopRuntime(session_id, host)]
+
+
+class LcpPolicy(_CellQueuePolicy):
+    """Cells take a warm runtime from the host's pool, or start one cold if the pool there is empty."""
+
+    name = "lcp"
+
+    def __init__(self, hosts: Mapping[str, int] | None = None, pool_per_host: int = 8) -> None:
+        super().__init__(hosts)
+        self.pool_per_host = pool_per_host
+        self.warm: dict[str, int] = dict.fromkeys(self.ledger.gpus, pool_per_host)
+        self.cold_starts = 0
+
+    def add_host(self, host_id: str, gpus: int) -> list[Action]:
+        self.warm[host_id] = self.pool_per_host
+        return super().add_host(host_id, gpus)
+
+    def remove_host(self, host_id: str) -> None:
+        self.warm.pop(host_id, None)
+        super().remove_host(host_id)
+
+    def _start(self, session_id: str, cell_id: str, gpus: int) -> list[Action] | None:
+        host = self.ledger.best_fit(gpus, among=self.warm) or self.ledger.best_fit(gpus)
+        if host is None:
+            return None
+        self.ledger.commit(host, gpus)
+        self.running[(session_id, cell_id)] = host
+        if self.warm.get(host, 0) > 0:
+            self.warm[host] -= 1
+            first: Action = TakeWarm(session_id, host)
+        else:
+            self.cold_starts += 1
+            first = StartRuntime(session_id, host)
+        return [first, RunCell(session_id, cell_id, host, gpus)]
+
+    def _finish(self, session_id: str, host: str, gpus: int) -> list[Action]:
+        if host in self.warm:
+            self.warm[host] += 1
+        return [ReturnWarm(session_id, host)]
+
+
+# ---- notebookos ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Kernel:
+    session: Session
+    hosts: list[str]  # replica i runs on hosts[i]
+    last_executor: int | None = None
+    running: dict[str, int] = field(default_factory=dict)  # cell -> replica index
+
+
+class NotebookOsPolicy:
+    """Replicated kernels: subscribe R hosts, bind GPUs per cell, migrate when all replicas yield."""
+
+    name = "notebookos"
+
+    def __init__(
+        self,
+        hosts: Mapping[str, int] | None = None,
+        *,
+        replicas: int = 3,
+        watermark: float = 3.0,
+        autoscaler: Autoscaler | None = None,
+        prewarmed: dict[str, int] | None = None,
+    ) -> None:
+        self.replicas = replicas
+        self.watermark = watermark
+        self.index = PlacementIndex(watermark)
+        self.autoscaler = autoscaler
+        self.prewarmed = prewarmed if prewarmed is not None else {}
+        self.kernels: dict[str, _Kernel] = {}
+        self.waiting_sessions: deque[Session] = deque()
+        self.waiting_cells: deque[tuple[str, str]] = deque()
+        self.migrations = 0
+        for h, g in (hosts or {}).items():
+            self.index.upsert(HostView(h, g, replicas_per_kernel=replicas))
+
+    def _update(self, host_id: str, *, committed: int = 0, subscribed: int = 0) -> None:
+        v = self.index.get(host_id)
+        if v is not None:
+            self.index.upsert(
+                replace(
+                    v,
+                    committed_gpus=max(v.committed_gpus + committed, 0),
+                    subscribed_gpus=max(v.subscribed_gpus + subscribed, 0),
+                )
+            )
+
+    def add_host(self, host_id: str, gpus: int) -> list[Action]:
+        self.index.upsert(HostView(host_id, gpus, replicas_per_kernel=self.replicas))
+        if self.autoscaler is not None:
+            self.autoscaler.on_host_registered(host_id)  # placement below re-finds the room
+        return [*self._retry_sessions(), *self._retry_cells()]
+
+    def remove_host(self, host_id: str) -> None:
+        self.index.remove(host_id)
+
+    def on_session_start(self, session: Session) -> list[Action]:
+        return self._place(session, scale=True)
+
+    def _place(self, session: Session, *, scale: bool) -> list[Action]:
+        """Place the R replicas, or queue the session (asking for hosts only the first time)."""
+        g = session.resources.gpus
+        request = PlacementRequest(session.session_id, session.resources, self.replicas)
+        totals = SubscriptionTotals(self.index.live_subscribed_gpus, self.index.live_gpus, self.replicas)
+        limit = dynamic_limit(totals, request_gpus=g, replicas=self.replicas, ceiling=self.watermark)
+        decision = self.index.place(request, watermark=limit)
+        if not decision.ok:
+            self.waiting_sessions.append(session)
+            actions: list[Action] = [Queued(session.session_id, None, decision.explain())]
+            if scale and self.autoscaler is not None:
+                decision_out = self.autoscaler.on_placement_failed(
+                    request, feasible_hosts(decision), len(self.index)
+                )
+                if isinstance(decision_out, ScaleOut):
+                    actions.append(decision_out)
+            return actions
+        for host in decision.hosts:
+            self._update(host, subscribed=g)
+        self.kernels[session.session_id] = _Kernel(session, list(decision.hosts))
+        return [StartRuntime(session.session_id, h, replica=i) for i, h in enumerate(decision.hosts)]
+
+    def on_cell_submit(self, session_id: str, cell_id: str) -> list[Action]:
+        kernel = self.kernels.get(session_id)
+        if kernel is None:
+            return [Rejected(session_id, cell_id, "kernel not placed yet")]
+        actions = self._try_run(kernel, cell_id)
+        if actions is None:
+            self.waiting_cells.append((session_id, cell_id))
+            return [Queued(session_id, cell_id, "every replica yielded and no host can bind the GPUs now")]
+        return actions
+
+    def _try_run(self, kernel: _Kernel, cell_id: str) -> list[Action] | None:
+        g = kernel.session.resources.gpus
+        sid = kernel.session.session_id
+        order = sorted(range(len(kernel.hosts)), key=lambda i: (i != kernel.last_executor, i))
+        for i in order:
+            v = self.index.get(kernel.hosts[i])
+            if v is not None and v.alive and not v.cordoned and v.idle_gpus >= g:
+                return self._run(kernel, cell_id, i)
+        replicas = [ReplicaView(str(i), h) for i, h in enumerate(kernel.hosts)]
+        plan = plan_migration(
+            replicas, kernel.session.resources, self.index.hosts_that_can_bind(g), prewarmed=self.prewarmed
+        )
+        if not isinstance(plan, MigrationPlan):
+            return None
+        i = int(plan.replica_id)
+        self.migrations += 1
+        self._update(plan.source_host, subscribed=-g)
+        self._update(plan.target_host, subscribed=g)
+        if plan.use_prewarmed:
+            self.prewarmed[plan.target_host] -= 1
+        kernel.hosts[i] = plan.target_host
+        return [Migrate(sid, plan), *self._run(kernel, cell_id, i)]
+
+    def _run(self, kernel: _Kernel, cell_id: str, i: int) -> list[Action]:
+        g = kernel.session.resources.gpus
+        self._update(kernel.hosts[i], committed=g)
+        kernel.last_executor = i
+        kernel.running[cell_id] = i
+        return [RunCell(kernel.session.session_id, cell_id, kernel.hosts[i], g)]
+
+    def _retry_cells(self) -> list[Action]:
+        actions: list[Action] = []
+        for _ in range(len(self.waiting_cells)):
+            sid, cell = self.waiting_cells.popleft()
+            kernel = self.kernels.get(sid)
+            if kernel is None:
+                continue
+            started = self._try_run(kernel, cell)
+            if started is None:
+                self.waiting_cells.append((sid, cell))
+            else:
+                actions.extend(started)
+        return actions
+
+    def on_cell_end(self, session_id: str, cell_id: str) -> list[Action]:
+        kernel = self.kernels.get(session_id)
+        if kernel is None or cell_id not in kernel.running:
+            return []
+        i = kernel.running.pop(cell_id)
+        self._update(kernel.hosts[i], committed=-kernel.session.resources.gpus)
+        return self._retry_cells()
+
+    def on_session_end(self, session_id: str) -> list[Action]:
+        self.waiting_sessions = deque(s for s in self.waiting_sessions if s.session_id != session_id)
+        self.waiting_cells = deque(c for c in self.waiting_cells if c[0] != session_id)
+        kernel = self.kernels.pop(session_id, None)
+        if kernel is None:
+            return []
+        g = kernel.session.resources.gpus
+        for i in kernel.running.values():
+            self._update(kernel.hosts[i], committed=-g)
+        for h in kernel.hosts:
+            self._update(h, subscribed=-g)
+        stops: list[Action] = [StopRuntime(session_id, h, replica=i) for i, h in enumerate(kernel.hosts)]
+        return [*stops, *self._retry_cells(), *self._retry_sessions()]
+
+    def _retry_sessions(self) -> list[Action]:
+        actions: list[Action] = []
+        for _ in range(len(self.waiting_sessions)):
+            s = self.waiting_sessions.popleft()
+            actions.extend(a for a in self._place(s, scale=False) if not isinstance(a, Queued))
+        return actions
+
+
+def make_policy(name: str, hosts: Mapping[str, int] | None = None) -> SessionPolicy:
+    """The policy for a mode name from configuration (``notebookos`` is the default)."""
+    factories: dict[str, Callable[[Mapping[str, int] | None], SessionPolicy]] = {
+        "reservation": ReservationPolicy,
+        "batch": BatchPolicy,
+        "lcp": LcpPolicy,
+        "notebookos": NotebookOsPolicy,
+    }
+    if name not in factories:
+        raise ValueError(f"unknown scheduling policy {name!r}; known: {sorted(factories)}")
+    return factories[name](hosts)

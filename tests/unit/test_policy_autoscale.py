@@ -1,0 +1,95 @@
+"""Autoscaling (§3.4.2): scale out on failed placement with reservations, f·ΣC, buffer, scale in."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.policies.autoscale import (
+    AutoscaleConfig,
+    Autoscaler,
+    HostLoad,
+    NoScale,
+    ScaleIn,
+    ScaleOut,
+    feasible_hosts,
+)
+from shared.policies.placement import HostView, PlacementRequest, default_placement_policy
+from shared.resources import Resources
+
+
+def loads(committed: list[int], subscribed: list[int] | None = None) -> list[HostLoad]:
+    subs = subscribed or [0] * len(committed)
+    return [HostLoad(f"h{i}", 8, c, s) for i, (c, s) in enumerate(zip(committed, subs, strict=True))]
+
+
+def test_failed_placement_requests_hosts_for_missing_replicas_and_reserves_them() -> None:
+    hosts = [HostView("a", 8), HostView("b", 8, subscribed_gpus=72)]
+    request = PlacementRequest("k1", Resources(gpus=2))
+    decision = default_placement_policy().place(request, hosts)
+    assert not decision.ok and feasible_hosts(decision) == 1
+    scaler = Autoscaler()
+    out = scaler.on_placement_failed(request, feasible_hosts(decision), live_hosts=2)
+    assert out == ScaleOut(2, "placement of k1 failed: 2 replica host(s) missing")
+    assert scaler.pending_hosts == 2 and scaler.reserved_for("k1") == 2
+    # a second kernel reuses the hosts already on their way (distinct kernels may share a new host)
+    out2 = scaler.on_placement_failed(PlacementRequest("k2", Resources(gpus=2)), 1, live_hosts=2)
+    assert isinstance(out2, NoScale) and scaler.pending_hosts == 2
+    # arrivals hand over the reservations
+    first = scaler.on_host_registered("n1")
+    assert [k for k, _ in first] == ["k1", "k2"]
+    assert scaler.reserved_for("k1") == 1
+    assert scaler.on_scale_out_failed(1) == ("k1", "k2")
+    assert scaler.pending_hosts == 0
+
+
+def test_failed_placement_respects_max_hosts() -> None:
+    scaler = Autoscaler(AutoscaleConfig(max_hosts=4))
+    out = scaler.on_placement_failed(PlacementRequest("k", Resources(gpus=1)), 0, live_hosts=3)
+    assert isinstance(out, NoScale) and "max_hosts=4" in out.reason
+    assert scaler.pending_hosts == 0
+
+
+def test_scale_out_when_provisioned_below_f_times_committed_plus_buffer() -> None:
+    scaler = Autoscaler(AutoscaleConfig(buffer_hosts=1, min_hosts=3))
+    # ΣC = 40 -> f·ΣC = 42 GPUs -> 6 hosts of 8, + 1 buffer = 7 wanted; 5 provisioned
+    out = scaler.evaluate(loads([8, 8, 8, 8, 8]))
+    assert isinstance(out, ScaleOut) and out.count == 2
+    assert "f·ΣC = 42.0" in out.reason
+
+
+def test_scale_in_releases_at_most_two_idle_hosts_fewest_replicas_first() -> None:
+    scaler = Autoscaler(AutoscaleConfig(buffer_hosts=1, min_hosts=3))
+    out = scaler.evaluate(loads([8, 0, 0, 0, 0, 0], subscribed=[8, 6, 0, 3, 0, 9]))
+    assert isinstance(out, ScaleIn) and out.host_ids == ("h2", "h4")
+
+
+def test_scale_in_never_pushes_cluster_ratio_over_the_limit() -> None:
+    scaler = Autoscaler(AutoscaleConfig(buffer_hosts=0, min_hosts=1, max_ratio_after_scale_in=1.0))
+    # ΣS = 48 over 4 hosts (ΣG·R = 96): removing one host gives 48/72 = 0.67, two gives 48/48 = 1.0
+    # three would give 2.0 > 1.0
+    out = scaler.evaluate(loads([0, 0, 0, 0], subscribed=[12, 12, 12, 12]))
+    assert isinstance(out, ScaleIn) and len(out.host_ids) == 2
+    tight = Autoscaler(AutoscaleConfig(buffer_hosts=0, min_hosts=1, max_ratio_after_scale_in=0.6))
+    assert isinstance(tight.evaluate(loads([0, 0, 0, 0], subscribed=[12, 12, 12, 12])), NoScale)
+
+
+def test_no_scaling_while_a_scale_out_is_pending() -> None:
+    scaler = Autoscaler(AutoscaleConfig(buffer_hosts=0, min_hosts=1))
+    scaler.on_placement_failed(PlacementRequest("k", Resources(gpus=1)), 2, live_hosts=6)
+    assert scaler.evaluate(loads([0] * 6)) == NoScale("scale-out pending")
+
+
+@given(committed=st.lists(st.integers(0, 8), min_size=0, max_size=40), buffer=st.integers(0, 3))
+def test_evaluate_respects_bounds(committed: list[int], buffer: int) -> None:
+    cfg = AutoscaleConfig(buffer_hosts=buffer, min_hosts=3, max_hosts=30)
+    out = Autoscaler(cfg).evaluate(loads(committed))
+    if isinstance(out, ScaleOut):
+        assert out.count > 0 and len(committed) + out.count <= cfg.max_hosts
+        assert len(committed) + out.count >= cfg.min_hosts
+    elif isinstance(out, ScaleIn):
+        assert 1 <= len(out.host_ids) <= cfg.max_release
+        assert len(committed) - len(out.host_ids) >= cfg.min_hosts
+        assert all(committed[int(h[1:])] == 0 for h in out.host_ids)
+        # capacity after release still covers f·ΣC
+        assert (len(committed) - len(out.host_ids)) * 8 >= cfg.scaling_factor * sum(committed)

@@ -1,0 +1,189 @@
+"""The evaluation's four modes behind one interface: actions per session event, GPU invariants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.policies.autoscale import AutoscaleConfig, Autoscaler, ScaleOut
+from shared.policies.baselines import (
+    Action,
+    BatchPolicy,
+    LcpPolicy,
+    Migrate,
+    NotebookOsPolicy,
+    Rejected,
+    ReservationPolicy,
+    ReturnWarm,
+    RunCell,
+    Session,
+    SessionPolicy,
+    StartRuntime,
+    StopRuntime,
+    TakeWarm,
+    make_policy,
+)
+from shared.resources import Resources
+
+HOSTS = {"a": 8, "b": 8, "c": 8}
+
+
+def s(sid: str, gpus: int) -> Session:
+    return Session(sid, Resources(gpus=gpus))
+
+
+def kinds(actions: list[Action]) -> list[str]:
+    return [type(a).__name__ for a in actions]
+
+
+def test_reservation_binds_gpus_for_the_session_life() -> None:
+    p = ReservationPolicy({"a": 8})
+    assert p.on_session_start(s("s1", 4)) == [StartRuntime("s1", "a", bound_gpus=4)]
+    assert p.on_session_start(s("s2", 4)) == [StartRuntime("s2", "a", bound_gpus=4)]
+    assert kinds(p.on_session_start(s("s3", 2))) == ["Queued"]  # GPUs held even while idle
+    assert p.on_cell_submit("s1", "c1") == [RunCell("s1", "c1", "a", 4)]
+    assert p.on_cell_end("s1", "c1") == []
+    assert p.on_session_end("s1") == [StopRuntime("s1", "a"), StartRuntime("s3", "a", bound_gpus=2)]
+    assert kinds(p.on_cell_submit("nope", "c")) == ["Rejected"]
+
+
+def test_batch_is_fcfs_with_a_fresh_runtime_per_cell() -> None:
+    p = BatchPolicy({"a": 8})
+    for sid, g in (("s1", 6), ("s2", 4), ("s3", 2)):
+        p.on_session_start(s(sid, g))
+    assert p.on_cell_submit("s1", "c1") == [
+        StartRuntime("s1", "a", bound_gpus=6),
+        RunCell("s1", "c1", "a", 6),
+    ]
+    assert kinds(p.on_cell_submit("s2", "c1")) == ["Queued"]
+    assert kinds(p.on_cell_submit("s3", "c1")) == ["Queued"]  # fits, but FCFS: no overtaking
+    assert p.on_cell_end("s1", "c1") == [
+        StopRuntime("s1", "a"),
+        StartRuntime("s2", "a", bound_gpus=4),
+        RunCell("s2", "c1", "a", 4),
+        StartRuntime("s3", "a", bound_gpus=2),
+        RunCell("s3", "c1", "a", 2),
+    ]
+
+
+def test_lcp_takes_and_returns_warm_runtimes_cold_start_when_pool_empty() -> None:
+    p = LcpPolicy({"a": 8}, pool_per_host=1)
+    p.on_session_start(s("s1", 1))
+    p.on_session_start(s("s2", 1))
+    assert p.on_cell_submit("s1", "c1") == [TakeWarm("s1", "a"), RunCell("s1", "c1", "a", 1)]
+    assert p.on_cell_submit("s2", "c1") == [StartRuntime("s2", "a"), RunCell("s2", "c1", "a", 1)]
+    assert p.cold_starts == 1
+    assert p.on_cell_end("s1", "c1") == [ReturnWarm("s1", "a")]
+    assert p.warm["a"] == 1
+
+
+def test_notebookos_places_three_replicas_and_binds_gpus_per_cell() -> None:
+    p = NotebookOsPolicy(HOSTS)
+    started = p.on_session_start(s("s1", 8))
+    assert [(a.host_id, a.replica) for a in started if isinstance(a, StartRuntime)] == [
+        ("a", 0),
+        ("b", 1),
+        ("c", 2),
+    ]
+    assert p.on_cell_submit("s1", "c1") == [RunCell("s1", "c1", "a", 8)]
+    assert p.on_cell_end("s1", "c1") == []
+    assert p.on_cell_submit("s1", "c2") == [RunCell("s1", "c2", "a", 8)]  # last executor reused
+
+
+def test_notebookos_migration_then_queue_and_retry_on_release() -> None:
+    p = NotebookOsPolicy({"a": 4, "b": 4, "c": 4, "d": 4}, prewarmed={"d": 1})
+    p.on_session_start(s("s1", 4))  # a, b, c
+    p.on_session_start(s("s2", 4))  # d, + two of a/b/c
+    hosts_s2 = list(p.kernels["s2"].hosts)
+    for h in ("a", "b", "c"):  # every host of s1's replicas is busy (as if other kernels executed)
+        p._update(h, committed=4)
+    actions = p.on_cell_submit("s1", "c1")
+    assert kinds(actions) == ["Migrate", "RunCell"]
+    migrate = actions[0]
+    assert isinstance(migrate, Migrate) and migrate.plan.target_host == "d" and migrate.plan.use_prewarmed
+    assert "d" in p.kernels["s1"].hosts and p.migrations == 1
+    assert p.kernels["s2"].hosts == hosts_s2  # only the migrating kernel moves
+    # nothing left anywhere: the next cell is queued, then runs when GPUs come back
+    queued = p.on_cell_submit("s2", "c1")
+    assert kinds(queued) == ["Queued"]
+    released = p.on_cell_end("s1", "c1")
+    assert kinds(released) == ["RunCell"] and released[0].host_id == "d"  # type: ignore[union-attr]
+
+
+def test_notebookos_failed_placement_scales_out_then_places_on_arrival() -> None:
+    scaler = Autoscaler(AutoscaleConfig(min_hosts=1))
+    p = NotebookOsPolicy({"a": 8}, autoscaler=scaler)
+    out = p.on_session_start(s("s1", 1))
+    assert kinds(out) == ["Queued", "ScaleOut"]
+    assert isinstance(out[1], ScaleOut) and out[1].count == 2
+    assert p.add_host("n1", 8) == []
+    started = p.add_host("n2", 8)
+    assert sorted(a.host_id for a in started if isinstance(a, StartRuntime)) == ["a", "n1", "n2"]
+    assert scaler.pending_hosts == 0
+
+
+def test_make_policy_names() -> None:
+    for name in ("reservation", "batch", "lcp", "notebookos"):
+        assert make_policy(name, HOSTS).name == name
+    with pytest.raises(ValueError, match="unknown scheduling policy"):
+        make_policy("fifo")
+
+
+def _gpu_invariant(policy: SessionPolicy, capacity: dict[str, int], bound: dict[str, int]) -> None:
+    for h, used in bound.items():
+        assert 0 <= used <= capacity[h], (policy.name, h, used)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**20), name=st.sampled_from(["reservation", "batch", "lcp", "notebookos"]))
+def test_random_sessions_never_oversubscribe_bound_gpus_and_every_cell_runs_once(
+    seed: int, name: str
+) -> None:
+    rng = random.Random(seed)
+    capacity = {f"h{i}": rng.choice([4, 8]) for i in range(4)}
+    policy = make_policy(name, capacity)
+    bound: dict[str, int] = dict.fromkeys(capacity, 0)
+    gpus: dict[str, int] = {}
+    started_sessions: set[str] = set()
+    running: dict[tuple[str, str], str] = {}
+    ran: set[tuple[str, str]] = set()
+    submitted: list[tuple[str, str]] = []
+
+    def apply(actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, StartRuntime):
+                bound[a.host_id] += a.bound_gpus
+                started_sessions.add(a.session_id)
+            elif isinstance(a, RunCell):
+                key = (a.session_id, a.cell_id)
+                assert key not in ran, f"{key} ran twice"
+                ran.add(key)
+                running[key] = a.host_id
+                if name != "reservation" and name != "batch":
+                    bound[a.host_id] += a.gpus
+            elif isinstance(a, StopRuntime) and name in ("reservation", "batch"):
+                bound[a.host_id] -= gpus[a.session_id]
+            assert not isinstance(a, Rejected) or a.cell_id is not None
+        _gpu_invariant(policy, capacity, bound)
+
+    sessions = [f"s{i}" for i in range(8)]
+    for sid in sessions:
+        gpus[sid] = rng.choice([1, 2, 4])
+        apply(policy.on_session_start(Session(sid, Resources(gpus=gpus[sid]))))
+    for step in range(60):
+        sid = rng.choice(sessions)
+        if running and rng.random() < 0.5:
+            key = rng.choice(sorted(running))
+            host = running.pop(key)
+            if name not in ("reservation", "batch"):
+                bound[host] -= gpus[key[0]]
+            apply(policy.on_cell_end(*key))
+        elif not any(k[0] == sid for k in running) and not any(
+            k[0] == sid and k not in ran for k in submitted
+        ):
+            key = (sid, f"c{step}")
+            submitted.append(key)
+            apply(policy.on_cell_submit(*key))
