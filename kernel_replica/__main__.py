@@ -23,6 +23,8 @@ import structlog
 from shared.config import Config, config_from_json, load_config
 from shared.logs import configure_logging
 
+HISTORY_CACHE = 20
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m kernel_replica", description=__doc__.split("\n")[0])
@@ -79,13 +81,25 @@ def main(argv: list[str] | None = None) -> int:
     from kernel_replica.kernel import TandemKernel
     from kernel_replica.raft_bridge import RaftBridge, ReplicaSettings
 
+    data_dir = Path(args.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
     app = IPKernelApp.instance(kernel_class=TandemKernel)
-    app.initialize(["-f", args.connection_file, "--IPKernelApp.quiet=True"])
+    app.initialize(
+        [
+            "-f",
+            args.connection_file,
+            "--IPKernelApp.quiet=True",
+            # Input history in the replica's own file: a host's replicas (and the user's own
+            # kernels) would otherwise share ~/.ipython's database, and every cell's committed
+            # write (an fsync, on each replica) competes with the Raft log's fsyncs. Written every
+            # HISTORY_CACHE cells; history requests flush it first, so they still see every cell.
+            f"--HistoryManager.hist_file={data_dir / 'history.sqlite'}",
+            f"--HistoryManager.db_cache_size={HISTORY_CACHE}",
+        ]
+    )
     kernel: TandemKernel = app.kernel
     main_loop = ioloop.IOLoop.current().asyncio_loop  # the loop app.start() runs
 
-    data_dir = Path(args.data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
     raft_address = raft_address_for(data_dir, args.raft_host or config.get("cluster.ip"))
     settings = ReplicaSettings(
         gpus=int(os.environ.get("TANDEM_KERNEL_GPUS", config.get("kernel.gpus"))),

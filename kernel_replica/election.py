@@ -87,6 +87,9 @@ class ElectionBook:
         self._elections: dict[str, _Election] = {}
         self._done: dict[str, Done] = {}
         self._awaiting_state: str | None = None
+        # msg_id -> winner of cells decided with a winner and no DONE yet, in decision order. A DONE
+        # also drops every cell decided before it (a later cell finished: the earlier ones are moot).
+        self._running: dict[str, str] = {}
 
     # ---- queries ---------------------------------------------------------------------------------
     @property
@@ -108,6 +111,18 @@ class ElectionBook:
     def awaiting_state(self) -> str | None:
         """msg_id of the latest DONE whose STATE has not committed yet (None: state is current)."""
         return self._awaiting_state
+
+    def unfinished_before(self, msg_id: str) -> list[str]:
+        """Cells decided before ``msg_id`` whose executor (still a voter) has not committed DONE:
+        the executor of ``msg_id`` must not run before their DONE and STATE are applied (the
+        executor of the previous cell replies before its DONE commits)."""
+        out: list[str] = []
+        for other, winner in self._running.items():
+            if other == msg_id:
+                break
+            if winner in self._voters:
+                out.append(other)
+        return out
 
     def silent_voters(self, msg_id: str) -> frozenset[str]:
         """Voters that have neither LEADed nor YIELDed for msg_id (who an open election waits on)."""
@@ -169,6 +184,8 @@ class ElectionBook:
         if entry.replica_id not in self._voters:
             return [EntryIgnored(entry, "LEAD from a non-voter")]
         election.outcome = Outcome(entry.replica_id)
+        if entry.msg_id not in self._done:
+            self._running[entry.msg_id] = entry.replica_id
         return [ElectionDecided(entry.msg_id, entry.replica_id)]
 
     def _on_yield(self, entry: Yield) -> list[BookEvent]:
@@ -188,6 +205,11 @@ class ElectionBook:
         # never run again.
         self._done[entry.msg_id] = entry
         self._awaiting_state = entry.msg_id if entry.state_follows else None
+        if entry.msg_id in self._running:
+            for msg_id in list(self._running):
+                del self._running[msg_id]
+                if msg_id == entry.msg_id:
+                    break
         return [CellDone(entry)]
 
     def _all_yielded(self, election: _Election) -> bool:
@@ -213,6 +235,7 @@ class ElectionBook:
                 for msg_id, d in self._done.items()
             },
             "awaiting_state": self._awaiting_state,
+            "running": [[m, w] for m, w in self._running.items()],
         }
 
     @classmethod
@@ -228,4 +251,5 @@ class ElectionBook:
         for msg_id, (replica_id, content, count, follows) in data["done"].items():
             book._done[msg_id] = Done(msg_id, replica_id, content, count, follows)
         book._awaiting_state = data["awaiting_state"]
+        book._running = {str(m): str(w) for m, w in data.get("running") or ()}
         return book

@@ -26,6 +26,7 @@ from collections import deque
 from types import FrameType
 
 import structlog
+import zmq
 from ipykernel.ipkernel import IPythonKernel
 from ipykernel.jsonutil import json_clean
 
@@ -44,6 +45,8 @@ from kernel_replica.state_sync import ChangeDetector, PickleDiffDetector, StateD
 from shared.raft.driver import RaftError
 
 EXECUTOR = "executor"
+QUIET_FIELD = "tandem_quiet"  # services.global_scheduler.jupyter_router.QUIET_FIELD
+TIMING_SUMMARY_EVERY = 100
 STANDBY = "standby"
 
 
@@ -79,6 +82,8 @@ class TandemKernel(IPythonKernel):
             warn=self._warn_unreplicable,
         )
         self.timings: deque[dict[str, float]] = deque(maxlen=1000)  # recent per-cell step timings (ms)
+        self._executed_since_summary = 0
+        self._pending_digests: dict[str, bytes] | None = None  # digests of the latest unconfirmed STATE
 
     def attach(self, bridge: RaftBridge, *, kernel_id: str, replica_id: str) -> None:
         """Called by the launcher once the Raft thread runs; wires the Raft thread's callbacks."""
@@ -116,6 +121,23 @@ class TandemKernel(IPythonKernel):
     async def yield_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
         """The scheduler decided this replica cannot execute the cell (``execute_request`` rewritten)."""
         await self._cell_request(stream, ident, parent, lead=False)
+
+    @staticmethod
+    def _quiet(parent: dict[str, t.Any] | None) -> bool:
+        """A ``yield_request`` the scheduler marked quiet: another replica was designated executor
+        and answers the client, so this one takes part in the election and follows the cell
+        without sending busy, reply or idle (the scheduler would drop them)."""
+        header = parent.get("header") if isinstance(parent, dict) else None
+        return (
+            isinstance(header, dict)
+            and header.get("msg_type") == "yield_request"
+            and bool(header.get(QUIET_FIELD))
+        )
+
+    def _publish_status(self, status: str, channel: str, parent: dict[str, t.Any] | None = None) -> None:
+        if self._quiet(parent or self.get_parent(channel)):
+            return
+        super()._publish_status(status, channel, parent)
 
     async def _cell_request(
         self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any], *, lead: bool
@@ -161,7 +183,9 @@ class TandemKernel(IPythonKernel):
                 case Execute(device_ids=device_ids):
                     timing |= {"elect_ms": decision.elect_ms, "state_wait_ms": decision.state_wait_ms}
                     timing["bind_ms"] = decision.bind_ms
-                    reply, timing["done_ms"] = await self._execute(parent, execute_args, device_ids, log)
+                    ran = time.perf_counter()
+                    reply = await self._execute(parent, execute_args, device_ids, log)
+                    timing["run_ms"] = (time.perf_counter() - ran) * 1000
                     role, executed = EXECUTOR, True
                 case BindFailed(reason=reason):
                     reply = error_content(
@@ -196,27 +220,59 @@ class TandemKernel(IPythonKernel):
         metadata["tandem"] = {"replica_id": self.replica_id, "role": role}
         if replayed:
             metadata["tandem"]["replayed"] = True
-        self.session.send(stream, "execute_reply", reply, parent, metadata=metadata, ident=ident)
+        if not self._quiet(parent):
+            self.session.send(stream, "execute_reply", reply, parent, metadata=metadata, ident=ident)
+            if hasattr(stream, "flush"):
+                # A ZMQStream only queues the reply; send it now, ahead of the idle that follows
+                # (ipykernel would flush it only after publishing idle).
+                stream.flush(zmq.POLLOUT)
+        if executed and bridge is not None:
+            # Replied (and idle follows when this handler returns) before DONE commits: the
+            # committed LEAD already makes the cell run at most once, and the standbys reply after
+            # DONE. The namespace diff is taken now, before the next cell can change it.
+            self._finish_in_background(bridge, msg_id, code, reply, log)
+        self._record_timing(role, reply, timing, log)
+
+    def _record_timing(
+        self, role: str, reply: dict[str, t.Any], timing: dict[str, float], log: t.Any
+    ) -> None:
+        """Per-cell step timings: kept in ``timings``, logged at debug, summarised at info every
+        ``TIMING_SUMMARY_EVERY`` executed cells (medians and p90s)."""
+        timing["replied_ms"] = timing.pop("total_ms")
         self.timings.append(timing)
-        log.info(
+        log.debug(
             "cell_replied",
             role=role,
             status=reply.get("status"),
             **{k: round(v, 3) for k, v in timing.items()},
         )
-        if executed and bridge is not None:
-            # After the reply (off the client's critical path) but before the handler returns, so
-            # `status: idle` means the namespace is replicated: a client or scheduler that sees
-            # idle may lose this replica without losing the cell's state.
-            await self._replicate_state(msg_id, code, log)
+        if role != EXECUTOR:
+            return
+        self._executed_since_summary += 1
+        if self._executed_since_summary < TIMING_SUMMARY_EVERY:
+            return
+        self._executed_since_summary = 0
+        recent = [tm for tm in list(self.timings)[-TIMING_SUMMARY_EVERY * 3 :] if "run_ms" in tm]
+        summary: dict[str, t.Any] = {}
+        for key in ("decide_ms", "elect_ms", "state_wait_ms", "bind_ms", "run_ms", "replied_ms"):
+            values = sorted(tm[key] for tm in recent if key in tm)
+            if values:
+                summary[key] = [round(values[len(values) // 2], 3), round(values[int(len(values) * 0.9)], 3)]
+        if self._bridge is not None:
+            finish = sorted(list(self._bridge.core.finish_ms)[-TIMING_SUMMARY_EVERY:])
+            if finish:
+                summary["finish_ms"] = [
+                    round(finish[len(finish) // 2], 3),
+                    round(finish[int(len(finish) * 0.9)], 3),
+                ]
+        self._slog.info("cell_timings", cells=len(recent), p50_p90=summary)
 
     async def _execute(
         self, parent: dict[str, t.Any], args: dict[str, t.Any], device_ids: list[int], log: t.Any
-    ) -> tuple[dict[str, t.Any], float]:
-        """Steps 4-5 on the executor: run with the bound GPUs, release them, commit DONE.
-        Returns the reply and how long the DONE commit took (ms)."""
+    ) -> dict[str, t.Any]:
+        """Step 5 on the executor: run with the bound GPUs; returns the reply (DONE commits after
+        the reply, see ``_finish_in_background``)."""
         assert self.shell is not None
-        msg_id = parent["header"]["msg_id"]
         if not args["silent"]:
             self._publish_execute_input(args["code"], parent, self.execution_count)
         saved_env = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "TANDEM_GPU_IDS")}
@@ -254,12 +310,9 @@ class TandemKernel(IPythonKernel):
         # ipykernel sleeps ``_execute_sleep`` here so flushed output reaches clients before the
         # reply; the DONE commit below takes longer than that, so the sleep would only add latency.
         try:
-            reply = json_clean(reply)
+            return json_clean(reply)
         except Exception as exc:
-            reply = error_content("TandemInternalError", f"reply is not JSON-able: {exc}", self._count())
-        ran = time.perf_counter()
-        reply = await self._commit_done(msg_id, reply, True, log, release_gpus=True)
-        return reply, (time.perf_counter() - ran) * 1000
+            return error_content("TandemInternalError", f"reply is not JSON-able: {exc}", self._count())
 
     async def _commit_done(
         self,
@@ -312,36 +365,34 @@ class TandemKernel(IPythonKernel):
     def _count(self) -> int:
         return int(self.shell.execution_count) if self.shell is not None else 0
 
-    # ---- state replication ---------------------------------------------------------------------------
-    async def _replicate_state(self, msg_id: str, code: str, log: t.Any) -> None:
-        """Step 7: propose the namespace changes as one STATE entry and wait for it to commit (the
-        next cell's executor, on whichever replica, waits for this entry too)."""
-        assert self._bridge is not None and self.shell is not None
-        started = time.perf_counter()
-        core = self._bridge.core
+    # ---- DONE and state replication ------------------------------------------------------------------
+    def _finish_in_background(
+        self, bridge: RaftBridge, msg_id: str, code: str, reply: dict[str, t.Any], log: t.Any
+    ) -> None:
+        """Steps 5 and 7 after the reply: detect the namespace changes here (the main thread owns
+        the namespace, and the next cell must not change it first), then hand DONE and STATE to
+        the Raft thread, which commits them in order without the kernel waiting."""
+        assert self.shell is not None
+        done = Done(msg_id, self.replica_id, reply, self._count(), True)
         try:
-            diff = self._detector.detect(self.shell.user_ns, core.namespace.digests(), code=code)
+            diff = self._detector.detect(self.shell.user_ns, self._replicated_digests(bridge), code=code)
         except Exception:  # never leave the group waiting for a STATE that will not come
             log.exception("state_detection_failed")
             diff = StateDiff()
         state = State(
             msg_id, self.replica_id, diff.digests, diff.namespace, tuple(diff.deleted), diff.skipped
         )
-        detected = time.perf_counter()
-        try:
-            await self._bridge.call(core.propose(state))
-        except RaftError as exc:
-            log.warning("state_not_replicated", error=str(exc))
-            return
-        log.debug(
-            "state_replicated",
-            changed=diff.changed,
-            deleted=diff.deleted,
-            state_bytes=len(diff.namespace),
-            skipped=len(diff.skipped),
-            detect_ms=round((detected - started) * 1000, 3),
-            commit_ms=round((time.perf_counter() - detected) * 1000, 3),
-        )
+        if diff:
+            self._pending_digests = dict(diff.digests)
+        bridge.thread.call(bridge.core.finish_cell, done, state)
+
+    def _replicated_digests(self, bridge: RaftBridge) -> dict[str, bytes]:
+        """What the log will hold once this process's in-flight STATE entries commit: compare
+        against that, or a cell that runs before the previous STATE commits would resend it."""
+        if self._pending_digests is not None and bridge.core.finishing():
+            return self._pending_digests
+        self._pending_digests = None
+        return bridge.core.namespace.digests()
 
     def _warn_unreplicable(self, name: str, reason: str) -> None:
         self._slog.warning("variable_not_replicated", variable=name, reason=reason)

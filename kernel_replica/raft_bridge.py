@@ -16,6 +16,7 @@ import contextlib
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,11 @@ class ReplicaSettings:
     # an ``ExecutorLost`` error itself, so a dead executor cannot block the kernel forever.
     progress_interval_s: float = 2.0
     executor_silence_s: float = 10.0
+    # The leader hands Raft leadership to a replica that executed this many cells in a row (its
+    # LEADs then commit without the hop to a remote leader); 0 disables. At most once per
+    # ``leader_transfer_every_s``: a transfer drops proposals for a moment.
+    leader_follows_executor: int = 3
+    leader_transfer_every_s: float = 10.0
 
 
 # ---- what the kernel is told to do with a cell ---------------------------------------------------
@@ -202,6 +208,11 @@ class ReplicaCore:
         self._own_entries: set[tuple[str, str]] = set()  # (kind, msg_id) proposed by this process
         self._last_progress: dict[str, float] = {}  # msg_id -> when its executor was last heard
         self._progress_task: asyncio.Task[None] | None = None
+        self._streak: tuple[str | None, int] = (None, 0)  # (executor, cells in a row) from DONEs
+        self._last_transfer = float("-inf")
+        self._finish_tail: asyncio.Future[None] | None = None  # the latest finish_cell's completion
+        self._finishing: set[str] = set()  # msg_ids executed here whose DONE/STATE are in flight
+        self.finish_ms: deque[float] = deque(maxlen=1000)  # executed cell -> DONE and STATE committed
         self._vote_timer: asyncio.TimerHandle | None = None
         self.on_stop_requested: Callable[[], None] = lambda: None
         self.on_done: Callable[[Done], None] = lambda done: None
@@ -281,6 +292,11 @@ class ReplicaCore:
         os._exit(0)
 
     async def stop(self) -> None:
+        tail = self._finish_tail
+        if tail is not None and not tail.done() and self.peer is not None:
+            # the last cell's DONE and STATE (its reply is already out): give them a moment
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(tail), 1.0)
         for task in list(self._background):
             task.cancel()
         if self.peer is not None:
@@ -331,27 +347,58 @@ class ReplicaCore:
                 case ElectionFailed(msg_id=msg_id):
                     self._resolve(self._election_waiters, msg_id, Outcome(None))
                 case ExecutorLost(msg_id=msg_id, executor=executor):
+                    self._wake_state_waiters()
                     self._resolve(
                         self._done_waiters,
                         msg_id,
                         f"the executor {executor} was removed from the kernel's Raft group before it finished",
                     )
                 case CellDone(done=done):
+                    self._wake_state_waiters()
                     self._resolve(self._done_waiters, done.msg_id, done)
+                    self._leader_follows(done)
                     if not self._proposed_here(done):
                         self._post(self.on_done, done)
                 case StateAccepted(state=state):
                     self.namespace.apply(state)
                     if not self._proposed_here(state):
                         self._post(self.on_state, state)
-                    waiters, self._state_waiters = self._state_waiters, []
-                    for fut in waiters:
-                        if not fut.done():
-                            fut.set_result(None)
+                    self._wake_state_waiters()
                 case EntryIgnored(entry=entry, reason=reason):
                     self._log.debug(
                         "log_entry_ignored", kind=type(entry).__name__, msg_id=entry.msg_id, reason=reason
                     )
+
+    def _leader_follows(self, done: Done) -> None:
+        """On the leader: after ``leader_follows_executor`` cells in a row ran on another voter,
+        hand leadership to it, off the critical path (its reply went out before this DONE)."""
+        if done.replica_id == self._streak[0]:
+            self._streak = (done.replica_id, self._streak[1] + 1)
+        else:
+            self._streak = (done.replica_id, 1)
+        wanted = self.settings.leader_follows_executor
+        peer = self.peer
+        if wanted <= 0 or self._streak[1] < wanted or peer is None or done.replica_id == self.replica_id:
+            return
+        status = peer.status()
+        now = time.monotonic()
+        if (
+            status.leader != self.replica_id
+            or done.replica_id not in status.voters
+            or now - self._last_transfer < self.settings.leader_transfer_every_s
+        ):
+            return
+        self._last_transfer = now
+        target = done.replica_id
+
+        async def transfer() -> None:
+            try:
+                await peer.transfer_leadership(target, timeout=2.0)
+                self._log.info("leadership_transferred", to=target, reason="executor")
+            except RaftError as exc:
+                self._log.info("leadership_transfer_failed", to=target, error=str(exc))
+
+        self._spawn(transfer())
 
     def _proposed_here(self, entry: Done | State) -> bool:
         """True for this process's own DONE/STATE (the kernel already reflects it). The same
@@ -458,23 +505,32 @@ class ReplicaCore:
         decided_before = outcome is not None
         if outcome is None and not lead:
             outcome = await self._grace_for_lead(msg_id)
+        binding: asyncio.Future[list[int]] | None = None
         if outcome is None:
             waiter = self._waiter(self._election_waiters, msg_id)
             entry: LogEntry = (
                 Lead(msg_id, self.replica_id) if lead else Yield(msg_id, self.replica_id, self.replica_id)
             )
+            if lead:
+                # Only the designated candidate proposes LEAD, so it almost always wins: bind the
+                # GPUs while the LEAD commits (the local scheduler also tells the global scheduler
+                # who executes, before any output); a LEAD that loses gives them back.
+                binding = asyncio.ensure_future(self.scheduler.gpu_commit(msg_id, self.settings.gpus))
             try:
                 await self.propose(entry)
                 outcome = await self._wait_outcome(msg_id, waiter)
             except RaftError as exc:
+                self._unbind_later(msg_id, binding)
                 return Unavailable(f"Raft could not commit the election for this cell: {exc}")
         if outcome.failed:
+            self._unbind_later(msg_id, binding)
             log.info("election_failed")
             self.scheduler.event("election_failed", msg_id)
             return Failed()
         winner = outcome.winner
         assert winner is not None
         if winner != self.replica_id:
+            self._unbind_later(msg_id, binding)
             return Standby(winner)
         if decided_before:
             # A retry of a cell this replica already won: it ran (or started) here, and its DONE
@@ -483,10 +539,12 @@ class ReplicaCore:
                 f"this cell was already claimed by {self.replica_id} but its completion is not in the log"
             )
         elected = time.perf_counter()
-        waited = await self._wait_state_current(log)
-        binding = time.perf_counter()
         try:
-            device_ids = await self.scheduler.gpu_commit(msg_id, self.settings.gpus)
+            if binding is None:
+                binding = asyncio.ensure_future(self.scheduler.gpu_commit(msg_id, self.settings.gpus))
+            waited = await self._wait_previous_cell(msg_id, log)
+            bind_started = time.perf_counter()
+            device_ids = await binding
         except (RpcError, RpcTimeout, ValueError) as exc:
             log.warning("gpu_commit_failed", error=str(exc))
             return BindFailed(str(exc))
@@ -495,8 +553,20 @@ class ReplicaCore:
             device_ids,
             elect_ms=(elected - started) * 1000,
             state_wait_ms=waited,
-            bind_ms=(time.perf_counter() - binding) * 1000,
+            bind_ms=(time.perf_counter() - bind_started) * 1000,
         )
+
+    def _unbind_later(self, msg_id: str, binding: asyncio.Future[list[int]] | None) -> None:
+        """The early gpu.commit of a LEAD that did not win: release whatever it bound."""
+        if binding is None:
+            return
+
+        async def release() -> None:
+            with contextlib.suppress(RpcError, RpcTimeout, ValueError, asyncio.CancelledError):
+                await binding
+            await self._release(msg_id)
+
+        self._spawn(release())
 
     async def _grace_for_lead(self, msg_id: str) -> Outcome | None:
         if self.settings.yield_grace_s <= 0:
@@ -526,22 +596,38 @@ class ReplicaCore:
             return outcome
         return await asyncio.wait_for(waiter, self.settings.propose_timeout_s)
 
-    async def _wait_state_current(self, log: Any) -> float:
-        """The executor must see the namespace the previous cell left (its STATE must be applied)."""
-        if self.book.awaiting_state() is None:
+    def _previous_cell_pending(self, msg_id: str) -> list[str]:
+        """What the executor of msg_id still waits for: earlier cells without DONE, or the latest
+        DONE's STATE, except this process's own (its namespace already reflects them)."""
+        pending = [m for m in self.book.unfinished_before(msg_id) if m not in self._finishing]
+        awaiting = self.book.awaiting_state()
+        if awaiting is not None and awaiting != msg_id and awaiting not in self._finishing:
+            pending.append(awaiting)
+        return pending
+
+    async def _wait_previous_cell(self, msg_id: str, log: Any) -> float:
+        """The executor must see the namespace the previous cell left: its DONE and STATE must be
+        applied (its executor replied before committing them), unless it ran in this process."""
+        if not self._previous_cell_pending(msg_id):
             return 0.0
         started = time.perf_counter()
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._state_waiters.append(fut)
-        try:
-            await asyncio.wait_for(fut, self.settings.state_wait_s)
-        except TimeoutError:
-            log.warning(
-                "previous_state_missing",
-                awaiting=self.book.awaiting_state(),
-                waited_s=self.settings.state_wait_s,
-            )
+        deadline = time.monotonic() + self.settings.state_wait_s
+        while pending := self._previous_cell_pending(msg_id):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.warning("previous_state_missing", awaiting=pending, waited_s=self.settings.state_wait_s)
+                break
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._state_waiters.append(fut)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fut, remaining)
         return (time.perf_counter() - started) * 1000
+
+    def _wake_state_waiters(self) -> None:
+        waiters, self._state_waiters = self._state_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     async def _beat(self, msg_id: str) -> None:
         """While this replica executes msg_id: PROGRESS entries tell the standbys it is alive."""
@@ -552,13 +638,68 @@ class ReplicaCore:
 
     async def finish(self, done: Done, *, release_gpus: bool) -> None:
         """Step 5: release the GPUs (not on the critical path) and commit DONE."""
-        if self._progress_task is not None:
-            self._progress_task.cancel()
-            self._progress_task = None
+        self._stop_beat()
         if release_gpus:
             self._spawn(self._release(done.msg_id))
         self._vote_later(done.msg_id, self.replica_id)
         await self.propose(done)
+
+    def _stop_beat(self) -> None:
+        if self._progress_task is not None:
+            self._progress_task.cancel()
+            self._progress_task = None
+
+    def finishing(self) -> bool:
+        """Whether DONE/STATE entries of cells executed here are still in flight (any thread)."""
+        return bool(self._finishing)
+
+    def finish_cell(self, done: Done, state: State) -> None:
+        """Steps 5 and 7 off the critical path: the executor has already replied (the committed
+        LEAD guarantees at-most-once); DONE and STATE are proposed together, in order after the
+        previous cell's, and the standbys reply once DONE commits. Until both commit the next cell
+        on this replica runs without waiting for them (its namespace is current); any other
+        executor waits for them (``_wait_previous_cell``). Call on the Raft thread."""
+        self._stop_beat()
+        self._spawn(self._release(done.msg_id))
+        self._vote_later(done.msg_id, self.replica_id)
+        previous = self._finish_tail
+        tail: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._finish_tail = tail
+        self._finishing.add(done.msg_id)
+        self._spawn(self._finish_cell(done, state, previous, tail))
+
+    async def _finish_cell(
+        self, done: Done, state: State, previous: asyncio.Future[None] | None, tail: asyncio.Future[None]
+    ) -> None:
+        log = self._log.bind(msg_id=done.msg_id)
+        started = time.perf_counter()
+        try:
+            if previous is not None and not previous.done():
+                await asyncio.shield(previous)  # keep DONE/STATE in cell order in the log
+            proposals = [
+                asyncio.ensure_future(self.propose(done)),
+                asyncio.ensure_future(self.propose(state)),
+            ]
+            results = await asyncio.gather(*proposals, return_exceptions=True)
+            if isinstance(results[0], BaseException):
+                log.error("done_not_committed", error=str(results[0]))
+                return
+            if isinstance(results[1], BaseException) or self.book.awaiting_state() == done.msg_id:
+                # dropped, or retried ahead of its DONE (then the book ignored it): once more
+                await self.propose(state)
+            self.finish_ms.append((time.perf_counter() - started) * 1000)
+            log.debug(
+                "cell_finished", finish_ms=round(self.finish_ms[-1], 3), state_bytes=len(state.namespace)
+            )
+        except RaftError as exc:
+            log.warning("state_not_replicated", error=str(exc))
+        except Exception:
+            log.exception("finish_failed")
+        finally:
+            self._finishing.discard(done.msg_id)
+            if not tail.done():
+                tail.set_result(None)
+            self._wake_state_waiters()
 
     def _vote_later(self, msg_id: str, winner: str) -> None:
         if not self.settings.propose_votes:

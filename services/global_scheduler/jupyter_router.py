@@ -37,10 +37,20 @@ class Routed:
     problem: str | None = None  # why the request was dropped, for the log
 
 
-def rewrite_msg_type(frames: Frames, header: dict[str, Any], msg_type: str, signer: Signer) -> Frames:
+# Header field of a ``yield_request`` whose replica should stay silent on the client channels (no
+# busy, reply or idle): the designated executor answers for the kernel, so the yielders' copies
+# would only cost every hop work before the merger dropped them.
+QUIET_FIELD = "tandem_quiet"
+
+
+def rewrite_msg_type(
+    frames: Frames, header: dict[str, Any], msg_type: str, signer: Signer, *, quiet: bool = False
+) -> Frames:
     """Same message under another msg_type (execute_request → yield_request), re-signed."""
     new_header = dict(header)
     new_header["msg_type"] = msg_type
+    if quiet:
+        new_header[QUIET_FIELD] = True
     parts = [json_part(new_header), frames[2], frames[3], frames[4]]
     return [signer.sign(parts), *parts, *frames[5:]]
 
@@ -54,8 +64,18 @@ def reply_type_of(request_type: str) -> str:
 class KernelRouter:
     """Routing and merging state of one distributed kernel."""
 
-    def __init__(self, kernel_id: str, key: bytes, signature_scheme: str = "hmac-sha256") -> None:
+    def __init__(
+        self,
+        kernel_id: str,
+        key: bytes,
+        signature_scheme: str = "hmac-sha256",
+        *,
+        quiet_yielders: bool = True,
+    ) -> None:
         self.kernel_id = kernel_id
+        # With a designated executor, only it answers an execute_request (it always does: it wins
+        # the election, or replies with the election's outcome); yielders are told to stay quiet.
+        self.quiet_yielders = quiet_yielders
         self.signer = Signer(key, signature_scheme)
         self.merger = ReplyMerger()
         self.session = uuid.uuid4().hex  # the session of messages the scheduler synthesizes
@@ -98,17 +118,21 @@ class KernelRouter:
         serial = channel == "shell"
         if msg_type == "execute_request" and channel == "shell":
             choice = choose()
-            routed.executor = choice.executor
+            executor = routed.executor = choice.executor if choice.executor in live else None
+            quiet = self.quiet_yielders and executor is not None
             yield_frames: Frames | None = None
             for replica_id in live:
-                if replica_id == choice.executor:
+                if replica_id == executor:
                     routed.to_replicas.append((replica_id, channel, frames))
                 else:
                     if yield_frames is None:
-                        yield_frames = rewrite_msg_type(frames, header, "yield_request", self.signer)
+                        yield_frames = rewrite_msg_type(
+                            frames, header, "yield_request", self.signer, quiet=quiet
+                        )
                     routed.to_replicas.append((replica_id, channel, yield_frames))
             self._execute_ids[msg_id] = None
-            self.merger.open(msg_id, set(live), reply_channel=channel, context=header, serial=True)
+            targets = {executor} if quiet and executor is not None else set(live)
+            self.merger.open(msg_id, targets, reply_channel=channel, context=header, serial=True)
         elif msg_type in BROADCAST_REQUESTS:
             routed.to_replicas = [(r, channel, frames) for r in live]
             self.merger.open(

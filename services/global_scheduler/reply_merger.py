@@ -77,6 +77,7 @@ class _Request:
     armed_at: float | None = None
     repliers: list[str] = field(default_factory=list)
     held: dict[str, list[Incoming]] = field(default_factory=dict)
+    early_idle: Incoming | None = None  # the responder's idle, overtook its reply (another socket)
 
 
 class ReplyMerger:
@@ -255,8 +256,14 @@ class ReplyMerger:
                     return
                 req.busy_sent = True
             elif inc.execution_state == "idle":
-                if req.idle_sent:
+                if req.idle_sent or req.early_idle is not None:
                     self.dropped += 1
+                    return
+                if not req.reply_sent and _is_execute(req.context):
+                    # Reply and idle leave the replica on different sockets and may swap on the
+                    # way; a client sees them in the kernel's order: reply, then idle. (Only for
+                    # execute_request: comm messages, say, have no reply to wait for.)
+                    req.early_idle = inc
                     return
                 req.idle_sent = True
         elif inc.channel in REPLY_CHANNELS:
@@ -265,6 +272,10 @@ class ReplyMerger:
                 return
             req.reply_sent = True
         out.forwards.append((inc.channel, inc.frames))
+        if req.reply_sent and req.early_idle is not None:
+            idle, req.early_idle = req.early_idle, None
+            self._forward(req, idle, out)
+            return
         if req.reply_sent and req.idle_sent:
             self._finish(req, req.responder)
             out.finished.append(req.msg_id)
@@ -280,3 +291,7 @@ class ReplyMerger:
         self._finished[req.msg_id] = responder
         if len(self._finished) > FINISHED_MEMORY:
             self._finished.popitem(last=False)
+
+
+def _is_execute(context: Any) -> bool:
+    return isinstance(context, dict) and context.get("msg_type") == "execute_request"

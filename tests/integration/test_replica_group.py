@@ -337,9 +337,11 @@ def test_a_restarted_replica_rebuilds_state_and_history_from_its_log(cluster: Cl
     # r2 executes, so after its restart its own DONE and STATE must come back from its log
     before = cluster.run("restart_probe = [1, 2, 3]", "r2")
     count = before["r2"]["content"]["execution_count"]
-    # idle from the executor means its STATE is committed (it replicates after the reply)
     idle = [m for m in cluster.iopub("r2", cluster.last_msg["header"]["msg_id"]) if m["msg_type"] == "status"]
     assert idle and idle[-1]["content"]["execution_state"] == "idle"
+    # The executor replies (and goes idle) before its DONE and STATE commit; the standbys' replies
+    # (``run`` waited for them) mean DONE committed. Give STATE, proposed right behind it, time too.
+    time.sleep(0.5)
     cluster.restart("r2")
     # the same msg_id retried at the restarted replica is answered from its replayed log
     retry = copy.deepcopy(cluster.last_msg)
@@ -359,11 +361,17 @@ def test_a_restarted_replica_rebuilds_state_and_history_from_its_log(cluster: Cl
 
 
 def current_leader(cluster: Cluster) -> str:
-    """The Raft leader as the replicas last logged it."""
-    leader = None
-    for line in (cluster.tmp / "r1.log").read_text(errors="replace").splitlines():
-        if "raft.leader_changed" in line:
-            leader = re.search(r"leader=(\S+)", line).group(1)  # type: ignore[union-attr]
+    """The Raft leader as the replicas last logged it (waiting out a leadership transfer, during
+    which the log says ``leader=None``)."""
+    deadline = time.monotonic() + 5
+    while True:
+        leader = None
+        for line in (cluster.tmp / "r1.log").read_text(errors="replace").splitlines():
+            if "raft.leader_changed" in line:
+                leader = re.search(r"leader=(\S+)", line).group(1)  # type: ignore[union-attr]
+        if leader in REPLICAS or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert leader in REPLICAS, leader
     return leader
 
@@ -390,7 +398,7 @@ def test_cells_still_run_after_the_raft_leader_dies_mid_cell(cluster: Cluster) -
 
 def test_lost_quorum_is_an_error_reply_not_a_hang(cluster: Cluster) -> None:
     victim, survivor = cluster.alive
-    time.sleep(0.5)  # let the previous cell's STATE commit (the executor stays busy until it does)
+    time.sleep(0.5)  # let the previous cell's DONE and STATE commit (the executor replied before)
     os.killpg(cluster.procs[victim].pid, signal.SIGKILL)
     cluster.procs[victim].wait(5)
     started = time.monotonic()

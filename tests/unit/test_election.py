@@ -92,6 +92,24 @@ def test_done_without_state_does_not_block_the_next_cell() -> None:
     assert book.awaiting_state() is None
 
 
+def test_a_cell_decided_before_the_previous_done_waits_for_it() -> None:
+    # the executor of "m" replies before its DONE commits, so "n"'s LEAD can commit first
+    book = ElectionBook(VOTERS)
+    feed(book, [Lead("m", "r1"), Lead("n", "r2")])
+    assert book.unfinished_before("n") == ["m"]
+    assert book.unfinished_before("m") == []
+    feed(book, [Done("m", "r1", {"status": "ok"}, 1)])
+    assert book.unfinished_before("n") == [] and book.awaiting_state() == "m"
+    # a removed executor never finishes: nobody waits for it
+    feed(book, [Lead("o", "r3"), Lead("p", "r1")])
+    book.set_voters(["r1", "r2"])
+    assert book.unfinished_before("p") == ["n"]
+    # a later DONE settles every earlier cell, and the book survives a snapshot
+    feed(book, [Done("o", "r3", {"status": "ok"}, 2)])
+    restored = ElectionBook.from_snapshot(book.to_snapshot())
+    assert restored.unfinished_before("p") == book.unfinished_before("p") == []
+
+
 # ---- properties ----------------------------------------------------------------------------------
 
 replica_ids = st.sampled_from(["r1", "r2", "r3", "r4"])

@@ -54,6 +54,35 @@ def test_execute_goes_to_one_executor_and_signed_yields_to_the_rest() -> None:
         assert msg["content"]["code"] == "x = 1"
 
 
+def test_yielders_of_a_designated_executor_are_quiet_and_only_it_answers() -> None:
+    s = session()
+    router = KernelRouter("k", KEY)
+    msg_id, frames = client_frames(s, "execute_request", {"code": "x = 1"})
+    routed = router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r2"))
+    by_replica = {r: f for r, _, f in routed.to_replicas}
+    for yielder in ("r1", "r3"):
+        assert parse(s, by_replica[yielder])["header"]["tandem_quiet"] is True
+    # a yielder that answers anyway (an older replica) is ignored; the executor's replies decide
+    busy = reply_frames(s, "status", msg_id, {"execution_state": "busy"})
+    assert router.on_replica_message("r1", "iopub", busy).forwards == []
+    assert router.on_replica_message("r2", "iopub", busy).forwards == [("iopub", busy)]
+    # answered from the log as a standby (a retry of a cell another replica ran): still the answer
+    reply = reply_frames(
+        s, "execute_reply", msg_id, {"status": "ok", "execution_count": 3}, {"tandem": {"role": "standby"}}
+    )
+    idle = reply_frames(s, "status", msg_id, {"execution_state": "idle"})
+    assert router.on_replica_message("r2", "shell", reply).forwards == [("shell", reply)]
+    assert router.on_replica_message("r2", "iopub", idle).finished == [msg_id]
+
+
+def test_all_yield_is_not_quiet() -> None:
+    s = session()
+    router = KernelRouter("k", KEY)
+    _, frames = client_frames(s, "execute_request", {"code": "1"})
+    routed = router.route_request("shell", frames, live=LIVE, choose=lambda: choose(None))
+    assert all("tandem_quiet" not in parse(s, f)["header"] for _, _, f in routed.to_replicas)
+
+
 def test_all_yield_when_no_executor() -> None:
     s = session()
     router = KernelRouter("k", KEY)
@@ -102,7 +131,7 @@ def test_shutdown_is_broadcast_and_interrupt_goes_to_the_executor() -> None:
 
 def test_replica_messages_are_merged_by_parent_msg_id() -> None:
     s = session()
-    router = KernelRouter("k", KEY)
+    router = KernelRouter("k", KEY, quiet_yielders=False)
     msg_id, frames = client_frames(s, "execute_request", {"code": "x"})
     router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"))
     busy = reply_frames(s, "status", msg_id, {"execution_state": "busy"})

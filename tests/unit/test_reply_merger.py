@@ -209,3 +209,27 @@ def test_elected_event_for_a_non_target_is_ignored() -> None:
     m.open("m1", {"r1", "r2"})
     m.set_responder("m1", "r7")
     assert m.responder_of("m1") is None
+
+
+def test_an_execute_idle_that_overtakes_its_reply_is_forwarded_after_it() -> None:
+    m = ReplyMerger()
+    m.open("m1", {"r1"}, responder="r1", context={"msg_type": "execute_request"})
+    results = [m.on_frame(frame("r1", kind)) for kind in ("busy", "idle")]
+    assert seen(*results) == ["r1:busy"]
+    last = m.on_frame(frame("r1", "reply", role="executor"))
+    assert seen(last) == ["r1:reply", "r1:idle"] and last.finished == ["m1"]
+
+
+def test_an_idle_without_a_reply_to_wait_for_is_forwarded_at_once() -> None:
+    m = ReplyMerger()
+    m.open("m1", {"r1"}, responder="r1", context={"msg_type": "comm_msg"})
+    assert seen(m.on_frame(frame("r1", "busy")), m.on_frame(frame("r1", "idle"))) == ["r1:busy", "r1:idle"]
+
+
+def test_a_held_idle_is_not_counted_as_sent_when_the_request_fails() -> None:
+    m = ReplyMerger()
+    m.open("m1", {"r1"}, responder="r1", context={"msg_type": "execute_request"})
+    m.on_frame(frame("r1", "busy"))
+    m.on_frame(frame("r1", "idle"))
+    _merged, failed = m.replica_lost("r1")
+    assert failed[0].busy_sent and not failed[0].reply_sent and not failed[0].idle_sent
