@@ -1,0 +1,560 @@
+"""Serialising changed names for replication: inline pickles for small groups, store pointers for large.
+
+Unit of serialisation: a *group* of names whose objects share references (a model and the optimizer
+holding its parameters; ``b = a[0]``). Each group is one pickle, so pickle's memo keeps the shared
+objects shared after decoding; groups share nothing, so they can be decoded independently. Groups
+come from a memo pass: pickling each name records the identities it reaches (mutable containers,
+instances, notebook functions, tensor storages, numpy base arrays); names whose identity sets
+intersect are joined (union-find). The sets are kept per name (``_reach``) so a changed name pulls
+in an unchanged name it shares objects with, and that name is re-encoded with it.
+
+Pickling is cloudpickle (notebook functions and classes by value) at protocol 5 with out-of-band
+buffers: numpy arrays natively, torch tensors through a reducer that emits their storage's raw bytes
+as a ``PickleBuffer`` and rebuilds views on one shared storage (torch's own reducer copies through
+``torch.save`` and loses aliasing between separately pickled views). Numpy views of an owning array
+are rebuilt as views too. A group under ``large_object_bytes`` travels inline (pickle + buffers
+copied, small); a larger one is streamed to the data store with ``put_stream([pickle, *buffers])``,
+which reads the live buffers without another copy, and the group record carries the ``ObjectRef``.
+Decoding fills fresh writable buffers from the store and unpickles against them (one copy).
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import pickle
+import socket
+import sys
+import types
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from shared.datastore.base import DataStore, ObjectRef
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - torch is a project dependency
+    torch = None  # type: ignore[assignment]
+
+DEFAULT_LARGE_OBJECT_BYTES = 1024 * 1024
+_HEAP_MAX_BYTES = 32 * 1024 * 1024
+FORMAT = "tandem-pickle5/1"
+# Values whose identity never matters (immutable atoms): not recorded by the memo pass.
+_UNSENDABLE = (io.IOBase, socket.socket)
+# Stands for "the namespace this is decoded into" in pickles (persistent id "namespace").
+_NAMESPACE: dict[str, Any] = {}
+_ATOMS = (int, float, complex, bool, str, bytes, type(None), range, slice, frozenset, tuple)
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A name that was not replicated, and why (type and error)."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedGroup:
+    """One pickle of names that share objects; msgpack-able through ``to_dict``."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]  # pickle stream, then each out-of-band buffer
+    inline: bytes | None = None  # the concatenated payload, for small groups
+    pointer: dict[str, Any] | None = None  # ObjectRef.to_dict() of the payload in the data store
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "names": list(self.names),
+            "sizes": list(self.sizes),
+            "inline": self.inline,
+            "pointer": self.pointer,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EncodedGroup:
+        if data.get("format") != FORMAT:
+            raise ValueError(f"unknown group format {data.get('format')!r}")
+        pointer = data.get("pointer")
+        if pointer is not None:
+            ObjectRef.from_dict(dict(pointer))  # validate early
+        inline = data.get("inline")
+        return cls(
+            tuple(data["names"]),
+            tuple(int(n) for n in data["sizes"]),
+            bytes(inline) if inline is not None else None,
+            dict(pointer) if pointer is not None else None,
+        )
+
+
+@dataclass(slots=True)
+class EncodeResult:
+    groups: list[EncodedGroup] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        """Every name encoded (the requested ones plus those pulled in by sharing)."""
+        return [name for group in self.groups for name in group.names]
+
+
+# ----- rebuild functions (referenced by pickles: keep their names stable) ------------------------
+
+
+def _rebuild_storage(buffer: Any, nbytes: int, device: str) -> Any:
+    if nbytes == 0:
+        storage = torch.UntypedStorage(0)
+    else:
+        storage = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).untyped_storage()
+    if device != "cpu":
+        target = torch.device(device)
+        if target.type == "cuda" and not torch.cuda.is_available():
+            return storage  # a standby without a GPU keeps the bytes on the host
+        storage = storage.to(device=target)
+    return storage
+
+
+def _rebuild_tensor(
+    storage: Any,
+    dtype: Any,
+    offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+    grad: Any,
+) -> Any:
+    tensor = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    if grad is not None:
+        tensor.grad = grad
+    return tensor
+
+
+def _rebuild_parameter(data: Any, requires_grad: bool, grad: Any, state: dict[str, Any]) -> Any:
+    param = torch.nn.Parameter(data, requires_grad=requires_grad)
+    if grad is not None:
+        param.grad = grad
+    if state:
+        param.__dict__.update(state)
+    return param
+
+
+def _rebuild_np_view(
+    base: np.ndarray,
+    dtype: np.dtype,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    offset: int,
+    writeable: bool,
+) -> np.ndarray:
+    view = np.ndarray(shape, dtype=dtype, buffer=base, offset=offset, strides=strides)
+    if not writeable:
+        view.flags.writeable = False
+    return view
+
+
+def _by_reference(func: types.FunctionType) -> bool:
+    """Whether cloudpickle pickles ``func`` by name (importable) rather than by value."""
+    check = getattr(cloudpickle.cloudpickle, "_should_pickle_by_reference", None)
+    if check is None:  # private in cloudpickle: fall back to the rule it implements for notebooks
+        return func.__module__ != "__main__"
+    try:
+        return bool(check(func))
+    except Exception:
+        return False
+
+
+class _StorageBox:
+    """One pickle-memoised stand-in per torch storage, so every view shares it after decode."""
+
+    __slots__ = ("storage",)
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = storage
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        storage = self.storage
+        nbytes = storage.nbytes()
+        device = str(storage.device)
+        host = storage if storage.device.type == "cpu" else storage.cpu()
+        if nbytes == 0:
+            return (_rebuild_storage, (b"", 0, device))
+        raw = torch.empty(0, dtype=torch.uint8).set_(host, 0, (nbytes,), (1,)).numpy()
+        return (_rebuild_storage, (pickle.PickleBuffer(raw), nbytes, device))
+
+
+class _NullWriter:
+    """A file that forgets what it is given: the memo pass only needs the traversal."""
+
+    def write(self, data: Any) -> int:
+        return len(data) if hasattr(data, "__len__") else 0
+
+
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle + torch/numpy sharing-preserving reducers + identity recording."""
+
+    def __init__(
+        self, file: Any, buffers: list[pickle.PickleBuffer] | None, namespace: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(file, protocol=5, buffer_callback=buffers.append if buffers is not None else None)
+        self._namespace_id = id(namespace) if namespace is not None else None
+        self.reach: set[Any] = set()
+        self._candidates: list[Any] = []  # objects whose identity may matter, filtered by finish()
+        self._boxes: dict[tuple[str, int], _StorageBox] = {}
+        self._transient: list[Any] = []  # keeps stand-ins alive so their ids are not reused
+        self._transient_ids: set[int] = set()
+
+    def persistent_id(self, obj: Any) -> str | None:
+        if obj is _NAMESPACE:
+            return "namespace"
+        if isinstance(obj, _ATOMS) or id(obj) in self._transient_ids:
+            return None
+        if isinstance(obj, list | dict | set | bytearray | np.ndarray):
+            self._candidates.append(obj)
+        elif isinstance(obj, types.FunctionType):
+            if not _by_reference(obj):  # a notebook function (pickled by value): identity matters
+                self._candidates.append(obj)
+        elif not isinstance(obj, type | types.ModuleType | types.BuiltinFunctionType) and (
+            hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__")
+        ):
+            self._candidates.append(obj)
+        return None
+
+    def finish(self) -> set[Any]:
+        """The reach, without temporaries that ``__reduce__``/``__getstate__`` made while pickling
+        (a fresh state dict): their ids are reused by later objects and would join unrelated
+        names. After the memo is dropped a temporary is referenced only by ``_candidates``; drop
+        those, which may free temporaries inside them, until nothing changes."""
+        self.clear_memo()
+        self._transient.clear()
+        alive = self._candidates
+        self._candidates = []
+        while True:
+            # 3 = alive's reference + getrefcount's argument + the loop variable
+            kept = [obj for obj in alive if sys.getrefcount(obj) > 3]
+            if len(kept) == len(alive):
+                break
+            alive = kept
+            del kept
+        self.reach.update(id(obj) for obj in alive)
+        return self.reach
+
+    def _dynamic_function_reduce(self, func: types.FunctionType) -> Any:
+        """A notebook function's globals are the notebook namespace, wherever it is decoded.
+
+        cloudpickle gives each unpickled function a private globals dict holding copies of the
+        globals it uses: ``def bump(): global n; n += 1`` would then update a private ``n`` on a
+        standby. Functions of the encoded namespace instead refer to it by a persistent id that
+        ``decode`` resolves to the standby's namespace, and carry none of its values.
+        """
+        make, newargs, state, items, pairs, setstate = super()._dynamic_function_reduce(func)
+        if self._namespace_id is not None and id(func.__globals__) == self._namespace_id:
+            code, _, name, defaults, closure = newargs
+            newargs = (code, _NAMESPACE, name, defaults, closure)
+            state = (state[0], {**state[1], "__globals__": {}})
+        return (make, newargs, state, items, pairs, setstate)
+
+    def _keep(self, obj: Any) -> Any:
+        self._transient.append(obj)
+        self._transient_ids.add(id(obj))
+        return obj
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, _UNSENDABLE) and not isinstance(obj, io.BytesIO | io.StringIO):
+            # cloudpickle would send a read-mode file's *contents* as a StringIO: not the same object
+            raise TypeError(f"cannot pickle {type(obj).__qualname__!r} object (an open OS resource)")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            reduced = self._reduce_tensor(obj)
+            if reduced is not NotImplemented:
+                return reduced
+        elif isinstance(obj, np.ndarray) and obj.base is not None:
+            reduced = self._reduce_np_view(obj)
+            if reduced is not NotImplemented:
+                return reduced
+        return super().reducer_override(obj)
+
+    def _reduce_tensor(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls is torch.nn.Parameter:
+            state = dict(obj.__dict__) if obj.__dict__ else {}
+            data = self._keep(obj.detach())
+            return (_rebuild_parameter, (data, obj.requires_grad, obj.grad, state))
+        if (
+            cls is not torch.Tensor
+            or obj.layout != torch.strided
+            or obj.is_quantized
+            or obj.is_conj()
+            or obj.is_neg()
+            or obj.device.type not in ("cpu", "cuda")
+            or obj.__dict__
+        ):
+            return NotImplemented  # torch's own reducer (copies, but correct)
+        storage = obj.untyped_storage()
+        key = (str(storage.device), storage.data_ptr())
+        box = self._boxes.get(key)
+        if box is None:
+            box = self._boxes[key] = self._keep(_StorageBox(storage))
+        self.reach.add(key)
+        grad = obj.grad if obj.is_leaf else None
+        return (
+            _rebuild_tensor,
+            (box, obj.dtype, obj.storage_offset(), tuple(obj.shape), obj.stride(), obj.requires_grad, grad),
+        )
+
+    def _reduce_np_view(self, obj: np.ndarray) -> Any:
+        base = obj.base
+        while isinstance(base, np.ndarray) and base.base is not None:
+            base = base.base
+        if not isinstance(base, np.ndarray) or base.dtype.hasobject or obj.dtype.hasobject:
+            return NotImplemented
+        offset = obj.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+        try:  # the view must be expressible over the base's buffer (it is, unless strides are odd)
+            _rebuild_np_view(base, obj.dtype, obj.shape, obj.strides, offset, True)
+        except (ValueError, TypeError):
+            return NotImplemented
+        return (
+            _rebuild_np_view,
+            (base, obj.dtype, obj.shape, obj.strides, offset, bool(obj.flags.writeable)),
+        )
+
+
+_Dumped = tuple[bytes, list[pickle.PickleBuffer], set[Any]]
+
+
+def _dumps(values: Mapping[str, Any], namespace: Mapping[str, Any] | None = None) -> _Dumped:
+    """One pickle of ``values``, its out-of-band buffers (aliasing live memory) and its reach."""
+    file = io.BytesIO()
+    buffers: list[pickle.PickleBuffer] = []
+    pickler = _Pickler(file, buffers, namespace)
+    pickler.dump(dict(values))
+    return file.getvalue(), buffers, pickler.finish()
+
+
+def dumps(
+    values: Mapping[str, Any], *, namespace: Mapping[str, Any] | None = None
+) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """The pickle of ``values`` as the codec writes it (buffers out of band, functions of
+    ``namespace`` linked to it rather than carrying copies of its globals)."""
+    pickled, buffers, _ = _dumps(values, namespace)
+    return pickled, buffers
+
+
+def loads(data: Any, buffers: Iterable[Any] = (), *, namespace: dict[str, Any] | None = None) -> Any:
+    """Inverse of ``dumps``; notebook functions get ``namespace`` (or a fresh dict) as globals."""
+    unpickler = _Unpickler(io.BytesIO(data), buffers=buffers)
+    unpickler.namespace = namespace if namespace is not None else {}
+    return unpickler.load()
+
+
+class _Unpickler(pickle.Unpickler):
+    namespace: dict[str, Any]
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid == "namespace":
+            return self.namespace
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+
+def memo_pass(value: Any, namespace: Mapping[str, Any] | None = None) -> set[Any]:
+    """The identities ``value`` reaches, without keeping any bytes (buffers are never copied)."""
+    pickler = _Pickler(_NullWriter(), [], namespace)
+    pickler.dump(value)
+    return pickler.finish()
+
+
+def _describe(value: Any, exc: BaseException) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__} is not picklable: {exc.__class__.__name__}: {exc}"
+
+
+def _views(pickled: bytes, buffers: list[pickle.PickleBuffer]) -> list[memoryview]:
+    views = [memoryview(pickled)]
+    for buf in buffers:
+        raw = buf.raw()  # flat, byte-format view of the live memory (contiguous by contract)
+        views.append(raw)
+    return views
+
+
+def _writable(size: int) -> bytearray | mmap.mmap:
+    """A private writable buffer the decoded object will own. Large ones are anonymous maps:
+    zero-filled lazily by the kernel as the read touches them, not in a separate memset pass."""
+    if size <= _HEAP_MAX_BYTES:
+        return bytearray(size)
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+class ObjectCodec:
+    """Encodes names of a namespace into ``EncodedGroup`` records and decodes them back.
+
+    Stateful on the executor: remembers what each encoded name reaches, to group shared objects
+    across cells. ``forget`` names that were deleted; a new executor starts empty and indexes
+    unknown names on first use (``universe``).
+    """
+
+    def __init__(
+        self, store: DataStore | None, *, large_object_bytes: int = DEFAULT_LARGE_OBJECT_BYTES
+    ) -> None:
+        self.store = store
+        self.large_object_bytes = large_object_bytes
+        self._reach: dict[str, set[Any]] = {}
+
+    def forget(self, names: Iterable[str]) -> None:
+        for name in names:
+            self._reach.pop(name, None)
+
+    def sharing(self) -> dict[str, set[str]]:
+        """name -> other names sharing objects with it, as of the last encode (for names_to_check)."""
+        owners: dict[Any, list[str]] = {}
+        for name, reach in self._reach.items():
+            for key in reach:
+                owners.setdefault(key, []).append(name)
+        result: dict[str, set[str]] = {name: set() for name in self._reach}
+        for names in owners.values():
+            if len(names) > 1:
+                for name in names:
+                    result[name].update(n for n in names if n != name)
+        return result
+
+    def plan(
+        self, namespace: Mapping[str, Any], names: Iterable[str], *, universe: Iterable[str] = ()
+    ) -> tuple[list[tuple[str, ...]], list[Skipped]]:
+        """Groups to encode for ``names``: sharing components, pulling in other names of the
+        index (and of ``universe``, indexed now if unknown) that share objects with them."""
+        groups, skipped, _ = self._plan(namespace, names, universe)
+        return groups, skipped
+
+    def _plan(
+        self, namespace: Mapping[str, Any], names: Iterable[str], universe: Iterable[str]
+    ) -> tuple[list[tuple[str, ...]], list[Skipped], dict[str, _Dumped]]:
+        for name in universe:
+            if name in namespace and name not in self._reach:
+                try:
+                    self._reach[name] = memo_pass(namespace[name], namespace)
+                except Exception:
+                    self._reach[name] = set()
+        todo = [name for name in dict.fromkeys(names) if name in namespace]
+        skipped: list[Skipped] = []
+        fresh: dict[str, set[Any]] = {}
+        singles: dict[str, _Dumped] = {}
+        while todo:
+            name = todo.pop()
+            if name in fresh:
+                continue
+            try:  # kept: a name alone in its group (the usual case) is not pickled twice
+                singles[name] = _dumps({name: namespace[name]}, namespace)
+                fresh[name] = singles[name][2]
+            except Exception as exc:
+                skipped.append(Skipped(name, _describe(namespace[name], exc)))
+                fresh[name] = set()
+                self._reach.pop(name, None)
+                continue
+            for other, reach in self._reach.items():
+                if other not in fresh and other in namespace and not reach.isdisjoint(fresh[name]):
+                    todo.append(other)
+        skipped_names = {s.name for s in skipped}
+        parent = {name: name for name in fresh if name not in skipped_names}
+
+        def find(n: str) -> str:
+            while parent[n] != n:
+                parent[n] = parent[parent[n]]
+                n = parent[n]
+            return n
+
+        owner: dict[Any, str] = {}
+        for name in parent:
+            for key in fresh[name]:
+                first = owner.setdefault(key, name)
+                if first != name:
+                    parent[find(name)] = find(first)
+        groups: dict[str, list[str]] = {}
+        for name in sorted(parent):
+            groups.setdefault(find(name), []).append(name)
+        for name in parent:
+            self._reach[name] = fresh[name]
+        return [tuple(g) for g in groups.values()], skipped, singles
+
+    async def encode(
+        self, namespace: Mapping[str, Any], names: Iterable[str], *, universe: Iterable[str] = ()
+    ) -> EncodeResult:
+        """Encode ``names`` (and names sharing objects with them) from ``namespace``."""
+        plan, skipped, singles = self._plan(namespace, names, universe)
+        result = EncodeResult(skipped=skipped)
+        for group in plan:
+            try:
+                if len(group) == 1:
+                    pickled, buffers, _ = singles.pop(group[0])
+                else:
+                    pickled, buffers, _ = _dumps({name: namespace[name] for name in group}, namespace)
+            except Exception as exc:  # a name pickled alone but not with the others: very unusual
+                result.skipped += [Skipped(name, f"group pickle failed: {exc!r}") for name in group]
+                continue
+            result.groups.append(await self._pack(group, pickled, buffers))
+        return result
+
+    async def _pack(
+        self, names: tuple[str, ...], pickled: bytes, buffers: list[pickle.PickleBuffer]
+    ) -> EncodedGroup:
+        views = _views(pickled, buffers)
+        sizes = tuple(v.nbytes for v in views)
+        if sum(sizes) < self.large_object_bytes or self.store is None:
+            return EncodedGroup(names, sizes, inline=b"".join(views))
+        ref = await self.store.put_stream(views, size_hint=sum(sizes))
+        return EncodedGroup(names, sizes, pointer=ref.to_dict())
+
+    async def decode(self, group: EncodedGroup, namespace: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The group's names and values; shared objects within it are shared again. Notebook
+        functions get ``namespace`` (the standby's user namespace) as their globals."""
+        parts = [_writable(n) for n in group.sizes]
+        if group.inline is not None:
+            data = memoryview(group.inline)
+            start = 0
+            for part in parts:
+                part[:] = data[start : start + len(part)]  # type: ignore[index]
+                start += len(part)
+        elif group.pointer is not None:
+            if self.store is None:
+                raise ValueError("a group in the data store needs a store to decode")
+            await self._fill(ObjectRef.from_dict(group.pointer), parts)
+        else:
+            raise ValueError("group has neither inline bytes nor a pointer")
+        values = loads(parts[0], parts[1:], namespace=namespace)
+        if not isinstance(values, dict):
+            raise ValueError("group payload is not a namespace mapping")
+        return values
+
+    async def _fill(self, ref: ObjectRef, parts: list[bytearray | mmap.mmap]) -> None:
+        """Stream the object into the parts (verified by the store at the end of the stream)."""
+        assert self.store is not None
+        index, filled = 0, 0
+        async for chunk in self.store.get_stream(ref):
+            view = memoryview(chunk).cast("B")
+            while view.nbytes:
+                while index < len(parts) and filled == len(parts[index]):
+                    index, filled = index + 1, 0
+                if index == len(parts):
+                    raise ValueError("stored group is longer than its record says")
+                n = min(view.nbytes, len(parts[index]) - filled)
+                parts[index][filled : filled + n] = view[:n]
+                filled += n
+                view = view[n:]
+        if sum(map(len, parts[:index])) + filled != sum(map(len, parts)):
+            raise ValueError("stored group is shorter than its record says")
+
+
+async def decode_all(
+    codec: ObjectCodec, groups: Iterable[EncodedGroup], namespace: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Every group's values, merged (groups are disjoint by construction)."""
+    values: dict[str, Any] = {}
+    for group in groups:
+        values.update(await codec.decode(group, namespace))
+    return values
