@@ -1,12 +1,14 @@
 # Tandem developer entry points. `make demo` and `make test` are the whole quickstart.
 # `setup` is idempotent: it rebuilds the venv's install only when pyproject.toml changed.
 
-PYTHON ?= python3.11
+# python3.11 where it runs (a pyenv shim may exist without the version behind it), else python3;
+# setup checks that the interpreter is at least 3.11 (pyproject's requires-python).
+PYTHON ?= $(shell python3.11 -c '' >/dev/null 2>&1 && echo python3.11 || echo python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tandem-installed
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test test-deps lint format bench clean
 
 setup: $(STAMP)
 	@$(BIN)/tandem kernelspec install --sys-prefix >/dev/null
@@ -14,6 +16,8 @@ setup: $(STAMP)
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "setup: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "setup: $(PYTHON) is older than 3.11 (set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 
 # torch first and pinned: an unpinned or transitive torch would pull a multi-GB CUDA build.
@@ -33,7 +37,18 @@ format: setup
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: setup
+# The data store tests run a real redis-server (tests/datastore_fixtures.py). CI runs as root on
+# Debian/Ubuntu; elsewhere install it yourself (the tests fail with the command to run).
+test-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server; \
+		else \
+			echo "test: redis-server is missing; install it (Debian: apt-get install -y redis-server)"; \
+		fi; \
+	}
+
+test: setup test-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 

@@ -19,7 +19,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -64,12 +63,6 @@ def die_with_parent(parent_pid: int) -> Any:
             os._exit(1)
 
     return setup
-
-
-def free_port(ip: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((ip, 0))
-        return int(sock.getsockname()[1])
 
 
 def descendants(root: int) -> list[int]:
@@ -159,20 +152,26 @@ class EmbeddedCluster:
     def _start(self) -> dict[str, Any]:
         config_json = self._child_config()
         log_format = ["--log-format", self.cfg.get("log.format")]
-        self.scheduler_address = f"tcp://{self.ip}:{free_port(self.ip)}"
-        self._spawn(
+        deadline = time.monotonic() + float(self.cfg.get("embedded.ready_timeout_s"))
+        # The scheduler binds a port the OS picks at bind time and announces it; a port chosen here
+        # and bound there later could be taken in between (by any process, or as the ephemeral
+        # source port of an outgoing connection).
+        scheduler_log = self.log_dir / "global-scheduler.log"
+        offset = scheduler_log.stat().st_size if scheduler_log.exists() else 0
+        scheduler = self._spawn(
             "global-scheduler",
             [
                 "-m",
                 "services.global_scheduler",
                 "--bind",
-                self.scheduler_address,
+                f"tcp://{self.ip}:0",
                 "--config-json",
                 config_json,
                 *log_format,
             ],
             critical=True,
         )
+        self.scheduler_address = self._wait_for_announcement(scheduler, offset, deadline)
         address_file = self.state_dir / "gateway.address"
         address_file.unlink(missing_ok=True)
         self._spawn(
@@ -192,7 +191,6 @@ class EmbeddedCluster:
                  "--config-json", config_json, *log_format],
                 critical=False,
             )  # fmt: skip
-        deadline = time.monotonic() + float(self.cfg.get("embedded.ready_timeout_s"))
         self.gateway_address = self._wait_for_file(address_file, deadline)
         hosts = self._wait_for_hosts(deadline)
         info = {
@@ -238,6 +236,27 @@ class EmbeddedCluster:
                     f"{child.name} exited with code {child.process.returncode} during start-up; "
                     f"last lines of {child.log_path}:\n{tail(child.log_path)}"
                 )
+
+    def _wait_for_announcement(self, child: Child, offset: int, deadline: float) -> str:
+        """The address in the ``{"event": "listening", "address": ...}`` line a service prints on
+        stdout once bound (its stdout is its log, from ``offset`` on: the log is appended to)."""
+        while time.monotonic() < deadline:
+            self._check_children()
+            with open(child.log_path, "rb") as log_file:
+                log_file.seek(offset)
+                for line in log_file:
+                    try:
+                        message = json.loads(line)
+                    except ValueError:  # another log line, or one still being written
+                        continue
+                    if isinstance(message, dict) and message.get("event") == "listening":
+                        address = message.get("address")
+                        if isinstance(address, str) and address:
+                            return address
+            time.sleep(0.05)
+        raise ClusterStartError(
+            f"{child.name} did not announce its address; last lines of its log:\n{tail(child.log_path)}"
+        )
 
     def _wait_for_file(self, path: Path, deadline: float) -> str:
         while time.monotonic() < deadline:

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             await stop.wait()
         finally:
             await gateway.close()
-            ctx.term()
+            ctx.destroy(linger=0)  # never blocks on a socket left open or a send pending to a dead peer
             structlog.get_logger("gateway").info("gateway_stopped")
 
     return run_service(serve, name="gateway")

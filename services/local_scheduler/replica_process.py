@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -21,13 +22,14 @@ from typing import Any
 import structlog
 import zmq
 import zmq.asyncio
-from jupyter_client.connect import write_connection_file
+from jupyter_core.paths import secure_write
 
 from shared.jupyter_wire import DELIMITER
 
 FrameSink = Callable[[str, list[bytes]], None]  # (channel, [sig, header, parent, metadata, content, ...])
 
 REQUEST_CHANNELS = ("shell", "control", "stdin")
+CHANNELS = (*REQUEST_CHANNELS, "iopub", "hb")
 SETPRIV = shutil.which("setpriv") if sys.platform.startswith("linux") else None
 LOG_TAIL_BYTES = 4000
 
@@ -103,13 +105,7 @@ class ReplicaProcess:
             # recover the Raft log of a previous incarnation that happened to use this path.
             shutil.rmtree(self.data_dir, ignore_errors=True)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        write_connection_file(
-            str(self.connection_file),
-            ip=self.ip,
-            key=self.key.encode(),
-            signature_scheme=self.signature_scheme,
-            kernel_name="tandem",
-        )
+        self._write_connection_file()
         argv = [
             python or sys.executable,
             "-m",
@@ -150,6 +146,28 @@ class ReplicaProcess:
         self.log.info("replica_spawned", pid=self.process.pid)
         self._watcher = asyncio.ensure_future(self._watch(on_exit))
 
+    def _write_connection_file(self) -> None:
+        """The replica's connection file with every port 0: the replica binds each socket to a port
+        the OS picks at bind time and ipykernel writes the actual ports back into this file before
+        the replica registers (``connect`` reads them after ``replica.register``).
+
+        Choosing the ports here instead (jupyter_client's ``write_connection_file`` binds port 0,
+        reads the port and closes the socket) leaves a window between the release and the
+        replica's bind in which any other process, or an outgoing connection's ephemeral source
+        port, can take the port: the replica then dies with "Address already in use".
+        """
+        info: dict[str, Any] = {
+            "ip": self.ip,
+            "transport": "tcp",
+            "key": self.key,
+            "signature_scheme": self.signature_scheme,
+            "kernel_name": "tandem",
+            **{f"{channel}_port": 0 for channel in CHANNELS},
+        }
+        self.connection_file.unlink(missing_ok=True)
+        with secure_write(str(self.connection_file)) as f:  # it holds the kernel's HMAC key
+            json.dump(info, f, indent=1)
+
     async def _watch(self, on_exit: Callable[[ReplicaProcess], None]) -> None:
         assert self.process is not None
         self.returncode = await self.process.wait()
@@ -175,10 +193,11 @@ class ReplicaProcess:
     def connect(self, ctx: zmq.asyncio.Context, sink: FrameSink) -> None:
         """shell/control/stdin DEALERs with one identity (stdin requests go to the shell's
         sender) and an iopub SUB, each with a reader forwarding frames to ``sink``."""
-        import json
-
         info = json.loads(self.connection_file.read_text())
         transport, ip = info.get("transport", "tcp"), info["ip"]
+        unbound = [channel for channel in CHANNELS if not info.get(f"{channel}_port")]
+        if unbound:  # the replica registers only after ipykernel wrote its bound ports back
+            raise RuntimeError(f"{self.connection_file} lacks the replica's bound ports for {unbound}")
         identity = f"tandem-{self.host_id}-{self.kernel_id}-{self.replica_id}".encode()
         for channel in (*REQUEST_CHANNELS, "iopub"):
             sock = ctx.socket(zmq.SUB if channel == "iopub" else zmq.DEALER)

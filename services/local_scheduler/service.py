@@ -29,7 +29,13 @@ log = structlog.get_logger("local_scheduler")
 
 REPLICA_REQUEST_TIMEOUT_S = 30.0
 STOP_GRACE_S = 2.0
-START_ATTEMPTS = 2
+# The replica binds its Jupyter sockets to ports the OS picks at bind time (port 0 in its
+# connection file), so those cannot collide. Its Raft port is still chosen by probing
+# (kernel_replica/__main__.py free_port: bind port 0, read it, close, bind later), a genuine OS race
+# with any other process on the host; a replica that lost it exits before registering, and a
+# fresh spawn (fresh data dir, so a fresh port) is the remedy. Bounded: any other failure, or
+# losing the race this many times, is reported as start_failed.
+START_ATTEMPTS = 3
 PORT_RACE = "Address already in use"
 
 ReplicaKey = tuple[str, str]  # (kernel_id, replica_id)
@@ -91,10 +97,14 @@ class LocalScheduler:
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
             await self.stop_all_replicas()
+            for replica in list(self.replicas.values()):
+                # a replica whose exit watcher has not run yet (or that outlived SIGKILL) still
+                # has its client sockets open; term() would wait for them forever
+                replica.close_sockets()
             self._outbound.cancel_all()
             await self._upstream.close()
             await self._server.close()
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # never blocks: closes whatever is still open, drops pending sends
             self.log.info("stopped")
 
     async def stop_all_replicas(self) -> None:
@@ -189,6 +199,7 @@ class LocalScheduler:
                     on_exit=self._on_replica_exit,
                 )
                 await asyncio.wait_for(asyncio.shield(replica.registered), self._start_timeout)
+                replica.connect(self._ctx, self._sink_for(replica))
                 break
             except BaseException as exc:
                 reason = str(exc) or f"no replica.register within {self._start_timeout:g}s"
@@ -197,9 +208,7 @@ class LocalScheduler:
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 tail = replica.log_tail()
-                # jupyter_client picks free ports and releases them before the kernel binds: on a
-                # busy machine another process can take one in between. Fresh ports fix that.
-                if attempt < START_ATTEMPTS and PORT_RACE in tail:
+                if attempt < START_ATTEMPTS and PORT_RACE in tail and not body.get("join", False):
                     replica.log.warning("replica_port_race_retry", attempt=attempt)
                     continue
                 replica.log.error("replica_start_failed", reason=reason)
@@ -207,7 +216,6 @@ class LocalScheduler:
                     f"{reason}{' | log: ' + tail[-800:] if tail and tail not in reason else ''}",
                     "start_failed",
                 ) from None
-        replica.connect(self._ctx, self._sink_for(replica))
         replica.log.info("replica_started", pid=replica.pid, raft_address=replica.raft_address)
         return env.reply({"pid": replica.pid, "raft_address": replica.raft_address})
 

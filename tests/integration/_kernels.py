@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
 from jupyter_client import BlockingKernelClient, KernelManager
 
 
@@ -30,17 +31,25 @@ class CellResult:
 
 @contextlib.contextmanager
 def tandem_kernel(**resources: Any) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
-    km = KernelManager(kernel_name="tandem")
-    km.start_kernel()
-    kc = km.client()
-    kc.start_channels()
+    # One zmq context per kernel, owned here and destroyed with linger 0 on the way out. Left to
+    # jupyter_client, a manager whose shutdown raised (a dead kernel) keeps its context and control
+    # socket open until garbage collection; collected in one cycle, the context's __del__ can run
+    # before the socket's and block forever in term() (the suite once hung there).
+    ctx = zmq.Context()
+    km = KernelManager(kernel_name="tandem", context=ctx)
     try:
-        kc.wait_for_ready(timeout=60)
-        yield km, kc
+        km.start_kernel()
+        kc = km.client(context=ctx)
+        kc.start_channels()
+        try:
+            kc.wait_for_ready(timeout=60)
+            yield km, kc
+        finally:
+            kc.stop_channels()
+            with contextlib.suppress(Exception):
+                km.shutdown_kernel(now=True)
     finally:
-        kc.stop_channels()
-        with contextlib.suppress(Exception):
-            km.shutdown_kernel(now=True)
+        ctx.destroy(linger=0)
 
 
 def run(kc: BlockingKernelClient, code: str, timeout: float = 30.0) -> CellResult:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 from _cluster import ClusterHandle
@@ -51,6 +53,21 @@ def test_variables_survive_killing_the_executor(tandem_cluster: ClusterHandle) -
         assert int(pid) != executor
 
 
+def _replicas(cluster: ClusterHandle, kernel_id: str) -> dict[int, dict[str, Any]]:
+    """The scheduler's view of a kernel's replicas, by pid."""
+    status = cluster.cli("status", "--json")
+    assert status.returncode == 0, status.stderr
+    kernel = next(k for k in json.loads(status.stdout)["kernels"] if k["id"] == kernel_id)
+    return {int(r["pid"]): r for r in kernel["replicas"]}
+
+
+def _wait_until_scheduler_sees_exit(cluster: ClusterHandle, kernel_id: str, pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while _replicas(cluster, kernel_id)[pid]["alive"]:
+        assert time.monotonic() < deadline, f"the scheduler did not notice replica {pid} exiting"
+        time.sleep(0.05)
+
+
 def test_one_replica_lost_cells_still_run_two_lost_fails_fast(tandem_cluster: ClusterHandle) -> None:
     with tandem_kernel() as (km, kc):
         assert run(kc, "y = 1").status == "ok"
@@ -59,6 +76,9 @@ def test_one_replica_lost_cells_still_run_two_lost_fails_fast(tandem_cluster: Cl
         executor = _executor_pid(kc)
         standby = next(p for p in pids if p != executor)
         os.kill(standby, signal.SIGKILL)
+        # The loss itself is what this test is about; a cell racing the scheduler's notice of the
+        # exit is test_cell_sent_right_after_a_replica_dies_still_runs (a known bug).
+        _wait_until_scheduler_sees_exit(tandem_cluster, km.kernel_id, standby)
         for _ in range(3):
             cell = run(kc, "y += 1")
             assert cell.status == "ok", cell.reply["content"]
@@ -82,3 +102,29 @@ def test_one_replica_lost_cells_still_run_two_lost_fails_fast(tandem_cluster: Cl
         kc.wait_for_ready(timeout=60)
         fresh = run(kc, "print('y' in dir())")
         assert fresh.status == "ok" and fresh.stdout.strip() == "False"
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason=(
+        "known bug (global scheduler / kernel replica): a cell that reaches the scheduler before "
+        "it learns that a replica died can be designated to the dead replica; the live replicas "
+        "get yield_request, wait election_wait_s (5 s) for the silent voter, yield for it, and the "
+        "election fails with NoExecutorAvailable. Remove this marker with the fix."
+    ),
+)
+def test_cell_sent_right_after_a_replica_dies_still_runs(tandem_cluster: ClusterHandle) -> None:
+    """A replica crashing just before a cell arrives must not fail the cell (2 of 3 are alive).
+    The scheduler prefers the Raft leader as executor candidate, so the leader is the standby
+    killed; the race is won or lost by timing, hence a few kernels."""
+    for _ in range(3):
+        with tandem_kernel() as (km, kc):
+            assert run(kc, "z = 1").status == "ok"
+            executor = _executor_pid(kc)
+            replicas = _replicas(tandem_cluster, km.kernel_id)
+            standbys = [pid for pid in replicas if pid != executor]
+            victim = next((p for p in standbys if replicas[p]["role"] == "leader"), standbys[0])
+            os.kill(victim, signal.SIGKILL)
+            cell = run(kc, "z += 1; print(z)", timeout=30)
+            assert cell.status == "ok", cell.reply["content"]
+            assert cell.stdout.strip() == "2"
