@@ -99,7 +99,7 @@ def _echo_server(address: str, ready: Any) -> None:
             break
         sock.send_multipart(frames)
     sock.close(0)
-    ctx.term()
+    ctx.destroy(linger=0)
 
 
 def baseline_zmq_rtt(samples: int, size: int) -> list[float]:
@@ -128,7 +128,7 @@ def baseline_zmq_rtt(samples: int, size: int) -> list[float]:
         sock.send(b"stop")
     finally:
         sock.close(0)
-        ctx.term()
+        ctx.destroy(linger=0)
         proc.join(5)
         if proc.is_alive():
             proc.kill()

@@ -100,7 +100,7 @@ class GlobalScheduler:
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._outbound.cancel_all()
             await self._server.close()
-            self._ctx.term()
+            self._ctx.destroy(linger=0)
             log.info("stopped")
 
     def _spawn(self, coro: Any) -> None:

@@ -117,7 +117,7 @@ class Transport:
             sock.close(linger=0)
         self._peers.clear()
         if self._own_context:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)
 
     # ------------------------------------------------------------------ peers
 

@@ -404,7 +404,7 @@ def test_malformed_frames_are_ignored_with_a_log_line(tmp_path: Path) -> None:
                 assert any(e["event"] == "raft.transport.malformed_frame" for e in logs)
             finally:
                 evil.close(0)
-                ctx.term()
+                ctx.destroy(linger=0)
             assert target.status().running
             assert await leader.propose(b"still-fine") > 0
 

@@ -224,7 +224,7 @@ class Gateway:
 
     async def close(self) -> None:
         await self.client.close()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
 
 
 @contextlib.asynccontextmanager

@@ -50,7 +50,7 @@ class Harness:
             task.cancel()
         self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         self.gs._server._sock.close(linger=0)  # an open socket would block the context's term()
-        self.gs._ctx.term()
+        self.gs._ctx.destroy(linger=0)
         self.loop.close()
 
     def handle(self, identity: bytes, msg_type: str, body: dict[str, Any]) -> Any:
