@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         post_to_kernel=main_loop.call_soon_threadsafe,
         join=args.join,
     )
-    kernel.attach(bridge, kernel_id=args.kernel_id, replica_id=args.replica_id)
+    kernel.attach(bridge, kernel_id=args.kernel_id, replica_id=args.replica_id, config=config)
     try:
         bridge.call_blocking(bridge.core.connect_scheduler(), timeout=30)
     except Exception as exc:

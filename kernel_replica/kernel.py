@@ -17,6 +17,8 @@ and user code blocks it):
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -31,7 +33,9 @@ from ipykernel.ipkernel import IPythonKernel
 from ipykernel.jsonutil import json_clean
 
 from kernel_replica import helper
+from kernel_replica.cell_analysis import FunctionFacts, analyse_cell, update_registry
 from kernel_replica.log_entries import Done, State
+from kernel_replica.object_codec import DEFAULT_LARGE_OBJECT_BYTES, ObjectCodec
 from kernel_replica.raft_bridge import (
     BindFailed,
     Execute,
@@ -41,7 +45,9 @@ from kernel_replica.raft_bridge import (
     Standby,
     Unavailable,
 )
-from kernel_replica.state_sync import ChangeDetector, PickleDiffDetector, StateDiff, load_into
+from kernel_replica.state_sync import StatePlan, apply_state, open_replica_datastore, plan_state
+from shared.config import Config
+from shared.datastore.base import DataStore
 from shared.raft.driver import RaftError
 
 EXECUTOR = "executor"
@@ -77,17 +83,24 @@ class TandemKernel(IPythonKernel):
         self._slog = structlog.get_logger("replica.kernel")
         self._user_code_running = False
         self._interrupt_pending = False
-        self._detector: ChangeDetector = PickleDiffDetector(
-            hidden=lambda: self.shell.user_ns_hidden if self.shell is not None else (),
-            warn=self._warn_unreplicable,
-        )
+        self._config: Config | None = None
+        self._codec: ObjectCodec | None = None
+        self._store_timer: _TimedStore | None = None
+        self._registry: dict[str, FunctionFacts] = {}  # notebook functions seen in cells (any role)
+        self._warned: set[str] = set()  # names reported as not replicated, once each
+        self._apply_tail: asyncio.Future[None] | None = None  # the latest STATE being applied here
+        self.apply_ms: deque[float] = deque(maxlen=1000)  # standby: STATE applied to the namespace
         self.timings: deque[dict[str, float]] = deque(maxlen=1000)  # recent per-cell step timings (ms)
         self._executed_since_summary = 0
         self._pending_digests: dict[str, bytes] | None = None  # digests of the latest unconfirmed STATE
 
-    def attach(self, bridge: RaftBridge, *, kernel_id: str, replica_id: str) -> None:
-        """Called by the launcher once the Raft thread runs; wires the Raft thread's callbacks."""
+    def attach(
+        self, bridge: RaftBridge, *, kernel_id: str, replica_id: str, config: Config | None = None
+    ) -> None:
+        """Called by the launcher once the Raft thread runs; wires the Raft thread's callbacks.
+        ``config``'s ``[datastore]`` section names the store large objects go to."""
         self._bridge = bridge
+        self._config = config
         self.kernel_id, self.replica_id = kernel_id, replica_id
         self._slog = structlog.get_logger("replica.kernel").bind(kernel=kernel_id, replica=replica_id)
         core = bridge.core
@@ -183,6 +196,9 @@ class TandemKernel(IPythonKernel):
                 case Execute(device_ids=device_ids):
                     timing |= {"elect_ms": decision.elect_ms, "state_wait_ms": decision.state_wait_ms}
                     timing["bind_ms"] = decision.bind_ms
+                    waited = time.perf_counter()
+                    await self._state_applied(log)  # a STATE from another executor, being loaded
+                    timing["apply_wait_ms"] = (time.perf_counter() - waited) * 1000
                     ran = time.perf_counter()
                     reply = await self._execute(parent, execute_args, device_ids, log)
                     timing["run_ms"] = (time.perf_counter() - ran) * 1000
@@ -198,6 +214,7 @@ class TandemKernel(IPythonKernel):
                     log.debug("standby", executor=winner)
                     reply, role = await self._wait_for_executor(msg_id, winner), STANDBY
                     self._record_history(execute_args, reply)
+                    self._remember_functions(code)
                 case Replay(done=done):
                     log.info("answered_from_log", executor=done.replica_id)
                     # the original executor answers as executor again, so a merger that waits
@@ -229,8 +246,8 @@ class TandemKernel(IPythonKernel):
         if executed and bridge is not None:
             # Replied (and idle follows when this handler returns) before DONE commits: the
             # committed LEAD already makes the cell run at most once, and the standbys reply after
-            # DONE. The namespace diff is taken now, before the next cell can change it.
-            self._finish_in_background(bridge, msg_id, code, reply, log)
+            # DONE. The namespace changes are taken now, before the next cell can change them.
+            timing |= await self._finish_in_background(bridge, msg_id, code, reply, log)
         self._record_timing(role, reply, timing, log)
 
     def _record_timing(
@@ -254,17 +271,25 @@ class TandemKernel(IPythonKernel):
         self._executed_since_summary = 0
         recent = [tm for tm in list(self.timings)[-TIMING_SUMMARY_EVERY * 3 :] if "run_ms" in tm]
         summary: dict[str, t.Any] = {}
-        for key in ("decide_ms", "elect_ms", "state_wait_ms", "bind_ms", "run_ms", "replied_ms"):
+        keys = ("decide_ms", "elect_ms", "state_wait_ms", "apply_wait_ms", "bind_ms", "run_ms", "replied_ms")
+        keys += ("analysis_ms", "fingerprint_ms", "serialize_ms", "store_ms", "state_bytes")
+        for key in keys:
             values = sorted(tm[key] for tm in recent if key in tm)
             if values:
                 summary[key] = [round(values[len(values) // 2], 3), round(values[int(len(values) * 0.9)], 3)]
         if self._bridge is not None:
             finish = sorted(list(self._bridge.core.finish_ms)[-TIMING_SUMMARY_EVERY:])
             if finish:
-                summary["finish_ms"] = [
+                summary["finish_ms"] = [  # DONE and STATE committed (the Raft commit step)
                     round(finish[len(finish) // 2], 3),
                     round(finish[int(len(finish) * 0.9)], 3),
                 ]
+        applied = sorted(list(self.apply_ms)[-TIMING_SUMMARY_EVERY:])
+        if applied:  # STATE entries of other executors applied here while a standby
+            summary["apply_ms"] = [
+                round(applied[len(applied) // 2], 3),
+                round(applied[int(len(applied) * 0.9)], 3),
+            ]
         self._slog.info("cell_timings", cells=len(recent), p50_p90=summary)
 
     async def _execute(
@@ -366,25 +391,75 @@ class TandemKernel(IPythonKernel):
         return int(self.shell.execution_count) if self.shell is not None else 0
 
     # ---- DONE and state replication ------------------------------------------------------------------
-    def _finish_in_background(
+    async def _finish_in_background(
         self, bridge: RaftBridge, msg_id: str, code: str, reply: dict[str, t.Any], log: t.Any
-    ) -> None:
-        """Steps 5 and 7 after the reply: detect the namespace changes here (the main thread owns
-        the namespace, and the next cell must not change it first), then hand DONE and STATE to
-        the Raft thread, which commits them in order without the kernel waiting."""
+    ) -> dict[str, float]:
+        """Steps 5 and 7 after the reply: find and encode the namespace changes here (the main
+        thread owns the namespace, and the next cell must not change it first), then hand DONE
+        and STATE to the Raft thread, which commits them in order without the kernel waiting.
+        Returns the replication steps' timings (ms)."""
         assert self.shell is not None
         done = Done(msg_id, self.replica_id, reply, self._count(), True)
         try:
-            diff = self._detector.detect(self.shell.user_ns, self._replicated_digests(bridge), code=code)
+            started = time.perf_counter()
+            effects = analyse_cell(code, self._registry)
+            update_registry(self._registry, effects)
+            analysed_ms = (time.perf_counter() - started) * 1000
+            codec = await self._get_codec()
+            timer = self._store_timer
+            plan = await plan_state(
+                effects,
+                self.shell.user_ns,
+                self._replicated_digests(bridge),
+                codec,
+                hidden=self.shell.user_ns_hidden,
+                store_seconds=(lambda: timer.write_s) if timer is not None else None,
+            )
+            plan.timings["analysis_ms"] += analysed_ms
         except Exception:  # never leave the group waiting for a STATE that will not come
             log.exception("state_detection_failed")
-            diff = StateDiff()
-        state = State(
-            msg_id, self.replica_id, diff.digests, diff.namespace, tuple(diff.deleted), diff.skipped
-        )
-        if diff:
-            self._pending_digests = dict(diff.digests)
+            plan = StatePlan()
+        for name, reason in plan.skipped.items():
+            self._warn_unreplicable(name, reason)
+        state = plan.state(msg_id, self.replica_id)
+        if plan:
+            pending = dict(self._replicated_digests(bridge))
+            pending.update(plan.fingerprints)
+            for name in plan.deleted:
+                pending.pop(name, None)
+            self._pending_digests = pending
         bridge.thread.call(bridge.core.finish_cell, done, state)
+        timings = {k: v for k, v in plan.timings.items()}
+        if plan:
+            timings["state_bytes"] = float(plan.nbytes())
+            log.debug(
+                "state_proposed",
+                names=sorted(n for g in plan.groups for n in g["names"]),
+                imports=[a for a, _ in plan.imports],
+                deleted=plan.deleted,
+                pointers=sum(1 for g in plan.groups if g.get("pointer")),
+                **{k: round(v, 3) for k, v in timings.items()},
+            )
+        return timings
+
+    async def _get_codec(self) -> ObjectCodec:
+        """The codec, with the configured data store (opened on first use; none if it fails)."""
+        if self._codec is None:
+            config = self._config
+            large = DEFAULT_LARGE_OBJECT_BYTES
+            store: DataStore | None = None
+            if config is not None:
+                large = int(config.get("datastore.large_object_bytes"))
+                try:
+                    store = await open_replica_datastore(config)
+                except Exception as exc:
+                    self._slog.warning("datastore_unavailable", error=f"{exc.__class__.__name__}: {exc}")
+            if store is not None:
+                self._store_timer = _TimedStore(store)
+                self._codec = ObjectCodec(self._store_timer, large_object_bytes=large)  # type: ignore[arg-type]
+            else:
+                self._codec = ObjectCodec(None, large_object_bytes=large)
+        return self._codec
 
     def _replicated_digests(self, bridge: RaftBridge) -> dict[str, bytes]:
         """What the log will hold once this process's in-flight STATE entries commit: compare
@@ -395,7 +470,25 @@ class TandemKernel(IPythonKernel):
         return bridge.core.namespace.digests()
 
     def _warn_unreplicable(self, name: str, reason: str) -> None:
+        """Tell the user once per name (on the cell's stderr) that it stays on this replica."""
+        if name in self._warned:
+            return
+        self._warned.add(name)
         self._slog.warning("variable_not_replicated", variable=name, reason=reason)
+        if sys.stderr is not None:
+            print(
+                f"Tandem: variable {name!r} is not replicated to this kernel's other replicas "
+                f"({reason}); it will be missing if the notebook moves to another executor.",
+                file=sys.stderr,
+            )
+            sys.stderr.flush()
+
+    def _remember_functions(self, code: str) -> None:
+        """A standby learns the cell's notebook functions too, for when it becomes the executor."""
+        try:
+            update_registry(self._registry, analyse_cell(code, self._registry))
+        except Exception as exc:  # analysis is an optimisation; names_to_check has fallbacks
+            self._slog.debug("cell_not_analysed", error=repr(exc))
 
     # ---- callbacks from the Raft thread (run on this thread via call_soon_threadsafe) ---------------
     def _apply_remote_done(self, done: Done) -> None:
@@ -404,18 +497,64 @@ class TandemKernel(IPythonKernel):
             self.shell.execution_count = done.execution_count
 
     def _apply_remote_state(self, state: State) -> None:
+        """Another executor's STATE: load it in the background, in log order (the next cell
+        executed here waits for it, ``_state_applied``)."""
         if self.shell is None:
             return
-        failure = load_into(self.shell.user_ns, state.namespace, state.digests, state.deleted)
-        if failure is not None:
-            self._slog.warning("namespace_not_loaded", reason=failure, msg_id=state.msg_id)
+        groups = [(g, None) for g in state.groups]
+        self._chain_apply(state.msg_id, list(state.imports), groups, list(state.deleted))
 
-    def _load_namespace(self, blob: bytes, names: list[str]) -> None:
+    def _load_namespace(self, contents: t.Any) -> None:
         """A snapshot was restored: rebuild the namespace from it (the log replays the rest)."""
         if self.shell is not None:
-            failure = load_into(self.shell.user_ns, blob, names, ())
-            if failure is not None:
-                self._slog.warning("namespace_not_loaded", reason=failure, msg_id="snapshot")
+            imports, groups = contents
+            self._chain_apply("snapshot", imports, groups, [])
+
+    def _chain_apply(
+        self,
+        msg_id: str,
+        imports: list[tuple[str, str]],
+        groups: list[tuple[dict[str, t.Any], list[str] | None]],
+        deleted: list[str],
+    ) -> None:
+        previous = self._apply_tail
+        self._apply_tail = asyncio.ensure_future(self._apply(msg_id, imports, groups, deleted, previous))
+
+    async def _apply(
+        self,
+        msg_id: str,
+        imports: list[tuple[str, str]],
+        groups: list[tuple[dict[str, t.Any], list[str] | None]],
+        deleted: list[str],
+        previous: asyncio.Future[None] | None,
+    ) -> None:
+        if previous is not None:
+            with contextlib.suppress(Exception):
+                await previous
+        if self.shell is None:
+            return
+        started = time.perf_counter()
+        codec: ObjectCodec | None = None
+        try:
+            codec = await self._get_codec()
+            failures = await apply_state(self.shell.user_ns, codec, imports, groups, deleted)
+        except Exception as exc:
+            failures = [f"{exc.__class__.__name__}: {exc}"]
+        self.apply_ms.append((time.perf_counter() - started) * 1000)
+        if codec is not None and deleted:
+            codec.forget(deleted)
+        for failure in failures:
+            self._slog.warning("namespace_not_loaded", reason=failure, msg_id=msg_id)
+        self._slog.debug("state_applied", msg_id=msg_id, apply_ms=round(self.apply_ms[-1], 3))
+
+    async def _state_applied(self, log: t.Any) -> None:
+        """Before executing here: every STATE already handed to this kernel is in the namespace."""
+        tail = self._apply_tail
+        if tail is not None and not tail.done():
+            try:
+                await tail
+            except Exception:
+                log.exception("state_apply_failed")
 
     def _stop_requested(self) -> None:
         """``replica.stop`` from the local scheduler: stop Raft, then leave the event loop."""
@@ -430,3 +569,21 @@ class TandemKernel(IPythonKernel):
         if self._bridge is not None:
             self._bridge.shutdown()
         return super().do_shutdown(restart)
+
+
+class _TimedStore:
+    """A data store that adds up the time spent writing (``put_stream``), for the step timings."""
+
+    def __init__(self, store: DataStore) -> None:
+        self._store = store
+        self.write_s = 0.0
+
+    async def put_stream(self, *args: t.Any, **kwargs: t.Any) -> t.Any:
+        started = time.perf_counter()
+        try:
+            return await self._store.put_stream(*args, **kwargs)
+        finally:
+            self.write_s += time.perf_counter() - started
+
+    def __getattr__(self, name: str) -> t.Any:
+        return getattr(self._store, name)

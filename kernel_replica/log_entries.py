@@ -75,12 +75,13 @@ class Done:
 
 @dataclass(frozen=True, slots=True)
 class State:
-    """The namespace ``msg_id`` left behind, if it changed.
+    """What ``msg_id`` changed in the namespace (``kernel_replica.state_sync``).
 
-    ``namespace`` is ONE cloudpickle of ``{name: value}`` for every replicated name, so objects
-    shared between names (a model and the optimizer holding its parameters) stay shared on the
-    standbys; empty when nothing changed. ``digests`` (name -> digest of that name's own pickle) let
-    whichever replica executes next detect changes against it.
+    ``groups`` are ``EncodedGroup.to_dict()`` records of the changed names (names sharing objects
+    travel in one group, so shared objects stay shared on the standbys), inline or pointing into
+    the data store; ``imports`` are ``(alias, statement)`` pairs the standbys replay;
+    ``digests`` (name -> fingerprint of the value sent) let whichever replica executes next
+    detect changes against it. ``namespace`` is a legacy whole-namespace pickle (empty now).
     """
 
     msg_id: str
@@ -90,6 +91,8 @@ class State:
     deleted: tuple[str, ...] = ()
     # name -> why it could not be replicated (unpicklable, too large); kept for the record.
     skipped: dict[str, str] = field(default_factory=dict)
+    groups: tuple[dict[str, Any], ...] = ()
+    imports: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +136,8 @@ def encode(entry: LogEntry) -> bytes:
                 "ns": entry.namespace,
                 "d": list(entry.deleted),
                 "sk": entry.skipped,
+                "g": list(entry.groups),
+                "im": [list(pair) for pair in entry.imports],
             }
         case _:
             raise TypeError(f"not a log entry: {type(entry).__name__}")
@@ -193,4 +198,23 @@ def decode(data: bytes) -> LogEntry:
         isinstance(k, str) and isinstance(v, str) for k, v in skipped.items()
     ):
         raise LogEntryError("STATE: 'sk' must map names to reasons")
-    return State(msg_id, replica_id, digests, blob, tuple(deleted), skipped)
+    groups, imports = raw.get("g", []), raw.get("im", [])
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("names"), list) and isinstance(g.get("sizes"), list)
+        for g in groups
+    ):
+        raise LogEntryError("STATE: 'g' must be a list of group records")
+    if not isinstance(imports, list) or not all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in imports
+    ):
+        raise LogEntryError("STATE: 'im' must be a list of [alias, statement] pairs")
+    return State(
+        msg_id,
+        replica_id,
+        digests,
+        blob,
+        tuple(deleted),
+        skipped,
+        tuple(groups),
+        tuple((alias, stmt) for alias, stmt in imports),
+    )

@@ -217,7 +217,8 @@ class ReplicaCore:
         self.on_stop_requested: Callable[[], None] = lambda: None
         self.on_done: Callable[[Done], None] = lambda done: None
         self.on_state: Callable[[State], None] = lambda state: None
-        self.on_namespace_restored: Callable[[bytes, list[str]], None] = lambda blob, names: None
+        # (imports, [(group, names)]) from ReplicatedNamespace.contents()
+        self.on_namespace_restored: Callable[[Any], None] = lambda contents: None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def connect_scheduler(self) -> None:
@@ -304,7 +305,7 @@ class ReplicaCore:
                 await self.peer.stop()
         with contextlib.suppress(Exception):
             await self.scheduler.close()
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
     def status(self) -> dict[str, Any]:
         """This replica's view of its Raft group, for logs and debugging."""
@@ -429,7 +430,7 @@ class ReplicaCore:
             raise ValueError(f"unsupported replica snapshot version {raw.get('v')!r}")
         self.book = ElectionBook.from_snapshot(raw["book"])
         self.namespace.restore(raw["ns"])
-        self._post(self.on_namespace_restored, *self.namespace.contents())
+        self._post(self.on_namespace_restored, self.namespace.contents())
         last = self.book.last_done()
         if last is not None:
             self._post(self.on_done, last)
@@ -689,7 +690,9 @@ class ReplicaCore:
                 await self.propose(state)
             self.finish_ms.append((time.perf_counter() - started) * 1000)
             log.debug(
-                "cell_finished", finish_ms=round(self.finish_ms[-1], 3), state_bytes=len(state.namespace)
+                "cell_finished",
+                finish_ms=round(self.finish_ms[-1], 3),
+                state_bytes=sum(sum(g.get("sizes", ())) for g in state.groups),
             )
         except RaftError as exc:
             log.warning("state_not_replicated", error=str(exc))

@@ -116,7 +116,7 @@ class FakeLocalScheduler:
         self._stop = True
         self._thread.join(2)
         self.sock.close()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
 
 
 class Cluster:
@@ -140,6 +140,7 @@ class Cluster:
 
     def launch(self, rid: str) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO), TANDEM_KERNEL_GPUS="1", TANDEM_EXECUTOR_SILENCE_S="2")
+        env["TANDEM_STATE_DIR"] = str(self.tmp / "state")  # the shared data store: <state>/datastore
         log = open(self.tmp / f"{rid}.log", "ab")  # noqa: SIM115
         self.procs[rid] = subprocess.Popen(
             [
@@ -276,6 +277,37 @@ def test_state_follows_the_executor_and_counts_agree(cluster: Cluster) -> None:
     assert results and results[0]["content"]["data"]["text/plain"] == "42"
     counts = {r["content"]["execution_count"] for r in third.values()}
     assert len(counts) == 1
+
+
+def test_a_notebook_function_updates_the_namespace_on_another_executor(cluster: Cluster) -> None:
+    # cloudpickle gives a function a private globals dict: ``global n`` in it must still be the
+    # notebook's n on the replica that calls it, not a copy travelling with the function
+    assert (
+        cluster.run("n = 0\ndef bump():\n    global n\n    n += 1", "r1")["r1"]["content"]["status"] == "ok"
+    )
+    assert cluster.run("bump()", "r2")["r2"]["content"]["status"] == "ok"
+    assert cluster.run("bump()", "r3")["r3"]["content"]["status"] == "ok"
+    msg = cluster.clients["r1"].session.msg(
+        "execute_request", {"code": "", "silent": False, "user_expressions": {"n": "n"}}
+    )
+    cluster.send_cell("", "r1", msg=msg)
+    content = cluster.replies(msg)["r1"]["content"]
+    assert content["status"] == "ok", content
+    assert content["user_expressions"]["n"]["data"]["text/plain"] == "2"
+
+
+def test_large_objects_travel_through_the_data_store(cluster: Cluster) -> None:
+    code = "import numpy as np\nbig = np.arange(1_000_000, dtype=np.float64)\nview = big[::2]"
+    assert cluster.run(code, "r1")["r1"]["content"]["status"] == "ok"
+    msg = cluster.clients["r3"].session.msg(
+        "execute_request",
+        {"code": "view[1] = -1.0", "silent": False, "user_expressions": {"v": "(big[2], big.sum() > 0)"}},
+    )
+    cluster.send_cell("", "r3", msg=msg)
+    content = cluster.replies(msg)["r3"]["content"]
+    assert content["status"] == "ok", content
+    assert content["user_expressions"]["v"]["data"]["text/plain"] == "(np.float64(-1.0), np.True_)"
+    assert any((cluster.tmp / "state" / "datastore").rglob("*")), "the group did not go to the store"
 
 
 def test_duplicate_msg_id_runs_at_most_once(cluster: Cluster) -> None:

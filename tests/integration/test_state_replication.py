@@ -70,14 +70,6 @@ def test_model_and_optimizer_stay_bound_across_an_executor_switch(tandem_cluster
         assert learned == "True", f"the model did not learn on the new executor: {losses}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known bug (kernel_replica/state_sync.py): cloudpickle pickles notebook functions by value "
-        "with a private copy of the globals they use, so on a replica that loaded them a function "
-        "no longer sees later rebinding of the notebook's globals. Remove this marker with the fix."
-    ),
-)
 def test_functions_see_globals_rebound_after_an_executor_switch(tandem_cluster: ClusterHandle) -> None:
     setup = "scale = 1\n\ndef scaled(x):\n    return scale * x\n"
     with tandem_kernel() as (_km, kc), _switched_executor(tandem_cluster, kc, setup):

@@ -1,21 +1,51 @@
-"""Change detection and the replicated namespace (pure parts of state sync)."""
+"""AST-guided state replication: what the executor sends, what standbys and snapshots rebuild."""
 
 from __future__ import annotations
 
-import threading
+import asyncio
+from pathlib import Path
+from typing import Any
 
+import torch
+
+from kernel_replica import log_entries
+from kernel_replica.cell_analysis import FunctionFacts, analyse_cell, update_registry
 from kernel_replica.log_entries import State
+from kernel_replica.object_codec import ObjectCodec
 from kernel_replica.state_sync import (
-    PickleDiffDetector,
     ReplicatedNamespace,
-    StateDiff,
-    load_into,
+    apply_state,
+    datastore_config,
+    plan_state,
     replicable_names,
 )
+from shared.config import load_config
+from shared.datastore.local_backend import LocalStore
 
 
-def as_state(diff: StateDiff, msg_id: str = "m") -> State:
-    return State(msg_id, "r1", diff.digests, diff.namespace, tuple(diff.deleted), diff.skipped)
+class Executor:
+    """One replica's side of the path: run cells, plan STATE, keep the replicated record."""
+
+    def __init__(self, codec: ObjectCodec, replicated: ReplicatedNamespace) -> None:
+        self.ns: dict[str, Any] = {"__name__": "__main__"}
+        self.codec = codec
+        self.registry: dict[str, FunctionFacts] = {}
+        self.replicated = replicated
+
+    def run(self, code: str, msg_id: str = "m") -> State:
+        exec(code, self.ns)
+        effects = analyse_cell(code, self.registry)
+        update_registry(self.registry, effects)
+        plan = asyncio.run(plan_state(effects, self.ns, self.replicated.digests(), self.codec))
+        state = log_entries.decode(log_entries.encode(plan.state(msg_id, "r1")))
+        assert isinstance(state, State)
+        self.replicated.apply(state)
+        return state
+
+
+def standby_apply(ns: dict[str, Any], codec: ObjectCodec, state: State) -> None:
+    groups = [(g, None) for g in state.groups]
+    assert asyncio.run(apply_state(ns, codec, state.imports, groups, state.deleted)) == []
 
 
 def test_only_user_names_are_replicated() -> None:
@@ -23,62 +53,86 @@ def test_only_user_names_are_replicated() -> None:
     assert replicable_names(ns, hidden=["h"]) == ["x"]
 
 
-def test_diff_reports_changed_and_deleted_names_then_nothing() -> None:
+def test_only_changed_names_travel_and_imports_are_replayed() -> None:
     replicated = ReplicatedNamespace()
-    detector = PickleDiffDetector()
-    ns: dict[str, object] = {"x": 1, "f": lambda v: v + 1}
-    diff = detector.detect(ns, replicated.digests())
-    assert sorted(diff.changed) == ["f", "x"] and diff.deleted == [] and diff.namespace
-    replicated.apply(as_state(diff))
-    unchanged = detector.detect(ns, replicated.digests())
-    assert not unchanged and unchanged.namespace == b""
-    ns["x"] = 2
-    del ns["f"]
-    diff = detector.detect(ns, replicated.digests())
-    assert diff.changed == ["x"] and diff.deleted == ["f"]
+    ex = Executor(ObjectCodec(None), replicated)
+    standby: dict[str, Any] = {"__name__": "__main__"}
+    state = ex.run("import math\nx = 1\nbig = list(range(10))")
+    assert state.imports == (("math", "import math"),)
+    assert sorted(n for g in state.groups for n in g["names"]) == ["big", "x"]
+    standby_apply(standby, ex.codec, state)
+    assert standby["math"].pi > 3 and standby["x"] == 1
+    state = ex.run("y = x + 1")  # big is not re-sent
+    assert [n for g in state.groups for n in g["names"]] == ["y"]
+    standby_apply(standby, ex.codec, state)
+    standby_apply(standby, ex.codec, ex.run("def grow():\n    big.append(len(big))"))
+    state = ex.run("grow()")  # grow itself did not change (the globals it uses did)
+    assert [n for g in state.groups for n in g["names"]] == ["big"]
+    standby_apply(standby, ex.codec, state)
+    standby_apply(standby, ex.codec, ex.run("big.pop()"))
+    state = ex.run("big.append(10)\ndel x")
+    assert [n for g in state.groups for n in g["names"]] == ["big"] and state.deleted == ("x",)
+    standby_apply(standby, ex.codec, state)
+    assert standby["big"][-1] == 10 and "x" not in standby and standby["y"] == 2
+    assert not ex.run("z = 0\ndel z").groups
 
 
-def test_objects_shared_between_names_stay_shared_on_the_standby() -> None:
-    # an optimizer holding the model's parameters: copies made name by name would diverge
-    params = [1.0, 2.0]
-    ns: dict[str, object] = {"model": {"params": params}, "optimizer": {"params": params}}
-    diff = PickleDiffDetector().detect(ns, {})
-    standby: dict[str, object] = {}
-    assert load_into(standby, diff.namespace, diff.digests, diff.deleted) is None
-    standby["optimizer"]["params"].append(3.0)  # type: ignore[index]
-    assert standby["model"]["params"] == [1.0, 2.0, 3.0]  # type: ignore[index]
+def test_functions_use_the_standby_namespace_as_globals() -> None:
+    ex = Executor(ObjectCodec(None), ReplicatedNamespace())
+    standby: dict[str, Any] = {"__name__": "__main__"}
+    standby_apply(standby, ex.codec, ex.run("n = 0\ndef bump():\n    global n\n    n += 1"))
+    exec("bump()", standby)
+    assert standby["n"] == 1
 
 
-def test_unpicklable_values_are_skipped_with_one_notice() -> None:
-    notices: list[tuple[str, str]] = []
-    detector = PickleDiffDetector(warn=lambda name, why: notices.append((name, why)))
-    ns = {"lock": threading.Lock(), "y": [1, 2]}
-    for _ in range(2):
-        diff = detector.detect(ns, {})
-        assert diff.changed == ["y"] and "lock" in diff.skipped and "lock" not in diff.digests
-    assert len(notices) == 1 and notices[0][0] == "lock"
+def test_shared_references_stay_shared_and_large_groups_go_to_the_store(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    ex = Executor(ObjectCodec(store, large_object_bytes=1024), ReplicatedNamespace())
+    code = "import torch\nmodel = torch.nn.Linear(64, 64)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)"
+    ex.ns["torch"] = torch
+    state = ex.run(code)
+    (group,) = state.groups
+    assert sorted(group["names"]) == ["model", "opt"] and group["pointer"] is not None
+    standby: dict[str, Any] = {"__name__": "__main__"}
+    standby_apply(standby, ObjectCodec(store), state)
+    assert standby["opt"].param_groups[0]["params"][0] is standby["model"].weight
+    # a step through the optimizer changes the model: both travel again, together
+    state = ex.run("model(torch.ones(1, 64)).sum().backward()\nopt.step()")
+    assert sorted(n for g in state.groups for n in g["names"]) == ["model", "opt"]
+    standby_apply(standby, ObjectCodec(store), state)
+    assert torch.equal(standby["model"].weight, ex.ns["model"].weight)
 
 
-def test_oversized_values_are_skipped() -> None:
-    diff = PickleDiffDetector(max_object_bytes=100).detect({"big": b"x" * 1000, "small": 1}, {})
-    assert diff.changed == ["small"] and "too large" in diff.skipped["big"]
+def test_unpicklable_names_are_skipped_with_a_reason() -> None:
+    ex = Executor(ObjectCodec(None), ReplicatedNamespace())
+    state = ex.run("import threading\nlock = threading.Lock()\ny = 2")
+    assert "lock" in state.skipped and "lock" not in state.digests
+    assert [n for g in state.groups for n in g["names"]] == ["y"]
 
 
-def test_snapshot_round_trip_rebuilds_the_namespace() -> None:
+def test_snapshot_keeps_the_latest_record_per_name() -> None:
     source = ReplicatedNamespace()
-    source.apply(as_state(PickleDiffDetector().detect({"x": 41, "s": "hi", "gone": 0}, {})))
-    deletion = PickleDiffDetector().detect({"x": 41, "s": "hi"}, source.digests())
-    source.apply(as_state(deletion))
+    ex = Executor(ObjectCodec(None), source)
+    ex.run("import math\na = [1]\nb = 2")
+    ex.run("a = [3]")
+    ex.run("del b")
     restored = ReplicatedNamespace()
     restored.restore(source.to_snapshot())
     assert restored.digests() == source.digests()
-    ns: dict[str, object] = {}
-    blob, names = restored.contents()
-    assert load_into(ns, blob, names, ()) is None
-    assert ns == {"x": 41, "s": "hi"}
+    imports, groups = restored.contents()
+    assert imports == [("math", "import math")] and [names for _, names in groups] == [["a"]]
+    ns: dict[str, Any] = {"__name__": "__main__"}
+    assert asyncio.run(apply_state(ns, ObjectCodec(None), imports, groups)) == []
+    assert ns["a"] == [3] and "b" not in ns and ns["math"].pi > 3
 
 
-def test_load_reports_a_blob_that_fails_to_unpickle() -> None:
-    ns: dict[str, object] = {"keep": 1}
-    failure = load_into(ns, b"not a pickle", ["bad"], ["keep"])
-    assert failure is not None and ns == {}
+def test_a_group_that_cannot_be_decoded_is_reported_and_the_rest_applied() -> None:
+    ns: dict[str, Any] = {"keep": 1, "gone": 2}
+    bad = {"format": "tandem-pickle5/1", "names": ["bad"], "sizes": [3], "inline": b"xyz", "pointer": None}
+    failures = asyncio.run(apply_state(ns, ObjectCodec(None), [], [(bad, None)], ["gone"]))
+    assert len(failures) == 1 and "bad" in failures[0] and ns == {"keep": 1}
+
+
+def test_relative_local_store_paths_resolve_under_the_state_dir(tmp_path: Path) -> None:
+    cfg = load_config(overrides={"datastore.path": "objs", "cluster.state_dir": str(tmp_path)})
+    assert datastore_config(cfg).get("datastore.path") == str(tmp_path / "objs")
