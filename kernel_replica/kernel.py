@@ -196,6 +196,8 @@ class TandemKernel(IPythonKernel):
                 case Execute(device_ids=device_ids):
                     timing |= {"elect_ms": decision.elect_ms, "state_wait_ms": decision.state_wait_ms}
                     timing["bind_ms"] = decision.bind_ms
+                    if decision.state_missing:
+                        self._warn_state_missing(decision.state_missing)
                     waited = time.perf_counter()
                     await self._state_applied(log)  # a STATE from another executor, being loaded
                     timing["apply_wait_ms"] = (time.perf_counter() - waited) * 1000
@@ -479,6 +481,17 @@ class TandemKernel(IPythonKernel):
             print(
                 f"Tandem: variable {name!r} is not replicated to this kernel's other replicas "
                 f"({reason}); it will be missing if the notebook moves to another executor.",
+                file=sys.stderr,
+            )
+            sys.stderr.flush()
+
+    def _warn_state_missing(self, cells: tuple[str, ...]) -> None:
+        """Running on a namespace that may lack an earlier cell's changes must not be silent."""
+        if sys.stderr is not None:
+            print(
+                f"Tandem: the state left by {len(cells)} earlier cell(s) did not reach replica "
+                f"{self.replica_id} in time (their executor was probably lost); variables those "
+                "cells changed may be missing or stale here.",
                 file=sys.stderr,
             )
             sys.stderr.flush()

@@ -102,6 +102,7 @@ class Execute:
     elect_ms: float = 0.0  # LEAD proposed -> outcome known
     state_wait_ms: float = 0.0  # waiting for the previous cell's STATE
     bind_ms: float = 0.0  # gpu.commit round trip
+    state_missing: tuple[str, ...] = ()  # earlier cells whose DONE/STATE never arrived in time
 
 
 @dataclass(frozen=True, slots=True)
@@ -543,7 +544,7 @@ class ReplicaCore:
         try:
             if binding is None:
                 binding = asyncio.ensure_future(self.scheduler.gpu_commit(msg_id, self.settings.gpus))
-            waited = await self._wait_previous_cell(msg_id, log)
+            waited, missing = await self._wait_previous_cell(msg_id, log)
             bind_started = time.perf_counter()
             device_ids = await binding
         except (RpcError, RpcTimeout, ValueError) as exc:
@@ -555,6 +556,7 @@ class ReplicaCore:
             elect_ms=(elected - started) * 1000,
             state_wait_ms=waited,
             bind_ms=(time.perf_counter() - bind_started) * 1000,
+            state_missing=tuple(missing),
         )
 
     def _unbind_later(self, msg_id: str, binding: asyncio.Future[list[int]] | None) -> None:
@@ -606,23 +608,24 @@ class ReplicaCore:
             pending.append(awaiting)
         return pending
 
-    async def _wait_previous_cell(self, msg_id: str, log: Any) -> float:
+    async def _wait_previous_cell(self, msg_id: str, log: Any) -> tuple[float, list[str]]:
         """The executor must see the namespace the previous cell left: its DONE and STATE must be
-        applied (its executor replied before committing them), unless it ran in this process."""
+        applied (its executor replied before committing them), unless it ran in this process.
+        Returns the wait and the cells still missing at the deadline, so the user can be told."""
         if not self._previous_cell_pending(msg_id):
-            return 0.0
+            return 0.0, []
         started = time.perf_counter()
         deadline = time.monotonic() + self.settings.state_wait_s
         while pending := self._previous_cell_pending(msg_id):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 log.warning("previous_state_missing", awaiting=pending, waited_s=self.settings.state_wait_s)
-                break
+                return (time.perf_counter() - started) * 1000, pending
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._state_waiters.append(fut)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(fut, remaining)
-        return (time.perf_counter() - started) * 1000
+        return (time.perf_counter() - started) * 1000, []
 
     def _wake_state_waiters(self) -> None:
         waiters, self._state_waiters = self._state_waiters, []

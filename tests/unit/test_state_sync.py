@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from kernel_replica import log_entries
@@ -133,6 +134,9 @@ def test_a_group_that_cannot_be_decoded_is_reported_and_the_rest_applied() -> No
     assert len(failures) == 1 and "bad" in failures[0] and ns == {"keep": 1}
 
 
-def test_relative_local_store_paths_resolve_under_the_state_dir(tmp_path: Path) -> None:
+def test_relative_local_store_paths_resolve_under_the_state_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TANDEM_STATE_DIR", raising=False)  # the environment would win over the key
     cfg = load_config(overrides={"datastore.path": "objs", "cluster.state_dir": str(tmp_path)})
     assert datastore_config(cfg).get("datastore.path") == str(tmp_path / "objs")
