@@ -63,6 +63,19 @@ def _error_id(data: bytes) -> str:
     return "unknown"
 
 
+async def _outcome(env: Envelope, pending: Awaitable[Envelope | None], logger: Any) -> Envelope | None:
+    """A slow handler's answer; its failure becomes an ``error`` envelope, never a dead task."""
+    try:
+        return await pending
+    except asyncio.CancelledError:
+        raise
+    except RpcError as exc:
+        return env.error(exc.reason, code=exc.code)
+    except Exception as exc:
+        logger.exception("handler_failed", type=env.type, request_id=env.id)
+        return env.error(f"{exc.__class__.__name__}: {exc}", code="internal")
+
+
 class _Dispatcher:
     """Runs handler results: sync ones inline, awaitables as tracked tasks."""
 
@@ -149,15 +162,7 @@ class RpcServer:
             self.send(identity, result)
 
     async def _finish(self, identity: bytes, env: Envelope, pending: Awaitable[Envelope | None]) -> None:
-        try:
-            result = await pending
-        except asyncio.CancelledError:
-            raise
-        except RpcError as exc:
-            result = env.error(exc.reason, code=exc.code)
-        except Exception as exc:
-            self._log.exception("handler_failed", type=env.type, request_id=env.id)
-            result = env.error(f"{exc.__class__.__name__}: {exc}", code="internal")
+        result = await _outcome(env, pending, self._log)
         if result is not None:
             self.send(identity, result)
 
@@ -258,15 +263,7 @@ class RpcClient:
                 self.send(result)
 
     async def _finish(self, env: Envelope, pending: Awaitable[Envelope | None]) -> None:
-        try:
-            result = await pending
-        except asyncio.CancelledError:
-            raise
-        except RpcError as exc:
-            result = env.error(exc.reason, code=exc.code)
-        except Exception as exc:
-            self._log.exception("handler_failed", type=env.type)
-            result = env.error(f"{exc.__class__.__name__}: {exc}", code="internal")
+        result = await _outcome(env, pending, self._log)
         if result is not None:
             self.send(result)
 
