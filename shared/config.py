@@ -104,6 +104,12 @@ class Config:
     def as_dict(self) -> dict[str, dict[str, Any]]:
         return copy.deepcopy(self._data)
 
+    def as_overrides(self) -> dict[str, Any]:
+        """Every key as ``section.key``: the form a child layers its own flags over."""
+        return {
+            f"{section}.{key}": value for section, keys in self._data.items() for key, value in keys.items()
+        }
+
     def to_json(self) -> str:
         return json.dumps(self._data)
 

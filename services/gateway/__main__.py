@@ -16,9 +16,8 @@ import structlog
 import zmq.asyncio
 
 from services.gateway.service import Gateway
-from shared.config import Config, ConfigError, config_from_json, load_config, parse_overrides
-from shared.logs import configure_logging
 from shared.runner import run_service
+from shared.service_cli import add_common_arguments, setup
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -26,37 +25,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scheduler", help="global scheduler ROUTER address (gateway.scheduler_address)")
     parser.add_argument("--bind", help="API ROUTER address, port 0 for a free one (gateway.api_address)")
     parser.add_argument("--address-file", help="write the bound API address here once ready")
-    parser.add_argument("--config", help="TOML configuration file")
-    parser.add_argument("--config-json", help="merged configuration from a parent `tandem up`")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
-    parser.add_argument("--log-format", choices=["console", "json"], help="log.format")
+    add_common_arguments(parser)
     return parser.parse_args(argv)
-
-
-def build_config(args: argparse.Namespace) -> Config:
-    overrides = parse_overrides(args.set)
-    if args.scheduler:
-        overrides["gateway.scheduler_address"] = args.scheduler
-    if args.bind:
-        overrides["gateway.api_address"] = args.bind
-    if args.log_format:
-        overrides["log.format"] = args.log_format
-    if args.config_json:
-        base = config_from_json(args.config_json).as_dict()
-        merged = {f"{s}.{k}": v for s, keys in base.items() for k, v in keys.items()}
-        merged.update(overrides)
-        return load_config(None, merged)
-    return load_config(args.config, overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = build_config(args)
-    except ConfigError as exc:
-        print(f"gateway: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(cfg.get("log.format"), cfg.get("log.level"), service="gateway")
+    cfg = setup(
+        args,
+        "gateway",
+        {"gateway.scheduler_address": args.scheduler, "gateway.api_address": args.bind},
+    )
     scheduler = cfg.get("gateway.scheduler_address")
     if not scheduler:
         print("gateway: no scheduler address (--scheduler or gateway.scheduler_address)", file=sys.stderr)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from services.global_scheduler.cli_support import add_common_arguments, announce, setup
 from shared.runner import run_service
+from shared.service_cli import add_common_arguments, announce, setup
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -27,7 +28,6 @@ from services.global_scheduler.cluster_state import (
     ReplicaRecord,
 )
 from services.global_scheduler.jupyter_router import KernelRouter
-from services.global_scheduler.outbound import OutboundRequests
 from services.global_scheduler.reply_merger import Forward
 from shared import messages
 from shared.config import Config
@@ -35,7 +35,7 @@ from shared.envelope import Envelope
 from shared.policies.executor_choice import ExecutorChoice, choose_executor
 from shared.policies.placement import PlacementRequest, default_placement_policy
 from shared.resources import Resources
-from shared.rpc import RpcError, RpcServer, RpcTimeout
+from shared.rpc import OutboundRequests, RpcError, RpcServer, RpcTimeout
 
 log = structlog.get_logger("global_scheduler")
 
@@ -483,30 +483,15 @@ class GlobalScheduler:
         klog.info("placing", hosts=list(decision.hosts), resources=resources.to_dict())
         started = time.monotonic()
         try:
-            answers = await asyncio.gather(
-                *(self._start_replica(kernel, r) for r in kernel.replicas.values()), return_exceptions=True
+            await _on_every_replica(
+                "replica start", kernel, lambda r: self._start_replica(kernel, r), with_host=True
             )
-            failures = [
-                f"{r.replica_id}@{r.host_id}: {a}"
-                for r, a in zip(kernel.replicas.values(), answers, strict=True)
-                if isinstance(a, BaseException)
-            ]
-            if failures:
-                raise RpcError("replica start failed: " + "; ".join(failures), "start_failed")
             if kernel.state != STARTING:
                 raise RpcError(f"kernel became {kernel.state} while starting", "start_failed")
             peers = {r.replica_id: r.raft_address for r in kernel.replicas.values()}
-            answers = await asyncio.gather(
-                *(self._configure_replica(kernel, r, peers) for r in kernel.replicas.values()),
-                return_exceptions=True,
+            await _on_every_replica(
+                "replica configure", kernel, lambda r: self._configure_replica(kernel, r, peers)
             )
-            failures = [
-                f"{r.replica_id}: {a}"
-                for r, a in zip(kernel.replicas.values(), answers, strict=True)
-                if isinstance(a, BaseException)
-            ]
-            if failures:
-                raise RpcError("replica configure failed: " + "; ".join(failures), "start_failed")
             if kernel.state != STARTING or len(kernel.live_replicas()) < len(kernel.replicas):
                 raise RpcError(f"kernel became {kernel.state} while starting", "start_failed")
         except BaseException as exc:
@@ -587,3 +572,22 @@ class GlobalScheduler:
         if kernel.state == STOPPING:
             self._mark_stopped(kernel)
         return env.reply({"state": kernel.state})
+
+
+async def _on_every_replica(
+    what: str,
+    kernel: KernelRecord,
+    step: Callable[[ReplicaRecord], Awaitable[Any]],
+    *,
+    with_host: bool = False,
+) -> None:
+    """Run ``step`` on all of a kernel's replicas at once; one error naming every failure."""
+    replicas = list(kernel.replicas.values())
+    answers = await asyncio.gather(*(step(r) for r in replicas), return_exceptions=True)
+    failures = [
+        f"{r.replica_id}@{r.host_id}: {a}" if with_host else f"{r.replica_id}: {a}"
+        for r, a in zip(replicas, answers, strict=True)
+        if isinstance(a, BaseException)
+    ]
+    if failures:
+        raise RpcError(f"{what} failed: " + "; ".join(failures), "start_failed")

@@ -16,14 +16,13 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from services.global_scheduler.outbound import OutboundRequests
 from services.local_scheduler.gpu_ledger import GpuLedger, LedgerError
 from services.local_scheduler.gpus import GpuInventory, detect_gpus
 from services.local_scheduler.replica_process import ReplicaProcess
 from shared import messages
 from shared.config import Config
 from shared.envelope import Envelope
-from shared.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
+from shared.rpc import OutboundRequests, RpcClient, RpcError, RpcServer, RpcTimeout
 
 log = structlog.get_logger("local_scheduler")
 

@@ -260,8 +260,7 @@ def test_cluster_status_shape() -> None:
 
 
 def test_outbound_request_answered_timed_out_or_failed_with_its_peer() -> None:
-    from services.global_scheduler.outbound import OutboundRequests
-    from shared.rpc import RpcError, RpcTimeout
+    from shared.rpc import OutboundRequests, RpcError, RpcTimeout
 
     class FakeServer:
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Command-line plumbing shared by the scheduler services: config layering and logging flags.
+"""Command-line plumbing shared by the services: config layering and logging flags.
 
 Configuration layers, later wins: built-in defaults, ``--config PATH`` (TOML), ``--config-json``
 (what ``tandem up`` hands its children), then each ``--set section.key=value``.
@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from shared.config import Config, ConfigError, load_config, parse_overrides
+from shared.config import Config, ConfigError, config_from_json, load_config, parse_overrides
 from shared.logs import configure_logging
 
 
@@ -29,28 +29,30 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", help="overrides log.level")
 
 
-def load_service_config(args: argparse.Namespace) -> Config:
+def load_service_config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> Config:
+    """``extra`` holds a service's own flags already mapped to keys (they win over ``--set``)."""
     overrides: dict[str, Any] = {}
     if args.config_json:
-        tree = json.loads(args.config_json)
-        if not isinstance(tree, dict):
-            raise ConfigError("--config-json must be a JSON object of [section] maps")
-        for section, keys in tree.items():
-            if not isinstance(keys, dict):
-                raise ConfigError(f"--config-json: {section!r} must be a map")
-            overrides.update({f"{section}.{key}": value for key, value in keys.items()})
+        try:
+            inherited = config_from_json(args.config_json)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--config-json is not JSON: {exc}") from exc
+        except AttributeError as exc:
+            raise ConfigError("--config-json must be a JSON object of [section] maps") from exc
+        overrides.update(inherited.as_overrides())
     overrides.update(parse_overrides(args.set))
     if args.log_format:
         overrides["log.format"] = args.log_format
     if args.log_level:
         overrides["log.level"] = args.log_level
+    overrides.update({k: v for k, v in (extra or {}).items() if v is not None})
     return load_config(args.config, overrides)
 
 
-def setup(args: argparse.Namespace, service: str) -> Config:
+def setup(args: argparse.Namespace, service: str, extra: dict[str, Any] | None = None) -> Config:
     """Load the configuration and configure logging; exit 2 with the reason on a bad config."""
     try:
-        cfg = load_service_config(args)
+        cfg = load_service_config(args, extra)
         configure_logging(cfg.get("log.format"), cfg.get("log.level"), service=service)
     except (ConfigError, ValueError) as exc:
         print(f"{service}: {exc}", file=sys.stderr)
