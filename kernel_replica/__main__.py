@@ -84,6 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = Path(args.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     app = IPKernelApp.instance(kernel_class=TandemKernel)
+    _init_sockets = app.init_sockets
+
+    def init_sockets_without_subshells() -> None:
+        # ipykernel 7 receives shell messages on a "shell channel" thread and hands each one to
+        # the main thread over an inproc socket (and the reply back the same way), for subshells.
+        # A replica serves one client through its local scheduler and never needs subshells; the
+        # two thread hops per cell cost ~0.3 ms on the critical path (scripts/bench_latency.py).
+        _init_sockets()
+        app.shell_channel_thread = None
+
+    app.init_sockets = init_sockets_without_subshells  # type: ignore[method-assign]
     app.initialize(
         [
             "-f",
