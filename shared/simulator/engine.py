@@ -1,0 +1,561 @@
+"""The discrete-event simulator: a trace, one ``SessionPolicy`` from ``shared.policies``, a clock.
+
+The policy objects are the ones the live global scheduler uses (placement index, executor choice,
+migration planning, autoscaler, prewarm reconciliation); this module only supplies what the live
+cluster supplies to them: events at the right simulated times, and the time the cluster's
+physical steps take (container cold/warm starts, data-store reads and writes of large objects,
+host provisioning). Deterministic for (trace, policy, params, seed): one seeded numpy generator
+drawn in event order, and a heap ordered by (time, insertion number).
+
+Event model, per session (a Jupyter kernel runs one cell at a time, so a cell that arrives while
+the previous one is still in flight waits client-side, and its delay counts from the trace's
+submit time):
+
+* session start -> ``on_session_start``; its runtime(s) are ready ``cold_start`` after a
+  ``StartRuntime`` (reservation, notebookos replicas);
+* task submit -> ``on_cell_submit``; a ``RunCell`` binds GPUs now and executes after the startup
+  of whatever runtime the policy chose (a fresh container + reading the session's large objects
+  for batch/lcp or a migrated replica, a warm hand-over, the replica election for notebookos);
+* cell end -> ``on_cell_end`` (batch/lcp first write the large objects back, GPUs still held);
+* session end -> ``on_session_end`` (deferred while a cell runs);
+* periodic autoscaler check -> ``Autoscaler.evaluate``; scale-out hosts register after
+  ``host_provision_s``; scale-in drains a notebookos host's replicas first.
+
+Interactivity delay = execution start - trace submit; task completion time = cell end - trace
+submit (NotebookOS §5.3.2, §5.3.3). A cell counts as *immediately committed* when the policy bound
+its GPUs the moment the request reached it (which is later than the trace's submit time when the
+session's previous cell ran late), without a migration (§5.3.2's 89.6%).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from shared.policies.autoscale import Autoscaler, HostLoad, ScaleIn, ScaleOut
+from shared.policies.baselines import (
+    Action,
+    LcpPolicy,
+    Migrate,
+    NotebookOsPolicy,
+    Queued,
+    Rejected,
+    RunCell,
+    SessionPolicy,
+    StartRuntime,
+    StopRuntime,
+    TakeWarm,
+    make_policy,
+)
+from shared.policies.baselines import Session as PolicySession
+from shared.policies.placement import PlacementRequest
+from shared.policies.prewarm import MinCapacity, PoolView, reconcile
+from shared.simulator.params import SimParams
+from shared.workload.model import Trace
+
+POLICY_NAMES = ("notebookos", "reservation", "batch", "lcp")
+
+# heap event kinds
+_CELL_END = 0
+_HOST_READY = 1
+_WARM_READY = 2
+_TICK = 3
+
+# trace arrival kinds, in the order they are handled at equal times
+_SESSION_START = 0
+_TASK_SUBMIT = 1
+_SESSION_END = 2
+
+_NAN = math.nan
+_JITTER_BLOCK = 65_536
+_MAX_DRAIN_S = 365 * 86_400.0  # a run that has not drained a year after its last arrival is stuck
+
+
+def build_policy(name: str, params: SimParams) -> tuple[SessionPolicy, Autoscaler]:
+    """The policy object for ``name`` configured from ``params``, and the autoscaler it shares."""
+    autoscaler = Autoscaler(params.autoscale_config())
+    if name == "notebookos":
+        policy: SessionPolicy = NotebookOsPolicy(
+            replicas=params.replicas_per_kernel,
+            watermark=params.subscription_ratio_watermark,
+            autoscaler=autoscaler,
+            prewarmed={},
+        )
+    elif name == "lcp":
+        policy = LcpPolicy(pool_per_host=params.lcp_pool_per_host)
+    else:
+        policy = make_policy(name)  # raises with the known names on a typo
+    return policy, autoscaler
+
+
+@dataclass
+class SimResult:
+    """Everything one run measured; ``shared.simulator.results`` turns it into figures."""
+
+    policy: str
+    seed: int
+    params: SimParams
+    trace: Trace
+    end_s: float
+    wall_s: float
+    cpu_s: float  # this process's CPU time: the wall time a busy shared machine inflates
+    # per task (trace order); NaN where the task never ran
+    commit_s: npt.NDArray[np.float64]
+    exec_start_s: npt.NDArray[np.float64]
+    exec_end_s: npt.NDArray[np.float64]
+    end_s_task: npt.NDArray[np.float64]
+    immediate: npt.NDArray[np.bool_]
+    # (start, end, gpus) of every host the provider paid for
+    host_intervals: npt.NDArray[np.float64]
+    # (start, end, gpus) held exclusively by reservation sessions
+    reserved_intervals: npt.NDArray[np.float64]
+    # (placed, stopped, replicas) of every notebookos kernel
+    replica_intervals: npt.NDArray[np.float64]
+    # (time, cluster subscription ratio) at each autoscaler check (notebookos), else empty
+    subscription: npt.NDArray[np.float64]
+    scale_out_s: list[float] = field(default_factory=list)
+    scale_in_s: list[float] = field(default_factory=list)
+    migration_s: list[float] = field(default_factory=list)
+    cells_failed: int = 0
+    sessions_never_started: int = 0
+
+
+class Simulator:
+    """One policy over one trace. ``run()`` once; build a new one for another policy or seed."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        policy_name: str,
+        params: SimParams | None = None,
+        *,
+        seed: int = 0,
+        policy: SessionPolicy | None = None,
+        autoscaler: Autoscaler | None = None,
+    ) -> None:
+        self.params = params or SimParams()
+        self.trace = trace
+        self.name = policy_name
+        self.seed = seed
+        if policy is None:
+            policy, autoscaler = build_policy(policy_name, self.params)
+        self.policy = policy
+        self.autoscaler = autoscaler or Autoscaler(self.params.autoscale_config())
+        too_big = next((s for s in trace.sessions if s.gpus > self.params.gpus_per_host), None)
+        if too_big is not None:
+            raise ValueError(
+                f"session {too_big.session_id!r} asks for {too_big.gpus} GPUs, "
+                f"more than a host has (simulator.gpus_per_host = {self.params.gpus_per_host})"
+            )
+        self._rng = np.random.Generator(np.random.PCG64(seed))
+        self._jitter: list[float] = []
+        self._jitter_pos = 0
+        self._per_cell_runtimes = policy_name in ("batch", "lcp")
+        self._replicated = isinstance(policy, NotebookOsPolicy)
+        self._election_s = self.params.election_s if isinstance(policy, NotebookOsPolicy) else 0.0
+        self._prewarmed: dict[str, int] | None = (
+            policy.prewarmed if isinstance(policy, NotebookOsPolicy) else None
+        )
+        self._prewarm_policy = MinCapacity(self.params.prewarm_per_host)
+        self._warming: dict[str, int] = {}
+        self._heap: list[tuple[float, int, int, int | str]] = []
+        self._seq = 0
+        self._hosts_alive: dict[str, float] = {}  # host -> paid since
+        self._host_intervals: list[tuple[float, float, float]] = []
+        self._in_flight_hosts = 0
+        self._paid_since: dict[str, float] = {}  # requested hosts: the provider pays from the request
+        self._next_host = 0
+        self._scale_out_s: list[float] = []
+        self._scale_in_s: list[float] = []
+        self._migration_s: list[float] = []
+        self._sr: list[tuple[float, float]] = []
+
+    # ---- randomness --------------------------------------------------------------------------
+
+    def _start_time(self, mean_s: float) -> float:
+        """A container start of mean ``mean_s``: lognormal jitter, drawn in blocks in event order."""
+        if self._jitter_pos >= len(self._jitter):
+            sigma = self.params.start_jitter_sigma
+            self._jitter = self._rng.lognormal(-sigma * sigma / 2, sigma, _JITTER_BLOCK).tolist()
+            self._jitter_pos = 0
+        x = self._jitter[self._jitter_pos]
+        self._jitter_pos += 1
+        return mean_s * x
+
+    # ---- the run -----------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, arg: int | str) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, arg))
+
+    def run(self, progress: Callable[[float], None] | None = None) -> SimResult:
+        """Simulate to the end of the trace; ``progress(fraction)`` is called now and then."""
+        wall0 = time.perf_counter()
+        cpu0 = time.process_time()
+        tr = self.trace
+        p = self.params
+        n_s, n_t = len(tr.sessions), tr.n_tasks
+        self._sid = [s.session_id for s in tr.sessions]
+        self._pos = {sid: k for k, sid in enumerate(self._sid)}
+        self._specs = [PolicySession(s.session_id, s.resources) for s in tr.sessions]
+        self._gpus = [s.gpus for s in tr.sessions]
+        self._cid = [str(i) for i in range(n_t)]
+        self._t_sess = tr.task_session.tolist()
+        self._submit_s = tr.task_submit_s.tolist()
+        self._dur = tr.task_duration_s.tolist()
+        self._commit = [_NAN] * n_t
+        self._start = [_NAN] * n_t
+        self._exec_end = [_NAN] * n_t
+        self._end = [_NAN] * n_t
+        self._immediate = [False] * n_t
+        self._busy = [-1] * n_s  # the cell in flight (submitted, not ended)
+        self._held = [-1] * n_s  # a cell the policy refused until the session's runtime exists
+        self._queue: list[deque[int]] = [deque() for _ in range(n_s)]
+        self._ending = [False] * n_s
+        self._ready_at = [0.0] * n_s
+        self._boot = [0.0] * n_s
+        self._runtime_since = [_NAN] * n_s  # reservation: GPUs bound since; notebookos: placed since
+        self._reserved: list[tuple[float, float, float]] = []
+        self._replica_intervals: list[tuple[float, float, float]] = []
+        self._replicas = [0] * n_s
+        self._open_sessions = 0
+        self._started = [False] * n_s
+        self._cells_failed = 0
+        self._cur = -1
+        self._cur_migrated = False
+
+        for _ in range(p.initial_hosts):
+            self._add_host(self._new_host_id(), 0.0)
+
+        # trace arrivals, merged with the heap: sorted by (time, kind)
+        starts = np.array([s.start_s for s in tr.sessions])
+        ends = np.array([s.end_s for s in tr.sessions])
+        times = np.concatenate((starts, tr.task_submit_s, ends))
+        kinds = np.concatenate(
+            (
+                np.full(n_s, _SESSION_START),
+                np.full(n_t, _TASK_SUBMIT),
+                np.full(n_s, _SESSION_END),
+            )
+        )
+        idx = np.concatenate((np.arange(n_s), np.arange(n_t), np.arange(n_s)))
+        order = np.lexsort((idx, kinds, times))
+        arr_t = times[order].tolist()
+        arr_k = kinds[order].tolist()
+        arr_i = idx[order].tolist()
+        n = len(arr_t)
+        horizon_end = float(ends.max()) if n_s else 0.0
+        self._push(arr_t[0] if n else 0.0, _TICK, 0)
+        heap = self._heap
+        j = 0
+        now = 0.0
+        report_every = max(n // 200, 1)
+        while j < n or heap:
+            if heap and (j >= n or heap[0][0] <= arr_t[j]):
+                now, _, kind, arg = heapq.heappop(heap)
+                if kind == _CELL_END:
+                    self._cell_end(int(arg), now)
+                elif kind == _HOST_READY:
+                    self._host_ready(str(arg), now)
+                elif kind == _WARM_READY:
+                    self._warm_ready(str(arg), now)
+                else:
+                    if j >= n and self._open_sessions == 0 and self._in_flight_hosts == 0:
+                        continue  # drained: stop the periodic check
+                    if j >= n and now > horizon_end + _MAX_DRAIN_S:
+                        raise RuntimeError(f"{self.name}: simulation did not drain (stuck cells)")
+                    self._tick(now)
+                    self._push(now + p.autoscale_interval_s, _TICK, 0)
+                continue
+            now = arr_t[j]
+            k = arr_k[j]
+            x = arr_i[j]
+            j += 1
+            if k == _TASK_SUBMIT:
+                s = self._t_sess[x]
+                if self._busy[s] >= 0:
+                    self._queue[s].append(x)
+                else:
+                    self._submit(x, now)
+            elif k == _SESSION_START:
+                self._session_start(x, now)
+            else:
+                self._session_end_arrival(x, now)
+            if progress is not None and j % report_every == 0:
+                progress(j / n)
+        end = max(horizon_end, now)
+        for since in self._hosts_alive.values():
+            self._host_intervals.append((since, end, float(p.gpus_per_host)))
+        for s, since in enumerate(self._runtime_since):  # still running at the end
+            if not math.isnan(since):
+                if self.name == "reservation":
+                    self._reserved.append((since, end, float(self._gpus[s])))
+                else:
+                    self._replica_intervals.append((since, end, float(self._replicas[s])))
+        if progress is not None:
+            progress(1.0)
+        return SimResult(
+            policy=self.name,
+            seed=self.seed,
+            params=p,
+            trace=tr,
+            end_s=end,
+            wall_s=time.perf_counter() - wall0,
+            cpu_s=time.process_time() - cpu0,
+            commit_s=np.array(self._commit),
+            exec_start_s=np.array(self._start),
+            exec_end_s=np.array(self._exec_end),
+            end_s_task=np.array(self._end),
+            immediate=np.array(self._immediate, dtype=bool),
+            host_intervals=np.array(self._host_intervals).reshape(-1, 3),
+            reserved_intervals=np.array(self._reserved).reshape(-1, 3),
+            replica_intervals=np.array(self._replica_intervals).reshape(-1, 3),
+            subscription=np.array(self._sr).reshape(-1, 2),
+            scale_out_s=self._scale_out_s,
+            scale_in_s=self._scale_in_s,
+            migration_s=self._migration_s,
+            cells_failed=self._cells_failed,
+            sessions_never_started=sum(1 for s in range(n_s) if not self._started[s]),
+        )
+
+    # ---- sessions and cells ------------------------------------------------------------------
+
+    def _session_start(self, s: int, now: float) -> None:
+        self._open_sessions += 1
+        self._apply(self.policy.on_session_start(self._specs[s]), now)
+
+    def _session_end_arrival(self, s: int, now: float) -> None:
+        busy = self._busy[s]
+        if busy >= 0 and self._held[s] != busy:
+            self._ending[s] = True  # bound, or queued in the policy for GPUs: close after it ends
+            return
+        if busy >= 0:  # held: the session never got a runtime, its cells cannot run
+            self._cells_failed += 1 + len(self._queue[s])
+            self._queue[s].clear()
+            self._held[s] = -1
+            self._busy[s] = -1
+        self._end_session(s, now)
+
+    def _end_session(self, s: int, now: float) -> None:
+        self._open_sessions -= 1
+        self._ending[s] = False
+        self._apply(self.policy.on_session_end(self._sid[s]), now)
+
+    def _submit(self, i: int, now: float) -> None:
+        s = self._t_sess[i]
+        self._busy[s] = i
+        self._cur = i if self._held[s] != i else -1  # a resubmitted held cell was not committed at once
+        self._held[s] = -1
+        self._cur_migrated = False
+        self._apply(self.policy.on_cell_submit(self._sid[s], self._cid[i]), now)
+        self._cur = -1
+
+    def _run_cell(self, a: RunCell, now: float) -> None:
+        i = int(a.cell_id)
+        s = self._t_sess[i]
+        if i == self._cur and not self._cur_migrated:
+            self._immediate[i] = True  # bound when the scheduler received it, as §5.3.2 counts
+        start = max(now, self._ready_at[s]) + self._boot[s] + self._election_s
+        self._boot[s] = 0.0
+        self._commit[i] = now
+        self._start[i] = start
+        end = start + self._dur[i]
+        self._exec_end[i] = end
+        if self._per_cell_runtimes:
+            end += self.params.write_s  # the per-cell container writes model/data back, GPUs held
+        self._push(end, _CELL_END, i)
+
+    def _cell_end(self, i: int, now: float) -> None:
+        s = self._t_sess[i]
+        self._end[i] = now
+        self._apply(self.policy.on_cell_end(self._sid[s], self._cid[i]), now)
+        self._busy[s] = -1
+        q = self._queue[s]
+        if q:
+            self._submit(q.popleft(), now)
+        elif self._ending[s]:
+            self._end_session(s, now)
+
+    # ---- actions -----------------------------------------------------------------------------
+
+    def _apply(self, actions: Sequence[Action], now: float) -> None:
+        if not actions:
+            return
+        p = self.params
+        resubmit: list[int] = []
+        for a in actions:
+            t = type(a)
+            if t is RunCell:
+                self._run_cell(a, now)
+            elif t is StartRuntime:
+                s = self._index_of(a.session_id)
+                if self._per_cell_runtimes:
+                    self._boot[s] += self._start_time(p.cold_start_s) + p.read_s
+                    continue
+                ready = now + self._start_time(p.cold_start_s)
+                self._ready_at[s] = max(self._ready_at[s], ready)
+                if not self._started[s]:
+                    self._started[s] = True
+                    self._runtime_since[s] = now
+                self._replicas[s] += 1
+                if self._held[s] >= 0 and self._held[s] not in resubmit:
+                    resubmit.append(self._held[s])
+            elif t is TakeWarm:
+                s = self._index_of(a.session_id)
+                self._boot[s] += self._start_time(p.warm_start_s) + p.read_s
+            elif t is StopRuntime:
+                if self._per_cell_runtimes:
+                    continue
+                s = self._index_of(a.session_id)
+                since = self._runtime_since[s]
+                if math.isnan(since):
+                    continue
+                if self.name == "reservation":
+                    self._reserved.append((since, now, float(self._gpus[s])))
+                else:  # the first of the replicas' stops closes the kernel's replica interval
+                    self._replica_intervals.append((since, now, float(self._replicas[s])))
+                self._runtime_since[s] = _NAN
+            elif t is Migrate:
+                s = self._index_of(a.session_id)
+                self._migration_s.append(now)
+                if self._cur >= 0 and self._t_sess[self._cur] == s:
+                    self._cur_migrated = True
+                mean = p.warm_start_s if a.plan.use_prewarmed else p.cold_start_s
+                self._boot[s] += self._start_time(mean) + p.read_s
+                if a.plan.use_prewarmed:
+                    self._prewarm((a.plan.target_host,), now)
+            elif t is Rejected:
+                if a.cell_id is not None:
+                    self._held[self._index_of(a.session_id)] = int(a.cell_id)
+            elif t is ScaleOut:
+                self._provision(a.count, now)
+            elif t is Queued and not self._replicated:
+                self._placement_failed(a, now)
+            # Queued, ReturnWarm: nothing to model (the work waits for a later event)
+        for i in resubmit:
+            self._submit(i, now)
+
+    def _index_of(self, session_id: str) -> int:
+        return self._pos[session_id]
+
+    def _placement_failed(self, a: Queued, now: float) -> None:
+        """A baseline could not place a session's runtime or a cell's container: the autoscaler's
+        first trigger, as notebookos's placement failures call it from inside the policy."""
+        s = self._pos[a.session_id]
+        key = a.session_id if a.cell_id is None else f"{a.session_id}/{a.cell_id}"
+        request = PlacementRequest(key, self._specs[s].resources, replicas=1)
+        decision = self.autoscaler.on_placement_failed(request, 0, len(self._hosts_alive))
+        if isinstance(decision, ScaleOut):
+            self._provision(decision.count, now)
+
+    # ---- hosts -------------------------------------------------------------------------------
+
+    def _new_host_id(self) -> str:
+        self._next_host += 1
+        return f"h{self._next_host:05d}"
+
+    def _add_host(self, host_id: str, now: float) -> None:
+        self._hosts_alive[host_id] = now
+        actions = self.policy.add_host(host_id, self.params.gpus_per_host)
+        if self._prewarmed is not None:
+            self._prewarm((host_id,), now)
+        self._apply(actions, now)
+
+    def _provision(self, count: int, now: float) -> int:
+        """Ask the provider for ``count`` hosts (fewer at ``max_hosts``); returns how many."""
+        room = self.params.max_hosts - len(self._hosts_alive) - self._in_flight_hosts
+        count = min(count, room)
+        if count <= 0:
+            return 0
+        self._scale_out_s.append(now)
+        for _ in range(count):
+            self._in_flight_hosts += 1
+            host_id = self._new_host_id()
+            self._push(now + self.params.host_provision_s, _HOST_READY, host_id)
+            self._paid_since[host_id] = now
+        return count
+
+    def _host_ready(self, host_id: str, now: float) -> None:
+        self._in_flight_hosts -= 1
+        paid_since = self._paid_since.pop(host_id, now)
+        if not self._replicated:
+            self.autoscaler.on_host_registered(host_id)  # notebookos's add_host does this itself
+        self._add_host(host_id, now)
+        self._hosts_alive[host_id] = paid_since
+
+    def _release(self, host_id: str, now: float) -> bool:
+        policy = self.policy
+        if isinstance(policy, NotebookOsPolicy):
+            moves = policy.drain_host(host_id)
+            if moves is None:
+                return False
+            for m in moves:
+                if isinstance(m, Migrate):
+                    self._migration_s.append(now)
+            if self._prewarmed is not None:
+                self._prewarmed.pop(host_id, None)
+                self._warming.pop(host_id, None)
+                self._prewarm([m.plan.target_host for m in moves if isinstance(m, Migrate)], now)
+        policy.remove_host(host_id)
+        since = self._hosts_alive.pop(host_id)
+        self._host_intervals.append((since, now, float(self.params.gpus_per_host)))
+        return True
+
+    def _prewarm(self, host_ids: tuple[str, ...] | list[str], now: float) -> None:
+        """Top the hosts' warm pools up with the configured prewarm policy's reconcile actions."""
+        warm = self._prewarmed
+        if warm is None:
+            return
+        pools = [
+            PoolView(h, warm=warm.get(h, 0), starting=self._warming.get(h, 0))
+            for h in dict.fromkeys(host_ids)
+            if h in self._hosts_alive
+        ]
+        for action in reconcile(self._prewarm_policy, pools):
+            for _ in range(action.start):
+                self._warming[action.host_id] = self._warming.get(action.host_id, 0) + 1
+                self._push(now + self._start_time(self.params.cold_start_s), _WARM_READY, action.host_id)
+
+    def _warm_ready(self, host_id: str, now: float) -> None:
+        if host_id not in self._hosts_alive or self._prewarmed is None:
+            return
+        self._warming[host_id] = self._warming.get(host_id, 0) - 1
+        self._prewarmed[host_id] = self._prewarmed.get(host_id, 0) + 1
+
+    # ---- the periodic autoscaler check -------------------------------------------------------
+
+    def _loads(self) -> list[HostLoad]:
+        policy = self.policy
+        if isinstance(policy, NotebookOsPolicy):
+            return [
+                HostLoad(v.host_id, v.gpus, v.committed_gpus, v.subscribed_gpus) for v in policy.index.views()
+            ]
+        ledger = policy.ledger  # type: ignore[attr-defined]
+        reserved = self.name == "reservation"
+        return [
+            HostLoad(h, g, ledger.committed[h], ledger.committed[h] if reserved else 0)
+            for h, g in ledger.gpus.items()
+        ]
+
+    def _tick(self, now: float) -> None:
+        policy = self.policy
+        if isinstance(policy, NotebookOsPolicy):
+            live = policy.index.live_gpus
+            self._sr.append(
+                (now, policy.index.live_subscribed_gpus / (live * policy.replicas) if live else 0.0)
+            )
+        decision = self.autoscaler.evaluate(self._loads())
+        if isinstance(decision, ScaleOut):
+            asked = self._provision(decision.count, now)
+            self.autoscaler.expect_hosts(asked)  # so the next check does not ask for them again
+        elif isinstance(decision, ScaleIn):
+            released = [h for h in decision.host_ids if self._release(h, now)]
+            if released:
+                self._scale_in_s.append(now)

@@ -1,0 +1,93 @@
+"""The simulator's cost model and cluster parameters, read from the ``[simulator]`` config table.
+
+One frozen object so a run is fully described by (trace, policy, params, seed): that tuple is what
+makes a result reproducible. Validation names the key, as everywhere in the configuration.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from shared.config import Config, ConfigError, load_config
+from shared.policies.autoscale import AutoscaleConfig
+from shared.workload.billing import Rates
+
+
+@dataclass(frozen=True, slots=True)
+class SimParams:
+    gpus_per_host: int = 8
+    initial_hosts: int = 3
+    min_hosts: int = 3
+    max_hosts: int = 1000
+    host_provision_s: float = 120.0
+    cold_start_s: float = 10.0
+    warm_start_s: float = 0.5
+    start_jitter_sigma: float = 0.25
+    large_object_mb: float = 1024.0
+    datastore_read_mb_per_s: float = 400.0
+    datastore_write_mb_per_s: float = 200.0
+    election_s: float = 0.03
+    autoscale_interval_s: float = 120.0
+    scaling_factor: float = 1.05
+    buffer_hosts: int = 1
+    max_ratio_after_scale_in: float = 2.0
+    subscription_ratio_watermark: float = 3.0
+    prewarm_per_host: int = 1
+    lcp_pool_per_host: int = 8
+    vm_rate_per_hour: float = 10.0
+    markup: float = 1.15
+    standby_fraction: float = 0.125
+    timeline_step_s: float = 60.0
+    reclaim_after_h: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0)
+    replicas_per_kernel: int = 3
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "reclaim_after_h":
+                if not all(isinstance(x, int | float) and math.isfinite(x) and x > 0 for x in v):
+                    raise ConfigError(f"simulator.reclaim_after_h must be positive hours, got {v!r}")
+                continue
+            if not math.isfinite(v) or v < 0:
+                raise ConfigError(f"simulator.{f.name} must be a finite number >= 0, got {v!r}")
+        if self.gpus_per_host < 1 or self.autoscale_interval_s <= 0 or self.timeline_step_s <= 0:
+            raise ConfigError(
+                "simulator: gpus_per_host, autoscale_interval_s and timeline_step_s must be > 0"
+            )
+        if self.initial_hosts > self.max_hosts:
+            raise ConfigError(
+                f"simulator.initial_hosts ({self.initial_hosts}) exceeds max_hosts ({self.max_hosts})"
+            )
+
+    @classmethod
+    def from_config(cls, cfg: Config | None = None) -> SimParams:
+        section: dict[str, Any] = dict((cfg or load_config())["simulator"])
+        section["reclaim_after_h"] = tuple(float(x) for x in section.get("reclaim_after_h", ()))
+        replicas = (cfg or load_config()).get("cluster.replicas_per_kernel")
+        return cls(**section, replicas_per_kernel=replicas)
+
+    @property
+    def read_s(self) -> float:
+        """A fresh runtime loading the session's large objects (model, data) from the data store."""
+        return self.large_object_mb / self.datastore_read_mb_per_s if self.datastore_read_mb_per_s else 0.0
+
+    @property
+    def write_s(self) -> float:
+        """A per-cell runtime writing them back before it stops (batch, lcp)."""
+        return self.large_object_mb / self.datastore_write_mb_per_s if self.datastore_write_mb_per_s else 0.0
+
+    def autoscale_config(self) -> AutoscaleConfig:
+        return AutoscaleConfig(
+            scaling_factor=self.scaling_factor,
+            gpus_per_host=self.gpus_per_host,
+            buffer_hosts=self.buffer_hosts,
+            min_hosts=min(max(self.min_hosts, self.replicas_per_kernel), self.max_hosts),
+            max_hosts=self.max_hosts,
+            replicas_per_kernel=self.replicas_per_kernel,
+            max_ratio_after_scale_in=self.max_ratio_after_scale_in,
+        )
+
+    def rates(self) -> Rates:
+        return Rates(self.vm_rate_per_hour, self.gpus_per_host, self.markup, self.standby_fraction)

@@ -1,0 +1,203 @@
+"""The discrete-event simulator: same policy objects as the live scheduler, reproducible for a seed,
+the paper's headline directions on a small synthetic trace, and the ``tandem sim --json`` shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shared.policies import autoscale, baselines, executor_choice, migration, placement, prewarm
+from shared.policies.placement_index import PlacementIndex
+from shared.resources import Resources
+from shared.simulator import engine
+from shared.simulator.cli import JSON_KEYS, run_sim
+from shared.simulator.engine import SimResult, Simulator
+from shared.simulator.params import SimParams
+from shared.simulator.results import reexecution_events, summarize_run
+from shared.workload.idlt import DAY, excerpt_17_5h, generate
+from shared.workload.model import Session, Task, Trace
+from shared.workload.trace_csv import write_trace_csv
+
+ALL = ["notebookos", "reservation", "batch", "lcp"]
+
+
+@pytest.fixture(scope="module")
+def excerpt() -> Trace:
+    return excerpt_17_5h(3)
+
+
+def test_simulator_imports_the_same_policy_objects_as_the_live_scheduler() -> None:
+    import services.global_scheduler.service as live
+
+    assert live.choose_executor is executor_choice.choose_executor is baselines.choose_executor
+    assert live.default_placement_policy is placement.default_placement_policy
+    assert live.PlacementRequest is placement.PlacementRequest is baselines.PlacementRequest
+    assert baselines.plan_migration is migration.plan_migration
+    assert baselines.PlacementIndex is PlacementIndex
+    assert engine.Autoscaler is autoscale.Autoscaler
+    assert engine.reconcile is prewarm.reconcile
+    assert engine.NotebookOsPolicy is baselines.NotebookOsPolicy
+
+
+def test_simulator_decisions_go_through_the_shared_policy_functions(
+    excerpt: Trace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: dict[str, int] = {}
+
+    def spy(owner: Any, name: str) -> None:
+        real = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    spy(baselines, "choose_executor")  # the very function object the live scheduler calls (above)
+    spy(baselines, "plan_migration")
+    spy(PlacementIndex, "place")
+    spy(autoscale.Autoscaler, "evaluate")
+    spy(engine, "reconcile")
+    Simulator(excerpt, "notebookos", seed=1).run()
+    assert set(calls) == {"choose_executor", "plan_migration", "place", "evaluate", "reconcile"}
+    assert calls["choose_executor"] >= excerpt.n_tasks  # every cell's executor is chosen by it
+
+
+def _same(a: SimResult, b: SimResult) -> bool:
+    arrays = ("commit_s", "exec_start_s", "exec_end_s", "end_s_task", "immediate", "host_intervals")
+    return all(np.array_equal(getattr(a, k), getattr(b, k), equal_nan=True) for k in arrays) and (
+        a.migration_s == b.migration_s and a.scale_out_s == b.scale_out_s
+    )
+
+
+def test_a_seed_reproduces_a_run_exactly(excerpt: Trace) -> None:
+    first = Simulator(excerpt, "notebookos", seed=7).run()
+    again = Simulator(excerpt, "notebookos", seed=7).run()
+    other = Simulator(excerpt, "notebookos", seed=8).run()
+    assert _same(first, again)
+    assert not _same(first, other)  # the seed drives the container start times
+    strip = lambda r: {k: v for k, v in summarize_run(r).numbers.items() if k not in ("wall_s", "cpu_s")}  # noqa: E731
+    assert strip(first) == strip(again)
+
+
+def test_small_trace_shows_the_papers_headline_directions() -> None:
+    trace = generate(4.0, 1)
+    _, summaries = run_sim(trace, ALL, seed=1, window_end_s=4 * DAY, progress=False)
+    n = {name: s.numbers for name, s in summaries.items()}
+    assert n["notebookos"]["gpu_hours"] < 0.7 * n["reservation"]["gpu_hours"]
+    assert n["notebookos"]["gpu_hours_saved_vs_reservation"] > 0
+    p50 = {name: n[name]["interactivity_delay_p50_s"] for name in ALL}
+    assert max(p50, key=p50.get) == "batch"  # a cold container + data load before every cell
+    assert n["notebookos"]["interactivity_delay_p50_s"] < 1.0  # close to reservation's 0
+    assert n["lcp"]["gpu_hours"] < n["notebookos"]["gpu_hours"]
+    assert n["notebookos"]["immediate_commit_fraction"] > 0.85
+    assert n["reservation"]["immediate_commit_fraction"] == 1.0
+    for name in ALL:
+        assert n[name]["cells_run"] == trace.n_tasks and n[name]["cells_failed"] == 0
+
+
+def test_every_cell_runs_after_its_submit_and_for_its_duration(excerpt: Trace) -> None:
+    for name in ALL:
+        r = Simulator(excerpt, name, seed=2).run()
+        assert np.all(r.exec_start_s >= excerpt.task_submit_s - 1e-9), name
+        assert np.allclose(r.exec_end_s - r.exec_start_s, excerpt.task_duration_s), name
+        assert np.all(r.end_s_task >= r.exec_end_s), name
+        assert np.all(r.commit_s <= r.exec_start_s), name
+
+
+def test_scale_in_drains_replicas_off_released_hosts() -> None:
+    policy = baselines.NotebookOsPolicy({h: 8 for h in "abcd"})
+    for sid in ("s1", "s2"):
+        policy.on_session_start(baselines.Session(sid, Resources(gpus=2)))
+    busy = next(h for h in "abcd" if any(h in k.hosts for k in policy.kernels.values()))
+    before = policy.index.live_subscribed_gpus
+    moves = policy.drain_host(busy)
+    assert moves and all(isinstance(m, baselines.Migrate) and m.plan.source_host == busy for m in moves)
+    assert all(busy not in k.hosts and len(set(k.hosts)) == 3 for k in policy.kernels.values())
+    assert policy.index.live_subscribed_gpus == before  # moved, not dropped
+    policy.on_cell_submit("s1", "c1")
+    assert policy.drain_host(policy.kernels["s1"].hosts[policy.kernels["s1"].last_executor or 0]) is None
+
+
+def test_reexecution_savings_rerun_the_cells_since_the_kernel_last_started() -> None:
+    sessions = [Session("a", 0.0, 50_000.0, 2)]
+    tasks = [
+        Task("a", 100.0, 600.0, 2),
+        Task("a", 1_000.0, 300.0, 2),
+        Task("a", 9_000.0, 60.0, 2),  # after 7,700 s idle: re-run the first two
+        Task("a", 20_000.0, 30.0, 2),  # after 10,940 s idle: re-run only the one since the restart
+    ]
+    trace = Trace.from_tasks(sessions, tasks)
+    when, gpu_h = reexecution_events(trace, after_h=1.0)
+    assert when.tolist() == [9_000.0, 20_000.0]
+    assert gpu_h.tolist() == pytest.approx([2 * (600 + 300) / 3600, 2 * 60 / 3600])
+    assert reexecution_events(trace, after_h=3.0)[0].tolist() == [20_000.0]
+
+
+def test_a_session_larger_than_a_host_is_refused_with_its_name() -> None:
+    trace = Trace.from_tasks([Session("big", 0.0, 100.0, 8)], [Task("big", 1.0, 5.0, 8)])
+    with pytest.raises(ValueError, match="'big' asks for 8 GPUs"):
+        Simulator(trace, "batch", SimParams(gpus_per_host=4))
+
+
+def _last_json(out: str) -> dict[str, Any]:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_cli_json_is_one_object_keyed_by_policy_on_the_last_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    out_dir = tmp_path / "figs"
+    rc = main(
+        ["sim", "--trace", "synthetic-idlt", "--days", "0.5", "--seed", "2", "--out", str(out_dir), "--json"]
+    )
+    assert rc == 0
+    report = _last_json(capsys.readouterr().out)
+    assert list(report) == ALL
+    for numbers in report.values():
+        assert set(JSON_KEYS) <= set(numbers)
+        assert all(numbers[k] is None or isinstance(numbers[k], int | float) for k in JSON_KEYS)
+    assert report["reservation"]["gpu_hours_saved_vs_reservation"] == 0
+    assert {p.name for p in out_dir.glob("*.png")} >= {
+        "fig9a_interactivity_delay_cdf.png",
+        "fig9b_tct_cdf.png",
+        "fig8_gpus_notebookos.png",
+        "fig10_subscription_ratio.png",
+    }
+
+
+def test_cli_replays_a_csv_trace_for_the_chosen_policies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    path = tmp_path / "trace.csv"
+    write_trace_csv(generate(0.5, 4), path)
+    rc = main(["sim", "--trace", str(path), "--policies", "batch,notebookos", "--no-plots", "--json"])
+    assert rc == 0
+    report = _last_json(capsys.readouterr().out)
+    assert list(report) == ["batch", "notebookos"]
+    assert report["notebookos"]["gpu_hours_saved_vs_reservation"] is not None  # reservation ran as baseline
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--policies", "notebookos,slurm"], "unknown policy 'slurm'"),
+        (["--trace", "/nonexistent/trace.csv"], "not synthetic-idlt"),
+        (["--days", "-1"], "--days must be > 0"),
+    ],
+)
+def test_cli_bad_input_is_refused_with_the_reason(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli import main
+
+    assert main(["sim", "--no-plots", *argv]) == 2
+    assert message in capsys.readouterr().err
