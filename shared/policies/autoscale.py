@@ -31,6 +31,7 @@ class HostLoad:
     gpus: int
     committed_gpus: int = 0  # ΣC's share: GPUs bound to executing replicas here
     subscribed_gpus: int = 0  # S: what would have to move elsewhere if the host is released
+    releasable: bool = True  # False: never a scale-in candidate (e.g. a host the provider did not start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +147,17 @@ class Autoscaler:
         self._pending.sort(key=lambda p: (not p.reservations, p.slot))
         return tuple(self._pending.pop(0).reservations)
 
+    def cancel(self, kernel_id: str) -> None:
+        """``kernel_id`` no longer waits (placed elsewhere, timed out, shut down): free its
+        reservations; the hosts being added stay pending and serve whoever comes next."""
+        for p in self._pending:
+            p.reservations = [(k, r) for k, r in p.reservations if k != kernel_id]
+
+    def expect_hosts(self, count: int) -> None:
+        """The caller asked its provider for ``count`` hosts after an ``evaluate`` ScaleOut: count them
+        as pending (unreserved) so the next evaluation does not ask again before they register."""
+        self._add_pending(max(count, 0))
+
     def on_scale_out_failed(self, count: int) -> tuple[str, ...]:
         """``count`` requested hosts will never come: the kernels whose reservations are lost."""
         lost: list[str] = []
@@ -177,7 +189,8 @@ class Autoscaler:
         total_s = sum(h.subscribed_gpus for h in hosts)
         total_g = sum(h.gpus for h in hosts)
         candidates = sorted(
-            (h for h in hosts if h.committed_gpus == 0), key=lambda h: (h.subscribed_gpus, h.host_id)
+            (h for h in hosts if h.committed_gpus == 0 and h.releasable),
+            key=lambda h: (h.subscribed_gpus, h.host_id),
         )
         release: list[str] = []
         for h in candidates:

@@ -51,16 +51,22 @@ def choose_replica(replicas: Sequence[ReplicaView], hosts: Mapping[str, HostView
 
 
 def target_rejection(
-    host: HostView, need: Resources, kernel_hosts: frozenset[str], watermark: float | None
+    host: HostView,
+    need: Resources,
+    kernel_hosts: frozenset[str],
+    watermark: float | None,
+    *,
+    bind_now: bool = True,
 ) -> str | None:
-    """Why ``host`` cannot receive the migrating replica and bind ``need.gpus`` now, or None."""
+    """Why ``host`` cannot receive the migrating replica (and, with ``bind_now``, bind
+    ``need.gpus`` now), or None."""
     if not host.alive:
         return "host is not alive"
     if host.cordoned:
         return "host is cordoned"
     if host.host_id in kernel_hosts:
         return "already hosts a replica of this kernel"
-    if need.gpus > host.idle_gpus:
+    if bind_now and need.gpus > host.idle_gpus:
         return f"needs {need.gpus} GPUs now, {host.idle_gpus} idle"
     cap, sub = host.capacity, host.subscribed
     if cap.vram_gb and need.vram_gb > cap.vram_gb:
@@ -81,23 +87,34 @@ def plan_migration(
     *,
     prewarmed: Mapping[str, int] | None = None,
     watermark: float | None = None,
+    replica_id: str | None = None,
+    bind_now: bool = True,
 ) -> MigrationPlan | NoTarget:
     """Choose the replica and its target. ``hosts`` may be ``PlacementIndex.hosts_that_can_bind``.
 
     ``prewarmed``: warm runtimes available per host (from the prewarmer). ``watermark``: also keep
     the target under this SR (None: the paper only requires the GPUs to be bindable now).
+    ``replica_id``: move this replica rather than ``choose_replica``'s pick (a dead replica being
+    replaced, a drained host's). ``bind_now=False``: the target need not have the GPUs idle now
+    (a replacement or a drain moves a replica, not a cell waiting for GPUs).
     """
     views = list(hosts)
     by_id = {h.host_id: h for h in views}
-    replica = choose_replica(replicas, by_id)
+    if replica_id is not None:
+        replica = next((r for r in replicas if r.replica_id == replica_id), None)
+        if replica is None:
+            return NoTarget(f"kernel has no replica {replica_id!r}", {})
+    else:
+        replica = choose_replica(replicas, by_id)
     if replica is None:
         return NoTarget("kernel has no replicas", {})
-    kernel_hosts = frozenset(r.host_id for r in replicas if r.alive)
+    # never back onto its own host: a dead replica's host may be what killed it
+    kernel_hosts = frozenset(r.host_id for r in replicas if r.alive) | {replica.host_id}
     warm = prewarmed or {}
     rejected: dict[str, str] = {}
     best: tuple[tuple[bool, int, float, str], HostView] | None = None
     for host in views:
-        why = target_rejection(host, need, kernel_hosts, watermark)
+        why = target_rejection(host, need, kernel_hosts, watermark, bind_now=bind_now)
         if why is not None:
             rejected[host.host_id] = why
             continue
@@ -105,6 +122,8 @@ def plan_migration(
         if best is None or key < best[0]:
             best = (key, host)
     if best is None:
+        if not bind_now:
+            return NoTarget("no host can take another replica of this kernel", rejected)
         return NoTarget(f"no host can bind {need.gpus} GPUs now", rejected)
     target = best[1]
     return MigrationPlan(replica.replica_id, replica.host_id, target.host_id, warm.get(target.host_id, 0) > 0)

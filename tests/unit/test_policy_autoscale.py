@@ -93,3 +93,35 @@ def test_evaluate_respects_bounds(committed: list[int], buffer: int) -> None:
         assert all(committed[int(h[1:])] == 0 for h in out.host_ids)
         # capacity after release still covers f·ΣC
         assert (len(committed) - len(out.host_ids)) * 8 >= cfg.scaling_factor * sum(committed)
+
+
+def test_hosts_marked_not_releasable_are_never_scaled_in() -> None:
+    scaler = Autoscaler(AutoscaleConfig(min_hosts=1, buffer_hosts=0))
+    hosts = [
+        HostLoad("fixed", 8, releasable=False),
+        HostLoad("added", 8),
+        HostLoad("also-fixed", 8, releasable=False),
+    ]
+    out = scaler.evaluate(hosts)
+    assert isinstance(out, ScaleIn) and out.host_ids == ("added",)
+
+
+def test_expected_hosts_stop_the_periodic_check_asking_again() -> None:
+    scaler = Autoscaler(AutoscaleConfig(min_hosts=1, buffer_hosts=0, gpus_per_host=8))
+    busy = loads([8, 8])
+    first = scaler.evaluate(busy)
+    assert isinstance(first, ScaleOut) and first.count == 1
+    scaler.expect_hosts(first.count)
+    assert isinstance(scaler.evaluate(busy), NoScale)
+    assert scaler.on_host_registered("h2") == ()  # an unreserved pending host carries no replicas
+    assert scaler.pending_hosts == 0
+
+
+def test_cancel_frees_a_kernels_reservations_but_keeps_the_hosts_pending() -> None:
+    scaler = Autoscaler(AutoscaleConfig(max_hosts=10))
+    out = scaler.on_placement_failed(PlacementRequest("k1", Resources(gpus=1)), feasible=0, live_hosts=3)
+    assert isinstance(out, ScaleOut) and out.count == 3 and scaler.reserved_for("k1") == 3
+    scaler.cancel("k1")
+    assert scaler.reserved_for("k1") == 0 and scaler.pending_hosts == 3
+    again = scaler.on_placement_failed(PlacementRequest("k2", Resources(gpus=1)), feasible=0, live_hosts=3)
+    assert isinstance(again, NoScale) and scaler.reserved_for("k2") == 3  # reuses the hosts on their way

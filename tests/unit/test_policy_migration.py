@@ -100,3 +100,23 @@ def test_retry_gives_up_before_the_deadline_would_pass() -> None:
     assert sched.after_failure(1, 0.0, 0.0, "r") == RetryAt(4.0, 1)
     out = sched.after_failure(2, 0.0, 4.0, "r")  # next would be at 12 > 10
     assert isinstance(out, GiveUp) and "deadline of 10 s" in out.reason
+
+
+def test_a_named_replica_moves_to_a_busy_host_when_gpus_need_not_be_bound_now() -> None:
+    full = {
+        h: HostView(h, 8, committed_gpus=8, subscribed_gpus=s) for h, s in (("d", 10), ("e", 5), ("f", 9))
+    }
+    plan = plan_migration(kernel(), NEED, cluster(**full), replica_id="r1", bind_now=False)
+    assert plan == MigrationPlan("r1", "a", "e", use_prewarmed=False)  # the least subscribed after the move
+    assert isinstance(plan_migration(kernel(), NEED, cluster(**full)), NoTarget)  # none can bind now
+
+
+def test_a_dead_replica_is_never_replaced_on_its_own_host() -> None:
+    replicas = [ReplicaView("r1", "e", alive=False), *kernel()[1:]]
+    plan = plan_migration(replicas, NEED, cluster(), replica_id="r1", bind_now=False)
+    assert isinstance(plan, MigrationPlan) and plan.target_host not in ("e", "b", "c")
+
+
+def test_an_unknown_replica_to_move_is_named() -> None:
+    plan = plan_migration(kernel(), NEED, cluster(), replica_id="r9")
+    assert isinstance(plan, NoTarget) and "r9" in plan.reason
