@@ -15,7 +15,7 @@ as a ``PickleBuffer`` and rebuilds views on one shared storage (torch's own redu
 are rebuilt as views too. A group under ``large_object_bytes`` travels inline (pickle + buffers
 copied, small); a larger one is streamed to the data store with ``put_stream([pickle, *buffers])``,
 which reads the live buffers without another copy, and the group record carries the ``ObjectRef``.
-Decoding fills fresh writable buffers from the store and unpickles against them (one copy).
+Decoding has the store fill one fresh writable buffer in place and unpickles against views of it.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover - torch is a project dependency
 
 DEFAULT_LARGE_OBJECT_BYTES = 1024 * 1024
 _HEAP_MAX_BYTES = 32 * 1024 * 1024
+_COPY_SLICE_BYTES = 64 * 1024 * 1024
 FORMAT = "tandem-pickle5/1"
 # Values whose identity never matters (immutable atoms): not recorded by the memo pass.
 _UNSENDABLE = (io.IOBase, socket.socket)
@@ -100,6 +101,9 @@ class EncodedGroup:
 class EncodeResult:
     groups: list[EncodedGroup] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
+    # encode(defer_large=True): group index -> a private copy of its payload, still to be written
+    # to the store (the group has neither inline bytes nor a pointer until then)
+    deferred: dict[int, memoryview] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -384,6 +388,22 @@ def _views(pickled: bytes, buffers: list[pickle.PickleBuffer]) -> list[memoryvie
     return views
 
 
+def copy_aside(views: list[memoryview]) -> memoryview:
+    """The concatenation of ``views`` in one private buffer. numpy copies with the GIL released, in
+    slices, so the Raft thread keeps heartbeating while hundreds of megabytes are copied."""
+    total = sum(v.nbytes for v in views)
+    whole = memoryview(_writable(total)).cast("B")
+    target = np.frombuffer(whole, dtype=np.uint8)
+    start = 0
+    for view in views:
+        source = np.frombuffer(view, dtype=np.uint8)
+        for offset in range(0, view.nbytes, _COPY_SLICE_BYTES):
+            piece = source[offset : offset + _COPY_SLICE_BYTES]
+            np.copyto(target[start + offset : start + offset + piece.nbytes], piece)
+        start += view.nbytes
+    return whole
+
+
 def _writable(size: int) -> bytearray | mmap.mmap:
     """A private writable buffer the decoded object will own. Large ones are anonymous maps:
     zero-filled lazily by the kernel as the read touches them, not in a separate memset pass."""
@@ -483,9 +503,18 @@ class ObjectCodec:
         return [tuple(g) for g in groups.values()], skipped, singles
 
     async def encode(
-        self, namespace: Mapping[str, Any], names: Iterable[str], *, universe: Iterable[str] = ()
+        self,
+        namespace: Mapping[str, Any],
+        names: Iterable[str],
+        *,
+        universe: Iterable[str] = (),
+        defer_large: bool = False,
     ) -> EncodeResult:
-        """Encode ``names`` (and names sharing objects with them) from ``namespace``."""
+        """Encode ``names`` (and names sharing objects with them) from ``namespace``.
+
+        ``defer_large``: a group for the store is copied aside (``EncodeResult.deferred``) instead
+        of written: a memory copy is much faster than a store write, and once it is taken the
+        next cell may change the live objects while the copy is written in the background."""
         plan, skipped, singles = self._plan(namespace, names, universe)
         result = EncodeResult(skipped=skipped)
         for group in plan:
@@ -497,57 +526,45 @@ class ObjectCodec:
             except Exception as exc:  # a name pickled alone but not with the others: very unusual
                 result.skipped += [Skipped(name, f"group pickle failed: {exc!r}") for name in group]
                 continue
-            result.groups.append(await self._pack(group, pickled, buffers))
+            views = _views(pickled, buffers)
+            sizes = tuple(v.nbytes for v in views)
+            if sum(sizes) < self.large_object_bytes or self.store is None:
+                result.groups.append(EncodedGroup(group, sizes, inline=b"".join(views)))
+            elif defer_large:
+                result.deferred[len(result.groups)] = copy_aside(views)
+                result.groups.append(EncodedGroup(group, sizes))
+            else:
+                ref = await self.store.put_stream(views, size_hint=sum(sizes))
+                result.groups.append(EncodedGroup(group, sizes, pointer=ref.to_dict()))
         return result
-
-    async def _pack(
-        self, names: tuple[str, ...], pickled: bytes, buffers: list[pickle.PickleBuffer]
-    ) -> EncodedGroup:
-        views = _views(pickled, buffers)
-        sizes = tuple(v.nbytes for v in views)
-        if sum(sizes) < self.large_object_bytes or self.store is None:
-            return EncodedGroup(names, sizes, inline=b"".join(views))
-        ref = await self.store.put_stream(views, size_hint=sum(sizes))
-        return EncodedGroup(names, sizes, pointer=ref.to_dict())
 
     async def decode(self, group: EncodedGroup, namespace: dict[str, Any] | None = None) -> dict[str, Any]:
         """The group's names and values; shared objects within it are shared again. Notebook
         functions get ``namespace`` (the standby's user namespace) as their globals."""
-        parts = [_writable(n) for n in group.sizes]
+        # One private buffer for the pickle and every out-of-band buffer, filled in one pass (the
+        # store reads straight into it); decoded arrays and tensors are writable views of it.
+        whole = memoryview(_writable(sum(group.sizes))).cast("B")
         if group.inline is not None:
-            data = memoryview(group.inline)
-            start = 0
-            for part in parts:
-                part[:] = data[start : start + len(part)]  # type: ignore[index]
-                start += len(part)
+            if len(group.inline) != whole.nbytes:
+                raise ValueError("inline group is not as long as its record says")
+            whole[:] = group.inline
         elif group.pointer is not None:
             if self.store is None:
                 raise ValueError("a group in the data store needs a store to decode")
-            await self._fill(ObjectRef.from_dict(group.pointer), parts)
+            ref = ObjectRef.from_dict(group.pointer)
+            if ref.size != whole.nbytes:
+                raise ValueError(f"stored group has {ref.size} bytes, its record says {whole.nbytes}")
+            await self.store.get_into(ref, whole)
         else:
             raise ValueError("group has neither inline bytes nor a pointer")
+        parts, start = [], 0
+        for size in group.sizes:
+            parts.append(whole[start : start + size])
+            start += size
         values = loads(parts[0], parts[1:], namespace=namespace)
         if not isinstance(values, dict):
             raise ValueError("group payload is not a namespace mapping")
         return values
-
-    async def _fill(self, ref: ObjectRef, parts: list[bytearray | mmap.mmap]) -> None:
-        """Stream the object into the parts (verified by the store at the end of the stream)."""
-        assert self.store is not None
-        index, filled = 0, 0
-        async for chunk in self.store.get_stream(ref):
-            view = memoryview(chunk).cast("B")
-            while view.nbytes:
-                while index < len(parts) and filled == len(parts[index]):
-                    index, filled = index + 1, 0
-                if index == len(parts):
-                    raise ValueError("stored group is longer than its record says")
-                n = min(view.nbytes, len(parts[index]) - filled)
-                parts[index][filled : filled + n] = view[:n]
-                filled += n
-                view = view[n:]
-        if sum(map(len, parts[:index])) + filled != sum(map(len, parts)):
-            raise ValueError("stored group is shorter than its record says")
 
 
 async def decode_all(

@@ -15,6 +15,9 @@ log suffix.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import sys
 import threading
 import time
 import types
@@ -26,7 +29,7 @@ from typing import Any
 import msgpack
 import xxhash
 
-from kernel_replica.cell_analysis import CellEffects, names_to_check
+from kernel_replica.cell_analysis import CellEffects, ImportRecord, names_to_check
 from kernel_replica.fingerprint import fingerprint
 from kernel_replica.log_entries import State
 from kernel_replica.object_codec import EncodedGroup, ObjectCodec, dumps
@@ -99,6 +102,7 @@ class StatePlan:
     deleted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    deferred: dict[int, memoryview] = field(default_factory=dict)  # group index -> payload to write
 
     def __bool__(self) -> bool:
         return bool(self.groups or self.imports or self.deleted)
@@ -127,11 +131,14 @@ async def plan_state(
     *,
     hidden: Iterable[str] = (),
     store_seconds: Any = None,
+    defer_large: bool = False,
 ) -> StatePlan:
     """The executor's side of step 7: which names changed, and their encoded groups.
 
     ``replicated``: name -> fingerprint as the log will hold it. ``store_seconds``: a callable
-    returning the seconds spent writing to the data store so far (to split encode time)."""
+    returning the seconds spent writing to the data store so far (to split encode time).
+    ``defer_large``: groups for the data store are copied aside (``StatePlan.deferred``) for
+    ``complete_state`` to write after the reply, instead of being written here."""
     plan = StatePlan()
     started = time.perf_counter()
     replicable = replicable_names(namespace, hidden)
@@ -140,9 +147,18 @@ async def plan_state(
     check = {name for name in check if name in replicable_set or name in replicated}
     module_aliases: set[str] = set()
     for record in effects.imported:
-        if record.alias == "*" or record.alias not in replicable_set:
+        try:
+            statement = import_statement(record, namespace)
+        except (ImportError, ValueError):  # a relative import without a package: cannot replay
             continue
-        statement = record.statement()
+        if record.alias == "*":
+            for name in star_imported(record, namespace, replicable_set):
+                plan.imports.append((name, statement))
+                module_aliases.add(name)  # replayed, not pickled (until a cell changes it)
+                plan.fingerprints[name] = import_fingerprint(statement)
+            continue
+        if record.alias not in replicable_set:
+            continue
         plan.imports.append((record.alias, statement))
         if isinstance(namespace[record.alias], types.ModuleType):
             module_aliases.add(record.alias)  # replayed, not pickled
@@ -169,8 +185,9 @@ async def plan_state(
     store_before = store_seconds() if store_seconds is not None else 0.0
     if changed:
         codec.forget(plan.deleted)
-        result = await codec.encode(namespace, changed, universe=replicable)
+        result = await codec.encode(namespace, changed, universe=replicable, defer_large=defer_large)
         plan.groups = [group.to_dict() for group in result.groups]
+        plan.deferred = result.deferred
         plan.skipped = {s.name: s.reason for s in result.skipped}
         for name in result.names:
             fp = fps[name] if name in fps else value_fingerprint(namespace[name], namespace)
@@ -182,10 +199,81 @@ async def plan_state(
     return plan
 
 
+async def complete_state(
+    state: State, deferred: Mapping[int, memoryview], store: DataStore, log: Any
+) -> State:
+    """Write-behind (``datastore.write_behind``), on the Raft thread after the reply: write each
+    copied-aside group to the data store and put its pointer into the STATE entry, which is only
+    proposed then (a standby must never see a pointer to an object not yet written). A group
+    whose write fails is left out with its names, fingerprints included, so the next executor
+    sends them again; the standbys keep their previous values meanwhile. Never raises."""
+    groups = list(state.groups)
+    failed: dict[int, str] = {}
+    for index, payload in sorted(deferred.items()):
+        started = time.perf_counter()
+        try:
+            ref = await store.put_stream([payload], size_hint=payload.nbytes)
+        except Exception as exc:
+            failed[index] = f"{exc.__class__.__name__}: {exc}"
+            log.warning("state_write_failed", names=groups[index]["names"], reason=failed[index])
+            continue
+        groups[index] = {**groups[index], "pointer": ref.to_dict()}
+        log.debug(
+            "state_written",
+            names=groups[index]["names"],
+            bytes=payload.nbytes,
+            write_ms=round((time.perf_counter() - started) * 1000, 3),
+        )
+    if not failed:
+        return dataclasses.replace(state, groups=tuple(groups))
+    lost = {name: failed[index] for index in failed for name in groups[index]["names"]}
+    return dataclasses.replace(
+        state,
+        groups=tuple(group for index, group in enumerate(groups) if index not in failed),
+        digests={name: fp for name, fp in state.digests.items() if name not in lost},
+        skipped={**state.skipped, **{name: f"data store write failed: {why}" for name, why in lost.items()}},
+    )
+
+
+def import_statement(record: ImportRecord, namespace: Mapping[str, Any]) -> str:
+    """The statement that re-creates ``record``'s binding on a standby, made absolute: a relative
+    import resolves against the executor's ``__package__`` (private names are not replicated, so
+    a standby's namespace lacks it). ``ImportError``/``ValueError`` when it cannot resolve."""
+    if record.level == 0:
+        return record.statement()
+    package = namespace.get("__package__") or ""
+    absolute = importlib.util.resolve_name("." * record.level + record.module, package)
+    return dataclasses.replace(record, module=absolute, level=0).statement()
+
+
+def star_imported(record: ImportRecord, namespace: Mapping[str, Any], replicable: set[str]) -> list[str]:
+    """Names a ``from m import *`` bound that still hold m's attributes (``__all__``, else its
+    public names): a standby gets them by replaying the statement instead of pickles."""
+    try:
+        module_name = import_statement(record, namespace).split()[1]
+    except (ImportError, ValueError):
+        return []
+    module = sys.modules.get(module_name)
+    if module is None:
+        return []
+    exported = getattr(module, "__all__", None)
+    if not isinstance(exported, list | tuple):
+        exported = [name for name in vars(module) if not name.startswith("_")]
+    missing = object()
+    return sorted(
+        name
+        for name in exported
+        if isinstance(name, str)
+        and name in replicable
+        and namespace.get(name, missing) is getattr(module, name, missing)
+    )
+
+
 def replay_imports(namespace: dict[str, Any], imports: Iterable[tuple[str, str]]) -> list[str]:
-    """Run import statements in ``namespace``; returns the failures ("stmt: error")."""
+    """Run import statements in ``namespace``, each distinct one once (a star import stands for
+    every name it binds); returns the failures ("stmt: error")."""
     failures = []
-    for _alias, statement in imports:
+    for statement in dict.fromkeys(statement for _alias, statement in imports):
         try:
             exec(statement, namespace)  # an import statement the executor ran
         except Exception as exc:

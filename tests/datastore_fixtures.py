@@ -24,7 +24,7 @@ from shared.datastore.redis_backend import RedisStore
 from shared.datastore.s3_backend import S3Store
 
 REDIS_INSTALL = "apt-get update && apt-get install -y redis-server"
-_S3_ENV = {
+S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
     "AWS_DEFAULT_REGION": "us-east-1",
@@ -82,7 +82,7 @@ def start_moto() -> tuple[str, subprocess.Popen[bytes]]:
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, **_S3_ENV},
+        env={**os.environ, **S3_ENV},
     )
     _wait_for_port(port, proc, "moto S3 server", timeout_s=60.0)
     return f"http://127.0.0.1:{port}", proc
@@ -104,7 +104,7 @@ def s3_endpoint() -> Iterator[str]:
 
 @pytest.fixture
 def s3_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in _S3_ENV.items():
+    for name, value in S3_ENV.items():
         monkeypatch.setenv(name, value)
 
 

@@ -132,6 +132,30 @@ class DataStore(ABC):
         if cached is not None:
             return cached
         view = _allocate(ref.size)
+        await self._read_verified(ref, view)
+        view = view.toreadonly()
+        self.cache.put(ref.digest, view)
+        return view
+
+    async def get_into(self, ref: ObjectRef, view: memoryview) -> None:
+        """Fill the caller's writable ``view`` (exactly ``ref.size`` bytes) with the object, verified.
+
+        For a decoder that must own the memory it unpickles from (writable arrays and tensors):
+        the backend reads straight into it, so the object is neither held twice nor copied from
+        chunk buffers. Bytes already in the cache are copied from there; what is read here is not
+        cached (the caller will mutate it). On ``CorruptObject`` the view's content is undefined.
+        """
+        self._check_ref(ref)
+        if view.nbytes != ref.size:
+            raise ValueError(f"buffer of {view.nbytes} bytes for an object of {ref.size}")
+        cached = self.cache.get(ref.digest)
+        if cached is not None:
+            view[:] = cached
+            return
+        await self._read_verified(ref, view)
+
+    async def _read_verified(self, ref: ObjectRef, view: memoryview) -> None:
+        """Read the object into ``view`` and check its size and checksum (``CorruptObject``)."""
         verifier = ChecksumVerifier()
         filled = await self._read_into(ref, view, verifier)
         if filled != ref.size:
@@ -139,9 +163,6 @@ class DataStore(ABC):
         reason = verifier.mismatch(ref.checksum, ref.size)
         if reason is not None:
             raise CorruptObject(self.backend, ref.key, reason)
-        view = view.toreadonly()
-        self.cache.put(ref.digest, view)
-        return view
 
     async def get_stream(self, ref: ObjectRef) -> AsyncIterator[memoryview]:
         """The object chunk by chunk, for objects too large to hold whole.

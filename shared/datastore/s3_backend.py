@@ -12,7 +12,9 @@ ones go straight to their final key. One-shot streams are staged and then copied
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import io
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -154,11 +156,15 @@ class S3Store(DataStore):
 
     async def _write_known(self, key: str, cid: ContentId, buffers: list[memoryview]) -> None:
         metadata = {_META: cid.checksum}
-        whole = _whole_buffer(buffers, cid.size)
-        if cid.size <= self.chunk_bytes or (whole is not None and cid.size <= self.single_put_bytes):
-            # One request; the body is the caller's own buffer when it is one bytes/bytearray.
-            body = whole if whole is not None else b"".join(buffers)  # joined: at most one chunk
-            await self.client.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata=metadata)
+        if cid.size <= self.single_put_bytes:
+            # One request: no part is copied and there is no multipart assembly. The body is the
+            # caller's own buffer when it is one bytes/bytearray, else a reader over its buffers
+            # (a pickle and its out-of-band arrays), so nothing is joined into a second copy.
+            whole = _whole_buffer(buffers, cid.size)
+            body: Any = whole if whole is not None else BuffersReader(buffers)
+            await self.client.put_object(
+                Bucket=self.bucket, Key=key, Body=body, ContentLength=cid.size, Metadata=metadata
+            )
             return
         await self._multipart(key, _aiter(rechunk(buffers, self._part_bytes(cid.size))), metadata)
 
@@ -305,6 +311,53 @@ class S3Store(DataStore):
         existed = await self._exists(key)
         await self.client.delete_object(Bucket=self.bucket, Key=key)
         return existed
+
+
+class BuffersReader(io.RawIOBase):
+    """A seekable read-only file over a list of buffers, without joining them: botocore sends a
+    file body in blocks (and seeks back to resend it on a retry)."""
+
+    def __init__(self, buffers: list[memoryview]) -> None:
+        super().__init__()
+        self._buffers = [b for b in buffers if b.nbytes]
+        self._starts: list[int] = []
+        total = 0
+        for buffer in self._buffers:
+            self._starts.append(total)
+            total += buffer.nbytes
+        self._size = total
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = min(max(base + offset, 0), self._size)
+        return self._pos
+
+    def readinto(self, target: Any) -> int:
+        out = memoryview(target).cast("B")
+        written = 0
+        index = bisect.bisect_right(self._starts, self._pos) - 1
+        while written < out.nbytes and self._pos < self._size:
+            buffer = self._buffers[index]
+            offset = self._pos - self._starts[index]
+            n = min(buffer.nbytes - offset, out.nbytes - written)
+            out[written : written + n] = buffer[offset : offset + n]
+            written += n
+            self._pos += n
+            index += 1
+        return written
 
 
 def _whole_buffer(buffers: list[memoryview], size: int) -> bytes | bytearray | None:

@@ -177,7 +177,29 @@ def test_corruption_is_detected(backend: str, offset: int, request: pytest.Fixtu
         assert backend in str(err.value) and ref.key in str(err.value)
         with pytest.raises(CorruptObject):
             await read_stream(store, ref)
+        with pytest.raises(CorruptObject):
+            await store.get_into(ref, memoryview(bytearray(ref.size)))
         assert ref.digest not in store.cache, "corrupt bytes must never be cached"
+
+    with_store(backend, request, test)
+
+
+@backends
+def test_buffers_put_as_one_object_and_read_back_in_place(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """The object codec's path: a pickle and its out-of-band buffers stored as one object without
+    being joined, then read straight into one private buffer (``get_into``), verified."""
+    parts = [os.urandom(1000), os.urandom(7 * MiB + 5), b"", os.urandom(3)]
+
+    async def test(store: DataStore) -> None:
+        ref = await store.put_stream([memoryview(part) for part in parts])
+        assert ref.size == sum(map(len, parts))
+        target = memoryview(bytearray(ref.size))
+        await store.get_into(ref, target)
+        assert bytes(target) == b"".join(parts)
+        with pytest.raises(ValueError, match="buffer of"):
+            await store.get_into(ref, memoryview(bytearray(ref.size - 1)))
 
     with_store(backend, request, test)
 

@@ -205,3 +205,20 @@ def test_record_validation() -> None:
         EncodedGroup.from_dict(
             {"format": "tandem-pickle5/1", "names": ["a"], "sizes": [1], "pointer": {"x": 1}}
         )
+
+
+def test_deferred_groups_are_private_copies_of_their_payload(store: LocalStore) -> None:
+    codec = ObjectCodec(store, large_object_bytes=1024)
+    ns = {"arr": np.arange(4096, dtype=np.int64), "tiny": 1}
+    result = asyncio.run(codec.encode(ns, ["arr", "tiny"], defer_large=True))
+    by_name = {g.names: i for i, g in enumerate(result.groups)}
+    index = by_name[("arr",)]
+    assert list(result.deferred) == [index]
+    group = result.groups[index]
+    assert group.pointer is None and group.inline is None
+    payload = result.deferred[index]
+    assert payload.nbytes == group.nbytes
+    ns["arr"][:] = 0  # the copy is the value at encode time, not a view of the live array
+    ref = asyncio.run(store.put(payload))
+    decoded = asyncio.run(codec.decode(EncodedGroup(group.names, group.sizes, pointer=ref.to_dict())))
+    assert decoded["arr"][-1] == 4095 and decoded["arr"].flags.writeable

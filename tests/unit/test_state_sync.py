@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import torch
 
 from kernel_replica import log_entries
@@ -16,6 +17,7 @@ from kernel_replica.object_codec import ObjectCodec
 from kernel_replica.state_sync import (
     ReplicatedNamespace,
     apply_state,
+    complete_state,
     datastore_config,
     plan_state,
     replicable_names,
@@ -140,3 +142,68 @@ def test_relative_local_store_paths_resolve_under_the_state_dir(
     monkeypatch.delenv("TANDEM_STATE_DIR", raising=False)  # the environment would win over the key
     cfg = load_config(overrides={"datastore.path": "objs", "cluster.state_dir": str(tmp_path)})
     assert datastore_config(cfg).get("datastore.path") == str(tmp_path / "objs")
+
+
+def test_write_behind_copies_large_groups_aside_and_writes_them_before_the_state(tmp_path: Path) -> None:
+    """The executor's next cell may change an array while its previous value is being written:
+    the store gets the value as it was at the end of the cell, and only then the STATE a pointer."""
+    store = LocalStore(tmp_path, fsync=False)
+    codec = ObjectCodec(store, large_object_bytes=1024)
+    ns: dict[str, Any] = {"__name__": "__main__"}
+    code = "import numpy as np\narr = np.arange(10_000, dtype=np.float64)\nsmall = [1, 2]"
+    exec(code, ns)
+    plan = asyncio.run(plan_state(analyse_cell(code, {}), ns, {}, codec, defer_large=True))
+    (index,) = plan.deferred
+    assert plan.groups[index]["names"] == ["arr"] and plan.groups[index]["pointer"] is None
+    assert [g["inline"] is not None for g in plan.groups] == [i != index for i in range(len(plan.groups))]
+    ns["arr"][:] = -1.0  # the next cell, before the write
+    state = asyncio.run(complete_state(plan.state("m", "r1"), plan.deferred, store, structlog.get_logger()))
+    assert state.groups[index]["pointer"] is not None and state.digests == plan.fingerprints
+    standby: dict[str, Any] = {"__name__": "__main__"}
+    standby_apply(standby, ObjectCodec(store), state)
+    assert standby["arr"][-1] == 9_999.0 and standby["small"] == [1, 2]
+
+
+class _FailingStore(LocalStore):
+    async def put_stream(self, *args: Any, **kwargs: Any) -> Any:
+        raise OSError("disk full")
+
+
+def test_a_failed_write_behind_leaves_its_names_out_of_the_state(tmp_path: Path) -> None:
+    codec = ObjectCodec(LocalStore(tmp_path, fsync=False), large_object_bytes=1024)
+    ns: dict[str, Any] = {"__name__": "__main__"}
+    code = "import numpy as np\nbig = np.zeros(10_000)\nn = 3"
+    exec(code, ns)
+    plan = asyncio.run(plan_state(analyse_cell(code, {}), ns, {}, codec, defer_large=True))
+    failing = _FailingStore(tmp_path / "other", fsync=False)
+    state = asyncio.run(complete_state(plan.state("m", "r1"), plan.deferred, failing, structlog.get_logger()))
+    assert [g["names"] for g in state.groups] == [["n"]]
+    assert "big" not in state.digests and "n" in state.digests  # the next executor sends big again
+    assert "disk full" in state.skipped["big"]
+
+
+def test_star_imports_are_replayed_not_pickled() -> None:
+    ex = Executor(ObjectCodec(None), ReplicatedNamespace())
+    state = ex.run("from math import *\nx = sqrt(16)")
+    assert [g["names"] for g in state.groups] == [["x"]]
+    assert ("pi", "from math import *") in state.imports
+    standby: dict[str, Any] = {"__name__": "__main__"}
+    standby_apply(standby, ObjectCodec(None), state)
+    assert standby["x"] == 4.0 and standby["floor"](2.5) == 2
+    # a star-imported name rebound later travels as a value, like any other
+    state = ex.run("pi = 3")
+    assert [g["names"] for g in state.groups] == [["pi"]]
+
+
+def test_relative_imports_are_replayed_as_absolute_ones() -> None:
+    """A standby has no ``__package__`` (private names do not travel): the executor resolves it."""
+    ex = Executor(ObjectCodec(None), ReplicatedNamespace())
+    ex.ns["__package__"] = "json"
+    state = ex.run("from .decoder import JSONDecoder as Decoder\nfrom . import scanner")
+    assert dict(state.imports) == {
+        "Decoder": "from json.decoder import JSONDecoder as Decoder",
+        "scanner": "from json import scanner",
+    }
+    standby: dict[str, Any] = {"__name__": "__main__"}
+    standby_apply(standby, ObjectCodec(None), state)
+    assert standby["Decoder"] is ex.ns["Decoder"] and standby["scanner"] is ex.ns["scanner"]
