@@ -45,7 +45,13 @@ from kernel_replica.raft_bridge import (
     Standby,
     Unavailable,
 )
-from kernel_replica.state_sync import StatePlan, apply_state, open_replica_datastore, plan_state
+from kernel_replica.state_sync import (
+    StatePlan,
+    apply_state,
+    complete_state,
+    open_replica_datastore,
+    plan_state,
+)
 from shared.config import Config
 from shared.datastore.base import DataStore
 from shared.raft.driver import RaftError
@@ -86,6 +92,7 @@ class TandemKernel(IPythonKernel):
         self._config: Config | None = None
         self._codec: ObjectCodec | None = None
         self._store_timer: _TimedStore | None = None
+        self._behind_store: DataStore | None = None  # write-behind: a store on the Raft thread's loop
         self._registry: dict[str, FunctionFacts] = {}  # notebook functions seen in cells (any role)
         self._warned: set[str] = set()  # names reported as not replicated, once each
         self._apply_tail: asyncio.Future[None] | None = None  # the latest STATE being applied here
@@ -93,6 +100,7 @@ class TandemKernel(IPythonKernel):
         self.timings: deque[dict[str, float]] = deque(maxlen=1000)  # recent per-cell step timings (ms)
         self._executed_since_summary = 0
         self._pending_digests: dict[str, bytes] | None = None  # digests of the latest unconfirmed STATE
+        self._trace_sync = False  # log.sync_timings: per-cell state_sent / state_applied info lines
 
     def attach(
         self, bridge: RaftBridge, *, kernel_id: str, replica_id: str, config: Config | None = None
@@ -101,6 +109,7 @@ class TandemKernel(IPythonKernel):
         ``config``'s ``[datastore]`` section names the store large objects go to."""
         self._bridge = bridge
         self._config = config
+        self._trace_sync = bool(config.get("log.sync_timings")) if config is not None else False
         self.kernel_id, self.replica_id = kernel_id, replica_id
         self._slog = structlog.get_logger("replica.kernel").bind(kernel=kernel_id, replica=replica_id)
         core = bridge.core
@@ -194,6 +203,12 @@ class TandemKernel(IPythonKernel):
             timing["decide_ms"] = (time.perf_counter() - started) * 1000
             match decision:
                 case Execute(device_ids=device_ids):
+                    if self._quiet(parent):
+                        # A quiet yielder that took over from a silent candidate (it died): it
+                        # answers the client now, busy first (the quiet handler sent none).
+                        parent["header"].pop(QUIET_FIELD, None)
+                        parent["header"]["msg_type"] = "execute_request"  # what the client sent
+                        self._publish_status("busy", "shell", parent)
                     timing |= {"elect_ms": decision.elect_ms, "state_wait_ms": decision.state_wait_ms}
                     timing["bind_ms"] = decision.bind_ms
                     if decision.state_missing:
@@ -205,6 +220,17 @@ class TandemKernel(IPythonKernel):
                     reply = await self._execute(parent, execute_args, device_ids, log)
                     timing["run_ms"] = (time.perf_counter() - ran) * 1000
                     role, executed = EXECUTOR, True
+                    if decision.lead_pending and not bridge.core.lead_won(msg_id):
+                        confirming = time.perf_counter()  # started before its LEAD committed
+                        if not await bridge.call(bridge.core.confirm_lead(msg_id)):
+                            reply = error_content(
+                                "ExecutorConflict",
+                                f"replica {self.replica_id} ran this cell but lost the executor "
+                                "election (its Raft leadership ended); another replica ran it too",
+                                self._count(),
+                            )
+                            role, executed = STANDBY, False
+                        timing["confirm_ms"] = (time.perf_counter() - confirming) * 1000
                 case BindFailed(reason=reason):
                     reply = error_content(
                         "GpuUnavailable",
@@ -249,7 +275,13 @@ class TandemKernel(IPythonKernel):
             # Replied (and idle follows when this handler returns) before DONE commits: the
             # committed LEAD already makes the cell run at most once, and the standbys reply after
             # DONE. The namespace changes are taken now, before the next cell can change them.
+            # Idle waits until DONE and STATE are handed to the Raft thread: an executor killed
+            # right after its idle would otherwise take the cell's state with it. (Publishing
+            # idle before planning the state saves ~0.3 ms but widens that window: not worth it.)
+            replied_at = time.time()
             timing |= await self._finish_in_background(bridge, msg_id, code, reply, log)
+            if self._trace_sync:  # wall clock: the standbys' state_applied lines are compared to it
+                log.info("state_sent", replied_at=replied_at, proposed_at=time.time(), **timing)
         self._record_timing(role, reply, timing, log)
 
     def _record_timing(
@@ -416,6 +448,7 @@ class TandemKernel(IPythonKernel):
                 codec,
                 hidden=self.shell.user_ns_hidden,
                 store_seconds=(lambda: timer.write_s) if timer is not None else None,
+                defer_large=self._behind_store is not None,
             )
             plan.timings["analysis_ms"] += analysed_ms
         except Exception:  # never leave the group waiting for a STATE that will not come
@@ -430,7 +463,10 @@ class TandemKernel(IPythonKernel):
             for name in plan.deleted:
                 pending.pop(name, None)
             self._pending_digests = pending
-        bridge.thread.call(bridge.core.finish_cell, done, state)
+        written = None
+        if plan.deferred and self._behind_store is not None:  # write-behind, on the Raft thread
+            written = bridge.thread.submit(complete_state(state, plan.deferred, self._behind_store, log))
+        bridge.thread.call(bridge.core.finish_cell, done, state, written)
         timings = {k: v for k, v in plan.timings.items()}
         if plan:
             timings["state_bytes"] = float(plan.nbytes())
@@ -456,6 +492,12 @@ class TandemKernel(IPythonKernel):
                     store = await open_replica_datastore(config)
                 except Exception as exc:
                     self._slog.warning("datastore_unavailable", error=f"{exc.__class__.__name__}: {exc}")
+            if store is not None and config is not None and config.get("datastore.write_behind"):
+                bridge = self._bridge
+                try:  # its clients belong to the loop that writes: the Raft thread's
+                    self._behind_store = await bridge.call(open_replica_datastore(config)) if bridge else None
+                except Exception as exc:
+                    self._slog.warning("write_behind_unavailable", error=f"{exc.__class__.__name__}: {exc}")
             if store is not None:
                 self._store_timer = _TimedStore(store)
                 self._codec = ObjectCodec(self._store_timer, large_object_bytes=large)  # type: ignore[arg-type]
@@ -515,7 +557,7 @@ class TandemKernel(IPythonKernel):
         if self.shell is None:
             return
         groups = [(g, None) for g in state.groups]
-        self._chain_apply(state.msg_id, list(state.imports), groups, list(state.deleted))
+        self._chain_apply(state.msg_id, list(state.imports), groups, list(state.deleted), time.time())
 
     def _load_namespace(self, contents: t.Any) -> None:
         """A snapshot was restored: rebuild the namespace from it (the log replays the rest)."""
@@ -529,9 +571,12 @@ class TandemKernel(IPythonKernel):
         imports: list[tuple[str, str]],
         groups: list[tuple[dict[str, t.Any], list[str] | None]],
         deleted: list[str],
+        received_at: float | None = None,
     ) -> None:
         previous = self._apply_tail
-        self._apply_tail = asyncio.ensure_future(self._apply(msg_id, imports, groups, deleted, previous))
+        self._apply_tail = asyncio.ensure_future(
+            self._apply(msg_id, imports, groups, deleted, previous, received_at)
+        )
 
     async def _apply(
         self,
@@ -540,7 +585,9 @@ class TandemKernel(IPythonKernel):
         groups: list[tuple[dict[str, t.Any], list[str] | None]],
         deleted: list[str],
         previous: asyncio.Future[None] | None,
+        received_at: float | None = None,
     ) -> None:
+        """``received_at``: when the Raft thread handed the entry over (wall clock, for the trace)."""
         if previous is not None:
             with contextlib.suppress(Exception):
                 await previous
@@ -558,7 +605,16 @@ class TandemKernel(IPythonKernel):
             codec.forget(deleted)
         for failure in failures:
             self._slog.warning("namespace_not_loaded", reason=failure, msg_id=msg_id)
-        self._slog.debug("state_applied", msg_id=msg_id, apply_ms=round(self.apply_ms[-1], 3))
+        if self._trace_sync and received_at is not None:
+            self._slog.info(
+                "state_applied",
+                msg_id=msg_id,
+                received_at=received_at,
+                applied_at=time.time(),
+                apply_ms=round(self.apply_ms[-1], 3),
+            )
+        else:
+            self._slog.debug("state_applied", msg_id=msg_id, apply_ms=round(self.apply_ms[-1], 3))
 
     async def _state_applied(self, log: t.Any) -> None:
         """Before executing here: every STATE already handed to this kernel is in the namespace."""

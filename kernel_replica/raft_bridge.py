@@ -42,7 +42,7 @@ from kernel_replica.log_entries import Done, Lead, LogEntry, LogEntryError, Prog
 from kernel_replica.scheduler_link import SchedulerLink
 from kernel_replica.state_sync import ReplicatedNamespace
 from shared.raft.driver import NotRunning, PeerConfig, ProposalDropped, RaftError, RaftPeer, RaftTimeout
-from shared.raft.types import ConfChange, ConfState, Entry, RaftConfig
+from shared.raft.types import ConfChange, ConfState, Entry, RaftConfig, Role
 from shared.rpc import RpcError, RpcTimeout
 
 T = TypeVar("T")
@@ -86,6 +86,11 @@ class ReplicaSettings:
     # ``leader_transfer_every_s``: a transfer drops proposals for a moment.
     leader_follows_executor: int = 3
     leader_transfer_every_s: float = 10.0
+    # The designated candidate, when it is the Raft leader, starts the cell as soon as its LEAD is
+    # in its own log and confirms the commit before it replies (NotebookOS §3.2.2: a scheduler
+    # designation bypasses the election wait). See ``_execute_before_commit`` for the one case
+    # this gives up: a leader cut off within the LEAD's round trip whose cell is then taken over.
+    execute_before_commit: bool = True
 
 
 # ---- what the kernel is told to do with a cell ---------------------------------------------------
@@ -103,6 +108,7 @@ class Execute:
     state_wait_ms: float = 0.0  # waiting for the previous cell's STATE
     bind_ms: float = 0.0  # gpu.commit round trip
     state_missing: tuple[str, ...] = ()  # earlier cells whose DONE/STATE never arrived in time
+    lead_pending: bool = False  # started before its LEAD committed: confirm before replying
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +212,8 @@ class ReplicaCore:
         self._state_waiters: list[asyncio.Future[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self._pending_votes: list[Vote] = []
+        # GPUs bound by a yielder that proposed LEAD for a silent candidate (_wait_outcome)
+        self._late_bindings: dict[str, asyncio.Future[list[int]]] = {}
         self._own_entries: set[tuple[str, str]] = set()  # (kind, msg_id) proposed by this process
         self._last_progress: dict[str, float] = {}  # msg_id -> when its executor was last heard
         self._progress_task: asyncio.Task[None] | None = None
@@ -223,7 +231,9 @@ class ReplicaCore:
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def connect_scheduler(self) -> None:
-        self.scheduler.set_handlers(on_configure=self.configure, on_stop=self._stop_requested)
+        self.scheduler.set_handlers(
+            on_configure=self.configure, on_stop=self._stop_requested, on_membership=self.membership
+        )
         self.scheduler.connect()
         await self.scheduler.register(self.raft_address)
         self._log.info("registered", raft_address=self.raft_address)
@@ -263,6 +273,42 @@ class ReplicaCore:
             self._handle(self.book.set_voters(status.voters))
         self._spawn(self._report_raft_role())
         self._log.info("raft_running", voters=status.voters, join=join)
+
+    async def membership(self, action: str, member: str, address: str) -> dict[str, Any]:
+        """``replica.membership``: one single-server change proposed through this member (Raft
+        forwards it to the leader), retried while the leader refuses for a moment (a change still
+        pending, a new term not yet committed); idempotent, so a retried request is harmless.
+        Answers this replica's view of the group after it (``status``: just the view)."""
+        peer = self.peer
+        if peer is None:
+            raise RpcError("this replica's Raft group is not configured yet", "not_ready")
+        deadline = time.monotonic() + self.settings.propose_timeout_s * 2
+        while action != "status":
+            st = peer.status()
+            if (
+                (action == "add_learner" and member in st.members)
+                or (action == "promote" and member in st.voters)
+                or (action == "remove" and member not in st.members)
+            ):
+                break
+            if action == "add_learner" and not address:
+                raise RpcError("add_learner needs the new member's address", "bad_request")
+            try:
+                if action == "add_learner":
+                    await peer.add_learner(member, address, timeout=PROPOSE_ATTEMPT_S * 2)
+                elif action == "promote":
+                    await peer.promote(member, timeout=PROPOSE_ATTEMPT_S * 2)
+                elif action == "remove":
+                    await peer.remove(member, timeout=PROPOSE_ATTEMPT_S * 2)
+                else:
+                    raise RpcError(f"unknown membership action {action!r}", "bad_request")
+                self._log.info("membership_changed", action=action, member=member)
+                break
+            except RaftError as exc:
+                if time.monotonic() > deadline:
+                    raise RpcError(f"{action} {member} failed: {exc}", "membership_failed") from None
+                await asyncio.sleep(0.1)
+        return self.status()
 
     async def _report_raft_role(self) -> None:
         """Push ``replica.event raft_role`` on every change: the global scheduler prefers the Raft
@@ -321,6 +367,7 @@ class ReplicaCore:
             "commit": st.commit,
             "applied": st.applied,
             "voters": list(st.voters),
+            "learners": list(st.learners),
         }
 
     # ---- applying the log (called by RaftPeer, in log order) ---------------------------------------
@@ -496,6 +543,12 @@ class ReplicaCore:
     # ---- the execute path (called from the kernel through RaftThread.submit) -----------------------
     async def decide(self, msg_id: str, *, lead: bool) -> Decision:
         """Steps 3-4 of the execute path: election, waiting for the previous state, GPU binding."""
+        decision = await self._decide(msg_id, lead=lead)
+        if self.scheduler.forget_bound_ahead(msg_id):  # bound for a cell this replica will not run
+            self._spawn(self._release(msg_id))
+        return decision
+
+    async def _decide(self, msg_id: str, *, lead: bool) -> Decision:
         log = self._log.bind(msg_id=msg_id)
         started = time.perf_counter()
         if self.peer is None:
@@ -508,6 +561,8 @@ class ReplicaCore:
         if outcome is None and not lead:
             outcome = await self._grace_for_lead(msg_id)
         binding: asyncio.Future[list[int]] | None = None
+        if outcome is None and lead and self._may_execute_before_commit(msg_id):
+            return await self._execute_before_commit(msg_id, started, log)
         if outcome is None:
             waiter = self._waiter(self._election_waiters, msg_id)
             entry: LogEntry = (
@@ -522,8 +577,9 @@ class ReplicaCore:
                 await self.propose(entry)
                 outcome = await self._wait_outcome(msg_id, waiter)
             except RaftError as exc:
-                self._unbind_later(msg_id, binding)
+                self._unbind_later(msg_id, binding or self._late_bindings.pop(msg_id, None))
                 return Unavailable(f"Raft could not commit the election for this cell: {exc}")
+            binding = binding or self._late_bindings.pop(msg_id, None)
         if outcome.failed:
             self._unbind_later(msg_id, binding)
             log.info("election_failed")
@@ -559,6 +615,84 @@ class ReplicaCore:
             state_missing=tuple(missing),
         )
 
+    def _may_execute_before_commit(self, msg_id: str) -> bool:
+        """Designated (no other replica proposes LEAD for msg_id) and the Raft leader."""
+        peer = self.peer
+        return (
+            self.settings.execute_before_commit
+            and peer is not None
+            and self.scheduler.designated(msg_id)
+            and peer.status().role == Role.LEADER
+        )
+
+    async def _execute_before_commit(self, msg_id: str, started: float, log: Any) -> Decision:
+        """The fast path: the scheduler designated this replica (the others were told to yield,
+        and only propose LEAD after ``election_wait_s`` of silence from it) and it leads the Raft
+        group, so its LEAD is the first for this cell in the log. The cell starts once the GPUs are
+        bound and the previous cell's state is here; the kernel holds the reply until
+        ``confirm_lead``. At most once still holds unless this leader is cut off before its LEAD
+        reaches a follower and a standby takes the cell over ``election_wait_s`` later: then the
+        user code has run twice, but only the new executor's reply reaches the client."""
+        binding: asyncio.Future[list[int]] | None = None
+        self._spawn(self._propose_lead(msg_id))  # runs once this returns: the cell starts first
+        try:
+            # usually bound by the local scheduler as it forwarded the request: no await here
+            device_ids = self.scheduler.bound_ahead(msg_id, self.settings.gpus)
+            if device_ids is None:
+                binding = asyncio.ensure_future(self.scheduler.gpu_commit(msg_id, self.settings.gpus))
+            waited, missing = await self._wait_previous_cell(msg_id, log)
+            bind_started = time.perf_counter()
+            if binding is not None:
+                device_ids = await binding
+        except (RpcError, RpcTimeout, ValueError) as exc:
+            log.warning("gpu_commit_failed", error=str(exc))
+            if await self.confirm_lead(msg_id):
+                return BindFailed(str(exc))
+            self._unbind_later(msg_id, binding)
+            return Unavailable(f"this cell was not run here: {exc}")
+        assert device_ids is not None
+        self._progress_task = asyncio.ensure_future(self._beat(msg_id))
+        return Execute(
+            device_ids,
+            elect_ms=(time.perf_counter() - started) * 1000,
+            state_wait_ms=waited,
+            bind_ms=(time.perf_counter() - bind_started) * 1000,
+            state_missing=tuple(missing),
+            lead_pending=True,
+        )
+
+    async def _propose_lead(self, msg_id: str) -> None:
+        try:
+            await self.propose(Lead(msg_id, self.replica_id))
+        except RaftError as exc:  # confirm_lead times out on its waiter and reports it
+            self._log.warning("lead_not_committed", msg_id=msg_id, error=str(exc))
+
+    def lead_won(self, msg_id: str) -> bool:
+        """True once this replica's LEAD for msg_id is the committed winner. A plain read of the
+        book, so the kernel's thread may call it without a hop to this thread."""
+        outcome = self.book.outcome(msg_id)
+        return outcome is not None and outcome.winner == self.replica_id
+
+    async def confirm_lead(self, msg_id: str) -> bool:
+        """For a cell started before its LEAD committed: wait for the election's outcome; False
+        if another replica won it or it did not commit in time (the caller then gives the cell
+        up: no reply as executor, no DONE, GPUs released)."""
+        if self.book.outcome(msg_id) is None:
+            waiter = self._waiter(self._election_waiters, msg_id)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter, self.settings.propose_timeout_s * 2)
+        if self.lead_won(msg_id):
+            return True
+        outcome = self.book.outcome(msg_id)
+        self._log.error(
+            "ran_without_winning_lead",
+            msg_id=msg_id,
+            winner=outcome.winner if outcome is not None else None,
+        )
+        self._stop_beat()
+        self._spawn(self._release(msg_id))
+        return False
+
     def _unbind_later(self, msg_id: str, binding: asyncio.Future[list[int]] | None) -> None:
         """The early gpu.commit of a LEAD that did not win: release whatever it bound."""
         if binding is None:
@@ -592,12 +726,47 @@ class ReplicaCore:
             pass
         silent = sorted(self.book.silent_voters(msg_id))
         self._log.warning("election_waiting_on_silent_voters", msg_id=msg_id, silent=silent)
+        # One replica, the first in id order among those that answered, offers to run the cell;
+        # the others give it time before yielding for the silent ones (which would fail the cell).
+        answered = sorted(self.book.voters - set(silent))
+        if answered and answered[0] == self.replica_id:
+            if await self._lead_for_silent_candidate(msg_id):
+                outcome = self.book.outcome(msg_id)
+                if outcome is not None:
+                    return outcome
+                with contextlib.suppress(TimeoutError):
+                    return await asyncio.wait_for(asyncio.shield(waiter), self.settings.propose_timeout_s)
+        elif answered:
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(asyncio.shield(waiter), self.settings.propose_timeout_s)
         for voter in silent:
             await self.propose(Yield(msg_id, voter, self.replica_id))
         outcome = self.book.outcome(msg_id)
         if outcome is not None:
             return outcome
         return await asyncio.wait_for(waiter, self.settings.propose_timeout_s)
+
+    async def _lead_for_silent_candidate(self, msg_id: str) -> bool:
+        """The designated candidate stayed silent (it died just before the cell reached it): if
+        this replica's host can bind the GPUs now, it proposes LEAD itself rather than yield on
+        the candidate's behalf. The first committed LEAD still wins, so the cell runs at most
+        once; a losing LEAD gives its GPUs back. True if a LEAD was proposed."""
+        if self.book.outcome(msg_id) is not None:
+            return False
+        binding = asyncio.ensure_future(self.scheduler.gpu_commit(msg_id, self.settings.gpus))
+        try:
+            await asyncio.shield(binding)
+        except (RpcError, RpcTimeout, ValueError) as exc:
+            self._log.info("no_lead_for_silent_candidate", msg_id=msg_id, reason=str(exc))
+            return False
+        self._late_bindings[msg_id] = binding
+        try:
+            await self.propose(Lead(msg_id, self.replica_id))
+        except RaftError:
+            self._unbind_later(msg_id, self._late_bindings.pop(msg_id, None))
+            raise
+        self._log.warning("lead_for_silent_candidate", msg_id=msg_id)
+        return True
 
     def _previous_cell_pending(self, msg_id: str) -> list[str]:
         """What the executor of msg_id still waits for: earlier cells without DONE, or the latest
@@ -657,12 +826,16 @@ class ReplicaCore:
         """Whether DONE/STATE entries of cells executed here are still in flight (any thread)."""
         return bool(self._finishing)
 
-    def finish_cell(self, done: Done, state: State) -> None:
+    def finish_cell(
+        self, done: Done, state: State, written: concurrent.futures.Future[State] | None = None
+    ) -> None:
         """Steps 5 and 7 off the critical path: the executor has already replied (the committed
         LEAD guarantees at-most-once); DONE and STATE are proposed together, in order after the
         previous cell's, and the standbys reply once DONE commits. Until both commit the next cell
         on this replica runs without waiting for them (its namespace is current); any other
-        executor waits for them (``_wait_previous_cell``). Call on the Raft thread."""
+        executor waits for them (``_wait_previous_cell``). Call on the Raft thread. ``written``:
+        the STATE to propose instead, once its large objects are in the data store (write-behind,
+        ``state_sync.complete_state``); DONE does not wait for it."""
         self._stop_beat()
         self._spawn(self._release(done.msg_id))
         self._vote_later(done.msg_id, self.replica_id)
@@ -670,20 +843,25 @@ class ReplicaCore:
         tail: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._finish_tail = tail
         self._finishing.add(done.msg_id)
-        self._spawn(self._finish_cell(done, state, previous, tail))
+        self._spawn(self._finish_cell(done, state, previous, tail, written))
 
     async def _finish_cell(
-        self, done: Done, state: State, previous: asyncio.Future[None] | None, tail: asyncio.Future[None]
+        self,
+        done: Done,
+        state: State,
+        previous: asyncio.Future[None] | None,
+        tail: asyncio.Future[None],
+        written: concurrent.futures.Future[State] | None = None,
     ) -> None:
         log = self._log.bind(msg_id=done.msg_id)
         started = time.perf_counter()
         try:
             if previous is not None and not previous.done():
                 await asyncio.shield(previous)  # keep DONE/STATE in cell order in the log
-            proposals = [
-                asyncio.ensure_future(self.propose(done)),
-                asyncio.ensure_future(self.propose(state)),
-            ]
+            proposals = [asyncio.ensure_future(self.propose(done))]
+            if written is not None:
+                state = await asyncio.wrap_future(written)  # large objects in the store first
+            proposals.append(asyncio.ensure_future(self.propose(state)))
             results = await asyncio.gather(*proposals, return_exceptions=True)
             if isinstance(results[0], BaseException):
                 log.error("done_not_committed", error=str(results[0]))

@@ -8,7 +8,9 @@ answered while a cell runs.
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,10 +19,16 @@ import zmq.asyncio
 
 from shared import messages
 from shared.envelope import Envelope
-from shared.rpc import RpcClient
+from shared.rpc import RpcClient, RpcError
+
+BOUND_AHEAD_KEPT = 64
+GPU_COMMIT_RETRIES = 10  # a designated replica's refused gpu.commit: the release is in flight
+GPU_COMMIT_RETRY_S = 0.05
 
 ConfigureHandler = Callable[[dict[str, str]], Awaitable[None]]
 StopHandler = Callable[[], Awaitable[None]]
+# (action, member, address) -> this replica's view of the group after the change
+MembershipHandler = Callable[[str, str, str], Awaitable[dict[str, Any]]]
 
 
 class SchedulerLink:
@@ -48,10 +56,21 @@ class SchedulerLink:
         )
         self._on_configure: ConfigureHandler | None = None
         self._on_stop: StopHandler | None = None
+        self._on_membership: MembershipHandler | None = None
+        # gpu.bound pushes not yet taken: msg_id -> (device ids bound ahead, or None if none
+        # could be; whether the scheduler designated this replica as the cell's only candidate)
+        self._bound_ahead: OrderedDict[str, tuple[list[int] | None, bool]] = OrderedDict()
 
-    def set_handlers(self, *, on_configure: ConfigureHandler, on_stop: StopHandler) -> None:
+    def set_handlers(
+        self,
+        *,
+        on_configure: ConfigureHandler,
+        on_stop: StopHandler,
+        on_membership: MembershipHandler | None = None,
+    ) -> None:
         self._on_configure = on_configure
         self._on_stop = on_stop
+        self._on_membership = on_membership
 
     def connect(self) -> None:
         self._client.connect(self._address)
@@ -65,16 +84,50 @@ class SchedulerLink:
             Envelope(messages.REPLICA_REGISTER, body), timeout=self._timeout, retries=2
         )
 
+    def bound_ahead(self, msg_id: str, gpus: int) -> list[int] | None:
+        """What a ``gpu.bound`` push already bound for msg_id (taken once). Taking it announces
+        ``elected`` upstream, as the local scheduler does for ``gpu.commit`` (it leaves that to
+        the replica for a binding ahead, so a replica that never starts the cell does not look
+        elected)."""
+        ahead = self._bound_ahead.pop(msg_id, (None, False))[0]
+        if ahead is None or len(ahead) != gpus:
+            return None
+        self.event("elected", msg_id, gpus=ahead)
+        return ahead
+
     async def gpu_commit(self, msg_id: str, gpus: int) -> list[int]:
-        """Bind ``gpus`` devices for msg_id; ``RpcError`` when the node has none free."""
-        answer = await self._client.request(
-            Envelope(messages.GPU_COMMIT, self._ids() | {"msg_id": msg_id, "gpus": gpus}),
-            timeout=self._timeout,
-        )
+        """Bind ``gpus`` devices for msg_id; ``RpcError`` when the node has none free. Answered
+        at once when the local scheduler bound them ahead of the request (``gpu.bound``). A
+        designated replica retries a refusal for a moment: the scheduler saw the GPUs free, so
+        the previous cell's release is on its way to the local scheduler."""
+        retries = GPU_COMMIT_RETRIES if self.designated(msg_id) else 0
+        ahead = self.bound_ahead(msg_id, gpus)
+        if ahead is not None:
+            return ahead
+        for attempt in range(retries + 1):
+            try:
+                answer = await self._client.request(
+                    Envelope(messages.GPU_COMMIT, self._ids() | {"msg_id": msg_id, "gpus": gpus}),
+                    timeout=self._timeout,
+                )
+                break
+            except RpcError as exc:
+                if exc.code != "no_gpus" or attempt == retries:
+                    raise
+                await asyncio.sleep(GPU_COMMIT_RETRY_S)
         device_ids = answer.body.get("device_ids", [])
         if not isinstance(device_ids, list) or not all(isinstance(d, int) for d in device_ids):
             raise ValueError(f"gpu.commit answered with bad device_ids {device_ids!r}")
         return device_ids
+
+    def forget_bound_ahead(self, msg_id: str) -> bool:
+        """Drop a ``gpu.bound`` push nobody took; True if it had bound GPUs (to be released)."""
+        ahead = self._bound_ahead.pop(msg_id, None)
+        return ahead is not None and ahead[0] is not None
+
+    def designated(self, msg_id: str) -> bool:
+        """The scheduler sent this replica the cell's only execute_request (the others yield)."""
+        return self._bound_ahead.get(msg_id, (None, False))[1]
 
     async def gpu_release(self, msg_id: str) -> None:
         await self._client.request(
@@ -85,12 +138,39 @@ class SchedulerLink:
         body = self._ids() | {"event": event, "msg_id": msg_id, "detail": detail}
         self._client.send(Envelope(messages.REPLICA_EVENT, body))
 
-    async def _on_message(self, env: Envelope) -> Envelope | None:
+    def _on_message(self, env: Envelope) -> Awaitable[Envelope | None] | None:
+        if env.type != messages.GPU_BOUND:
+            return self._on_request(env)
+        self._note_bound_ahead(env)  # at once, not in a task: the cell's gpu.commit may be next
+        return None
+
+    def _note_bound_ahead(self, env: Envelope) -> None:
+        body = env.body
+        device_ids = body.get("device_ids")
+        if device_ids is not None and not all(isinstance(d, int) for d in device_ids):
+            self._log.warning("bad_gpu_bound", device_ids=device_ids)  # gpu.commit asks instead
+            device_ids = None
+        self._bound_ahead[str(body["msg_id"])] = (
+            list(device_ids) if device_ids is not None else None,
+            body.get("designated") is True,
+        )
+        while len(self._bound_ahead) > BOUND_AHEAD_KEPT:  # pushes for cells never run here
+            self._bound_ahead.popitem(last=False)
+
+    async def _on_request(self, env: Envelope) -> Envelope | None:
         if env.type == messages.REPLICA_CONFIGURE:
             if self._on_configure is None:
                 return env.error("replica is not ready to be configured", code="not_ready")
             await self._on_configure({str(k): str(v) for k, v in env.body["peers"].items()})
             return env.reply({"replica_id": self.replica_id})
+        if env.type == messages.REPLICA_MEMBERSHIP:
+            if self._on_membership is None:
+                return env.error("replica is not ready for membership changes", code="not_ready")
+            body = env.body
+            view = await self._on_membership(
+                str(body["action"]), str(body.get("member") or ""), str(body.get("address") or "")
+            )
+            return env.reply(view)
         if env.type == messages.REPLICA_STOP:
             if self._on_stop is not None:
                 await self._on_stop()

@@ -19,10 +19,13 @@ from services.cluster_file import ClusterNotRunning, ask_sync, read_cluster
 from shared import messages
 from shared.config import Config, ConfigError, load_config, parse_overrides
 from shared.rpc import RpcError, RpcTimeout
+from shared.simulator.cli import add_sim_command, cmd_sim
 
 # flag dest -> configuration key
 FLAG_KEYS = {
     "hosts": "cluster.hosts",
+    "max_hosts": "cluster.max_hosts",
+    "metrics_port": "metrics.prometheus_port",
     "gpus_per_host": "host.gpus",
     "state_dir": "cluster.state_dir",
     "log_format": "log.format",
@@ -45,6 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run the embedded cluster in the foreground (Ctrl-C stops it)")
     common(up)
     up.add_argument("--hosts", type=int, help="number of local schedulers (cluster.hosts)")
+    up.add_argument(
+        "--max-hosts",
+        type=int,
+        help="autoscale up to this many hosts (cluster.max_hosts; default: --hosts, no autoscaling)",
+    )
+    up.add_argument(
+        "--metrics-port",
+        type=int,
+        help="Prometheus /metrics port on the scheduler (metrics.prometheus_port; default a free one, 0 off)",
+    )
     up.add_argument("--gpus-per-host", type=int, help="virtual GPUs per host (host.gpus)")
     up.add_argument("--log-format", choices=["console", "json"], help="log.format")
 
@@ -54,10 +67,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     host = sub.add_parser("host", help="host administration")
     host_sub = host.add_subparsers(dest="host_command", required=True)
-    for name, text in (("cordon", "stop placing work on HOST"), ("uncordon", "allow work on HOST again")):
+    for name, text in (
+        ("cordon", "stop placing work on HOST"),
+        ("uncordon", "allow work on HOST again"),
+        ("drain", "cordon HOST and migrate every replica off it"),
+    ):
         p = host_sub.add_parser(name, help=text)
         common(p)
         p.add_argument("host_id", metavar="HOST")
+        if name == "drain":
+            p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the moves")
+
+    replica = sub.add_parser("replica", help="replica administration")
+    replica_sub = replica.add_subparsers(dest="replica_command", required=True)
+    restart = replica_sub.add_parser(
+        "restart", help="restart REPLICA of KERNEL in place (same Raft member, namespace rebuilt)"
+    )
+    common(restart)
+    restart.add_argument("kernel_id", metavar="KERNEL")
+    restart.add_argument("replica_id", metavar="REPLICA", help="e.g. r2 (see `tandem status`)")
+    restart.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the restart")
 
     run = sub.add_parser("run", help="execute a notebook on the tandem kernel")
     common(run)
@@ -72,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--user", action="store_true", help="for the current user")
     where.add_argument("--sys-prefix", action="store_true", help="into sys.prefix (the active venv)")
     where.add_argument("--prefix", help="under this prefix")
+    add_sim_command(sub)
     return parser
 
 
@@ -100,6 +130,13 @@ def cmd_up(args: argparse.Namespace, cfg: Config) -> int:
 
     configure_logging(cfg.get("log.format"), cfg.get("log.level"), service="tandem-up")
     state = state_dir_of(args, cfg)
+    hosts, max_hosts = cfg.get("cluster.hosts"), cfg.get("cluster.max_hosts")
+    if max_hosts and max_hosts < hosts:
+        print(f"tandem up: --max-hosts ({max_hosts}) must be at least --hosts ({hosts})", file=sys.stderr)
+        return 2
+    if args.metrics_port is None and cfg.get("metrics.prometheus_port") == 0:
+        args.metrics_port = -1  # tandem up serves /metrics on a free port unless told otherwise
+        cfg = config_from_args(args)
     if cfg.get("cluster.hosts") < cfg.get("cluster.replicas_per_kernel"):
         print(
             f"tandem up: warning: {cfg.get('cluster.hosts')} hosts cannot place a kernel's "
@@ -159,12 +196,13 @@ def render_status(status: dict[str, Any]) -> None:
             str(host.get("subscription_ratio", "")),
         )
     console.print(table)
+    render_scaling(console, status)
     kernels = status.get("kernels", [])
     if not kernels:
         console.print("no kernels")
         return
     ktable = Table(title="Kernels")
-    for column in ("kernel", "state", "replicas (id@host role)", "last executor"):
+    for column in ("kernel", "state", "replicas (id@host role)", "last executor", "migrations"):
         ktable.add_column(column)
     for kernel in kernels:
         replicas = ", ".join(
@@ -176,11 +214,63 @@ def render_status(status: dict[str, Any]) -> None:
             str(kernel.get("state", "")),
             replicas,
             str(kernel.get("last_executor") or ""),
+            _migrations(kernel),
         )
     console.print(ktable)
 
 
+def cmd_replica(args: argparse.Namespace, cfg: Config) -> int:
+    body = {"kernel_id": args.kernel_id, "replica_id": args.replica_id}
+    kernel = ask_sync(_scheduler(args, cfg), messages.REPLICA_RESTART, body, timeout=args.timeout)
+    pid = next((r.get("pid") for r in kernel.get("replicas", []) if r.get("id") == args.replica_id), None)
+    print(f"{args.kernel_id}/{args.replica_id}: restarted (pid {pid})")
+    return 0
+
+
+def render_scaling(console: Any, status: dict[str, Any]) -> None:
+    """One line of cluster metrics, the autoscaler's state and its last scale events."""
+    cluster, metrics, scaling = status.get("cluster"), status.get("metrics") or {}, status.get("autoscale")
+    if cluster:
+        delay = (metrics.get("interactivity_delay_ms") or {}).get("p50")
+        console.print(
+            f"cluster: SR {cluster.get('subscription_ratio')}, GPUs committed "
+            f"{cluster.get('committed_gpus')}/{cluster.get('provisioned_gpus')}, "
+            f"migrations {cluster.get('migrations')}, cells {metrics.get('cells_total', 0)} "
+            f"(committed immediately: {metrics.get('immediate_commit_ratio')}, "
+            f"interactivity delay p50 {delay} ms)"
+        )
+    if scaling and scaling.get("enabled"):
+        console.print(
+            f"autoscaling: {scaling.get('min_hosts')}..{scaling.get('max_hosts')} hosts, "
+            f"{scaling.get('pending_hosts')} pending, {scaling.get('hosts_added')} added, "
+            f"{scaling.get('hosts_released')} released"
+        )
+        for event in (status.get("scale_events") or [])[-5:]:
+            console.print(f"  {event.get('kind')} {','.join(event.get('hosts', []))}: {event.get('reason')}")
+
+
+def _migrations(kernel: dict[str, Any]) -> str:
+    """``2 (last: r1 host-0 -> host-3, host drained)``, or empty when none."""
+    count, last = kernel.get("migrations") or 0, kernel.get("last_migration")
+    if not count or not isinstance(last, dict):
+        return ""
+    move = f"{last.get('replica')} {last.get('from')} -> {last.get('to')}"
+    return f"{count} (last: {move}, {last.get('reason')})"
+
+
 def cmd_host(args: argparse.Namespace, cfg: Config) -> int:
+    if args.host_command == "drain":
+        outcome = ask_sync(
+            _scheduler(args, cfg), messages.HOST_DRAIN, {"host_id": args.host_id}, timeout=args.timeout
+        )
+        for move in outcome.get("moved", []):
+            print(f"{move['kernel']}/{move['replica']} -> {move['to']}")
+        for failure in outcome.get("failed", []):
+            print(
+                f"{failure['kernel']}/{failure['replica']}: not moved: {failure['reason']}", file=sys.stderr
+            )
+        print(f"{args.host_id}: drained, {outcome.get('replicas_left', 0)} replicas left")
+        return 1 if outcome.get("failed") else 0
     msg_type = messages.HOST_CORDON if args.host_command == "cordon" else messages.HOST_UNCORDON
     ask_sync(_scheduler(args, cfg), msg_type, {"host_id": args.host_id}, timeout=5.0)
     print(f"{args.host_id}: {args.host_command}ed")
@@ -279,8 +369,10 @@ COMMANDS = {
     "up": cmd_up,
     "status": cmd_status,
     "host": cmd_host,
+    "replica": cmd_replica,
     "run": cmd_run,
     "kernelspec": cmd_kernelspec,
+    "sim": cmd_sim,
 }
 
 

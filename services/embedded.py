@@ -119,6 +119,7 @@ class EmbeddedCluster:
         log_dir = cfg.get("embedded.log_dir")
         self.log_dir = Path(os.path.expanduser(log_dir)) if log_dir else state_dir / "logs"
         self.children: list[Child] = []
+        self._scheduler_args: list[str] = []
         self.scheduler_address = ""
         self.gateway_address = ""
         self.cluster_file = state_dir / CLUSTER_FILE
@@ -147,6 +148,9 @@ class EmbeddedCluster:
         if self.cfg.get("embedded.virtual_gpus"):
             data["host"]["use_nvml"] = False
         data["cluster"]["state_dir"] = str(self.state_dir)
+        scaling = data["cluster"]["max_hosts"] > data["cluster"]["hosts"]
+        if scaling and data["autoscale"]["provider"] == "none":
+            data["autoscale"]["provider"] = "embedded"  # the scheduler starts and stops local schedulers
         return json.dumps(data)
 
     def _start(self) -> dict[str, Any]:
@@ -158,18 +162,9 @@ class EmbeddedCluster:
         # source port of an outgoing connection).
         scheduler_log = self.log_dir / "global-scheduler.log"
         offset = scheduler_log.stat().st_size if scheduler_log.exists() else 0
+        self._scheduler_args = ["-m", "services.global_scheduler", "--config-json", config_json, *log_format]
         scheduler = self._spawn(
-            "global-scheduler",
-            [
-                "-m",
-                "services.global_scheduler",
-                "--bind",
-                f"tcp://{self.ip}:0",
-                "--config-json",
-                config_json,
-                *log_format,
-            ],
-            critical=True,
+            "global-scheduler", [*self._scheduler_args, "--bind", f"tcp://{self.ip}:0"], critical=True
         )
         self.scheduler_address = self._wait_for_announcement(scheduler, offset, deadline)
         address_file = self.state_dir / "gateway.address"
@@ -214,7 +209,9 @@ class EmbeddedCluster:
     def _spawn(self, name: str, args: list[str], *, critical: bool) -> Child:
         child = Child(name, [self.python, *args], self.log_dir / f"{name}.log", critical)
         child.log_file = open(child.log_path, "ab")  # noqa: SIM115 - lives as long as the child
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Children resolve the state dir as $TANDEM_STATE_DIR before configuration: an inherited
+        # value (another cluster's) must not win over this cluster's --state-dir.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_STATE_DIR=str(self.state_dir))
         child.process = subprocess.Popen(
             child.argv,
             stdin=subprocess.DEVNULL,
@@ -237,11 +234,16 @@ class EmbeddedCluster:
                     f"last lines of {child.log_path}:\n{tail(child.log_path)}"
                 )
 
-    def _wait_for_announcement(self, child: Child, offset: int, deadline: float) -> str:
+    def _wait_for_announcement(
+        self, child: Child, offset: int, deadline: float, *, only_this_child: bool = False
+    ) -> str:
         """The address in the ``{"event": "listening", "address": ...}`` line a service prints on
         stdout once bound (its stdout is its log, from ``offset`` on: the log is appended to)."""
         while time.monotonic() < deadline:
-            self._check_children()
+            if only_this_child and child.process is not None and child.process.poll() is not None:
+                raise ClusterStartError(f"{child.name} exited with code {child.process.returncode}")
+            if not only_this_child:  # at start-up, any service's death is fatal
+                self._check_children()
             with open(child.log_path, "rb") as log_file:
                 log_file.seek(offset)
                 for line in log_file:
@@ -287,6 +289,28 @@ class EmbeddedCluster:
         )
 
     # ---- run -------------------------------------------------------------------------------
+
+    def restart_scheduler(self, timeout: float = 30.0) -> None:
+        """The global scheduler died: start a new one on the same address. The local schedulers
+        register again (with the replicas they run) and the gateway reconnects, so the new one
+        rebuilds its view and no kernel is lost (NotebookOS §3.2.5)."""
+        old = next(c for c in self.children if c.name == "global-scheduler")
+        self.children.remove(old)
+        if old.log_file is not None:
+            old.log_file.close()
+        log_path = self.log_dir / "global-scheduler.log"
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        child = self._spawn(
+            "global-scheduler", [*self._scheduler_args, "--bind", self.scheduler_address], critical=True
+        )
+        self._wait_for_announcement(child, offset, time.monotonic() + timeout, only_this_child=True)
+        with contextlib.suppress(OSError, ValueError):
+            info = json.loads(self.cluster_file.read_text())
+            info["processes"]["global-scheduler"] = child.process.pid if child.process else None
+            tmp = self.cluster_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(info, indent=2))
+            os.replace(tmp, self.cluster_file)
+        log.warning("scheduler_restarted", pid=child.process.pid if child.process else None)
 
     def failed_critical(self) -> Child | None:
         """A critical service that died on its own (the cluster cannot go on without it)."""
@@ -386,6 +410,12 @@ def run_foreground(cluster: EmbeddedCluster, *, on_ready: Any = None) -> int:
     try:
         while not stop_signal:
             failed = cluster.failed_critical()
+            if failed is not None and failed.name == "global-scheduler":
+                try:
+                    cluster.restart_scheduler()
+                    continue
+                except ClusterStartError as exc:
+                    print(f"tandem up: the global scheduler could not be restarted: {exc}", file=sys.stderr)
             if failed is not None:
                 assert failed.process is not None
                 print(

@@ -19,7 +19,7 @@ from typing import Any
 DEFAULTS: dict[str, dict[str, Any]] = {
     "cluster": {
         "hosts": 4,
-        "max_hosts": 4,
+        "max_hosts": 0,  # autoscaling ceiling (`tandem up --max-hosts`); 0: = hosts, no autoscaling
         "ip": "127.0.0.1",
         "state_dir": "~/.tandem",
         "replicas_per_kernel": 3,
@@ -46,6 +46,46 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "replica_start_timeout_s": 60.0,
         "request_timeout_s": 10.0,
         "subscription_ratio_watermark": 3.0,
+        # Scheduling mode (shared/policies/baselines.make_policy names). The live scheduler runs
+        # notebookos; the baselines are driven by the simulator (the live one logs a warning).
+        "policy": "notebookos",  # notebookos | reservation | batch | lcp
+        # Migration when no replica can bind a cell's GPUs (shared/policies/migration.py): retried
+        # with backoff (base doubling up to max) while no host can; the cell then fails with an
+        # error execute_reply once the deadline would pass.
+        "migration_deadline_s": 30.0,
+        "migration_retry_base_s": 0.5,
+        "migration_retry_max_s": 4.0,
+        "migration_catch_up_timeout_s": 30.0,  # a new member until it applied the group's log
+        # Replace a replica that died for good (its process exited, its host went silent) by a
+        # new one on another host, through the same membership change as a migration.
+        "replace_dead_replicas": True,
+    },
+    "autoscale": {
+        # NotebookOS §3.4.2 (shared/policies/autoscale.py); active when cluster.max_hosts > hosts.
+        "provider": "none",  # none | embedded (local-scheduler processes; set by `tandem up`)
+        "scaling_factor": 1.05,  # f in: provisioned GPUs >= f * committed GPUs
+        "buffer_hosts": 1,  # hosts kept beyond f * committed for bursts
+        "max_release": 2,  # idle hosts released per evaluation
+        "interval_s": 5.0,  # how often the periodic check runs
+        "scale_in_idle_s": 30.0,  # a host must hold no replica for this long before release
+        "scale_out_timeout_s": 60.0,  # a kernel start waiting for new hosts fails after this
+        "events_kept": 200,  # scale events listed by `tandem status --json`
+    },
+    "prewarm": {
+        # Started-but-unassigned replica processes per host (shared/policies/prewarm.py).
+        "policy": "none",  # none | fixed | min | littles_law
+        "per_host": 1,  # fixed: exactly; min: at least; littles_law: at least (min_per_host)
+        "max_per_host": 4,  # never more warm runtimes on one host (memory)
+        "headroom": 1.0,  # littles_law: L = ceil(lambda * W * headroom)
+        "half_life_s": 300.0,  # littles_law: the arrival rate's memory
+        "interval_s": 2.0,  # how often the pool is reconciled with its target
+        "imports": ["torch"],  # modules a warm runtime imports ahead (skipped when absent)
+    },
+    "metrics": {
+        # Prometheus /metrics on the global scheduler: 0 off; -1 a free port (`tandem up` default).
+        "prometheus_port": 0,
+        "prometheus_address": "127.0.0.1",
+        "cells_kept": 1000,  # recent per-cell records in `tandem status --json`
     },
     "raft": {
         "tick_ms": 20,
@@ -76,11 +116,56 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "large_object_bytes": 1_048_576,  # objects above this go to the store, smaller ones to Raft
         "cache_bytes": 268_435_456,  # per-process LRU read cache
         "chunk_bytes": 8_388_608,  # stream unit: file write, S3 part (>= 5 MiB), Redis value
+        # Large objects of a cell are copied aside in memory and written to the store after the
+        # reply, on the replica's Raft thread; their STATE entry is proposed once written. The
+        # next cell then waits for a memory copy, not for the write. false: written before the
+        # next cell may start (no second copy in memory).
+        "write_behind": True,
+    },
+    "simulator": {
+        # `tandem sim` (shared/simulator): the discrete-event model's costs and cluster. Times are
+        # seconds of simulated time; the defaults follow NotebookOS §5 (8-GPU p3.16xlarge servers).
+        "gpus_per_host": 8,
+        "initial_hosts": 3,  # hosts at t=0; the autoscaler adds/releases from there
+        "min_hosts": 3,  # scale-in never goes below this (nor below the replicas per kernel)
+        "max_hosts": 1000,
+        "host_provision_s": 120.0,  # a requested server until its local scheduler registers
+        "cold_start_s": 10.0,  # a container started on demand (mean; lognormal jitter below)
+        "warm_start_s": 0.5,  # handing over a pre-warmed container
+        "start_jitter_sigma": 0.25,  # lognormal sigma of container start times (seeded)
+        "large_object_mb": 1024.0,  # model + data a fresh runtime reads (and batch/lcp write back)
+        "datastore_read_mb_per_s": 400.0,  # §5.4: p99 large-object read ~4 s
+        "datastore_write_mb_per_s": 200.0,  # §5.4: p99 large-object write ~7 s
+        "election_s": 0.03,  # LEAD/YIELD election before a replica executes (tens of ms)
+        "autoscale_interval_s": 120.0,  # how often the autoscaler's periodic check runs
+        "scaling_factor": 1.05,  # f in expected GPUs = f * committed GPUs
+        "buffer_hosts": 1,  # the scaling buffer of spare hosts for bursts
+        "max_ratio_after_scale_in": 2.0,  # cluster subscription ratio a scale-in may not exceed
+        "subscription_ratio_watermark": 3.0,  # per-host placement ceiling (notebookos)
+        "prewarm_per_host": 1,  # notebookos: minimum warm containers per host (migrations)
+        "lcp_pool_per_host": 8,  # lcp: warm containers per host
+        "vm_rate_per_hour": 10.0,  # billing (§5.5.1): provider's price of one server-hour
+        "markup": 1.15,  # users pay this multiple of the provider's rate for what they use
+        "standby_fraction": 0.125,  # a standby replica is billed this share of the VM rate
+        "timeline_step_s": 60.0,  # sampling step of the GPU and subscription-ratio timelines
+        "reclaim_after_h": [0.5, 1.0, 2.0, 4.0, 8.0],  # idle-reclamation intervals of Figure 13
     },
     "log": {
         "format": "console",  # "console" for development, "json" for production
         "level": "info",
+        # Replicas log one info line per cell with the state replication steps' timings and wall
+        # clock stamps (executor: state_sent; standbys: state_applied); scripts/bench_state_sync.py
+        # joins them by msg_id into end-to-end sync latencies.
+        "sync_timings": False,
     },
+}
+
+
+# Keys whose value must be one of a few names.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "scheduler.policy": ("notebookos", "reservation", "batch", "lcp"),
+    "autoscale.provider": ("none", "embedded"),
+    "prewarm.policy": ("none", "fixed", "min", "littles_law"),
 }
 
 
@@ -145,6 +230,9 @@ def _coerce(dotted: str, value: Any, source: str) -> Any:
         raise ConfigError(
             f"{dotted} must be {type(default).__name__}, got {type(value).__name__} {value!r} ({source})"
         )
+    choices = CHOICES.get(f"{section}.{key}")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{dotted} must be one of {', '.join(choices)}; got {value!r} ({source})")
     return value
 
 

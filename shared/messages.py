@@ -11,11 +11,12 @@ C = CLI / provisioner):
     C -> G   kernel.start, kernel.shutdown, kernel.status, kernel.interrupt
     G -> S   kernel.start, kernel.shutdown, kernel.status, jupyter.request
     S -> G   jupyter.reply, kernel.dead
-    C -> S   cluster.status, host.cordon, host.uncordon
+    C -> S   cluster.status, host.cordon, host.uncordon, host.drain, replica.restart
     L -> S   host.register, host.heartbeat, jupyter.reply, replica.event
-    S -> L   replica.start, replica.configure, replica.stop, jupyter.request
+    S -> L   replica.start, replica.configure, replica.stop, replica.membership, replica.restart,
+             jupyter.request
     R -> L   replica.register, gpu.commit, gpu.release, replica.event
-    L -> R   replica.configure, replica.stop
+    L -> R   replica.configure, replica.stop, replica.membership
 """
 
 from __future__ import annotations
@@ -43,15 +44,24 @@ HOST_REGISTER = "host.register"
 HOST_HEARTBEAT = "host.heartbeat"
 HOST_CORDON = "host.cordon"
 HOST_UNCORDON = "host.uncordon"
+HOST_DRAIN = "host.drain"  # cordon, then migrate every replica off the host
 
 # ---- replicas --------------------------------------------------------------------------------
 REPLICA_START = "replica.start"
 REPLICA_CONFIGURE = "replica.configure"
 REPLICA_STOP = "replica.stop"
+# Restart one replica in place: the same id and Raft storage (not a replacement by a new member)
+REPLICA_RESTART = "replica.restart"
+# Raft membership change or status, asked of one replica (it forwards the change to its leader)
+REPLICA_MEMBERSHIP = "replica.membership"
+MEMBERSHIP_ACTIONS = ("add_learner", "promote", "remove", "status")
 REPLICA_REGISTER = "replica.register"
 REPLICA_EVENT = "replica.event"
 GPU_COMMIT = "gpu.commit"
 GPU_RELEASE = "gpu.release"
+# L -> replica push, just before it forwards an execute_request: GPUs already bound (or why not),
+# so the designated replica's gpu.commit needs no round trip on the critical path
+GPU_BOUND = "gpu.bound"
 
 CHANNELS = ("shell", "control", "stdin", "iopub")
 REPLICA_EVENTS = ("elected", "election_failed", "done", "raft_role", "exited", "ready")
@@ -83,6 +93,7 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "channel": (_str, True),
         "frames": (_list, True),  # [signature, header, parent, metadata, content, *buffers] as bytes
         "replica_id": (_str, False),  # set by the global scheduler when addressing one replica
+        "designated": (_bool, False),  # the one replica sent execute_request; the others yield
     },
     JUPYTER_REPLY: {
         "kernel_id": (_str, True),
@@ -98,9 +109,15 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "gpu_kind": (_str, True),  # "nvidia" | "virtual"
         "replicas": (_list, False),  # what already runs there (a restarted scheduler rebuilds from it)
     },
-    HOST_HEARTBEAT: {"host_id": (_str, True), "committed": (_map, False), "replicas": (_list, False)},
+    HOST_HEARTBEAT: {
+        "host_id": (_str, True),
+        "committed": (_map, False),
+        "replicas": (_list, False),
+        "pool": (_map, False),  # the host's pre-warmed runtimes: warm, starting, target, taken, misses
+    },
     HOST_CORDON: {"host_id": (_str, True)},
     HOST_UNCORDON: {"host_id": (_str, True)},
+    HOST_DRAIN: {"host_id": (_str, True)},
     REPLICA_START: {
         "kernel_id": (_str, True),
         "replica_id": (_str, True),
@@ -115,6 +132,21 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "peers": (_map, True),  # replica_id -> raft address, the initial voters
     },
     REPLICA_STOP: {"kernel_id": (_str, True), "replica_id": (_str, True)},
+    # C -> S: kernel_id and replica_id; S -> L adds what starting the process needs
+    REPLICA_RESTART: {
+        "kernel_id": (_str, True),
+        "replica_id": (_str, True),
+        "key": (_str, False),
+        "signature_scheme": (_str, False),
+        "resources": (_map, False),
+    },
+    REPLICA_MEMBERSHIP: {
+        "kernel_id": (_str, True),
+        "replica_id": (_str, True),  # the replica asked (a current member)
+        "action": (_str, True),  # one of MEMBERSHIP_ACTIONS
+        "member": (_str, False),  # the replica added, promoted or removed
+        "address": (_str, False),  # add_learner: the new member's Raft address
+    },
     REPLICA_REGISTER: {
         "kernel_id": (_str, True),
         "replica_id": (_str, True),
@@ -135,6 +167,13 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "gpus": (_int, True),
     },
     GPU_RELEASE: {"kernel_id": (_str, True), "replica_id": (_str, True), "msg_id": (_str, True)},
+    GPU_BOUND: {
+        "kernel_id": (_str, True),
+        "replica_id": (_str, True),
+        "msg_id": (_str, True),
+        "device_ids": (_list, False),  # absent: none bound yet (the replica asks with gpu.commit)
+        "designated": (_bool, False),  # the scheduler sent the others yield_request
+    },
 }
 
 _CHECKED_CHANNEL = {JUPYTER_REQUEST, JUPYTER_REPLY}
@@ -164,6 +203,8 @@ def validate(msg_type: str, body: dict[str, Any]) -> str | None:
         frames = body["frames"]
         if len(frames) < 5 or not all(isinstance(f, bytes) for f in frames):
             return "frames must be at least 5 byte strings (signature, header, parent, metadata, content)"
+    if msg_type == REPLICA_MEMBERSHIP and body["action"] not in MEMBERSHIP_ACTIONS:
+        return f"unknown membership action {body['action']!r}"
     if msg_type == REPLICA_EVENT and body["event"] not in REPLICA_EVENTS:
         return f"unknown replica event {body['event']!r}"
     return None

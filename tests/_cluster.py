@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,3 +129,21 @@ def stop_cluster(handle: ClusterHandle) -> list[int]:
         except ProcessLookupError:
             pass
     return survivors
+
+
+@contextmanager
+def running_cluster(state_dir: Path, *extra: str) -> Iterator[ClusterHandle]:
+    """``tandem up`` in ``state_dir`` with ``extra`` flags, made this process's provisioner target
+    (``TANDEM_STATE_DIR``) while the block runs; afterwards no process of it may survive SIGTERM.
+    Skips the test when the services are not there."""
+    missing = missing_services()
+    if missing:
+        pytest.skip(f"cluster services not written yet: {', '.join(missing)}")
+    handle = start_cluster(state_dir, *extra)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TANDEM_STATE_DIR", str(state_dir))
+        try:
+            yield handle
+        finally:
+            survivors = stop_cluster(handle)
+    assert not survivors, f"services survived tandem up's SIGTERM: {survivors}"

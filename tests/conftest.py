@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _cluster import ClusterHandle, missing_services, start_cluster, stop_cluster
+from _cluster import ClusterHandle, running_cluster
 
 
 @pytest.fixture(scope="session")
@@ -37,17 +37,5 @@ def tandem_kernelspec(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
 def tandem_cluster(
     tmp_path_factory: pytest.TempPathFactory, tandem_kernelspec: Path
 ) -> Iterator[ClusterHandle]:
-    missing = missing_services()
-    if missing:
-        pytest.skip(f"cluster services not written yet: {', '.join(missing)}")
-    state_dir = tmp_path_factory.mktemp("tandem-state")
-    handle = start_cluster(state_dir)
-    old = os.environ.get("TANDEM_STATE_DIR")
-    os.environ["TANDEM_STATE_DIR"] = str(state_dir)
-    yield handle
-    if old is None:
-        os.environ.pop("TANDEM_STATE_DIR", None)
-    else:
-        os.environ["TANDEM_STATE_DIR"] = old
-    survivors = stop_cluster(handle)
-    assert not survivors, f"services survived tandem up's SIGTERM: {survivors}"
+    with running_cluster(tmp_path_factory.mktemp("tandem-state")) as handle:
+        yield handle

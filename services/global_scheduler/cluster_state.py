@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.global_scheduler.jupyter_router import KernelRouter
+from services.global_scheduler.live_index import LiveIndex, Placed, WatchedDict
 from shared.policies.executor_choice import HostLedgerView, ReplicaView
 from shared.policies.placement import HostView
+from shared.policies.placement_index import PlacementIndex
 from shared.resources import Resources
 
 STARTING, RUNNING, STOPPING, STOPPED, DEAD = "starting", "running", "stopping", "stopped", "dead"
@@ -24,6 +26,12 @@ MIN_LIVE_REPLICAS = 2
 
 def commit_key(kernel_id: str, msg_id: str) -> str:
     return f"{kernel_id}/{msg_id}"
+
+
+# Record fields that enter a HostView: writing one marks the host for re-indexing (live_index.py).
+_HOST_VIEW_FIELDS = frozenset({"capacity", "cordoned", "alive", "committed", "reservations"})
+_REPLICA_VIEW_FIELDS = frozenset({"host_id", "alive"})
+_KERNEL_VIEW_FIELDS = frozenset({"state", "resources"})
 
 
 @dataclass(slots=True)
@@ -37,6 +45,19 @@ class HostRecord:
     last_seen: float = 0.0
     committed: dict[str, int] = field(default_factory=dict)  # from heartbeats and elected events
     reservations: dict[str, int] = field(default_factory=dict)  # tentative, by this scheduler
+    _index: LiveIndex | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("committed", "reservations") and not isinstance(value, WatchedDict):
+            value = WatchedDict(value, self._view_changed)  # in-place edits re-index the host too
+        object.__setattr__(self, name, value)
+        if name in _HOST_VIEW_FIELDS:
+            self._view_changed(None, None)
+
+    def _view_changed(self, old: object, new: object) -> None:
+        index = getattr(self, "_index", None)
+        if index is not None:
+            index.touch(self.host_id)
 
     @property
     def identity(self) -> bytes:
@@ -66,6 +87,20 @@ class ReplicaRecord:
     role: str | None = None
     alive: bool = True
     started: bool = False  # replica.start answered
+    _kernel: KernelRecord | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        before = getattr(self, "host_id", None) if name == "host_id" else None
+        object.__setattr__(self, name, value)
+        if name in _REPLICA_VIEW_FIELDS:
+            kernel = getattr(self, "_kernel", None)
+            if kernel is None or kernel._index is None:
+                return
+            if before is not None and before != value:
+                kernel._index.unlink(self, before)
+                kernel._index.link(kernel, self)
+            else:
+                kernel._index.touch(self.host_id)
 
 
 @dataclass(slots=True)
@@ -79,6 +114,46 @@ class KernelRecord:
     replicas: dict[str, ReplicaRecord] = field(default_factory=dict)
     dead_reason: str | None = None
     reserved_on: dict[str, str] = field(default_factory=dict)  # msg_id -> host holding a reservation
+    # shell requests held while a replica migrates (the first is the cell no replica could run)
+    held: list[list[bytes]] | None = None
+    migrations: int = 0  # replicas moved to another host (all-yield, dead replica, drain)
+    last_migration: dict[str, Any] | None = None
+    _index: LiveIndex | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "replicas" and not isinstance(value, WatchedDict):
+            for replica in getattr(self, "replicas", {}).values():
+                self._replica_slot_changed(replica, None)
+            value = WatchedDict(value, self._replica_slot_changed)
+            for replica in value.values():
+                self._replica_slot_changed(None, replica)
+        object.__setattr__(self, name, value)
+        if name in _KERNEL_VIEW_FIELDS:
+            index = getattr(self, "_index", None)
+            if index is not None:
+                for replica in self.replicas.values():
+                    index.touch(replica.host_id)
+
+    def _replica_slot_changed(self, old: ReplicaRecord | None, new: ReplicaRecord | None) -> None:
+        index = getattr(self, "_index", None)
+        if old is not None and old is not new:
+            object.__setattr__(old, "_kernel", None)
+            if index is not None:
+                index.unlink(old)
+        if new is not None:
+            object.__setattr__(new, "_kernel", self)
+            if index is not None:
+                index.link(self, new)
+
+    def attach(self, index: LiveIndex | None) -> None:
+        """Report to ``index`` (None: to nothing) from now on; the kernel's hosts need re-indexing."""
+        before = getattr(self, "_index", None)
+        object.__setattr__(self, "_index", index)
+        for replica in getattr(self, "replicas", {}).values():
+            if before is not None and before is not index:
+                before.unlink(replica)
+            if index is not None:
+                index.link(self, replica)
 
     def live_replicas(self) -> list[str]:
         return [r.replica_id for r in self.replicas.values() if r.alive]
@@ -94,11 +169,48 @@ class KernelRecord:
         return f"r{n}"
 
 
+def _subscription(host_id: str, placed: Iterable[Placed]) -> tuple[int, Resources]:
+    gpus = 0
+    total = Resources()
+    for kernel, replica in placed:
+        if kernel.state in (STARTING, RUNNING) and replica.alive and replica.host_id == host_id:
+            gpus += kernel.resources.gpus
+            total = total + kernel.resources
+    return gpus, total
+
+
 class ClusterState:
     def __init__(self, *, replicas_per_kernel: int = 3) -> None:
-        self.hosts: dict[str, HostRecord] = {}
-        self.kernels: dict[str, KernelRecord] = {}
+        self._live_index = LiveIndex(self._indexed_view)
+        self.hosts: dict[str, HostRecord] = WatchedDict(on_change=self._host_slot_changed)
+        self.kernels: dict[str, KernelRecord] = WatchedDict(on_change=self._kernel_slot_changed)
         self.replicas_per_kernel = replicas_per_kernel
+
+    # ---- the placement index ----------------------------------------------------------------
+
+    def placement_index(self) -> PlacementIndex:
+        """Every host's view, indexed for placement; equal to ``PlacementIndex(host_views())``."""
+        return self._live_index.index()
+
+    def _host_slot_changed(self, old: HostRecord | None, new: HostRecord | None) -> None:
+        if old is not None and old is not new:
+            object.__setattr__(old, "_index", None)
+            self._live_index.touch(old.host_id)
+        if new is not None:
+            object.__setattr__(new, "_index", self._live_index)
+            self._live_index.touch(new.host_id)
+
+    def _kernel_slot_changed(self, old: KernelRecord | None, new: KernelRecord | None) -> None:
+        if old is not None and old is not new:
+            old.attach(None)
+        if new is not None:
+            new.attach(self._live_index)
+
+    def _indexed_view(self, host_id: str, placed: Iterable[Placed]) -> HostView | None:
+        host = self.hosts.get(host_id)
+        if host is None:
+            return None
+        return self._view(host, *_subscription(host_id, placed))
 
     # ---- hosts ------------------------------------------------------------------------------
 
@@ -128,36 +240,30 @@ class ClusterState:
         return [h for h in self.hosts.values() if h.alive and now - h.last_seen > timeout]
 
     def subscribed_on(self, host_id: str) -> tuple[int, Resources]:
-        """GPUs and resources subscribed by the live replicas of active kernels placed on a host."""
-        gpus = 0
-        total = Resources()
-        for kernel in self.kernels.values():
-            if kernel.state not in (STARTING, RUNNING):
-                continue
-            for replica in kernel.replicas.values():
-                if replica.host_id == host_id and replica.alive:
-                    gpus += kernel.resources.gpus
-                    total = total + kernel.resources
-        return gpus, total
+        """GPUs and resources subscribed by the live replicas of active kernels placed on a host
+        (O(replicas there): the live index keeps which replicas sit on which host)."""
+        return _subscription(host_id, self._live_index.placed_on(host_id))
 
     def host_views(self) -> list[HostView]:
+        """Every host's view, computed now (placement uses the incrementally kept ``placement_index``)."""
         views = []
         for host in self.hosts.values():
             gpus, subscribed = self.subscribed_on(host.host_id)
-            views.append(
-                HostView(
-                    host_id=host.host_id,
-                    gpus=host.gpus,
-                    committed_gpus=host.committed_gpus,
-                    subscribed_gpus=gpus,
-                    capacity=host.capacity,
-                    subscribed=subscribed,
-                    cordoned=host.cordoned,
-                    alive=host.alive,
-                    replicas_per_kernel=self.replicas_per_kernel,
-                )
-            )
+            views.append(self._view(host, gpus, subscribed))
         return views
+
+    def _view(self, host: HostRecord, subscribed_gpus: int, subscribed: Resources) -> HostView:
+        return HostView(
+            host_id=host.host_id,
+            gpus=host.gpus,
+            committed_gpus=host.committed_gpus,
+            subscribed_gpus=subscribed_gpus,
+            capacity=host.capacity,
+            subscribed=subscribed,
+            cordoned=host.cordoned,
+            alive=host.alive,
+            replicas_per_kernel=self.replicas_per_kernel,
+        )
 
     def ledger_views(self, host_ids: Iterable[str]) -> dict[str, HostLedgerView]:
         views = {}
@@ -212,6 +318,9 @@ class ClusterState:
             "reason": kernel.dead_reason,
             "last_executor": kernel.router.last_executor,
             "resources": kernel.resources.to_dict(),
+            "migrations": kernel.migrations,
+            "last_migration": kernel.last_migration,
+            "held_requests": len(kernel.held or ()),
             "replicas": [
                 {
                     "id": r.replica_id,
@@ -246,4 +355,5 @@ class ClusterState:
         return {
             "hosts": hosts,
             "kernels": [self.kernel_status(k) for k in self.kernels.values()],
+            "migrations": sum(k.migrations for k in self.kernels.values()),
         }

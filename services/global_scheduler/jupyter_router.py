@@ -207,13 +207,23 @@ class KernelRouter:
 
     # ---- failures ---------------------------------------------------------------------------
 
-    def on_replica_lost(self, replica_id: str, reason: str) -> tuple[list[Forward], list[str]]:
+    def on_replica_lost(
+        self, replica_id: str, reason: str, live: Sequence[str] = ()
+    ) -> tuple[list[Forward], list[str]]:
+        if live:
+            self.merger.widen_orphans(replica_id, set(live) - {replica_id})
         merged, failed = self.merger.replica_lost(replica_id)
         self._after(merged)
         forwards = list(merged.forwards)
         for f in failed:
             forwards += self.synthesize_failure(f, "ReplicaLost", reason)
         return forwards, merged.finished + [f.msg_id for f in failed]
+
+    def withdraw(self, msg_id: str) -> None:
+        """Forget a routed request that was not sent after all (held for a migration); routing
+        its frames again later opens it afresh. Nothing reaches the client."""
+        self.merger.fail(msg_id)
+        self._execute_ids.pop(msg_id, None)
 
     def fail_all(self, ename: str, reason: str) -> tuple[list[Forward], list[str]]:
         forwards: list[Forward] = []
@@ -260,8 +270,10 @@ class KernelRouter:
 
     def internal_request(self, msg_type: str, content: dict[str, Any]) -> Frames:
         """A request the scheduler itself sends (``kernel.interrupt``); no client awaits its
-        reply, and since the merger never opened its msg_id the replies are dropped."""
-        return self._message(msg_type, {}, content)
+        reply: the merger drops the replies."""
+        frames = self._message(msg_type, {}, content)
+        self.merger.ignore(json.loads(frames[1])["msg_id"])
+        return frames
 
     def _message(self, msg_type: str, parent: dict[str, Any], content: dict[str, Any]) -> Frames:
         header = {

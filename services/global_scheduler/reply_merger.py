@@ -87,6 +87,10 @@ class ReplyMerger:
         self._pending: dict[str, _Request] = {}  # insertion order = arrival order
         self._finished: OrderedDict[str, str | None] = OrderedDict()  # msg_id -> responder
         self.dropped = 0  # frames deliberately not forwarded (other replicas' copies, unknown parents)
+        # A restarted scheduler adopted this kernel: requests routed by its predecessor are unknown
+        # here, and their frames (only a designated executor or a one-replica target sends any)
+        # go to the client rather than being dropped, so a cell running across the restart ends.
+        self.forward_unknown = False
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -137,12 +141,13 @@ class ReplyMerger:
         req = self._pending.get(parent) if parent is not None else None
         if req is None:
             # Late output of a finished request (a thread still printing) flows from its responder.
-            if (
+            late_output = (
                 parent is not None
                 and inc.msg_type != "status"
                 and inc.channel == "iopub"
                 and self._finished.get(parent) == inc.replica_id
-            ):
+            )
+            if late_output or (self.forward_unknown and parent is not None and parent not in self._finished):
                 out.forwards.append((inc.channel, inc.frames))
             else:
                 self.dropped += 1
@@ -204,6 +209,19 @@ class ReplyMerger:
             elif req.responder is None:
                 self._decide_if_all_replied(req, out)
         return out, failed
+
+    def widen_orphans(self, lost: str, live: set[str]) -> None:
+        """The designated executor of undecided cells died: the quiet yielders are still in the
+        election and one of them may take the cell over (it then answers), so expect them."""
+        for req in self._pending.values():
+            if req.responder is None and req.targets == {lost} and _is_execute(req.context):
+                req.targets = set(live)
+
+    def ignore(self, msg_id: str) -> None:
+        """Replies to ``msg_id`` (a request no client awaits) are never forwarded."""
+        self._finished[msg_id] = None
+        if len(self._finished) > FINISHED_MEMORY:
+            self._finished.popitem(last=False)
 
     def fail(self, msg_id: str) -> Failed | None:
         req = self._pending.get(msg_id)

@@ -17,6 +17,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from services.global_scheduler.autoscaling import ClusterAutoscaler
 from services.global_scheduler.cluster_state import (
     DEAD,
     RUNNING,
@@ -28,12 +29,19 @@ from services.global_scheduler.cluster_state import (
     ReplicaRecord,
 )
 from services.global_scheduler.jupyter_router import KernelRouter
+from services.global_scheduler.metrics import PrometheusExporter, SchedulerMetrics, cluster_report
+from services.global_scheduler.migration import Migrator
 from services.global_scheduler.reply_merger import Forward
+from services.host_provider import NoHostProvider, make_host_provider
 from shared import messages
 from shared.config import Config
 from shared.envelope import Envelope
 from shared.policies.executor_choice import ExecutorChoice, choose_executor
-from shared.policies.placement import PlacementRequest, default_placement_policy
+from shared.policies.kernel_placement import KernelPlacement
+from shared.policies.placement import (
+    PlacementRequest,
+    default_placement_policy,  # noqa: F401  (test_simulator checks the live scheduler imports it)
+)
 from shared.resources import Resources
 from shared.rpc import OutboundRequests, RpcError, RpcServer, RpcTimeout
 
@@ -52,14 +60,29 @@ class GlobalScheduler:
         self._request_timeout = float(sched["request_timeout_s"])
         self._replica_start_timeout = float(sched["replica_start_timeout_s"])
         self._replicas_per_kernel = int(cfg.get("cluster.replicas_per_kernel"))
-        self._policy = default_placement_policy(float(sched["subscription_ratio_watermark"]))
+        # The same placement class NotebookOsPolicy runs in the simulator (dynamic SR limit, index).
+        watermark = float(sched["subscription_ratio_watermark"])
+        self.placement = KernelPlacement(watermark, self._replicas_per_kernel)
         kernel_defaults = cfg["kernel"]
         self._default_request = {k: kernel_defaults[k] for k in ("millicpus", "memory_mb", "gpus", "vram_gb")}
         self.state = ClusterState(replicas_per_kernel=self._replicas_per_kernel)
+        self.metrics = SchedulerMetrics(cells_kept=int(cfg.get("metrics.cells_kept")), clock=clock)
+        self.autoscaling = ClusterAutoscaler(cfg, self.state, NoHostProvider(), clock=clock)
+        self._exporter: PrometheusExporter | None = None
+        if sched["policy"] != "notebookos":
+            log.warning(
+                "baseline_policy_not_live",
+                policy=sched["policy"],
+                reason="the live scheduler runs notebookos; baselines run in the simulator",
+            )
         self._ctx = zmq.asyncio.Context()
         self._server = RpcServer(self._ctx, self._handle, name="global_scheduler")
         self._outbound = OutboundRequests(self._server)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._migrator = Migrator(self, cfg)
+        # replicas being restarted in place: their process exits, but that is no loss to replace
+        self._restarting: set[tuple[str, str]] = set()
+        self._started_at = clock()
         self._sync_handlers = {
             messages.JUPYTER_REQUEST: self._on_jupyter_request,
             messages.JUPYTER_REPLY: self._on_jupyter_reply,
@@ -75,6 +98,8 @@ class GlobalScheduler:
         self._async_handlers = {
             messages.KERNEL_START: self._on_kernel_start,
             messages.KERNEL_SHUTDOWN: self._on_kernel_shutdown,
+            messages.HOST_DRAIN: self._on_host_drain,
+            messages.REPLICA_RESTART: self._on_replica_restart,
         }
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -89,12 +114,23 @@ class GlobalScheduler:
     async def run(self, stop: asyncio.Event) -> None:
         self._server.start()
         monitor = asyncio.ensure_future(self._monitor())
+        self.autoscaling.attach_provider(
+            make_host_provider(
+                self._cfg, scheduler_address=self.address, on_exit=self.autoscaling.on_host_exited
+            )
+        )
+        autoscale = asyncio.ensure_future(self.autoscaling.run())
+        self._start_exporter()
         log.info("started", address=self.address)
         try:
             await stop.wait()
         finally:
             monitor.cancel()
-            await asyncio.gather(monitor, return_exceptions=True)
+            autoscale.cancel()
+            await asyncio.gather(monitor, autoscale, return_exceptions=True)
+            if self._exporter is not None:
+                self._exporter.stop()
+            await self.autoscaling.provider.close()
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -102,6 +138,27 @@ class GlobalScheduler:
             await self._server.close()
             self._ctx.destroy(linger=0)
             log.info("stopped")
+
+    def _start_exporter(self) -> None:
+        port = int(self._cfg.get("metrics.prometheus_port"))
+        if port == 0:
+            return
+        address = str(self._cfg.get("metrics.prometheus_address"))
+        exporter = PrometheusExporter(self._status, asyncio.get_running_loop(), self.metrics)
+        try:
+            exporter.start(address, port)
+        except OSError as exc:  # scheduling goes on without /metrics
+            log.error("metrics_unavailable", reason=f"cannot serve /metrics on {address}:{port}: {exc}")
+            self.metrics.on_cell_completed = None
+            return
+        self._exporter = exporter
+        log.info("metrics_listening", url=self.metrics_url)
+
+    @property
+    def metrics_url(self) -> str | None:
+        if self._exporter is None or not self._exporter.port:
+            return None
+        return f"http://{self._cfg.get('metrics.prometheus_address')}:{self._exporter.port}/metrics"
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -166,8 +223,14 @@ class GlobalScheduler:
             return None
         if kernel.state == STARTING:
             log.warning("request_before_kernel_started", kernel=kernel.kernel_id)
-        channel: str = body["channel"]
-        frames: list[bytes] = body["frames"]
+        self.route_from_gateway(kernel, body["channel"], body["frames"])
+        return None
+
+    def route_from_gateway(self, kernel: KernelRecord, channel: str, frames: list[bytes]) -> None:
+        """Route one client message of ``kernel`` (also what a held request is sent on through)."""
+        if kernel.held is not None and channel == "shell":  # behind a cell waiting for a migration
+            kernel.held.append(frames)
+            return None
         router = kernel.router
 
         def choose() -> ExecutorChoice:
@@ -178,33 +241,44 @@ class GlobalScheduler:
                 router.last_executor,
             )
 
+        arrived = self._clock() if channel == "shell" else 0.0
         live = kernel.live_replicas()
         routed = router.route_request(channel, frames, live=live, choose=choose, single=self._single(kernel))
         if routed.problem is not None:
             log.warning("request_dropped", kernel=kernel.kernel_id, channel=channel, reason=routed.problem)
             return None
+        if routed.msg_type == "execute_request" and routed.to_replicas:
+            self.metrics.cell_submitted(
+                kernel.kernel_id, routed.msg_id, arrived, routed.executor, kernel.resources.gpus > 0
+            )
+        if (
+            routed.executor is None
+            and routed.to_replicas
+            and routed.msg_type == "execute_request"
+            and self._migrator.hold(kernel, routed.msg_id, frames)
+        ):
+            return None  # no replica can run it now: migration (services/global_scheduler/migration.py)
         if routed.to_client:
             self._to_gateway(kernel, routed.to_client)
         if routed.executor is not None:
             self.state.reserve(kernel, routed.msg_id, kernel.replicas[routed.executor].host_id)
+        if kernel.held is not None and routed.msg_type == "interrupt_request":
+            self._migrator.interrupt(kernel)
         if routed.msg_type == "shutdown_request" and kernel.state in (STARTING, RUNNING):
             kernel.state = STOPPING
             log.info("kernel_stopping", kernel=kernel.kernel_id, by="shutdown_request")
         kernel_id = kernel.kernel_id
         send = self._server.send
         for replica_id, out_channel, out_frames in routed.to_replicas:
-            send(
-                kernel.replicas[replica_id].host_id.encode(),
-                Envelope(
-                    messages.JUPYTER_REQUEST,
-                    {
-                        "kernel_id": kernel_id,
-                        "replica_id": replica_id,
-                        "channel": out_channel,
-                        "frames": out_frames,
-                    },
-                ),
-            )
+            body = {
+                "kernel_id": kernel_id,
+                "replica_id": replica_id,
+                "channel": out_channel,
+                "frames": out_frames,
+            }
+            if replica_id == routed.executor:
+                body["designated"] = True  # its local scheduler binds the GPUs as it forwards
+            send(kernel.replicas[replica_id].host_id.encode(), Envelope(messages.JUPYTER_REQUEST, body))
         return None
 
     def _single(self, kernel: KernelRecord) -> str | None:
@@ -245,6 +319,8 @@ class GlobalScheduler:
     def _release(self, kernel: KernelRecord, msg_ids: list[str]) -> None:
         for msg_id in msg_ids:
             self.state.release(kernel, msg_id)
+        if msg_ids:
+            self.metrics.requests_finished(kernel.kernel_id, msg_ids)
 
     # ---- replica events ---------------------------------------------------------------------
 
@@ -262,12 +338,14 @@ class GlobalScheduler:
         if event == "elected" and msg_id:
             gpus = detail.get("gpus") or []
             self.state.committed_by_election(kernel, msg_id, replica.host_id, len(gpus))
+            self.metrics.cell_elected(kernel.kernel_id, msg_id, replica.replica_id, replica.host_id)
             merged = kernel.router.on_elected(replica.replica_id, msg_id)
             blog.debug("elected", msg_id=msg_id, gpus=gpus)
             self._to_gateway(kernel, merged.forwards)
             self._release(kernel, merged.finished)
         elif event == "election_failed" and msg_id:
             blog.warning("election_failed", msg_id=msg_id)
+            self.metrics.cell_not_committed(kernel.kernel_id, msg_id)
             self.state.release(kernel, msg_id)
             merged = kernel.router.on_election_failed(msg_id)
             self._to_gateway(kernel, merged.forwards)
@@ -294,7 +372,7 @@ class GlobalScheduler:
     def _replica_lost(self, kernel: KernelRecord, replica: ReplicaRecord, reason: str) -> None:
         replica.alive = False
         replica.role = None
-        forwards, done = kernel.router.on_replica_lost(replica.replica_id, reason)
+        forwards, done = kernel.router.on_replica_lost(replica.replica_id, reason, kernel.live_replicas())
         self._to_gateway(kernel, forwards)
         self._release(kernel, done)
         live = kernel.live_replicas()
@@ -302,6 +380,8 @@ class GlobalScheduler:
             self._mark_stopped(kernel)
         elif kernel.state == RUNNING and len(live) < 2:
             self._mark_dead(kernel, f"{len(live)} of {len(kernel.replicas)} replicas alive: {reason}")
+        elif kernel.state == RUNNING and (kernel.kernel_id, replica.replica_id) not in self._restarting:
+            self._migrator.on_replica_lost(kernel, replica, reason)
 
     def _mark_stopped(self, kernel: KernelRecord) -> None:
         kernel.state = STOPPED
@@ -343,6 +423,7 @@ class GlobalScheduler:
             host_id, capacity, body["gpu_kind"], body.get("address", ""), self._clock()
         )
         self._reconcile_host(host_id, body.get("replicas") or [])
+        self.autoscaling.on_host_registered(host_id)
         log.info(
             "host_registered",
             host=host_id,
@@ -365,6 +446,9 @@ class GlobalScheduler:
                 kernel = self._adopt_kernel(item)
                 if kernel is None:
                     continue
+            if self._migrator.retired(kernel_id, replica_id):  # moved away while its host was unreachable
+                self._spawn(self._stop_replica(kernel, ReplicaRecord(replica_id, host_id, alive=False)))
+                continue
             if kernel.state in (STOPPED, DEAD, STOPPING):
                 replica = kernel.replicas.get(replica_id) or ReplicaRecord(replica_id, host_id)
                 kernel.replicas.setdefault(replica_id, replica)
@@ -396,6 +480,7 @@ class GlobalScheduler:
             kernel_id, key, scheme, resources, KernelRouter(kernel_id, key.encode(), scheme)
         )
         kernel.state = RUNNING
+        kernel.router.merger.forward_unknown = True  # cells its predecessor routed still answer
         self.state.kernels[kernel_id] = kernel
         log.info("kernel_adopted", kernel=kernel_id)
         return kernel
@@ -404,6 +489,8 @@ class GlobalScheduler:
         host = self.state.heartbeat(env.body["host_id"], env.body.get("committed"), self._clock())
         if host is None:
             return env.error("unknown host: register first", code="unknown_host")
+        if "pool" in env.body:
+            self.metrics.record_pool(host.host_id, env.body["pool"])
         return env.reply({"cordoned": host.cordoned})
 
     def _on_cordon(self, identity: bytes, env: Envelope) -> Envelope:
@@ -414,14 +501,35 @@ class GlobalScheduler:
         log.info("host_cordoned" if host.cordoned else "host_uncordoned", host=host.host_id)
         return env.reply({"host_id": host.host_id, "cordoned": host.cordoned})
 
+    async def _on_host_drain(self, identity: bytes, env: Envelope) -> Envelope:
+        """Cordon the host, then move every replica off it (migration.py); answers when done."""
+        host = self.state.hosts.get(env.body["host_id"])
+        if host is None:
+            return env.error(f"unknown host {env.body['host_id']!r}", code="not_found")
+        host.cordoned = True
+        log.info("host_draining", host=host.host_id)
+        outcome = await self._migrator.drain(host.host_id)
+        log.info("host_drained", **outcome)
+        return env.reply(outcome)
+
     def _on_cluster_status(self, identity: bytes, env: Envelope) -> Envelope:
-        return env.reply(self.state.cluster_status())
+        return env.reply(self._status())
+
+    def _status(self) -> dict[str, Any]:
+        """``cluster.status``: the cluster state plus autoscaling, warm pools and metrics."""
+        report = cluster_report(self.state, self.autoscaling, self.metrics, self.metrics_url)
+        report["policy"] = self._cfg.get("scheduler.policy")  # the live scheduler runs notebookos
+        return report
 
     # ---- kernels ----------------------------------------------------------------------------
 
     def _on_kernel_status(self, identity: bytes, env: Envelope) -> Envelope:
         kernel = self.state.kernels.get(env.body["kernel_id"])
         if kernel is None:
+            if self._clock() - self._started_at < self._heartbeat_timeout * 2:
+                # A restarted scheduler learns its kernels from the hosts' registrations: until
+                # they all had time to register again, unknown does not mean gone.
+                return env.error("the scheduler restarted and is rebuilding its view", code="rebuilding")
             return env.error(f"unknown kernel {env.body['kernel_id']!r}", code="not_found")
         return env.reply(self.state.kernel_status(kernel))
 
@@ -430,6 +538,7 @@ class GlobalScheduler:
         kernel = self.state.kernels.get(env.body["kernel_id"])
         if kernel is None:
             return env.error(f"unknown kernel {env.body['kernel_id']!r}", code="not_found")
+        self._migrator.interrupt(kernel)  # a cell held for a migration ends here
         live = kernel.live_replicas()
         executor = kernel.router.current_executor()
         targets = [executor] if executor in live else live
@@ -464,14 +573,21 @@ class GlobalScheduler:
                 return env.reply(self.state.kernel_status(existing))  # a retried start
             if existing.state in (STARTING, RUNNING, STOPPING):
                 raise RpcError(f"kernel {kernel_id} is {existing.state}", "conflict")
-        decision = self._policy.place(
-            PlacementRequest(kernel_id, resources, self._replicas_per_kernel), self.state.host_views()
+        decision, scaling = await self.autoscaling.place(
+            self.placement,
+            PlacementRequest(kernel_id, resources, self._replicas_per_kernel),
+            self.state.placement_index,
         )
         if not decision.ok:
-            klog.warning("placement_failed", reasons=decision.explain())
+            klog.warning("placement_failed", reasons=decision.explain(), autoscaler=scaling)
             raise RpcError(
-                f"cannot place {self._replicas_per_kernel} replicas: {decision.explain()}", "no_capacity"
+                f"cannot place {self._replicas_per_kernel} replicas: {decision.explain()}"
+                + (f" (autoscaler: {scaling})" if scaling else ""),
+                "no_capacity",
             )
+        existing = self.state.kernels.get(kernel_id)
+        if existing is not None and existing.state in (STARTING, RUNNING, STOPPING):
+            raise RpcError(f"kernel {kernel_id} is {existing.state}", "conflict")  # started while we waited
         scheme = str(body.get("signature_scheme") or "hmac-sha256")
         key: str = body["key"]
         kernel = KernelRecord(
@@ -523,6 +639,8 @@ class GlobalScheduler:
             Envelope(messages.REPLICA_START, body),
             timeout=self._replica_start_timeout + 5.0,
         )
+        if isinstance(answer.body.get("start_s"), int | float):
+            self.metrics.record_replica_start(bool(answer.body.get("warm")), float(answer.body["start_s"]))
         replica.pid = answer.body.get("pid")
         replica.raft_address = str(answer.body.get("raft_address", ""))
         replica.started = True
@@ -558,9 +676,73 @@ class GlobalScheduler:
             )
         replica.alive = False
 
+    async def _on_replica_restart(self, identity: bytes, env: Envelope) -> Envelope:
+        """``tandem replica restart K R``: the replica's host restarts the same replica on its Raft
+        storage (the process is stopped first if it still runs), then it is configured with its
+        peers and takes cells again once it has rebuilt its namespace. Restart in place only;
+        replacing a lost replica by a new member is a membership change."""
+        body = env.body
+        kernel = self.state.kernels.get(body["kernel_id"])
+        if kernel is None:
+            raise RpcError(f"unknown kernel {body['kernel_id']!r}", "not_found")
+        replica = kernel.replicas.get(body["replica_id"])
+        if replica is None:
+            raise RpcError(
+                f"kernel {kernel.kernel_id} has no replica {body['replica_id']!r} "
+                f"(it has {', '.join(sorted(kernel.replicas))})",
+                "not_found",
+            )
+        if kernel.state != RUNNING:
+            raise RpcError(f"kernel {kernel.kernel_id} is {kernel.state}, not running", "conflict")
+        host = self.state.hosts.get(replica.host_id)
+        if host is None or not host.alive:
+            raise RpcError(
+                f"host {replica.host_id} of replica {replica.replica_id} is not alive", "unavailable"
+            )
+        if replica.alive and len(kernel.live_replicas()) - 1 < 2:
+            raise RpcError(
+                f"restarting {replica.replica_id} now would leave kernel {kernel.kernel_id} without a "
+                f"Raft quorum (live: {', '.join(kernel.live_replicas())}); restart the dead replicas first",
+                "conflict",
+            )
+        rlog = log.bind(kernel=kernel.kernel_id, replica=replica.replica_id, host=replica.host_id)
+        rlog.info("replica_restarting")
+        key = (kernel.kernel_id, replica.replica_id)
+        if key in self._restarting:
+            raise RpcError(
+                f"replica {replica.replica_id} of {kernel.kernel_id} is already restarting", "conflict"
+            )
+        self._restarting.add(key)
+        try:
+            answer = await self._outbound.request(
+                host.identity,
+                Envelope(
+                    messages.REPLICA_RESTART,
+                    {
+                        "kernel_id": kernel.kernel_id,
+                        "replica_id": replica.replica_id,
+                        "key": kernel.key,
+                        "signature_scheme": kernel.signature_scheme,
+                        "resources": kernel.resources.to_dict(),
+                    },
+                ),
+                timeout=self._replica_start_timeout + STOP_TIMEOUT_S,
+            )
+            replica.pid = answer.body.get("pid")
+            replica.raft_address = str(answer.body.get("raft_address") or replica.raft_address)
+            peers = {r.replica_id: r.raft_address for r in kernel.replicas.values() if r.raft_address}
+            await self._configure_replica(kernel, replica, peers)
+        finally:
+            self._restarting.discard(key)
+        if kernel.state == RUNNING and kernel.replicas.get(replica.replica_id) is replica:
+            replica.alive, replica.role, replica.started = True, None, True
+        rlog.info("replica_restarted", pid=replica.pid)
+        return env.reply(self.state.kernel_status(kernel))
+
     async def _on_kernel_shutdown(self, identity: bytes, env: Envelope) -> Envelope:
         kernel = self.state.kernels.get(env.body["kernel_id"])
         if kernel is None:
+            self.autoscaling.abandon(env.body["kernel_id"])  # a start waiting for new hosts gives up
             return env.reply({"state": STOPPED})  # nothing to stop: shutdown is idempotent
         if kernel.state in (STARTING, RUNNING):
             kernel.state = STOPPING

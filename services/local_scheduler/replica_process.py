@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import zmq
@@ -25,6 +25,9 @@ import zmq.asyncio
 from jupyter_core.paths import secure_write
 
 from shared.jupyter_wire import DELIMITER
+
+if TYPE_CHECKING:
+    from services.local_scheduler.warm_pool import WarmRuntime
 
 FrameSink = Callable[[str, list[bytes]], None]  # (channel, [sig, header, parent, metadata, content, ...])
 
@@ -64,6 +67,9 @@ class ReplicaProcess:
         self.registered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.stopping = False
         self.returncode: int | None = None
+        # A restart in place (replica.restart): the same member of its Raft group, so its data dir
+        # (Raft log, snapshots, Raft address) is kept rather than wiped as for a fresh replica.
+        self.keep_data = False
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
         self._readers: list[asyncio.Task[None]] = []
         self._watcher: asyncio.Task[None] | None = None
@@ -100,16 +106,67 @@ class ReplicaProcess:
         join: bool,
         on_exit: Callable[[ReplicaProcess], None],
     ) -> None:
-        if not join and self.data_dir.exists():
+        self._prepare(join)
+        args = self._replica_args(local_scheduler, config_json, join)
+        argv = [python or sys.executable, "-m", "kernel_replica", *args]
+        if SETPRIV is not None:
+            # Linux: if this local scheduler is SIGKILLed, its replicas get SIGTERM instead of
+            # living on unmanaged (setpriv execs, so the pid stays the replica's).
+            argv = [SETPRIV, "--pdeathsig", "TERM", *argv]
+        env = dict(os.environ)
+        repo_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
+        env.update(self._replica_env())
+        with open(self.log_file, "ab") as out:
+            self.process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
+        self.log.info("replica_spawned", pid=self.process.pid)
+        self._watcher = asyncio.ensure_future(self._watch(on_exit))
+
+    async def adopt(
+        self,
+        runtime: WarmRuntime,
+        *,
+        local_scheduler: str,
+        config_json: str,
+        join: bool,
+        on_exit: Callable[[ReplicaProcess], None],
+    ) -> None:
+        """Become a pre-warmed runtime of this host's pool (services/local_scheduler/warm_pool.py):
+        the same launch arguments a cold spawn gets, handed to a process that already imported them."""
+        self._prepare(join)
+        await runtime.assign(
+            argv=self._replica_args(local_scheduler, config_json, join),
+            env=self._replica_env(),
+            log_file=self.log_file,
+        )
+        self.process = runtime.process
+        self.log.info("replica_adopted_warm_runtime", pid=self.process.pid)
+        self._watcher = asyncio.ensure_future(self._watch(on_exit))
+
+    def _prepare(self, join: bool) -> None:
+        if not join and not self.keep_data and self.data_dir.exists():
             # A fresh replica (a new kernel, or a restart under the same kernel id) must not
             # recover the Raft log of a previous incarnation that happened to use this path.
             shutil.rmtree(self.data_dir, ignore_errors=True)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._write_connection_file()
+
+    def _replica_env(self) -> dict[str, str]:
+        return {
+            "TANDEM_HOST_ID": self.host_id,
+            "TANDEM_KERNEL_GPUS": str(int(self.resources.get("gpus", 0))),  # what it asks gpu.commit for
+        }
+
+    def _replica_args(self, local_scheduler: str, config_json: str, join: bool) -> list[str]:
+        """``python -m kernel_replica`` arguments (docs/protocol.md, kernel start step 3)."""
         argv = [
-            python or sys.executable,
-            "-m",
-            "kernel_replica",
             "--kernel-id",
             self.kernel_id,
             "--replica-id",
@@ -125,26 +182,7 @@ class ReplicaProcess:
         ]
         if join:
             argv.append("--join")
-        if SETPRIV is not None:
-            # Linux: if this local scheduler is SIGKILLed, its replicas get SIGTERM instead of
-            # living on unmanaged (setpriv execs, so the pid stays the replica's).
-            argv = [SETPRIV, "--pdeathsig", "TERM", *argv]
-        env = dict(os.environ)
-        repo_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
-        env["TANDEM_HOST_ID"] = self.host_id
-        env["TANDEM_KERNEL_GPUS"] = str(int(self.resources.get("gpus", 0)))  # what it asks gpu.commit for
-        with open(self.log_file, "ab") as out:
-            self.process = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=out,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-                env=env,
-            )
-        self.log.info("replica_spawned", pid=self.process.pid)
-        self._watcher = asyncio.ensure_future(self._watch(on_exit))
+        return argv
 
     def _write_connection_file(self) -> None:
         """The replica's connection file with every port 0: the replica binds each socket to a port
@@ -178,6 +216,11 @@ class ReplicaProcess:
             )
         self.close_sockets()
         on_exit(self)
+
+    async def wait_exit(self) -> None:
+        """Until the exit watcher has run (the exit is reported and the sockets are closed)."""
+        if self._watcher is not None:
+            await asyncio.shield(self._watcher)
 
     def log_tail(self) -> str:
         try:

@@ -10,6 +10,9 @@ read from a replica is sent upstream in the same callback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import time
 from typing import Any
 
 import structlog
@@ -19,6 +22,7 @@ import zmq.asyncio
 from services.local_scheduler.gpu_ledger import GpuLedger, LedgerError
 from services.local_scheduler.gpus import GpuInventory, detect_gpus
 from services.local_scheduler.replica_process import ReplicaProcess
+from services.local_scheduler.warm_pool import WarmPool
 from shared import messages
 from shared.config import Config
 from shared.envelope import Envelope
@@ -66,6 +70,9 @@ class LocalScheduler:
         self._outbound = OutboundRequests(self._server)
         self._registered = asyncio.Event()
         self._data_root = cfg.state_dir() / "hosts" / host_id
+        self.warm_pool = WarmPool(
+            cfg, host_id=host_id, directory=self._data_root / "warm", idle_gpus=lambda: self.ledger.free_count
+        )
 
     @property
     def address(self) -> str:
@@ -89,13 +96,15 @@ class LocalScheduler:
         self._server.start()
         self._upstream.connect(self.scheduler_address)
         heartbeat = asyncio.ensure_future(self._heartbeat_loop())
+        prewarm = asyncio.ensure_future(self.warm_pool.run())
         self.log.info("started", address=self.address, scheduler=self.scheduler_address, gpus=self.gpus.count)
         try:
             await stop.wait()
         finally:
             heartbeat.cancel()
-            await asyncio.gather(heartbeat, return_exceptions=True)
-            await self.stop_all_replicas()
+            prewarm.cancel()
+            await asyncio.gather(heartbeat, prewarm, return_exceptions=True)
+            await asyncio.gather(self.stop_all_replicas(), self.warm_pool.close())
             for replica in list(self.replicas.values()):
                 # a replica whose exit watcher has not run yet (or that outlived SIGKILL) still
                 # has its client sockets open; term() would wait for them forever
@@ -136,7 +145,11 @@ class LocalScheduler:
                     await self._upstream.request(
                         Envelope(
                             messages.HOST_HEARTBEAT,
-                            {"host_id": self.host_id, "committed": self.ledger.snapshot()},
+                            {
+                                "host_id": self.host_id,
+                                "committed": self.ledger.snapshot(),
+                                **({"pool": self.warm_pool.report()} if self.warm_pool.enabled else {}),
+                            },
                         ),
                         timeout=max(self._heartbeat_interval * 2, 1.0),
                     )
@@ -157,17 +170,22 @@ class LocalScheduler:
         if env.type == messages.JUPYTER_REQUEST:  # hot path: synchronous, no task
             body = env.body
             replica = self.replicas.get((body["kernel_id"], body.get("replica_id", "")))
-            if replica is None or not replica.send(body["channel"], body["frames"]):
+            frames = body["frames"]
+            if replica is not None and len(frames) > 1 and b'"execute_request"' in frames[1]:
+                self._bind_ahead(replica, frames[1], designated=body.get("designated") is True)
+            if replica is None or not replica.send(body["channel"], frames):
                 self.log.warning(
                     "request_for_absent_replica", kernel=body["kernel_id"], replica=body.get("replica_id")
                 )
             return None
         if env.type == messages.REPLICA_START:
             return self._replica_start(env)
-        if env.type == messages.REPLICA_CONFIGURE:
+        if env.type in (messages.REPLICA_CONFIGURE, messages.REPLICA_MEMBERSHIP):
             return self._replica_configure(env)
         if env.type == messages.REPLICA_STOP:
             return self._replica_stop(env)
+        if env.type == messages.REPLICA_RESTART:
+            return self._replica_restart(env)
         return env.error(f"a local scheduler does not handle {env.type!r}", code="unsupported")
 
     async def _replica_start(self, env: Envelope) -> Envelope:
@@ -177,26 +195,28 @@ class LocalScheduler:
         if existing is not None and existing.running:
             await asyncio.wait_for(asyncio.shield(existing.registered), self._start_timeout)
             return env.reply({"pid": existing.pid, "raft_address": existing.raft_address})
+        started = time.monotonic()
+        warm = False
         for attempt in range(1, START_ATTEMPTS + 1):
-            replica = ReplicaProcess(
-                host_id=self.host_id,
-                kernel_id=key[0],
-                replica_id=key[1],
-                key=body["key"],
-                signature_scheme=str(body.get("signature_scheme") or "hmac-sha256"),
-                resources=dict(body["resources"]),
-                data_dir=self._data_root / key[0] / key[1],
-                ip=str(self.cfg.get("cluster.ip")),
-            )
+            replica = self._new_replica(key, body)
             self.replicas[key] = replica
             try:
-                await replica.spawn(
-                    python=str(self.cfg.get("kernel.python")),
-                    local_scheduler=self.address,
-                    config_json=self.cfg.to_json(),
-                    join=bool(body.get("join", False)),
-                    on_exit=self._on_replica_exit,
-                )
+                runtime = self.warm_pool.take()  # a pre-warmed process when the pool has one
+                warm = runtime is not None
+                launch: dict[str, Any] = {
+                    "local_scheduler": self.address,
+                    "config_json": self.cfg.to_json(),
+                    "join": bool(body.get("join", False)),
+                    "on_exit": self._on_replica_exit,
+                }
+                if runtime is not None:
+                    try:
+                        await replica.adopt(runtime, **launch)
+                    except (BrokenPipeError, ConnectionResetError):  # it died as we handed it over
+                        replica.log.warning("warm_runtime_lost", pid=runtime.pid)
+                        runtime, warm = None, False
+                if runtime is None:
+                    await replica.spawn(python=str(self.cfg.get("kernel.python")), **launch)
                 await asyncio.wait_for(asyncio.shield(replica.registered), self._start_timeout)
                 replica.connect(self._ctx, self._sink_for(replica))
                 break
@@ -215,8 +235,17 @@ class LocalScheduler:
                     f"{reason}{' | log: ' + tail[-800:] if tail and tail not in reason else ''}",
                     "start_failed",
                 ) from None
-        replica.log.info("replica_started", pid=replica.pid, raft_address=replica.raft_address)
-        return env.reply({"pid": replica.pid, "raft_address": replica.raft_address})
+        seconds = time.monotonic() - started
+        replica.log.info(
+            "replica_started",
+            pid=replica.pid,
+            raft_address=replica.raft_address,
+            warm=warm,
+            seconds=round(seconds, 3),
+        )
+        return env.reply(
+            {"pid": replica.pid, "raft_address": replica.raft_address, "warm": warm, "start_s": seconds}
+        )
 
     def _sink_for(self, replica: ReplicaProcess) -> Any:
         """Forwarding closure: one envelope per Jupyter message, sent upstream immediately."""
@@ -243,7 +272,7 @@ class LocalScheduler:
             )
         answer = await self._outbound.request(
             replica.identity,
-            Envelope(messages.REPLICA_CONFIGURE, dict(body)),
+            Envelope(env.type, dict(body)),  # replica.configure or replica.membership
             timeout=REPLICA_REQUEST_TIMEOUT_S,
         )
         return env.reply(answer.body)
@@ -254,6 +283,64 @@ class LocalScheduler:
             return env.reply({"returncode": None})
         returncode = await self._stop(replica)
         return env.reply({"returncode": returncode})
+
+    def _new_replica(self, key: ReplicaKey, body: dict[str, Any]) -> ReplicaProcess:
+        """The process record for a start or a restart: the same data dir for the same replica."""
+        return ReplicaProcess(
+            host_id=self.host_id,
+            kernel_id=key[0],
+            replica_id=key[1],
+            key=body["key"],
+            signature_scheme=str(body.get("signature_scheme") or "hmac-sha256"),
+            resources=dict(body["resources"]),
+            data_dir=self._data_root / key[0] / key[1],
+            ip=str(self.cfg.get("cluster.ip")),
+        )
+
+    async def _replica_restart(self, env: Envelope) -> Envelope:
+        """Restart one replica in place (after a crash, or to replace its process): stop it if it
+        still runs, then start the same replica id on the same data dir. It comes back as the
+        same Raft member (log, snapshots and address kept) and rebuilds its namespace from its
+        snapshot, the log tail and the data store before it may execute; the global scheduler
+        then sends ``replica.configure`` with the peers. Not a replacement by a new member."""
+        body = env.body
+        key: ReplicaKey = (body["kernel_id"], body["replica_id"])
+        if "key" not in body or "resources" not in body:
+            raise RpcError(
+                "replica.restart to a local scheduler needs the kernel's key and resources", "bad_request"
+            )
+        old = self.replicas.get(key)
+        if old is not None:
+            await self._stop(old)
+            await old.wait_exit()  # its ``exited`` event goes upstream before this reply
+        replica = self._new_replica(key, body)
+        if not (replica.data_dir / "raft").is_dir():
+            raise RpcError(
+                f"replica {key[0]}/{key[1]} has no Raft storage on host {self.host_id} to restart from",
+                "not_found",
+            )
+        replica.keep_data = True
+        self.replicas[key] = replica
+        try:
+            await replica.spawn(
+                python=str(self.cfg.get("kernel.python")),
+                local_scheduler=self.address,
+                config_json=self.cfg.to_json(),
+                join=False,
+                on_exit=self._on_replica_exit,
+            )
+            await asyncio.wait_for(asyncio.shield(replica.registered), self._start_timeout)
+            replica.connect(self._ctx, self._sink_for(replica))
+        except BaseException as exc:
+            reason = str(exc) or f"no replica.register within {self._start_timeout:g}s"
+            await self._stop(replica)
+            self.replicas.pop(key, None)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            replica.log.error("replica_restart_failed", reason=reason)
+            raise RpcError(f"{reason} | log: {replica.log_tail()[-800:]}", "start_failed") from None
+        replica.log.info("replica_restarted", pid=replica.pid, raft_address=replica.raft_address)
+        return env.reply({"pid": replica.pid, "raft_address": replica.raft_address})
 
     async def _stop(self, replica: ReplicaProcess) -> int | None:
         def ask() -> None:
@@ -333,18 +420,62 @@ class LocalScheduler:
         return env.reply({"host_id": self.host_id})
 
     def _gpu_commit(self, env: Envelope) -> Envelope:
-        """Bind device ids; tell the global scheduler who was elected BEFORE the replica hears back,
-        so the scheduler knows the executor before any of its output arrives (same upstream link)."""
         body = env.body
-        kernel_id, replica_id, msg_id = body["kernel_id"], body["replica_id"], body["msg_id"]
         try:
-            commit = self.ledger.commit(kernel_id, replica_id, msg_id, body["gpus"])
+            device_ids = self._bind(body["kernel_id"], body["replica_id"], body["msg_id"], body["gpus"])
+        except LedgerError as exc:
+            return env.error(str(exc), code="no_gpus")
+        return env.reply({"device_ids": device_ids})
+
+    def _bind_ahead(self, replica: ReplicaProcess, header: bytes, *, designated: bool) -> None:
+        """The scheduler designated this replica to execute: bind its GPUs now and push them to it
+        ahead of the request, so it needs no gpu.commit round trip (that request stays the
+        authority: it is idempotent, and covers a push that arrives late or bound nothing)."""
+        try:
+            parsed = json.loads(header)
+            msg_id = parsed["msg_id"]
+            if parsed.get("msg_type") != "execute_request" or not isinstance(msg_id, str):
+                return
+        except (ValueError, KeyError, TypeError):
+            return  # the replica's ipykernel reports the malformed message
+        if replica.identity is None:
+            return
+        body: dict[str, Any] = {
+            "kernel_id": replica.kernel_id,
+            "replica_id": replica.replica_id,
+            "msg_id": msg_id,
+            "designated": designated,
+        }
+        # A refusal is usually the previous cell's release still on its way (the global scheduler
+        # saw that cell's reply first): the replica then asks with gpu.commit, which retries.
+        with contextlib.suppress(LedgerError):
+            body["device_ids"] = self._bind(
+                replica.kernel_id,
+                replica.replica_id,
+                msg_id,
+                int(replica.resources.get("gpus", 0)),
+                announce=False,
+            )
+        self._server.send(replica.identity, Envelope(messages.GPU_BOUND, body))
+
+    def _bind(
+        self, kernel_id: str, replica_id: str, msg_id: str, gpus: int, *, announce: bool = True
+    ) -> list[int]:
+        """Bind device ids (idempotent per cell). Announcing tells the global scheduler who was
+        elected BEFORE the replica hears back, so it knows the executor before any of its output
+        arrives (same upstream link). A binding ahead of the request is not announced: the
+        replica announces it when it starts the cell, so a replica that never does (stopped,
+        dead) still lets the scheduler's deadline fail the request."""
+        try:
+            commit = self.ledger.commit(kernel_id, replica_id, msg_id, gpus)
         except LedgerError as exc:
             self.log.warning(
                 "gpu_commit_refused", kernel=kernel_id, replica=replica_id, msg_id=msg_id, reason=str(exc)
             )
-            return env.error(str(exc), code="no_gpus")
+            raise
         device_ids = list(commit.device_ids)
+        if not announce:
+            return device_ids
         self._upstream.send(
             Envelope(
                 messages.REPLICA_EVENT,
@@ -357,4 +488,4 @@ class LocalScheduler:
                 },
             )
         )
-        return env.reply({"device_ids": device_ids})
+        return device_ids

@@ -58,17 +58,29 @@ def _replicas(cluster: ClusterHandle, kernel_id: str) -> dict[int, dict[str, Any
     status = cluster.cli("status", "--json")
     assert status.returncode == 0, status.stderr
     kernel = next(k for k in json.loads(status.stdout)["kernels"] if k["id"] == kernel_id)
-    return {int(r["pid"]): r for r in kernel["replicas"]}
+    return {int(r["pid"]): r for r in kernel["replicas"] if r["pid"] is not None}  # None: starting
 
 
 def _wait_until_scheduler_sees_exit(cluster: ClusterHandle, kernel_id: str, pid: int) -> None:
     deadline = time.monotonic() + 10
-    while _replicas(cluster, kernel_id)[pid]["alive"]:
+    while _replicas(cluster, kernel_id).get(pid, {"alive": False})["alive"]:  # gone: replaced
         assert time.monotonic() < deadline, f"the scheduler did not notice replica {pid} exiting"
         time.sleep(0.05)
 
 
-def test_one_replica_lost_cells_still_run_two_lost_fails_fast(tandem_cluster: ClusterHandle) -> None:
+def _wait_for_live_replicas(cluster: ClusterHandle, kernel_id: str, count: int) -> dict[int, dict[str, Any]]:
+    deadline = time.monotonic() + 60
+    while True:
+        replicas = {pid: r for pid, r in _replicas(cluster, kernel_id).items() if r["alive"]}
+        if len(replicas) == count:
+            return replicas
+        assert time.monotonic() < deadline, f"expected {count} live replicas, have {replicas}"
+        time.sleep(0.2)
+
+
+def test_one_replica_lost_cells_still_run_and_it_is_replaced_two_lost_fails_fast(
+    tandem_cluster: ClusterHandle,
+) -> None:
     with tandem_kernel() as (km, kc):
         assert run(kc, "y = 1").status == "ok"
         pids = tandem_cluster.replica_pids(km.kernel_id)
@@ -77,13 +89,19 @@ def test_one_replica_lost_cells_still_run_two_lost_fails_fast(tandem_cluster: Cl
         standby = next(p for p in pids if p != executor)
         os.kill(standby, signal.SIGKILL)
         # The loss itself is what this test is about; a cell racing the scheduler's notice of the
-        # exit is test_cell_sent_right_after_a_replica_dies_still_runs (a known bug).
+        # exit is test_cell_sent_right_after_a_replica_dies_still_runs.
         _wait_until_scheduler_sees_exit(tandem_cluster, km.kernel_id, standby)
         for _ in range(3):
             cell = run(kc, "y += 1")
             assert cell.status == "ok", cell.reply["content"]
-        survivors = [p for p in tandem_cluster.replica_pids(km.kernel_id) if p != standby]
-        os.kill(survivors[0], signal.SIGKILL)
+        # The scheduler replaces the dead replica on another host; the newcomer has the state.
+        replicas = _wait_for_live_replicas(tandem_cluster, km.kernel_id, 3)
+        assert standby not in replicas
+        assert run(kc, "print(y)").stdout.strip() == "4"
+        # Two of three lost at once: no quorum, and nothing to replace them through.
+        survivors = list(replicas)
+        for pid in survivors[:2]:
+            os.kill(pid, signal.SIGKILL)
         started = time.monotonic()
         failed = run(kc, "y += 1", timeout=15)
         assert time.monotonic() - started < 10
@@ -104,15 +122,6 @@ def test_one_replica_lost_cells_still_run_two_lost_fails_fast(tandem_cluster: Cl
         assert fresh.status == "ok" and fresh.stdout.strip() == "False"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "known bug (global scheduler / kernel replica): a cell that reaches the scheduler before "
-        "it learns that a replica died can be designated to the dead replica; the live replicas "
-        "get yield_request, wait election_wait_s (5 s) for the silent voter, yield for it, and the "
-        "election fails with NoExecutorAvailable. Remove this marker with the fix."
-    ),
-)
 def test_cell_sent_right_after_a_replica_dies_still_runs(tandem_cluster: ClusterHandle) -> None:
     """A replica crashing just before a cell arrives must not fail the cell (2 of 3 are alive).
     The scheduler prefers the Raft leader as executor candidate, so the leader is the standby

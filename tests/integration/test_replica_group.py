@@ -310,6 +310,51 @@ def test_large_objects_travel_through_the_data_store(cluster: Cluster) -> None:
     assert any((cluster.tmp / "state" / "datastore").rglob("*")), "the group did not go to the store"
 
 
+def _raft_leader(cluster: Cluster) -> str:
+    """The leader of the newest term reported through replica.event raft_role."""
+    leaders = [
+        (int(e["detail"].get("term") or 0), e["replica_id"])
+        for e in cluster.scheduler.events
+        if e["event"] == "raft_role" and str(e["detail"]["role"]).lower() == "leader"
+    ]
+    assert leaders, "no replica reported Raft leadership"
+    return max(leaders)[1]
+
+
+def test_a_designated_leader_runs_on_gpus_bound_ahead_without_asking(cluster: Cluster) -> None:
+    """The local scheduler's gpu.bound push (designated) lets the Raft leader start the cell
+    before its LEAD commits: no gpu.commit round trip, the pushed device ids reach user code, the
+    replica announces itself elected, and the cell still runs exactly once."""
+    leader = _raft_leader(cluster)
+    msg = cluster.clients[leader].session.msg(
+        "execute_request",
+        {"code": "import os\nprint(os.environ['TANDEM_GPU_IDS'])", "silent": False, "store_history": True,
+         "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
+    )  # fmt: skip
+    msg_id = msg["header"]["msg_id"]
+    push = Envelope(
+        messages.GPU_BOUND,
+        {
+            "kernel_id": KERNEL_ID,
+            "replica_id": leader,
+            "msg_id": msg_id,
+            "device_ids": [7],
+            "designated": True,
+        },
+    )
+    cluster.scheduler._outbox.put((cluster.scheduler.identities[leader], push))
+    time.sleep(0.5)  # the real local scheduler sends the push before it forwards the request
+    replies = cluster.replies(cluster.send_cell("", leader, msg=msg))
+    assert roles(replies)[leader] == "executor"
+    assert sorted(roles(replies).values()) == ["executor", "standby", "standby"]
+    assert all(r["content"]["status"] == "ok" for r in replies.values())
+    assert (leader, msg_id) not in cluster.scheduler.commits
+    elected = [e for e in cluster.scheduler.events if e["event"] == "elected" and e["msg_id"] == msg_id]
+    assert [(e["replica_id"], e["detail"]["gpus"]) for e in elected] == [(leader, [7])]
+    outputs = cluster.iopub(leader, msg_id)
+    assert [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"] == ["7\n"]
+
+
 def test_duplicate_msg_id_runs_at_most_once(cluster: Cluster) -> None:
     cluster.run("runs = 0", "r1")
     msg = cluster.send_cell("runs += 1", "r1")

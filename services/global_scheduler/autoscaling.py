@@ -1,0 +1,332 @@
+"""The global scheduler's autoscaling shell (NotebookOS §3.4.2) around the pure ``Autoscaler``.
+
+Two paths, both carried out through a ``HostProvider``:
+
+* a kernel start whose placement fails asks ``Autoscaler.on_placement_failed``; on ScaleOut the
+  provider starts hosts, the kernel's replica slots stay *reserved* on them (other kernels see
+  those hosts as already subscribed), and the start resumes when they register instead of failing;
+* a periodic ``evaluate`` over the live hosts: provisioned GPUs below f·ΣC plus the scaling buffer
+  adds hosts; surplus releases 1-2 idle hosts (no replica, nothing committed, no reservation, idle
+  for ``autoscale.scale_in_idle_s``) that the provider started, never going below ``cluster.hosts``.
+
+Every decision is kept as a scale event for ``tandem status --json`` and the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import structlog
+
+from services.global_scheduler.cluster_state import DEAD, STOPPED, ClusterState
+from services.host_provider import HostProvider
+from shared.config import Config
+from shared.policies.autoscale import AutoscaleConfig, Autoscaler, HostLoad, ScaleIn, ScaleOut, feasible_hosts
+from shared.policies.kernel_placement import KernelPlacement
+from shared.policies.placement import HostView, PlacementDecision, PlacementRequest
+from shared.policies.placement_index import PlacementIndex
+from shared.resources import Resources
+
+log = structlog.get_logger("autoscaling")
+
+
+def autoscale_config(cfg: Config) -> AutoscaleConfig:
+    """The pure policy's knobs from ``[cluster]``, ``[host]``, ``[scheduler]`` and ``[autoscale]``."""
+    hosts = int(cfg.get("cluster.hosts"))
+    max_hosts = int(cfg.get("cluster.max_hosts")) or hosts
+    if max_hosts < hosts:
+        raise ValueError(f"cluster.max_hosts ({max_hosts}) must be at least cluster.hosts ({hosts})")
+    return AutoscaleConfig(
+        scaling_factor=float(cfg.get("autoscale.scaling_factor")),
+        gpus_per_host=max(int(cfg.get("host.gpus")), 1),
+        buffer_hosts=int(cfg.get("autoscale.buffer_hosts")),
+        min_hosts=hosts,
+        max_hosts=max_hosts,
+        max_release=int(cfg.get("autoscale.max_release")),
+        replicas_per_kernel=int(cfg.get("cluster.replicas_per_kernel")),
+        max_ratio_after_scale_in=float(cfg.get("scheduler.subscription_ratio_watermark")),
+    )
+
+
+class ClusterAutoscaler:
+    def __init__(
+        self,
+        cfg: Config,
+        state: ClusterState,
+        provider: HostProvider,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = autoscale_config(cfg)
+        self.policy = Autoscaler(self.config)
+        self.state = state
+        self.provider = provider
+        self.enabled = provider.can_provision and self.config.max_hosts > self.config.min_hosts
+        self._clock = clock
+        self._interval = float(cfg.get("autoscale.interval_s"))
+        self._idle_needed = float(cfg.get("autoscale.scale_in_idle_s"))
+        self._scale_out_timeout = float(cfg.get("autoscale.scale_out_timeout_s"))
+        self.events: deque[dict[str, Any]] = deque(maxlen=int(cfg.get("autoscale.events_kept")))
+        self.scale_outs = 0  # hosts asked for
+        self.scale_ins = 0  # hosts released
+        self._expected: set[str] = set()  # asked of the provider, not registered yet
+        self._reserved_on: dict[str, list[tuple[str, Resources]]] = {}  # registered host -> reservations
+        self._waiters: dict[str, asyncio.Event] = {}  # kernel id -> set when its reserved hosts arrive
+        self._abandoned: set[str] = set()  # kernels shut down while waiting for hosts
+        self._idle_since: dict[str, float] = {}
+        self._releasing: set[str] = set()
+        self._seen_min_hosts = False
+
+    def attach_provider(self, provider: HostProvider) -> None:
+        """The provider needs the scheduler's bound address, known only once it runs."""
+        self.provider = provider
+        self.enabled = provider.can_provision and self.config.max_hosts > self.config.min_hosts
+        log.info(
+            "autoscaling",
+            enabled=self.enabled,
+            min_hosts=self.config.min_hosts,
+            max_hosts=self.config.max_hosts,
+            provider=type(provider).__name__,
+        )
+
+    # ---- placement with scale-out -----------------------------------------------------------
+
+    def views_for(self, kernel_id: str, views: Sequence[HostView]) -> list[HostView]:
+        """Hosts that arrived with another kernel's reservations look already subscribed by it."""
+        if not self._reserved_on:
+            return list(views)
+        out = []
+        for view in views:
+            others = [r for k, r in self._reserved_on.get(view.host_id, ()) if k != kernel_id]
+            for resources in others:
+                view = replace(
+                    view,
+                    subscribed_gpus=view.subscribed_gpus + resources.gpus,
+                    subscribed=view.subscribed + resources,
+                )
+            out.append(view)
+        return out
+
+    def _place_once(
+        self, placement: KernelPlacement, request: PlacementRequest, index: PlacementIndex
+    ) -> PlacementDecision:
+        """One decision of the shared policy, with other kernels' reserved hosts overlaid."""
+        reserved = [v for host_id in self._reserved_on if (v := index.get(host_id)) is not None]
+        room = self.config.max_hosts - self._live_hosts() - self.policy.pending_hosts
+        can_add_hosts = self.enabled and room > 0  # else the watermark alone rules (KernelPlacement)
+        with index.overlaid(self.views_for(request.kernel_id, reserved)):
+            return placement.place(index, request, can_add_hosts=can_add_hosts)
+
+    async def place(
+        self, placement: KernelPlacement, request: PlacementRequest, index: Callable[[], PlacementIndex]
+    ) -> tuple[PlacementDecision, str]:
+        """Place ``request``, adding hosts when it cannot fit; ``(decision, why)``, ``why`` saying
+        what the autoscaler did or why it could not help when the decision failed."""
+        decision = self._place_once(placement, request, index())
+        if decision.ok or not self.enabled:
+            return decision, ""
+        kernel_id = request.kernel_id
+        deadline = self._clock() + self._scale_out_timeout
+        self._waiters.setdefault(kernel_id, asyncio.Event())  # from now on ``abandon`` can reach it
+        try:
+            while not decision.ok:
+                outcome = self.policy.on_placement_failed(
+                    request, feasible_hosts(decision), self._live_hosts()
+                )
+                why = outcome.reason
+                if isinstance(outcome, ScaleOut):
+                    await self._scale_out(outcome.count, outcome.reason, kernel_id=kernel_id)
+                if self.policy.reserved_for(kernel_id) == 0:
+                    if isinstance(outcome, ScaleOut):
+                        why = f"the hosts added for {kernel_id} did not come: {why}"
+                    return decision, why  # nothing is coming for this kernel
+                log.info("placement_waits_for_hosts", kernel=kernel_id, reason=why)
+                if not await self._reserved_hosts_arrived(kernel_id, deadline):
+                    why = f"new hosts did not register within {self._scale_out_timeout:g}s ({why})"
+                    return self._place_once(placement, request, index()), why
+                if kernel_id in self._abandoned:
+                    return PlacementDecision((), decision.rejected), "the kernel was shut down while waiting"
+                decision = self._place_once(placement, request, index())
+            return decision, ""
+        finally:
+            self._done_waiting(kernel_id)
+
+    async def _reserved_hosts_arrived(self, kernel_id: str, deadline: float) -> bool:
+        """Wait until every host reserved for ``kernel_id`` registered (or was given up: a failed
+        scale-out drops reservations); False when ``deadline`` passes first."""
+        waiter = self._waiters.setdefault(kernel_id, asyncio.Event())
+        while self.policy.reserved_for(kernel_id) > 0 and kernel_id not in self._abandoned:
+            try:
+                await asyncio.wait_for(waiter.wait(), max(deadline - self._clock(), 0.0))
+            except TimeoutError:
+                return False
+            waiter.clear()
+        return True
+
+    def abandon(self, kernel_id: str) -> None:
+        """``kernel_id`` was shut down before it was placed: its start stops waiting for hosts."""
+        if kernel_id in self._waiters:
+            self._abandoned.add(kernel_id)
+            self._waiters[kernel_id].set()
+
+    def _done_waiting(self, kernel_id: str) -> None:
+        self.policy.cancel(kernel_id)
+        self._waiters.pop(kernel_id, None)
+        self._abandoned.discard(kernel_id)
+        for host_id in list(self._reserved_on):
+            kept = [(k, r) for k, r in self._reserved_on[host_id] if k != kernel_id]
+            if kept:
+                self._reserved_on[host_id] = kept
+            else:
+                del self._reserved_on[host_id]
+
+    def _live_hosts(self) -> int:
+        return sum(1 for h in self.state.hosts.values() if h.alive and h.host_id not in self._releasing)
+
+    async def _scale_out(self, count: int, reason: str, *, kernel_id: str | None = None) -> None:
+        self.scale_outs += count
+        try:
+            host_ids = await self.provider.provision(count)
+        except Exception as exc:
+            lost = self.policy.on_scale_out_failed(count)
+            self._event("scale_out_failed", [], f"{reason}: provider failed: {exc}", kernel=kernel_id)
+            log.error("scale_out_failed", count=count, reason=str(exc), kernels=list(lost))
+            self._wake(lost)
+            return
+        self._expected.update(host_ids)
+        self._event("scale_out", host_ids, reason, kernel=kernel_id)
+        log.info("scale_out", hosts=host_ids, reason=reason, kernel=kernel_id)
+
+    def _wake(self, kernel_ids: Sequence[str]) -> None:
+        for kernel_id in kernel_ids:
+            waiter = self._waiters.get(kernel_id)
+            if waiter is not None:
+                waiter.set()
+
+    # ---- host events ------------------------------------------------------------------------
+
+    def on_host_registered(self, host_id: str) -> None:
+        """A host registered: if it is one we asked for, its reservations can now be placed."""
+        if host_id not in self._expected:
+            return
+        self._expected.discard(host_id)
+        reservations = self.policy.on_host_registered(host_id)
+        if reservations:
+            self._reserved_on[host_id] = list(reservations)
+        self._event("host_added", [host_id], f"registered; reserved for {[k for k, _ in reservations]}")
+        self._wake(list(dict.fromkeys(k for k, _ in reservations)))
+
+    def on_host_exited(self, host_id: str, returncode: int) -> None:
+        """A provisioned host's process ended on its own; before registering, its scale-out failed."""
+        if host_id in self._expected:
+            self._expected.discard(host_id)
+            lost = self.policy.on_scale_out_failed(1)
+            self._event(
+                "scale_out_failed", [host_id], f"host process exited with {returncode} before registering"
+            )
+            self._wake(lost)
+
+    # ---- periodic check ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.evaluate_once()
+            except Exception:
+                log.exception("autoscale_check_failed")
+
+    def _busy_hosts(self) -> set[str]:
+        """Hosts holding a replica of any kernel that is not over."""
+        busy: set[str] = set()
+        for kernel in self.state.kernels.values():
+            if kernel.state in (STOPPED, DEAD):
+                continue
+            for replica in kernel.replicas.values():
+                if replica.alive or not replica.started:
+                    busy.add(replica.host_id)
+        return busy
+
+    def host_loads(self) -> list[HostLoad]:
+        now = self._clock()
+        busy = self._busy_hosts()
+        loads = []
+        for host in self.state.hosts.values():
+            if not host.alive or host.host_id in self._releasing:
+                continue
+            subscribed, _ = self.state.subscribed_on(host.host_id)
+            idle = (
+                host.host_id not in busy
+                and host.committed_gpus == 0
+                and host.host_id not in self._reserved_on
+            )
+            if idle:
+                since = self._idle_since.setdefault(host.host_id, now)
+            else:
+                self._idle_since.pop(host.host_id, None)
+            releasable = idle and self.provider.owns(host.host_id) and now - since >= self._idle_needed
+            loads.append(HostLoad(host.host_id, host.gpus, host.committed_gpus, subscribed, releasable))
+        return loads
+
+    async def evaluate_once(self) -> None:
+        if not self.enabled:
+            return
+        loads = self.host_loads()
+        if not self._seen_min_hosts:  # the initial hosts are still registering: nothing to judge yet
+            self._seen_min_hosts = len(loads) >= self.config.min_hosts
+            if not self._seen_min_hosts:
+                return
+        decision = self.policy.evaluate(loads)
+        if isinstance(decision, ScaleOut):
+            self.policy.expect_hosts(decision.count)
+            await self._scale_out(decision.count, decision.reason)
+        elif isinstance(decision, ScaleIn):
+            await asyncio.gather(*(self._release(h, decision.reason) for h in decision.host_ids))
+
+    async def _release(self, host_id: str, reason: str) -> None:
+        host = self.state.hosts.get(host_id)
+        if host is None:
+            return
+        self._releasing.add(host_id)
+        host.cordoned = True  # nothing new lands there while it stops
+        try:
+            await self.provider.release(host_id)
+        except Exception as exc:
+            log.error("scale_in_failed", host=host_id, reason=str(exc))
+            host.cordoned = False
+            self._event("scale_in_failed", [host_id], str(exc))
+            return
+        finally:
+            self._releasing.discard(host_id)
+        self.state.hosts.pop(host_id, None)
+        self._idle_since.pop(host_id, None)
+        self.scale_ins += 1
+        self._event("scale_in", [host_id], reason)
+        log.info("scale_in", host=host_id, reason=reason)
+
+    # ---- reports ----------------------------------------------------------------------------
+
+    def _event(self, kind: str, hosts: list[str], reason: str, *, kernel: str | None = None) -> None:
+        event: dict[str, Any] = {"at": round(time.time(), 3), "kind": kind, "hosts": hosts, "reason": reason}
+        if kernel is not None:
+            event["kernel"] = kernel
+        self.events.append(event)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "enabled": self.enabled,
+            "min_hosts": self.config.min_hosts,
+            "max_hosts": self.config.max_hosts,
+            "scaling_factor": self.config.scaling_factor,
+            "buffer_hosts": self.config.buffer_hosts,
+            "pending_hosts": self.policy.pending_hosts,
+            "expected_hosts": sorted(self._expected),
+            "releasing_hosts": sorted(self._releasing),
+            "hosts_added": self.scale_outs,
+            "hosts_released": self.scale_ins,
+        }

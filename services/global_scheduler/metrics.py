@@ -1,0 +1,347 @@
+"""What the global scheduler measures, from messages it handles anyway (no extra traffic per cell).
+
+Per cell (an ``execute_request``), in the scheduler's own view of the paper's definitions (§5.1):
+
+* interactivity delay: the request's arrival here to its executor's election (the local scheduler
+  binds the GPUs and reports ``elected`` just before the cell's code starts);
+* task completion time: arrival to the moment the merged reply completed the request;
+* whether GPUs were committed immediately: a replica's host had the GPUs free when the cell
+  arrived (a designated executor) and the election did not fail (no migration needed);
+* which replica executed, and the times of the scheduler-visible steps: ``route_ms`` (arrival to
+  the request sent on), ``held_ms`` (waiting for a migration, then sent on again), ``elect_ms``
+  (sent on to elected), ``run_ms`` (elected to completion).
+
+Cluster-wide: subscription ratio, provisioned and committed GPUs, migrations, scale events, warm
+pools, replica start times (cold vs warm). ``status()`` feeds ``cluster.status``;
+``PrometheusExporter`` serves the same numbers on ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from services.global_scheduler.cluster_state import RUNNING, STARTING
+from shared.policies.placement import cluster_subscription_ratio
+
+if TYPE_CHECKING:
+    from services.global_scheduler.autoscaling import ClusterAutoscaler
+    from services.global_scheduler.cluster_state import ClusterState
+
+log = structlog.get_logger("metrics")
+
+OPEN_CELLS_MAX = 10_000  # cells never completed (a lost reply) are dropped oldest first past this
+DELAY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(slots=True)
+class CellRecord:
+    kernel_id: str
+    msg_id: str
+    submitted_at: float  # wall clock, for reports
+    arrived: float  # scheduler clock
+    routed: float = 0.0
+    designated: str | None = None
+    immediate: bool = True
+    elected: float | None = None
+    executor: str | None = None
+    host: str | None = None
+    completed: float | None = None
+    steps_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def interactivity_delay_ms(self) -> float | None:
+        return None if self.elected is None else (self.elected - self.arrived) * 1000
+
+    @property
+    def task_completion_ms(self) -> float | None:
+        return None if self.completed is None else (self.completed - self.arrived) * 1000
+
+    def report(self) -> dict[str, Any]:
+        out = asdict(self)
+        for key in ("arrived", "routed", "elected", "completed"):
+            out.pop(key)
+        out["interactivity_delay_ms"] = _r(self.interactivity_delay_ms)
+        out["task_completion_ms"] = _r(self.task_completion_ms)
+        out["steps_ms"] = {k: round(v, 3) for k, v in self.steps_ms.items()}
+        return out
+
+
+def _r(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def percentiles(values: Iterable[float]) -> dict[str, float]:
+    data = sorted(values)
+    if not data:
+        return {}
+    return {
+        "count": len(data),
+        "p50": round(data[len(data) // 2], 3),
+        "p90": round(data[min(int(len(data) * 0.9), len(data) - 1)], 3),
+        "p99": round(data[min(int(len(data) * 0.99), len(data) - 1)], 3),
+        "mean": round(statistics.fmean(data), 3),
+    }
+
+
+class SchedulerMetrics:
+    def __init__(self, *, cells_kept: int = 1000, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._open: OrderedDict[tuple[str, str], CellRecord] = OrderedDict()
+        self.cells: deque[CellRecord] = deque(maxlen=max(cells_kept, 1))
+        self.cells_total = 0
+        self.cells_immediate = 0
+        self.migrations = 0
+        self.replica_starts: dict[str, deque[float]] = {"cold": deque(maxlen=500), "warm": deque(maxlen=500)}
+        self.warm_pools: dict[str, dict[str, int]] = {}  # host -> {warm, starting} from heartbeats
+        self.on_cell_completed: Callable[[CellRecord], None] | None = None  # the exporter's histograms
+
+    # ---- cells (called from the scheduler's message handlers) -------------------------------
+
+    def cell_submitted(
+        self, kernel_id: str, msg_id: str, arrived: float, designated: str | None, needs_gpus: bool
+    ) -> None:
+        now = self._clock()
+        earlier = self._open.get((kernel_id, msg_id))
+        if earlier is not None:  # sent on again after a migration: it keeps its arrival and verdict
+            earlier.designated = designated
+            earlier.steps_ms["held_ms"] = earlier.steps_ms.get("held_ms", 0.0) + (now - earlier.routed) * 1000
+            earlier.routed = now
+            return
+        record = CellRecord(
+            kernel_id,
+            msg_id,
+            time.time(),
+            arrived,
+            now,
+            designated,
+            immediate=designated is not None or not needs_gpus,
+        )
+        record.steps_ms["route_ms"] = (now - arrived) * 1000
+        self._open[(kernel_id, msg_id)] = record
+        if len(self._open) > OPEN_CELLS_MAX:
+            self._open.popitem(last=False)
+
+    def cell_elected(self, kernel_id: str, msg_id: str, replica_id: str, host_id: str) -> None:
+        record = self._open.get((kernel_id, msg_id))
+        if record is None or record.elected is not None:
+            return
+        record.elected = self._clock()
+        record.executor, record.host = replica_id, host_id
+        record.steps_ms["elect_ms"] = (record.elected - record.routed) * 1000
+        if record.designated is not None and record.designated != replica_id:
+            record.immediate = False  # another replica had to take over (its host had the GPUs later)
+
+    def cell_not_committed(self, kernel_id: str, msg_id: str) -> None:
+        """Every replica yielded (no host could bind the GPUs): not committed immediately."""
+        record = self._open.get((kernel_id, msg_id))
+        if record is not None:
+            record.immediate = False
+
+    def requests_finished(self, kernel_id: str, msg_ids: Iterable[str]) -> None:
+        for msg_id in msg_ids:
+            record = self._open.pop((kernel_id, msg_id), None)
+            if record is None:
+                continue  # not an execute_request
+            record.completed = self._clock()
+            if record.elected is not None:
+                record.steps_ms["run_ms"] = (record.completed - record.elected) * 1000
+            self.cells.append(record)
+            self.cells_total += 1
+            self.cells_immediate += record.immediate
+            if self.on_cell_completed is not None:
+                self.on_cell_completed(record)
+
+    # ---- cluster events ---------------------------------------------------------------------
+
+    def record_migration(self) -> None:
+        """Part of the migration path: one replica moved (counted in status and /metrics)."""
+        self.migrations += 1
+
+    def record_replica_start(self, warm: bool, seconds: float) -> None:
+        self.replica_starts["warm" if warm else "cold"].append(seconds * 1000)
+
+    def record_pool(self, host_id: str, pool: Any) -> None:
+        if isinstance(pool, dict):
+            self.warm_pools[host_id] = {k: int(v) for k, v in pool.items() if isinstance(v, int)}
+
+    # ---- reports ----------------------------------------------------------------------------
+
+    def cell_summary(self) -> dict[str, Any]:
+        recent = list(self.cells)
+        return {
+            "cells_total": self.cells_total,
+            "cells_committed_immediately": self.cells_immediate,
+            "immediate_commit_ratio": round(self.cells_immediate / self.cells_total, 4)
+            if self.cells_total
+            else None,
+            "interactivity_delay_ms": percentiles(
+                d for c in recent if (d := c.interactivity_delay_ms) is not None
+            ),
+            "task_completion_ms": percentiles(t for c in recent if (t := c.task_completion_ms) is not None),
+            "steps_ms": {
+                step: percentiles(c.steps_ms[step] for c in recent if step in c.steps_ms)
+                for step in ("route_ms", "held_ms", "elect_ms", "run_ms")
+            },
+            "replica_start_ms": {kind: percentiles(v) for kind, v in self.replica_starts.items()},
+        }
+
+    def recent_cells(self, limit: int) -> list[dict[str, Any]]:
+        return [c.report() for c in list(self.cells)[-limit:]] if limit > 0 else []
+
+
+class PrometheusExporter:
+    """``/metrics`` over HTTP (prometheus_client's server thread). Gauges are read from a snapshot
+    taken on the scheduler's event loop at scrape time; per-cell histograms are observed as cells
+    complete (prometheus_client's metrics are thread-safe)."""
+
+    def __init__(
+        self,
+        snapshot: Callable[[], dict[str, Any]],
+        loop: asyncio.AbstractEventLoop,
+        metrics: SchedulerMetrics,
+    ) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        self._snapshot = snapshot
+        self._loop = loop
+        self._server: Any = None
+        self.port = 0
+        self.registry.register(_SnapshotCollector(self._take_snapshot))
+        self._delay = Histogram(
+            "tandem_cell_interactivity_delay_seconds",
+            "Arrival of an execute_request at the scheduler to its executor's election",
+            buckets=DELAY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._completion = Histogram(
+            "tandem_cell_task_completion_seconds",
+            "Arrival of an execute_request at the scheduler to its completed reply",
+            buckets=DELAY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._steps = Histogram(
+            "tandem_cell_step_seconds",
+            "Scheduler-visible steps of the execute path (route, held, elect, run)",
+            ["step"],
+            buckets=DELAY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._cells = Counter(
+            "tandem_cells", "Completed cells", ["committed_immediately"], registry=self.registry
+        )
+        metrics.on_cell_completed = self.observe
+
+    def observe(self, record: CellRecord) -> None:
+        if (delay := record.interactivity_delay_ms) is not None:
+            self._delay.observe(delay / 1000)
+        if (completion := record.task_completion_ms) is not None:
+            self._completion.observe(completion / 1000)
+        for step, ms in record.steps_ms.items():
+            self._steps.labels(step=step.removesuffix("_ms")).observe(ms / 1000)
+        self._cells.labels(committed_immediately=str(record.immediate).lower()).inc()
+
+    def _take_snapshot(self) -> dict[str, Any]:
+        async def take() -> dict[str, Any]:
+            return self._snapshot()
+
+        return asyncio.run_coroutine_threadsafe(take(), self._loop).result(timeout=5.0)
+
+    def start(self, address: str, port: int) -> int:
+        """Serve on ``port`` (-1 or 0 here: a free port the OS picks); the port bound."""
+        from prometheus_client import start_http_server
+
+        self._server, _thread = start_http_server(max(port, 0), addr=address, registry=self.registry)
+        self.port = int(self._server.server_port)
+        return self.port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _SnapshotCollector:
+    """Cluster gauges and counters from one scheduler snapshot per scrape."""
+
+    def __init__(self, take: Callable[[], dict[str, Any]]) -> None:
+        self._take = take
+
+    def describe(self) -> list[Any]:
+        return []  # collected at scrape time only
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        try:
+            snap = self._take()
+        except Exception as exc:  # the loop is stopping: serve nothing rather than fail the scrape
+            log.warning("metrics_snapshot_failed", reason=repr(exc))
+            return
+        cluster = snap["cluster"]
+        for name, help_text in (
+            ("hosts", "Live hosts"),
+            ("provisioned_gpus", "GPUs of the live hosts"),
+            ("committed_gpus", "GPUs bound to executing replicas (or reserved for one)"),
+            ("subscribed_gpus", "GPUs requested by the replicas placed on live hosts"),
+            ("subscription_ratio", "Cluster subscription ratio sum(S) / (sum(G) * R)"),
+            ("kernels", "Kernels starting or running"),
+            ("pending_hosts", "Hosts asked of the provider, not registered yet"),
+            ("warm_runtimes", "Pre-warmed replica processes ready on all hosts"),
+        ):
+            yield GaugeMetricFamily(f"tandem_{name}", help_text, value=float(cluster[name]))
+        for name, help_text in (
+            ("migrations", "Replica migrations"),
+            ("scale_out_hosts", "Hosts added by the autoscaler"),
+            ("scale_in_hosts", "Hosts released by the autoscaler"),
+        ):
+            yield CounterMetricFamily(f"tandem_{name}", help_text, value=float(cluster[name]))
+        per_host = GaugeMetricFamily("tandem_host_committed_gpus", "GPUs committed per host", labels=["host"])
+        ratio = GaugeMetricFamily("tandem_host_subscription_ratio", "S / (G * R) per host", labels=["host"])
+        for host in snap["hosts"]:
+            per_host.add_metric([host["id"]], float(host["committed"]))
+            ratio.add_metric([host["id"]], float(host["subscription_ratio"]))
+        yield per_host
+        yield ratio
+
+
+def cluster_report(
+    state: ClusterState, autoscaling: ClusterAutoscaler, metrics: SchedulerMetrics, metrics_url: str | None
+) -> dict[str, Any]:
+    """``cluster.status``: the cluster state's report (``hosts[]``, ``kernels[]``) plus the
+    autoscaler's state and scale events, each host's warm pool, and the metrics."""
+    report = state.cluster_status()
+    live = [h for h in state.host_views() if h.alive]
+    for host in report["hosts"]:
+        host["provisioned_by_autoscaler"] = autoscaling.provider.owns(host["id"])
+        host["warm_pool"] = metrics.warm_pools.get(host["id"], {})
+    r = state.replicas_per_kernel
+    report["cluster"] = {
+        "hosts": len(live),
+        "provisioned_gpus": sum(h.gpus for h in live),
+        "committed_gpus": sum(h.committed_gpus for h in live),
+        "subscribed_gpus": sum(h.subscribed_gpus for h in live),
+        "subscription_ratio": round(cluster_subscription_ratio(live), 4) if live else 0.0,
+        "kernels": sum(1 for k in state.kernels.values() if k.state in (STARTING, RUNNING)),
+        "pending_hosts": autoscaling.policy.pending_hosts,
+        "warm_runtimes": sum(metrics.warm_pools.get(h.host_id, {}).get("warm", 0) for h in live),
+        "migrations": metrics.migrations,
+        "scale_out_hosts": autoscaling.scale_outs,
+        "scale_in_hosts": autoscaling.scale_ins,
+        "scale_events": len(autoscaling.events),
+        "replicas_per_kernel": r,
+    }
+    report["autoscale"] = autoscaling.status()
+    report["scale_events"] = list(autoscaling.events)
+    report["metrics"] = {**metrics.cell_summary(), "prometheus_url": metrics_url}
+    report["cells"] = metrics.recent_cells(50)
+    return report

@@ -1,0 +1,449 @@
+"""Moving replicas between hosts: migration when no replica can run a cell, replacement of dead
+replicas, draining a host (NotebookOS §3.2.3, §3.2.5).
+
+Every move is the same membership change of the kernel's Raft group, driven from here:
+start a replica on the target host with ``join`` -> configure it with the members' addresses ->
+``add_learner`` through a live member -> wait until it applied the group's log (its namespace is
+rebuilt from the Raft snapshot and the STATE entries; nothing else has to be persisted, the
+executor commits each cell's state before the next cell runs) -> ``promote`` -> ``remove`` the old
+member -> stop the old process. A failed step rolls the new member back out.
+
+The decisions are the pure policies' (``choose_executor``, ``plan_migration``, ``RetrySchedule``);
+this module only sequences them. A cell that no replica can run is held here, with every later
+shell request of its kernel behind it (Jupyter runs a kernel's shell requests in order), until a
+replica can run it (sent on as usual), or the retry deadline passes (an error ``execute_reply``).
+Nothing here runs for a cell that has an executor: the service's hooks are two attribute checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from services.global_scheduler.cluster_state import RUNNING, KernelRecord, ReplicaRecord
+from services.global_scheduler.reply_merger import Failed
+from shared import messages
+from shared.config import Config
+from shared.envelope import Envelope
+from shared.jupyter_wire import WireError, header_of
+from shared.policies.executor_choice import choose_executor
+from shared.policies.migration import GiveUp, MigrationPlan, NoTarget, RetrySchedule, plan_migration
+from shared.rpc import RpcError, RpcTimeout
+
+if TYPE_CHECKING:
+    from services.global_scheduler.service import GlobalScheduler
+
+log = structlog.get_logger("global_scheduler.migration")
+
+MEMBERSHIP_TIMEOUT_S = 20.0
+CATCH_UP_POLL_S = 0.1
+OWN_GPUS_POLL_S = 0.2  # while the kernel's own earlier cell holds the GPUs: wait, do not migrate
+REASON_ALL_YIELD = "no replica's host can bind the cell's GPUs"
+REASON_DEAD = "replica died"
+REASON_DRAIN = "host drained"
+
+
+class MigrationError(RuntimeError):
+    """One move failed; the message names the step and the cause."""
+
+
+@dataclass(slots=True)
+class HeldCell:
+    """The execute_request at the head of a kernel's held queue."""
+
+    msg_id: str
+    header: dict[str, Any]
+    since: float  # monotonic
+    attempts: int = 0
+
+
+class Migrator:
+    """Per global scheduler: held cells, moves in flight (one per kernel at a time), counters."""
+
+    def __init__(self, scheduler: GlobalScheduler, cfg: Config) -> None:
+        sched = cfg["scheduler"]
+        self._gs = scheduler
+        self.schedule = RetrySchedule(
+            base_s=float(sched["migration_retry_base_s"]),
+            max_delay_s=float(sched["migration_retry_max_s"]),
+            max_attempts=1_000_000,  # the deadline decides
+            deadline_s=float(sched["migration_deadline_s"]),
+        )
+        self.catch_up_timeout = float(sched["migration_catch_up_timeout_s"])
+        self.replace_dead = bool(sched["replace_dead_replicas"])
+        self.watermark = float(sched["subscription_ratio_watermark"])
+        # A commit released just now can come back for one heartbeat (the local scheduler's report
+        # sent before the replica's gpu.release reached it): look again after one before moving.
+        self.ledger_settle_s = float(sched["heartbeat_interval_s"])
+        self._held: dict[str, HeldCell] = {}  # kernel_id -> the cell waiting for a replica
+        self._resolving: set[str] = set()  # kernels whose held cell has a _resolve running
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._issued: dict[str, int] = {}  # kernel_id -> highest replica number handed out
+        self._replacing: set[tuple[str, str]] = set()
+        self._retired: set[tuple[str, str]] = set()  # (kernel_id, replica_id) removed from a group
+
+    # ---- cells no replica can run -------------------------------------------------------------
+
+    def hold(self, kernel: KernelRecord, msg_id: str, frames: list[bytes]) -> bool:
+        """Called when an execute_request got no executor. Keep it (and the kernel's later shell
+        requests) here instead of letting every replica yield; False: route it as usual."""
+        if kernel.state != RUNNING:
+            return False
+        try:
+            header = header_of(frames)
+        except WireError:
+            return False
+        kernel.router.withdraw(msg_id)
+        kernel.held = [frames]
+        cell = self._held.get(kernel.kernel_id)
+        if cell is None or cell.msg_id != msg_id:  # else held again: keep its attempts and deadline
+            self._held[kernel.kernel_id] = HeldCell(msg_id, header, self._gs._clock())
+            log.info("cell_held", kernel=kernel.kernel_id, msg_id=msg_id, reason=REASON_ALL_YIELD)
+        if kernel.kernel_id not in self._resolving:
+            self._resolving.add(kernel.kernel_id)
+            self._gs._spawn(self._resolve(kernel))
+        return True
+
+    async def _resolve(self, kernel: KernelRecord) -> None:
+        """Until the held cell is sent on or given up: an executor now? else migrate, else back off."""
+        kernel_id = kernel.kernel_id
+        clog = log.bind(kernel=kernel_id)
+        try:
+            while kernel.held is not None and kernel_id in self._held:
+                cell = self._held[kernel_id]
+                if kernel.state != RUNNING or self._gs.state.kernels.get(kernel_id) is not kernel:
+                    self._dispatch(kernel)  # the router answers for a dead or stopping kernel
+                    continue
+                if self._holds_gpus(kernel):
+                    await asyncio.sleep(OWN_GPUS_POLL_S)  # its previous cell still runs
+                    continue
+                if self._executor_now(kernel):
+                    await self._dispatch_or_pause(kernel)
+                    continue
+                settle = cell.since + self.ledger_settle_s - self._gs._clock()
+                if cell.attempts == 0 and settle > 0:
+                    await asyncio.sleep(settle)
+                    continue
+                reason = await self._try_migration(kernel, cell, clog)
+                if reason is None:
+                    await self._dispatch_or_pause(kernel)
+                    continue
+                cell.attempts += 1
+                now = self._gs._clock()
+                decision = self.schedule.after_failure(cell.attempts, cell.since, now, reason)
+                if isinstance(decision, GiveUp):
+                    self._give_up(kernel, cell, decision.reason)
+                    continue
+                clog.info("migration_retry", msg_id=cell.msg_id, attempt=cell.attempts, reason=reason)
+                await asyncio.sleep(max(decision.at - now, 0.0))
+        finally:
+            self._resolving.discard(kernel_id)
+
+    async def _dispatch_or_pause(self, kernel: KernelRecord) -> None:
+        """Send the held requests on; if the cell was held again at once (another kernel's cell
+        took the GPUs first), pause before the next look rather than spin."""
+        self._dispatch(kernel)
+        if kernel.held is not None:
+            await asyncio.sleep(OWN_GPUS_POLL_S)
+
+    def _holds_gpus(self, kernel: KernelRecord) -> bool:
+        prefix = kernel.kernel_id + "/"
+        for replica in kernel.replicas.values():
+            host = self._gs.state.hosts.get(replica.host_id)
+            if host is not None and any(
+                key.startswith(prefix) for key in (*host.committed, *host.reservations)
+            ):
+                return True
+        return False
+
+    def _executor_now(self, kernel: KernelRecord) -> bool:
+        state = self._gs.state
+        choice = choose_executor(
+            state.replica_views(kernel),
+            state.ledger_views({r.host_id for r in kernel.replicas.values()}),
+            kernel.resources.gpus,
+            kernel.router.last_executor,
+        )
+        return choice.executor is not None
+
+    async def _try_migration(self, kernel: KernelRecord, cell: HeldCell, clog: Any) -> str | None:
+        """One attempt; None when a replica now sits on a host that can bind the GPUs."""
+        async with self._lock(kernel.kernel_id):
+            if self._executor_now(kernel):
+                return None
+            plan = plan_migration(
+                self._gs.state.replica_views(kernel),
+                kernel.resources,
+                self._gs.state.host_views(),
+                prewarmed=self._warm_runtimes(),
+            )
+            if isinstance(plan, NoTarget):
+                return _explain(plan)
+            # Keep the target's GPUs for this cell while the replica moves there.
+            self._gs.state.reserve(kernel, cell.msg_id, plan.target_host)
+            try:
+                await self._move(kernel, plan, REASON_ALL_YIELD)
+            except MigrationError as exc:
+                clog.warning("migration_failed", msg_id=cell.msg_id, reason=str(exc))
+                return str(exc)
+            finally:
+                self._gs.state.release(kernel, cell.msg_id)
+                kernel.reserved_on.pop(cell.msg_id, None)
+                target = self._gs.state.hosts.get(plan.target_host)
+                if target is not None:
+                    target.reservations.pop(f"{kernel.kernel_id}/{cell.msg_id}", None)
+        return None
+
+    def _dispatch(self, kernel: KernelRecord) -> None:
+        """Send the held requests on, in order, through the normal path (which may hold again)."""
+        held, kernel.held = kernel.held or [], None
+        for frames in held:
+            self._gs.route_from_gateway(kernel, "shell", frames)
+        if kernel.held is None:
+            self._held.pop(kernel.kernel_id, None)
+
+    def interrupt(self, kernel: KernelRecord) -> bool:
+        """An interrupt while a cell waits for a migration ends that cell, as it would end a
+        running one (the move itself goes on). True if a held cell was ended."""
+        cell = self._held.get(kernel.kernel_id)
+        if cell is None or kernel.held is None:
+            return False
+        self._give_up(kernel, cell, "interrupted while waiting for a replica to move", "KeyboardInterrupt")
+        return True
+
+    def _give_up(
+        self, kernel: KernelRecord, cell: HeldCell, reason: str, ename: str = "MigrationFailed"
+    ) -> None:
+        log.warning("migration_gave_up", kernel=kernel.kernel_id, msg_id=cell.msg_id, reason=reason)
+        held = kernel.held or []
+        kernel.held = held[1:] or None
+        self._held.pop(kernel.kernel_id, None)
+        failed = Failed(cell.msg_id, cell.header, "shell", False, False, False)
+        self._gs._to_gateway(kernel, kernel.router.synthesize_failure(failed, ename, reason))
+        if kernel.held is not None:
+            self._dispatch(kernel)
+
+    # ---- dead replicas and drained hosts ------------------------------------------------------
+
+    def on_replica_lost(self, kernel: KernelRecord, replica: ReplicaRecord, reason: str) -> None:
+        """A replica died for good and the kernel still runs: replace it on another host."""
+        key = (kernel.kernel_id, replica.replica_id)
+        if not self.replace_dead or kernel.state != RUNNING or key in self._replacing:
+            return
+        self._gs._spawn(self._replace_quietly(kernel, replica.replica_id, reason))
+
+    async def _replace_quietly(self, kernel: KernelRecord, replica_id: str, reason: str) -> None:
+        try:
+            await self.replace(kernel, replica_id, f"{REASON_DEAD}: {reason}")
+        except MigrationError as exc:
+            log.warning("replacement_gave_up", kernel=kernel.kernel_id, replica=replica_id, reason=str(exc))
+
+    async def drain(self, host_id: str) -> dict[str, Any]:
+        """Move every replica of a running kernel off ``host_id`` (already cordoned)."""
+        moves = [
+            (kernel, replica.replica_id)
+            for kernel, replica in self._gs.state.replicas_on(host_id)
+            if replica.alive and kernel.state == RUNNING
+        ]
+        outcomes = await asyncio.gather(
+            *(self.replace(kernel, rid, REASON_DRAIN) for kernel, rid in moves), return_exceptions=True
+        )
+        moved: list[dict[str, str]] = []
+        failed: list[dict[str, str]] = []
+        for (kernel, rid), outcome in zip(moves, outcomes, strict=True):
+            entry = {"kernel": kernel.kernel_id, "replica": rid}
+            if isinstance(outcome, BaseException):
+                failed.append(entry | {"reason": str(outcome)})
+            else:
+                moved.append(entry | {"to": str(outcome)})
+        left = [r.replica_id for k, r in self._gs.state.replicas_on(host_id) if r.alive]
+        return {"host_id": host_id, "moved": moved, "failed": failed, "replicas_left": len(left)}
+
+    async def replace(self, kernel: KernelRecord, replica_id: str, reason: str) -> str:
+        """Move ``replica_id`` to another host (retrying while none can take it); the new
+        replica's id. Waits while the replica executes a cell (moving it would lose the cell)."""
+        key = (kernel.kernel_id, replica_id)
+        self._replacing.add(key)
+        started = self._gs._clock()
+        attempts = 0
+        try:
+            while True:
+                if kernel.state != RUNNING:
+                    raise MigrationError(f"kernel {kernel.kernel_id} is {kernel.state}")
+                replica = kernel.replicas.get(replica_id)
+                if replica is None:
+                    raise MigrationError(f"replica {replica_id} is no longer part of the kernel")
+                if replica.alive and self._executing_on(kernel, replica):
+                    await asyncio.sleep(OWN_GPUS_POLL_S)
+                    continue
+                async with self._lock(kernel.kernel_id):
+                    plan = plan_migration(
+                        self._gs.state.replica_views(kernel),
+                        kernel.resources,
+                        self._gs.state.host_views(),
+                        prewarmed=self._warm_runtimes(),
+                        watermark=self.watermark,
+                        replica_id=replica_id,
+                        bind_now=False,
+                    )
+                    if isinstance(plan, MigrationPlan):
+                        try:
+                            return await self._move(kernel, plan, reason)
+                        except MigrationError as exc:
+                            why = str(exc)
+                    else:
+                        why = _explain(plan)
+                attempts += 1
+                now = self._gs._clock()
+                decision = self.schedule.after_failure(attempts, started, now, why)
+                if isinstance(decision, GiveUp):
+                    raise MigrationError(decision.reason)
+                log.info("replacement_retry", kernel=kernel.kernel_id, replica=replica_id, reason=why)
+                await asyncio.sleep(max(decision.at - now, 0.0))
+        finally:
+            self._replacing.discard(key)
+
+    def _warm_runtimes(self) -> dict[str, int]:
+        """Pre-warmed runtimes per host as last heartbeated: a target with one starts the
+        replica without a cold start (the local scheduler takes it for any replica.start)."""
+        return {host: pool.get("warm", 0) for host, pool in self._gs.metrics.warm_pools.items()}
+
+    def _executing_on(self, kernel: KernelRecord, replica: ReplicaRecord) -> bool:
+        host = self._gs.state.hosts.get(replica.host_id)
+        prefix = kernel.kernel_id + "/"
+        return host is not None and any(key.startswith(prefix) for key in host.committed)
+
+    def retired(self, kernel_id: str, replica_id: str) -> bool:
+        """Whether a move removed this replica from its kernel's Raft group: a host that comes
+        back still running it (it was only unreachable) must stop it, not have it adopted."""
+        return (kernel_id, replica_id) in self._retired
+
+    # ---- the membership change ----------------------------------------------------------------
+
+    def _lock(self, kernel_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(kernel_id, asyncio.Lock())
+
+    def _new_replica_id(self, kernel: KernelRecord) -> str:
+        numbers = [int(r[1:]) for r in kernel.replicas if r[:1] == "r" and r[1:].isdigit()]
+        n = max([self._issued.get(kernel.kernel_id, 0), *numbers]) + 1
+        self._issued[kernel.kernel_id] = n
+        return f"r{n}"
+
+    async def _move(self, kernel: KernelRecord, plan: MigrationPlan, reason: str) -> str:
+        """Swap ``plan.replica_id`` for a new replica on ``plan.target_host``; the new id."""
+        gs = self._gs
+        started = time.monotonic()
+        old_id = plan.replica_id
+        new = ReplicaRecord(self._new_replica_id(kernel), plan.target_host, alive=False)
+        mlog = log.bind(kernel=kernel.kernel_id, replica=old_id, new_replica=new.replica_id)
+        mlog.info(
+            "migration_started",
+            source=plan.source_host,
+            target=plan.target_host,
+            prewarmed=plan.use_prewarmed,
+            reason=reason,
+        )
+        kernel.replicas[new.replica_id] = new
+        stage = "start"
+        contact: ReplicaRecord | None = None
+        try:
+            await gs._start_replica(kernel, new, join=True)
+            members = {
+                r.replica_id: r.raft_address
+                for r in kernel.replicas.values()
+                if r.alive and r.replica_id != new.replica_id and r.raft_address
+            }
+            stage = "configure"
+            await gs._configure_replica(kernel, new, members | {new.replica_id: new.raft_address})
+            contact = self._contact(kernel, exclude={old_id, new.replica_id})
+            stage = "add_learner"
+            view = await self._membership(kernel, contact, "add_learner", new.replica_id, new.raft_address)
+            stage = "catch_up"
+            await self._caught_up(kernel, new, int(view.get("commit") or 0))
+            stage = "promote"
+            await self._membership(kernel, contact, "promote", new.replica_id)
+            stage = "remove"
+            await self._membership(kernel, contact, "remove", old_id)
+        except (RpcError, RpcTimeout, MigrationError) as exc:
+            await self._roll_back(kernel, new, contact, stage)
+            raise MigrationError(f"{stage} of {new.replica_id} on {plan.target_host} failed: {exc}") from None
+        if kernel.state != RUNNING:  # it died or was shut down meanwhile
+            await self._roll_back(kernel, new, None, stage)
+            raise MigrationError(f"kernel {kernel.kernel_id} became {kernel.state} during the move")
+        new.alive = True
+        self._retired.add((kernel.kernel_id, old_id))
+        old = kernel.replicas.pop(old_id, None)
+        if old is not None:
+            was_alive, old.alive, old.role = old.alive, False, None
+            if was_alive:
+                gs._spawn(gs._stop_replica(kernel, old))
+        seconds = round(time.monotonic() - started, 3)
+        kernel.migrations += 1
+        gs.metrics.record_migration()
+        kernel.last_migration = {
+            "replica": old_id,
+            "new_replica": new.replica_id,
+            "from": plan.source_host,
+            "to": plan.target_host,
+            "reason": reason,
+            "seconds": seconds,
+            "at": time.time(),
+        }
+        mlog.info("migration_done", source=plan.source_host, target=plan.target_host, seconds=seconds)
+        return new.replica_id
+
+    def _contact(self, kernel: KernelRecord, *, exclude: set[str]) -> ReplicaRecord:
+        """A live member to propose the changes through: the Raft leader if we know it."""
+        live = [r for r in kernel.replicas.values() if r.alive and r.started and r.replica_id not in exclude]
+        if not live:
+            raise MigrationError("no live member of the kernel's Raft group to propose the change")
+        return min(live, key=lambda r: (r.role != "leader", r.replica_id))
+
+    async def _membership(
+        self, kernel: KernelRecord, via: ReplicaRecord, action: str, member: str = "", address: str = ""
+    ) -> dict[str, Any]:
+        body = {"kernel_id": kernel.kernel_id, "replica_id": via.replica_id, "action": action}
+        if member:
+            body["member"] = member
+        if address:
+            body["address"] = address
+        answer = await self._gs._outbound.request(
+            via.host_id.encode(), Envelope(messages.REPLICA_MEMBERSHIP, body), timeout=MEMBERSHIP_TIMEOUT_S
+        )
+        return dict(answer.body)
+
+    async def _caught_up(self, kernel: KernelRecord, new: ReplicaRecord, index: int) -> None:
+        """Until the learner applied the group's log up to ``index`` (the add_learner's commit)."""
+        deadline = time.monotonic() + self.catch_up_timeout
+        applied = 0
+        while time.monotonic() < deadline:
+            view = await self._membership(kernel, new, "status")
+            applied = int(view.get("applied") or 0)
+            if applied >= index:
+                return
+            await asyncio.sleep(CATCH_UP_POLL_S)
+        raise MigrationError(
+            f"the new member applied {applied} of {index} log entries within {self.catch_up_timeout:g}s"
+        )
+
+    async def _roll_back(
+        self, kernel: KernelRecord, new: ReplicaRecord, contact: ReplicaRecord | None, stage: str
+    ) -> None:
+        kernel.replicas.pop(new.replica_id, None)
+        if contact is not None and stage not in ("start", "configure", "add_learner"):
+            with contextlib.suppress(RpcError, RpcTimeout):
+                await self._membership(kernel, contact, "remove", new.replica_id)
+        if new.started:
+            await self._gs._stop_replica(kernel, new)
+
+
+def _explain(plan: NoTarget) -> str:
+    if not plan.rejected:
+        return plan.reason
+    hosts = "; ".join(f"{host}: {why}" for host, why in sorted(plan.rejected.items()))
+    return f"{plan.reason} ({hosts})"
