@@ -449,6 +449,9 @@ class TandemKernel(IPythonKernel):
                 hidden=self.shell.user_ns_hidden,
                 store_seconds=(lambda: timer.write_s) if timer is not None else None,
                 defer_large=self._behind_store is not None,
+                defer_max_bytes=int(self._config.get("datastore.write_behind_max_bytes"))
+                if self._config
+                else None,
             )
             plan.timings["analysis_ms"] += analysed_ms
         except Exception:  # never leave the group waiting for a STATE that will not come

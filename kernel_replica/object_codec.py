@@ -509,14 +509,18 @@ class ObjectCodec:
         *,
         universe: Iterable[str] = (),
         defer_large: bool = False,
+        defer_max_bytes: int | None = None,
     ) -> EncodeResult:
         """Encode ``names`` (and names sharing objects with them) from ``namespace``.
 
         ``defer_large``: a group for the store is copied aside (``EncodeResult.deferred``) instead
         of written: a memory copy is much faster than a store write, and once it is taken the
-        next cell may change the live objects while the copy is written in the background."""
+        next cell may change the live objects while the copy is written in the background. The
+        copy doubles the group's memory, so at most ``defer_max_bytes`` (None: no limit) are
+        copied aside per call; larger groups are streamed to the store here."""
         plan, skipped, singles = self._plan(namespace, names, universe)
         result = EncodeResult(skipped=skipped)
+        deferred_bytes = 0
         for group in plan:
             try:
                 if len(group) == 1:
@@ -530,7 +534,8 @@ class ObjectCodec:
             sizes = tuple(v.nbytes for v in views)
             if sum(sizes) < self.large_object_bytes or self.store is None:
                 result.groups.append(EncodedGroup(group, sizes, inline=b"".join(views)))
-            elif defer_large:
+            elif defer_large and (defer_max_bytes is None or deferred_bytes + sum(sizes) <= defer_max_bytes):
+                deferred_bytes += sum(sizes)
                 result.deferred[len(result.groups)] = copy_aside(views)
                 result.groups.append(EncodedGroup(group, sizes))
             else:

@@ -132,13 +132,15 @@ async def plan_state(
     hidden: Iterable[str] = (),
     store_seconds: Any = None,
     defer_large: bool = False,
+    defer_max_bytes: int | None = None,
 ) -> StatePlan:
     """The executor's side of step 7: which names changed, and their encoded groups.
 
     ``replicated``: name -> fingerprint as the log will hold it. ``store_seconds``: a callable
     returning the seconds spent writing to the data store so far (to split encode time).
     ``defer_large``: groups for the data store are copied aside (``StatePlan.deferred``) for
-    ``complete_state`` to write after the reply, instead of being written here."""
+    ``complete_state`` to write after the reply, instead of being written here (at most
+    ``defer_max_bytes`` of them per cell: the copy doubles their memory)."""
     plan = StatePlan()
     started = time.perf_counter()
     replicable = replicable_names(namespace, hidden)
@@ -185,7 +187,9 @@ async def plan_state(
     store_before = store_seconds() if store_seconds is not None else 0.0
     if changed:
         codec.forget(plan.deleted)
-        result = await codec.encode(namespace, changed, universe=replicable, defer_large=defer_large)
+        result = await codec.encode(
+            namespace, changed, universe=replicable, defer_large=defer_large, defer_max_bytes=defer_max_bytes
+        )
         plan.groups = [group.to_dict() for group in result.groups]
         plan.deferred = result.deferred
         plan.skipped = {s.name: s.reason for s in result.skipped}

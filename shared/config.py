@@ -121,6 +121,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # next cell then waits for a memory copy, not for the write. false: written before the
         # next cell may start (no second copy in memory).
         "write_behind": True,
+        # At most this many bytes per cell are copied aside (the copy doubles their memory); a
+        # larger model or dataset is streamed to the store before the next cell, held once.
+        "write_behind_max_bytes": 536_870_912,
     },
     "simulator": {
         # `tandem sim` (shared/simulator): the discrete-event model's costs and cluster. Times are

@@ -222,3 +222,13 @@ def test_deferred_groups_are_private_copies_of_their_payload(store: LocalStore) 
     ref = asyncio.run(store.put(payload))
     decoded = asyncio.run(codec.decode(EncodedGroup(group.names, group.sizes, pointer=ref.to_dict())))
     assert decoded["arr"][-1] == 4095 and decoded["arr"].flags.writeable
+
+
+def test_groups_beyond_the_copy_aside_limit_are_streamed_to_the_store_at_once(store: LocalStore) -> None:
+    codec = ObjectCodec(store, large_object_bytes=1024)
+    ns = {"a": np.arange(4096, dtype=np.int64), "b": np.arange(8192, dtype=np.int64)}
+    result = asyncio.run(codec.encode(ns, ["a", "b"], defer_large=True, defer_max_bytes=40_000))
+    by_name = {g.names: g for g in result.groups}
+    deferred = {result.groups[i].names for i in result.deferred}
+    assert deferred == {("a",)}  # 32 KiB fits the limit; b's 64 KiB would double too much memory
+    assert by_name[("b",)].pointer is not None
