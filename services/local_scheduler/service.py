@@ -44,6 +44,14 @@ PORT_RACE = "Address already in use"
 ReplicaKey = tuple[str, str]  # (kernel_id, replica_id)
 
 
+class LaunchFailed(Exception):
+    """A replica process did not start and register; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class LocalScheduler:
     def __init__(
         self, cfg: Config, *, host_id: str, scheduler_address: str, gpus: GpuInventory | None = None
@@ -196,43 +204,20 @@ class LocalScheduler:
             await asyncio.wait_for(asyncio.shield(existing.registered), self._start_timeout)
             return env.reply({"pid": existing.pid, "raft_address": existing.raft_address})
         started = time.monotonic()
-        warm = False
+        join = bool(body.get("join", False))
         for attempt in range(1, START_ATTEMPTS + 1):
             replica = self._new_replica(key, body)
-            self.replicas[key] = replica
             try:
-                runtime = self.warm_pool.take()  # a pre-warmed process when the pool has one
-                warm = runtime is not None
-                launch: dict[str, Any] = {
-                    "local_scheduler": self.address,
-                    "config_json": self.cfg.to_json(),
-                    "join": bool(body.get("join", False)),
-                    "on_exit": self._on_replica_exit,
-                }
-                if runtime is not None:
-                    try:
-                        await replica.adopt(runtime, **launch)
-                    except (BrokenPipeError, ConnectionResetError):  # it died as we handed it over
-                        replica.log.warning("warm_runtime_lost", pid=runtime.pid)
-                        runtime, warm = None, False
-                if runtime is None:
-                    await replica.spawn(python=str(self.cfg.get("kernel.python")), **launch)
-                await asyncio.wait_for(asyncio.shield(replica.registered), self._start_timeout)
-                replica.connect(self._ctx, self._sink_for(replica))
+                warm = await self._launch(key, replica, join=join, warm_ok=True)
                 break
-            except BaseException as exc:
-                reason = str(exc) or f"no replica.register within {self._start_timeout:g}s"
-                await self._stop(replica)
-                self.replicas.pop(key, None)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
+            except LaunchFailed as exc:
                 tail = replica.log_tail()
-                if attempt < START_ATTEMPTS and PORT_RACE in tail and not body.get("join", False):
+                if attempt < START_ATTEMPTS and PORT_RACE in tail and not join:
                     replica.log.warning("replica_port_race_retry", attempt=attempt)
                     continue
-                replica.log.error("replica_start_failed", reason=reason)
+                replica.log.error("replica_start_failed", reason=exc.reason)
                 raise RpcError(
-                    f"{reason}{' | log: ' + tail[-800:] if tail and tail not in reason else ''}",
+                    f"{exc.reason}{' | log: ' + tail[-800:] if tail and tail not in exc.reason else ''}",
                     "start_failed",
                 ) from None
         seconds = time.monotonic() - started
@@ -246,6 +231,37 @@ class LocalScheduler:
         return env.reply(
             {"pid": replica.pid, "raft_address": replica.raft_address, "warm": warm, "start_s": seconds}
         )
+
+    async def _launch(self, key: ReplicaKey, replica: ReplicaProcess, *, join: bool, warm_ok: bool) -> bool:
+        """Start ``replica`` (in a pre-warmed runtime when ``warm_ok`` and the pool has one), wait
+        for its registration and connect its client sockets; True if a warm runtime was used. On
+        failure the process is stopped and forgotten, and ``LaunchFailed`` says why."""
+        self.replicas[key] = replica
+        try:
+            runtime = self.warm_pool.take() if warm_ok else None
+            launch: dict[str, Any] = {
+                "local_scheduler": self.address,
+                "config_json": self.cfg.to_json(),
+                "join": join,
+                "on_exit": self._on_replica_exit,
+            }
+            if runtime is not None:
+                try:
+                    await replica.adopt(runtime, **launch)
+                except (BrokenPipeError, ConnectionResetError):  # it died as we handed it over
+                    replica.log.warning("warm_runtime_lost", pid=runtime.pid)
+                    runtime = None
+            if runtime is None:
+                await replica.spawn(python=str(self.cfg.get("kernel.python")), **launch)
+            await asyncio.wait_for(asyncio.shield(replica.registered), self._start_timeout)
+            replica.connect(self._ctx, self._sink_for(replica))
+            return runtime is not None
+        except BaseException as exc:
+            await self._stop(replica)
+            self.replicas.pop(key, None)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise LaunchFailed(str(exc) or f"no replica.register within {self._start_timeout:g}s") from None
 
     def _sink_for(self, replica: ReplicaProcess) -> Any:
         """Forwarding closure: one envelope per Jupyter message, sent upstream immediately."""
@@ -320,25 +336,11 @@ class LocalScheduler:
                 "not_found",
             )
         replica.keep_data = True
-        self.replicas[key] = replica
         try:
-            await replica.spawn(
-                python=str(self.cfg.get("kernel.python")),
-                local_scheduler=self.address,
-                config_json=self.cfg.to_json(),
-                join=False,
-                on_exit=self._on_replica_exit,
-            )
-            await asyncio.wait_for(asyncio.shield(replica.registered), self._start_timeout)
-            replica.connect(self._ctx, self._sink_for(replica))
-        except BaseException as exc:
-            reason = str(exc) or f"no replica.register within {self._start_timeout:g}s"
-            await self._stop(replica)
-            self.replicas.pop(key, None)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            replica.log.error("replica_restart_failed", reason=reason)
-            raise RpcError(f"{reason} | log: {replica.log_tail()[-800:]}", "start_failed") from None
+            await self._launch(key, replica, join=False, warm_ok=False)
+        except LaunchFailed as exc:
+            replica.log.error("replica_restart_failed", reason=exc.reason)
+            raise RpcError(f"{exc.reason} | log: {replica.log_tail()[-800:]}", "start_failed") from None
         replica.log.info("replica_restarted", pid=replica.pid, raft_address=replica.raft_address)
         return env.reply({"pid": replica.pid, "raft_address": replica.raft_address})
 

@@ -49,6 +49,12 @@ def _finite(value: float) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _gpu_count(gpus: object, where: str) -> int:
+    if isinstance(gpus, bool) or not isinstance(gpus, numbers.Integral) or not 1 <= gpus <= MAX_SESSION_GPUS:
+        raise ValueError(f"{where}: gpus must be an integer 1..{MAX_SESSION_GPUS}, got {gpus!r}")
+    return int(gpus)
+
+
 @dataclass(frozen=True, slots=True)
 class Session:
     """One notebook session: open from ``start_s`` to ``end_s``, asking for ``gpus`` (1-8) per cell."""
@@ -69,13 +75,7 @@ class Session:
             )
         if self.end_s < self.start_s:
             raise ValueError(f"{where}: ends at {self.end_s} before it starts at {self.start_s}")
-        if (
-            isinstance(self.gpus, bool)
-            or not isinstance(self.gpus, numbers.Integral)
-            or not 1 <= self.gpus <= MAX_SESSION_GPUS
-        ):
-            raise ValueError(f"{where}: gpus must be an integer 1..{MAX_SESSION_GPUS}, got {self.gpus!r}")
-        object.__setattr__(self, "gpus", int(self.gpus))
+        object.__setattr__(self, "gpus", _gpu_count(self.gpus, where))
         if self.resources == Resources():
             object.__setattr__(self, "resources", default_resources(self.gpus))
         elif self.resources.gpus != self.gpus:
@@ -103,13 +103,7 @@ class Task:
             raise ValueError(f"{where}: submit/duration must be finite numbers")
         if self.duration_s <= 0:
             raise ValueError(f"{where}: duration must be > 0 s, got {self.duration_s}")
-        if (
-            isinstance(self.gpus, bool)
-            or not isinstance(self.gpus, numbers.Integral)
-            or not 1 <= self.gpus <= MAX_SESSION_GPUS
-        ):
-            raise ValueError(f"{where}: gpus must be an integer 1..{MAX_SESSION_GPUS}, got {self.gpus!r}")
-        object.__setattr__(self, "gpus", int(self.gpus))
+        object.__setattr__(self, "gpus", _gpu_count(self.gpus, where))
 
     @property
     def end_s(self) -> float:
