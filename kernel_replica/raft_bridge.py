@@ -544,8 +544,8 @@ class ReplicaCore:
     async def decide(self, msg_id: str, *, lead: bool) -> Decision:
         """Steps 3-4 of the execute path: election, waiting for the previous state, GPU binding."""
         decision = await self._decide(msg_id, lead=lead)
-        if self.scheduler.forget_bound_ahead(msg_id):  # bound for a cell this replica will not run
-            self._spawn(self._release(msg_id))
+        if self.scheduler.settle_bound_ahead(msg_id, executing=isinstance(decision, Execute)):
+            self._spawn(self._release(msg_id))  # bound ahead for a cell this replica will not run
         return decision
 
     async def _decide(self, msg_id: str, *, lead: bool) -> Decision:

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from shared import messages
 from shared.envelope import Envelope
-from shared.rpc import RpcClient, RpcError
+from shared.rpc import RpcClient, RpcError, RpcTimeout
 
 BOUND_AHEAD_KEPT = 64
 GPU_COMMIT_RETRIES = 10  # a designated replica's refused gpu.commit: the release is in flight
@@ -60,6 +60,9 @@ class SchedulerLink:
         # gpu.bound pushes not yet taken: msg_id -> (device ids bound ahead, or None if none
         # could be; whether the scheduler designated this replica as the cell's only candidate)
         self._bound_ahead: OrderedDict[str, tuple[list[int] | None, bool]] = OrderedDict()
+        # cells already decided here: msg_id -> whether this replica executes it
+        self._settled: OrderedDict[str, bool] = OrderedDict()
+        self._late_releases: set[asyncio.Task[None]] = set()
 
     def set_handlers(
         self,
@@ -120,14 +123,28 @@ class SchedulerLink:
             raise ValueError(f"gpu.commit answered with bad device_ids {device_ids!r}")
         return device_ids
 
-    def forget_bound_ahead(self, msg_id: str) -> bool:
-        """Drop a ``gpu.bound`` push nobody took; True if it had bound GPUs (to be released)."""
+    def settle_bound_ahead(self, msg_id: str, *, executing: bool) -> bool:
+        """The replica has decided msg_id: drop its ``gpu.bound`` push. True when that push bound
+        GPUs this replica will not use, which the caller releases. A push bound under the same
+        ledger key as the cell's ``gpu.commit``, so when the cell runs here (the push may have
+        arrived after the commit was sent) its GPUs are the ones in use and must stay bound. A
+        push that arrives after this (none had come yet) is released on arrival unless the cell
+        runs here."""
+        self._settled[msg_id] = executing
+        while len(self._settled) > BOUND_AHEAD_KEPT:
+            self._settled.popitem(last=False)
         ahead = self._bound_ahead.pop(msg_id, None)
-        return ahead is not None and ahead[0] is not None
+        return not executing and ahead is not None and ahead[0] is not None
 
     def designated(self, msg_id: str) -> bool:
         """The scheduler sent this replica the cell's only execute_request (the others yield)."""
         return self._bound_ahead.get(msg_id, (None, False))[1]
+
+    async def _release_late(self, msg_id: str) -> None:
+        try:
+            await self.gpu_release(msg_id)
+        except (RpcError, RpcTimeout) as exc:
+            self._log.warning("late_gpu_bound_not_released", msg_id=msg_id, error=str(exc))
 
     async def gpu_release(self, msg_id: str) -> None:
         await self._client.request(
@@ -150,7 +167,15 @@ class SchedulerLink:
         if device_ids is not None and not all(isinstance(d, int) for d in device_ids):
             self._log.warning("bad_gpu_bound", device_ids=device_ids)  # gpu.commit asks instead
             device_ids = None
-        self._bound_ahead[str(body["msg_id"])] = (
+        msg_id = str(body["msg_id"])
+        executing = self._settled.get(msg_id)
+        if executing is not None:  # decided before the push came: bound for nothing unless run here
+            if not executing and device_ids:
+                task = asyncio.ensure_future(self._release_late(msg_id))
+                self._late_releases.add(task)
+                task.add_done_callback(self._late_releases.discard)
+            return
+        self._bound_ahead[msg_id] = (
             list(device_ids) if device_ids is not None else None,
             body.get("designated") is True,
         )

@@ -390,6 +390,13 @@ class LocalScheduler:
             return self._gpu_commit(env)
         if env.type == messages.GPU_RELEASE:
             released = self.ledger.release(body["kernel_id"], body["replica_id"], body["msg_id"])
+            self.log.debug(
+                "gpu_released",
+                kernel=body["kernel_id"],
+                replica=body["replica_id"],
+                msg_id=body["msg_id"],
+                device_ids=list(released),
+            )
             return env.reply({"device_ids": list(released)})
         if env.type == messages.REPLICA_EVENT:
             replica = self.replicas.get((body["kernel_id"], body["replica_id"]))
@@ -476,6 +483,14 @@ class LocalScheduler:
             )
             raise
         device_ids = list(commit.device_ids)
+        self.log.debug(
+            "gpu_bound",
+            kernel=kernel_id,
+            replica=replica_id,
+            msg_id=msg_id,
+            device_ids=device_ids,
+            ahead=not announce,
+        )
         if not announce:
             return device_ids
         self._upstream.send(
