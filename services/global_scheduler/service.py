@@ -34,7 +34,7 @@ from services.global_scheduler.migration import Migrator
 from services.global_scheduler.reply_merger import Forward
 from services.host_provider import NoHostProvider, make_host_provider
 from shared import messages
-from shared.config import Config
+from shared.config import Config, ConfigError
 from shared.envelope import Envelope
 from shared.policies.executor_choice import ExecutorChoice, choose_executor
 from shared.policies.kernel_placement import KernelPlacement
@@ -46,6 +46,20 @@ from shared.resources import Resources
 from shared.rpc import OutboundRequests, RpcError, RpcServer, RpcTimeout
 
 log = structlog.get_logger("global_scheduler")
+
+LIVE_POLICIES = ("notebookos",)
+
+
+def require_live_policy(cfg: Config) -> None:
+    """The baselines (reservation, batch, lcp) are policies of the simulator (``tandem sim``): a
+    live cluster asked to run one refuses to start rather than quietly run notebookos."""
+    policy = cfg.get("scheduler.policy")
+    if policy not in LIVE_POLICIES:
+        raise ConfigError(
+            f"scheduler.policy = {policy!r} runs only in the simulator (tandem sim --policies {policy}); "
+            f"a live cluster runs {', '.join(LIVE_POLICIES)}"
+        )
+
 
 GATEWAY_IDENTITY = b"gateway"
 STOP_TIMEOUT_S = 10.0
@@ -69,12 +83,7 @@ class GlobalScheduler:
         self.metrics = SchedulerMetrics(cells_kept=int(cfg.get("metrics.cells_kept")), clock=clock)
         self.autoscaling = ClusterAutoscaler(cfg, self.state, NoHostProvider(), clock=clock)
         self._exporter: PrometheusExporter | None = None
-        if sched["policy"] != "notebookos":
-            log.warning(
-                "baseline_policy_not_live",
-                policy=sched["policy"],
-                reason="the live scheduler runs notebookos; baselines run in the simulator",
-            )
+        require_live_policy(cfg)
         self._ctx = zmq.asyncio.Context()
         self._server = RpcServer(self._ctx, self._handle, name="global_scheduler")
         self._outbound = OutboundRequests(self._server)
@@ -248,6 +257,9 @@ class GlobalScheduler:
             log.warning("request_dropped", kernel=kernel.kernel_id, channel=channel, reason=routed.problem)
             return None
         if routed.msg_type == "execute_request" and routed.to_replicas:
+            log.debug(
+                "execute_routed", kernel=kernel.kernel_id, msg_id=routed.msg_id, executor=routed.executor
+            )
             self.metrics.cell_submitted(
                 kernel.kernel_id, routed.msg_id, arrived, routed.executor, kernel.resources.gpus > 0
             )
@@ -518,7 +530,7 @@ class GlobalScheduler:
     def _status(self) -> dict[str, Any]:
         """``cluster.status``: the cluster state plus autoscaling, warm pools and metrics."""
         report = cluster_report(self.state, self.autoscaling, self.metrics, self.metrics_url)
-        report["policy"] = self._cfg.get("scheduler.policy")  # the live scheduler runs notebookos
+        report["policy"] = self._cfg.get("scheduler.policy")
         return report
 
     # ---- kernels ----------------------------------------------------------------------------

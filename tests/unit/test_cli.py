@@ -49,6 +49,16 @@ def test_unknown_key_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> Non
     assert "unknown configuration key 'cluster.nope'" in capsys.readouterr().err
 
 
+def test_up_with_a_simulator_only_policy_refuses_naming_tandem_sim(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli.main(["up", "--state-dir", str(tmp_path), "--set", "scheduler.policy=batch"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "scheduler.policy = 'batch' runs only in the simulator" in err and "tandem sim" in err
+    assert not (tmp_path / "cluster.json").exists()
+
+
 def test_status_without_a_cluster_says_how_to_start_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
