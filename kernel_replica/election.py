@@ -124,6 +124,10 @@ class ElectionBook:
                 out.append(other)
         return out
 
+    def running_on(self, replica_id: str) -> list[str]:
+        """Cells ``replica_id`` won whose DONE has not committed (what dies with its process)."""
+        return [msg_id for msg_id, winner in self._running.items() if winner == replica_id]
+
     def silent_voters(self, msg_id: str) -> frozenset[str]:
         """Voters that have neither LEADed nor YIELDed for msg_id (who an open election waits on)."""
         election = self._elections.get(msg_id)

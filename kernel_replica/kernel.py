@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -34,6 +35,7 @@ from ipykernel.jsonutil import json_clean
 
 from kernel_replica import helper
 from kernel_replica.cell_analysis import FunctionFacts, analyse_cell, update_registry
+from kernel_replica.device_residency import GpuResidency
 from kernel_replica.log_entries import Done, State
 from kernel_replica.object_codec import DEFAULT_LARGE_OBJECT_BYTES, ObjectCodec
 from kernel_replica.raft_bridge import (
@@ -54,6 +56,7 @@ from kernel_replica.state_sync import (
 )
 from shared.config import Config
 from shared.datastore.base import DataStore
+from shared.election_round import election_key, round_of
 from shared.raft.driver import RaftError
 
 EXECUTOR = "executor"
@@ -101,6 +104,7 @@ class TandemKernel(IPythonKernel):
         self._executed_since_summary = 0
         self._pending_digests: dict[str, bytes] | None = None  # digests of the latest unconfirmed STATE
         self._trace_sync = False  # log.sync_timings: per-cell state_sent / state_applied info lines
+        self._residency = GpuResidency()  # before any cell: pins CUDA_DEVICE_ORDER (NVML order)
 
     def attach(
         self, bridge: RaftBridge, *, kernel_id: str, replica_id: str, config: Config | None = None
@@ -110,6 +114,8 @@ class TandemKernel(IPythonKernel):
         self._bridge = bridge
         self._config = config
         self._trace_sync = bool(config.get("log.sync_timings")) if config is not None else False
+        if config is not None:
+            self._residency.mode = str(config.get("kernel.gpu_residency"))
         self.kernel_id, self.replica_id = kernel_id, replica_id
         self._slog = structlog.get_logger("replica.kernel").bind(kernel=kernel_id, replica=replica_id)
         core = bridge.core
@@ -167,7 +173,8 @@ class TandemKernel(IPythonKernel):
         if not self.session or self.shell is None:
             return
         try:
-            msg_id: str = parent["header"]["msg_id"]
+            # a cell sent again after a failed election is elected afresh under its round's key
+            msg_id: str = election_key(parent["header"]["msg_id"], round_of(parent["header"]))
             content = parent["content"]
             code: str = content["code"]
             silent: bool = content.get("silent", False)
@@ -191,7 +198,7 @@ class TandemKernel(IPythonKernel):
         metadata = self.init_metadata(parent)
         started = time.perf_counter()
         timing: dict[str, float] = {}
-        executed = replayed = False
+        executed = replayed = no_executor = False
         bridge = self._bridge
         if bridge is None:
             reply, role = (
@@ -219,6 +226,7 @@ class TandemKernel(IPythonKernel):
                     ran = time.perf_counter()
                     reply = await self._execute(parent, execute_args, device_ids, log)
                     timing["run_ms"] = (time.perf_counter() - ran) * 1000
+                    timing |= self._residency.timings  # to_gpu_ms / to_host_ms, when tensors moved
                     role, executed = EXECUTOR, True
                     if decision.lead_pending and not bridge.core.lead_won(msg_id):
                         confirming = time.perf_counter()  # started before its LEAD committed
@@ -238,6 +246,7 @@ class TandemKernel(IPythonKernel):
                         self._count(),
                     )
                     reply, role = await self._commit_done(msg_id, reply, False, log), EXECUTOR
+                    no_executor = True  # the scheduler migrates a GPU cell rather than pass this on
                 case Standby(winner=winner):
                     log.debug("standby", executor=winner)
                     reply, role = await self._wait_for_executor(msg_id, winner), STANDBY
@@ -256,7 +265,7 @@ class TandemKernel(IPythonKernel):
                         "(no free GPUs on their hosts); the scheduler will migrate a replica",
                         self._count(),
                     )
-                    role = STANDBY
+                    role, no_executor = STANDBY, True
                 case Unavailable(reason=reason):
                     log.warning("cell_not_run", reason=reason)
                     reply, role = error_content("ReplicaUnavailable", reason, self._count()), STANDBY
@@ -265,6 +274,8 @@ class TandemKernel(IPythonKernel):
         metadata["tandem"] = {"replica_id": self.replica_id, "role": role}
         if replayed:
             metadata["tandem"]["replayed"] = True
+        if no_executor:  # the global scheduler sends a GPU cell on again after a migration
+            metadata["tandem"]["no_executor"] = True
         if not self._quiet(parent):
             self.session.send(stream, "execute_reply", reply, parent, metadata=metadata, ident=ident)
             if hasattr(stream, "flush"):
@@ -283,6 +294,15 @@ class TandemKernel(IPythonKernel):
             if self._trace_sync:  # wall clock: the standbys' state_applied lines are compared to it
                 log.info("state_sent", replied_at=replied_at, proposed_at=time.time(), **timing)
         self._record_timing(role, reply, timing, log)
+        if executed and bridge is not None:
+            self._report_timing(bridge, msg_id, timing)
+
+    @staticmethod
+    def _report_timing(bridge: RaftBridge, msg_id: str, timing: dict[str, float]) -> None:
+        """The executor's step times to the scheduler's metrics (``replica.event cell_timings``,
+        via the local scheduler). Sent after the reply, from the Raft thread: off the critical path."""
+        detail = {k: round(v, 3) for k, v in timing.items()}
+        bridge.thread.call(functools.partial(bridge.core.scheduler.event, "cell_timings", msg_id, **detail))
 
     def _record_timing(
         self, role: str, reply: dict[str, t.Any], timing: dict[str, float], log: t.Any
@@ -334,11 +354,12 @@ class TandemKernel(IPythonKernel):
         assert self.shell is not None
         if not args["silent"]:
             self._publish_execute_input(args["code"], parent, self.execution_count)
-        saved_env = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "TANDEM_GPU_IDS")}
-        ids = ",".join(str(d) for d in device_ids)
-        os.environ["CUDA_VISIBLE_DEVICES"] = ids
-        os.environ["TANDEM_GPU_IDS"] = ids
+        # CUDA_VISIBLE_DEVICES is left alone: CUDA reads it once per process, so a later cell bound
+        # to another GPU could not reach it; the bound GPU is addressed by index instead.
+        saved_env = {k: os.environ.get(k) for k in ("TANDEM_GPU_IDS",)}
+        os.environ["TANDEM_GPU_IDS"] = ",".join(str(d) for d in device_ids)
         helper._bind(device_ids)
+        self._residency.before_cell(self.shell.user_ns, device_ids)  # notebook tensors to the GPU
         try:
             if self._interrupt_pending:
                 reply = error_content(
@@ -356,6 +377,7 @@ class TandemKernel(IPythonKernel):
             log.exception("execute_failed")
             reply = error_content("TandemInternalError", f"{exc.__class__.__name__}: {exc}", self._count())
         finally:
+            self._residency.after_cell(self.shell.user_ns)  # to host memory, before STATE pickles
             helper._unbind()
             for key, value in saved_env.items():
                 if value is None:

@@ -216,6 +216,15 @@ class ReplicaCore:
         self._late_bindings: dict[str, asyncio.Future[list[int]]] = {}
         self._own_entries: set[tuple[str, str]] = set()  # (kind, msg_id) proposed by this process
         self._last_progress: dict[str, float] = {}  # msg_id -> when its executor was last heard
+        # Cells whose executor's process the scheduler saw die (``member_lost``): their DONE, or
+        # the STATE after it, will not come, so nothing waits out a silence timeout for them.
+        self._executor_died: set[str] = set()
+        self._state_died: set[str] = set()
+        self._dead_members: set[str] = set()  # until an entry of theirs shows them back (restarted)
+        # elections open when a member_lost came: only those skip waiting for a dead voter (one
+        # routed later went to a live candidate; the dead one may since have been restarted)
+        self._open_at_death: set[str] = set()
+        self._lost_signal: asyncio.Future[None] | None = None
         self._progress_task: asyncio.Task[None] | None = None
         self._streak: tuple[str | None, int] = (None, 0)  # (executor, cells in a row) from DONEs
         self._last_transfer = float("-inf")
@@ -274,11 +283,15 @@ class ReplicaCore:
         self._spawn(self._report_raft_role())
         self._log.info("raft_running", voters=status.voters, join=join)
 
-    async def membership(self, action: str, member: str, address: str) -> dict[str, Any]:
+    async def membership(
+        self, action: str, member: str, address: str, cells: list[str] | None = None
+    ) -> dict[str, Any]:
         """``replica.membership``: one single-server change proposed through this member (Raft
         forwards it to the leader), retried while the leader refuses for a moment (a change still
         pending, a new term not yet committed); idempotent, so a retried request is harmless.
         Answers this replica's view of the group after it (``status``: just the view)."""
+        if action == "lost":
+            return self.member_lost(member, cells or [])
         peer = self.peer
         if peer is None:
             raise RpcError("this replica's Raft group is not configured yet", "not_ready")
@@ -309,6 +322,44 @@ class ReplicaCore:
                     raise RpcError(f"{action} {member} failed: {exc}", "membership_failed") from None
                 await asyncio.sleep(0.1)
         return self.status()
+
+    def member_lost(self, member: str, started: list[str]) -> dict[str, Any]:
+        """``replica.membership lost``: the scheduler saw ``member``'s process exit. A cell it was
+        running will never commit DONE, and a STATE it had yet to send will never come: the
+        standbys waiting for that DONE commit an ``ExecutorLost`` one now (instead of after
+        ``executor_silence_s``), the next executor starts without that STATE, telling the user,
+        and an election waiting on it (its designated candidate) does not wait ``election_wait_s``.
+
+        ``started`` are the cells the scheduler saw it take GPUs for: it may have started one
+        before its LEAD committed (the fast path). Such a cell must not run again elsewhere (a
+        cell that crashes its process would take the next replica with it), so its LEAD is
+        proposed on the dead member's behalf: if no other LEAD came first, it won, and its DONE
+        is ``ExecutorLost``. No Raft change: replacing the member is the scheduler's next step."""
+        if member == self.replica_id:
+            raise RpcError("a replica cannot be told that it died itself", "bad_request")
+        self._dead_members.add(member)
+        self._open_at_death.update(self._election_waiters)
+        for msg_id in started:
+            if self.book.outcome(msg_id) is None and self.book.done(msg_id) is None:
+                self._executor_died.add(msg_id)
+                self.propose_in_background(Lead(msg_id, member), "lead_for_dead_executor")
+        cells = self.book.running_on(member)
+        self._executor_died.update(cells)
+        awaiting = self.book.awaiting_state()
+        done = self.book.done(awaiting) if awaiting is not None else None
+        if awaiting is not None and done is not None and done.replica_id == member:
+            self._state_died.add(awaiting)
+            self._wake_state_waiters()
+        if self._lost_signal is not None and not self._lost_signal.done():
+            self._lost_signal.set_result(None)
+        self._log.warning("member_lost", member=member, running=cells, state_lost=sorted(self._state_died))
+        return self.status()
+
+    def _lost_future(self) -> asyncio.Future[None]:
+        """Resolved by the next ``member_lost``: waits on a dead member wake up at once."""
+        if self._lost_signal is None or self._lost_signal.done():
+            self._lost_signal = asyncio.get_running_loop().create_future()
+        return self._lost_signal
 
     async def _report_raft_role(self) -> None:
         """Push ``replica.event raft_role`` on every change: the global scheduler prefers the Raft
@@ -377,6 +428,8 @@ class ReplicaCore:
         except LogEntryError as exc:
             self._log.warning("log_entry_skipped", index=entry.index, reason=str(exc))
             return
+        if self._dead_members:
+            self._dead_members.discard(decoded.proposer if isinstance(decoded, Yield) else decoded.replica_id)
         if isinstance(decoded, Progress):
             self._last_progress[decoded.msg_id] = time.monotonic()
             return
@@ -544,6 +597,7 @@ class ReplicaCore:
     async def decide(self, msg_id: str, *, lead: bool) -> Decision:
         """Steps 3-4 of the execute path: election, waiting for the previous state, GPU binding."""
         decision = await self._decide(msg_id, lead=lead)
+        self._open_at_death.discard(msg_id)
         if self.scheduler.settle_bound_ahead(msg_id, executing=isinstance(decision, Execute)):
             self._spawn(self._release(msg_id))  # bound ahead for a cell this replica will not run
         return decision
@@ -720,10 +774,17 @@ class ReplicaCore:
         outcome = self.book.outcome(msg_id)
         if outcome is not None:
             return outcome
-        try:
-            return await asyncio.wait_for(asyncio.shield(waiter), self.settings.election_wait_s)
-        except TimeoutError:
-            pass
+        deadline = time.monotonic() + self.settings.election_wait_s
+        while not waiter.done() and (remaining := deadline - time.monotonic()) > 0:
+            if (
+                msg_id in self._open_at_death
+                and msg_id not in self._executor_died
+                and self.book.silent_voters(msg_id) <= self._dead_members
+            ):
+                break  # only voters that died during this election are silent, and none ran it
+            await asyncio.wait((waiter, self._lost_future()), timeout=remaining)
+        if waiter.done():
+            return waiter.result()
         silent = sorted(self.book.silent_voters(msg_id))
         self._log.warning("election_waiting_on_silent_voters", msg_id=msg_id, silent=silent)
         # One replica, the first in id order among those that answered, offers to run the cell;
@@ -773,16 +834,28 @@ class ReplicaCore:
         DONE's STATE, except this process's own (its namespace already reflects them)."""
         pending = [m for m in self.book.unfinished_before(msg_id) if m not in self._finishing]
         awaiting = self.book.awaiting_state()
-        if awaiting is not None and awaiting != msg_id and awaiting not in self._finishing:
+        if (
+            awaiting is not None
+            and awaiting != msg_id
+            and awaiting not in self._finishing
+            and awaiting not in self._state_died
+        ):
             pending.append(awaiting)
         return pending
+
+    def _state_lost_before(self, msg_id: str) -> list[str]:
+        """The previous cell's STATE, if its executor died before sending it (told by the user)."""
+        awaiting = self.book.awaiting_state()
+        return (
+            [awaiting] if awaiting is not None and awaiting != msg_id and awaiting in self._state_died else []
+        )
 
     async def _wait_previous_cell(self, msg_id: str, log: Any) -> tuple[float, list[str]]:
         """The executor must see the namespace the previous cell left: its DONE and STATE must be
         applied (its executor replied before committing them), unless it ran in this process.
         Returns the wait and the cells still missing at the deadline, so the user can be told."""
         if not self._previous_cell_pending(msg_id):
-            return 0.0, []
+            return 0.0, self._state_lost_before(msg_id)
         started = time.perf_counter()
         deadline = time.monotonic() + self.settings.state_wait_s
         while pending := self._previous_cell_pending(msg_id):
@@ -794,7 +867,7 @@ class ReplicaCore:
             self._state_waiters.append(fut)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(fut, remaining)
-        return (time.perf_counter() - started) * 1000, []
+        return (time.perf_counter() - started) * 1000, self._state_lost_before(msg_id)
 
     def _wake_state_waiters(self) -> None:
         waiters, self._state_waiters = self._state_waiters, []
@@ -928,10 +1001,9 @@ class ReplicaCore:
         self._last_progress.setdefault(msg_id, time.monotonic())
         try:
             while True:
-                try:
-                    return await asyncio.wait_for(asyncio.shield(waiter), 0.5)
-                except TimeoutError:
-                    pass
+                await asyncio.wait((waiter, self._lost_future()), timeout=0.5)
+                if waiter.done():
+                    return waiter.result()
                 peer = self.peer
                 if peer is None or not peer.status().running:
                     return "this replica's Raft peer is not running"
@@ -947,13 +1019,20 @@ class ReplicaCore:
                     continue
                 leaderless_since = None
                 silent_s = now - self._last_progress[msg_id]
-                if not gave_up and silent_s > self.settings.executor_silence_s:
+                died = msg_id in self._executor_died
+                if not gave_up and (died or silent_s > self.settings.executor_silence_s):
                     gave_up = True  # once: the DONE (ours or the executor's) then ends the wait
                     self._log.warning(
-                        "executor_silent", msg_id=msg_id, executor=winner, silent_s=round(silent_s, 1)
+                        "executor_silent",
+                        msg_id=msg_id,
+                        executor=winner,
+                        silent_s=round(silent_s, 1),
+                        died=died,
                     )
                     reason = (
-                        f"the executor {winner} stopped reporting progress for "
+                        f"the executor {winner}'s process died while running this cell; its outcome is unknown"
+                        if died
+                        else f"the executor {winner} stopped reporting progress for "
                         f"{self.settings.executor_silence_s:g}s (it probably died); the cell's outcome is unknown"
                     )
                     lost = Done(

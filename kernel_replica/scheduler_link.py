@@ -27,8 +27,8 @@ GPU_COMMIT_RETRY_S = 0.05
 
 ConfigureHandler = Callable[[dict[str, str]], Awaitable[None]]
 StopHandler = Callable[[], Awaitable[None]]
-# (action, member, address) -> this replica's view of the group after the change
-MembershipHandler = Callable[[str, str, str], Awaitable[dict[str, Any]]]
+# (action, member, address, cells) -> this replica's view of the group after the change
+MembershipHandler = Callable[[str, str, str, list[str]], Awaitable[dict[str, Any]]]
 
 
 class SchedulerLink:
@@ -193,7 +193,10 @@ class SchedulerLink:
                 return env.error("replica is not ready for membership changes", code="not_ready")
             body = env.body
             view = await self._on_membership(
-                str(body["action"]), str(body.get("member") or ""), str(body.get("address") or "")
+                str(body["action"]),
+                str(body.get("member") or ""),
+                str(body.get("address") or ""),
+                [str(c) for c in body.get("cells") or ()],
             )
             return env.reply(view)
         if env.type == messages.REPLICA_STOP:

@@ -129,8 +129,8 @@ def cmd_up(args: argparse.Namespace, cfg: Config) -> int:
     from services.global_scheduler.service import require_live_policy
     from shared.logs import configure_logging
 
-    configure_logging(cfg.get("log.format"), cfg.get("log.level"), service="tandem-up")
     require_live_policy(cfg)
+    configure_logging(cfg.get("log.format"), cfg.get("log.level"), service="tandem-up")
     state = state_dir_of(args, cfg)
     hosts, max_hosts = cfg.get("cluster.hosts"), cfg.get("cluster.max_hosts")
     if max_hosts and max_hosts < hosts:

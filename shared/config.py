@@ -39,6 +39,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "memory_mb": 2048,
         "vram_gb": 8,
         "python": "",  # interpreter for replica processes; empty: the one running Tandem
+        # NotebookOS §3.3: tensors/modules/optimizers the notebook keeps on a GPU go to host memory
+        # after each cell and back to the bound GPU before the next (kernel_replica/device_residency).
+        "gpu_residency": "move",  # move | off
     },
     "scheduler": {
         "heartbeat_interval_s": 1.0,
@@ -67,7 +70,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "buffer_hosts": 1,  # hosts kept beyond f * committed for bursts
         "max_release": 2,  # idle hosts released per evaluation
         "interval_s": 5.0,  # how often the periodic check runs
-        "scale_in_idle_s": 30.0,  # a host must hold no replica for this long before release
+        "scale_in_idle_s": 30.0,  # a host must be idle this long before release (its standby replicas move)
         "scale_out_timeout_s": 60.0,  # a kernel start waiting for new hosts fails after this
         "events_kept": 200,  # scale events listed by `tandem status --json`
     },
@@ -166,6 +169,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 # Keys whose value must be one of a few names.
 CHOICES: dict[str, tuple[str, ...]] = {
+    "kernel.gpu_residency": ("move", "off"),
     "scheduler.policy": ("notebookos", "reservation", "batch", "lcp"),
     "autoscale.provider": ("none", "embedded"),
     "prewarm.policy": ("none", "fixed", "min", "littles_law"),

@@ -52,9 +52,10 @@ REPLICA_CONFIGURE = "replica.configure"
 REPLICA_STOP = "replica.stop"
 # Restart one replica in place: the same id and Raft storage (not a replacement by a new member)
 REPLICA_RESTART = "replica.restart"
-# Raft membership change or status, asked of one replica (it forwards the change to its leader)
+# Raft membership change or status, asked of one replica (it forwards the change to its leader);
+# ``lost`` tells a member that another one's process died (no Raft change)
 REPLICA_MEMBERSHIP = "replica.membership"
-MEMBERSHIP_ACTIONS = ("add_learner", "promote", "remove", "status")
+MEMBERSHIP_ACTIONS = ("add_learner", "promote", "remove", "status", "lost")
 REPLICA_REGISTER = "replica.register"
 REPLICA_EVENT = "replica.event"
 GPU_COMMIT = "gpu.commit"
@@ -64,7 +65,8 @@ GPU_RELEASE = "gpu.release"
 GPU_BOUND = "gpu.bound"
 
 CHANNELS = ("shell", "control", "stdin", "iopub")
-REPLICA_EVENTS = ("elected", "election_failed", "done", "raft_role", "exited", "ready")
+# cell_timings: the executor's per-cell step times (ms), sent after its reply (metrics only)
+REPLICA_EVENTS = ("elected", "election_failed", "done", "raft_role", "exited", "ready", "cell_timings")
 
 _int = (int,)
 _str = (str,)
@@ -146,6 +148,7 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "action": (_str, True),  # one of MEMBERSHIP_ACTIONS
         "member": (_str, False),  # the replica added, promoted or removed
         "address": (_str, False),  # add_learner: the new member's Raft address
+        "cells": (_list, False),  # lost: msg_ids the dead member had started (its GPUs were bound)
     },
     REPLICA_REGISTER: {
         "kernel_id": (_str, True),
@@ -205,6 +208,8 @@ def validate(msg_type: str, body: dict[str, Any]) -> str | None:
             return "frames must be at least 5 byte strings (signature, header, parent, metadata, content)"
     if msg_type == REPLICA_MEMBERSHIP and body["action"] not in MEMBERSHIP_ACTIONS:
         return f"unknown membership action {body['action']!r}"
+    if msg_type == REPLICA_MEMBERSHIP and body["action"] != "status" and not body.get("member"):
+        return f"membership action {body['action']!r} needs the member it is about"
     if msg_type == REPLICA_EVENT and body["event"] not in REPLICA_EVENTS:
         return f"unknown replica event {body['event']!r}"
     return None

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +32,13 @@ REQUIRED_MODULES = (
     "kernel_replica/__main__.py",
 )
 START_TIMEOUT_S = 120.0
+# autoscaling that acts within a second: a placement above SR 0.34 asks for hosts, idle ones go
+FAST_AUTOSCALING = (
+    "--set", "scheduler.subscription_ratio_watermark=0.34",
+    "--set", "autoscale.interval_s=0.3",
+    "--set", "autoscale.scale_in_idle_s=0.5",
+    "--set", "autoscale.scale_out_timeout_s=60",
+)  # fmt: skip
 
 
 @dataclass
@@ -60,6 +67,28 @@ class ClusterHandle:
             [sys.executable, "-m", "services.cli", *args, "--state-dir", str(self.state_dir)],
             capture_output=True, text=True, timeout=timeout, cwd=ROOT,
         )  # fmt: skip
+
+    def status(self) -> dict[str, Any]:
+        """``tandem status --json``."""
+        result = self.cli("status", "--json")
+        assert result.returncode == 0, result.stderr
+        return dict(json.loads(result.stdout))
+
+    def wait_for_status(
+        self, predicate: Callable[[dict[str, Any]], Any], what: str, timeout: float = 60.0
+    ) -> dict[str, Any]:
+        """Polls ``tandem status --json`` until ``predicate`` holds (a status that cannot be read,
+        as while the scheduler restarts, is polled again) and returns that status."""
+        deadline = time.monotonic() + timeout
+        current: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            result = self.cli("status", "--json")
+            if result.returncode == 0:
+                current = json.loads(result.stdout)
+                if predicate(current):
+                    return current
+            time.sleep(0.3)
+        pytest.fail(f"{what} did not happen; last status: {json.dumps(current)[:4000]}")
 
     def replica_pids(self, kernel_id: str) -> list[int]:
         """Live replica processes of ``kernel_id`` (found by the kernel id in their command line or env)."""

@@ -6,24 +6,32 @@ Two paths, both carried out through a ``HostProvider``:
   provider starts hosts, the kernel's replica slots stay *reserved* on them (other kernels see
   those hosts as already subscribed), and the start resumes when they register instead of failing;
 * a periodic ``evaluate`` over the live hosts: provisioned GPUs below f·ΣC plus the scaling buffer
-  adds hosts; surplus releases 1-2 idle hosts (no replica, nothing committed, no reservation, idle
-  for ``autoscale.scale_in_idle_s``) that the provider started, never going below ``cluster.hosts``.
+  adds hosts; surplus releases up to ``autoscale.max_release`` idle hosts that the provider started,
+  never going below ``cluster.hosts``. Idle (NotebookOS: no *active* replica) means nothing
+  committed, no reservation, and no replica of a kernel that is starting or stopping, has a
+  request in flight or held for a migration, or has a replica being started (a move under way),
+  for ``autoscale.scale_in_idle_s``. An idle host may still hold standby replicas: the release
+  cordons it, moves each of them to another host through the drain that ``tandem host drain``
+  runs (``Migrator.drain``, a Raft membership change per replica), then asks the provider to stop
+  it. A replica that no host can take abandons that release: the host is uncordoned and a
+  ``scale_in_failed`` event says why (replicas already moved stay where they went).
 
-Every decision is kept as a scale event for ``tandem status --json`` and the metrics.
+Every decision is kept as a scale event for ``tandem status --json`` and the metrics; a scale-in's
+event lists the migrations it made.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import structlog
 
-from services.global_scheduler.cluster_state import DEAD, STOPPED, ClusterState
+from services.global_scheduler.cluster_state import DEAD, RUNNING, STOPPED, ClusterState
 from services.host_provider import HostProvider
 from shared.config import Config
 from shared.policies.autoscale import AutoscaleConfig, Autoscaler, HostLoad, ScaleIn, ScaleOut, feasible_hosts
@@ -33,6 +41,9 @@ from shared.policies.placement_index import PlacementIndex
 from shared.resources import Resources
 
 log = structlog.get_logger("autoscaling")
+
+# Moves every replica off a cordoned host: ``{"moved": [...], "failed": [...], "replicas_left": n}``.
+DrainHost = Callable[[str], Awaitable[dict[str, Any]]]
 
 
 def autoscale_config(cfg: Config) -> AutoscaleConfig:
@@ -81,6 +92,12 @@ class ClusterAutoscaler:
         self._idle_since: dict[str, float] = {}
         self._releasing: set[str] = set()
         self._seen_min_hosts = False
+        self._drain: DrainHost | None = None  # without one, only hosts holding no replica are released
+        self._release_round: asyncio.Future[Any] | None = None
+
+    def attach_drain(self, drain: DrainHost) -> None:
+        """The scheduler's migrator moves a released host's replicas (the ``tandem host drain`` path)."""
+        self._drain = drain
 
     def attach_provider(self, provider: HostProvider) -> None:
         """The provider needs the scheduler's bound address, known only once it runs."""
@@ -234,43 +251,67 @@ class ClusterAutoscaler:
     # ---- periodic check ---------------------------------------------------------------------
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval)
-            try:
-                await self.evaluate_once()
-            except Exception:
-                log.exception("autoscale_check_failed")
+        try:
+            while True:
+                await asyncio.sleep(self._interval)
+                try:
+                    await self.evaluate_once()
+                except Exception:
+                    log.exception("autoscale_check_failed")
+        finally:
+            if self._release_round is not None and not self._release_round.done():
+                self._release_round.cancel()  # the scheduler stops: a drain under way ends with it
+                await asyncio.gather(self._release_round, return_exceptions=True)
 
-    def _busy_hosts(self) -> set[str]:
-        """Hosts holding a replica of any kernel that is not over."""
-        busy: set[str] = set()
+    def _replicas_and_active_hosts(self) -> tuple[Counter[str], set[str]]:
+        """Replicas per host of the kernels that are not over (what a release has to move), and
+        the hosts that are not idle: they hold a replica of a kernel with work in flight."""
+        replicas: Counter[str] = Counter()
+        active: set[str] = set()
         for kernel in self.state.kernels.values():
             if kernel.state in (STOPPED, DEAD):
                 continue
-            for replica in kernel.replicas.values():
-                if replica.alive or not replica.started:
-                    busy.add(replica.host_id)
-        return busy
+            placed = [r for r in kernel.replicas.values() if r.alive or not r.started]
+            replicas.update(r.host_id for r in placed)
+            if (
+                kernel.state != RUNNING
+                or kernel.held is not None
+                or kernel.router.merger.pending_ids()
+                or any(not r.started for r in placed)
+            ):
+                active.update(r.host_id for r in placed)
+        return replicas, active
 
     def host_loads(self) -> list[HostLoad]:
         now = self._clock()
-        busy = self._busy_hosts()
+        replicas, active = self._replicas_and_active_hosts()
         loads = []
         for host in self.state.hosts.values():
             if not host.alive or host.host_id in self._releasing:
                 continue
             subscribed, _ = self.state.subscribed_on(host.host_id)
+            held = replicas[host.host_id]
             idle = (
-                host.host_id not in busy
+                host.host_id not in active
                 and host.committed_gpus == 0
                 and host.host_id not in self._reserved_on
+                and (held == 0 or self._drain is not None)
             )
             if idle:
                 since = self._idle_since.setdefault(host.host_id, now)
             else:
                 self._idle_since.pop(host.host_id, None)
             releasable = idle and self.provider.owns(host.host_id) and now - since >= self._idle_needed
-            loads.append(HostLoad(host.host_id, host.gpus, host.committed_gpus, subscribed, releasable))
+            loads.append(
+                HostLoad(
+                    host.host_id,
+                    host.gpus,
+                    host.committed_gpus,
+                    subscribed,
+                    releasable=releasable,
+                    replicas=held,
+                )
+            )
         return loads
 
     async def evaluate_once(self) -> None:
@@ -285,36 +326,63 @@ class ClusterAutoscaler:
         if isinstance(decision, ScaleOut):
             self.policy.expect_hosts(decision.count)
             await self._scale_out(decision.count, decision.reason)
-        elif isinstance(decision, ScaleIn):
-            await asyncio.gather(*(self._release(h, decision.reason) for h in decision.host_ids))
+        elif isinstance(decision, ScaleIn) and not self._releasing:
+            # One round of at most max_release hosts at a time, in the background: its drains can
+            # take a while, the periodic check goes on meanwhile (hosts being emptied are out of
+            # ``loads``, so no other scale-in is judged until the round is over).
+            self._releasing.update(decision.host_ids)
+            self._release_round = asyncio.ensure_future(
+                asyncio.gather(*(self._release(h, decision.reason) for h in decision.host_ids))
+            )
 
     async def _release(self, host_id: str, reason: str) -> None:
+        """Cordon, migrate the host's replicas away, stop it; on a failure put the host back."""
         host = self.state.hosts.get(host_id)
         if host is None:
+            self._releasing.discard(host_id)
             return
         self._releasing.add(host_id)
-        host.cordoned = True  # nothing new lands there while it stops
+        was_cordoned, host.cordoned = host.cordoned, True  # nothing new lands there while it empties
+        moved: list[dict[str, str]] = []
         try:
+            if self._drain is not None and any(r.alive for _, r in self.state.replicas_on(host_id)):
+                log.info("scale_in_draining", host=host_id)
+                outcome = await self._drain(host_id)
+                moved = list(outcome.get("moved", ()))
+                stuck = _why_not_drained(outcome)
+                if stuck:
+                    raise RuntimeError(stuck)
             await self.provider.release(host_id)
         except Exception as exc:
-            log.error("scale_in_failed", host=host_id, reason=str(exc))
-            host.cordoned = False
-            self._event("scale_in_failed", [host_id], str(exc))
+            log.error("scale_in_failed", host=host_id, reason=str(exc), migrations=len(moved))
+            host.cordoned = was_cordoned
+            self._idle_since.pop(host_id, None)  # wait a full idle period before trying again
+            self._event("scale_in_failed", [host_id], str(exc), migrations=moved)
             return
         finally:
             self._releasing.discard(host_id)
         self.state.hosts.pop(host_id, None)
         self._idle_since.pop(host_id, None)
         self.scale_ins += 1
-        self._event("scale_in", [host_id], reason)
-        log.info("scale_in", host=host_id, reason=reason)
+        self._event("scale_in", [host_id], reason, migrations=moved)
+        log.info("scale_in", host=host_id, reason=reason, migrations=len(moved))
 
     # ---- reports ----------------------------------------------------------------------------
 
-    def _event(self, kind: str, hosts: list[str], reason: str, *, kernel: str | None = None) -> None:
+    def _event(
+        self,
+        kind: str,
+        hosts: list[str],
+        reason: str,
+        *,
+        kernel: str | None = None,
+        migrations: list[dict[str, str]] | None = None,
+    ) -> None:
         event: dict[str, Any] = {"at": round(time.time(), 3), "kind": kind, "hosts": hosts, "reason": reason}
         if kernel is not None:
             event["kernel"] = kernel
+        if migrations is not None:
+            event["migrations"] = migrations  # [{kernel, replica, to}]: the replicas moved off
         self.events.append(event)
 
     def status(self) -> dict[str, Any]:
@@ -330,3 +398,16 @@ class ClusterAutoscaler:
             "hosts_added": self.scale_outs,
             "hosts_released": self.scale_ins,
         }
+
+
+def _why_not_drained(outcome: dict[str, Any]) -> str:
+    """Why a drain left the host unreleasable ("" when it is empty): the replicas that did not move."""
+    failed = outcome.get("failed") or []
+    if failed:
+        first = failed[0]
+        more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+        return (
+            f"replica {first['replica']} of kernel {first['kernel']} could not move: {first['reason']}{more}"
+        )
+    left = int(outcome.get("replicas_left") or 0)
+    return f"{left} replica(s) still on the host after the drain" if left else ""

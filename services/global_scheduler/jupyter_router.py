@@ -17,7 +17,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from services.global_scheduler.reply_merger import Failed, Forward, Frames, Incoming, Merged, ReplyMerger
+from services.global_scheduler.reply_merger import (
+    FINISHED_MEMORY,
+    Failed,
+    Forward,
+    Frames,
+    Incoming,
+    Merged,
+    ReplyMerger,
+)
+from shared.election_round import ROUND_FIELD
 from shared.jupyter_wire import Signer, WireError, header_of, json_part
 from shared.policies.executor_choice import ExecutorChoice
 
@@ -82,7 +91,12 @@ class KernelRouter:
         self.last_executor: str | None = None
         self.execution_count = 0
         self.dead_reason: str | None = None
-        self._execute_ids: dict[str, None] = {}  # pending execute msg_ids, oldest first
+        # A cell whose executor could not get the GPUs is migrated and sent again (service.py);
+        # set for kernels that need GPUs. Without it such a reply reaches the client as it is.
+        self.migrate_without_executor = False
+        self._execute_ids: dict[str, Frames] = {}  # pending execute msg_ids (oldest first): frames
+        # cells sent again after a failed election: msg_id -> (round, whether the client saw busy)
+        self._rounds: dict[str, tuple[int, bool]] = {}
 
     # ---- client → replicas ------------------------------------------------------------------
 
@@ -108,9 +122,10 @@ class KernelRouter:
             return routed
         msg_id = routed.msg_id = header["msg_id"]
         msg_type = routed.msg_type = header["msg_type"]
+        retried = self._rounds.get(msg_id) if channel == "shell" else None
         if self.dead_reason is not None or not live:
             routed.to_client = self.synthesize_failure(
-                Failed(msg_id, header, channel, False, False, False),
+                Failed(msg_id, header, channel, retried is not None and retried[1], False, False),
                 "KernelDead",
                 self.dead_reason or "no live replicas",
             )
@@ -120,19 +135,32 @@ class KernelRouter:
             choice = choose()
             executor = routed.executor = choice.executor if choice.executor in live else None
             quiet = self.quiet_yielders and executor is not None
+            sent, sent_header = frames, header
+            if retried is not None or ROUND_FIELD in header:  # the scheduler's field, not a client's
+                sent_header = {k: v for k, v in header.items() if k != ROUND_FIELD}
+                if retried is not None:  # a new election round (shared/election_round.py)
+                    sent_header[ROUND_FIELD] = retried[0]
+                sent = rewrite_msg_type(frames, sent_header, msg_type, self.signer)
             yield_frames: Frames | None = None
             for replica_id in live:
                 if replica_id == executor:
-                    routed.to_replicas.append((replica_id, channel, frames))
+                    routed.to_replicas.append((replica_id, channel, sent))
                 else:
                     if yield_frames is None:
                         yield_frames = rewrite_msg_type(
-                            frames, header, "yield_request", self.signer, quiet=quiet
+                            sent, sent_header, "yield_request", self.signer, quiet=quiet
                         )
                     routed.to_replicas.append((replica_id, channel, yield_frames))
-            self._execute_ids[msg_id] = None
+            self._execute_ids[msg_id] = frames
             targets = {executor} if quiet and executor is not None else set(live)
-            self.merger.open(msg_id, targets, reply_channel=channel, context=header, serial=True)
+            self.merger.open(
+                msg_id,
+                targets,
+                reply_channel=channel,
+                context=header,
+                serial=True,
+                busy_sent=retried is not None and retried[1],
+            )
         elif msg_type in BROADCAST_REQUESTS:
             routed.to_replicas = [(r, channel, frames) for r in live]
             self.merger.open(
@@ -174,6 +202,10 @@ class KernelRouter:
         except (ValueError, IndexError, AttributeError):
             self.merger.dropped += 1
             return Merged()
+        retried = self._rounds.get(parent_id) if parent_id is not None else None
+        if retried is not None and _json_field(frames[2], ROUND_FIELD) != retried[0]:
+            self.merger.dropped += 1  # an answer to an earlier, failed round of a cell sent again
+            return Merged()
         inc = Incoming(replica_id, channel, msg_type, parent_id, frames)
         if msg_type == "status":
             inc.execution_state = _json_field(frames[4], "execution_state")
@@ -182,6 +214,13 @@ class KernelRouter:
             if isinstance(tandem, dict):
                 role = tandem.get("role")
                 inc.role = role if isinstance(role, str) else None
+                if (
+                    tandem.get("no_executor") is True
+                    and self.migrate_without_executor
+                    and parent_id in self._execute_ids
+                    and self.merger.is_pending(parent_id)
+                ):
+                    return Merged(no_executor=[parent_id])  # held back: the cell is sent again
         merged = self.merger.on_frame(inc)
         self._after(merged)
         if msg_type == "execute_reply" and any(f is frames for _, f in merged.forwards):
@@ -218,6 +257,28 @@ class KernelRouter:
         for f in failed:
             forwards += self.synthesize_failure(f, "ReplicaLost", reason)
         return forwards, merged.finished + [f.msg_id for f in failed]
+
+    def round_of(self, msg_id: str) -> int:
+        """The election round msg_id is (or will next be) sent to the replicas in."""
+        retried = self._rounds.get(msg_id)
+        return retried[0] if retried is not None else 0
+
+    def retry(self, msg_id: str) -> tuple[Frames, int, bool] | None:
+        """The cell's election failed for lack of GPUs: withdraw it (whatever its replicas still
+        send for this round is dropped) so it can be routed again, as the next election round.
+        Returns the client's frames, that round, and whether the client already saw busy; None
+        when msg_id is not a pending cell (already withdrawn, or answered)."""
+        frames = self._execute_ids.get(msg_id)
+        if frames is None or not self.merger.is_pending(msg_id):
+            return None
+        failed = self.merger.fail(msg_id)
+        del self._execute_ids[msg_id]
+        round_, busy_sent = self._rounds.pop(msg_id, (0, False))
+        busy_sent = busy_sent or (failed is not None and failed.busy_sent)
+        self._rounds[msg_id] = (round_ + 1, busy_sent)
+        while len(self._rounds) > FINISHED_MEMORY:
+            self._rounds.pop(next(iter(self._rounds)))
+        return frames, round_ + 1, busy_sent
 
     def withdraw(self, msg_id: str) -> None:
         """Forget a routed request that was not sent after all (held for a migration); routing

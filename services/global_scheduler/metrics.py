@@ -9,7 +9,10 @@ Per cell (an ``execute_request``), in the scheduler's own view of the paper's de
   arrived (a designated executor) and the election did not fail (no migration needed);
 * which replica executed, and the times of the scheduler-visible steps: ``route_ms`` (arrival to
   the request sent on), ``held_ms`` (waiting for a migration, then sent on again), ``elect_ms``
-  (sent on to elected), ``run_ms`` (elected to completion).
+  (sent on to elected), ``run_ms`` (elected to completion);
+* the executor's own step times (``replica_steps_ms``: decide, elect, state wait, bind, apply
+  wait, run, confirm, replied, and the state replication steps after the reply), which the
+  replica pushes as ``replica.event cell_timings`` after its reply (off the critical path).
 
 Cluster-wide: subscription ratio, provisioned and committed GPUs, migrations, scale events, warm
 pools, replica start times (cold vs warm). ``status()`` feeds ``cluster.status``;
@@ -19,6 +22,7 @@ pools, replica start times (cold vs warm). ``status()`` feeds ``cluster.status``
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 from collections import OrderedDict, deque
@@ -39,6 +43,53 @@ log = structlog.get_logger("metrics")
 
 OPEN_CELLS_MAX = 10_000  # cells never completed (a lost reply) are dropped oldest first past this
 DELAY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# replica steps are often well under a millisecond (a bind ahead, an empty state wait)
+STEP_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, *DELAY_BUCKETS_S)
+# What a replica's ``cell_timings`` event may carry (kernel_replica/kernel.py ``timing``, in this
+# order in reports): the execute path's steps, then the state replication after the reply (ms).
+REPLICA_STEPS = (
+    "decide_ms",
+    "elect_ms",
+    "state_wait_ms",
+    "bind_ms",
+    "apply_wait_ms",
+    "run_ms",
+    "confirm_ms",
+    "replied_ms",
+    "analysis_ms",
+    "fingerprint_ms",
+    "serialize_ms",
+    "store_ms",
+    "to_gpu_ms",  # GPU residency (kernel_replica/device_residency.py): notebook tensors moved
+    "to_host_ms",
+)
+# sizes, not times: the cell's STATE entry, the tensors moved to the GPU and back
+REPLICA_SIZES = ("state_bytes", "to_gpu_bytes", "to_host_bytes")
+MAX_STEP_MS = 7 * 24 * 3600 * 1000.0  # a week: anything longer is a broken clock, not a step
+
+
+def parse_cell_timings(detail: Any) -> tuple[dict[str, float], list[str]]:
+    """A replica's ``cell_timings`` detail as ``({step or size: value}, unknown keys left out)``;
+    ``ValueError`` naming the problem unless it is a mapping whose known keys hold finite,
+    non-negative numbers (the event crosses processes). Unknown keys are left out, not fatal, so
+    a replica that reports a new step does not lose the others."""
+    if not isinstance(detail, dict) or not detail:
+        raise ValueError(f"cell_timings detail must be a non-empty mapping, got {type(detail).__name__}")
+    timings: dict[str, float] = {}
+    unknown: list[str] = []
+    for key, value in detail.items():
+        if key not in REPLICA_STEPS and key not in REPLICA_SIZES:
+            unknown.append(str(key)[:64])
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"cell_timings {key!r} must be a number, got {type(value).__name__}")
+        limit = float("inf") if key in REPLICA_SIZES else MAX_STEP_MS
+        if not math.isfinite(value) or not 0 <= value <= limit:
+            raise ValueError(f"cell_timings {key!r} is out of range: {value!r}")
+        timings[key] = float(value)
+    if not timings:
+        raise ValueError(f"cell_timings has no known step (got {sorted(unknown)[:8]})")
+    return timings, sorted(unknown)
 
 
 @dataclass(slots=True)
@@ -55,6 +106,8 @@ class CellRecord:
     host: str | None = None
     completed: float | None = None
     steps_ms: dict[str, float] = field(default_factory=dict)
+    replica_steps_ms: dict[str, float] = field(default_factory=dict)  # the executor's own (ms)
+    replica_bytes: dict[str, int] = field(default_factory=dict)  # state_bytes, to_gpu_bytes, ...
 
     @property
     def interactivity_delay_ms(self) -> float | None:
@@ -71,6 +124,7 @@ class CellRecord:
         out["interactivity_delay_ms"] = _r(self.interactivity_delay_ms)
         out["task_completion_ms"] = _r(self.task_completion_ms)
         out["steps_ms"] = {k: round(v, 3) for k, v in self.steps_ms.items()}
+        out["replica_steps_ms"] = {k: round(v, 3) for k, v in self.replica_steps_ms.items()}
         return out
 
 
@@ -96,12 +150,16 @@ class SchedulerMetrics:
         self._clock = clock
         self._open: OrderedDict[tuple[str, str], CellRecord] = OrderedDict()
         self.cells: deque[CellRecord] = deque(maxlen=max(cells_kept, 1))
+        # completed cells by key, for the executor's timings that arrive after the reply
+        self._completed: OrderedDict[tuple[str, str], CellRecord] = OrderedDict()
         self.cells_total = 0
         self.cells_immediate = 0
         self.migrations = 0
         self.replica_starts: dict[str, deque[float]] = {"cold": deque(maxlen=500), "warm": deque(maxlen=500)}
         self.warm_pools: dict[str, dict[str, int]] = {}  # host -> {warm, starting} from heartbeats
         self.on_cell_completed: Callable[[CellRecord], None] | None = None  # the exporter's histograms
+        self.on_replica_timings: Callable[[dict[str, float]], None] | None = None  # likewise
+        self.timings_dropped = 0  # cell_timings events refused (malformed, unknown cell, not the executor)
 
     # ---- cells (called from the scheduler's message handlers) -------------------------------
 
@@ -154,10 +212,39 @@ class SchedulerMetrics:
             if record.elected is not None:
                 record.steps_ms["run_ms"] = (record.completed - record.elected) * 1000
             self.cells.append(record)
+            self._completed[(kernel_id, msg_id)] = record
+            while len(self._completed) > (self.cells.maxlen or 1):
+                self._completed.popitem(last=False)
             self.cells_total += 1
             self.cells_immediate += record.immediate
             if self.on_cell_completed is not None:
                 self.on_cell_completed(record)
+
+    def cell_timings(self, kernel_id: str, msg_id: str, replica_id: str, detail: Any) -> bool:
+        """The executor's step times for a cell (``replica.event cell_timings``, sent after its
+        reply, so usually after the cell completed here). False, logged, when refused: malformed,
+        an unknown (or long forgotten) cell, or a replica other than the cell's executor."""
+        clog = log.bind(kernel=kernel_id, replica=replica_id, msg_id=msg_id)
+        try:
+            timings, unknown = parse_cell_timings(detail)
+        except ValueError as exc:
+            self.timings_dropped += 1
+            clog.warning("cell_timings_dropped", reason=str(exc))
+            return False
+        if unknown:
+            clog.warning("cell_timings_unknown_steps_left_out", steps=unknown[:8])
+        key = (kernel_id, msg_id)
+        record = self._open.get(key) or self._completed.get(key)
+        if record is None or (record.executor is not None and record.executor != replica_id):
+            self.timings_dropped += 1
+            reason = "unknown cell" if record is None else f"not its executor ({record.executor})"
+            clog.info("cell_timings_dropped", reason=reason)
+            return False
+        record.replica_steps_ms = {k: v for k, v in timings.items() if k in REPLICA_STEPS}
+        record.replica_bytes = {k: int(v) for k, v in timings.items() if k in REPLICA_SIZES}
+        if self.on_replica_timings is not None:
+            self.on_replica_timings(timings)
+        return True
 
     # ---- cluster events ---------------------------------------------------------------------
 
@@ -190,6 +277,15 @@ class SchedulerMetrics:
                 step: percentiles(c.steps_ms[step] for c in recent if step in c.steps_ms)
                 for step in ("route_ms", "held_ms", "elect_ms", "run_ms")
             },
+            "replica_steps_ms": {
+                step: percentiles(c.replica_steps_ms[step] for c in recent if step in c.replica_steps_ms)
+                for step in REPLICA_STEPS
+            },
+            "replica_bytes": {
+                size: percentiles(c.replica_bytes[size] for c in recent if size in c.replica_bytes)
+                for size in REPLICA_SIZES
+            },
+            "cell_timings_dropped": self.timings_dropped,
             "replica_start_ms": {kind: percentiles(v) for kind, v in self.replica_starts.items()},
         }
 
@@ -208,7 +304,7 @@ class PrometheusExporter:
         loop: asyncio.AbstractEventLoop,
         metrics: SchedulerMetrics,
     ) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Histogram, Summary
 
         self.registry = CollectorRegistry()
         self._snapshot = snapshot
@@ -235,10 +331,24 @@ class PrometheusExporter:
             buckets=DELAY_BUCKETS_S,
             registry=self.registry,
         )
+        self._replica_steps = Histogram(
+            "tandem_cell_replica_step_seconds",
+            "The executor's own steps of the execute path and of the state replication after the reply",
+            ["step"],
+            buckets=STEP_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._replica_bytes = Summary(
+            "tandem_cell_replica_bytes",
+            "Per cell on its executor: the STATE entry's size (state), tensors moved to the GPU and back",
+            ["kind"],
+            registry=self.registry,
+        )
         self._cells = Counter(
             "tandem_cells", "Completed cells", ["committed_immediately"], registry=self.registry
         )
         metrics.on_cell_completed = self.observe
+        metrics.on_replica_timings = self.observe_replica_timings
 
     def observe(self, record: CellRecord) -> None:
         if (delay := record.interactivity_delay_ms) is not None:
@@ -248,6 +358,13 @@ class PrometheusExporter:
         for step, ms in record.steps_ms.items():
             self._steps.labels(step=step.removesuffix("_ms")).observe(ms / 1000)
         self._cells.labels(committed_immediately=str(record.immediate).lower()).inc()
+
+    def observe_replica_timings(self, timings: dict[str, float]) -> None:
+        for step, value in timings.items():
+            if step in REPLICA_SIZES:
+                self._replica_bytes.labels(kind=step.removesuffix("_bytes")).observe(value)
+            else:
+                self._replica_steps.labels(step=step.removesuffix("_ms")).observe(value / 1000)
 
     def _take_snapshot(self) -> dict[str, Any]:
         async def take() -> dict[str, Any]:

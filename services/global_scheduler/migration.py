@@ -44,8 +44,11 @@ MEMBERSHIP_TIMEOUT_S = 20.0
 CATCH_UP_POLL_S = 0.1
 OWN_GPUS_POLL_S = 0.2  # while the kernel's own earlier cell holds the GPUs: wait, do not migrate
 REASON_ALL_YIELD = "no replica's host can bind the cell's GPUs"
+REASON_ELECTION_FAILED = "the cell's election failed: its executor's host could not bind the GPUs"
+MAX_ELECTION_ROUNDS = 3  # a cell whose election failed this many times is answered with an error
 REASON_DEAD = "replica died"
 REASON_DRAIN = "host drained"
+REASON_SCALE_IN = "host released by scale-in"
 
 
 class MigrationError(RuntimeError):
@@ -60,6 +63,10 @@ class HeldCell:
     header: dict[str, Any]
     since: float  # monotonic
     attempts: int = 0
+    busy_sent: bool = False  # sent before (its election failed): the client saw busy
+    # after a failed election, our ledger was wrong about that host: wait for the heartbeats
+    # to correct it before trusting it to pick an executor
+    settle_first: bool = False
 
 
 class Migrator:
@@ -109,6 +116,38 @@ class Migrator:
             self._gs._spawn(self._resolve(kernel))
         return True
 
+    def hold_failed_election(
+        self, kernel: KernelRecord, msg_id: str, frames: list[bytes], *, round_: int, busy_sent: bool
+    ) -> None:
+        """A cell sent to replicas whose election failed for lack of GPUs (the router withdrew
+        it): held at the head of the kernel's queue like a cell no replica could take, then sent
+        on as election round ``round_`` once a replica (moved, if need be) can bind the GPUs.
+        After ``MAX_ELECTION_ROUNDS`` failed rounds, or if the kernel no longer runs, the client
+        gets an error reply instead."""
+        try:
+            header = header_of(frames)
+        except WireError:  # it was routed, so it parsed: cannot happen, but never hang the client
+            header = {"msg_id": msg_id, "msg_type": "execute_request"}
+        kernel.held = [frames, *(kernel.held or [])]
+        # a later cell held meanwhile stays queued behind this one (held afresh when sent on)
+        cell = HeldCell(msg_id, header, self._gs._clock(), busy_sent=busy_sent, settle_first=True)
+        self._held[kernel.kernel_id] = cell
+        if kernel.state != RUNNING:
+            self._give_up(kernel, cell, f"kernel {kernel.kernel_id} is {kernel.state}", "NoExecutorAvailable")
+            return
+        if round_ > MAX_ELECTION_ROUNDS:
+            self._give_up(
+                kernel,
+                cell,
+                f"{round_} elections failed: the hosts' local schedulers refused the GPUs each time",
+                "NoExecutorAvailable",
+            )
+            return
+        log.info("cell_held", kernel=kernel.kernel_id, msg_id=msg_id, reason=REASON_ELECTION_FAILED)
+        if kernel.kernel_id not in self._resolving:
+            self._resolving.add(kernel.kernel_id)
+            self._gs._spawn(self._resolve(kernel))
+
     async def _resolve(self, kernel: KernelRecord) -> None:
         """Until the held cell is sent on or given up: an executor now? else migrate, else back off."""
         kernel_id = kernel.kernel_id
@@ -121,6 +160,10 @@ class Migrator:
                     continue
                 if self._holds_gpus(kernel):
                     await asyncio.sleep(OWN_GPUS_POLL_S)  # its previous cell still runs
+                    continue
+                settle = cell.since + self.ledger_settle_s - self._gs._clock()
+                if cell.settle_first and settle > 0:
+                    await asyncio.sleep(settle)
                     continue
                 if self._executor_now(kernel):
                     await self._dispatch_or_pause(kernel)
@@ -223,7 +266,7 @@ class Migrator:
         held = kernel.held or []
         kernel.held = held[1:] or None
         self._held.pop(kernel.kernel_id, None)
-        failed = Failed(cell.msg_id, cell.header, "shell", False, False, False)
+        failed = Failed(cell.msg_id, cell.header, "shell", cell.busy_sent, False, False)
         self._gs._to_gateway(kernel, kernel.router.synthesize_failure(failed, ename, reason))
         if kernel.held is not None:
             self._dispatch(kernel)
@@ -243,15 +286,20 @@ class Migrator:
         except MigrationError as exc:
             log.warning("replacement_gave_up", kernel=kernel.kernel_id, replica=replica_id, reason=str(exc))
 
-    async def drain(self, host_id: str) -> dict[str, Any]:
-        """Move every replica of a running kernel off ``host_id`` (already cordoned)."""
+    async def drain(
+        self, host_id: str, *, reason: str = REASON_DRAIN, wait_for_target: bool = True
+    ) -> dict[str, Any]:
+        """Move every replica of a running kernel off ``host_id`` (already cordoned): ``tandem host
+        drain``, and the autoscaler's scale-in (``wait_for_target=False``: a replica no host can
+        take fails at once, so the scale-in is abandoned rather than held for the retry deadline)."""
         moves = [
             (kernel, replica.replica_id)
             for kernel, replica in self._gs.state.replicas_on(host_id)
             if replica.alive and kernel.state == RUNNING
         ]
         outcomes = await asyncio.gather(
-            *(self.replace(kernel, rid, REASON_DRAIN) for kernel, rid in moves), return_exceptions=True
+            *(self.replace(kernel, rid, reason, wait_for_target=wait_for_target) for kernel, rid in moves),
+            return_exceptions=True,
         )
         moved: list[dict[str, str]] = []
         failed: list[dict[str, str]] = []
@@ -264,9 +312,12 @@ class Migrator:
         left = [r.replica_id for k, r in self._gs.state.replicas_on(host_id) if r.alive]
         return {"host_id": host_id, "moved": moved, "failed": failed, "replicas_left": len(left)}
 
-    async def replace(self, kernel: KernelRecord, replica_id: str, reason: str) -> str:
-        """Move ``replica_id`` to another host (retrying while none can take it); the new
-        replica's id. Waits while the replica executes a cell (moving it would lose the cell)."""
+    async def replace(
+        self, kernel: KernelRecord, replica_id: str, reason: str, *, wait_for_target: bool = True
+    ) -> str:
+        """Move ``replica_id`` to another host (retrying while none can take it, unless not
+        ``wait_for_target``); the new replica's id. Waits while the replica executes a cell
+        (moving it would lose the cell)."""
         key = (kernel.kernel_id, replica_id)
         self._replacing.add(key)
         started = self._gs._clock()
@@ -298,6 +349,8 @@ class Migrator:
                             why = str(exc)
                     else:
                         why = _explain(plan)
+                        if not wait_for_target:
+                            raise MigrationError(why)
                 attempts += 1
                 now = self._gs._clock()
                 decision = self.schedule.after_failure(attempts, started, now, why)

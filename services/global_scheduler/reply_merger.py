@@ -58,6 +58,9 @@ class Merged:
     forwards: list[Forward] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # msg_ids now fully answered
     responders: list[tuple[str, str]] = field(default_factory=list)  # (msg_id, replica_id) newly known
+    # execute requests whose executor could not get the GPUs (an execute_reply marked
+    # ``no_executor``, held back from the client): the scheduler migrates them and sends them again
+    no_executor: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -104,11 +107,13 @@ class ReplyMerger:
         context: Any = None,
         serial: bool = True,
         first_reply_wins: bool = False,
+        busy_sent: bool = False,
     ) -> None:
         """Start tracking a request sent to ``targets``.
 
         ``serial``: the replicas handle it in order behind earlier shell requests, so its deadline
         only starts once every earlier serial request finished (a long cell is not a hang).
+        ``busy_sent``: the client already saw busy (a cell sent again after a failed election).
         """
         self._finished.pop(msg_id, None)
         self._pending[msg_id] = _Request(
@@ -119,6 +124,7 @@ class ReplyMerger:
             context,
             serial,
             first_reply_wins,
+            busy_sent,
         )
 
     def is_pending(self, msg_id: str) -> bool:
@@ -209,6 +215,12 @@ class ReplyMerger:
             elif req.responder is None:
                 self._decide_if_all_replied(req, out)
         return out, failed
+
+    def executing_on(self, replica_id: str) -> list[str]:
+        """Pending cells ``replica_id`` was elected for (it took their GPUs)."""
+        return [
+            m for m, req in self._pending.items() if req.responder == replica_id and _is_execute(req.context)
+        ]
 
     def widen_orphans(self, lost: str, live: set[str]) -> None:
         """The designated executor of undecided cells died: the quiet yielders are still in the

@@ -30,11 +30,12 @@ from services.global_scheduler.cluster_state import (
 )
 from services.global_scheduler.jupyter_router import KernelRouter
 from services.global_scheduler.metrics import PrometheusExporter, SchedulerMetrics, cluster_report
-from services.global_scheduler.migration import Migrator
+from services.global_scheduler.migration import REASON_SCALE_IN, Migrator
 from services.global_scheduler.reply_merger import Forward
 from services.host_provider import NoHostProvider, make_host_provider
 from shared import messages
 from shared.config import Config, ConfigError
+from shared.election_round import election_key, split_election_key
 from shared.envelope import Envelope
 from shared.policies.executor_choice import ExecutorChoice, choose_executor
 from shared.policies.kernel_placement import KernelPlacement
@@ -89,6 +90,10 @@ class GlobalScheduler:
         self._outbound = OutboundRequests(self._server)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._migrator = Migrator(self, cfg)
+        # scale-in empties an idle host through the same drain as `tandem host drain`
+        self.autoscaling.attach_drain(
+            lambda host_id: self._migrator.drain(host_id, reason=REASON_SCALE_IN, wait_for_target=False)
+        )
         # replicas being restarted in place: their process exits, but that is no loss to replace
         self._restarting: set[tuple[str, str]] = set()
         self._started_at = clock()
@@ -159,6 +164,7 @@ class GlobalScheduler:
         except OSError as exc:  # scheduling goes on without /metrics
             log.error("metrics_unavailable", reason=f"cannot serve /metrics on {address}:{port}: {exc}")
             self.metrics.on_cell_completed = None
+            self.metrics.on_replica_timings = None
             return
         self._exporter = exporter
         log.info("metrics_listening", url=self.metrics_url)
@@ -311,6 +317,8 @@ class GlobalScheduler:
         if kernel is None or replica_id is None:
             return None
         merged = kernel.router.on_replica_message(replica_id, body["channel"], body["frames"])
+        for msg_id in merged.no_executor:  # its NoExecutorAvailable / GpuUnavailable is held back
+            self._migrate_without_executor(kernel, msg_id, "its executor could not bind the GPUs")
         if merged.forwards:
             self._to_gateway(kernel, merged.forwards)
         if merged.finished:
@@ -347,6 +355,11 @@ class GlobalScheduler:
         msg_id = body.get("msg_id")
         detail: dict[str, Any] = body.get("detail") or {}
         blog = log.bind(kernel=kernel.kernel_id, replica=replica.replica_id, host=replica.host_id)
+        if isinstance(msg_id, str) and msg_id:  # a cell sent again is elected under its round's key
+            msg_id, round_ = split_election_key(msg_id)
+            if event in ("elected", "election_failed") and round_ != kernel.router.round_of(msg_id):
+                blog.info("earlier_round_event_ignored", msg_id=msg_id, replica_event=event, round=round_)
+                return None
         if event == "elected" and msg_id:
             gpus = detail.get("gpus") or []
             self.state.committed_by_election(kernel, msg_id, replica.host_id, len(gpus))
@@ -357,11 +370,15 @@ class GlobalScheduler:
             self._release(kernel, merged.finished)
         elif event == "election_failed" and msg_id:
             blog.warning("election_failed", msg_id=msg_id)
+            if self._migrate_without_executor(kernel, msg_id, "every replica yielded"):
+                return None
             self.metrics.cell_not_committed(kernel.kernel_id, msg_id)
             self.state.release(kernel, msg_id)
             merged = kernel.router.on_election_failed(msg_id)
             self._to_gateway(kernel, merged.forwards)
             self._release(kernel, merged.finished)
+        elif event == "cell_timings" and msg_id:
+            self.metrics.cell_timings(kernel.kernel_id, msg_id, replica.replica_id, body.get("detail"))
         elif event == "raft_role":
             role = detail.get("role")
             role = role.lower() if isinstance(role, str) else None
@@ -376,10 +393,42 @@ class GlobalScheduler:
                     "replica_exited",
                     returncode=returncode,
                 )
+                started = [  # what the replicas elected them under (a retried cell: its round's key)
+                    election_key(m, kernel.router.round_of(m))
+                    for m in kernel.router.merger.executing_on(replica.replica_id)
+                ]
                 self._replica_lost(kernel, replica, f"replica {replica.replica_id} exited ({returncode})")
+                if kernel.state == RUNNING and (kernel.kernel_id, replica.replica_id) not in self._restarting:
+                    self._tell_members_lost(kernel, replica.replica_id, started)
         else:
-            blog.debug("replica_event", event=event, msg_id=msg_id)
+            blog.debug("replica_event", replica_event=event, msg_id=msg_id)
         return None
+
+    def _migrate_without_executor(self, kernel: KernelRecord, msg_id: str, why: str) -> bool:
+        """NotebookOS §3.2.3: a GPU cell whose executor could not get the GPUs although our ledger
+        said its host could (every replica yielded, or the designated one's local scheduler
+        refused to bind: its ledger disagreed) goes through migration and is sent again as a new
+        election round, instead of its NoExecutorAvailable / GpuUnavailable reaching the client.
+        False when it is not such a cell (0 GPUs: the error goes through; no longer pending)."""
+        if kernel.resources.gpus <= 0:
+            return False
+        refused_on = kernel.reserved_on.get(msg_id)
+        retry = kernel.router.retry(msg_id)
+        if retry is None:
+            return False
+        frames, round_, busy_sent = retry
+        log.warning(
+            "cell_without_executor",
+            kernel=kernel.kernel_id,
+            msg_id=msg_id,
+            reason=why,
+            designated_host=refused_on,
+            next_round=round_,
+        )
+        self.metrics.cell_not_committed(kernel.kernel_id, msg_id)
+        self.state.release(kernel, msg_id)
+        self._migrator.hold_failed_election(kernel, msg_id, frames, round_=round_, busy_sent=busy_sent)
+        return True
 
     def _replica_lost(self, kernel: KernelRecord, replica: ReplicaRecord, reason: str) -> None:
         replica.alive = False
@@ -394,6 +443,35 @@ class GlobalScheduler:
             self._mark_dead(kernel, f"{len(live)} of {len(kernel.replicas)} replicas alive: {reason}")
         elif kernel.state == RUNNING and (kernel.kernel_id, replica.replica_id) not in self._restarting:
             self._migrator.on_replica_lost(kernel, replica, reason)
+
+    def _tell_members_lost(self, kernel: KernelRecord, lost: str, started: list[str]) -> None:
+        """The surviving replicas hear at once that ``lost``'s process died, so a cell it was
+        running (``started``: elected there, even if its LEAD never committed) or the STATE it
+        still owed is given up now rather than after a silence timeout, and never run again."""
+
+        async def tell(survivor: ReplicaRecord) -> None:
+            body = {
+                "kernel_id": kernel.kernel_id,
+                "replica_id": survivor.replica_id,
+                "action": "lost",
+                "member": lost,
+                "cells": started,
+            }
+            try:
+                await self._outbound.request(
+                    survivor.host_id.encode(), Envelope(messages.REPLICA_MEMBERSHIP, body), timeout=5.0
+                )
+            except (RpcError, RpcTimeout) as exc:  # it learns from the silence timeout instead
+                log.info(
+                    "member_lost_not_told",
+                    kernel=kernel.kernel_id,
+                    replica=survivor.replica_id,
+                    reason=str(exc),
+                )
+
+        for survivor in kernel.replicas.values():
+            if survivor.alive and survivor.started and survivor.replica_id != lost:
+                self._spawn(tell(survivor))
 
     def _mark_stopped(self, kernel: KernelRecord) -> None:
         kernel.state = STOPPED
@@ -491,6 +569,7 @@ class GlobalScheduler:
         kernel = KernelRecord(
             kernel_id, key, scheme, resources, KernelRouter(kernel_id, key.encode(), scheme)
         )
+        kernel.router.migrate_without_executor = resources.gpus > 0  # see _migrate_without_executor
         kernel.state = RUNNING
         kernel.router.merger.forward_unknown = True  # cells its predecessor routed still answer
         self.state.kernels[kernel_id] = kernel
@@ -605,6 +684,7 @@ class GlobalScheduler:
         kernel = KernelRecord(
             kernel_id, key, scheme, resources, KernelRouter(kernel_id, key.encode(), scheme)
         )
+        kernel.router.migrate_without_executor = resources.gpus > 0  # see _migrate_without_executor
         for n, host_id in enumerate(decision.hosts, start=1):
             kernel.replicas[f"r{n}"] = ReplicaRecord(f"r{n}", host_id)
         self.state.kernels[kernel_id] = kernel

@@ -25,6 +25,7 @@ from services.local_scheduler.replica_process import ReplicaProcess
 from services.local_scheduler.warm_pool import WarmPool
 from shared import messages
 from shared.config import Config
+from shared.election_round import election_key, round_of
 from shared.envelope import Envelope
 from shared.rpc import OutboundRequests, RpcClient, RpcError, RpcServer, RpcTimeout
 
@@ -445,7 +446,8 @@ class LocalScheduler:
             msg_id = parsed["msg_id"]
             if parsed.get("msg_type") != "execute_request" or not isinstance(msg_id, str):
                 return
-        except (ValueError, KeyError, TypeError):
+            msg_id = election_key(msg_id, round_of(parsed))  # what the replica binds under
+        except (ValueError, KeyError, TypeError, AttributeError):
             return  # the replica's ipykernel reports the malformed message
         if replica.identity is None:
             return

@@ -8,8 +8,11 @@ Two triggers for scale-out:
    says which replicas to place on it.
 2. The periodic check: expected capacity ΣG' = f·ΣC (ΣC GPUs committed to executing replicas,
    f = 1.05) plus a *scaling buffer* of extra hosts for bursts. Fewer provisioned → scale out; more
-   → release idle hosts (nothing committed), 1-2 at a time, fewest replicas first, and never so
-   many that the remaining hosts' cluster subscription ratio would pass ``max_ratio_after_scale_in``.
+   → release idle hosts (nothing committed; the caller marks a host not ``releasable`` while a
+   kernel with a replica there has a cell in flight), 1-2 at a time, fewest subscribed GPUs first
+   and then fewest replicas (each one is a migration the caller carries out before the release),
+   and never so many that the remaining hosts' cluster subscription ratio would pass
+   ``max_ratio_after_scale_in`` (the released hosts' replicas move, their subscriptions stay).
 
 Stateful only in what it has asked for and not yet seen (pending hosts and their reservations);
 the caller passes the cluster's loads. No clock: the caller decides how often ``evaluate`` runs.
@@ -32,6 +35,7 @@ class HostLoad:
     committed_gpus: int = 0  # ΣC's share: GPUs bound to executing replicas here
     subscribed_gpus: int = 0  # S: what would have to move elsewhere if the host is released
     releasable: bool = True  # False: never a scale-in candidate (e.g. a host the provider did not start)
+    replicas: int = 0  # replicas a release would migrate away first (its cost, after S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +194,7 @@ class Autoscaler:
         total_g = sum(h.gpus for h in hosts)
         candidates = sorted(
             (h for h in hosts if h.committed_gpus == 0 and h.releasable),
-            key=lambda h: (h.subscribed_gpus, h.host_id),
+            key=lambda h: (h.subscribed_gpus, h.replicas, h.host_id),
         )
         release: list[str] = []
         for h in candidates:
@@ -205,7 +209,9 @@ class Autoscaler:
             release.append(h.host_id)
         if not release:
             return NoScale(f"{have - wanted} host(s) over target, but none idle that can be released")
+        moving = sum(h.replicas for h in hosts if h.host_id in release)
         return ScaleIn(
             tuple(release),
-            f"f·ΣC = {expected_gpus:.1f} GPUs + buffer needs {wanted} hosts, {have} provisioned",
+            f"f·ΣC = {expected_gpus:.1f} GPUs + buffer needs {wanted} hosts, {have} provisioned"
+            + (f"; {moving} replica(s) to migrate first" if moving else ""),
         )

@@ -19,7 +19,8 @@ submit time):
 * cell end -> ``on_cell_end`` (batch/lcp first write the large objects back, GPUs still held);
 * session end -> ``on_session_end`` (deferred while a cell runs);
 * periodic autoscaler check -> ``Autoscaler.evaluate``; scale-out hosts register after
-  ``host_provision_s``; scale-in drains a notebookos host's replicas first.
+  ``host_provision_s``; scale-in drains a notebookos host's replicas first (all of them or the
+  host stays), never picking a host that holds a replica of a session with a cell in flight.
 
 Interactivity delay = execution start - trace submit; task completion time = cell end - trace
 submit (NotebookOS §5.3.2, §5.3.3). A cell counts as *immediately committed* when the policy bound
@@ -32,7 +33,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -534,8 +535,26 @@ class Simulator:
     def _loads(self) -> list[HostLoad]:
         policy = self.policy
         if isinstance(policy, NotebookOsPolicy):
+            # As live (services/global_scheduler/autoscaling.py): an idle host may hold replicas,
+            # which ``_release`` migrates away first; a host holding a replica of a session with a
+            # cell in flight is not idle.
+            replicas: Counter[str] = Counter()
+            active: set[str] = set()
+            for session_id, kernel in policy.kernels.items():
+                replicas.update(kernel.hosts)
+                s = self._pos.get(session_id, -1)
+                if kernel.running or (s >= 0 and (self._busy[s] >= 0 or self._held[s] >= 0)):
+                    active.update(kernel.hosts)
             return [
-                HostLoad(v.host_id, v.gpus, v.committed_gpus, v.subscribed_gpus) for v in policy.index.views()
+                HostLoad(
+                    v.host_id,
+                    v.gpus,
+                    v.committed_gpus,
+                    v.subscribed_gpus,
+                    releasable=v.host_id not in active,
+                    replicas=replicas[v.host_id],
+                )
+                for v in policy.index.views()
             ]
         ledger = policy.ledger  # type: ignore[attr-defined]
         reserved = self.name == "reservation"

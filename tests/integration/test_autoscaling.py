@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cluster import ClusterHandle, running_cluster, start_cluster, stop_cluster
+from _cluster import FAST_AUTOSCALING, ClusterHandle, running_cluster, start_cluster, stop_cluster
 from _kernels import run, tandem_kernel
 from jupyter_client import BlockingKernelClient
 
@@ -41,11 +41,7 @@ def scaling_cluster(
     state_dir = tmp_path_factory.mktemp("autoscale-state")
     with running_cluster(
         state_dir,
-        "--hosts", "3", "--max-hosts", "6", "--gpus-per-host", "1",
-        "--set", "scheduler.subscription_ratio_watermark=0.34",
-        "--set", "autoscale.interval_s=0.3",
-        "--set", "autoscale.scale_in_idle_s=0.5",
-        "--set", "autoscale.scale_out_timeout_s=60",
+        "--hosts", "3", "--max-hosts", "6", "--gpus-per-host", "1", *FAST_AUTOSCALING,
     ) as handle:  # fmt: skip
         yield handle
     assert not processes_of(handle.scheduler), "hosts the autoscaler added outlived the cluster"
@@ -71,28 +67,9 @@ def notebook(scaling_cluster: ClusterHandle) -> Iterator[BlockingKernelClient]:
         yield kc
 
 
-def status(cluster: ClusterHandle) -> dict[str, Any]:
-    result = cluster.cli("status", "--json")
-    assert result.returncode == 0, result.stderr
-    return dict(json.loads(result.stdout))
-
-
 def start_kernel(cluster: ClusterHandle, kernel_id: str) -> dict[str, Any]:
     body = {"kernel_id": kernel_id, "key": uuid.uuid4().hex, "resources": {"gpus": 1}}
     return ask_sync(cluster.scheduler, messages.KERNEL_START, body, timeout=SCALE_TIMEOUT_S)
-
-
-def wait_for(predicate: Any, cluster: ClusterHandle, what: str) -> dict[str, Any]:
-    deadline = time.monotonic() + SCALE_TIMEOUT_S
-    current: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        result = cluster.cli("status", "--json")  # may fail while a scheduler restarts
-        if result.returncode == 0:
-            current = json.loads(result.stdout)
-            if predicate(current):
-                return current
-        time.sleep(0.3)
-    pytest.fail(f"{what} did not happen; last status: {json.dumps(current)[:3000]}")
 
 
 def host_ids(report: dict[str, Any]) -> list[str]:
@@ -103,7 +80,7 @@ def test_placement_that_cannot_fit_scales_out_then_idle_hosts_scale_in(
     scaling_cluster: ClusterHandle, notebook: BlockingKernelClient
 ) -> None:
     cluster, kc = scaling_cluster, notebook
-    before = status(cluster)
+    before = cluster.status()
     assert host_ids(before) == ["host-0", "host-1", "host-2"]
     assert before["autoscale"]["enabled"] is True and before["autoscale"]["max_hosts"] == 6
     cell = run(kc, "x = 6 * 7\nx")
@@ -113,7 +90,7 @@ def test_placement_that_cannot_fit_scales_out_then_idle_hosts_scale_in(
     started = start_kernel(cluster, second)  # cannot fit: waits for the hosts it asked for
     new_hosts = {r["host"] for r in started["replicas"]}
     assert new_hosts == {"host-3", "host-4", "host-5"}, started
-    grown = status(cluster)
+    grown = cluster.status()
     assert host_ids(grown) == [f"host-{i}" for i in range(6)]
     scale_outs = [e for e in grown["scale_events"] if e["kind"] == "scale_out"]
     assert scale_outs and scale_outs[0]["kernel"] == second and len(scale_outs[0]["hosts"]) == 3
@@ -124,7 +101,9 @@ def test_placement_that_cannot_fit_scales_out_then_idle_hosts_scale_in(
     assert refused.value.code == "no_capacity" and "max_hosts=6" in refused.value.reason
 
     ask_sync(cluster.scheduler, messages.KERNEL_SHUTDOWN, {"kernel_id": second}, timeout=30)
-    shrunk = wait_for(lambda s: len(host_ids(s)) == 3, cluster, "scale-in to the 3 initial hosts")
+    shrunk = cluster.wait_for_status(
+        lambda s: len(host_ids(s)) == 3, "scale-in to the 3 initial hosts", SCALE_TIMEOUT_S
+    )
     assert host_ids(shrunk) == ["host-0", "host-1", "host-2"]  # never below the initial hosts
     released = {h for e in shrunk["scale_events"] if e["kind"] == "scale_in" for h in e["hosts"]}
     assert released == new_hosts
@@ -139,7 +118,7 @@ def test_status_json_reports_cells_and_cluster_metrics(
 ) -> None:
     for n in range(3):
         assert run(notebook, f"y = {n}").status == "ok"
-    report = status(scaling_cluster)
+    report = scaling_cluster.status()
     for host in report["hosts"]:
         assert {"id", "gpus", "committed", "subscribed", "cordoned", "warm_pool"} <= set(host)
     for kernel in report["kernels"]:
@@ -156,13 +135,24 @@ def test_status_json_reports_cells_and_cluster_metrics(
     assert cell["executor"] and cell["host"] and cell["immediate"] is True
     assert {"route_ms", "elect_ms", "run_ms"} <= set(cell["steps_ms"])
     assert cell["interactivity_delay_ms"] <= cell["task_completion_ms"]
+    # the executor's own step times follow its reply (replica.event cell_timings)
+    report = scaling_cluster.wait_for_status(
+        lambda s: s["cells"] and s["cells"][-1]["replica_steps_ms"], "the replica's steps", SCALE_TIMEOUT_S
+    )
+    steps = report["cells"][-1]["replica_steps_ms"]
+    assert {"decide_ms", "elect_ms", "bind_ms", "run_ms", "replied_ms"} <= set(steps)
+    assert report["metrics"]["replica_steps_ms"]["run_ms"]["count"] >= 1
+    assert report["metrics"]["cell_timings_dropped"] == 0
 
 
 def test_prometheus_metrics_are_scrapable(
     scaling_cluster: ClusterHandle, notebook: BlockingKernelClient
 ) -> None:
     assert run(notebook, "1 + 1").results == ["2"]
-    report = status(scaling_cluster)
+    # its executor's step times come after the reply: scrape once they reached the scheduler
+    report = scaling_cluster.wait_for_status(
+        lambda s: s["cells"] and s["cells"][-1]["replica_steps_ms"], "the replica's steps", SCALE_TIMEOUT_S
+    )
     url = report["metrics"]["prometheus_url"]
     assert url and url.startswith("http://127.0.0.1:")
     with urllib.request.urlopen(url, timeout=10) as response:
@@ -178,6 +168,7 @@ def test_prometheus_metrics_are_scrapable(
     assert samples["tandem_scale_out_hosts_total"] == report["cluster"]["scale_out_hosts"]
     assert samples["tandem_cell_interactivity_delay_seconds_count"] >= 1.0
     assert samples['tandem_cell_step_seconds_count{step="run"}'] >= 1.0
+    assert samples['tandem_cell_replica_step_seconds_count{step="run"}'] >= 1.0  # the executor's own
     assert samples['tandem_cells_total{committed_immediately="true"}'] >= 1.0
 
 
@@ -191,12 +182,12 @@ def test_periodic_check_adds_hosts_for_the_scaling_buffer(tmp_path: Path) -> Non
         "--set", "autoscale.scale_in_idle_s=0.5", "--metrics-port", "0",
     )  # fmt: skip
     try:
-        report = wait_for(lambda s: len(host_ids(s)) == 4, handle, "a buffer host")
+        report = handle.wait_for_status(lambda s: len(host_ids(s)) == 4, "a buffer host", SCALE_TIMEOUT_S)
         (event,) = [e for e in report["scale_events"] if e["kind"] == "scale_out"]
         assert event["hosts"] == ["host-3"] and "buffer" in event["reason"] and "kernel" not in event
         assert report["metrics"]["prometheus_url"] is None  # --metrics-port 0: no exporter
         time.sleep(1.5)  # several checks later: still 4 (the buffer is the target, not a surplus)
-        assert host_ids(status(handle)) == ["host-0", "host-1", "host-2", "host-3"]
+        assert host_ids(handle.status()) == ["host-0", "host-1", "host-2", "host-3"]
     finally:
         assert not stop_cluster(handle)
         assert not processes_of(handle.scheduler), "the buffer host outlived the cluster"
@@ -213,12 +204,14 @@ def test_hosts_added_by_a_scheduler_are_adopted_by_its_restarted_successor(
     assert len(added) == 3 and not added & {"host-0", "host-1", "host-2"}
     processes = json.loads((cluster.state_dir / "cluster.json").read_text())["processes"]
     os.kill(processes["global-scheduler"], signal.SIGKILL)
-    back = wait_for(
+    back = cluster.wait_for_status(
         lambda s: len(host_ids(s)) == 6 and any(k["id"] == second for k in s["kernels"]),
-        cluster,
         "the restarted scheduler seeing all six hosts and the kernel on the added ones",
+        SCALE_TIMEOUT_S,
     )
     assert {h["id"] for h in back["hosts"] if h["provisioned_by_autoscaler"]} == added  # adopted
     ask_sync(cluster.scheduler, messages.KERNEL_SHUTDOWN, {"kernel_id": second}, timeout=30)
-    shrunk = wait_for(lambda s: len(host_ids(s)) == 3, cluster, "the adopted hosts released when idle")
+    shrunk = cluster.wait_for_status(
+        lambda s: len(host_ids(s)) == 3, "the adopted hosts released when idle", SCALE_TIMEOUT_S
+    )
     assert not {h["id"] for h in shrunk["hosts"]} & added

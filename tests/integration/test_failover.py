@@ -6,10 +6,12 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from _cluster import ClusterHandle
+from _cluster import ClusterHandle, running_cluster
 from _kernels import run, tandem_kernel
 
 pytestmark = pytest.mark.integration
@@ -137,3 +139,36 @@ def test_cell_sent_right_after_a_replica_dies_still_runs(tandem_cluster: Cluster
             cell = run(kc, "z += 1; print(z)", timeout=30)
             assert cell.status == "ok", cell.reply["content"]
             assert cell.stdout.strip() == "2"
+
+
+@pytest.fixture
+def unreplaced_cluster(tmp_path: Path, tandem_kernelspec: Path) -> Iterator[ClusterHandle]:
+    """Dead replicas are not replaced here, so nothing but the scheduler's notice of the death
+    (not a membership change) can end the standbys' wait for a dead executor's DONE."""
+    with running_cluster(
+        tmp_path / "state", "--hosts", "3", "--set", "scheduler.replace_dead_replicas=false"
+    ) as handle:
+        yield handle
+
+
+def test_next_cell_runs_at_once_when_the_executor_dies_with_its_cell(
+    unreplaced_cluster: ClusterHandle,
+) -> None:
+    """The executor's process dies inside a cell, or just after replying (before its namespace
+    changes reach the others: the race is timing's, both outcomes are fine): the standbys hear
+    of it from the scheduler and give that cell up at once, so the next cell runs well before
+    the executor-silence timeout (10 s) instead of waiting it out."""
+    endings = {
+        "inside the cell": "import os, signal\nlost = 2\nos.kill(os.getpid(), signal.SIGKILL)",
+        "after its reply": "import os, signal, threading\nlost = 2\n"
+        "threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()",
+    }
+    for ending, code in endings.items():
+        with tandem_kernel() as (_km, kc):
+            assert run(kc, "kept = 1").status == "ok"
+            dying = run(kc, code, timeout=30)
+            after = run(kc, "print(kept, 'lost' in dir())", timeout=8)
+            assert after.status == "ok", (ending, dying.reply["content"], after.reply["content"])
+            assert after.stdout.split()[0] == "1", ending
+            if dying.status == "error":  # died before replying: the cell's changes are gone
+                assert after.stdout.split()[1] == "False", ending

@@ -5,7 +5,6 @@ and the pool refills; ``tandem status --json`` shows the pools and the warm star
 from __future__ import annotations
 
 import ast
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,16 +33,10 @@ def warm_cluster(
         yield handle
 
 
-def status(cluster: ClusterHandle) -> dict[str, Any]:
-    result = cluster.cli("status", "--json")
-    assert result.returncode == 0, result.stderr
-    return dict(json.loads(result.stdout))
-
-
 def wait_until_pools_ready(cluster: ClusterHandle) -> dict[str, Any]:
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
-        report = status(cluster)
+        report = cluster.status()
         if all(h["warm_pool"].get("warm") == 1 for h in report["hosts"]) and len(report["hosts"]) == 3:
             return report
         time.sleep(0.3)
@@ -59,7 +52,7 @@ def test_replica_start_takes_a_warm_runtime_and_the_pool_refills(warm_cluster: C
         assert cell.status == "ok", cell.errors
         host, warm_started = ast.literal_eval(cell.results[0])
         assert host.startswith("host-") and warm_started is True
-        after = status(warm_cluster)
+        after = warm_cluster.status()
         assert sum(h["warm_pool"]["taken"] for h in after["hosts"]) == 3
         assert after["metrics"]["replica_start_ms"]["warm"]["count"] == 3
         refilled = wait_until_pools_ready(warm_cluster)  # a fresh warm runtime behind each one taken

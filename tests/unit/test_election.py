@@ -92,6 +92,22 @@ def test_done_without_state_does_not_block_the_next_cell() -> None:
     assert book.awaiting_state() is None
 
 
+def test_the_cells_a_replica_won_without_done_are_what_dies_with_it() -> None:
+    book = ElectionBook(VOTERS)
+    feed(book, [Lead("m", "r1"), Done("m", "r1", {"status": "ok"}, 1), Lead("n", "r1"), Lead("o", "r2")])
+    assert book.running_on("r1") == ["n"]
+    assert book.running_on("r2") == ["o"]
+    assert book.running_on("r3") == []
+
+
+def test_a_lead_proposed_for_a_dead_executor_wins_so_its_cell_is_not_run_again() -> None:
+    # a survivor proposes the dead replica's LEAD (it had started the cell) before its own
+    book = ElectionBook(VOTERS)
+    events = feed(book, [Lead("m", "r1"), Lead("m", "r2")])
+    assert events[0] == ElectionDecided("m", "r1") and isinstance(events[1], EntryIgnored)
+    assert book.running_on("r1") == ["m"]
+
+
 def test_a_cell_decided_before_the_previous_done_waits_for_it() -> None:
     # the executor of "m" replies before its DONE commits, so "n"'s LEAD can commit first
     book = ElectionBook(VOTERS)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -10,12 +12,18 @@ from shared.policies.autoscale import (
     Autoscaler,
     HostLoad,
     NoScale,
+    ScaleDecision,
     ScaleIn,
     ScaleOut,
     feasible_hosts,
 )
+from shared.policies.baselines import NotebookOsPolicy
 from shared.policies.placement import HostView, PlacementRequest, default_placement_policy
 from shared.resources import Resources
+from shared.simulator.engine import Simulator
+from shared.simulator.params import SimParams
+from shared.workload.model import Session as TraceSession
+from shared.workload.model import Task, Trace
 
 
 def loads(committed: list[int], subscribed: list[int] | None = None) -> list[HostLoad]:
@@ -125,3 +133,66 @@ def test_cancel_frees_a_kernels_reservations_but_keeps_the_hosts_pending() -> No
     assert scaler.reserved_for("k1") == 0 and scaler.pending_hosts == 3
     again = scaler.on_placement_failed(PlacementRequest("k2", Resources(gpus=1)), feasible=0, live_hosts=3)
     assert isinstance(again, NoScale) and scaler.reserved_for("k2") == 3  # reuses the hosts on their way
+
+
+def test_scale_in_prefers_hosts_with_fewer_replicas_to_migrate_at_equal_subscription() -> None:
+    """CPU-only replicas subscribe no GPUs: the replicas a release would migrate break the tie."""
+    scaler = Autoscaler(AutoscaleConfig(buffer_hosts=0, min_hosts=3, max_release=1))
+    hosts = [
+        HostLoad("a", 8, replicas=2),
+        HostLoad("b", 8, replicas=1),
+        HostLoad("c", 8, replicas=3),
+        HostLoad("d", 8, replicas=1, committed_gpus=1),  # running a cell: never a candidate
+    ]
+    out = scaler.evaluate(hosts)
+    assert isinstance(out, ScaleIn) and out.host_ids == ("b",)
+    assert "1 replica(s) to migrate first" in out.reason
+
+
+def test_idle_hosts_holding_replicas_are_released_when_the_rest_can_take_their_subscriptions() -> None:
+    """A released host's replicas move, so its subscribed GPUs count against the hosts that stay."""
+    scaler = Autoscaler(AutoscaleConfig(buffer_hosts=0, min_hosts=2, max_ratio_after_scale_in=1.0))
+    # ΣS = 24 on 4 hosts of 8 (R = 3): without one host 24/72, without two 24/48 -- both under 1.0
+    hosts = [HostLoad(f"h{i}", 8, subscribed_gpus=6, replicas=3) for i in range(4)]
+    out = scaler.evaluate(hosts)
+    assert isinstance(out, ScaleIn) and out.host_ids == ("h0", "h1")
+    assert "6 replica(s) to migrate first" in out.reason
+    tight = Autoscaler(AutoscaleConfig(buffer_hosts=0, min_hosts=2, max_ratio_after_scale_in=0.4))
+    fewer = tight.evaluate(hosts)  # 24/72 = 0.33 fits, 24/48 = 0.5 does not: one host only
+    assert isinstance(fewer, ScaleIn) and fewer.host_ids == ("h0",)
+
+
+def test_a_host_the_caller_marks_busy_keeps_its_replicas_even_when_nothing_is_committed() -> None:
+    """The shells mark a host holding a replica of a kernel with a cell in flight not releasable."""
+    scaler = Autoscaler(AutoscaleConfig(buffer_hosts=0, min_hosts=1))
+    hosts = [HostLoad("in-flight", 8, subscribed_gpus=1, replicas=1, releasable=False), HostLoad("x", 8)]
+    out = scaler.evaluate(hosts)
+    assert isinstance(out, ScaleIn) and out.host_ids == ("x",)
+
+
+class _RecordingAutoscaler(Autoscaler):
+    """The real policy, keeping each periodic check's input (what the simulator shell passes it)."""
+
+    def __init__(self, config: AutoscaleConfig) -> None:
+        super().__init__(config)
+        self.seen: list[list[HostLoad]] = []
+
+    def evaluate(self, hosts: Sequence[HostLoad]) -> ScaleDecision:
+        self.seen.append(list(hosts))
+        return super().evaluate(hosts)
+
+
+def test_simulator_keeps_hosts_of_a_session_with_a_cell_in_flight_and_counts_replicas_to_move() -> None:
+    """As live: a host holding a replica of a session whose cell is in flight is not idle, even
+    when its own GPUs are free; the replicas on each host are the cost the policy sees."""
+    params = SimParams(initial_hosts=4, min_hosts=3, buffer_hosts=0, autoscale_interval_s=100.0)
+    scaler = _RecordingAutoscaler(params.autoscale_config())
+    policy = NotebookOsPolicy(replicas=3, watermark=3.0, autoscaler=scaler, prewarmed={})
+    trace = Trace.from_tasks(
+        [TraceSession("s1", 0.0, 1000.0, 1)], [Task("s1", 50.0, 500.0, 1)]
+    )  # one cell in flight from t=50 to t=550: the checks at t=100..500 see it
+    Simulator(trace, "notebookos", params, policy=policy, autoscaler=scaler).run()
+    during = next(loads for loads in scaler.seen if any(h.committed_gpus for h in loads))
+    assert sum(h.replicas for h in during) == 3
+    assert {h.host_id for h in during if h.replicas} == {h.host_id for h in during if not h.releasable}
+    assert sum(h.committed_gpus for h in during) == 1  # two of its hosts hold idle standby replicas
