@@ -782,7 +782,9 @@ class ReplicaCore:
                 and self.book.silent_voters(msg_id) <= self._dead_members
             ):
                 break  # only voters that died during this election are silent, and none ran it
-            await asyncio.wait((waiter, self._lost_future()), timeout=remaining)
+            await asyncio.wait(
+                (waiter, self._lost_future()), timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+            )
         if waiter.done():
             return waiter.result()
         silent = sorted(self.book.silent_voters(msg_id))
@@ -1001,7 +1003,9 @@ class ReplicaCore:
         self._last_progress.setdefault(msg_id, time.monotonic())
         try:
             while True:
-                await asyncio.wait((waiter, self._lost_future()), timeout=0.5)
+                await asyncio.wait(
+                    (waiter, self._lost_future()), timeout=0.5, return_when=asyncio.FIRST_COMPLETED
+                )
                 if waiter.done():
                     return waiter.result()
                 peer = self.peer
