@@ -39,10 +39,7 @@ from shared.election_round import election_key, split_election_key
 from shared.envelope import Envelope
 from shared.policies.executor_choice import ExecutorChoice, choose_executor
 from shared.policies.kernel_placement import KernelPlacement
-from shared.policies.placement import (
-    PlacementRequest,
-    default_placement_policy,  # noqa: F401  (test_simulator checks the live scheduler imports it)
-)
+from shared.policies.placement import PlacementRequest
 from shared.resources import Resources
 from shared.rpc import OutboundRequests, RpcError, RpcServer, RpcTimeout
 

@@ -34,7 +34,7 @@ def test_simulator_imports_the_same_policy_objects_as_the_live_scheduler() -> No
     import services.global_scheduler.service as live
 
     assert live.choose_executor is executor_choice.choose_executor is baselines.choose_executor
-    assert live.default_placement_policy is placement.default_placement_policy
+    assert live.KernelPlacement is baselines.KernelPlacement  # placement: one class, both sides
     assert live.PlacementRequest is placement.PlacementRequest is baselines.PlacementRequest
     assert baselines.plan_migration is migration.plan_migration
     assert baselines.PlacementIndex is PlacementIndex
