@@ -22,6 +22,7 @@ import structlog
 
 from shared.config import Config, config_from_json, load_config
 from shared.logs import configure_logging
+from shared.raft.storage import StaleLogAfterReboot, check_boot_fence
 
 HISTORY_CACHE = 20
 
@@ -59,6 +60,19 @@ def raft_address_for(data_dir: Path, host: str) -> str:
     return address
 
 
+def stale_raft_log(data_dir: Path) -> str | None:
+    """Why this replica must not start on ``data_dir``, or None: its Raft log (``<data_dir>/raft``,
+    where the Raft bridge keeps it) was written without fsync before a machine reboot and may have
+    forgotten entries it acknowledged. Checked before the replica registers, so a start or an
+    in-place restart (local scheduler ``replica.restart``) fails with this reason in the replica's
+    log tail and leaves no process behind; the member is replaced by a fresh one instead."""
+    try:
+        check_boot_fence(data_dir / "raft")
+    except StaleLogAfterReboot as exc:
+        return str(exc)
+    return None
+
+
 def _log_stream() -> object:
     """A private copy of the real stderr: ipykernel later redirects fd 2 into the cell's output."""
     return os.fdopen(os.dup(2), "w", buffering=1)
@@ -73,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TANDEM_KERNEL_ID"] = args.kernel_id
     os.environ["TANDEM_REPLICA_ID"] = args.replica_id
     os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    stale = stale_raft_log(Path(args.data_dir))
+    if stale is not None:
+        log.error("stale_raft_log", error=stale)
+        return 1
 
     # Imported late: ipykernel pulls in IPython, and the logging above should catch its failures.
     from ipykernel.kernelapp import IPKernelApp
@@ -117,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         tick_interval_s=config.get("raft.tick_ms") / 1000,
         election_ticks=config.get("raft.election_ticks"),
         snapshot_every=config.get("raft.snapshot_every"),
+        raft_fsync=config.get("raft.fsync"),
         propose_votes=os.environ.get("TANDEM_PROPOSE_VOTES", "1") != "0",
         executor_silence_s=float(os.environ.get("TANDEM_EXECUTOR_SILENCE_S", "10")),
     )

@@ -91,6 +91,7 @@ class ReplicaSettings:
     # designation bypasses the election wait). See ``_execute_before_commit`` for the one case
     # this gives up: a leader cut off within the LEAD's round trip whose cell is then taken over.
     execute_before_commit: bool = True
+    raft_fsync: bool = False  # config raft.fsync: see shared/raft/storage.py's durability policy
 
 
 # ---- what the kernel is told to do with a cell ---------------------------------------------------
@@ -264,6 +265,7 @@ class ReplicaCore:
             tick_interval=self.settings.tick_interval_s,
             raft=RaftConfig(election_ticks=self.settings.election_ticks),
             snapshot_every=self.settings.snapshot_every,
+            fsync=self.settings.raft_fsync,
         )
         if voters:
             self.book.set_voters(voters)

@@ -94,6 +94,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "tick_ms": 20,
         "election_ticks": 10,
         "snapshot_every": 1000,
+        # false: no fdatasync per Raft Ready; the log is fenced by the boot id and a replica whose
+        # host rebooted is replaced, not restarted (shared/raft/storage.py). true: etcd's fsync.
+        "fsync": False,
     },
     "gateway": {
         # The Jupyter-facing edge. Port 0 picks a free port (the embedded cluster); a node

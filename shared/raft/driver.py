@@ -3,7 +3,7 @@
 ``RaftPeer`` owns a ``RaftNode`` (``shared.raft.core``), a ``Storage`` and a ``Transport`` and runs the
 etcd-style Ready loop::
 
-    propose / step / tick  ──►  RaftNode  ──►  Ready ──► 1. persist (one write, one fdatasync)
+    propose / step / tick  ──►  RaftNode  ──►  Ready ──► 1. persist (one write, one fdatasync*)
                                                         2. send messages
                                                         3. restore snapshot, apply committed entries
                                                         4. fail dropped proposals
@@ -12,6 +12,8 @@ etcd-style Ready loop::
 Processing is event driven: proposals, inbound messages and ticks only mark the node dirty and wake
 the loop; everything that arrived in the same turn of the event loop is then handled by one Ready,
 so N concurrent proposals cost one fsync, not N. That group commit is where throughput comes from.
+(*) With ``PeerConfig.fsync`` off there is no fdatasync at all: the storage directory is fenced by
+the machine's boot id instead (``shared.raft.storage`` explains why that keeps Raft safe).
 A leader sends its appends before its own fsync (see ``_handle_ready`` for why that is safe).
 
 The application's state machine is in memory: on restart it is rebuilt from the newest snapshot
@@ -113,6 +115,8 @@ class PeerConfig:
     tick_interval: float = 0.02  # x RaftConfig.election_ticks (10) = 200-400 ms election timeout
     raft: RaftConfig = field(default_factory=RaftConfig)
     snapshot_every: int = 10_000  # applied entries between automatic snapshots; 0 disables them
+    # False: WAL appends are never fdatasync'd and the directory is fenced by the boot id; after a
+    # machine reboot ``start()`` raises ``StaleLogAfterReboot`` (replace the member, do not restart it).
     fsync: bool = True
     # fdatasync inline measures ~0.14 ms here; a worker-thread hop adds ~0.06 ms to every commit but
     # frees the loop during the sync. Inline wins on latency and on a 2-core machine on throughput.
@@ -259,6 +263,7 @@ class RaftPeer:
             commit=restored.hard_state.commit,
             snapshot_index=restored.snapshot_meta.index,
             entries=len(restored.entries),
+            fsync=storage.fsync,
         )
 
     async def stop(self) -> None:

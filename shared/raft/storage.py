@@ -4,6 +4,7 @@ Layout of a storage directory::
 
     wal-<seq:016x>.log                 segments, replayed in sequence order
     snap-<index:016x>-<term:016x>.snap the newest snapshot (older ones are removed on compaction)
+    unsynced-boot                      only with fsync off: the boot id the unsynced writes belong to
 
 A segment is an 8-byte magic followed by records ``[u32 length][u32 crc32(payload)][payload]``; the
 payload is a msgpack array, one of
@@ -23,6 +24,36 @@ of a small append measures ~0.14 ms here, and a ``run_in_executor`` hop costs ~0
 (plus a wake-up), which measured end to end gives higher commit latency and lower throughput than
 syncing inline (see ``PeerConfig.sync_in_thread``). Writing a snapshot file may be slow for a large
 state: ``write_snapshot_file`` changes no state here, so it is safe in a worker thread.
+
+Durability policy (``fsync``; the replicas' ``raft.fsync``, default off). Raft is safe as long as
+a member never forgets an entry it acknowledged or a vote it cast. Bytes handed to ``write`` live
+in the OS page cache: a *process* crash keeps them, only a *machine* crash (power loss, kernel
+panic, reboot) can take unsynced writes away. So there are two ways to be safe:
+
+* ``fsync=True``: one ``fdatasync`` per ``Ready`` with entries or a term/vote change (the etcd
+  way). The log survives anything the disk survives; it costs ~1 ms per Ready on this VM, twice
+  per cell on the execute path (issue #3).
+* ``fsync=False``: no ``fdatasync`` of WAL appends (per ``Ready``, or of a segment being rotated
+  out), and the directory is *fenced by the boot id*: before the first unsynced write, a small
+  file ``unsynced-boot`` holding ``/proc/sys/kernel/random/boot_id`` (a new random id at every
+  boot) is written durably (tmp, fsync, rename, fsync dir). Opening a directory whose fence names
+  another boot raises ``StaleLogAfterReboot``: the machine went down while the log held writes
+  that were never synced, so this member may have forgotten what it acknowledged; it must be
+  replaced by a fresh member (a new, empty directory), never restarted in place. Within one boot
+  a restarted process finds everything it wrote, so restarts in place stay safe. A clean
+  ``close()`` syncs every segment and removes the fence, as does opening the directory with
+  ``fsync=True`` in the same boot: from then on the log survives a reboot again. Where there is
+  no boot id (not Linux) the fence cannot work, so the storage falls back to ``fsync=True`` and
+  logs ``raft.storage.fsync_forced``.
+
+Why a fence and not "sync now and then": a periodic sync still leaves a window in which an
+acknowledged entry is lost to a power cut, and nothing after the reboot could tell. The fence
+turns that silent loss into a refusal, which the cluster already handles (a dead replica is
+replaced by a new member). The cost is that after a machine crash every replica that was on it
+is replaced (state sync of the namespace) instead of restarted. Snapshot files, compaction's
+fresh segment and recovery's truncation are still synced whatever the setting: they are rare and
+off the per-cell path. A deployment that wants the classic guarantee regardless of reboots sets
+``raft.fsync = true``.
 """
 
 from __future__ import annotations
@@ -32,7 +63,7 @@ import os
 import re
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,9 +93,59 @@ DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 _SEGMENT_RE = re.compile(r"^wal-([0-9a-f]{16})\.log$")
 _SNAPSHOT_RE = re.compile(r"^snap-([0-9a-f]{16})-([0-9a-f]{16})\.snap$")
 
+BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+FENCE_FILE = "unsynced-boot"  # present while the WAL may hold writes a machine crash can undo
+
+BootIdReader = Callable[[], str | None]
+
+
+def read_boot_id() -> str | None:
+    """This machine's boot id (Linux draws a new random one at every boot); None where there is none."""
+    try:
+        return BOOT_ID_PATH.read_text().strip() or None
+    except OSError:
+        return None
+
 
 class StorageError(Exception):
     """The directory cannot be turned back into a consistent Raft state; refuse to start."""
+
+
+class StaleLogAfterReboot(StorageError):
+    """The log was written without fsync and the machine rebooted since: it may have lost entries
+    this member acknowledged, so the member must be replaced, never restarted in place."""
+
+    def __init__(
+        self, directory: str | os.PathLike[str], written_boot: str, current_boot: str | None
+    ) -> None:
+        super().__init__(
+            f"StaleLogAfterReboot: Raft log in {directory} was written without fsync before a reboot "
+            f"(boot {written_boot or '?'}, now {current_boot or 'unknown'}); this member may have "
+            "forgotten acknowledged entries and must be replaced, not restarted in place"
+        )
+        self.directory = str(directory)
+        self.written_boot = written_boot
+        self.current_boot = current_boot
+
+
+def check_boot_fence(directory: str | os.PathLike[str], boot_id: BootIdReader = read_boot_id) -> None:
+    """Raise ``StaleLogAfterReboot`` if ``directory`` holds a log written without fsync under
+    another boot. Reads one small file and changes nothing, so a replica can refuse to start
+    before it registers (``kernel_replica/__main__.py``); ``Storage`` checks the same on open."""
+    written = _read_fence(Path(directory))
+    if written is None:
+        return
+    now = boot_id()
+    if written != now:
+        raise StaleLogAfterReboot(directory, written, now)
+
+
+def _read_fence(directory: Path) -> str | None:
+    """The boot id of the unsynced writes in ``directory``; None if it holds none."""
+    try:
+        return (directory / FENCE_FILE).read_text().strip()
+    except FileNotFoundError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +172,14 @@ class Storage:
         *,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         fsync: bool = True,
+        boot_id: BootIdReader = read_boot_id,
         logger: Any = None,
     ) -> None:
         self._dir = Path(directory)
         self._dir.mkdir(parents=True, exist_ok=True)
         self._segment_bytes = segment_bytes
-        self._fsync = fsync
+        self._fsync = fsync  # fdatasync WAL appends; off: the directory is fenced by the boot id
+        self._boot_id = boot_id
         self._log = logger if logger is not None else structlog.get_logger("raft.storage")
         self._hard_state = HardState()
         self._snapshot_meta = SnapshotMeta()  # newest snapshot on disk
@@ -122,6 +205,11 @@ class Storage:
         if meta.index == 0:
             return None
         return _read_snapshot_file(self._snapshot_path(meta.index, meta.term))
+
+    @property
+    def fsync(self) -> bool:
+        """Whether WAL appends are synced (off only where the boot-id fence is in place)."""
+        return self._fsync
 
     @property
     def hard_state(self) -> HardState:
@@ -187,7 +275,11 @@ class Storage:
         return need_sync
 
     def sync(self) -> None:
-        """Make everything written so far durable (one fdatasync), if anything needs it."""
+        """Make everything written so far durable (one fdatasync), if anything needs it.
+
+        With ``fsync`` off this only clears the flag: the writes are in the page cache, which a
+        process crash keeps, and the boot-id fence refuses the log after a machine crash.
+        """
         if self._dirty:
             if self._fsync:
                 os.fdatasync(self._fd)
@@ -243,10 +335,9 @@ class Storage:
             f.write(SNAP_MAGIC + HEADER.pack(len(payload), zlib.crc32(payload)))
             f.write(payload)
             f.flush()
-            if self._fsync:
-                os.fsync(f.fileno())
+            os.fsync(f.fileno())
         os.replace(tmp, path)
-        self._fsync_dir()
+        _fsync_dir(self._dir)
 
     def compact(self, snapshot_meta: SnapshotMeta | None = None, *, unlink: bool = True) -> list[Path]:
         """Drop the log up to the newest saved snapshot so the disk stays bounded.
@@ -295,9 +386,13 @@ class Storage:
         return obsolete
 
     def close(self) -> None:
+        """Close the active segment. With fsync off, a clean close also syncs the log and drops
+        the fence, so a member stopped cleanly may be restarted in place even after a reboot."""
         if self._fd >= 0:
             with contextlib.suppress(OSError):
                 self.sync()
+                if not self._fsync:
+                    self._seal()
             os.close(self._fd)
             self._fd = -1
 
@@ -316,15 +411,6 @@ class Storage:
         found = (_SNAPSHOT_RE.match(p.name) for p in self._dir.iterdir())
         return sorted((int(m.group(1), 16), int(m.group(2), 16)) for m in found if m)
 
-    def _fsync_dir(self) -> None:
-        if not self._fsync:
-            return
-        fd = os.open(self._dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def _write_record(self, payload: bytes) -> None:
         buf = HEADER.pack(len(payload), zlib.crc32(payload)) + payload
         view = memoryview(buf)
@@ -336,7 +422,8 @@ class Storage:
             self._rotate()
 
     def _rotate(self) -> None:
-        """Continue in a new segment; the old one is synced first so no gap can appear."""
+        """Continue in a new segment; the old one is synced first so no gap can appear (with fsync
+        off it is not: the page cache keeps the order within a boot, and the fence covers a reboot)."""
         if self._fsync:
             os.fdatasync(self._fd)
         hs = msgpack.packb([REC_APPEND, hard_state_to_wire(self._hard_state), []], use_bin_type=True)
@@ -351,12 +438,11 @@ class Storage:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(fd, body)
-            if self._fsync:
-                os.fsync(fd)
+            os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        self._fsync_dir()
+        _fsync_dir(self._dir)
         if self._fd >= 0:
             os.close(self._fd)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
@@ -364,7 +450,52 @@ class Storage:
 
     # ------------------------------------------------------------------ internals: recovery
 
+    def _fence(self) -> None:
+        """Refuse a log a reboot may have cut; with fsync off, fence the directory before the first
+        unsynced write; with fsync on, make an unsynced log from this boot durable and unfence it."""
+        written = _read_fence(self._dir)
+        now = self._boot_id()
+        if written is not None and written != now:
+            raise StaleLogAfterReboot(self._dir, written, now)
+        if self._fsync:
+            if written is not None:
+                self._seal()
+            return
+        if now is None:
+            self._log.warning(
+                "raft.storage.fsync_forced",
+                reason=f"no boot id ({BOOT_ID_PATH}) to fence an unsynced log with: syncing every append",
+                directory=str(self._dir),
+            )
+            self._fsync = True
+            return
+        if written is None:
+            fence = self._dir / FENCE_FILE
+            tmp = fence.with_name(FENCE_FILE + ".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, now.encode() + b"\n")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, fence)
+            _fsync_dir(self._dir)
+
+    def _seal(self) -> None:
+        """Sync every segment, then remove the fence: the log now survives a reboot. A crash half
+        way leaves the fence in place, which errs on the safe side."""
+        for seq in self._segments():
+            fd = os.open(self._segment_path(seq), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(self._dir)
+        (self._dir / FENCE_FILE).unlink(missing_ok=True)
+        _fsync_dir(self._dir)
+
     def _open(self) -> None:
+        self._fence()  # before anything is read or repaired: a stale directory is left as it is
         for p in self._dir.iterdir():
             if p.name.endswith(".tmp"):
                 p.unlink()  # an interrupted atomic write; the original (if any) is intact
@@ -400,8 +531,7 @@ class Storage:
                 else:
                     f.truncate(good)
                 f.flush()
-                if self._fsync:
-                    os.fsync(f.fileno())
+                os.fsync(f.fileno())
             # A torn tail of the newest segment is what a crash leaves; anything else is data loss.
             (self._log.warning if ordinary_crash else self._log.error)(
                 "raft.storage.wal_truncated",
@@ -532,6 +662,15 @@ class Storage:
             commit = self.last_index
         if commit != hs.commit:
             self._hard_state = HardState(hs.term, hs.vote, commit)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename, creation or unlink in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def remove_files(paths: Sequence[Path]) -> None:
