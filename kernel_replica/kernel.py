@@ -60,7 +60,10 @@ from shared.election_round import election_key, round_of
 from shared.raft.driver import RaftError
 
 EXECUTOR = "executor"
-QUIET_FIELD = "tandem_quiet"  # services.global_scheduler.jupyter_router.QUIET_FIELD
+# A standby learns a cell from its DONE; its input history and function registry catch up on
+# the next request it handles, or once this many cells are waiting (off the critical path).
+FOLLOWED_CATCH_UP = 64
+SILENT_FIELD = "tandem_silent_candidate"  # services.global_scheduler.jupyter_router.SILENT_FIELD
 TIMING_SUMMARY_EVERY = 100
 STANDBY = "standby"
 
@@ -98,6 +101,7 @@ class TandemKernel(IPythonKernel):
         self._behind_store: DataStore | None = None  # write-behind: a store on the Raft thread's loop
         self._registry: dict[str, FunctionFacts] = {}  # notebook functions seen in cells (any role)
         self._warned: set[str] = set()  # names reported as not replicated, once each
+        self._followed: list[tuple[int, str]] = []  # (count, code) of cells run elsewhere, not yet in history
         self._apply_tail: asyncio.Future[None] | None = None  # the latest STATE being applied here
         self.apply_ms: deque[float] = deque(maxlen=1000)  # standby: STATE applied to the namespace
         self.timings: deque[dict[str, float]] = deque(maxlen=1000)  # recent per-cell step timings (ms)
@@ -126,6 +130,8 @@ class TandemKernel(IPythonKernel):
 
     # ---- SIGINT: KeyboardInterrupt only inside user code ---------------------------------------------
     def pre_handler_hook(self) -> None:
+        if self._followed:
+            self._catch_up_followed()
         self.saved_sigint_handler = signal.signal(signal.SIGINT, self._on_sigint)
 
     def post_handler_hook(self) -> None:
@@ -149,23 +155,6 @@ class TandemKernel(IPythonKernel):
     async def yield_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
         """The scheduler decided this replica cannot execute the cell (``execute_request`` rewritten)."""
         await self._cell_request(stream, ident, parent, lead=False)
-
-    @staticmethod
-    def _quiet(parent: dict[str, t.Any] | None) -> bool:
-        """A ``yield_request`` the scheduler marked quiet: another replica was designated executor
-        and answers the client, so this one takes part in the election and follows the cell
-        without sending busy, reply or idle (the scheduler would drop them)."""
-        header = parent.get("header") if isinstance(parent, dict) else None
-        return (
-            isinstance(header, dict)
-            and header.get("msg_type") == "yield_request"
-            and bool(header.get(QUIET_FIELD))
-        )
-
-    def _publish_status(self, status: str, channel: str, parent: dict[str, t.Any] | None = None) -> None:
-        if self._quiet(parent or self.get_parent(channel)):
-            return
-        super()._publish_status(status, channel, parent)
 
     async def _cell_request(
         self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any], *, lead: bool
@@ -206,16 +195,13 @@ class TandemKernel(IPythonKernel):
                 STANDBY,
             )
         else:
-            decision = await bridge.call(bridge.core.decide(msg_id, lead=lead))
+            silent = parent["header"].get(SILENT_FIELD)  # the designated candidate, found hung
+            decision = await bridge.call(
+                bridge.core.decide(msg_id, lead=lead, silent=silent if isinstance(silent, str) else None)
+            )
             timing["decide_ms"] = (time.perf_counter() - started) * 1000
             match decision:
                 case Execute(device_ids=device_ids):
-                    if self._quiet(parent):
-                        # A quiet yielder that took over from a silent candidate (it died): it
-                        # answers the client now, busy first (the quiet handler sent none).
-                        parent["header"].pop(QUIET_FIELD, None)
-                        parent["header"]["msg_type"] = "execute_request"  # what the client sent
-                        self._publish_status("busy", "shell", parent)
                     timing |= {"elect_ms": decision.elect_ms, "state_wait_ms": decision.state_wait_ms}
                     timing["bind_ms"] = decision.bind_ms
                     if decision.state_missing:
@@ -223,6 +209,8 @@ class TandemKernel(IPythonKernel):
                     waited = time.perf_counter()
                     await self._state_applied(log)  # a STATE from another executor, being loaded
                     timing["apply_wait_ms"] = (time.perf_counter() - waited) * 1000
+                    if self._followed:  # DONEs that arrived while this cell waited for them
+                        self._catch_up_followed()
                     ran = time.perf_counter()
                     reply = await self._execute(parent, execute_args, device_ids, log)
                     timing["run_ms"] = (time.perf_counter() - ran) * 1000
@@ -249,9 +237,8 @@ class TandemKernel(IPythonKernel):
                     no_executor = True  # the scheduler migrates a GPU cell rather than pass this on
                 case Standby(winner=winner):
                     log.debug("standby", executor=winner)
+                    # its history learns the cell from the DONE (``_apply_remote_done``)
                     reply, role = await self._wait_for_executor(msg_id, winner), STANDBY
-                    self._record_history(execute_args, reply)
-                    self._remember_functions(code)
                 case Replay(done=done):
                     log.info("answered_from_log", executor=done.replica_id)
                     # the original executor answers as executor again, so a merger that waits
@@ -276,12 +263,11 @@ class TandemKernel(IPythonKernel):
             metadata["tandem"]["replayed"] = True
         if no_executor:  # the global scheduler sends a GPU cell on again after a migration
             metadata["tandem"]["no_executor"] = True
-        if not self._quiet(parent):
-            self.session.send(stream, "execute_reply", reply, parent, metadata=metadata, ident=ident)
-            if hasattr(stream, "flush"):
-                # A ZMQStream only queues the reply; send it now, ahead of the idle that follows
-                # (ipykernel would flush it only after publishing idle).
-                stream.flush(zmq.POLLOUT)
+        self.session.send(stream, "execute_reply", reply, parent, metadata=metadata, ident=ident)
+        if hasattr(stream, "flush"):
+            # A ZMQStream only queues the reply; send it now, ahead of the idle that follows
+            # (ipykernel would flush it only after publishing idle).
+            stream.flush(zmq.POLLOUT)
         if executed and bridge is not None:
             # Replied (and idle follows when this handler returns) before DONE commits: the
             # committed LEAD already makes the cell run at most once, and the standbys reply after
@@ -290,7 +276,8 @@ class TandemKernel(IPythonKernel):
             # right after its idle would otherwise take the cell's state with it. (Publishing
             # idle before planning the state saves ~0.3 ms but widens that window: not worth it.)
             replied_at = time.time()
-            timing |= await self._finish_in_background(bridge, msg_id, code, reply, log)
+            history = code if not silent and execute_args["store_history"] else None
+            timing |= await self._finish_in_background(bridge, msg_id, code, reply, log, history)
             if self._trace_sync:  # wall clock: the standbys' state_applied lines are compared to it
                 log.info("state_sent", replied_at=replied_at, proposed_at=time.time(), **timing)
         self._record_timing(role, reply, timing, log)
@@ -428,34 +415,40 @@ class TandemKernel(IPythonKernel):
             "ReplicaUnavailable", f"waiting for {winner} to finish the cell: {result}", self._count()
         )
 
-    def _record_history(self, args: dict[str, t.Any], reply: dict[str, t.Any]) -> None:
-        """A standby keeps the cell in its input history too, so history requests answered by any
-        replica list the same cells (``_i``/``In`` included)."""
-        count = reply.get("execution_count")
-        if self.shell is None or args["silent"] or not args["store_history"] or not isinstance(count, int):
-            return
-        if reply.get("ename") in ("ExecutorLost", "ReplicaUnavailable"):
-            return
-        try:
-            self.shell.history_manager.store_inputs(
-                count, self.shell.transform_cell(args["code"]), args["code"]
-            )
-        except Exception as exc:  # history is a convenience; never fail the reply for it
-            self._slog.debug("history_not_recorded", error=repr(exc))
+    def _catch_up_followed(self) -> None:
+        """Put the cells other replicas executed into this replica's input history (``In``,
+        ``_i``, history requests answered by any replica list the same cells) and function
+        registry (for when it executes next), in log order. Deferred from the DONE to here: a
+        standby is not on any cell's critical path, and most of this work is never needed soon."""
+        followed, self._followed = self._followed, []
+        for count, code in followed:
+            if self.shell is not None:
+                try:
+                    self.shell.history_manager.store_inputs(count, self.shell.transform_cell(code), code)
+                except Exception as exc:  # history is a convenience; never fail a request for it
+                    self._slog.debug("history_not_recorded", error=repr(exc))
+            self._remember_functions(code)
 
     def _count(self) -> int:
         return int(self.shell.execution_count) if self.shell is not None else 0
 
     # ---- DONE and state replication ------------------------------------------------------------------
     async def _finish_in_background(
-        self, bridge: RaftBridge, msg_id: str, code: str, reply: dict[str, t.Any], log: t.Any
+        self,
+        bridge: RaftBridge,
+        msg_id: str,
+        code: str,
+        reply: dict[str, t.Any],
+        log: t.Any,
+        history: str | None = None,
     ) -> dict[str, float]:
         """Steps 5 and 7 after the reply: find and encode the namespace changes here (the main
         thread owns the namespace, and the next cell must not change it first), then hand DONE
         and STATE to the Raft thread, which commits them in order without the kernel waiting.
-        Returns the replication steps' timings (ms)."""
+        Returns the replication steps' timings (ms). ``history``: the code the standbys put in
+        their input history (None: the cell is not stored there)."""
         assert self.shell is not None
-        done = Done(msg_id, self.replica_id, reply, self._count(), True)
+        done = Done(msg_id, self.replica_id, reply, self._count(), True, history)
         try:
             started = time.perf_counter()
             effects = analyse_cell(code, self._registry)
@@ -572,9 +565,15 @@ class TandemKernel(IPythonKernel):
 
     # ---- callbacks from the Raft thread (run on this thread via call_soon_threadsafe) ---------------
     def _apply_remote_done(self, done: Done) -> None:
-        """Another replica finished a cell: number the next cell as it will (counts must agree)."""
+        """Another replica finished a cell: number the next cell as it will (counts must agree),
+        and follow its code (``_catch_up_followed``)."""
         if self.shell is not None:
             self.shell.execution_count = done.execution_count
+        count = done.content.get("execution_count")
+        if done.code is not None and isinstance(count, int) and done.content.get("ename") != "ExecutorLost":
+            self._followed.append((count, done.code))
+            if len(self._followed) >= FOLLOWED_CATCH_UP:
+                self._catch_up_followed()
 
     def _apply_remote_state(self, state: State) -> None:
         """Another executor's STATE: load it in the background, in log order (the next cell

@@ -71,6 +71,10 @@ class Done:
     content: dict[str, Any]
     execution_count: int  # the shell's counter after the cell (what the next cell will be numbered)
     state_follows: bool = True  # a STATE entry for this msg_id will follow (the cell ran)
+    # The cell's code when it belongs in the input history: the standbys are not sent the cell
+    # (only its designated executor is), so this is how their history and function registry
+    # learn it. None for silent cells, ``store_history=False``, and DONEs not from the executor.
+    code: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +129,8 @@ def encode(entry: LogEntry) -> bytes:
                 "n": entry.execution_count,
                 "s": entry.state_follows,
             }
+            if entry.code is not None:
+                body["h"] = entry.code
         case Progress():
             body = {"k": PROGRESS, "m": entry.msg_id, "r": entry.replica_id}
         case State():
@@ -176,14 +182,16 @@ def decode(data: bytes) -> LogEntry:
     if kind == PROGRESS:
         return Progress(msg_id, replica_id)
     if kind == DONE:
-        content, count, follows = raw.get("c"), raw.get("n"), raw.get("s", True)
+        content, count, follows, code = raw.get("c"), raw.get("n"), raw.get("s", True), raw.get("h")
         if not isinstance(content, dict) or not isinstance(content.get("status"), str):
             raise LogEntryError("DONE: content must be a map with a string 'status'")
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise LogEntryError(f"DONE: execution count must be a non-negative int, got {count!r}")
         if not isinstance(follows, bool):
             raise LogEntryError("DONE: 's' must be a bool")
-        return Done(msg_id, replica_id, content, count, follows)
+        if code is not None and not isinstance(code, str):
+            raise LogEntryError(f"DONE: 'h' (the cell's code) must be a string, got {type(code).__name__}")
+        return Done(msg_id, replica_id, content, count, follows, code)
     digests, blob = raw.get("dg", {}), raw.get("ns", b"")
     deleted, skipped = raw.get("d", []), raw.get("sk", {})
     if not isinstance(digests, dict) or not all(

@@ -53,6 +53,7 @@ SNAPSHOT_VERSION = 1
 PROPOSE_ATTEMPT_S = 1.0
 # After replica.stop, how long the main thread gets to stop gracefully before the process exits.
 STOP_GRACE_S = 0.5
+SILENT_POLL_S = 0.05  # how often a stand-in for a hung candidate checks whether the others answered
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,7 @@ class ReplicaSettings:
     tick_interval_s: float = 0.02
     election_ticks: int = 10
     snapshot_every: int = 1000
+    raft_fsync: bool = False  # config raft.fsync: see shared/raft/storage.py's durability policy
     # NotebookOS appends VOTE(winner) after the election. Here the commit order alone decides, so
     # votes only record each replica's view in the log; they ride along with this replica's next
     # proposal (same Ready, same fsync) or go out after ``vote_flush_s`` of quiet.
@@ -91,7 +93,6 @@ class ReplicaSettings:
     # designation bypasses the election wait). See ``_execute_before_commit`` for the one case
     # this gives up: a leader cut off within the LEAD's round trip whose cell is then taken over.
     execute_before_commit: bool = True
-    raft_fsync: bool = False  # config raft.fsync: see shared/raft/storage.py's durability policy
 
 
 # ---- what the kernel is told to do with a cell ---------------------------------------------------
@@ -217,6 +218,12 @@ class ReplicaCore:
         self._late_bindings: dict[str, asyncio.Future[list[int]]] = {}
         self._own_entries: set[tuple[str, str]] = set()  # (kind, msg_id) proposed by this process
         self._last_progress: dict[str, float] = {}  # msg_id -> when its executor was last heard
+        # One watcher per cell another replica executes (``_follow``): its DONE, or ExecutorLost.
+        self._followers: dict[str, asyncio.Task[Done | str]] = {}
+        # Entries up to this index were in this replica's log when it started: applying them again
+        # replays history (no votes, no watchers). None until the peer runs.
+        self._replayed_through: int | None = None
+        self._applying_live = False  # the entry being applied is new (see _replayed_through)
         # Cells whose executor's process the scheduler saw die (``member_lost``): their DONE, or
         # the STATE after it, will not come, so nothing waits out a silence timeout for them.
         self._executor_died: set[str] = set()
@@ -280,6 +287,7 @@ class ReplicaCore:
         await peer.start()
         self.peer = peer
         status = peer.status()
+        self._replayed_through = status.last_index
         if status.voters and not self.book.voters:  # restarted from a data dir without a snapshot
             self._handle(self.book.set_voters(status.voters))
         self._spawn(self._report_raft_role())
@@ -435,6 +443,7 @@ class ReplicaCore:
         if isinstance(decoded, Progress):
             self._last_progress[decoded.msg_id] = time.monotonic()
             return
+        self._applying_live = self._replayed_through is not None and entry.index > self._replayed_through
         try:
             self._handle(self.book.apply(decoded))
         except Exception:  # a bug here must not stop the replica applying its log
@@ -448,6 +457,11 @@ class ReplicaCore:
             match event:
                 case ElectionDecided(msg_id=msg_id, winner=winner):
                     self._resolve(self._election_waiters, msg_id, Outcome(winner))
+                    if winner != self.replica_id and self._applying_live:
+                        # Standbys are not sent the cell: they learn it here, vote for the winner
+                        # and watch it until its DONE.
+                        self._vote_later(msg_id, winner)
+                        self._follow(msg_id, winner)
                 case ElectionFailed(msg_id=msg_id):
                     self._resolve(self._election_waiters, msg_id, Outcome(None))
                 case ExecutorLost(msg_id=msg_id, executor=executor):
@@ -596,15 +610,16 @@ class ReplicaCore:
         return fut
 
     # ---- the execute path (called from the kernel through RaftThread.submit) -----------------------
-    async def decide(self, msg_id: str, *, lead: bool) -> Decision:
-        """Steps 3-4 of the execute path: election, waiting for the previous state, GPU binding."""
-        decision = await self._decide(msg_id, lead=lead)
+    async def decide(self, msg_id: str, *, lead: bool, silent: str | None = None) -> Decision:
+        """Steps 3-4 of the execute path: election, waiting for the previous state, GPU binding.
+        ``silent``: the designated candidate the scheduler found hung (not waited for again)."""
+        decision = await self._decide(msg_id, lead=lead, silent=silent)
         self._open_at_death.discard(msg_id)
         if self.scheduler.settle_bound_ahead(msg_id, executing=isinstance(decision, Execute)):
             self._spawn(self._release(msg_id))  # bound ahead for a cell this replica will not run
         return decision
 
-    async def _decide(self, msg_id: str, *, lead: bool) -> Decision:
+    async def _decide(self, msg_id: str, *, lead: bool, silent: str | None = None) -> Decision:
         log = self._log.bind(msg_id=msg_id)
         started = time.perf_counter()
         if self.peer is None:
@@ -631,7 +646,7 @@ class ReplicaCore:
                 binding = asyncio.ensure_future(self.scheduler.gpu_commit(msg_id, self.settings.gpus))
             try:
                 await self.propose(entry)
-                outcome = await self._wait_outcome(msg_id, waiter)
+                outcome = await self._wait_outcome(msg_id, waiter, silent)
             except RaftError as exc:
                 self._unbind_later(msg_id, binding or self._late_bindings.pop(msg_id, None))
                 return Unavailable(f"Raft could not commit the election for this cell: {exc}")
@@ -770,9 +785,12 @@ class ReplicaCore:
         except TimeoutError:
             return self.book.outcome(msg_id)
 
-    async def _wait_outcome(self, msg_id: str, waiter: asyncio.Future[Outcome]) -> Outcome:
+    async def _wait_outcome(
+        self, msg_id: str, waiter: asyncio.Future[Outcome], silent: str | None = None
+    ) -> Outcome:
         """After our own LEAD/YIELD applied: a LEAD decides at once; a YIELD waits for the others,
-        and after ``election_wait_s`` yields on behalf of voters that stayed silent."""
+        and after ``election_wait_s`` yields on behalf of voters that stayed silent (at once when
+        the only silent one is ``silent``, a candidate the scheduler already waited for)."""
         outcome = self.book.outcome(msg_id)
         if outcome is not None:
             return outcome
@@ -784,8 +802,12 @@ class ReplicaCore:
                 and self.book.silent_voters(msg_id) <= self._dead_members
             ):
                 break  # only voters that died during this election are silent, and none ran it
+            if silent is not None and self.book.silent_voters(msg_id) <= {silent}:
+                break
             await asyncio.wait(
-                (waiter, self._lost_future()), timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                (waiter, self._lost_future()),
+                timeout=remaining if silent is None else min(remaining, SILENT_POLL_S),  # YIELDs wake nothing
+                return_when=asyncio.FIRST_COMPLETED,
             )
         if waiter.done():
             return waiter.result()
@@ -986,19 +1008,32 @@ class ReplicaCore:
             self._log.warning("gpu_release_failed", msg_id=msg_id, error=str(exc))
 
     async def wait_done(self, msg_id: str, winner: str, execution_count: int) -> Done | str:
-        """A standby's wait for the executor's DONE: no deadline while the executor shows progress
-        (cells run for minutes), but a group without a leader for ``quorum_timeout_s`` ends it with
-        the reason, and a silent executor gets an ``ExecutorLost`` DONE committed on its behalf."""
+        """A standby's wait for the executor's DONE (see ``_wait_done``)."""
         done = self.book.done(msg_id)
-        if done is None:
-            result = await self._wait_done(msg_id, winner, execution_count)
-        else:
-            result = done
-        if isinstance(result, Done):
-            self._vote_later(msg_id, winner)
-        return result
+        if done is not None:
+            return done
+        return await asyncio.shield(self._follow(msg_id, winner, execution_count))
+
+    def _follow(
+        self, msg_id: str, winner: str, execution_count: int | None = None
+    ) -> asyncio.Task[Done | str]:
+        """The one watcher of a cell ``winner`` executes, started when its LEAD commits."""
+        task = self._followers.get(msg_id)
+        if task is None:
+            if execution_count is None:
+                last = self.book.last_done()
+                execution_count = last.execution_count if last is not None else 0
+            task = asyncio.ensure_future(self._wait_done(msg_id, winner, execution_count))
+            self._followers[msg_id] = task
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            task.add_done_callback(lambda _: self._followers.pop(msg_id, None))
+        return task
 
     async def _wait_done(self, msg_id: str, winner: str, execution_count: int) -> Done | str:
+        """No deadline while the executor shows progress (cells run for minutes), but a group
+        without a leader for ``quorum_timeout_s`` ends the wait with the reason, and a silent or
+        dead executor gets an ``ExecutorLost`` DONE committed on its behalf."""
         waiter = self._waiter(self._done_waiters, msg_id)
         leaderless_since: float | None = None
         gave_up = False

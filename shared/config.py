@@ -48,6 +48,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "heartbeat_timeout_s": 5.0,
         "replica_start_timeout_s": 60.0,
         "request_timeout_s": 10.0,
+        # A cell goes to its designated executor alone; if that replica sends nothing this long
+        # after it could have (hung, yet alive to its local scheduler), the other replicas are
+        # sent it too and hold the election without it (docs/protocol.md).
+        "candidate_silence_s": 3.0,
         "subscription_ratio_watermark": 3.0,
         # Scheduling mode (shared/policies/baselines.make_policy names). The live scheduler runs
         # notebookos; the baselines are driven by the simulator (the live one logs a warning).

@@ -1,9 +1,10 @@
 """Per-kernel routing of Jupyter messages between the client (via the gateway) and the replicas.
 
 Sans-I/O: ``KernelRouter`` takes raw Jupyter frames in and returns what to send where; the service
-does the sockets. It decides which replicas get a request (execute → all, one designated executor
-and the rest rewritten to ``yield_request`` and re-signed; interrupt → the executor; input_reply →
-the executor; anything else → one replica), feeds replies into the ``ReplyMerger``, and
+does the sockets. It decides which replicas get a request (execute → the designated executor only,
+the others learn the cell from the Raft log; with no replica able to run it, all of them, rewritten
+to ``yield_request`` and re-signed; interrupt → the executor; input_reply → the executor; anything
+else → one replica), feeds replies into the ``ReplyMerger``, and
 synthesizes properly signed error answers when a kernel dies or a request times out, so a client
 is never left waiting.
 """
@@ -46,20 +47,14 @@ class Routed:
     problem: str | None = None  # why the request was dropped, for the log
 
 
-# Header field of a ``yield_request`` whose replica should stay silent on the client channels (no
-# busy, reply or idle): the designated executor answers for the kernel, so the yielders' copies
-# would only cost every hop work before the merger dropped them.
-QUIET_FIELD = "tandem_quiet"
+# Header field of a ``yield_request`` sent because the designated candidate stayed silent: its id.
+SILENT_FIELD = "tandem_silent_candidate"
 
 
-def rewrite_msg_type(
-    frames: Frames, header: dict[str, Any], msg_type: str, signer: Signer, *, quiet: bool = False
-) -> Frames:
+def rewrite_msg_type(frames: Frames, header: dict[str, Any], msg_type: str, signer: Signer) -> Frames:
     """Same message under another msg_type (execute_request → yield_request), re-signed."""
     new_header = dict(header)
     new_header["msg_type"] = msg_type
-    if quiet:
-        new_header[QUIET_FIELD] = True
     parts = [json_part(new_header), frames[2], frames[3], frames[4]]
     return [signer.sign(parts), *parts, *frames[5:]]
 
@@ -79,12 +74,15 @@ class KernelRouter:
         key: bytes,
         signature_scheme: str = "hmac-sha256",
         *,
-        quiet_yielders: bool = True,
+        designated_only: bool = True,
     ) -> None:
         self.kernel_id = kernel_id
-        # With a designated executor, only it answers an execute_request (it always does: it wins
-        # the election, or replies with the election's outcome); yielders are told to stay quiet.
-        self.quiet_yielders = quiet_yielders
+        # With a designated executor, only it is sent an execute_request, and it answers (it wins
+        # the election, or replies with the election's outcome). The other replicas learn the cell
+        # from the Raft log (its LEAD, then its DONE with the code), which spares each of them and
+        # every hop on the way the request's work. False: they get a ``yield_request`` and answer
+        # too (the election of NotebookOS §3.2.2 with every replica proposing).
+        self.designated_only = designated_only
         self.signer = Signer(key, signature_scheme)
         self.merger = ReplyMerger()
         self.session = uuid.uuid4().hex  # the session of messages the scheduler synthesizes
@@ -134,7 +132,7 @@ class KernelRouter:
         if msg_type == "execute_request" and channel == "shell":
             choice = choose()
             executor = routed.executor = choice.executor if choice.executor in live else None
-            quiet = self.quiet_yielders and executor is not None
+            alone = self.designated_only and executor is not None
             sent, sent_header = frames, header
             if retried is not None or ROUND_FIELD in header:  # the scheduler's field, not a client's
                 sent_header = {k: v for k, v in header.items() if k != ROUND_FIELD}
@@ -145,14 +143,12 @@ class KernelRouter:
             for replica_id in live:
                 if replica_id == executor:
                     routed.to_replicas.append((replica_id, channel, sent))
-                else:
+                elif not alone:
                     if yield_frames is None:
-                        yield_frames = rewrite_msg_type(
-                            sent, sent_header, "yield_request", self.signer, quiet=quiet
-                        )
+                        yield_frames = rewrite_msg_type(sent, sent_header, "yield_request", self.signer)
                     routed.to_replicas.append((replica_id, channel, yield_frames))
             self._execute_ids[msg_id] = frames
-            targets = {executor} if quiet and executor is not None else set(live)
+            targets = {executor} if alone and executor is not None else set(live)
             self.merger.open(
                 msg_id,
                 targets,
@@ -248,15 +244,55 @@ class KernelRouter:
 
     def on_replica_lost(
         self, replica_id: str, reason: str, live: Sequence[str] = ()
-    ) -> tuple[list[Forward], list[str]]:
-        if live:
-            self.merger.widen_orphans(replica_id, set(live) - {replica_id})
-        merged, failed = self.merger.replica_lost(replica_id)
+    ) -> tuple[list[Forward], list[str], list[tuple[str, Frames]]]:
+        """A replica died. Requests it was answering fail (the client gets a ``ReplicaLost``
+        error); cells it was designated for but had not started are withdrawn and returned (msg_id
+        and the client's frames, oldest first) for the service to route again among ``live``, in the same
+        election round: if the dead replica's LEAD did commit, the new candidate finds it in the
+        log and answers with the cell's outcome instead of running it."""
+        resend: list[tuple[str, Frames]] = []
+        if set(live) - {replica_id}:
+            for msg_id in self.merger.orphans_of(replica_id):
+                failed = self.merger.fail(msg_id)
+                frames = self._execute_ids.pop(msg_id, None)
+                if failed is None or frames is None:
+                    continue
+                round_, busy_sent = self._rounds.pop(msg_id, (0, False))
+                self._remember_round(msg_id, round_, busy_sent or failed.busy_sent)
+                resend.append((msg_id, frames))
+        merged, failed_requests = self.merger.replica_lost(replica_id)
         self._after(merged)
         forwards = list(merged.forwards)
-        for f in failed:
+        for f in failed_requests:
             forwards += self.synthesize_failure(f, "ReplicaLost", reason)
-        return forwards, merged.finished + [f.msg_id for f in failed]
+        return forwards, merged.finished + [f.msg_id for f in failed_requests], resend
+
+    def ask_the_others(
+        self, now: float, silence: float, live: Sequence[str]
+    ) -> list[tuple[str, str, Frames]]:
+        """A designated candidate that stayed silent for ``silence`` seconds on the cell at the
+        head of the queue (hung, yet alive to its local scheduler) no longer holds the cell
+        alone: the other live replicas get a ``yield_request`` for it and hold the election
+        without it (a stand-in that can bind the GPUs leads, or every voter yields and the cell
+        is migrated). What to send, as (replica, channel, frames)."""
+        out: list[tuple[str, str, Frames]] = []
+        for msg_id in self.merger.silent_candidates(now, silence):
+            frames = self._execute_ids.get(msg_id)
+            targets = self.merger.targets_of(msg_id)
+            others = [r for r in live if r not in targets]
+            if frames is None or not others or len(targets) != 1:
+                continue
+            (candidate,) = self.merger.targets_of(msg_id)
+            header = header_of(frames)
+            sent_header = {k: v for k, v in header.items() if k not in (ROUND_FIELD, SILENT_FIELD)}
+            retried = self._rounds.get(msg_id)
+            if retried is not None:
+                sent_header[ROUND_FIELD] = retried[0]
+            sent_header[SILENT_FIELD] = candidate  # the stand-ins do not wait for it again
+            yield_frames = rewrite_msg_type(frames, sent_header, "yield_request", self.signer)
+            self.merger.widen(msg_id, set(others))
+            out += [(r, "shell", yield_frames) for r in others]
+        return out
 
     def round_of(self, msg_id: str) -> int:
         """The election round msg_id is (or will next be) sent to the replicas in."""
@@ -275,10 +311,15 @@ class KernelRouter:
         del self._execute_ids[msg_id]
         round_, busy_sent = self._rounds.pop(msg_id, (0, False))
         busy_sent = busy_sent or (failed is not None and failed.busy_sent)
-        self._rounds[msg_id] = (round_ + 1, busy_sent)
+        self._remember_round(msg_id, round_ + 1, busy_sent)
+        return frames, round_ + 1, busy_sent
+
+    def _remember_round(self, msg_id: str, round_: int, busy_sent: bool) -> None:
+        """msg_id is sent again (a new round, or the same round to another candidate): its
+        replicas' answers must carry this round, and the client already saw busy if it did."""
+        self._rounds[msg_id] = (round_, busy_sent)
         while len(self._rounds) > FINISHED_MEMORY:
             self._rounds.pop(next(iter(self._rounds)))
-        return frames, round_ + 1, busy_sent
 
     def withdraw(self, msg_id: str) -> None:
         """Forget a routed request that was not sent after all (held for a migration); routing

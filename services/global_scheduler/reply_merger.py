@@ -17,6 +17,7 @@ them in; only ``expired`` takes the time, from the shell's periodic check.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,8 @@ class _Request:
     progressed: bool = False
     election_failed: bool = False
     armed_at: float | None = None
+    heard: bool = False  # anything arrived from a target (for a designated candidate: it is alive)
+    silent_since: float | None = None  # ``silent_candidates``: when it first could have answered
     repliers: list[str] = field(default_factory=list)
     held: dict[str, list[Incoming]] = field(default_factory=dict)
     early_idle: Incoming | None = None  # the responder's idle, overtook its reply (another socket)
@@ -133,6 +136,10 @@ class ReplyMerger:
     def pending_ids(self) -> list[str]:
         return list(self._pending)
 
+    def targets_of(self, msg_id: str) -> frozenset[str]:
+        req = self._pending.get(msg_id)
+        return frozenset(req.targets) if req is not None else frozenset()
+
     def responder_of(self, msg_id: str) -> str | None:
         req = self._pending.get(msg_id)
         if req is not None:
@@ -161,6 +168,7 @@ class ReplyMerger:
         if inc.replica_id not in req.targets:
             self.dropped += 1
             return out
+        req.heard = True
         if inc.msg_type == "status" and inc.execution_state == "busy" and not req.busy_sent:
             req.busy_sent = True
             out.forwards.append((inc.channel, inc.frames))
@@ -222,12 +230,14 @@ class ReplyMerger:
             m for m, req in self._pending.items() if req.responder == replica_id and _is_execute(req.context)
         ]
 
-    def widen_orphans(self, lost: str, live: set[str]) -> None:
-        """The designated executor of undecided cells died: the quiet yielders are still in the
-        election and one of them may take the cell over (it then answers), so expect them."""
-        for req in self._pending.values():
-            if req.responder is None and req.targets == {lost} and _is_execute(req.context):
-                req.targets = set(live)
+    def orphans_of(self, lost: str) -> list[str]:
+        """Undecided cells sent to ``lost`` alone (it was their designated executor and had not
+        started them): they are withdrawn and sent again to a live replica."""
+        return [
+            m
+            for m, req in self._pending.items()
+            if req.responder is None and req.targets == {lost} and _is_execute(req.context)
+        ]
 
     def ignore(self, msg_id: str) -> None:
         """Replies to ``msg_id`` (a request no client awaits) are never forwarded."""
@@ -258,6 +268,29 @@ class ReplyMerger:
             elif now - req.armed_at >= timeout:
                 failed.append(self._fail(req))
         return failed
+
+    def silent_candidates(self, now: float, timeout: float) -> list[str]:
+        """Cells sent to a designated candidate alone that has sent nothing for ``timeout``
+        seconds since it could have (every earlier serial request finished): it is alive to its
+        local scheduler, but hung. Each is reported once; the shell then asks the other replicas
+        too (``widen``)."""
+        for req in self._pending.values():
+            if not req.serial:
+                continue
+            if req.responder is None and not req.heard and len(req.targets) == 1 and _is_execute(req.context):
+                if req.silent_since is None:
+                    req.silent_since = now
+                elif now - req.silent_since >= timeout:
+                    req.silent_since = math.inf  # reported once
+                    return [req.msg_id]
+            return []  # only the first serial request can have been answered by now
+        return []
+
+    def widen(self, msg_id: str, targets: set[str]) -> None:
+        """More replicas were sent ``msg_id``: expect their answers too."""
+        req = self._pending.get(msg_id)
+        if req is not None:
+            req.targets |= targets
 
     # ---- internals --------------------------------------------------------------------------
 

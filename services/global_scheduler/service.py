@@ -70,6 +70,7 @@ class GlobalScheduler:
         self._clock = clock
         self._heartbeat_timeout = float(sched["heartbeat_timeout_s"])
         self._request_timeout = float(sched["request_timeout_s"])
+        self._candidate_silence = float(sched["candidate_silence_s"])
         self._replica_start_timeout = float(sched["replica_start_timeout_s"])
         self._replicas_per_kernel = int(cfg.get("cluster.replicas_per_kernel"))
         # The same placement class NotebookOsPolicy runs in the simulator (dynamic SR limit, index).
@@ -204,6 +205,19 @@ class GlobalScheduler:
         for kernel in self.state.kernels.values():
             if kernel.state in (STOPPED, DEAD):
                 continue
+            for replica_id, channel, frames in kernel.router.ask_the_others(
+                now, self._candidate_silence, kernel.live_replicas()
+            ):
+                log.warning("candidate_silent", kernel=kernel.kernel_id, asking=replica_id)
+                body = {
+                    "kernel_id": kernel.kernel_id,
+                    "replica_id": replica_id,
+                    "channel": channel,
+                    "frames": frames,
+                }
+                self._server.send(
+                    kernel.replicas[replica_id].host_id.encode(), Envelope(messages.JUPYTER_REQUEST, body)
+                )
             forwards, done = kernel.router.expire(now, self._request_timeout)
             if done:
                 log.warning("requests_timed_out", kernel=kernel.kernel_id, msg_ids=done)
@@ -238,8 +252,11 @@ class GlobalScheduler:
         self.route_from_gateway(kernel, body["channel"], body["frames"])
         return None
 
-    def route_from_gateway(self, kernel: KernelRecord, channel: str, frames: list[bytes]) -> None:
-        """Route one client message of ``kernel`` (also what a held request is sent on through)."""
+    def route_from_gateway(
+        self, kernel: KernelRecord, channel: str, frames: list[bytes], *, rerouted: bool = False
+    ) -> None:
+        """Route one client message of ``kernel`` (also what a held request is sent on through).
+        ``rerouted``: a cell sent again because its designated executor died before starting it."""
         if kernel.held is not None and channel == "shell":  # behind a cell waiting for a migration
             kernel.held.append(frames)
             return None
@@ -261,8 +278,13 @@ class GlobalScheduler:
             return None
         if routed.msg_type == "execute_request" and routed.to_replicas:
             log.debug(
-                "execute_routed", kernel=kernel.kernel_id, msg_id=routed.msg_id, executor=routed.executor
+                "execute_routed",
+                kernel=kernel.kernel_id,
+                msg_id=routed.msg_id,
+                executor=routed.executor,
+                rerouted=rerouted,
             )
+        if routed.msg_type == "execute_request" and routed.to_replicas and not rerouted:
             self.metrics.cell_submitted(
                 kernel.kernel_id, routed.msg_id, arrived, routed.executor, kernel.resources.gpus > 0
             )
@@ -292,7 +314,10 @@ class GlobalScheduler:
                 "frames": out_frames,
             }
             if replica_id == routed.executor:
-                body["designated"] = True  # its local scheduler binds the GPUs as it forwards
+                # its local scheduler binds the GPUs as it forwards; designated, it may start the
+                # cell before its LEAD commits. Not a rerouted cell: the dead candidate's LEAD may
+                # still be on its way into the log, so the new one waits for the election's outcome.
+                body["designated"] = not rerouted
             send(kernel.replicas[replica_id].host_id.encode(), Envelope(messages.JUPYTER_REQUEST, body))
         return None
 
@@ -430,7 +455,9 @@ class GlobalScheduler:
     def _replica_lost(self, kernel: KernelRecord, replica: ReplicaRecord, reason: str) -> None:
         replica.alive = False
         replica.role = None
-        forwards, done = kernel.router.on_replica_lost(replica.replica_id, reason, kernel.live_replicas())
+        forwards, done, resend = kernel.router.on_replica_lost(
+            replica.replica_id, reason, kernel.live_replicas()
+        )
         self._to_gateway(kernel, forwards)
         self._release(kernel, done)
         live = kernel.live_replicas()
@@ -440,6 +467,10 @@ class GlobalScheduler:
             self._mark_dead(kernel, f"{len(live)} of {len(kernel.replicas)} replicas alive: {reason}")
         elif kernel.state == RUNNING and (kernel.kernel_id, replica.replica_id) not in self._restarting:
             self._migrator.on_replica_lost(kernel, replica, reason)
+        for msg_id, frames in resend:  # cells it was designated for and had not started
+            self.state.release(kernel, msg_id)
+            log.info("cell_rerouted", kernel=kernel.kernel_id, msg_id=msg_id, lost=replica.replica_id)
+            self.route_from_gateway(kernel, "shell", frames, rerouted=True)
 
     def _tell_members_lost(self, kernel: KernelRecord, lost: str, started: list[str]) -> None:
         """The surviving replicas hear at once that ``lost``'s process died, so a cell it was

@@ -5,8 +5,9 @@ migration and runs as a new election round (NotebookOS §3.2.3), instead of the 
 Three one-GPU hosts; kernels B and C hold the GPUs of two of kernel A's hosts with cells that run
 until a flag file appears (steered there with cordons, see test_migration.py). A's replica on
 the third host, a Raft follower, is stopped (SIGSTOP): the scheduler designates it (its host is
-the only free one) and its local scheduler binds the GPU for it, but it never answers, and the
-other replicas cannot bind on their busy hosts, so they yield for it: the election fails. The
+the only free one) and its local scheduler binds the GPU for it, but it never answers. After
+``scheduler.candidate_silence_s`` the scheduler asks the other replicas too; they cannot bind on
+their busy hosts, so they yield, and for the silent candidate: the election fails. The
 cell is held while A's own binding is still on the stopped replica's host; once that replica is
 resumed it gives the binding back (the failed round is over for it) and the cell runs there as
 round 1. Nothing depends on timing: each step waits for the state that allows the next.
@@ -41,8 +42,8 @@ def three_hosts(tmp_path_factory: pytest.TempPathFactory, tandem_kernelspec: Pat
     with running_cluster(
         tmp_path_factory.mktemp("tandem-failed-election"),
         "--hosts", "3", "--gpus-per-host", "1",
-        # the stand-ins wait election_wait_s (5 s) for the stopped candidate before yielding for it;
-        # the request deadline must not end the cell first
+        # the scheduler waits candidate_silence_s for the stopped candidate before asking the
+        # others; the request deadline must not end the cell first
         "--set", "scheduler.request_timeout_s=60",
     ) as handle:  # fmt: skip
         yield handle

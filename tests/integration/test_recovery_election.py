@@ -1,26 +1,21 @@
-"""A cell whose designated executor vanished before it could LEAD still runs, exactly once.
+"""Only the designated executor is sent a cell; the other replicas follow it through the Raft log.
 
 Three real replica processes over real Raft (the harness of test_replica_group.py plays the
-schedulers): the cell reaches only the two quiet yielders, as when the designated replica dies just
-as the scheduler sends it. After ``election_wait_s`` of silence the first of them binds GPUs on its
-host and proposes LEAD itself, then answers the client as the executor.
+schedulers). The global scheduler sends an execute_request to the designated replica alone; the
+others learn the cell from its LEAD and DONE (which carries the code for their input history). When
+the designated replica dies before it starts a cell, the scheduler sends the cell again to another
+replica (``KernelRouter.on_replica_lost``): that one runs it, exactly once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import queue
-import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from test_replica_group import Cluster
 
 pytestmark = pytest.mark.integration
-
-QUIET_FIELD = "tandem_quiet"  # services.global_scheduler.jupyter_router.QUIET_FIELD
 
 
 @pytest.fixture(scope="module")
@@ -32,46 +27,34 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         group.close()
 
 
-def shell_reply(group: Cluster, rid: str, msg_id: str, timeout: float) -> dict[str, Any] | None:
-    deadline = time.monotonic() + timeout
-    with contextlib.suppress(queue.Empty):
-        while (remaining := deadline - time.monotonic()) > 0:
-            reply = group.clients[rid].get_shell_msg(timeout=remaining)
-            if reply["parent_header"].get("msg_id") == msg_id:
-                return reply
-    return None
+def stdout(group: Cluster, rid: str, msg_id: str) -> list[str]:
+    return [m["content"]["text"] for m in group.iopub(rid, msg_id) if m["msg_type"] == "stream"]
 
 
-def test_a_quiet_yielder_runs_the_cell_when_the_designated_replica_stays_silent(replicas: Cluster) -> None:
-    replies = replicas.run("base = 1", "r1")
-    assert all(r["content"]["status"] == "ok" for r in replies.values())
-    msg = replicas.clients["r2"].session.msg(
-        "execute_request",
-        {"code": "base += 1\nprint(base)", "silent": False, "store_history": True,
-         "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
-    )  # fmt: skip
+def test_replicas_not_sent_a_cell_follow_it_through_the_log(replicas: Cluster) -> None:
+    first = replicas.run("base = 1", "r1", to=("r1",))["r1"]
+    assert first["content"]["status"] == "ok"
+    assert first["metadata"]["tandem"]["role"] == "executor"
+    # r3 never saw that cell: its namespace, execution count and input history have it anyway
+    check = replicas.run("print(base, In[-2])", "r3", to=("r3",))["r3"]
+    assert check["content"]["status"] == "ok", check["content"]
+    assert check["content"]["execution_count"] == first["content"]["execution_count"] + 1
+    assert stdout(replicas, "r3", check["parent_header"]["msg_id"]) == ["1 base = 1\n"]
+
+
+def test_a_cell_sent_again_after_its_designated_replica_vanished_runs_once(replicas: Cluster) -> None:
+    assert replicas.run("base = 1", "r1", to=("r1",))["r1"]["content"]["status"] == "ok"
+    # r1 was designated and died before the cell reached it: the scheduler sends it to r2 instead
+    msg = replicas.send_cell("base += 1\nprint(base)", "r2", to=("r2",))
     msg_id = msg["header"]["msg_id"]
-    for rid in ("r2", "r3"):  # r1 was designated; it never gets the cell
-        quiet = copy.deepcopy(msg)
-        quiet["header"]["msg_type"] = "yield_request"
-        quiet["header"][QUIET_FIELD] = True
-        replicas.clients[rid].shell_channel.send(quiet)
-
-    reply = shell_reply(replicas, "r2", msg_id, timeout=30)
-    assert reply is not None, "the stand-in never answered"
+    reply = replicas.replies(msg, to=("r2",), timeout=30)["r2"]
     assert reply["content"]["status"] == "ok", reply["content"]
     assert reply["metadata"]["tandem"]["role"] == "executor"
-    assert reply["parent_header"]["msg_type"] == "execute_request"  # what the client sent
-    outputs = replicas.iopub("r2", msg_id)
-    assert [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"] == ["2\n"]
-    states = [m["content"]["execution_state"] for m in outputs if m["msg_type"] == "status"]
-    assert states.count("busy") == 1 and states.count("idle") == 1
-    assert ("r2", msg_id) in replicas.scheduler.commits  # it bound GPUs on its host first
-    assert shell_reply(replicas, "r3", msg_id, timeout=1.0) is None  # the other stays quiet
+    assert stdout(replicas, "r2", msg_id) == ["2\n"]
 
-    # The designated replica gets the cell late: answered from the log, not run again.
+    # The designated replica gets the cell late after all: answered from the log, not run again.
     late = replicas.replies(replicas.send_cell("", "r1", msg=copy.deepcopy(msg), to=("r1",)), to=("r1",))
     assert late["r1"]["metadata"]["tandem"].get("replayed") is True
-    check = replicas.run("print(base)", "r3")
-    outputs = replicas.iopub("r3", check["r3"]["parent_header"]["msg_id"])
-    assert [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"] == ["2\n"]
+    assert late["r1"]["content"]["status"] == "ok"
+    check = replicas.run("print(base)", "r3", to=("r3",))
+    assert stdout(replicas, "r3", check["r3"]["parent_header"]["msg_id"]) == ["2\n"]

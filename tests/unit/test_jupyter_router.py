@@ -39,30 +39,14 @@ def reply_frames(
     return wire[wire.index(DELIMITER) + 1 :]
 
 
-def test_execute_goes_to_one_executor_and_signed_yields_to_the_rest() -> None:
+def test_execute_goes_to_the_designated_executor_alone_and_only_it_answers() -> None:
     s = session()
     router = KernelRouter("k", KEY)
     msg_id, frames = client_frames(s, "execute_request", {"code": "x = 1"})
     routed = router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r2"))
     assert routed.executor == "r2"
-    by_replica = {r: f for r, _, f in routed.to_replicas}
-    assert by_replica["r2"] is frames
-    for yielder in ("r1", "r3"):
-        msg = parse(s, by_replica[yielder])
-        assert msg["header"]["msg_type"] == "yield_request"
-        assert msg["header"]["msg_id"] == msg_id
-        assert msg["content"]["code"] == "x = 1"
-
-
-def test_yielders_of_a_designated_executor_are_quiet_and_only_it_answers() -> None:
-    s = session()
-    router = KernelRouter("k", KEY)
-    msg_id, frames = client_frames(s, "execute_request", {"code": "x = 1"})
-    routed = router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r2"))
-    by_replica = {r: f for r, _, f in routed.to_replicas}
-    for yielder in ("r1", "r3"):
-        assert parse(s, by_replica[yielder])["header"]["tandem_quiet"] is True
-    # a yielder that answers anyway (an older replica) is ignored; the executor's replies decide
+    assert routed.to_replicas == [("r2", "shell", frames)]  # the others learn the cell from Raft
+    # a replica that answers anyway (an older one) is ignored; the executor's replies decide
     busy = reply_frames(s, "status", msg_id, {"execution_state": "busy"})
     assert router.on_replica_message("r1", "iopub", busy).forwards == []
     assert router.on_replica_message("r2", "iopub", busy).forwards == [("iopub", busy)]
@@ -75,12 +59,79 @@ def test_yielders_of_a_designated_executor_are_quiet_and_only_it_answers() -> No
     assert router.on_replica_message("r2", "iopub", idle).finished == [msg_id]
 
 
-def test_all_yield_is_not_quiet() -> None:
+def test_without_designated_only_the_others_get_signed_yield_requests() -> None:
+    s = session()
+    router = KernelRouter("k", KEY, designated_only=False)
+    msg_id, frames = client_frames(s, "execute_request", {"code": "x = 1"})
+    routed = router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r2"))
+    by_replica = {r: f for r, _, f in routed.to_replicas}
+    assert by_replica["r2"] is frames
+    for yielder in ("r1", "r3"):
+        msg = parse(s, by_replica[yielder])
+        assert msg["header"]["msg_type"] == "yield_request"
+        assert msg["header"]["msg_id"] == msg_id
+        assert msg["content"]["code"] == "x = 1"
+
+
+def test_a_cell_whose_designated_executor_died_before_starting_it_is_sent_again_once() -> None:
     s = session()
     router = KernelRouter("k", KEY)
-    _, frames = client_frames(s, "execute_request", {"code": "1"})
-    routed = router.route_request("shell", frames, live=LIVE, choose=lambda: choose(None))
-    assert all("tandem_quiet" not in parse(s, f)["header"] for _, _, f in routed.to_replicas)
+    msg_id, frames = client_frames(s, "execute_request", {"code": "x = 1"})
+    router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"))
+    busy = reply_frames(s, "status", msg_id, {"execution_state": "busy"})
+    assert router.on_replica_message("r1", "iopub", busy).forwards == [("iopub", busy)]
+    forwards, done, resend = router.on_replica_lost("r1", "replica r1 exited (-9)", ["r2", "r3"])
+    assert forwards == [] and done == []  # the client sees nothing yet: the cell is not lost
+    assert resend == [(msg_id, frames)]
+    routed = router.route_request("shell", frames, live=["r2", "r3"], choose=lambda: choose("r2"))
+    ((target, _, sent),) = routed.to_replicas
+    assert target == "r2" and parse(s, sent)["header"]["msg_id"] == msg_id
+    # the dead candidate's late output is dropped; the new one's busy is not sent twice
+    assert router.on_replica_message("r1", "iopub", busy).forwards == []
+    answers = [
+        (channel, reply_frames(s, kind, msg_id, content, {"tandem": {"role": "executor"}}))
+        for channel, kind, content in (
+            ("iopub", "status", {"execution_state": "busy"}),
+            ("shell", "execute_reply", {"status": "ok", "execution_count": 1}),
+            ("iopub", "status", {"execution_state": "idle"}),
+        )
+    ]
+    for _, frames_ in answers:  # answers to the resent request carry its header (round field 0)
+        frames_[2] = sent[1]
+        frames_[0] = s.sign(frames_[1:5])
+    forwarded = [f for ch, a in answers for _, f in router.on_replica_message("r2", ch, a).forwards]
+    assert [parse(s, f)["header"]["msg_type"] for f in forwarded] == ["execute_reply", "status"]
+
+
+def test_a_silent_designated_candidate_gets_the_others_asked_once() -> None:
+    s = session()
+    router = KernelRouter("k", KEY)
+    msg_id, frames = client_frames(s, "execute_request", {"code": "x = 1"})
+    router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r2"))
+    assert router.ask_the_others(0.0, 3.0, LIVE) == []  # the clock starts: it could answer now
+    assert router.ask_the_others(2.9, 3.0, LIVE) == []
+    asked = router.ask_the_others(3.0, 3.0, LIVE)
+    assert [r for r, _, _ in asked] == ["r1", "r3"]
+    header = parse(s, asked[0][2])["header"]
+    assert header["msg_type"] == "yield_request" and header["msg_id"] == msg_id
+    assert header["tandem_silent_candidate"] == "r2"
+    assert router.ask_the_others(10.0, 3.0, LIVE) == []  # once
+    # a stand-in that leads answers for the kernel
+    reply = reply_frames(
+        s, "execute_reply", msg_id, {"status": "ok", "execution_count": 1}, {"tandem": {"role": "executor"}}
+    )
+    assert router.on_replica_message("r1", "shell", reply).forwards == [("shell", reply)]
+
+
+def test_a_candidate_that_answered_is_not_silent() -> None:
+    s = session()
+    router = KernelRouter("k", KEY)
+    msg_id, frames = client_frames(s, "execute_request", {"code": "import time; time.sleep(60)"})
+    router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r2"))
+    router.ask_the_others(0.0, 3.0, LIVE)
+    busy = reply_frames(s, "status", msg_id, {"execution_state": "busy"})
+    router.on_replica_message("r2", "iopub", busy)
+    assert router.ask_the_others(60.0, 3.0, LIVE) == []
 
 
 def test_all_yield_when_no_executor() -> None:
@@ -131,7 +182,7 @@ def test_shutdown_is_broadcast_and_interrupt_goes_to_the_executor() -> None:
 
 def test_replica_messages_are_merged_by_parent_msg_id() -> None:
     s = session()
-    router = KernelRouter("k", KEY, quiet_yielders=False)
+    router = KernelRouter("k", KEY, designated_only=False)
     msg_id, frames = client_frames(s, "execute_request", {"code": "x"})
     router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"))
     busy = reply_frames(s, "status", msg_id, {"execution_state": "busy"})
@@ -174,8 +225,8 @@ def test_losing_the_executor_mid_cell_fails_only_what_is_missing() -> None:
     router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"))
     router.on_replica_message("r1", "iopub", reply_frames(s, "status", msg_id, {"execution_state": "busy"}))
     router.on_elected("r1", msg_id)
-    forwards, done = router.on_replica_lost("r1", "replica r1 exited (-9)")
-    assert done == [msg_id]
+    forwards, done, resend = router.on_replica_lost("r1", "replica r1 exited (-9)", ["r2", "r3"])
+    assert done == [msg_id] and resend == []  # it had started the cell: never run elsewhere
     assert [parse(s, f)["header"]["msg_type"] for _, f in forwards] == ["error", "execute_reply", "status"]
 
 
