@@ -8,6 +8,10 @@ replies by envelope id, and every wait has a timeout.
 Handlers are plain callables returning ``Envelope | None`` (answered in arrival order, which the
 Jupyter forwarding path relies on) or an awaitable of one (run as its own task, so a slow
 operation such as starting a replica never stalls the socket).
+
+Sockets are plain zmq sockets drained from an event-loop reader (``shared.zmq_drain``), not
+``zmq.asyncio`` ones: every hop of every Jupyter message passes through here, and a Future per
+message sent or received was the largest Python cost per hop.
 """
 
 from __future__ import annotations
@@ -19,10 +23,10 @@ from typing import Any
 
 import structlog
 import zmq
-import zmq.asyncio
 
 from shared import messages
 from shared.envelope import Envelope, EnvelopeError, decode
+from shared.zmq_drain import DrainingSocket
 
 log = structlog.get_logger("rpc")
 
@@ -44,7 +48,7 @@ class RpcTimeout(TimeoutError):
     """No answer within the deadline (after all retries)."""
 
 
-def _configure(sock: zmq.asyncio.Socket) -> None:
+def _configure(sock: zmq.Socket[bytes]) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 100_000)
     sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -97,14 +101,14 @@ class _Dispatcher:
 class RpcServer:
     """A ROUTER socket that validates, dispatches and answers envelopes."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, handler: ServerHandler, *, name: str) -> None:
-        self._sock = ctx.socket(zmq.ROUTER)
+    def __init__(self, ctx: zmq.Context[Any], handler: ServerHandler, *, name: str) -> None:
+        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
         _configure(self._sock)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._handler = handler
         self._log = log.bind(server=name)
         self._dispatch = _Dispatcher()
-        self._loop_task: asyncio.Task[None] | None = None
+        self._channel = DrainingSocket(self._sock, self._on_frames, name=name, logger=self._log)
         self.address = ""
 
     def bind(self, address: str) -> str:
@@ -119,35 +123,32 @@ class RpcServer:
         return self.address
 
     def start(self) -> None:
-        self._loop_task = asyncio.ensure_future(self._recv_loop())
+        """Start receiving (needs the running loop); messages queued before now are delivered."""
+        self._channel.start()
 
     def send(self, identity: bytes, env: Envelope) -> None:
         """Push to a connected peer; never blocks (the peer may be gone: then it is dropped)."""
         try:
-            self._sock.send_multipart([identity, env.encode()], flags=zmq.NOBLOCK)
+            self._channel.send_multipart([identity, env.encode()])
         except zmq.ZMQError as exc:
             self._log.warning("send_failed", peer=identity, type=env.type, error=str(exc))
 
-    async def _recv_loop(self) -> None:
-        sock = self._sock
-        while True:
-            frames = await sock.recv_multipart()
-            if len(frames) != 2:
-                self._log.warning("malformed_frames", count=len(frames))
-                if len(frames) > 2:
-                    self.send(frames[0], Envelope(messages.ERROR, {"reason": "expected one payload frame"}))
-                continue
-            identity, payload = frames
-            try:
-                env = decode(payload)
-            except EnvelopeError as exc:
-                self._log.warning("rejected_message", peer=identity, reason=str(exc))
-                bad = Envelope(
-                    messages.ERROR, {"reason": str(exc), "code": "bad_message"}, id=_error_id(payload)
-                )
-                self.send(identity, bad)
-                continue
-            self._run(identity, env)
+    def _on_frames(self, frames: list[bytes]) -> None:
+        """One inbound message: validate, then dispatch or answer with an ``error``."""
+        if len(frames) != 2:
+            self._log.warning("malformed_frames", count=len(frames))
+            if len(frames) > 2:
+                self.send(frames[0], Envelope(messages.ERROR, {"reason": "expected one payload frame"}))
+            return
+        identity, payload = frames
+        try:
+            env = decode(payload)
+        except EnvelopeError as exc:
+            self._log.warning("rejected_message", peer=identity, reason=str(exc))
+            bad = Envelope(messages.ERROR, {"reason": str(exc), "code": "bad_message"}, id=_error_id(payload))
+            self.send(identity, bad)
+            return
+        self._run(identity, env)
 
     def _run(self, identity: bytes, env: Envelope) -> None:
         try:
@@ -156,9 +157,11 @@ class RpcServer:
             self._log.exception("handler_failed", type=env.type, request_id=env.id)
             self.send(identity, env.error(f"{exc.__class__.__name__}: {exc}", code="internal"))
             return
-        if inspect.isawaitable(result):
+        if result is None:  # the hot path (Jupyter forwarding) answers nothing
+            return
+        if type(result) is not Envelope and inspect.isawaitable(result):
             self._dispatch.spawn(self._finish(identity, env, result))
-        elif result is not None:
+        else:
             self.send(identity, result)
 
     async def _finish(self, identity: bytes, env: Envelope, pending: Awaitable[Envelope | None]) -> None:
@@ -167,9 +170,8 @@ class RpcServer:
             self.send(identity, result)
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        """Stop receiving, cancel running handlers, close the socket (pending sends are dropped)."""
+        self._channel.stop()
         await self._dispatch.cancel_all()
         self._sock.close(linger=0)
 
@@ -179,13 +181,13 @@ class RpcClient:
 
     def __init__(
         self,
-        ctx: zmq.asyncio.Context,
+        ctx: zmq.Context[Any],
         *,
         identity: bytes | None = None,
         on_message: ClientHandler | None = None,
         name: str = "client",
     ) -> None:
-        self._sock = ctx.socket(zmq.DEALER)
+        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
         _configure(self._sock)
         if identity is not None:
             self._sock.setsockopt(zmq.IDENTITY, identity)
@@ -195,17 +197,20 @@ class RpcClient:
         self._pending: dict[str, asyncio.Future[Envelope]] = {}
         self._log = log.bind(client=name)
         self._dispatch = _Dispatcher()
-        self._loop_task: asyncio.Task[None] | None = None
+        self._channel = DrainingSocket(self._sock, self._on_frames, name=name, logger=self._log)
+        self._receiving = False
 
     def connect(self, address: str) -> None:
+        """Connect (needs the running loop on the first call, which starts receiving)."""
         self._sock.connect(address)
-        if self._loop_task is None:
-            self._loop_task = asyncio.ensure_future(self._recv_loop())
+        if not self._receiving:
+            self._receiving = True
+            self._channel.start()
 
     def send(self, env: Envelope) -> None:
         """Fire and forget. Queues while disconnected (up to the high-water mark)."""
         try:
-            self._sock.send(env.encode(), flags=zmq.NOBLOCK)
+            self._channel.send(env.encode())
         except zmq.ZMQError as exc:
             self._log.warning("send_failed", type=env.type, error=str(exc))
 
@@ -234,33 +239,37 @@ class RpcClient:
             raise RpcError(str(answer.body.get("reason")), str(answer.body.get("code", "error")))
         return answer
 
-    async def _recv_loop(self) -> None:
-        while True:
-            payload = await self._sock.recv()
-            try:
-                env = decode(payload)
-            except EnvelopeError as exc:
-                self._log.warning("rejected_message", reason=str(exc))
-                continue
-            if env.type in (messages.REPLY, messages.ERROR):
-                fut = self._pending.get(env.id)
-                if fut is not None and not fut.done():
-                    fut.set_result(env)
-                elif env.type == messages.ERROR:
-                    self._log.warning("peer_error", reason=env.body.get("reason"), request_id=env.id)
-                continue
-            if self._on_message is None:
-                self._log.warning("unexpected_message", type=env.type)
-                continue
-            try:
-                result = self._on_message(env)
-            except Exception:
-                self._log.exception("handler_failed", type=env.type)
-                continue
-            if inspect.isawaitable(result):
-                self._dispatch.spawn(self._finish(env, result))
-            elif result is not None:
-                self.send(result)
+    def _on_frames(self, frames: list[bytes]) -> None:
+        """One inbound message: a reply ends a request's wait, anything else goes to the handler."""
+        if len(frames) != 1:
+            self._log.warning("malformed_frames", count=len(frames))
+            return
+        try:
+            env = decode(frames[0])
+        except EnvelopeError as exc:
+            self._log.warning("rejected_message", reason=str(exc))
+            return
+        if env.type in (messages.REPLY, messages.ERROR):
+            fut = self._pending.get(env.id)
+            if fut is not None and not fut.done():
+                fut.set_result(env)
+            elif env.type == messages.ERROR:
+                self._log.warning("peer_error", reason=env.body.get("reason"), request_id=env.id)
+            return
+        if self._on_message is None:
+            self._log.warning("unexpected_message", type=env.type)
+            return
+        try:
+            result = self._on_message(env)
+        except Exception:
+            self._log.exception("handler_failed", type=env.type)
+            return
+        if result is None:  # the hot path (Jupyter forwarding) answers nothing
+            return
+        if type(result) is not Envelope and inspect.isawaitable(result):
+            self._dispatch.spawn(self._finish(env, result))
+        else:
+            self.send(result)
 
     async def _finish(self, env: Envelope, pending: Awaitable[Envelope | None]) -> None:
         result = await _outcome(env, pending, self._log)
@@ -268,9 +277,8 @@ class RpcClient:
             self.send(result)
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        """Stop receiving, cancel handlers and waiting requests, close the socket."""
+        self._channel.stop()
         await self._dispatch.cancel_all()
         for fut in self._pending.values():
             if not fut.done():

@@ -8,11 +8,13 @@ iopub traffic is published. It knows nothing about replicas or scheduling: that 
 
 The heartbeat socket is a ROUTER rather than a REP (wire compatible with the client's REQ) so the
 endpoint can *not* answer while the kernel is dead, which is how Jupyter clients learn of it.
+
+The sockets are plain zmq sockets drained from event-loop reader callbacks (``shared.zmq_drain``)
+rather than ``zmq.asyncio`` ones: no Future per message on the cell's hot path.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections import OrderedDict
@@ -22,7 +24,6 @@ from typing import Any
 
 import structlog
 import zmq
-import zmq.asyncio
 
 from shared.jupyter_wire import (
     DELIMITER,
@@ -33,6 +34,7 @@ from shared.jupyter_wire import (
     parent_msg_id,
     split_identities,
 )
+from shared.zmq_drain import DrainingSocket, send_multipart_nowait
 
 log = structlog.get_logger("gateway.kernel")
 
@@ -70,7 +72,7 @@ class KernelEndpoint:
 
     def __init__(
         self,
-        ctx: zmq.asyncio.Context,
+        ctx: zmq.Context[Any],
         kernel_id: str,
         key: bytes,
         signature_scheme: str,
@@ -90,9 +92,10 @@ class KernelEndpoint:
         self._iopub_topic = f"kernel.{kernel_id}".encode()
         self.alive = False
         self.stats = EndpointStats()
-        self._sockets: dict[str, zmq.asyncio.Socket] = {}
+        # shell, control, stdin and hb (ROUTERs, drained by reader callbacks); iopub only publishes
+        self._sockets: dict[str, DrainingSocket] = {}
+        self._iopub: zmq.Socket[bytes] | None = None
         self.ports: dict[str, int] = {}
-        self._tasks: list[asyncio.Task[None]] = []
         # replica_id -> host_id, kept fresh by the gateway from the scheduler's kernel.status, so
         # replies can say where they ran without the replica knowing its host.
         self.replica_hosts: dict[str, str] = {}
@@ -102,25 +105,25 @@ class KernelEndpoint:
 
     def bind(self) -> dict[str, int]:
         """Bind the five sockets on free ports; idempotent, so a restart keeps the client's ports."""
-        if self._sockets:
+        if self._iopub is not None:
             return self.ports
-        kinds = {
-            "shell": zmq.ROUTER,
-            "control": zmq.ROUTER,
-            "stdin": zmq.ROUTER,
-            "iopub": zmq.PUB,
-            "hb": zmq.ROUTER,
-        }
-        for channel, kind in kinds.items():
-            sock = self._ctx.socket(kind)
+        for channel in (*ROUTED_CHANNELS, "iopub", "hb"):
+            kind = zmq.PUB if channel == "iopub" else zmq.ROUTER
+            sock: zmq.Socket[bytes] = self._ctx.socket(kind, socket_class=zmq.Socket)
             sock.setsockopt(zmq.LINGER, 0)
             if kind == zmq.ROUTER:
                 sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
             self.ports[channel] = sock.bind_to_random_port(f"tcp://{self.ip}")
-            self._sockets[channel] = sock
-        for channel in ROUTED_CHANNELS:
-            self._tasks.append(asyncio.ensure_future(self._client_loop(channel)))
-        self._tasks.append(asyncio.ensure_future(self._heartbeat_loop()))
+            if channel == "iopub":
+                self._iopub = sock
+            elif channel == "hb":
+                self._sockets[channel] = DrainingSocket(sock, self._on_heartbeat, name="hb", logger=self._log)
+            else:
+                self._sockets[channel] = DrainingSocket(
+                    sock, self._client_handler(channel), name=channel, logger=self._log
+                )
+        for drained in self._sockets.values():
+            drained.start()
         return self.ports
 
     def set_key(self, key: bytes, signature_scheme: str) -> None:
@@ -143,21 +146,18 @@ class KernelEndpoint:
         }
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
-        for sock in self._sockets.values():
-            sock.close(linger=0)
+        for drained in self._sockets.values():
+            drained.close(linger=0)
         self._sockets.clear()
+        if self._iopub is not None:
+            self._iopub.close(linger=0)
+            self._iopub = None
         self._routes.clear()
 
     # ---- client -> cluster -----------------------------------------------------------------
 
-    async def _client_loop(self, channel: str) -> None:
-        sock = self._sockets[channel]
-        while True:
-            frames = await sock.recv_multipart()
+    def _client_handler(self, channel: str) -> Callable[[list[bytes]], None]:
+        def on_client_message(frames: list[bytes]) -> None:
             try:
                 self._accept(channel, frames)
             except WireError as exc:
@@ -165,6 +165,8 @@ class KernelEndpoint:
             except Exception as exc:  # never let one odd message kill the channel
                 self._log.exception("client_message_failed", channel=channel)
                 self._reject(channel, f"{exc.__class__.__name__}: {exc}")
+
+        return on_client_message
 
     def _accept(self, channel: str, frames: list[bytes]) -> None:
         identities, msg = split_identities(frames)
@@ -200,11 +202,14 @@ class KernelEndpoint:
 
     def deliver(self, channel: str, frames: list[bytes]) -> None:
         """Route one message from the executor (via the scheduler) to the client that asked."""
-        if not self._sockets:
+        if self._iopub is None:
             return
         if channel == "iopub":
             self._note_execute_input(frames)
-            self._send(self._sockets["iopub"], [self._iopub_topic, DELIMITER, *frames])
+            try:
+                send_multipart_nowait(self._iopub, [self._iopub_topic, DELIMITER, *frames])
+            except zmq.ZMQError as exc:
+                self._log.warning("client_send_failed", channel=channel, error=str(exc))
             self.stats.delivered += 1
             return
         parent_id = parent_msg_id(frames)
@@ -219,7 +224,7 @@ class KernelEndpoint:
                 frames = self._stamp_arrival(frames, route)
         if not route.identities:  # a request the gateway made itself
             return
-        self._send(self._sockets[channel], [*route.identities, DELIMITER, *frames])
+        self._send(channel, [*route.identities, DELIMITER, *frames])
         self.stats.delivered += 1
         self._log.debug("reply_routed", channel=channel, msg_id=parent_id, request_type=route.msg_type)
 
@@ -263,20 +268,17 @@ class KernelEndpoint:
         parts = [frames[1], frames[2], json_part(metadata), frames[4]]
         return [self._signer.sign(parts), *parts, *frames[5:]]
 
-    def _send(self, sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+    def _send(self, channel: str, frames: list[bytes]) -> None:
         try:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            self._sockets[channel].send_multipart(frames)
         except zmq.ZMQError as exc:
-            self._log.warning("client_send_failed", error=str(exc))
+            self._log.warning("client_send_failed", channel=channel, error=str(exc))
 
     # ---- heartbeat -------------------------------------------------------------------------
 
-    async def _heartbeat_loop(self) -> None:
-        sock = self._sockets["hb"]
-        while True:
-            frames = await sock.recv_multipart()
-            if self.alive:
-                self._send(sock, frames)
+    def _on_heartbeat(self, frames: list[bytes]) -> None:
+        if self.alive:
+            self._send("hb", frames)
 
     def pending_count(self) -> int:
         return len(self._routes)

@@ -25,6 +25,7 @@ import zmq.asyncio
 from jupyter_core.paths import secure_write
 
 from shared.jupyter_wire import DELIMITER
+from shared.zmq_drain import DrainingSocket
 
 if TYPE_CHECKING:
     from services.local_scheduler.warm_pool import WarmRuntime
@@ -70,8 +71,8 @@ class ReplicaProcess:
         # A restart in place (replica.restart): the same member of its Raft group, so its data dir
         # (Raft log, snapshots, Raft address) is kept rather than wiped as for a fresh replica.
         self.keep_data = False
-        self._sockets: dict[str, zmq.asyncio.Socket] = {}
-        self._readers: list[asyncio.Task[None]] = []
+        # the kernel's client sockets, drained by event-loop reader callbacks (shared.zmq_drain)
+        self._sockets: dict[str, DrainingSocket] = {}
         self._watcher: asyncio.Task[None] | None = None
         self.log = structlog.get_logger("replica").bind(host=host_id, kernel=kernel_id, replica=replica_id)
 
@@ -243,7 +244,9 @@ class ReplicaProcess:
             raise RuntimeError(f"{self.connection_file} lacks the replica's bound ports for {unbound}")
         identity = f"tandem-{self.host_id}-{self.kernel_id}-{self.replica_id}".encode()
         for channel in (*REQUEST_CHANNELS, "iopub"):
-            sock = ctx.socket(zmq.SUB if channel == "iopub" else zmq.DEALER)
+            sock: zmq.Socket[bytes] = ctx.socket(
+                zmq.SUB if channel == "iopub" else zmq.DEALER, socket_class=zmq.Socket
+            )
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
@@ -252,26 +255,29 @@ class ReplicaProcess:
             else:
                 sock.setsockopt(zmq.IDENTITY, identity)
             sock.connect(f"{transport}://{ip}:{info[channel + '_port']}")
-            self._sockets[channel] = sock
-            self._readers.append(asyncio.ensure_future(self._read(channel, sock, sink)))
+            drained = DrainingSocket(sock, self._reader(channel, sink), name=channel, logger=self.log)
+            self._sockets[channel] = drained
+            drained.start()
 
-    async def _read(self, channel: str, sock: zmq.asyncio.Socket, sink: FrameSink) -> None:
+    def _reader(self, channel: str, sink: FrameSink) -> Callable[[list[bytes]], None]:
         delimiter = DELIMITER
-        while True:
-            frames = await sock.recv_multipart()
+
+        def on_replica_message(frames: list[bytes]) -> None:
             try:
                 at = frames.index(delimiter)
             except ValueError:
                 self.log.warning("frames_without_delimiter", channel=channel)
-                continue
+                return
             msg = frames[at + 1 :]
             if len(msg) < 5:
                 self.log.warning("short_message", channel=channel, frames=len(msg))
-                continue
+                return
             try:
                 sink(channel, msg)
             except Exception:
                 self.log.exception("forward_failed", channel=channel)
+
+        return on_replica_message
 
     def send(self, channel: str, frames: list[bytes]) -> bool:
         """Forward a client message ``[sig, header, parent, metadata, content, ...]`` to the replica."""
@@ -279,18 +285,15 @@ class ReplicaProcess:
         if sock is None:
             return False
         try:
-            sock.send_multipart([DELIMITER, *frames], flags=zmq.NOBLOCK)
+            sock.send_multipart([DELIMITER, *frames])
         except zmq.ZMQError as exc:
             self.log.warning("send_failed", channel=channel, error=str(exc))
             return False
         return True
 
     def close_sockets(self) -> None:
-        for task in self._readers:
-            task.cancel()
-        self._readers.clear()
-        for sock in self._sockets.values():
-            sock.close(linger=0)
+        for drained in self._sockets.values():
+            drained.close(linger=0)
         self._sockets.clear()
 
     # ---- stopping ---------------------------------------------------------------------------

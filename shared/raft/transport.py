@@ -11,15 +11,14 @@ ROUTER_HANDOVER lets a restarted peer's new connection take over its identity at
 
 Inbound frames are drained in batches (one wake-up of the event loop may deliver hundreds of
 messages), so the driver can step them all and produce one ``Ready`` — one fsync — for the lot.
-The ROUTER is watched with ``loop.add_reader`` on its ZMQ FD and drained with non-blocking reads:
-the same mechanism ``zmq.asyncio`` uses, minus one Future and one task switch per message, which
-profiling showed to be the largest Python cost per hop (the context is a ``zmq.asyncio.Context``
-so the application can share it).
+The ROUTER is watched with ``loop.add_reader`` on its ZMQ FD and drained with non-blocking reads
+(``shared.zmq_drain``, shared with the services' RPC): the same mechanism ``zmq.asyncio`` uses,
+minus one Future and one task switch per message, which profiling showed to be the largest Python
+cost per hop (the context is a ``zmq.asyncio.Context`` so the application can share it).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import zmq.asyncio
 
 from shared.raft.codec import decode_message, encode_message
 from shared.raft.types import Message
+from shared.zmq_drain import DrainingSocket
 
 
 @dataclass(slots=True)
@@ -74,9 +74,8 @@ class Transport:
         self._own_context = context is None
         self._ctx = context if context is not None else zmq.asyncio.Context()
         self._log = logger if logger is not None else structlog.get_logger("raft.transport")
-        self._router: zmq.Socket[bytes] | None = None
-        self._router_fd = -1
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._router: DrainingSocket | None = None
+        self._batch: list[Message] = []  # accepted in the current wake-up, handed over at its end
         self._peers: dict[str, tuple[str, zmq.Socket[bytes]]] = {}
         self.address = bind_address  # the concrete endpoint once bound (port resolved)
         self.stats = TransportStats()
@@ -99,18 +98,20 @@ class Transport:
             router.close(linger=0)
             raise
         self.address = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._router = router
-        self._loop = asyncio.get_running_loop()
-        self._router_fd = router.getsockopt(zmq.FD)
-        self._loop.add_reader(self._router_fd, self._on_readable)
-        self._loop.call_soon(self._on_readable)  # anything queued before the reader was armed
+        self._router = DrainingSocket(
+            router,
+            self._on_frames,
+            name=f"raft:{self.node_id}",
+            on_drained=self._hand_over_batch,
+            max_batch=self._opts.max_batch,
+            logger=self._log,
+        )
+        self._router.start()  # also delivers anything queued before the reader was armed
         return self.address
 
     def close(self) -> None:
         """Stop receiving and close every socket with linger 0 (pending sends are dropped)."""
         if self._router is not None:
-            assert self._loop is not None
-            self._loop.remove_reader(self._router_fd)
             self._router.close(linger=0)
             self._router = None
         for _, sock in self._peers.values():
@@ -174,26 +175,13 @@ class Transport:
 
     # ------------------------------------------------------------------ receiving
 
-    def _on_readable(self) -> None:
-        """Drain the ROUTER without blocking and hand the batch over in one call.
+    def _on_frames(self, frames: list[bytes]) -> None:
+        self._accept(frames, self._batch)
 
-        Reading until EAGAIN re-arms ZMQ's edge-triggered FD; if the batch limit stops us first we
-        come back on the next loop turn, so other callbacks (and the Ready loop) get their share.
-        """
-        sock = self._router
-        if sock is None:
-            return
-        batch: list[Message] = []
-        accept = self._accept
-        for _ in range(self._opts.max_batch):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            accept(frames, batch)
-        else:
-            assert self._loop is not None
-            self._loop.call_soon(self._on_readable)
+    def _hand_over_batch(self) -> None:
+        """End of one wake-up's drain (at most ``max_batch`` frames; the rest come on the next loop
+        turn, so the Ready loop gets its share): hand everything accepted over in one call."""
+        batch, self._batch = self._batch, []
         if batch:
             self.stats.received += len(batch)
             try:

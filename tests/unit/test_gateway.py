@@ -89,6 +89,20 @@ def test_two_clients_get_their_own_replies(harness: Harness) -> None:
         second.stop_channels()
 
 
+def test_a_burst_of_pipelined_requests_is_all_answered_in_order(harness: Harness) -> None:
+    """Requests keep arriving on the shell socket while replies go out on it: none is lost or
+    reordered (the edge-trigger case itself is pinned down in test_zmq_drain)."""
+    _, info = harness.start_kernel()
+    client = client_for(info)
+    try:
+        client.wait_for_ready(timeout=10)
+        sent = [client.execute(f"x = {i}") for i in range(200)]
+        replies = [client.get_shell_msg(timeout=10)["parent_header"]["msg_id"] for _ in sent]
+        assert replies == sent
+    finally:
+        client.stop_channels()
+
+
 def test_badly_signed_and_malformed_messages_are_rejected_and_gateway_keeps_running(harness: Harness) -> None:
     kernel_id, info = harness.start_kernel()
     ctx = zmq.Context.instance()

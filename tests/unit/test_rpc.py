@@ -1,0 +1,224 @@
+"""``RpcServer`` / ``RpcClient`` over real ZMQ sockets: validation, error answers, dispatch order,
+slow handlers as tasks, timeouts and close(), on both event loops the services use."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgpack
+import pytest
+import uvloop
+import zmq
+import zmq.asyncio
+
+from shared import messages
+from shared.envelope import Envelope
+from shared.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
+
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,
+}
+
+
+@pytest.fixture(params=sorted(LOOPS))
+def run(request: pytest.FixtureRequest) -> Iterator[Callable[[Awaitable[Any]], Any]]:
+    with asyncio.Runner(loop_factory=LOOPS[request.param]) as runner:
+        yield runner.run
+
+
+def _status(kernel_id: str) -> Envelope:
+    return Envelope(messages.KERNEL_STATUS, {"kernel_id": kernel_id})
+
+
+@asynccontextmanager
+async def _link(
+    handler: Callable[[bytes, Envelope], Any], on_message: Callable[[Envelope], Any] | None = None
+) -> AsyncIterator[tuple[RpcServer, RpcClient]]:
+    ctx = zmq.asyncio.Context()
+    server = RpcServer(ctx, handler, name="test-server")
+    address = server.bind("tcp://127.0.0.1:0")
+    server.start()
+    client = RpcClient(ctx, identity=b"client", on_message=on_message, name="test-client")
+    client.connect(address)
+    try:
+        yield server, client
+    finally:
+        await client.close()
+        await server.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_request_gets_the_handlers_reply(run: Callable[[Awaitable[Any]], Any]) -> None:
+    async def main() -> None:
+        async with _link(
+            lambda identity, env: env.reply({"echo": env.body["kernel_id"], "peer": identity})
+        ) as (
+            _,
+            client,
+        ):
+            answer = await client.request(_status("k1"), timeout=5)
+            assert answer.body == {"echo": "k1", "peer": b"client"}
+
+    run(main())
+
+
+def test_pushes_are_handled_in_arrival_order(run: Callable[[Awaitable[Any]], Any]) -> None:
+    seen: list[str] = []
+
+    async def main() -> None:
+        def handler(identity: bytes, env: Envelope) -> Envelope | None:
+            seen.append(env.body["kernel_id"])
+            return env.reply() if env.body["kernel_id"] == "last" else None
+
+        async with _link(handler) as (_, client):
+            for i in range(500):
+                client.send(_status(str(i)))
+            await client.request(_status("last"), timeout=5)
+
+    run(main())
+    assert seen == [*(str(i) for i in range(500)), "last"]
+
+
+def test_a_slow_handler_runs_as_a_task_and_does_not_hold_up_later_messages(
+    run: Callable[[Awaitable[Any]], Any],
+) -> None:
+    async def main() -> None:
+        release = asyncio.Event()
+
+        async def slow(env: Envelope) -> Envelope:
+            await release.wait()
+            return env.reply({"slow": True})
+
+        def handler(identity: bytes, env: Envelope) -> Any:
+            return slow(env) if env.body["kernel_id"] == "slow" else env.reply({"slow": False})
+
+        async with _link(handler) as (_, client):
+            slow_answer = asyncio.ensure_future(client.request(_status("slow"), timeout=5))
+            fast = await client.request(_status("fast"), timeout=5)
+            assert fast.body == {"slow": False} and not slow_answer.done()
+            release.set()
+            assert (await slow_answer).body == {"slow": True}
+
+    run(main())
+
+
+def test_handler_failures_become_error_answers(run: Callable[[Awaitable[Any]], Any]) -> None:
+    async def main() -> None:
+        async def refuses(env: Envelope) -> Envelope:
+            raise RpcError("no room", code="no_capacity")
+
+        def handler(identity: bytes, env: Envelope) -> Any:
+            if env.body["kernel_id"] == "sync-crash":
+                raise KeyError("boom")
+            return refuses(env)
+
+        async with _link(handler) as (_, client):
+            with pytest.raises(RpcError) as crashed:
+                await client.request(_status("sync-crash"), timeout=5)
+            assert crashed.value.code == "internal" and "KeyError" in crashed.value.reason
+            with pytest.raises(RpcError) as refused:
+                await client.request(_status("async"), timeout=5)
+            assert (refused.value.code, refused.value.reason) == ("no_capacity", "no room")
+
+    run(main())
+
+
+def test_an_invalid_envelope_is_answered_with_bad_message_naming_the_problem(
+    run: Callable[[Awaitable[Any]], Any],
+) -> None:
+    async def main() -> None:
+        async with _link(lambda identity, env: env.reply()) as (server, _):
+            raw_ctx = zmq.asyncio.Context()
+            raw = raw_ctx.socket(zmq.DEALER)
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.connect(server.address)
+            try:
+                bad = msgpack.packb({"v": 1, "type": messages.KERNEL_STATUS, "id": "req-7", "body": {}})
+                await raw.send(bad)
+                answer = msgpack.unpackb(await asyncio.wait_for(raw.recv(), 5))
+                assert answer["id"] == "req-7"
+                assert answer["body"]["code"] == "bad_message"
+                assert "kernel_id" in answer["body"]["reason"]
+                await raw.send_multipart([b"one", b"two"])  # a second payload frame
+                answer = msgpack.unpackb(await asyncio.wait_for(raw.recv(), 5))
+                assert answer["type"] == messages.ERROR and "one payload frame" in answer["body"]["reason"]
+            finally:
+                raw.close(linger=0)
+                raw_ctx.destroy(linger=0)
+
+    run(main())
+
+
+def test_server_pushes_reach_the_clients_handler_and_its_answer_comes_back(
+    run: Callable[[Awaitable[Any]], Any],
+) -> None:
+    async def main() -> None:
+        answers: asyncio.Queue[Envelope] = asyncio.Queue()
+
+        def server_handler(identity: bytes, env: Envelope) -> None:
+            if env.type == messages.REPLY:
+                answers.put_nowait(env)
+
+        async def on_push(env: Envelope) -> Envelope:
+            await asyncio.sleep(0)
+            return env.reply({"seen": env.body["kernel_id"]})
+
+        async with _link(server_handler, on_message=on_push) as (server, client):
+            client.send(Envelope(messages.HOST_HEARTBEAT, {"host_id": "h"}))  # makes the client known
+            await asyncio.sleep(0.1)
+            push = _status("pushed")
+            server.send(b"client", push)
+            answer = await asyncio.wait_for(answers.get(), 5)
+            assert answer.id == push.id and answer.body == {"seen": "pushed"}
+
+    run(main())
+
+
+def test_a_request_nobody_answers_times_out_after_its_retries(run: Callable[[Awaitable[Any]], Any]) -> None:
+    attempts: list[str] = []
+
+    async def main() -> None:
+        def handler(identity: bytes, env: Envelope) -> None:
+            attempts.append(env.id)
+
+        async with _link(handler) as (_, client):
+            with pytest.raises(RpcTimeout, match="attempts: 2"):
+                await client.request(_status("k"), timeout=0.2, retries=1)
+
+    run(main())
+    assert len(attempts) == 2 and attempts[0] == attempts[1]  # a retry resends the same id
+
+
+def test_close_cancels_waiting_requests_and_running_handlers(run: Callable[[Awaitable[Any]], Any]) -> None:
+    async def main() -> None:
+        started = asyncio.Event()
+        cancelled = asyncio.Event()
+
+        async def never(env: Envelope) -> Envelope:
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            finally:
+                cancelled.set()
+            raise AssertionError("unreachable")
+
+        ctx = zmq.asyncio.Context()
+        server = RpcServer(ctx, lambda identity, env: never(env), name="test-server")
+        address = server.bind("tcp://127.0.0.1:0")
+        server.start()
+        client = RpcClient(ctx, name="test-client")
+        client.connect(address)
+        waiting = asyncio.ensure_future(client.request(_status("k"), timeout=30))
+        await asyncio.wait_for(started.wait(), 5)
+        await server.close()
+        assert cancelled.is_set()
+        await client.close()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        ctx.destroy(linger=0)  # would hang if a socket were left open
+
+    run(main())
