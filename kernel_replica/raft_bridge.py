@@ -270,7 +270,11 @@ class ReplicaCore:
             peers=others,
             bootstrap_voters=voters,
             tick_interval=self.settings.tick_interval_s,
-            raft=RaftConfig(election_ticks=self.settings.election_ticks),
+            # Followers rarely propose (votes, and their own cells when they execute): a commit
+            # reaches them with the next cell's append or a heartbeat (one tick), which spares
+            # each entry an empty append and its response per follower. A follower's own
+            # proposals are still confirmed at once.
+            raft=RaftConfig(election_ticks=self.settings.election_ticks, eager_commit=False),
             snapshot_every=self.settings.snapshot_every,
             fsync=self.settings.raft_fsync,
         )

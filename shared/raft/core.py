@@ -119,6 +119,7 @@ class RaftNode:
     """One member of a Raft group, as a pure state machine. See the module docstring."""
 
     __slots__ = (
+        "_awaiting_commit",
         "_bcast_pending",
         "_conf",
         "_config",
@@ -198,6 +199,9 @@ class RaftNode:
         # Proposal ids appended in this term as leader: a duplicate PROPOSE is ignored, not re-appended.
         self._recent_proposals: dict[str, None] = {}
         self._bcast_pending = False
+        # Followers whose forwarded proposals wait to commit: member -> the last such index. With
+        # ``eager_commit`` off they alone hear of a commit advance at once (their proposers wait).
+        self._awaiting_commit: dict[str, int] = {}
         self._outstanding = False
         self._reset_election_timer()
 
@@ -559,6 +563,7 @@ class RaftNode:
         log = self.log
         self._tracker.reset(self._conf.current, log.last_index() + 1, log.persisted)
         self._recent_proposals = {}
+        self._awaiting_commit = {}
         # The no-op commits every earlier-term entry (Figure 8) and opens conf changes.
         self._append_as_leader(_NORMAL, b"", "")
         self._bcast_append()
@@ -687,8 +692,19 @@ class RaftNode:
         return False
 
     def _on_commit_advanced(self) -> None:
-        """Tell every follower right away (followers' proposers wait on it); maybe step down."""
+        """Tell followers right away (followers' proposers wait on it); maybe step down. With
+        ``eager_commit`` off only followers whose own proposals just committed are told now; the
+        others learn it from the next append or heartbeat (one tick), which spares every entry an
+        empty append and its response per follower."""
+        eager = self._config.eager_commit
+        committed = self.log.committed
+        awaiting = self._awaiting_commit
         for node, pr in self._tracker.progress.items():
+            if not eager:
+                index = awaiting.get(node)
+                if index is None or index > committed:
+                    continue
+                del awaiting[node]
             if pr.is_paused():
                 self._send_commit_nudge(node, pr)
             else:
@@ -744,7 +760,7 @@ class RaftNode:
             self._send_append(m.frm)
         while self._send_append(m.frm, send_if_empty=False):
             pass
-        if pr.sent_commit < log.committed and not pr.is_paused():
+        if pr.sent_commit < log.committed and not pr.is_paused() and self._config.eager_commit:
             self._send_append(m.frm)
         if m.frm == self._lead_transferee and pr.match == log.last_index():
             self._send_timeout_now(m.frm)
@@ -852,6 +868,8 @@ class RaftNode:
             return False
         if forwarder is None:
             self._track_local(proposal_id)
+        else:
+            self._awaiting_commit[forwarder] = self.log.last_index() + 1
         if proposal_id:
             recent[proposal_id] = None
             if len(recent) > self._config.max_uncommitted_entries:

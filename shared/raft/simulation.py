@@ -201,6 +201,7 @@ class Scenario:
             ),
             max_bytes_per_append=r.choice((1024, 4 * 1024 * 1024)),
             max_uncommitted_entries=r.choice((16, 64, 256)),
+            eager_commit=r.random() < 0.5,
         )
         return Scenario(
             raft=raft,

@@ -181,6 +181,10 @@ class RaftConfig:
     max_bytes_per_append: int = 4 * 1024 * 1024
     max_inflight_appends: int = 64  # pipelining window per follower
     max_uncommitted_entries: int = 10_000  # back-pressure: proposals beyond this are dropped
+    # True: a commit advance goes to every follower at once (an empty append each, and its
+    # response). False: only to followers whose forwarded proposals committed; the others learn it
+    # from the next append or heartbeat (heartbeat_ticks), for groups where followers rarely propose.
+    eager_commit: bool = True
 
 
 def encode_conf_change(change: ConfChange) -> bytes:

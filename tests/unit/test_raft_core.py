@@ -550,6 +550,28 @@ def test_appends_are_batched_by_entry_count_and_pipelined() -> None:
     assert entries_of(sent, "b") == [[3, 4], [5, 6], [7]]
 
 
+def test_lazy_commit_reaches_followers_with_the_next_heartbeat_not_an_empty_append() -> None:
+    net = Net.cluster(config=RaftConfig(election_ticks=E, heartbeat_ticks=1, eager_commit=False))
+    a = net.elect("a")
+    a.propose(b"x", "p1")
+    net.deliver()  # the append reaches b and c
+    net.deliver()  # their responses commit it at a
+    assert a.log.committed == 3
+    assert [m for m in net.take() if m.type == MT.APPEND] == []  # no commit-only append
+    assert net.nodes["b"].log.committed == 2
+    net.tick(["a"])  # the heartbeat carries it
+    assert net.nodes["b"].log.committed == net.nodes["c"].log.committed == 3
+
+
+def test_lazy_commit_still_tells_a_follower_whose_proposal_committed_at_once() -> None:
+    net = Net.cluster(config=RaftConfig(election_ticks=E, heartbeat_ticks=1, eager_commit=False))
+    net.elect("a")
+    net.nodes["b"].propose(b"from-b", "pb")
+    net.settle()  # no tick: no heartbeat
+    assert net.data("b") == [b"from-b"]  # b's proposer learns the commit without waiting a tick
+    assert net.nodes["c"].log.committed < net.nodes["a"].log.committed
+
+
 def test_appends_are_batched_by_bytes() -> None:
     net = Net.cluster(config=RaftConfig(election_ticks=E, max_bytes_per_append=260))
     a = net.elect("a")
