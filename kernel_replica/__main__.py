@@ -78,7 +78,15 @@ def _log_stream() -> object:
     return os.fdopen(os.dup(2), "w", buffering=1)
 
 
+# A replica runs three busy threads (the kernel, the Raft loop, ipykernel's IOPub) that hand work
+# to each other many times per cell; a thread that released the GIL for a socket call waits up to
+# the switch interval to get it back from one running Python. 5 ms (CPython's default) is longer
+# than a whole trivial cell.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def main(argv: list[str] | None = None) -> int:
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     args = parse_args(argv)
     config: Config = config_from_json(args.config_json) if args.config_json else load_config()
     configure_logging(config.get("log.format"), config.get("log.level"), service="replica")

@@ -101,6 +101,7 @@ class TandemKernel(IPythonKernel):
         self._behind_store: DataStore | None = None  # write-behind: a store on the Raft thread's loop
         self._registry: dict[str, FunctionFacts] = {}  # notebook functions seen in cells (any role)
         self._warned: set[str] = set()  # names reported as not replicated, once each
+        self._idle_sent: str | None = None  # msg_id whose idle went out before its handler ended
         self._followed: list[tuple[int, str]] = []  # (count, code) of cells run elsewhere, not yet in history
         self._apply_tail: asyncio.Future[None] | None = None  # the latest STATE being applied here
         self.apply_ms: deque[float] = deque(maxlen=1000)  # standby: STATE applied to the namespace
@@ -147,6 +148,21 @@ class TandemKernel(IPythonKernel):
 
     def _abort_queues(self, subshell_id: str | None = None) -> None:
         """Disabled: replicas must agree on every cell, and abort timing is per replica."""
+
+    # ---- status -------------------------------------------------------------------------------------
+    def _publish_status(self, status: str, channel: str, parent: dict[str, t.Any] | None = None) -> None:
+        if status == "idle" and self._idle_sent is not None:
+            header = (parent or self.get_parent(channel) or {}).get("header") or {}
+            if header.get("msg_id") == self._idle_sent:
+                self._idle_sent = None  # published early (``_publish_idle_early``)
+                return
+        super()._publish_status(status, channel, parent)
+
+    def _publish_idle_early(self, parent: dict[str, t.Any]) -> None:
+        """The executor's idle right after its reply (the cell's output, flushed in
+        ``_execute``, precedes it); ipykernel's own idle for this request is then skipped."""
+        super()._publish_status("idle", "shell", parent)
+        self._idle_sent = parent["header"]["msg_id"]
 
     # ---- the execute path ----------------------------------------------------------------------------
     async def execute_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
@@ -196,9 +212,13 @@ class TandemKernel(IPythonKernel):
             )
         else:
             silent = parent["header"].get(SILENT_FIELD)  # the designated candidate, found hung
-            decision = await bridge.call(
-                bridge.core.decide(msg_id, lead=lead, silent=silent if isinstance(silent, str) else None)
-            )
+            early = bridge.core.take_early_decision(msg_id) if lead else None
+            if early is not None:  # decided as the GPUs were bound ahead: no hop to the Raft thread
+                decision = early.result() if early.done() else await asyncio.wrap_future(early)
+            else:
+                decision = await bridge.call(
+                    bridge.core.decide(msg_id, lead=lead, silent=silent if isinstance(silent, str) else None)
+                )
             timing["decide_ms"] = (time.perf_counter() - started) * 1000
             match decision:
                 case Execute(device_ids=device_ids):
@@ -269,12 +289,13 @@ class TandemKernel(IPythonKernel):
             # (ipykernel would flush it only after publishing idle).
             stream.flush(zmq.POLLOUT)
         if executed and bridge is not None:
-            # Replied (and idle follows when this handler returns) before DONE commits: the
-            # committed LEAD already makes the cell run at most once, and the standbys reply after
-            # DONE. The namespace changes are taken now, before the next cell can change them.
-            # Idle waits until DONE and STATE are handed to the Raft thread: an executor killed
-            # right after its idle would otherwise take the cell's state with it. (Publishing
-            # idle before planning the state saves ~0.3 ms but widens that window: not worth it.)
+            # Replied and idle before DONE commits: the committed LEAD already makes the cell run
+            # at most once. The namespace changes are taken now, still inside this handler, so
+            # the next request waits in the shell queue until they are. Idle goes out first: the
+            # STATE lives only in this process until it commits either way (handing it to the
+            # Raft thread first made no replica hold it sooner), and the client's cell ends
+            # ~1 ms sooner (the planning, and ipykernel's two flushes after the handler).
+            self._publish_idle_early(parent)
             replied_at = time.time()
             history = code if not silent and execute_args["store_history"] else None
             timing |= await self._finish_in_background(bridge, msg_id, code, reply, log, history)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -218,6 +219,8 @@ class ReplicaCore:
         self._late_bindings: dict[str, asyncio.Future[list[int]]] = {}
         self._own_entries: set[tuple[str, str]] = set()  # (kind, msg_id) proposed by this process
         self._last_progress: dict[str, float] = {}  # msg_id -> when its executor was last heard
+        # ``_decide_early``: decisions made (or being made) before the kernel asked for them
+        self.early_decisions: dict[str, concurrent.futures.Future[Decision]] = {}
         # One watcher per cell another replica executes (``_follow``): its DONE, or ExecutorLost.
         self._followers: dict[str, asyncio.Task[Done | str]] = {}
         # Entries up to this index were in this replica's log when it started: applying them again
@@ -251,6 +254,7 @@ class ReplicaCore:
         self.scheduler.set_handlers(
             on_configure=self.configure, on_stop=self._stop_requested, on_membership=self.membership
         )
+        self.scheduler.on_designated = self._decide_early
         self.scheduler.connect()
         await self.scheduler.register(self.raft_address)
         self._log.info("registered", raft_address=self.raft_address)
@@ -614,9 +618,41 @@ class ReplicaCore:
         return fut
 
     # ---- the execute path (called from the kernel through RaftThread.submit) -----------------------
+    def _decide_early(self, msg_id: str) -> None:
+        """The local scheduler bound this replica's GPUs for a cell it alone was sent, and pushed
+        that ahead of the cell: on the fast path (``_execute_before_commit``: Raft leader, nothing
+        earlier pending) decide now, so the LEAD is on its way while the kernel thread is still
+        receiving the request, and the kernel takes the decision without a hop to this thread
+        (``take_early_decision``). Anything else is left to ``decide`` when the cell arrives."""
+        if (
+            msg_id in self.early_decisions
+            or self.book.done(msg_id) is not None
+            or self.book.outcome(msg_id) is not None
+            or not self._may_execute_before_commit(msg_id)
+            or self._previous_cell_pending(msg_id)
+        ):
+            return
+        decided: concurrent.futures.Future[Decision] = concurrent.futures.Future()
+        self.early_decisions[msg_id] = decided
+        task = asyncio.ensure_future(self._decide_settled(msg_id, lead=True))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(functools.partial(_copy_outcome, decided))
+
+    def take_early_decision(self, msg_id: str) -> concurrent.futures.Future[Decision] | None:
+        """The kernel thread's side of ``_decide_early`` (safe from any thread: one atomic pop,
+        and ``decide`` pops the same entry on this thread, so exactly one of them takes it)."""
+        return self.early_decisions.pop(msg_id, None)
+
     async def decide(self, msg_id: str, *, lead: bool, silent: str | None = None) -> Decision:
         """Steps 3-4 of the execute path: election, waiting for the previous state, GPU binding.
         ``silent``: the designated candidate the scheduler found hung (not waited for again)."""
+        early = self.early_decisions.pop(msg_id, None)
+        if early is not None:  # being decided since the gpu.bound push (``_decide_early``)
+            return await asyncio.wrap_future(early)
+        return await self._decide_settled(msg_id, lead=lead, silent=silent)
+
+    async def _decide_settled(self, msg_id: str, *, lead: bool, silent: str | None = None) -> Decision:
         decision = await self._decide(msg_id, lead=lead, silent=silent)
         self._open_at_death.discard(msg_id)
         if self.scheduler.settle_bound_ahead(msg_id, executing=isinstance(decision, Execute)):
@@ -1086,6 +1122,15 @@ class ReplicaCore:
                     self.propose_in_background(lost, "executor_lost")
         finally:
             self._last_progress.pop(msg_id, None)
+
+
+def _copy_outcome(target: concurrent.futures.Future[T], source: asyncio.Future[T]) -> None:
+    if source.cancelled():
+        target.cancel()
+    elif (exc := source.exception()) is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
 
 
 class RaftBridge:

@@ -63,6 +63,9 @@ class SchedulerLink:
         # cells already decided here: msg_id -> whether this replica executes it
         self._settled: OrderedDict[str, bool] = OrderedDict()
         self._late_releases: set[asyncio.Task[None]] = set()
+        # a gpu.bound push with GPUs for a cell this replica alone was sent (it arrives ahead of
+        # the cell): the replica may decide it before its kernel thread sees the request
+        self.on_designated: Callable[[str], None] = lambda msg_id: None
 
     def set_handlers(
         self,
@@ -175,12 +178,12 @@ class SchedulerLink:
                 self._late_releases.add(task)
                 task.add_done_callback(self._late_releases.discard)
             return
-        self._bound_ahead[msg_id] = (
-            list(device_ids) if device_ids is not None else None,
-            body.get("designated") is True,
-        )
+        designated = body.get("designated") is True
+        self._bound_ahead[msg_id] = (list(device_ids) if device_ids is not None else None, designated)
         while len(self._bound_ahead) > BOUND_AHEAD_KEPT:  # pushes for cells never run here
             self._bound_ahead.popitem(last=False)
+        if designated and device_ids is not None:
+            self.on_designated(msg_id)
 
     async def _on_request(self, env: Envelope) -> Envelope | None:
         if env.type == messages.REPLICA_CONFIGURE:
