@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import signal
 import sys
@@ -212,10 +211,9 @@ class TandemKernel(IPythonKernel):
             )
         else:
             silent = parent["header"].get(SILENT_FIELD)  # the designated candidate, found hung
-            early = bridge.core.take_early_decision(msg_id) if lead else None
-            if early is not None:  # decided as the GPUs were bound ahead: no hop to the Raft thread
-                decision = early.result() if early.done() else await asyncio.wrap_future(early)
-            else:
+            # decided as the GPUs were bound ahead (no hop to the Raft thread), or decide now
+            decision = bridge.core.take_early_decision(msg_id) if lead else None
+            if decision is None:
                 decision = await bridge.call(
                     bridge.core.decide(msg_id, lead=lead, silent=silent if isinstance(silent, str) else None)
                 )
@@ -310,7 +308,7 @@ class TandemKernel(IPythonKernel):
         """The executor's step times to the scheduler's metrics (``replica.event cell_timings``,
         via the local scheduler). Sent after the reply, from the Raft thread: off the critical path."""
         detail = {k: round(v, 3) for k, v in timing.items()}
-        bridge.thread.call(functools.partial(bridge.core.scheduler.event, "cell_timings", msg_id, **detail))
+        bridge.thread.call(bridge.core.scheduler.cell_timings, msg_id, detail)
 
     def _record_timing(
         self, role: str, reply: dict[str, t.Any], timing: dict[str, float], log: t.Any

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import os
 import threading
 import time
@@ -219,8 +218,8 @@ class ReplicaCore:
         self._late_bindings: dict[str, asyncio.Future[list[int]]] = {}
         self._own_entries: set[tuple[str, str]] = set()  # (kind, msg_id) proposed by this process
         self._last_progress: dict[str, float] = {}  # msg_id -> when its executor was last heard
-        # ``_decide_early``: decisions made (or being made) before the kernel asked for them
-        self.early_decisions: dict[str, concurrent.futures.Future[Decision]] = {}
+        # ``_decide_early``: decisions made before the kernel asked for them
+        self.early_decisions: dict[str, Decision] = {}
         # One watcher per cell another replica executes (``_follow``): its DONE, or ExecutorLost.
         self._followers: dict[str, asyncio.Task[Done | str]] = {}
         # Entries up to this index were in this replica's log when it started: applying them again
@@ -621,9 +620,10 @@ class ReplicaCore:
     def _decide_early(self, msg_id: str) -> None:
         """The local scheduler bound this replica's GPUs for a cell it alone was sent, and pushed
         that ahead of the cell: on the fast path (``_execute_before_commit``: Raft leader, nothing
-        earlier pending) decide now, so the LEAD is on its way while the kernel thread is still
-        receiving the request, and the kernel takes the decision without a hop to this thread
-        (``take_early_decision``). Anything else is left to ``decide`` when the cell arrives."""
+        earlier pending, the binding here) the decision needs nothing but this thread's state, so
+        it is made now, synchronously, and the kernel takes it without a hop to this thread
+        (``take_early_decision``); the LEAD is on its way while the kernel thread is still
+        parsing the request. Anything else is left to ``decide`` when the cell arrives."""
         if (
             msg_id in self.early_decisions
             or self.book.done(msg_id) is not None
@@ -632,14 +632,17 @@ class ReplicaCore:
             or self._previous_cell_pending(msg_id)
         ):
             return
-        decided: concurrent.futures.Future[Decision] = concurrent.futures.Future()
-        self.early_decisions[msg_id] = decided
-        task = asyncio.ensure_future(self._decide_settled(msg_id, lead=True))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        task.add_done_callback(functools.partial(_copy_outcome, decided))
+        started = time.perf_counter()
+        device_ids = self.scheduler.bound_ahead(msg_id, self.settings.gpus, announce=False)
+        if device_ids is None:
+            return
+        self.early_decisions[msg_id] = self._start_before_commit(msg_id, device_ids, started)
+        # the slower, GIL-releasing steps after the decision is out
+        self.scheduler.event("elected", msg_id, gpus=device_ids)
+        self._open_at_death.discard(msg_id)
+        self.scheduler.settle_bound_ahead(msg_id, executing=True)
 
-    def take_early_decision(self, msg_id: str) -> concurrent.futures.Future[Decision] | None:
+    def take_early_decision(self, msg_id: str) -> Decision | None:
         """The kernel thread's side of ``_decide_early`` (safe from any thread: one atomic pop,
         and ``decide`` pops the same entry on this thread, so exactly one of them takes it)."""
         return self.early_decisions.pop(msg_id, None)
@@ -648,8 +651,8 @@ class ReplicaCore:
         """Steps 3-4 of the execute path: election, waiting for the previous state, GPU binding.
         ``silent``: the designated candidate the scheduler found hung (not waited for again)."""
         early = self.early_decisions.pop(msg_id, None)
-        if early is not None:  # being decided since the gpu.bound push (``_decide_early``)
-            return await asyncio.wrap_future(early)
+        if early is not None:  # decided as the gpu.bound push came (``_decide_early``)
+            return early
         return await self._decide_settled(msg_id, lead=lead, silent=silent)
 
     async def _decide_settled(self, msg_id: str, *, lead: bool, silent: str | None = None) -> Decision:
@@ -762,13 +765,40 @@ class ReplicaCore:
             self._unbind_later(msg_id, binding)
             return Unavailable(f"this cell was not run here: {exc}")
         assert device_ids is not None
+        return self._start_before_commit(
+            msg_id,
+            device_ids,
+            started,
+            lead_proposed=True,
+            state_wait_ms=waited,
+            bind_ms=(time.perf_counter() - bind_started) * 1000,
+            state_missing=tuple(missing),
+        )
+
+    def _start_before_commit(
+        self,
+        msg_id: str,
+        device_ids: list[int],
+        started: float,
+        *,
+        lead_proposed: bool = False,
+        state_wait_ms: float = 0.0,
+        bind_ms: float = 0.0,
+        state_missing: tuple[str, ...] | None = None,
+    ) -> Execute:
+        """The fast path's decision: the LEAD proposed (it runs once this returns: the cell
+        starts first) and PROGRESS beats started."""
+        if not lead_proposed:
+            self._spawn(self._propose_lead(msg_id))
         self._progress_task = asyncio.ensure_future(self._beat(msg_id))
         return Execute(
             device_ids,
             elect_ms=(time.perf_counter() - started) * 1000,
-            state_wait_ms=waited,
-            bind_ms=(time.perf_counter() - bind_started) * 1000,
-            state_missing=tuple(missing),
+            state_wait_ms=state_wait_ms,
+            bind_ms=bind_ms,
+            state_missing=state_missing
+            if state_missing is not None
+            else tuple(self._state_lost_before(msg_id)),
             lead_pending=True,
         )
 
@@ -1122,15 +1152,6 @@ class ReplicaCore:
                     self.propose_in_background(lost, "executor_lost")
         finally:
             self._last_progress.pop(msg_id, None)
-
-
-def _copy_outcome(target: concurrent.futures.Future[T], source: asyncio.Future[T]) -> None:
-    if source.cancelled():
-        target.cancel()
-    elif (exc := source.exception()) is not None:
-        target.set_exception(exc)
-    else:
-        target.set_result(source.result())
 
 
 class RaftBridge:

@@ -22,6 +22,8 @@ from shared.envelope import Envelope
 from shared.rpc import RpcClient, RpcError, RpcTimeout
 
 BOUND_AHEAD_KEPT = 64
+TIMINGS_FLUSH_S = 0.5  # cell_timings batches: at most this late
+TIMINGS_BATCH = 64  # ... or this many cells
 GPU_COMMIT_RETRIES = 10  # a designated replica's refused gpu.commit: the release is in flight
 GPU_COMMIT_RETRY_S = 0.05
 
@@ -63,6 +65,8 @@ class SchedulerLink:
         # cells already decided here: msg_id -> whether this replica executes it
         self._settled: OrderedDict[str, bool] = OrderedDict()
         self._late_releases: set[asyncio.Task[None]] = set()
+        self._timings: list[dict[str, Any]] = []  # cell_timings not sent yet
+        self._timings_timer: asyncio.TimerHandle | None = None
         # a gpu.bound push with GPUs for a cell this replica alone was sent (it arrives ahead of
         # the cell): the replica may decide it before its kernel thread sees the request
         self.on_designated: Callable[[str], None] = lambda msg_id: None
@@ -90,15 +94,16 @@ class SchedulerLink:
             Envelope(messages.REPLICA_REGISTER, body), timeout=self._timeout, retries=2
         )
 
-    def bound_ahead(self, msg_id: str, gpus: int) -> list[int] | None:
+    def bound_ahead(self, msg_id: str, gpus: int, *, announce: bool = True) -> list[int] | None:
         """What a ``gpu.bound`` push already bound for msg_id (taken once). Taking it announces
         ``elected`` upstream, as the local scheduler does for ``gpu.commit`` (it leaves that to
         the replica for a binding ahead, so a replica that never starts the cell does not look
-        elected)."""
+        elected); ``announce=False``: the caller sends that event itself."""
         ahead = self._bound_ahead.pop(msg_id, (None, False))[0]
         if ahead is None or len(ahead) != gpus:
             return None
-        self.event("elected", msg_id, gpus=ahead)
+        if announce:
+            self.event("elected", msg_id, gpus=ahead)
         return ahead
 
     async def gpu_commit(self, msg_id: str, gpus: int) -> list[int]:
@@ -153,6 +158,25 @@ class SchedulerLink:
         await self._client.request(
             Envelope(messages.GPU_RELEASE, self._ids() | {"msg_id": msg_id}), timeout=self._timeout, retries=2
         )
+
+    def cell_timings(self, msg_id: str, steps: dict[str, float]) -> None:
+        """The executor's step times of a cell, for the scheduler's metrics: sent in batches (one
+        ``replica.event cell_timings`` with ``detail.cells`` every ``TIMINGS_FLUSH_S``, or per
+        ``TIMINGS_BATCH`` cells), since one event per cell cost every hop a message right as the
+        next cell arrives."""
+        self._timings.append({"msg_id": msg_id, **steps})
+        if len(self._timings) >= TIMINGS_BATCH:
+            self.flush_timings()
+        elif self._timings_timer is None:
+            self._timings_timer = asyncio.get_running_loop().call_later(TIMINGS_FLUSH_S, self.flush_timings)
+
+    def flush_timings(self) -> None:
+        if self._timings_timer is not None:
+            self._timings_timer.cancel()
+            self._timings_timer = None
+        cells, self._timings = self._timings, []
+        if cells:
+            self.event("cell_timings", None, cells=cells)
 
     def event(self, event: str, msg_id: str | None = None, **detail: Any) -> None:
         body = self._ids() | {"event": event, "msg_id": msg_id, "detail": detail}
@@ -210,4 +234,5 @@ class SchedulerLink:
         return env.error(f"a replica does not handle {env.type}", code="unsupported")
 
     async def close(self) -> None:
+        self.flush_timings()
         await self._client.close()

@@ -401,6 +401,20 @@ class GlobalScheduler:
             self._release(kernel, merged.finished)
         elif event == "cell_timings" and msg_id:
             self.metrics.cell_timings(kernel.kernel_id, msg_id, replica.replica_id, body.get("detail"))
+        elif event == "cell_timings":  # a batch (kernel_replica.scheduler_link.SchedulerLink.cell_timings)
+            cells = detail.get("cells")
+            if not isinstance(cells, list):
+                blog.warning("cell_timings_dropped", reason="a batch needs detail.cells, a list")
+                return None
+            for cell in cells:
+                key = cell.get("msg_id") if isinstance(cell, dict) else None
+                if not isinstance(key, str) or not key:
+                    blog.warning("cell_timings_dropped", reason="a batched cell needs its msg_id")
+                    continue
+                steps = {k: v for k, v in cell.items() if k != "msg_id"}
+                self.metrics.cell_timings(
+                    kernel.kernel_id, split_election_key(key)[0], replica.replica_id, steps
+                )
         elif event == "raft_role":
             role = detail.get("role")
             role = role.lower() if isinstance(role, str) else None

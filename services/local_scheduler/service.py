@@ -405,7 +405,7 @@ class LocalScheduler:
                 role = (body.get("detail") or {}).get("role")
                 replica.role = role.lower() if isinstance(role, str) else replica.role
             self._upstream.send(Envelope(messages.REPLICA_EVENT, dict(body)))
-            return env.reply()
+            return None  # a push: the replica awaits no answer (one would cost it a wake-up)
         if env.type == messages.REPLICA_REGISTER:
             return self._replica_register(identity, env)
         if env.type in (messages.REPLY, messages.ERROR):

@@ -155,6 +155,22 @@ def test_execute_reserves_the_executor_gpus_then_commit_then_release(h: Harness)
     assert h.gs.state.hosts[executor_host].committed_gpus == 0
     assert kernel.router.last_executor == executor.replica_id
 
+    # the executor's step times come later, batched; a malformed entry is dropped alone
+    batch = [{"msg_id": msg_id, "run_ms": 1.5, "replied_ms": 2.0}, {"run_ms": 1.0}]
+    h.handle(
+        executor_host.encode(),
+        messages.REPLICA_EVENT,
+        {
+            "kernel_id": "k",
+            "replica_id": executor.replica_id,
+            "event": "cell_timings",
+            "msg_id": None,
+            "detail": {"cells": batch},
+        },
+    )
+    cell = next(c for c in h.gs.metrics.recent_cells(50) if c["msg_id"] == msg_id)
+    assert cell["replica_steps_ms"]["run_ms"] == 1.5
+
 
 def test_host_silence_kills_its_replicas_and_two_losses_kill_the_kernel(h: Harness) -> None:
     h.add_kernel()

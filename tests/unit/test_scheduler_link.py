@@ -125,3 +125,30 @@ def test_a_push_arriving_after_the_cell_started_here_keeps_its_gpus() -> None:
             assert scheduler.ledger.committed_count == 1
 
     asyncio.run(scenario())
+
+
+def test_cell_timings_go_upstream_in_batches_not_one_event_per_cell() -> None:
+    async def scenario() -> None:
+        async with linked() as (link, scheduler):
+            events: list[Envelope] = []
+            handle = scheduler.handle
+
+            def record(identity: bytes, env: Envelope) -> Envelope | None:
+                if env.type == messages.REPLICA_EVENT:
+                    events.append(env)
+                    return None
+                return handle(identity, env)
+
+            scheduler.server._handler = record
+            for n in range(3):
+                link.cell_timings(f"cell-{n}", {"run_ms": float(n)})
+            await settle_messages()
+            assert events == []  # held for TIMINGS_FLUSH_S
+            link.flush_timings()
+            await settle_messages()
+            (event,) = events
+            assert event.body["event"] == "cell_timings" and event.body["msg_id"] is None
+            assert [c["msg_id"] for c in event.body["detail"]["cells"]] == ["cell-0", "cell-1", "cell-2"]
+            assert event.body["detail"]["cells"][2]["run_ms"] == 2.0
+
+    asyncio.run(scenario())
