@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             "-f",
             args.connection_file,
             "--IPKernelApp.quiet=True",
+            "--IPKernelApp.outstream_class=kernel_replica.streams.BarrierOutStream",
             # Input history in the replica's own file: a host's replicas (and the user's own
             # kernels) would otherwise share ~/.ipython's database, and every cell's committed
             # write (an fsync, on each replica) competes with the Raft log's fsyncs. Written every

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -158,8 +159,9 @@ class TandemKernel(IPythonKernel):
         super()._publish_status(status, channel, parent)
 
     def _publish_idle_early(self, parent: dict[str, t.Any]) -> None:
-        """The executor's idle right after its reply (the cell's output, flushed in
-        ``_execute``, precedes it); ipykernel's own idle for this request is then skipped."""
+        """The executor's idle as soon as its cell is handed to the Raft thread (the cell's output,
+        flushed in ``_execute``, precedes it); ipykernel's own idle for this request, after its
+        flushes and hooks, is then skipped."""
         super()._publish_status("idle", "shell", parent)
         self._idle_sent = parent["header"]["msg_id"]
 
@@ -287,16 +289,20 @@ class TandemKernel(IPythonKernel):
             # (ipykernel would flush it only after publishing idle).
             stream.flush(zmq.POLLOUT)
         if executed and bridge is not None:
-            # Replied and idle before DONE commits: the committed LEAD already makes the cell run
-            # at most once. The namespace changes are taken now, still inside this handler, so
-            # the next request waits in the shell queue until they are. Idle goes out first: the
-            # STATE lives only in this process until it commits either way (handing it to the
-            # Raft thread first made no replica hold it sooner), and the client's cell ends
-            # ~1 ms sooner (the planning, and ipykernel's two flushes after the handler).
-            self._publish_idle_early(parent)
+            # Replied before DONE commits: the committed LEAD already makes the cell run at most
+            # once. The namespace changes are taken now, before the next cell can change them,
+            # and idle goes out once DONE and STATE are ready, just before the Raft thread gets
+            # them (it sends them at once): a client that kills the executor as soon as it sees
+            # idle (a test does) must still find the cell's variables on the next executor; idle
+            # published before the planning lost them in most such runs. Idle first, then the
+            # hand-off: the other way round the Raft thread took the GIL as the idle was being
+            # published (~0.4 ms). ipykernel's flushes after the handler cost nothing: nothing
+            # was queued on IOPub since the cell's own flush (streams.py).
             replied_at = time.time()
             history = code if not silent and execute_args["store_history"] else None
-            timing |= await self._finish_in_background(bridge, msg_id, code, reply, log, history)
+            timing |= await self._finish_in_background(
+                bridge, msg_id, code, reply, log, history, functools.partial(self._publish_idle_early, parent)
+            )
             if self._trace_sync:  # wall clock: the standbys' state_applied lines are compared to it
                 log.info("state_sent", replied_at=replied_at, proposed_at=time.time(), **timing)
         self._record_timing(role, reply, timing, log)
@@ -460,12 +466,14 @@ class TandemKernel(IPythonKernel):
         reply: dict[str, t.Any],
         log: t.Any,
         history: str | None = None,
+        before_hand_off: t.Callable[[], None] | None = None,
     ) -> dict[str, float]:
         """Steps 5 and 7 after the reply: find and encode the namespace changes here (the main
         thread owns the namespace, and the next cell must not change it first), then hand DONE
         and STATE to the Raft thread, which commits them in order without the kernel waiting.
         Returns the replication steps' timings (ms). ``history``: the code the standbys put in
-        their input history (None: the cell is not stored there)."""
+        their input history (None: the cell is not stored there). ``before_hand_off`` runs once
+        DONE and STATE are ready, before the Raft thread gets them."""
         assert self.shell is not None
         done = Done(msg_id, self.replica_id, reply, self._count(), True, history)
         try:
@@ -503,6 +511,8 @@ class TandemKernel(IPythonKernel):
         written = None
         if plan.deferred and self._behind_store is not None:  # write-behind, on the Raft thread
             written = bridge.thread.submit(complete_state(state, plan.deferred, self._behind_store, log))
+        if before_hand_off is not None:
+            before_hand_off()
         bridge.thread.call(bridge.core.finish_cell, done, state, written)
         timings = {k: v for k, v in plan.timings.items()}
         if plan:
