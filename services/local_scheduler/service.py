@@ -180,12 +180,12 @@ class LocalScheduler:
             body = env.body
             replica = self.replicas.get((body["kernel_id"], body.get("replica_id", "")))
             frames = body["frames"]
-            if replica is not None and len(frames) > 1 and b'"execute_request"' in frames[1]:
-                self._bind_ahead(replica, frames[1], designated=body.get("designated") is True)
             if replica is None or not replica.send(body["channel"], frames):
                 self.log.warning(
                     "request_for_absent_replica", kernel=body["kernel_id"], replica=body.get("replica_id")
                 )
+            elif len(frames) > 1 and b'"execute_request"' in frames[1]:
+                self._bind_ahead(replica, frames[1], designated=body.get("designated") is True)
             return None
         if env.type == messages.REPLICA_START:
             return self._replica_start(env)
@@ -439,8 +439,10 @@ class LocalScheduler:
 
     def _bind_ahead(self, replica: ReplicaProcess, header: bytes, *, designated: bool) -> None:
         """The scheduler designated this replica to execute: bind its GPUs now and push them to it
-        ahead of the request, so it needs no gpu.commit round trip (that request stays the
-        authority: it is idempotent, and covers a push that arrives late or bound nothing)."""
+        right behind the request (which this bookkeeping must not hold up; the push still reaches
+        the replica's Raft thread before its kernel thread has parsed the request, most of the
+        time), so it needs no gpu.commit round trip (that request stays the authority: it is
+        idempotent, and covers a push that arrives late or bound nothing)."""
         try:
             parsed = json.loads(header)
             msg_id = parsed["msg_id"]
