@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernel_replica.log_entries import Done, Lead, LogEntry, Progress, State, Vote, Yield
+from kernel_replica.log_entries import Done, Lead, LogEntry, Progress, State, Vote, Votes, Yield
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +169,8 @@ class ElectionBook:
                         EntryIgnored(entry, f"vote disagrees with decided winner {election.outcome.winner}")
                     ]
                 return []
+            case Votes():
+                return [event for vote in entry.each() for event in self.apply(vote)]
             case Done():
                 return self._on_done(entry)
             case Progress():

@@ -21,10 +21,11 @@ ENTRY_VERSION = 1
 LEAD = "LEAD"
 YIELD = "YIELD"
 VOTE = "VOTE"
+VOTES = "VOTES"
 DONE = "DONE"
 STATE = "STATE"
 PROGRESS = "PROGRESS"
-KINDS = (LEAD, YIELD, VOTE, DONE, STATE, PROGRESS)
+KINDS = (LEAD, YIELD, VOTE, VOTES, DONE, STATE, PROGRESS)
 
 
 class LogEntryError(ValueError):
@@ -60,6 +61,23 @@ class Vote:
     msg_id: str
     replica_id: str
     winner: str
+
+
+@dataclass(frozen=True, slots=True)
+class Votes:
+    """Several of ``replica_id``'s VOTEs in one entry, ``(msg_id, winner)`` in the order cast: a
+    replica not sent the cells votes as their LEADs commit and sends its votes together (one
+    entry per flush, not one per cell, for every replica to store and apply)."""
+
+    replica_id: str
+    votes: tuple[tuple[str, str], ...]
+
+    @property
+    def msg_id(self) -> str:  # the first cell's, for logs
+        return self.votes[0][0]
+
+    def each(self) -> list[Vote]:
+        return [Vote(msg_id, self.replica_id, winner) for msg_id, winner in self.votes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +126,7 @@ class Progress:
     replica_id: str
 
 
-LogEntry = Lead | Yield | Vote | Done | State | Progress
+LogEntry = Lead | Yield | Vote | Votes | Done | State | Progress
 
 
 def encode(entry: LogEntry) -> bytes:
@@ -120,6 +138,8 @@ def encode(entry: LogEntry) -> bytes:
             body = {"k": YIELD, "m": entry.msg_id, "r": entry.replica_id, "p": entry.proposer}
         case Vote():
             body = {"k": VOTE, "m": entry.msg_id, "r": entry.replica_id, "w": entry.winner}
+        case Votes():
+            body = {"k": VOTES, "m": entry.msg_id, "r": entry.replica_id, "v": [list(v) for v in entry.votes]}
         case Done():
             body = {
                 "k": DONE,
@@ -179,6 +199,18 @@ def decode(data: bytes) -> LogEntry:
         return Yield(msg_id, replica_id, _str(raw, "p", kind))
     if kind == VOTE:
         return Vote(msg_id, replica_id, _str(raw, "w", kind))
+    if kind == VOTES:
+        votes = raw.get("v")
+        if (
+            not isinstance(votes, list)
+            or not votes
+            or not all(
+                isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) and x for x in v)
+                for v in votes
+            )
+        ):
+            raise LogEntryError("VOTES: 'v' must be a non-empty list of [msg_id, winner] pairs")
+        return Votes(replica_id, tuple((m, w) for m, w in votes))
     if kind == PROGRESS:
         return Progress(msg_id, replica_id)
     if kind == DONE:

@@ -38,7 +38,17 @@ from kernel_replica.election import (
     Outcome,
     StateAccepted,
 )
-from kernel_replica.log_entries import Done, Lead, LogEntry, LogEntryError, Progress, State, Vote, Yield
+from kernel_replica.log_entries import (
+    Done,
+    Lead,
+    LogEntry,
+    LogEntryError,
+    Progress,
+    State,
+    Vote,
+    Votes,
+    Yield,
+)
 from kernel_replica.scheduler_link import SchedulerLink
 from kernel_replica.state_sync import ReplicatedNamespace
 from shared.raft.driver import NotRunning, PeerConfig, ProposalDropped, RaftError, RaftPeer, RaftTimeout
@@ -566,7 +576,7 @@ class ReplicaCore:
         the book ignores a second LEAD/YIELD/DONE). Raises ``RaftError`` naming the cause."""
         if self.peer is None:
             raise NotRunning("this replica's Raft group is not configured yet")
-        if self._pending_votes and not isinstance(entry, Vote):
+        if self._pending_votes and not isinstance(entry, Vote | Votes):
             self._flush_votes()  # proposed in this loop turn, so they share this entry's Ready
         if isinstance(entry, Done | State):
             self._own_entries.add((type(entry).__name__, entry.msg_id))
@@ -1068,8 +1078,11 @@ class ReplicaCore:
             self._vote_timer.cancel()
             self._vote_timer = None
         votes, self._pending_votes = self._pending_votes, []
-        for vote in votes:
-            self.propose_in_background(vote, "vote")
+        if len(votes) == 1:
+            self.propose_in_background(votes[0], "vote")
+        elif votes:
+            batch = Votes(self.replica_id, tuple((v.msg_id, v.winner) for v in votes))
+            self.propose_in_background(batch, "votes")
 
     async def _release(self, msg_id: str) -> None:
         try:

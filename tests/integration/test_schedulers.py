@@ -405,7 +405,9 @@ def test_replica_failures_one_tolerated_two_kill_the_kernel(tmp_path: Path) -> N
             status = await gw.call(messages.KERNEL_STATUS, {"kernel_id": "k2"})
             assert status["alive"] and status["state"] == "running"
             got = await gw.collect("k2", gw.execute("k2", "print(y)"), timeout=30)
-            assert [m["content"]["text"] for ch, m in got if m["msg_type"] == "stream"] == ["5\n"], [(ch, m["msg_type"], m["content"]) for ch, m in got]
+            assert [m["content"]["text"] for ch, m in got if m["msg_type"] == "stream"] == ["5\n"], [
+                (ch, m["msg_type"], m["content"]) for ch, m in got
+            ]
 
             # A long cell is running when a second replica dies: it is failed within seconds.
             long_id = gw.execute("k2", "import time; time.sleep(60)")

@@ -14,7 +14,7 @@ from kernel_replica.election import (
     ExecutorLost,
     StateAccepted,
 )
-from kernel_replica.log_entries import Done, Lead, LogEntry, State, Vote, Yield
+from kernel_replica.log_entries import Done, Lead, LogEntry, State, Vote, Votes, Yield
 
 VOTERS = ("r1", "r2", "r3")
 
@@ -33,6 +33,14 @@ def test_first_committed_lead_wins_and_later_leads_are_ignored() -> None:
     assert isinstance(events[1], EntryIgnored)
     outcome = book.outcome("m")
     assert outcome is not None and outcome.winner == "r2" and not outcome.failed
+
+
+def test_batched_votes_count_like_single_ones_and_flag_a_disagreeing_vote() -> None:
+    book = ElectionBook(VOTERS)
+    feed(book, [Lead("m1", "r1"), Lead("m2", "r2")])
+    events = book.apply(Votes("r3", (("m1", "r1"), ("m2", "r1"))))
+    assert len(events) == 1 and isinstance(events[0], EntryIgnored)  # m2 was won by r2
+    assert events[0].entry == Vote("m2", "r3", "r1")
 
 
 def test_all_voters_yield_fails_the_election() -> None:

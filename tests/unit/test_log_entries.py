@@ -9,7 +9,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kernel_replica.log_entries import Done, Lead, LogEntryError, Progress, State, Vote, Yield, decode, encode
+from kernel_replica.log_entries import (
+    Done,
+    Lead,
+    LogEntryError,
+    Progress,
+    State,
+    Vote,
+    Votes,
+    Yield,
+    decode,
+    encode,
+)
 
 
 @pytest.mark.parametrize(
@@ -18,7 +29,9 @@ from kernel_replica.log_entries import Done, Lead, LogEntryError, Progress, Stat
         Lead("m1", "r1"),
         Yield("m1", "r2", "r1"),
         Vote("m1", "r3", "r1"),
+        Votes("r3", (("m1", "r1"), ("m2", "r2"))),
         Progress("m1", "r1"),
+        Done("m1", "r1", {"status": "ok", "execution_count": 4}, 5, code="x = 1"),
         Done("m1", "r1", {"status": "ok", "execution_count": 4, "payload": []}, 5),
         Done("m1", "r1", {"status": "error", "ename": "E"}, 5, state_follows=False),
         State("m1", "r1", {"x": b"\x01" * 16}, b"\x80\x05}\x94.", ("y",), {"f": "not picklable"}),
@@ -40,6 +53,12 @@ def test_round_trip(entry: object) -> None:
         (msgpack.packb({"t": 1, "k": "DONE", "m": "a", "r": "b", "c": {"status": "ok"}, "n": -1}), "count"),
         (msgpack.packb({"t": 1, "k": "STATE", "m": "a", "r": "b", "dg": {"x": "str"}}), "bytes"),
         (msgpack.packb({"t": 1, "k": "STATE", "m": "a", "r": "b", "ns": "str"}), "'ns'"),
+        (msgpack.packb({"t": 1, "k": "VOTES", "m": "a", "r": "b", "v": []}), "pairs"),
+        (msgpack.packb({"t": 1, "k": "VOTES", "m": "a", "r": "b", "v": [["a"]]}), "pairs"),
+        (
+            msgpack.packb({"t": 1, "k": "DONE", "m": "a", "r": "b", "c": {"status": "ok"}, "n": 1, "h": 3}),
+            "code",
+        ),
     ],
 )
 def test_malformed_entries_are_rejected_with_reason(raw: bytes, why: str) -> None:
