@@ -4,30 +4,18 @@ slow handlers as tasks, timeouts and close(), on both event loops the services u
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import msgpack
 import pytest
-import uvloop
 import zmq
 import zmq.asyncio
 
 from shared import messages
 from shared.envelope import Envelope
 from shared.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
-
-LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
-    "asyncio": asyncio.new_event_loop,
-    "uvloop": uvloop.new_event_loop,
-}
-
-
-@pytest.fixture(params=sorted(LOOPS))
-def run(request: pytest.FixtureRequest) -> Iterator[Callable[[Awaitable[Any]], Any]]:
-    with asyncio.Runner(loop_factory=LOOPS[request.param]) as runner:
-        yield runner.run
 
 
 def _status(kernel_id: str) -> Envelope:

@@ -13,22 +13,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
-import uvloop
 import zmq
 import zmq.asyncio
 
 from shared.zmq_drain import DrainingSocket
-
-LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
-    "asyncio": asyncio.new_event_loop,
-    "uvloop": uvloop.new_event_loop,
-}
-
-
-@pytest.fixture(params=sorted(LOOPS))
-def run(request: pytest.FixtureRequest) -> Iterator[Callable[[Awaitable[Any]], Any]]:
-    with asyncio.Runner(loop_factory=LOOPS[request.param]) as runner:
-        yield runner.run
 
 
 @pytest.fixture

@@ -1,0 +1,22 @@
+"""Fixtures shared by unit tests of the asyncio shells."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+import uvloop
+
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,  # what the services run on
+}
+
+
+@pytest.fixture(params=sorted(LOOPS))
+def run(request: pytest.FixtureRequest) -> Iterator[Callable[[Awaitable[Any]], Any]]:
+    """Runs a coroutine to completion on each event loop the services may use."""
+    with asyncio.Runner(loop_factory=LOOPS[request.param]) as runner:
+        yield runner.run
