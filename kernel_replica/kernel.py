@@ -63,6 +63,9 @@ EXECUTOR = "executor"
 # A standby learns a cell from its DONE; its input history and function registry catch up on
 # the next request it handles, or once this many cells are waiting (off the critical path).
 FOLLOWED_CATCH_UP = 64
+# how long the kernel thread blocks for its cell's gpu.bound push to reach the Raft thread
+# (usually ~0.1 ms behind the cell; a miss costs the thread hop of RaftBridge.call instead)
+EARLY_WAIT_S = 0.002
 SILENT_FIELD = "tandem_silent_candidate"  # services.global_scheduler.jupyter_router.SILENT_FIELD
 TIMING_SUMMARY_EVERY = 100
 STANDBY = "standby"
@@ -214,7 +217,7 @@ class TandemKernel(IPythonKernel):
         else:
             silent = parent["header"].get(SILENT_FIELD)  # the designated candidate, found hung
             # decided as the GPUs were bound ahead (no hop to the Raft thread), or decide now
-            decision = bridge.core.take_early_decision(msg_id) if lead else None
+            decision = bridge.core.take_early_decision(msg_id, EARLY_WAIT_S) if lead else None
             if decision is None:
                 decision = await bridge.call(
                     bridge.core.decide(msg_id, lead=lead, silent=silent if isinstance(silent, str) else None)

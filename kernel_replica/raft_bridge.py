@@ -63,6 +63,7 @@ SNAPSHOT_VERSION = 1
 PROPOSE_ATTEMPT_S = 1.0
 # After replica.stop, how long the main thread gets to stop gracefully before the process exits.
 STOP_GRACE_S = 0.5
+EARLY_READY_KEPT = 256
 SILENT_POLL_S = 0.05  # how often a stand-in for a hung candidate checks whether the others answered
 
 
@@ -228,8 +229,10 @@ class ReplicaCore:
         self._late_bindings: dict[str, asyncio.Future[list[int]]] = {}
         self._own_entries: set[tuple[str, str]] = set()  # (kind, msg_id) proposed by this process
         self._last_progress: dict[str, float] = {}  # msg_id -> when its executor was last heard
-        # ``_decide_early``: decisions made before the kernel asked for them
+        # ``_decide_early``: decisions made before the kernel asked for them, and a flag per cell
+        # whose gpu.bound push was taken (set either way), which the kernel thread may wait on
         self.early_decisions: dict[str, Decision] = {}
+        self.early_ready: dict[str, threading.Event] = {}
         # One watcher per cell another replica executes (``_follow``): its DONE, or ExecutorLost.
         self._followers: dict[str, asyncio.Task[Done | str]] = {}
         # Entries up to this index were in this replica's log when it started: applying them again
@@ -263,7 +266,7 @@ class ReplicaCore:
         self.scheduler.set_handlers(
             on_configure=self.configure, on_stop=self._stop_requested, on_membership=self.membership
         )
-        self.scheduler.on_designated = self._decide_early
+        self.scheduler.on_bound = self._on_bound
         self.scheduler.connect()
         await self.scheduler.register(self.raft_address)
         self._log.info("registered", raft_address=self.raft_address)
@@ -627,6 +630,18 @@ class ReplicaCore:
         return fut
 
     # ---- the execute path (called from the kernel through RaftThread.submit) -----------------------
+    def _on_bound(self, msg_id: str, designated: bool) -> None:
+        """A gpu.bound push came for msg_id: decide it now if it can be (``_decide_early``), then
+        tell a kernel thread waiting for that (``early_ready``) to look."""
+        try:
+            if designated:
+                self._decide_early(msg_id)
+        finally:
+            ready = self.early_ready.setdefault(msg_id, threading.Event())
+            ready.set()
+            while len(self.early_ready) > EARLY_READY_KEPT:  # cells never asked for here
+                self.early_ready.pop(next(iter(self.early_ready)), None)
+
     def _decide_early(self, msg_id: str) -> None:
         """The local scheduler bound this replica's GPUs for a cell it alone was sent, and pushed
         that ahead of the cell: on the fast path (``_execute_before_commit``: Raft leader, nothing
@@ -652,10 +667,19 @@ class ReplicaCore:
         self._open_at_death.discard(msg_id)
         self.scheduler.settle_bound_ahead(msg_id, executing=True)
 
-    def take_early_decision(self, msg_id: str) -> Decision | None:
+    def take_early_decision(self, msg_id: str, wait_s: float = 0.0) -> Decision | None:
         """The kernel thread's side of ``_decide_early`` (safe from any thread: one atomic pop,
-        and ``decide`` pops the same entry on this thread, so exactly one of them takes it)."""
-        return self.early_decisions.pop(msg_id, None)
+        and ``decide`` pops the same entry on this thread, so exactly one of them takes it).
+        ``wait_s``: how long to block for the cell's gpu.bound push to be taken here, if it has
+        not been yet (the local scheduler sends it right behind the cell; blocking releases the
+        GIL to this thread, and costs less than the hop ``decide`` would take)."""
+        decision = self.early_decisions.pop(msg_id, None)
+        if decision is None and wait_s > 0:
+            ready = self.early_ready.setdefault(msg_id, threading.Event())
+            if ready.wait(wait_s):
+                decision = self.early_decisions.pop(msg_id, None)
+        self.early_ready.pop(msg_id, None)
+        return decision
 
     async def decide(self, msg_id: str, *, lead: bool, silent: str | None = None) -> Decision:
         """Steps 3-4 of the execute path: election, waiting for the previous state, GPU binding.
