@@ -18,8 +18,8 @@ and user code blocks it):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
-import functools
 import os
 import signal
 import sys
@@ -63,6 +63,9 @@ EXECUTOR = "executor"
 # A standby learns a cell from its DONE; its input history and function registry catch up on
 # the next request it handles, or once this many cells are waiting (off the critical path).
 FOLLOWED_CATCH_UP = 64
+# The executor's idle waits for the cell's DONE and STATE to commit, at most this long (a group
+# that lost its quorum must not leave the client without idle; the commit goes on behind it).
+IDLE_REPLICATION_WAIT_S = 2.0
 # how long the kernel thread blocks for its cell's gpu.bound push to reach the Raft thread
 # (usually ~0.1 ms behind the cell; a miss costs the thread hop of RaftBridge.call instead)
 EARLY_WAIT_S = 0.002
@@ -294,18 +297,17 @@ class TandemKernel(IPythonKernel):
         if executed and bridge is not None:
             # Replied before DONE commits: the committed LEAD already makes the cell run at most
             # once. The namespace changes are taken now, before the next cell can change them,
-            # and idle goes out once DONE and STATE are ready, just before the Raft thread gets
-            # them (it sends them at once): a client that kills the executor as soon as it sees
-            # idle (a test does) must still find the cell's variables on the next executor; idle
-            # published before the planning lost them in most such runs. Idle first, then the
-            # hand-off: the other way round the Raft thread took the GIL as the idle was being
-            # published (~0.4 ms). ipykernel's flushes after the handler cost nothing: nothing
-            # was queued on IOPub since the cell's own flush (streams.py).
+            # and idle goes out once DONE and STATE are committed: idle means the cell's state is
+            # held by a majority of the replicas, so a client that kills the executor as soon as
+            # it sees idle still finds the cell's variables on the next executor. (Idle before
+            # that commit lost them in some such runs: 4 of 5 when idle preceded the planning,
+            # 1 CI run when it followed the hand-off to the Raft thread.) ipykernel's flushes
+            # after the handler cost nothing: nothing was queued on IOPub since the cell's own
+            # flush (streams.py).
             replied_at = time.time()
             history = code if not silent and execute_args["store_history"] else None
-            timing |= await self._finish_in_background(
-                bridge, msg_id, code, reply, log, history, functools.partial(self._publish_idle_early, parent)
-            )
+            timing |= await self._finish_in_background(bridge, msg_id, code, reply, log, history)
+            self._publish_idle_early(parent)
             if self._trace_sync:  # wall clock: the standbys' state_applied lines are compared to it
                 log.info("state_sent", replied_at=replied_at, proposed_at=time.time(), **timing)
         self._record_timing(role, reply, timing, log)
@@ -469,14 +471,14 @@ class TandemKernel(IPythonKernel):
         reply: dict[str, t.Any],
         log: t.Any,
         history: str | None = None,
-        before_hand_off: t.Callable[[], None] | None = None,
     ) -> dict[str, float]:
         """Steps 5 and 7 after the reply: find and encode the namespace changes here (the main
         thread owns the namespace, and the next cell must not change it first), then hand DONE
         and STATE to the Raft thread, which commits them in order without the kernel waiting.
         Returns the replication steps' timings (ms). ``history``: the code the standbys put in
-        their input history (None: the cell is not stored there). ``before_hand_off`` runs once
-        DONE and STATE are ready, before the Raft thread gets them."""
+        their input history (None: the cell is not stored there). Returns once DONE and STATE are
+        committed (at most ``IDLE_REPLICATION_WAIT_S``; large objects written behind are not
+        waited for)."""
         assert self.shell is not None
         done = Done(msg_id, self.replica_id, reply, self._count(), True, history)
         try:
@@ -514,9 +516,8 @@ class TandemKernel(IPythonKernel):
         written = None
         if plan.deferred and self._behind_store is not None:  # write-behind, on the Raft thread
             written = bridge.thread.submit(complete_state(state, plan.deferred, self._behind_store, log))
-        if before_hand_off is not None:
-            before_hand_off()
-        bridge.thread.call(bridge.core.finish_cell, done, state, written)
+        replicated: concurrent.futures.Future[None] = concurrent.futures.Future()
+        bridge.thread.call(bridge.core.finish_cell, done, state, written, replicated)
         timings = {k: v for k, v in plan.timings.items()}
         if plan:
             timings["state_bytes"] = float(plan.nbytes())
@@ -528,6 +529,13 @@ class TandemKernel(IPythonKernel):
                 pointers=sum(1 for g in plan.groups if g.get("pointer")),
                 **{k: round(v, 3) for k, v in timings.items()},
             )
+        waited = time.perf_counter()
+        try:
+            # blocking, GIL released: the Raft thread wakes this thread directly, no loop turn
+            replicated.result(IDLE_REPLICATION_WAIT_S)
+        except concurrent.futures.TimeoutError:
+            log.warning("idle_before_state_committed", waited_s=IDLE_REPLICATION_WAIT_S)
+        timings["replicate_ms"] = (time.perf_counter() - waited) * 1000
         return timings
 
     async def _get_codec(self) -> ObjectCodec:

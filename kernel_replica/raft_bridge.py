@@ -1030,7 +1030,11 @@ class ReplicaCore:
         return bool(self._finishing)
 
     def finish_cell(
-        self, done: Done, state: State, written: concurrent.futures.Future[State] | None = None
+        self,
+        done: Done,
+        state: State,
+        written: concurrent.futures.Future[State] | None = None,
+        replicated: concurrent.futures.Future[None] | None = None,
     ) -> None:
         """Steps 5 and 7 off the critical path: the executor has already replied (the committed
         LEAD guarantees at-most-once); DONE and STATE are proposed together, in order after the
@@ -1038,7 +1042,9 @@ class ReplicaCore:
         on this replica runs without waiting for them (its namespace is current); any other
         executor waits for them (``_wait_previous_cell``). Call on the Raft thread. ``written``:
         the STATE to propose instead, once its large objects are in the data store (write-behind,
-        ``state_sync.complete_state``); DONE does not wait for it."""
+        ``state_sync.complete_state``); DONE does not wait for it. ``replicated`` is resolved once
+        DONE and STATE are committed (with write-behind, once DONE is: the upload is not waited
+        for), or once that has failed: the kernel publishes idle then."""
         self._stop_beat()
         self._spawn(self._release(done.msg_id))
         self._vote_later(done.msg_id, self.replica_id)
@@ -1046,7 +1052,7 @@ class ReplicaCore:
         tail: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._finish_tail = tail
         self._finishing.add(done.msg_id)
-        self._spawn(self._finish_cell(done, state, previous, tail, written))
+        self._spawn(self._finish_cell(done, state, previous, tail, written, replicated))
 
     async def _finish_cell(
         self,
@@ -1055,6 +1061,7 @@ class ReplicaCore:
         previous: asyncio.Future[None] | None,
         tail: asyncio.Future[None],
         written: concurrent.futures.Future[State] | None = None,
+        replicated: concurrent.futures.Future[None] | None = None,
     ) -> None:
         log = self._log.bind(msg_id=done.msg_id)
         started = time.perf_counter()
@@ -1063,6 +1070,7 @@ class ReplicaCore:
                 await asyncio.shield(previous)  # keep DONE/STATE in cell order in the log
             proposals = [asyncio.ensure_future(self.propose(done))]
             if written is not None:
+                proposals[0].add_done_callback(lambda _: _resolve_once(replicated))
                 state = await asyncio.wrap_future(written)  # large objects in the store first
             proposals.append(asyncio.ensure_future(self.propose(state)))
             results = await asyncio.gather(*proposals, return_exceptions=True)
@@ -1083,6 +1091,7 @@ class ReplicaCore:
         except Exception:
             log.exception("finish_failed")
         finally:
+            _resolve_once(replicated)
             self._finishing.discard(done.msg_id)
             if not tail.done():
                 tail.set_result(None)
@@ -1189,6 +1198,11 @@ class ReplicaCore:
                     self.propose_in_background(lost, "executor_lost")
         finally:
             self._last_progress.pop(msg_id, None)
+
+
+def _resolve_once(future: concurrent.futures.Future[None] | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
 
 
 class RaftBridge:

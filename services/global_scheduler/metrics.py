@@ -60,6 +60,7 @@ REPLICA_STEPS = (
     "fingerprint_ms",
     "serialize_ms",
     "store_ms",
+    "replicate_ms",  # DONE and STATE handed to Raft -> committed (the executor's idle waits for it)
     "to_gpu_ms",  # GPU residency (kernel_replica/device_residency.py): notebook tensors moved
     "to_host_ms",
 )
