@@ -56,7 +56,7 @@ from kernel_replica.state_sync import (
 )
 from shared.config import Config
 from shared.datastore.base import DataStore
-from shared.election_round import election_key, round_of
+from shared.election_round import SILENT_FIELD, election_key, round_of
 from shared.raft.driver import RaftError
 
 EXECUTOR = "executor"
@@ -69,7 +69,6 @@ IDLE_REPLICATION_WAIT_S = 2.0
 # how long the kernel thread blocks for its cell's gpu.bound push to reach the Raft thread
 # (usually ~0.1 ms behind the cell; a miss costs the thread hop of RaftBridge.call instead)
 EARLY_WAIT_S = 0.002
-SILENT_FIELD = "tandem_silent_candidate"  # services.global_scheduler.jupyter_router.SILENT_FIELD
 TIMING_SUMMARY_EVERY = 100
 STANDBY = "standby"
 
@@ -160,14 +159,14 @@ class TandemKernel(IPythonKernel):
         if status == "idle" and self._idle_sent is not None:
             header = (parent or self.get_parent(channel) or {}).get("header") or {}
             if header.get("msg_id") == self._idle_sent:
-                self._idle_sent = None  # published early (``_publish_idle_early``)
+                self._idle_sent = None  # already published (``_publish_executor_idle``)
                 return
         super()._publish_status(status, channel, parent)
 
-    def _publish_idle_early(self, parent: dict[str, t.Any]) -> None:
-        """The executor's idle as soon as its cell is handed to the Raft thread (the cell's output,
-        flushed in ``_execute``, precedes it); ipykernel's own idle for this request, after its
-        flushes and hooks, is then skipped."""
+    def _publish_executor_idle(self, parent: dict[str, t.Any]) -> None:
+        """The executor's idle once the cell's DONE and STATE are committed (the cell's output,
+        flushed in ``_execute``, precedes it), from inside the handler; ipykernel's own idle for
+        this request, after its flushes and hooks, is then skipped."""
         super()._publish_status("idle", "shell", parent)
         self._idle_sent = parent["header"]["msg_id"]
 
@@ -307,7 +306,7 @@ class TandemKernel(IPythonKernel):
             replied_at = time.time()
             history = code if not silent and execute_args["store_history"] else None
             timing |= await self._finish_in_background(bridge, msg_id, code, reply, log, history)
-            self._publish_idle_early(parent)
+            self._publish_executor_idle(parent)
             if self._trace_sync:  # wall clock: the standbys' state_applied lines are compared to it
                 log.info("state_sent", replied_at=replied_at, proposed_at=time.time(), **timing)
         self._record_timing(role, reply, timing, log)

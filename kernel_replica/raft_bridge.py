@@ -687,9 +687,6 @@ class ReplicaCore:
         early = self.early_decisions.pop(msg_id, None)
         if early is not None:  # decided as the gpu.bound push came (``_decide_early``)
             return early
-        return await self._decide_settled(msg_id, lead=lead, silent=silent)
-
-    async def _decide_settled(self, msg_id: str, *, lead: bool, silent: str | None = None) -> Decision:
         decision = await self._decide(msg_id, lead=lead, silent=silent)
         self._open_at_death.discard(msg_id)
         if self.scheduler.settle_bound_ahead(msg_id, executing=isinstance(decision, Execute)):

@@ -16,6 +16,10 @@ from collections.abc import Mapping
 from typing import Any
 
 ROUND_FIELD = "tandem_round"  # header field of a cell sent again after a failed election
+# Header field of a ``yield_request`` the scheduler sent because the cell's designated candidate
+# stayed silent: that candidate's id (the stand-ins do not wait ``election_wait_s`` for it again).
+SILENT_FIELD = "tandem_silent_candidate"
+SCHEDULER_FIELDS = frozenset((ROUND_FIELD, SILENT_FIELD))  # set by the scheduler, never by a client
 _SEPARATOR = ":round-"
 
 

@@ -27,7 +27,7 @@ from services.global_scheduler.reply_merger import (
     Merged,
     ReplyMerger,
 )
-from shared.election_round import ROUND_FIELD
+from shared.election_round import ROUND_FIELD, SCHEDULER_FIELDS, SILENT_FIELD
 from shared.jupyter_wire import Signer, WireError, header_of, json_part
 from shared.policies.executor_choice import ExecutorChoice
 
@@ -45,10 +45,6 @@ class Routed:
     to_client: list[Forward] = field(default_factory=list)  # answered at once (dead kernel)
     executor: str | None = None  # designated executor candidate of an execute_request
     problem: str | None = None  # why the request was dropped, for the log
-
-
-# Header field of a ``yield_request`` sent because the designated candidate stayed silent: its id.
-SILENT_FIELD = "tandem_silent_candidate"
 
 
 def rewrite_msg_type(frames: Frames, header: dict[str, Any], msg_type: str, signer: Signer) -> Frames:
@@ -134,10 +130,8 @@ class KernelRouter:
             executor = routed.executor = choice.executor if choice.executor in live else None
             alone = self.designated_only and executor is not None
             sent, sent_header = frames, header
-            if retried is not None or ROUND_FIELD in header:  # the scheduler's field, not a client's
-                sent_header = {k: v for k, v in header.items() if k != ROUND_FIELD}
-                if retried is not None:  # a new election round (shared/election_round.py)
-                    sent_header[ROUND_FIELD] = retried[0]
+            if retried is not None or not SCHEDULER_FIELDS.isdisjoint(header):
+                sent_header = self._scheduler_header(msg_id, header)
                 sent = rewrite_msg_type(frames, sent_header, msg_type, self.signer)
             yield_frames: Frames | None = None
             for replica_id in live:
@@ -282,17 +276,22 @@ class KernelRouter:
             others = [r for r in live if r not in targets]
             if frames is None or not others or len(targets) != 1:
                 continue
-            (candidate,) = self.merger.targets_of(msg_id)
-            header = header_of(frames)
-            sent_header = {k: v for k, v in header.items() if k not in (ROUND_FIELD, SILENT_FIELD)}
-            retried = self._rounds.get(msg_id)
-            if retried is not None:
-                sent_header[ROUND_FIELD] = retried[0]
+            (candidate,) = targets
+            sent_header = self._scheduler_header(msg_id, header_of(frames))
             sent_header[SILENT_FIELD] = candidate  # the stand-ins do not wait for it again
             yield_frames = rewrite_msg_type(frames, sent_header, "yield_request", self.signer)
             self.merger.widen(msg_id, set(others))
             out += [(r, "shell", yield_frames) for r in others]
         return out
+
+    def _scheduler_header(self, msg_id: str, header: dict[str, Any]) -> dict[str, Any]:
+        """The client's header without the scheduler's own fields (a client cannot set them),
+        plus the election round of a cell sent again (shared/election_round.py)."""
+        sent = {k: v for k, v in header.items() if k not in SCHEDULER_FIELDS}
+        retried = self._rounds.get(msg_id)
+        if retried is not None:
+            sent[ROUND_FIELD] = retried[0]
+        return sent
 
     def round_of(self, msg_id: str) -> int:
         """The election round msg_id is (or will next be) sent to the replicas in."""

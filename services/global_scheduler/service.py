@@ -209,15 +209,7 @@ class GlobalScheduler:
                 now, self._candidate_silence, kernel.live_replicas()
             ):
                 log.warning("candidate_silent", kernel=kernel.kernel_id, asking=replica_id)
-                body = {
-                    "kernel_id": kernel.kernel_id,
-                    "replica_id": replica_id,
-                    "channel": channel,
-                    "frames": frames,
-                }
-                self._server.send(
-                    kernel.replicas[replica_id].host_id.encode(), Envelope(messages.JUPYTER_REQUEST, body)
-                )
+                self._to_replica(kernel, replica_id, channel, frames)
             forwards, done = kernel.router.expire(now, self._request_timeout)
             if done:
                 log.warning("requests_timed_out", kernel=kernel.kernel_id, msg_ids=done)
@@ -304,22 +296,35 @@ class GlobalScheduler:
         if routed.msg_type == "shutdown_request" and kernel.state in (STARTING, RUNNING):
             kernel.state = STOPPING
             log.info("kernel_stopping", kernel=kernel.kernel_id, by="shutdown_request")
-        kernel_id = kernel.kernel_id
-        send = self._server.send
         for replica_id, out_channel, out_frames in routed.to_replicas:
-            body = {
-                "kernel_id": kernel_id,
-                "replica_id": replica_id,
-                "channel": out_channel,
-                "frames": out_frames,
-            }
-            if replica_id == routed.executor:
-                # its local scheduler binds the GPUs as it forwards; designated, it may start the
-                # cell before its LEAD commits. Not a rerouted cell: the dead candidate's LEAD may
-                # still be on its way into the log, so the new one waits for the election's outcome.
-                body["designated"] = not rerouted
-            send(kernel.replicas[replica_id].host_id.encode(), Envelope(messages.JUPYTER_REQUEST, body))
+            # The executor's local scheduler binds the GPUs as it forwards; designated, it may
+            # start the cell before its LEAD commits. Not a rerouted cell: the dead candidate's
+            # LEAD may still be on its way into the log, so the new one waits for the outcome.
+            designated = not rerouted if replica_id == routed.executor else None
+            self._to_replica(kernel, replica_id, out_channel, out_frames, designated=designated)
         return None
+
+    def _to_replica(
+        self,
+        kernel: KernelRecord,
+        replica_id: str,
+        channel: str,
+        frames: list[bytes],
+        *,
+        designated: bool | None = None,
+    ) -> None:
+        """One Jupyter message to a replica, through its host's local scheduler."""
+        body: dict[str, Any] = {
+            "kernel_id": kernel.kernel_id,
+            "replica_id": replica_id,
+            "channel": channel,
+            "frames": frames,
+        }
+        if designated is not None:
+            body["designated"] = designated
+        self._server.send(
+            kernel.replicas[replica_id].host_id.encode(), Envelope(messages.JUPYTER_REQUEST, body)
+        )
 
     def _single(self, kernel: KernelRecord) -> str | None:
         """The replica for requests answered by one: the last executor (freshest namespace), else
@@ -677,18 +682,7 @@ class GlobalScheduler:
         targets = [executor] if executor in live else live
         frames = kernel.router.internal_request("interrupt_request", {})
         for replica_id in targets:
-            self._server.send(
-                kernel.replicas[replica_id].host_id.encode(),
-                Envelope(
-                    messages.JUPYTER_REQUEST,
-                    {
-                        "kernel_id": kernel.kernel_id,
-                        "replica_id": replica_id,
-                        "channel": "control",
-                        "frames": frames,
-                    },
-                ),
-            )
+            self._to_replica(kernel, replica_id, "control", frames)
         return env.reply({"replicas": targets})
 
     async def _on_kernel_start(self, identity: bytes, env: Envelope) -> Envelope:
