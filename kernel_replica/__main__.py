@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 import sys
 from pathlib import Path
@@ -40,13 +41,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def free_port(host: str) -> int:
+RAFT_PORT_FLOOR = 10_000  # Raft ports are drawn from here up to the kernel's ephemeral range
+
+
+def ephemeral_port_floor() -> int:
+    """The lowest port the kernel hands out for outgoing connections and ``bind(0)``."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port(host: str, rng: random.Random | None = None) -> int:
     """The Raft address must be known before Raft starts (it is registered, then peers are
-    configured), so the port is chosen here; the race with another process is negligible on a
-    node where ports come from the kernel's ephemeral range."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    configured, and only then is it bound), so the port is chosen here and stays free until then.
+    Not from the ephemeral range: every outgoing TCP connection on the node (ZMQ's included) takes
+    a port from there, and one did take a chosen port before Raft bound it (a CI run's
+    "Address already in use")."""
+    rng = rng or random.Random()
+    ceiling = ephemeral_port_floor()
+    for _ in range(100):
+        port = rng.randrange(RAFT_PORT_FLOOR, ceiling) if ceiling > RAFT_PORT_FLOOR else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise RuntimeError(f"no free port for Raft on {host} in [{RAFT_PORT_FLOOR}, {ceiling})")
 
 
 def raft_address_for(data_dir: Path, host: str) -> str:
