@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-dir", required=True, help="Raft WAL and snapshots of this replica")
     parser.add_argument("--config-json", default=None, help="the merged configuration of `tandem up`")
     parser.add_argument("--join", action="store_true", help="join an existing Raft group as a new member")
-    parser.add_argument("--raft-host", default=None, help="IP the Raft ROUTER binds (default: cluster.ip)")
+    parser.add_argument("--raft-host", default=None, help="IP the Raft listener binds (default: cluster.ip)")
     return parser.parse_args(argv)
 
 
@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         election_ticks=config.get("raft.election_ticks"),
         snapshot_every=config.get("raft.snapshot_every"),
         raft_fsync=config.get("raft.fsync"),
+        raft_transport=config.get("raft.transport"),
         propose_votes=os.environ.get("TANDEM_PROPOSE_VOTES", "1") != "0",
         executor_silence_s=float(os.environ.get("TANDEM_EXECUTOR_SILENCE_S", "10")),
     )

@@ -80,6 +80,7 @@ class ReplicaSettings:
     election_ticks: int = 10
     snapshot_every: int = 1000
     raft_fsync: bool = False  # config raft.fsync: see shared/raft/storage.py's durability policy
+    raft_transport: str = "tcp"  # config raft.transport: shared/raft/tcp_transport.py says why
     # NotebookOS appends VOTE(winner) after the election. Here the commit order alone decides, so
     # votes only record each replica's view in the log; they ride along with this replica's next
     # proposal (same Ready, same fsync) or go out after ``vote_flush_s`` of quiet.
@@ -293,6 +294,7 @@ class ReplicaCore:
             raft=RaftConfig(election_ticks=self.settings.election_ticks, eager_commit=False),
             snapshot_every=self.settings.snapshot_every,
             fsync=self.settings.raft_fsync,
+            transport_kind=self.settings.raft_transport,
         )
         if voters:
             self.book.set_voters(voters)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark shared.raft: three OS processes on loopback, real ZMQ, fdatasync'd storage.
+"""Benchmark shared.raft: three OS processes on loopback, the real transport, fdatasync'd storage.
 
 Prints ONE JSON line:
 
@@ -12,7 +12,10 @@ Prints ONE JSON line:
   two processes, measured in the same run, and ``ratios`` of the results to them, because these
   machines are shared and noisy: a ratio travels between runs better than a millisecond figure.
 
-Usage: ``python scripts/bench_raft.py [--samples 2000] [--seconds 3] [--inflight 128]``
+``--transport zmq`` runs the group over the ZMQ transport instead of the default TCP one; compare
+the two in alternating runs (``--no-fsync`` takes the disk out of the comparison).
+
+Usage: ``python scripts/bench_raft.py [--samples 2000] [--seconds 3] [--inflight 128] [--transport tcp]``
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shared.raft.transport import TRANSPORT_KINDS
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -165,6 +170,7 @@ async def _node_async(
         sync_in_thread=opts["sync_in_thread"],
         fsync=opts["fsync"],
         snapshot_every=opts["snapshot_every"],
+        transport_kind=opts["transport"],
     )
     peer = RaftPeer(cfg, on_apply=on_apply, take_snapshot=lambda: applied.to_bytes(8, "little"))
     await peer.start()
@@ -306,8 +312,10 @@ def main() -> None:
         "--no-fsync", action="store_true", help="diagnostic only: skip fdatasync to isolate disk cost"
     )
     ap.add_argument("--profile", metavar="DIR", help="cProfile the leader and a follower into DIR")
+    ap.add_argument("--transport", choices=TRANSPORT_KINDS, default="tcp", help="the Raft peer transport")
     args = ap.parse_args()
     opts = {
+        "transport": args.transport,
         "sync_in_thread": args.sync_in_thread,
         "snapshot_every": args.snapshot_every,
         "fsync": not args.no_fsync,
@@ -372,6 +380,7 @@ def main() -> None:
         "samples": args.samples,
         "sync_in_thread": args.sync_in_thread,
         "fsync": not args.no_fsync,
+        "raft_transport": args.transport,
         "baseline": {
             "fdatasync_p50_ms": fs50,
             "fdatasync_p99_ms": fs99,

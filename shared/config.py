@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from shared.raft.transport import TRANSPORT_KINDS
+
 DEFAULTS: dict[str, dict[str, Any]] = {
     "cluster": {
         "hosts": 4,
@@ -101,6 +103,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # false: no fdatasync per Raft Ready; the log is fenced by the boot id and a replica whose
         # host rebooted is replaced, not restarted (shared/raft/storage.py). true: etcd's fsync.
         "fsync": False,
+        # Replica-to-replica Raft messages: "tcp" (asyncio streams; shared/raft/tcp_transport.py
+        # says why) or "zmq" (DEALER/ROUTER, like the services).
+        "transport": "tcp",
     },
     "gateway": {
         # The Jupyter-facing edge. Port 0 picks a free port (the embedded cluster); a node
@@ -177,6 +182,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 # Keys whose value must be one of a few names.
 CHOICES: dict[str, tuple[str, ...]] = {
     "kernel.gpu_residency": ("move", "off"),
+    "raft.transport": TRANSPORT_KINDS,
     "scheduler.policy": ("notebookos", "reservation", "batch", "lcp"),
     "autoscale.provider": ("none", "embedded"),
     "prewarm.policy": ("none", "fixed", "min", "littles_law"),

@@ -39,7 +39,7 @@ import structlog
 from shared.raft.core import RaftNode
 from shared.raft.membership import apply_conf_change
 from shared.raft.storage import DEFAULT_SEGMENT_BYTES, Storage, remove_files
-from shared.raft.transport import Transport, TransportOptions, TransportStats
+from shared.raft.transport import Transport, TransportOptions, TransportStats, open_transport
 from shared.raft.types import (
     ConfChange,
     ConfChangeType,
@@ -106,7 +106,7 @@ class ProposalTimeout(RaftTimeout):
 @dataclass(frozen=True, slots=True)
 class PeerConfig:
     node_id: str
-    address: str  # endpoint the ROUTER binds, e.g. "tcp://127.0.0.1:7001" (":0" picks a free port)
+    address: str  # endpoint the transport binds, e.g. "tcp://127.0.0.1:7001" (":0" picks a free port)
     data_dir: str | Path
     # Addresses of other members known at start. A brand-new member needs at least the current
     # members' addresses so it can answer them; it learns the rest from the log and snapshots.
@@ -123,6 +123,7 @@ class PeerConfig:
     sync_in_thread: bool = False
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     transport: TransportOptions = field(default_factory=TransportOptions)
+    transport_kind: str = "tcp"  # shared.raft.transport.TRANSPORT_KINDS
     seed: int | None = None  # election timeout randomness; None = from the OS
 
 
@@ -236,8 +237,13 @@ class RaftPeer:
             )
             if snapshot is not None:
                 self._node.compact(snapshot)  # hands the core the data so it can ship it to followers
-            transport = Transport(
-                self.node_id, cfg.address, self._on_messages, options=cfg.transport, logger=self._log
+            transport = open_transport(
+                cfg.transport_kind,
+                self.node_id,
+                cfg.address,
+                self._on_messages,
+                options=cfg.transport,
+                logger=self._log,
             )
             self.address = await transport.start()
         except BaseException:

@@ -1,20 +1,10 @@
-"""Peer-to-peer transport for Raft messages over ZMQ: one ROUTER in, one DEALER out per peer.
+"""What every Raft peer transport shares: the interface the driver uses, its options and counters,
+the rate-limited log of rejected input, and the factory that picks an implementation by name.
 
-Each node binds a single ROUTER. To reach peer P it keeps a DEALER connected to P's ROUTER whose
-identity is its own node id, so P sees who sent every frame and can check it against ``Message.frm``.
-One msgpack frame per message (``shared.raft.codec``).
-
-Raft tolerates lost messages (heartbeats and retries repair everything), so the transport never
-waits: sends are non-blocking, a full queue (SNDHWM) or a peer that is not connected (IMMEDIATE)
-drops the message and counts it. ZMQ reconnects to restarted peers on its own (RECONNECT_IVL) and
-ROUTER_HANDOVER lets a restarted peer's new connection take over its identity at once.
-
-Inbound frames are drained in batches (one wake-up of the event loop may deliver hundreds of
-messages), so the driver can step them all and produce one ``Ready`` — one fsync — for the lot.
-The ROUTER is watched with ``loop.add_reader`` on its ZMQ FD and drained with non-blocking reads
-(``shared.zmq_drain``, shared with the services' RPC): the same mechanism ``zmq.asyncio`` uses,
-minus one Future and one task switch per message, which profiling showed to be the largest Python
-cost per hop (the context is a ``zmq.asyncio.Context`` so the application can share it).
+Two implementations carry the same one-msgpack-message-per-frame wire contents
+(``shared.raft.codec``): ``tcp`` (``shared.raft.tcp_transport``, the default) and ``zmq``
+(``shared.raft.zmq_transport``). Both are fire-and-forget: a send never blocks or waits, and a
+message a peer cannot take now is dropped and counted, which Raft's retries repair.
 """
 
 from __future__ import annotations
@@ -22,207 +12,124 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-import structlog
-import zmq
-import zmq.asyncio
-
-from shared.raft.codec import decode_message, encode_message
 from shared.raft.types import Message
-from shared.zmq_drain import DrainingSocket
+
+TRANSPORT_KINDS = ("tcp", "zmq")
+OnMessages = Callable[[list[Message]], None]
 
 
 @dataclass(slots=True)
 class TransportStats:
     sent: int = 0
     received: int = 0
-    dropped_full: int = 0  # peer queue at SNDHWM or peer not connected
+    dropped_full: int = 0  # peer not connected, or too much already queued for it
     dropped_unknown_peer: int = 0  # no address known for the destination
     malformed: int = 0  # frames that failed to decode or lied about their sender
 
 
 @dataclass(frozen=True, slots=True)
 class TransportOptions:
-    sndhwm: int = 10_000  # messages queued per peer before sends are dropped
-    rcvhwm: int = 100_000
+    sndhwm: int = 10_000  # zmq: messages queued per peer before sends are dropped
+    rcvhwm: int = 100_000  # zmq
+    max_buffered_bytes: int = 64 * 1024 * 1024  # tcp: unsent bytes per peer before sends are dropped
     reconnect_ivl_ms: int = 20
     reconnect_ivl_max_ms: int = 500
-    heartbeat_ivl_ms: int = 500  # ZMTP heartbeats detect a silently dead connection
+    # A silently dead connection is found within about this long: ZMTP heartbeats (zmq); keepalive
+    # probes and TCP_USER_TIMEOUT on unacknowledged data (tcp).
+    heartbeat_ivl_ms: int = 500
     heartbeat_timeout_ms: int = 2_000
     max_batch: int = 4_096  # most frames delivered per wake-up, so one busy peer cannot starve the loop
 
 
-class Transport:
-    """Moves ``Message``s between this node and its peers; knows nothing of Raft semantics."""
+DEFAULT_OPTIONS = TransportOptions()
 
-    def __init__(
-        self,
-        node_id: str,
-        bind_address: str,
-        on_messages: Callable[[list[Message]], None],
-        *,
-        options: TransportOptions = TransportOptions(),
-        context: zmq.asyncio.Context | None = None,
-        logger: Any = None,
-    ) -> None:
-        self.node_id = node_id
-        self._identity = node_id.encode()
-        self._bind_address = bind_address
-        self._on_messages = on_messages
-        self._opts = options
-        self._own_context = context is None
-        self._ctx = context if context is not None else zmq.asyncio.Context()
-        self._log = logger if logger is not None else structlog.get_logger("raft.transport")
-        self._router: DrainingSocket | None = None
-        self._batch: list[Message] = []  # accepted in the current wake-up, handed over at its end
-        self._peers: dict[str, tuple[str, zmq.Socket[bytes]]] = {}
-        self.address = bind_address  # the concrete endpoint once bound (port resolved)
-        self.stats = TransportStats()
-        self._reject_log: dict[bytes, tuple[float, int]] = {}  # sender -> (last logged, suppressed)
 
-    # ------------------------------------------------------------------ lifecycle
+class Transport(Protocol):
+    """Moves ``Message``s between this node and its peers; knows nothing of Raft semantics.
+    ``on_messages`` (given at construction) receives what arrived, in batches."""
+
+    node_id: str
+    address: str  # the concrete endpoint once started (a ":0" port resolved)
+    stats: TransportStats
 
     async def start(self) -> str:
-        """Bind the ROUTER and start receiving; returns the bound endpoint (``:*``/``:0`` resolved)."""
-        router: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.RCVHWM, self._opts.rcvhwm)
-        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        address = self._bind_address
-        if address.startswith("tcp://") and address.endswith(":0"):
-            address = address[:-2] + ":*"
-        try:
-            router.bind(address)
-        except zmq.ZMQError:
-            router.close(linger=0)
-            raise
-        self.address = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._router = DrainingSocket(
-            router,
-            self._on_frames,
-            name=f"raft:{self.node_id}",
-            on_drained=self._hand_over_batch,
-            max_batch=self._opts.max_batch,
-            logger=self._log,
-        )
-        self._router.start()  # also delivers anything queued before the reader was armed
-        return self.address
+        """Bind and start receiving; returns the bound endpoint."""
+        ...
 
     def close(self) -> None:
-        """Stop receiving and close every socket with linger 0 (pending sends are dropped)."""
-        if self._router is not None:
-            self._router.close(linger=0)
-            self._router = None
-        for _, sock in self._peers.values():
-            sock.close(linger=0)
-        self._peers.clear()
-        if self._own_context:
-            self._ctx.destroy(linger=0)
-
-    # ------------------------------------------------------------------ peers
+        """Stop receiving and drop every connection (pending sends are lost)."""
+        ...
 
     def set_peer(self, node_id: str, address: str) -> None:
         """Add a peer, or move it to a new address; idempotent."""
-        if node_id == self.node_id:
-            return
-        current = self._peers.get(node_id)
-        if current is not None:
-            if current[0] == address:
-                return
-            current[1].close(linger=0)
-        sock: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self._identity)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, self._opts.sndhwm)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.RECONNECT_IVL, self._opts.reconnect_ivl_ms)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, self._opts.reconnect_ivl_max_ms)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, self._opts.heartbeat_ivl_ms)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._opts.heartbeat_timeout_ms)
-        sock.connect(address)
-        self._peers[node_id] = (address, sock)
-        self._log.info("raft.transport.peer_set", peer=node_id, address=address)
+        ...
 
-    def remove_peer(self, node_id: str) -> None:
-        entry = self._peers.pop(node_id, None)
-        if entry is not None:
-            entry[1].close(linger=0)
-            self._log.info("raft.transport.peer_removed", peer=node_id)
+    def remove_peer(self, node_id: str) -> None: ...
 
-    def peers(self) -> dict[str, str]:
-        return {pid: addr for pid, (addr, _) in self._peers.items()}
-
-    # ------------------------------------------------------------------ sending
+    def peers(self) -> dict[str, str]: ...
 
     def send(self, msg: Message) -> bool:
         """Queue one message without blocking; False (and counted) if it had to be dropped."""
-        entry = self._peers.get(msg.to)
-        if entry is None:
-            self.stats.dropped_unknown_peer += 1
-            return False
-        try:
-            entry[1].send(encode_message(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            self.stats.dropped_full += 1
-            return False
-        self.stats.sent += 1
-        return True
+        ...
 
-    def send_all(self, msgs: Iterable[Message]) -> None:
-        for m in msgs:
-            self.send(m)
+    def send_all(self, msgs: Iterable[Message]) -> None: ...
 
-    # ------------------------------------------------------------------ receiving
 
-    def _on_frames(self, frames: list[bytes]) -> None:
-        self._accept(frames, self._batch)
+def open_transport(
+    kind: str,
+    node_id: str,
+    bind_address: str,
+    on_messages: OnMessages,
+    *,
+    options: TransportOptions = DEFAULT_OPTIONS,
+    logger: Any = None,
+) -> Transport:
+    """A transport of ``kind`` (one of ``TRANSPORT_KINDS``), not started yet."""
+    if kind == "tcp":
+        from shared.raft.tcp_transport import TcpTransport
 
-    def _hand_over_batch(self) -> None:
-        """End of one wake-up's drain (at most ``max_batch`` frames; the rest come on the next loop
-        turn, so the Ready loop gets its share): hand everything accepted over in one call."""
-        batch, self._batch = self._batch, []
-        if batch:
-            self.stats.received += len(batch)
-            try:
-                self._on_messages(batch)
-            except Exception:
-                self._log.exception("raft.transport.handler_failed", batch=len(batch))
+        return TcpTransport(node_id, bind_address, on_messages, options=options, logger=logger)
+    if kind == "zmq":
+        from shared.raft.zmq_transport import ZmqTransport
 
-    def _accept(self, frames: list[bytes], batch: list[Message]) -> None:
-        """Decode and vet one inbound frame; a bad one is logged and dropped, never raised."""
-        if len(frames) != 2:
-            self._reject(frames[0] if frames else b"", f"expected 2 frames, got {len(frames)}")
-            return
-        identity, payload = frames
-        try:
-            msg = decode_message(payload)
-        except ValueError as exc:
-            self._reject(identity, str(exc))
-            return
-        if msg.frm.encode() != identity:
-            self._reject(identity, f"frm {msg.frm!r} does not match the connection's identity")
-            return
-        if msg.to != self.node_id:
-            self._reject(identity, f"addressed to {msg.to!r}, not to this node")
-            return
-        batch.append(msg)
+        return ZmqTransport(node_id, bind_address, on_messages, options=options, logger=logger)
+    raise ValueError(f"unknown Raft transport {kind!r}: expected one of {', '.join(TRANSPORT_KINDS)}")
 
-    def _reject(self, identity: bytes, reason: str) -> None:
-        """Count and log a bad frame: at most one line per sender per second, so a flood of garbage
-        cannot flood the log too (the line says how many were suppressed since the last one)."""
-        self.stats.malformed += 1
+
+def split_tcp_address(address: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` (``*`` for any interface) -> (host, port); ValueError naming the problem."""
+    if not address.startswith("tcp://"):
+        raise ValueError(f"Raft address {address!r} must look like tcp://HOST:PORT")
+    host, sep, port = address[len("tcp://") :].rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"Raft address {address!r} must look like tcp://HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class RejectLog:
+    """Counts and logs bad input: at most one line per sender per second, so a flood of garbage
+    cannot flood the log too (each line says how many were suppressed since the last one)."""
+
+    def __init__(self, stats: TransportStats, logger: Any) -> None:
+        self._stats = stats
+        self._log = logger
+        self._last: dict[bytes, tuple[float, int]] = {}  # sender -> (last logged, suppressed)
+
+    def __call__(self, sender: bytes, reason: str) -> None:
+        self._stats.malformed += 1
         now = time.monotonic()
-        last, suppressed = self._reject_log.get(identity, (0.0, 0))
+        last, suppressed = self._last.get(sender, (0.0, 0))
         if now - last < 1.0:
-            self._reject_log[identity] = (last, suppressed + 1)
+            self._last[sender] = (last, suppressed + 1)
             return
-        if len(self._reject_log) > 1024:  # identities are attacker-chosen: keep the table bounded
-            self._reject_log.clear()
-        self._reject_log[identity] = (now, 0)
+        if len(self._last) > 1024:  # senders are attacker-chosen: keep the table bounded
+            self._last.clear()
+        self._last[sender] = (now, 0)
         self._log.warning(
             "raft.transport.malformed_frame",
-            sender=identity.decode("utf-8", "replace"),
+            sender=sender.decode("utf-8", "replace"),
             reason=reason,
             suppressed_since_last=suppressed,
         )

@@ -1,4 +1,5 @@
-"""RaftPeer on real ZMQ sockets (loopback) and real fsync'd storage (tmp dirs).
+"""RaftPeer on real sockets (loopback; the TCP transport unless a test names ZMQ) and real fsync'd
+storage (tmp dirs).
 
 Most tests run three peers in one event loop; one runs them as separate OS processes and kills the
 leader with SIGKILL. Every test has a hard timeout and stops what it started.
@@ -25,6 +26,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
+from shared.raft.codec import encode_message
 from shared.raft.core import RaftNode
 from shared.raft.driver import (
     NotLeader,
@@ -34,7 +36,8 @@ from shared.raft.driver import (
     ProposalTimeout,
     RaftPeer,
 )
-from shared.raft.transport import Transport
+from shared.raft.tcp_transport import frame, hello_frame
+from shared.raft.transport import TRANSPORT_KINDS, open_transport
 from shared.raft.types import Entry, Message, MessageType, RaftConfig, RestoredState, Role
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -384,39 +387,74 @@ def test_leadership_transfer_moves_the_leader(tmp_path: Path) -> None:
     run(main())
 
 
-def test_malformed_frames_are_ignored_with_a_log_line(tmp_path: Path) -> None:
+async def _send_garbage_over_zmq(address: str) -> None:
+    ctx = zmq.asyncio.Context()
+    evil = ctx.socket(zmq.DEALER)
+    evil.setsockopt(zmq.LINGER, 0)
+    evil.setsockopt(zmq.IDENTITY, b"b")  # claims to be a member
+    evil.connect(address)
+    try:
+        await asyncio.sleep(0.05)
+        for payload in (b"\xc1", msgpack.packb([1, 2, 3]), os.urandom(64), b""):
+            await evil.send(payload)
+        await evil.send_multipart([b"x", b"y"])
+        await asyncio.sleep(0.2)
+    finally:
+        evil.close(0)
+        ctx.destroy(linger=0)
+
+
+async def _send_garbage_over_tcp(address: str) -> None:
+    """Bad frames after a good hello (dropped, the connection stays), then a bad hello and an
+    oversized frame (each closes its connection)."""
+    host, port = address[len("tcp://") :].rsplit(":", 1)
+    _reader, writer = await asyncio.open_connection(host, int(port))
+    lying = encode_message(Message(MessageType.HEARTBEAT, "a", "c", 1))  # frm "c" on b's connection
+    writer.write(hello_frame("b"))
+    for payload in (b"\xc1", msgpack.packb([1, 2, 3]), os.urandom(64), b"", lying):
+        writer.write(frame(payload))
+    writer.write(frame(encode_message(Message(MessageType.HEARTBEAT, "someone-else", "b", 1))))
+    writer.write(hello_frame("b"))  # too late: only the first frame of a connection is the hello
+    await writer.drain()
+    for opening in (frame(b"not a hello"), b"\xff\xff\xff\xff"):
+        r, w = await asyncio.open_connection(host, int(port))
+        w.write(opening)
+        assert await asyncio.wait_for(r.read(), 5) == b""  # closed by the peer
+        w.close()
+    writer.close()
+
+
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+def test_malformed_frames_are_ignored_with_a_log_line(tmp_path: Path, kind: str) -> None:
     async def main() -> None:
-        async with group(tmp_path) as g:
+        async with group(tmp_path, transport_kind=kind) as g:
             leader = await g.leader()
             target = g.peers["a"]
-            ctx = zmq.asyncio.Context()
-            evil = ctx.socket(zmq.DEALER)
-            evil.setsockopt(zmq.LINGER, 0)
-            evil.setsockopt(zmq.IDENTITY, b"b")  # claims to be a member
-            evil.connect(g.addresses["a"])
-            try:
-                with structlog.testing.capture_logs() as logs:
-                    await asyncio.sleep(0.05)
-                    for frame in (b"\xc1", msgpack.packb([1, 2, 3]), os.urandom(64), b""):
-                        await evil.send(frame)
-                    await evil.send_multipart([b"x", b"y"])
-                    await eventually(lambda: target.transport_stats.malformed >= 5, what="frames rejected")
-                assert any(e["event"] == "raft.transport.malformed_frame" for e in logs)
-            finally:
-                evil.close(0)
-                ctx.destroy(linger=0)
+            stats = target.transport_stats
+            assert stats is not None
+            with structlog.testing.capture_logs() as logs:
+                if kind == "zmq":
+                    await _send_garbage_over_zmq(g.addresses["a"])
+                else:
+                    await _send_garbage_over_tcp(g.addresses["a"])
+                await eventually(
+                    lambda: stats.malformed >= (5 if kind == "zmq" else 9), what="frames rejected"
+                )
+            assert any(e["event"] == "raft.transport.malformed_frame" for e in logs)
             assert target.status().running
             assert await leader.propose(b"still-fine") > 0
 
     run(main())
 
 
-def test_transport_drops_and_counts_instead_of_blocking_when_a_peer_is_down() -> None:
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
+def test_transport_drops_and_counts_instead_of_blocking_when_a_peer_is_down(kind: str) -> None:
     async def main() -> None:
-        t = Transport("a", "tcp://127.0.0.1:0", lambda _msgs: None)
+        t = open_transport(kind, "a", "tcp://127.0.0.1:0", lambda _msgs: None)
         await t.start()
         try:
             t.set_peer("b", free_address())  # nothing listens there
+            await asyncio.sleep(0.05)
             started = time.monotonic()
             for i in range(10_000):
                 t.send(Message(MessageType.HEARTBEAT, "b", "a", 1, commit=i))
@@ -427,6 +465,43 @@ def test_transport_drops_and_counts_instead_of_blocking_when_a_peer_is_down() ->
             assert t.stats.dropped_unknown_peer == 1
         finally:
             t.close()
+            await asyncio.sleep(0)  # let cancelled connection tasks finish
+
+    run(main())
+
+
+def test_tcp_transport_delivers_in_order_and_reaches_a_restarted_peer_again() -> None:
+    async def main() -> None:
+        got: list[int] = []
+        a = open_transport("tcp", "a", "tcp://127.0.0.1:0", lambda _msgs: None)
+        b = open_transport("tcp", "b", "tcp://127.0.0.1:0", lambda msgs: got.extend(m.commit for m in msgs))
+        await a.start()
+        address = await b.start()
+        try:
+            a.set_peer("b", address)
+            await eventually(
+                lambda: a.send(Message(MessageType.HEARTBEAT, "b", "a", 1, commit=0)), what="link"
+            )
+            for i in range(1, 2001):
+                assert a.send(Message(MessageType.HEARTBEAT, "b", "a", 1, commit=i))
+            await eventually(lambda: len(got) == 2001, what="all delivered")
+            assert got == list(range(2001))
+            b.close()
+            await eventually(
+                lambda: not a.send(Message(MessageType.HEARTBEAT, "b", "a", 1)), what="link down"
+            )
+            got.clear()
+            b = open_transport("tcp", "b", address, lambda msgs: got.extend(m.commit for m in msgs))
+            await b.start()
+            await eventually(
+                lambda: a.send(Message(MessageType.HEARTBEAT, "b", "a", 1, commit=7)) and bool(got),
+                what="reconnected",
+            )
+            assert a.stats.malformed == b.stats.malformed == 0
+        finally:
+            a.close()
+            b.close()
+            await asyncio.sleep(0)
 
     run(main())
 
