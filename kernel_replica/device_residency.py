@@ -3,7 +3,9 @@
 A replica holds GPUs only while one of its cells runs, and the next cell may get other device ids
 (or run on another replica). So after a cell the executor copies what the notebook keeps on a GPU
 back to host memory (``offload``), and before its next GPU cell it moves exactly those objects to
-the newly bound device (``restore``). Objects the user created on the CPU stay there.
+the newly bound device (``restore``). Objects the user created on the CPU stay there. That
+list travels in the cell's STATE (``GpuResidency.carried``/``adopt``), so a standby that becomes
+the executor brings the same objects to its GPU.
 
 What is found: torch tensors, ``nn.Module``s (parameters, their gradients, buffers), optimizers
 (parameters and state tensors), and dicts/lists/tuples of them up to ``MAX_CONTAINER_DEPTH``
@@ -49,6 +51,7 @@ OUTPUT_CACHE_NAME = re.compile(r"_{1,3}\d*|_oh|Out")
 VISIBLE_AT_START = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 Path = tuple[Hashable, ...]
+CarriedLocation = tuple[str, tuple[str | int, ...], str]  # a Location in a STATE entry
 Copier = Callable[[t.Any, t.Any], t.Any]  # (tensor, device) -> tensor on device
 
 
@@ -171,7 +174,8 @@ def _tensors(torch: t.Any, value: t.Any, kind: str, device: t.Any) -> Iterator[t
         return _module_tensors(value)
     if kind == "optimizer":
         return _optimizer_tensors(torch, value, device)
-    return iter((value,) if value.grad is None else (value, value.grad))
+    grad = value.grad if value.is_leaf else None  # a non-leaf's .grad only warns
+    return iter((value,) if grad is None else (value, grad))
 
 
 def _nbytes(tensor: t.Any) -> int:
@@ -214,7 +218,13 @@ class _Pass:
         """Stage the copy of ``tensor`` on the target (aliases share one); the bytes it cost."""
         if tensor.device == self.device or id(tensor) in self.copies or id(tensor) in staged:
             return 0
-        staged[id(tensor)] = (tensor, self.copy(tensor, self.device))
+        # Without autograd history: a copy of a cell's output (``preds = model(x)``) made with
+        # it would keep the whole graph, and the activations it saved, on the GPU. A tensor that
+        # required grad becomes a leaf that does, as the standbys get it from the STATE.
+        copy = self.copy(tensor.detach(), self.device)
+        if tensor.requires_grad and not copy.requires_grad:
+            copy.requires_grad_(True)
+        staged[id(tensor)] = (tensor, copy)
         return _nbytes(tensor)
 
     def move_name(
@@ -504,10 +514,31 @@ class GpuResidency:
         moved = [loc for loc in report.locations if not OUTPUT_CACHE_NAME.fullmatch(loc.name)]
         self._record = list(dict.fromkeys([*keep, *moved]))
         self._report(report, "to host memory")
+        # cuBLAS keeps its workspaces (32 MiB each on an H100: one per thread/stream that ran a
+        # matmul, autograd's included) as live allocations of torch's allocator; free them too
+        # (made again by the next matmul), then the allocator's cache
+        clear_cublas_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_cublas_workspaces is not None:
+            clear_cublas_workspaces()
         torch.cuda.empty_cache()  # the allocator's cache would keep the memory from the next holder
         left = torch.cuda.memory_allocated(self._device)
         if left:
             self.log.info("gpu_memory_left", device=str(self._device), bytes=left)
+
+    def carried(self) -> tuple[CarriedLocation, ...]:
+        """What the executor keeps in host memory for the GPU, as its STATE carries it to the
+        standbys (locations whose keys are strings or integers; others stay in host memory on an
+        executor change)."""
+        return tuple(
+            (loc.name, loc.path, loc.kind)
+            for loc in self._record
+            if all(isinstance(key, str | int) for key in loc.path)
+        )
+
+    def adopt(self, carried: Iterable[CarriedLocation]) -> None:
+        """A standby applied another executor's STATE: its namespace is that executor's, so is
+        what goes to the GPU when a cell runs here next."""
+        self._record = [Location(name, tuple(path), kind) for name, path, kind in carried]
 
     def _set_current_device(self) -> None:
         """Run by torch when this process first starts CUDA: the cell's GPU becomes current."""

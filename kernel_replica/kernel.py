@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -505,7 +506,10 @@ class TandemKernel(IPythonKernel):
             plan = StatePlan()
         for name, reason in plan.skipped.items():
             self._warn_unreplicable(name, reason)
-        state = plan.state(msg_id, self.replica_id)
+        # with what this replica keeps in host memory for the GPU: the next executor needs it too
+        state = dataclasses.replace(
+            plan.state(msg_id, self.replica_id), gpu_resident=self._residency.carried()
+        )
         if plan:
             pending = dict(self._replicated_digests(bridge))
             pending.update(plan.fingerprints)
@@ -619,6 +623,7 @@ class TandemKernel(IPythonKernel):
         executed here waits for it, ``_state_applied``)."""
         if self.shell is None:
             return
+        self._residency.adopt(state.gpu_resident)  # its GPU objects are ours when we execute next
         groups = [(g, None) for g in state.groups]
         self._chain_apply(state.msg_id, list(state.imports), groups, list(state.deleted), time.time())
 

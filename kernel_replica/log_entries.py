@@ -26,6 +26,7 @@ DONE = "DONE"
 STATE = "STATE"
 PROGRESS = "PROGRESS"
 KINDS = (LEAD, YIELD, VOTE, VOTES, DONE, STATE, PROGRESS)
+GPU_RESIDENT_KINDS = ("tensor", "module", "optimizer")  # device_residency.Location.kind
 
 
 class LogEntryError(ValueError):
@@ -115,6 +116,9 @@ class State:
     skipped: dict[str, str] = field(default_factory=dict)
     groups: tuple[dict[str, Any], ...] = ()
     imports: tuple[tuple[str, str], ...] = ()
+    # (name, path, kind) of what the executor keeps in host memory for the GPU between cells
+    # (kernel_replica/device_residency.py): the next executor moves the same objects to its GPU
+    gpu_resident: tuple[tuple[str, tuple[str | int, ...], str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +169,8 @@ def encode(entry: LogEntry) -> bytes:
                 "g": list(entry.groups),
                 "im": [list(pair) for pair in entry.imports],
             }
+            if entry.gpu_resident:
+                body["gr"] = [[name, list(path), kind] for name, path, kind in entry.gpu_resident]
         case _:
             raise TypeError(f"not a log entry: {type(entry).__name__}")
     body["t"] = ENTRY_VERSION
@@ -248,6 +254,17 @@ def decode(data: bytes) -> LogEntry:
         isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in imports
     ):
         raise LogEntryError("STATE: 'im' must be a list of [alias, statement] pairs")
+    resident = raw.get("gr", [])
+    if not isinstance(resident, list) or not all(
+        isinstance(r, list)
+        and len(r) == 3
+        and isinstance(r[0], str)
+        and isinstance(r[1], list)
+        and all(isinstance(key, str | int) for key in r[1])
+        and r[2] in GPU_RESIDENT_KINDS
+        for r in resident
+    ):
+        raise LogEntryError("STATE: 'gr' must be a list of [name, [key, ...], kind] locations")
     return State(
         msg_id,
         replica_id,
@@ -257,4 +274,5 @@ def decode(data: bytes) -> LogEntry:
         skipped,
         tuple(groups),
         tuple((alias, stmt) for alias, stmt in imports),
+        tuple((name, tuple(path), kind) for name, path, kind in resident),
     )

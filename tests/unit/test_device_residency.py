@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.abc
 import sys
 import typing as t
+import warnings
 from collections import namedtuple
 
 import pytest
@@ -25,6 +26,7 @@ from kernel_replica.device_residency import (
     offload,
     restore,
 )
+from kernel_replica.log_entries import State, decode, encode
 
 META = torch.device("meta")
 Pair = namedtuple("Pair", "left right")
@@ -128,6 +130,24 @@ def test_offload_then_restore_round_trip_records_what_to_bring_back() -> None:
     assert namespace["data"].device == META
 
 
+def test_offloaded_cell_outputs_keep_no_autograd_history_but_stay_trainable() -> None:
+    """``preds = model(x)``: a copy with its history would keep the graph's activations on the
+    device it came from; the copy is a leaf that requires grad, as the standbys get it."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    inputs = torch.randn(4, 3)
+    namespace: dict[str, t.Any] = {"model": model, "preds": model(inputs), "frozen": model(inputs).detach()}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reading a non-leaf's .grad warns
+        report = offload(namespace, META)
+
+    assert report.failed == {}
+    preds = namespace["preds"]
+    assert preds.device == META and preds.grad_fn is None and preds.is_leaf and preds.requires_grad
+    assert namespace["frozen"].device == META and not namespace["frozen"].requires_grad
+    assert {p.device for p in model.parameters()} == {META} and all(p.is_leaf for p in model.parameters())
+
+
 def test_a_failing_copy_leaves_the_whole_variable_untouched() -> None:
     model, _ = trained()
     params = [(p, p.data, p.device) for p in model.parameters()]
@@ -200,6 +220,28 @@ def test_a_variable_that_cannot_move_to_the_gpu_stays_and_is_reported_once(
     assert warnings.count("variable 'x' could not be moved to the bound GPU") == 1
     assert residency._record == [Location("x")]  # still wanted on the GPU: retried next cell
     assert "to_gpu_ms" in residency.timings and "to_host_ms" in residency.timings
+
+
+def test_the_next_executor_moves_what_the_last_one_kept_for_the_gpu(
+    fake_cuda: list[int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    executor = GpuResidency(visible=None)
+    executor._record = [
+        Location("model", kind="module"),
+        Location("d", ("w", 0)),
+        Location("odd", ((1, 2),)),  # a key a STATE cannot carry: stays in host memory
+    ]
+    state = decode(encode(State("m1", "r1", gpu_resident=executor.carried())))
+    standby = GpuResidency(visible=None)
+    standby.adopt(state.gpu_resident)
+    assert standby._record == [Location("model", kind="module"), Location("d", ("w", 0))]
+
+    model = torch.nn.Linear(2, 2)
+    standby.before_cell({"model": model, "d": {"w": [torch.ones(1)]}}, [1])
+
+    err = capsys.readouterr().err  # CPU-only torch: the move to cuda:1 is tried and fails
+    assert "variable 'model' could not be moved to the bound GPU" in err
+    assert "variable 'd' could not be moved to the bound GPU" in err
 
 
 def test_an_unmappable_gpu_id_is_reported_and_nothing_moves(

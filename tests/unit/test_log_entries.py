@@ -35,6 +35,7 @@ from kernel_replica.log_entries import (
         Done("m1", "r1", {"status": "ok", "execution_count": 4, "payload": []}, 5),
         Done("m1", "r1", {"status": "error", "ename": "E"}, 5, state_follows=False),
         State("m1", "r1", {"x": b"\x01" * 16}, b"\x80\x05}\x94.", ("y",), {"f": "not picklable"}),
+        State("m1", "r1", gpu_resident=(("model", (), "module"), ("d", ("w", 0), "tensor"))),
     ],
 )
 def test_round_trip(entry: object) -> None:
@@ -53,6 +54,8 @@ def test_round_trip(entry: object) -> None:
         (msgpack.packb({"t": 1, "k": "DONE", "m": "a", "r": "b", "c": {"status": "ok"}, "n": -1}), "count"),
         (msgpack.packb({"t": 1, "k": "STATE", "m": "a", "r": "b", "dg": {"x": "str"}}), "bytes"),
         (msgpack.packb({"t": 1, "k": "STATE", "m": "a", "r": "b", "ns": "str"}), "'ns'"),
+        (msgpack.packb({"t": 1, "k": "STATE", "m": "a", "r": "b", "gr": [["x", [], "blob"]]}), "'gr'"),
+        (msgpack.packb({"t": 1, "k": "STATE", "m": "a", "r": "b", "gr": [["x", [1.5], "tensor"]]}), "'gr'"),
         (msgpack.packb({"t": 1, "k": "VOTES", "m": "a", "r": "b", "v": []}), "pairs"),
         (msgpack.packb({"t": 1, "k": "VOTES", "m": "a", "r": "b", "v": [["a"]]}), "pairs"),
         (
