@@ -1043,9 +1043,9 @@ class ReplicaCore:
         the STATE to propose instead, once its large objects are in the data store (write-behind,
         ``state_sync.complete_state``); DONE does not wait for it. ``replicated`` is resolved once
         DONE and STATE are committed (with write-behind, once DONE is: the upload is not waited
-        for), or once that has failed: the kernel publishes idle then."""
+        for), or once that has failed: the kernel publishes idle then. The GPUs were released by
+        the local scheduler as the reply went by (its ``_release_on_reply``)."""
         self._stop_beat()
-        self._spawn(self._release(done.msg_id))
         self._vote_later(done.msg_id, self.replica_id)
         previous = self._finish_tail
         tail: asyncio.Future[None] = asyncio.get_running_loop().create_future()

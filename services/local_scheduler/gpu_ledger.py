@@ -77,6 +77,10 @@ class GpuLedger:
         self._free.update(commit.device_ids)
         return commit.device_ids
 
+    def holds(self, kernel_id: str, replica_id: str) -> bool:
+        """Whether the replica holds GPUs for some cell (it executes one at a time)."""
+        return any(k[0] == kernel_id and k[1] == replica_id for k in self._commits)
+
     def release_replica(self, kernel_id: str, replica_id: str) -> tuple[int, ...]:
         """Give back everything a replica holds (it exited, or it is committing anew)."""
         released: list[int] = []

@@ -265,10 +265,12 @@ class LocalScheduler:
             raise LaunchFailed(str(exc) or f"no replica.register within {self._start_timeout:g}s") from None
 
     def _sink_for(self, replica: ReplicaProcess) -> Any:
-        """Forwarding closure: one envelope per Jupyter message, sent upstream immediately."""
+        """Forwarding closure: one envelope per Jupyter message, sent upstream immediately. A
+        replica's ``execute_reply`` also ends the GPU commitment it held for that cell."""
         send = self._upstream.send
         kernel_id, replica_id = replica.kernel_id, replica.replica_id
         reply_type = messages.JUPYTER_REPLY
+        ledger = self.ledger
 
         def sink(channel: str, frames: list[bytes]) -> None:
             send(
@@ -277,8 +279,33 @@ class LocalScheduler:
                     {"kernel_id": kernel_id, "replica_id": replica_id, "channel": channel, "frames": frames},
                 )
             )
+            if channel == "shell" and ledger.holds(kernel_id, replica_id):
+                self._release_on_reply(kernel_id, replica_id, frames)
 
         return sink
+
+    def _release_on_reply(self, kernel_id: str, replica_id: str, frames: list[bytes]) -> None:
+        """The cell is over on this replica once it replies (its tensors went to host memory
+        before the reply): release here, as the reply goes by, instead of a ``gpu.release`` round
+        trip from the replica's Raft thread on every cell's critical path. (A replica still
+        sends ``gpu.release`` where it binds without replying as executor; releasing twice is
+        harmless.)"""
+        try:
+            if json.loads(frames[1]).get("msg_type") != "execute_reply":
+                return
+            parent = json.loads(frames[2])
+            msg_id = election_key(parent["msg_id"], round_of(parent))  # what the replica bound under
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return  # not ours to judge: the scheduler and the client see the message as it is
+        released = self.ledger.release(kernel_id, replica_id, msg_id)
+        self.log.debug(
+            "gpu_released",
+            kernel=kernel_id,
+            replica=replica_id,
+            msg_id=msg_id,
+            device_ids=list(released),
+            on="execute_reply",
+        )
 
     async def _replica_configure(self, env: Envelope) -> Envelope:
         body = env.body

@@ -405,7 +405,7 @@ def test_interrupt_of_busy_loop_returns_keyboard_interrupt_quickly(cluster: Clus
     assert elapsed < 2.0, elapsed
     for reply in replies.values():
         assert reply["content"]["ename"] == "KeyboardInterrupt"
-    cluster.scheduler.wait_for(lambda: ("r1", msg["header"]["msg_id"]) in cluster.scheduler.releases)
+    # (its GPUs go back as its reply passes the local scheduler: test_schedulers checks that)
     after = cluster.run("x", "r2")  # the group still works after the interrupt
     assert after["r2"]["content"]["status"] == "ok"
 

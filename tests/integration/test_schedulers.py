@@ -367,6 +367,11 @@ def test_kernel_start_execute_and_merged_stream(tmp_path: Path) -> None:
                 timings.append(time.perf_counter() - t)
             timings.sort()
             print(f"kernel start {start_s:.2f}s; x = 1 p50 {timings[10] * 1000:.1f} ms")
+            # Each cell's GPUs went back as its execute_reply passed the local scheduler: after two
+            # heartbeats (the ledgers' own view replaces the scheduler's) nothing is committed.
+            await asyncio.sleep(2.5)
+            hosts = (await gw.call(messages.CLUSTER_STATUS, {}))["hosts"]
+            assert [h["committed"] for h in hosts] == [0, 0, 0]
 
             status = await gw.call(messages.KERNEL_STATUS, {"kernel_id": "k1"})
             assert status["state"] == "running" and status["last_executor"] in {"r1", "r2", "r3"}

@@ -63,6 +63,15 @@ def test_release_replica_on_exit_frees_everything_it_held() -> None:
     assert ledger.free_count == 2
 
 
+def test_holds_tells_whether_a_replica_has_a_cell_bound() -> None:
+    ledger = GpuLedger(range(2))
+    assert not ledger.holds("k", "r1")
+    ledger.commit("k", "r1", "m1", 1)
+    assert ledger.holds("k", "r1") and not ledger.holds("k", "r2") and not ledger.holds("k2", "r1")
+    ledger.release("k", "r1", "m1")
+    assert not ledger.holds("k", "r1")
+
+
 def test_snapshot_is_the_heartbeat_committed_map() -> None:
     ledger = GpuLedger(range(3))
     ledger.commit("k", "r1", "m1", 2)
