@@ -42,14 +42,16 @@ from typing import Any
 import msgpack
 import structlog
 
-from shared.raft.codec import decode_message, encode_message
+from shared.raft.codec import encode_message
 from shared.raft.transport import (
     DEFAULT_OPTIONS,
     OnMessages,
     RejectLog,
     TransportOptions,
     TransportStats,
+    hand_over,
     split_tcp_address,
+    vet_message,
 )
 from shared.raft.types import Message
 
@@ -182,19 +184,10 @@ class TcpTransport:
     # ------------------------------------------------------------------ receiving
 
     def _accept(self, sender: bytes, payload: bytes) -> None:
-        """Decode and vet one inbound frame; a bad one is logged and dropped, never raised."""
         if self._closed:
             return
-        try:
-            msg = decode_message(payload)
-        except ValueError as exc:
-            self._reject(sender, str(exc))
-            return
-        if msg.frm.encode() != sender:
-            self._reject(sender, f"frm {msg.frm!r} does not match the connection's hello")
-            return
-        if msg.to != self.node_id:
-            self._reject(sender, f"addressed to {msg.to!r}, not to this node")
+        msg = vet_message(self.node_id, sender, payload, self._reject)
+        if msg is None:
             return
         self._batch.append(msg)
         if not self._handover_due and self._loop is not None:
@@ -204,12 +197,8 @@ class TcpTransport:
     def _hand_over_batch(self) -> None:
         self._handover_due = False
         batch, self._batch = self._batch, []
-        if batch and not self._closed:
-            self.stats.received += len(batch)
-            try:
-                self._on_messages(batch)
-            except Exception:
-                self._log.exception("raft.transport.handler_failed", batch=len(batch))
+        if not self._closed:
+            hand_over(batch, self.stats, self._on_messages, self._log)
 
 
 def _tune(transport: asyncio.BaseTransport, opts: TransportOptions) -> None:

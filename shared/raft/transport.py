@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from shared.raft.codec import decode_message
 from shared.raft.types import Message
 
 TRANSPORT_KINDS = ("tcp", "zmq")
@@ -133,3 +134,32 @@ class RejectLog:
             reason=reason,
             suppressed_since_last=suppressed,
         )
+
+
+def vet_message(node_id: str, sender: bytes, payload: bytes, reject: RejectLog) -> Message | None:
+    """Decode one inbound frame from ``sender`` (its ZMQ identity or TCP hello) and check that it
+    comes from whom it says and is meant for ``node_id``; a bad one is logged and dropped (None),
+    never raised."""
+    try:
+        msg = decode_message(payload)
+    except ValueError as exc:
+        reject(sender, str(exc))
+        return None
+    if msg.frm.encode() != sender:
+        reject(sender, f"frm {msg.frm!r} does not match the sender's identity")
+        return None
+    if msg.to != node_id:
+        reject(sender, f"addressed to {msg.to!r}, not to this node")
+        return None
+    return msg
+
+
+def hand_over(batch: list[Message], stats: TransportStats, on_messages: OnMessages, log: Any) -> None:
+    """Give the driver one wake-up's messages in one call; its failure is logged, not raised
+    into the event loop's reader."""
+    if batch:
+        stats.received += len(batch)
+        try:
+            on_messages(batch)
+        except Exception:
+            log.exception("raft.transport.handler_failed", batch=len(batch))

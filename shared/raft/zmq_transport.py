@@ -26,13 +26,15 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from shared.raft.codec import decode_message, encode_message
+from shared.raft.codec import encode_message
 from shared.raft.transport import (
     DEFAULT_OPTIONS,
     OnMessages,
     RejectLog,
     TransportOptions,
     TransportStats,
+    hand_over,
+    vet_message,
 )
 from shared.raft.types import Message
 from shared.zmq_drain import DrainingSocket
@@ -167,28 +169,12 @@ class ZmqTransport:
         """End of one wake-up's drain (at most ``max_batch`` frames; the rest come on the next loop
         turn, so the Ready loop gets its share): hand everything accepted over in one call."""
         batch, self._batch = self._batch, []
-        if batch:
-            self.stats.received += len(batch)
-            try:
-                self._on_messages(batch)
-            except Exception:
-                self._log.exception("raft.transport.handler_failed", batch=len(batch))
+        hand_over(batch, self.stats, self._on_messages, self._log)
 
     def _accept(self, frames: list[bytes], batch: list[Message]) -> None:
-        """Decode and vet one inbound frame; a bad one is logged and dropped, never raised."""
         if len(frames) != 2:
             self._reject(frames[0] if frames else b"", f"expected 2 frames, got {len(frames)}")
             return
-        identity, payload = frames
-        try:
-            msg = decode_message(payload)
-        except ValueError as exc:
-            self._reject(identity, str(exc))
-            return
-        if msg.frm.encode() != identity:
-            self._reject(identity, f"frm {msg.frm!r} does not match the connection's identity")
-            return
-        if msg.to != self.node_id:
-            self._reject(identity, f"addressed to {msg.to!r}, not to this node")
-            return
-        batch.append(msg)
+        msg = vet_message(self.node_id, frames[0], frames[1], self._reject)
+        if msg is not None:
+            batch.append(msg)
