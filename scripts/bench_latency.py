@@ -6,6 +6,14 @@ end waits for). The two kernels are measured in alternating blocks so machine no
 alike; the figure that matters is the ratio. Prints one JSON line.
 
 Targets (issue): ratio_p50 <= 1.3, tandem_p99_ms <= 20.
+
+``tandem_steps_p50_ms`` says where a Tandem cell's time goes (medians over the last cells kept,
+from ``tandem status --json``): ``replica`` holds the executor's own step times
+(``metrics.replica_steps_ms``: ``replied_ms`` is its request handling up to the reply, ``run_ms``
+the cell itself, ``replicate_ms`` the DONE/STATE commit that idle waits for), ``scheduler`` the
+global scheduler's view (``metrics.steps_ms``: ``elect_ms`` from routing the request to hearing
+who executes it, ``run_ms`` from then to the cell's end). The rest of ``tandem_p50_ms`` is the
+hops between client, gateway, schedulers and replica.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import json
 import logging
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +58,21 @@ def one_cell(kc: BlockingKernelClient, code: str = "x = 1", timeout: float = 30.
             and msg["content"]["execution_state"] == "idle"
         )
     return (time.perf_counter() - started) * 1000.0
+
+
+def step_medians(state_dir: Path) -> dict[str, dict[str, float]]:
+    """Median step times of recent cells, from the running cluster's status (see the docstring)."""
+    status = subprocess.run(
+        [sys.executable, "-m", "services.cli", "status", "--json", "--state-dir", str(state_dir)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    if status.returncode != 0:
+        return {}
+    metrics = json.loads(status.stdout).get("metrics") or {}
+    return {
+        where: {name: p["p50"] for name, p in (metrics.get(key) or {}).items() if p and "p50" in p}
+        for where, key in (("replica", "replica_steps_ms"), ("scheduler", "steps_ms"))
+    }
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -114,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cluster.start()
             result = measure(args.cells, args.block, args.warmup)
+            result["tandem_steps_p50_ms"] = step_medians(state_dir)
         finally:
             cluster.stop()
     print(json.dumps(result))
