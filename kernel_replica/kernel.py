@@ -164,11 +164,18 @@ class TandemKernel(IPythonKernel):
                 return
         super()._publish_status(status, channel, parent)
 
-    def _publish_executor_idle(self, parent: dict[str, t.Any]) -> None:
+    def _serialized_idle(self, parent: dict[str, t.Any]) -> list[bytes]:
+        """The executor's idle for ``parent``, made and signed before the commit it waits for, so
+        that only its send is left once the commit comes."""
+        assert self.session is not None
+        msg = self.session.msg("status", {"execution_state": "idle"}, parent=parent)
+        return self.session.serialize(msg, ident=self._topic("status"))
+
+    def _publish_executor_idle(self, parent: dict[str, t.Any], frames: list[bytes]) -> None:
         """The executor's idle once the cell's DONE and STATE are committed (the cell's output,
         flushed in ``_execute``, precedes it), from inside the handler; ipykernel's own idle for
         this request, after its flushes and hooks, is then skipped."""
-        super()._publish_status("idle", "shell", parent)
+        self.iopub_socket.send_multipart(frames)
         self._idle_sent = parent["header"]["msg_id"]
 
     # ---- the execute path ----------------------------------------------------------------------------
@@ -306,8 +313,9 @@ class TandemKernel(IPythonKernel):
             # flush (streams.py).
             replied_at = time.time()
             history = code if not silent and execute_args["store_history"] else None
+            idle = self._serialized_idle(parent)
             timing |= await self._finish_in_background(bridge, msg_id, code, reply, log, history)
-            self._publish_executor_idle(parent)
+            self._publish_executor_idle(parent, idle)
             if self._trace_sync:  # wall clock: the standbys' state_applied lines are compared to it
                 log.info("state_sent", replied_at=replied_at, proposed_at=time.time(), **timing)
         self._record_timing(role, reply, timing, log)
@@ -521,7 +529,15 @@ class TandemKernel(IPythonKernel):
             written = bridge.thread.submit(complete_state(state, plan.deferred, self._behind_store, log))
         replicated: concurrent.futures.Future[None] = concurrent.futures.Future()
         bridge.thread.call(bridge.core.finish_cell, done, state, written, replicated)
+        waited = time.perf_counter()
+        try:
+            # blocking at once (the Raft thread needs the GIL to propose), GIL released: the Raft
+            # thread wakes this thread directly, no loop turn
+            replicated.result(IDLE_REPLICATION_WAIT_S)
+        except concurrent.futures.TimeoutError:
+            log.warning("idle_before_state_committed", waited_s=IDLE_REPLICATION_WAIT_S)
         timings = {k: v for k, v in plan.timings.items()}
+        timings["replicate_ms"] = (time.perf_counter() - waited) * 1000
         if plan:
             timings["state_bytes"] = float(plan.nbytes())
             log.debug(
@@ -532,13 +548,6 @@ class TandemKernel(IPythonKernel):
                 pointers=sum(1 for g in plan.groups if g.get("pointer")),
                 **{k: round(v, 3) for k, v in timings.items()},
             )
-        waited = time.perf_counter()
-        try:
-            # blocking, GIL released: the Raft thread wakes this thread directly, no loop turn
-            replicated.result(IDLE_REPLICATION_WAIT_S)
-        except concurrent.futures.TimeoutError:
-            log.warning("idle_before_state_committed", waited_s=IDLE_REPLICATION_WAIT_S)
-        timings["replicate_ms"] = (time.perf_counter() - waited) * 1000
         return timings
 
     async def _get_codec(self) -> ObjectCodec:
