@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from kernel_replica.log_entries import GpuResident  # a Location as a STATE entry carries it
+
 MODES = ("move", "off")
 MAX_CONTAINER_DEPTH = 2  # a name's dict/list/tuple, and the containers directly inside it
 MAX_CONTAINER_ITEMS = 10_000  # larger containers are not walked (the per-cell cost stays small)
@@ -51,7 +53,6 @@ OUTPUT_CACHE_NAME = re.compile(r"_{1,3}\d*|_oh|Out")
 VISIBLE_AT_START = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 Path = tuple[Hashable, ...]
-CarriedLocation = tuple[str, tuple[str | int, ...], str]  # a Location in a STATE entry
 Copier = Callable[[t.Any, t.Any], t.Any]  # (tensor, device) -> tensor on device
 
 
@@ -525,7 +526,7 @@ class GpuResidency:
         if left:
             self.log.info("gpu_memory_left", device=str(self._device), bytes=left)
 
-    def carried(self) -> tuple[CarriedLocation, ...]:
+    def carried(self) -> tuple[GpuResident, ...]:
         """What the executor keeps in host memory for the GPU, as its STATE carries it to the
         standbys (locations whose keys are strings or integers; others stay in host memory on an
         executor change)."""
@@ -535,7 +536,7 @@ class GpuResidency:
             if all(isinstance(key, str | int) for key in loc.path)
         )
 
-    def adopt(self, carried: Iterable[CarriedLocation]) -> None:
+    def adopt(self, carried: Iterable[GpuResident]) -> None:
         """A standby applied another executor's STATE: its namespace is that executor's, so is
         what goes to the GPU when a cell runs here next."""
         self._record = [Location(name, tuple(path), kind) for name, path, kind in carried]

@@ -637,9 +637,11 @@ class TandemKernel(IPythonKernel):
         self._chain_apply(state.msg_id, list(state.imports), groups, list(state.deleted), time.time())
 
     def _load_namespace(self, contents: t.Any) -> None:
-        """A snapshot was restored: rebuild the namespace from it (the log replays the rest)."""
+        """A snapshot was restored: rebuild the namespace from it (the log replays the rest), and
+        take over what its last executor kept in host memory for the GPU."""
         if self.shell is not None:
-            imports, groups = contents
+            imports, groups, gpu_resident = contents
+            self._residency.adopt(gpu_resident)
             self._chain_apply("snapshot", imports, groups, [])
 
     def _chain_apply(

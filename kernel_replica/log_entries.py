@@ -11,6 +11,7 @@ these entries are few (a handful per cell) and readable dumps matter more than b
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ STATE = "STATE"
 PROGRESS = "PROGRESS"
 KINDS = (LEAD, YIELD, VOTE, VOTES, DONE, STATE, PROGRESS)
 GPU_RESIDENT_KINDS = ("tensor", "module", "optimizer")  # device_residency.Location.kind
+GpuResident = tuple[str, tuple[str | int, ...], str]  # (name, path, kind): device_residency.Location
 
 
 class LogEntryError(ValueError):
@@ -118,7 +120,7 @@ class State:
     imports: tuple[tuple[str, str], ...] = ()
     # (name, path, kind) of what the executor keeps in host memory for the GPU between cells
     # (kernel_replica/device_residency.py): the next executor moves the same objects to its GPU
-    gpu_resident: tuple[tuple[str, tuple[str | int, ...], str], ...] = ()
+    gpu_resident: tuple[GpuResident, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +172,7 @@ def encode(entry: LogEntry) -> bytes:
                 "im": [list(pair) for pair in entry.imports],
             }
             if entry.gpu_resident:
-                body["gr"] = [[name, list(path), kind] for name, path, kind in entry.gpu_resident]
+                body["gr"] = encode_gpu_resident(entry.gpu_resident)
         case _:
             raise TypeError(f"not a log entry: {type(entry).__name__}")
     body["t"] = ENTRY_VERSION
@@ -254,17 +256,7 @@ def decode(data: bytes) -> LogEntry:
         isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in imports
     ):
         raise LogEntryError("STATE: 'im' must be a list of [alias, statement] pairs")
-    resident = raw.get("gr", [])
-    if not isinstance(resident, list) or not all(
-        isinstance(r, list)
-        and len(r) == 3
-        and isinstance(r[0], str)
-        and isinstance(r[1], list)
-        and all(isinstance(key, str | int) for key in r[1])
-        and r[2] in GPU_RESIDENT_KINDS
-        for r in resident
-    ):
-        raise LogEntryError("STATE: 'gr' must be a list of [name, [key, ...], kind] locations")
+    resident = decode_gpu_resident(raw.get("gr", []), "STATE: 'gr'")
     return State(
         msg_id,
         replica_id,
@@ -274,5 +266,25 @@ def decode(data: bytes) -> LogEntry:
         skipped,
         tuple(groups),
         tuple((alias, stmt) for alias, stmt in imports),
-        tuple((name, tuple(path), kind) for name, path, kind in resident),
+        resident,
     )
+
+
+def encode_gpu_resident(resident: Iterable[GpuResident]) -> list[list[Any]]:
+    return [[name, list(path), kind] for name, path, kind in resident]
+
+
+def decode_gpu_resident(raw: Any, what: str) -> tuple[GpuResident, ...]:
+    """``[[name, [key, ...], kind], ...]`` as in a STATE's ``gr`` (also a namespace snapshot's);
+    LogEntryError naming ``what`` if it is anything else."""
+    if not isinstance(raw, list) or not all(
+        isinstance(r, list)
+        and len(r) == 3
+        and isinstance(r[0], str)
+        and isinstance(r[1], list)
+        and all(isinstance(key, str | int) for key in r[1])
+        and r[2] in GPU_RESIDENT_KINDS
+        for r in raw
+    ):
+        raise LogEntryError(f"{what} must be a list of [name, [key, ...], kind] locations")
+    return tuple((name, tuple(path), kind) for name, path, kind in raw)

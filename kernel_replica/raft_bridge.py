@@ -259,7 +259,7 @@ class ReplicaCore:
         self.on_stop_requested: Callable[[], None] = lambda: None
         self.on_done: Callable[[Done], None] = lambda done: None
         self.on_state: Callable[[State], None] = lambda state: None
-        # (imports, [(group, names)]) from ReplicatedNamespace.contents()
+        # (imports, [(group, names)], gpu_resident) from ReplicatedNamespace.contents() and .gpu_resident()
         self.on_namespace_restored: Callable[[Any], None] = lambda contents: None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -569,7 +569,7 @@ class ReplicaCore:
             raise ValueError(f"unsupported replica snapshot version {raw.get('v')!r}")
         self.book = ElectionBook.from_snapshot(raw["book"])
         self.namespace.restore(raw["ns"])
-        self._post(self.on_namespace_restored, self.namespace.contents())
+        self._post(self.on_namespace_restored, (*self.namespace.contents(), self.namespace.gpu_resident()))
         last = self.book.last_done()
         if last is not None:
             self._post(self.on_done, last)

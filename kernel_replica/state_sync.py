@@ -31,7 +31,7 @@ import xxhash
 
 from kernel_replica.cell_analysis import CellEffects, ImportRecord, names_to_check
 from kernel_replica.fingerprint import fingerprint
-from kernel_replica.log_entries import State
+from kernel_replica.log_entries import GpuResident, State, decode_gpu_resident, encode_gpu_resident
 from kernel_replica.object_codec import EncodedGroup, ObjectCodec, dumps
 from shared.config import Config
 from shared.datastore import DataStore, open_datastore
@@ -325,9 +325,13 @@ class ReplicatedNamespace:
         self._records: dict[str, tuple[str, Any]] = {}  # name -> ("i", stmt) | ("g", group id)
         self._groups: dict[int, dict[str, Any]] = {}
         self._next_group = 0
+        # what the last executor keeps in host memory for the GPU (its latest STATE's list), so
+        # that a replica restored from a snapshot brings the same objects to its GPU
+        self._gpu_resident: tuple[GpuResident, ...] = ()
 
     def apply(self, state: State) -> None:
         with self._lock:
+            self._gpu_resident = state.gpu_resident
             for alias, statement in state.imports:
                 self._records[alias] = ("i", statement)
             for group in state.groups:
@@ -362,6 +366,10 @@ class ReplicatedNamespace:
             groups = [(dict(self._groups[gid]), sorted(names[gid])) for gid in sorted(names)]
             return imports, groups
 
+    def gpu_resident(self) -> tuple[GpuResident, ...]:
+        with self._lock:
+            return self._gpu_resident
+
     def to_snapshot(self) -> bytes:
         with self._lock:
             return msgpack.packb(
@@ -370,6 +378,7 @@ class ReplicatedNamespace:
                     "records": {name: [kind, value] for name, (kind, value) in self._records.items()},
                     "groups": [[gid, group] for gid, group in sorted(self._groups.items())],
                     "next": self._next_group,
+                    "gr": encode_gpu_resident(self._gpu_resident),
                 },
                 use_bin_type=True,
             )
@@ -383,3 +392,4 @@ class ReplicatedNamespace:
             self._records = {name: (kind, value) for name, (kind, value) in raw["records"].items()}
             self._groups = {int(gid): dict(group) for gid, group in raw["groups"]}
             self._next_group = int(raw.get("next", max(self._groups, default=-1) + 1))
+            self._gpu_resident = decode_gpu_resident(raw.get("gr", []), "namespace snapshot 'gr'")

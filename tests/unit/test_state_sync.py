@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import structlog
 import torch
 
 from kernel_replica import log_entries
 from kernel_replica.cell_analysis import FunctionFacts, analyse_cell, update_registry
-from kernel_replica.log_entries import State
+from kernel_replica.log_entries import LogEntryError, State
 from kernel_replica.object_codec import ObjectCodec
 from kernel_replica.state_sync import (
     ReplicatedNamespace,
@@ -127,6 +129,23 @@ def test_snapshot_keeps_the_latest_record_per_name() -> None:
     ns: dict[str, Any] = {"__name__": "__main__"}
     assert asyncio.run(apply_state(ns, ObjectCodec(None), imports, groups)) == []
     assert ns["a"] == [3] and "b" not in ns and ns["math"].pi > 3
+
+
+def test_snapshot_keeps_what_the_last_executor_holds_for_the_gpu() -> None:
+    ex = Executor(ObjectCodec(None), ReplicatedNamespace())
+    source = ReplicatedNamespace()  # a standby's record, applying the executor's STATEs
+    resident = (("model", (), "module"), ("batches", ("train", 0), "tensor"))
+    source.apply(dataclasses.replace(ex.run("a = 1"), gpu_resident=resident))
+    source.apply(ex.run("b = 2"))  # a STATE without the list: nothing is resident any more
+    assert source.gpu_resident() == ()
+    source.apply(dataclasses.replace(ex.run("c = 3"), gpu_resident=resident))
+    restored = ReplicatedNamespace()
+    restored.restore(source.to_snapshot())
+    assert restored.gpu_resident() == resident
+    with pytest.raises(LogEntryError, match="namespace snapshot 'gr'"):
+        restored.restore(
+            msgpack.packb({"fps": {}, "records": {}, "groups": [], "gr": [["x", [1.5], "tensor"]]})
+        )
 
 
 def test_a_group_that_cannot_be_decoded_is_reported_and_the_rest_applied() -> None:
