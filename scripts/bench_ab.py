@@ -1,7 +1,7 @@
 """A/B of ``scripts/bench_latency.py`` between two revisions, run alternately on this machine.
 
 A single latency run is not comparable with one taken an hour later on these shared machines (the
-same code measured 4.1 and 6.7 ms p50 in one afternoon); runs of A and B taken in turns, each with
+same code measured 4.3 and 6.8 ms p50 within two hours); runs of A and B taken in turns, each with
 its own stock-ipykernel baseline, are. Each revision is checked out in a temporary git worktree
 (``.`` means this checkout as it is, uncommitted changes included) and runs with this
 interpreter; the replicas and services it starts run that worktree's code.
