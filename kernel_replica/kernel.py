@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import os
 import signal
 import sys
@@ -515,9 +514,7 @@ class TandemKernel(IPythonKernel):
         for name, reason in plan.skipped.items():
             self._warn_unreplicable(name, reason)
         # with what this replica keeps in host memory for the GPU: the next executor needs it too
-        state = dataclasses.replace(
-            plan.state(msg_id, self.replica_id), gpu_resident=self._residency.carried()
-        )
+        state = plan.state(msg_id, self.replica_id, self._residency.carried())
         if plan:
             pending = dict(self._replicated_digests(bridge))
             pending.update(plan.fingerprints)

@@ -107,7 +107,8 @@ class StatePlan:
     def __bool__(self) -> bool:
         return bool(self.groups or self.imports or self.deleted)
 
-    def state(self, msg_id: str, replica_id: str) -> State:
+    def state(self, msg_id: str, replica_id: str, gpu_resident: tuple[GpuResident, ...] = ()) -> State:
+        """The STATE entry; ``gpu_resident``: what the executor keeps in host memory for the GPU."""
         return State(
             msg_id,
             replica_id,
@@ -117,6 +118,7 @@ class StatePlan:
             dict(self.skipped),
             tuple(self.groups),
             tuple(self.imports),
+            gpu_resident,
         )
 
     def nbytes(self) -> int:

@@ -297,15 +297,14 @@ class LocalScheduler:
             msg_id = election_key(parent["msg_id"], round_of(parent))  # what the replica bound under
         except (ValueError, KeyError, TypeError, AttributeError):
             return  # not ours to judge: the scheduler and the client see the message as it is
-        released = self.ledger.release(kernel_id, replica_id, msg_id)
+        self._release_gpus(kernel_id, replica_id, msg_id, on="execute_reply")
+
+    def _release_gpus(self, kernel_id: str, replica_id: str, msg_id: str, *, on: str) -> list[int]:
+        released = list(self.ledger.release(kernel_id, replica_id, msg_id))
         self.log.debug(
-            "gpu_released",
-            kernel=kernel_id,
-            replica=replica_id,
-            msg_id=msg_id,
-            device_ids=list(released),
-            on="execute_reply",
+            "gpu_released", kernel=kernel_id, replica=replica_id, msg_id=msg_id, device_ids=released, on=on
         )
+        return released
 
     async def _replica_configure(self, env: Envelope) -> Envelope:
         body = env.body
@@ -417,15 +416,10 @@ class LocalScheduler:
         if env.type == messages.GPU_COMMIT:
             return self._gpu_commit(env)
         if env.type == messages.GPU_RELEASE:
-            released = self.ledger.release(body["kernel_id"], body["replica_id"], body["msg_id"])
-            self.log.debug(
-                "gpu_released",
-                kernel=body["kernel_id"],
-                replica=body["replica_id"],
-                msg_id=body["msg_id"],
-                device_ids=list(released),
+            released = self._release_gpus(
+                body["kernel_id"], body["replica_id"], body["msg_id"], on="gpu.release"
             )
-            return env.reply({"device_ids": list(released)})
+            return env.reply({"device_ids": released})
         if env.type == messages.REPLICA_EVENT:
             replica = self.replicas.get((body["kernel_id"], body["replica_id"]))
             if replica is not None and body["event"] == "raft_role":
