@@ -62,7 +62,7 @@ _BIG_SNAPSHOT = 1 << 20  # an installed snapshot larger than this is written fro
 ApplyFn = Callable[[Entry], Awaitable[None] | None]
 TakeSnapshotFn = Callable[[], bytes | Awaitable[bytes]]
 RestoreSnapshotFn = Callable[[bytes], Awaitable[None] | None]
-ConfChangeFn = Callable[[ConfChange, ConfState], None]
+ConfChangeFn = Callable[[ConfChange | None, ConfState], None]
 
 
 # ---------------------------------------------------------------------------- errors
@@ -158,7 +158,9 @@ class RaftPeer:
     It may be a plain function or a coroutine function; a coroutine is awaited before the next entry
     is applied, which also holds up the Ready loop, so keep it short and hand long work elsewhere.
     The leader's empty no-op entries are not passed on; CONF_CHANGE entries go to
-    ``on_conf_change(change, conf)`` instead, with the configuration after it.
+    ``on_conf_change(change, conf)`` instead, with the configuration after it; a restored
+    snapshot calls ``on_conf_change(None, conf)`` with the configuration as of the snapshot (a
+    member that joins through the bootstrap snapshot learns the voters from nothing else).
 
     ``restore_snapshot(data)`` replaces the application state (``b""`` means empty: a new group
     starts from the core's bootstrap snapshot); ``take_snapshot()`` returns it as bytes. Either may
@@ -612,6 +614,7 @@ class RaftPeer:
             await result
         meta = snapshot.meta
         self._conf = meta.conf
+        self._on_conf_change(None, meta.conf)
         self._applied = meta.index
         self._snapshot_index = max(self._snapshot_index, meta.index)
         self._log.info("raft.snapshot_restored", index=meta.index, term=meta.term, bytes=len(app))

@@ -38,7 +38,16 @@ from shared.raft.driver import (
 )
 from shared.raft.tcp_transport import frame, hello_frame
 from shared.raft.transport import TRANSPORT_KINDS, open_transport
-from shared.raft.types import Entry, Message, MessageType, RaftConfig, RestoredState, Role
+from shared.raft.types import (
+    ConfChange,
+    ConfState,
+    Entry,
+    Message,
+    MessageType,
+    RaftConfig,
+    RestoredState,
+    Role,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -67,9 +76,15 @@ class KV:
 
     def __init__(self) -> None:
         self.log: list[bytes] = []
+        self.voters: tuple[str, ...] = ()  # as told by on_conf_change
+        self.voters_at_apply: list[tuple[str, ...]] = []
 
     def apply(self, entry: Entry) -> None:
         self.log.append(entry.data)
+        self.voters_at_apply.append(self.voters)
+
+    def conf_changed(self, change: ConfChange | None, conf: ConfState) -> None:
+        self.voters = tuple(sorted(conf.voters))
 
     def dump(self) -> bytes:
         return msgpack.packb(self.log)
@@ -103,7 +118,11 @@ class Group:
     async def start(self, nid: str, **kw: Any) -> RaftPeer:
         kv = self.kv[nid] = KV()
         peer = RaftPeer(
-            self.config(nid, **kw), on_apply=kv.apply, take_snapshot=kv.dump, restore_snapshot=kv.load
+            self.config(nid, **kw),
+            on_apply=kv.apply,
+            take_snapshot=kv.dump,
+            restore_snapshot=kv.load,
+            on_conf_change=kv.conf_changed,
         )
         await peer.start()
         self.peers[nid] = peer
@@ -289,6 +308,8 @@ def test_member_replaced_by_add_learner_promote_remove(tmp_path: Path) -> None:
             await leader.add_learner("d", g.addresses["d"])
             await eventually(lambda: len(g.kv["d"].log) == 5, what="learner caught up")
             assert newcomer.status().role == Role.LEARNER
+            # it joined through the bootstrap snapshot, which told it the voters before any entry
+            assert g.kv["d"].voters_at_apply == [("a", "b", "c")] * 5
             await leader.promote("d")
             leaving = next(n for n in "abc" if n != leader.node_id)
             await leader.remove(leaving)
