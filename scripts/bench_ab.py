@@ -1,15 +1,19 @@
-"""A/B of ``scripts/bench_latency.py`` between two revisions, run alternately on this machine.
+"""A/B of the trivial-cell latency of two revisions, both running at once on this machine.
 
-A single latency run is not comparable with one taken an hour later on these shared machines (the
-same code measured 4.3 and 6.8 ms p50 within two hours); runs of A and B taken in turns, each with
-its own stock-ipykernel baseline, are. Each revision is checked out in a temporary git worktree
-(``.`` means this checkout as it is, uncommitted changes included) and runs with this
-interpreter; the replicas and services it starts run that worktree's code.
+A latency run is not comparable with one taken minutes later on these shared machines (the same
+code measured 4.3 and 6.8 ms p50 within two hours, and runs taken in turns still disagreed by more
+than the changes being measured). So both revisions run side by side: each is checked out in a
+temporary git worktree (``.`` means this checkout as it is, uncommitted changes included) and runs
+its own embedded cluster (``tandem up`` in that worktree, with this interpreter), and one client
+sends blocks of ``x = 1`` cells to A, to B and to a stock ipykernel in turn, as
+``scripts/bench_latency.py`` does for one revision. Every slow second then hits all three alike.
 
-Prints one JSON line: per revision the ``ratio_p50`` and ``tandem_p50_ms`` of every round and
-their medians, and ``ratio_change`` (B's median ratio minus A's; negative is faster).
+Prints one JSON line: per revision ``p50_ms``, ``p99_ms``, ``ratio_p50`` (to the stock kernel's
+p50) and ``cpu_ms_per_cell`` (the client plus that cluster's processes, all threads, per cell;
+steadier than latency on a loaded machine); ``paired`` holds, per round of blocks, B's p50 and CPU
+minus A's, and their medians (``p50_change_ms``, ``cpu_change_ms``; negative: B is cheaper).
 
-Usage: ``python scripts/bench_ab.py REV_A REV_B [--rounds 3] [--cells 300] [--set KEY=VALUE]``
+Usage: ``python scripts/bench_ab.py REV_A REV_B [--rounds 8] [--block 50] [--set KEY=VALUE]``
 """
 
 from __future__ import annotations
@@ -17,15 +21,29 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
+import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import psutil  # noqa: E402
+from bench_latency import cpu_seconds, one_cell, percentile, start  # noqa: E402
+
+from services.kernelspec import install  # noqa: E402
+
+SIDES = ("a", "b")
+READY_TIMEOUT_S = 120.0
 
 
 @contextlib.contextmanager
@@ -48,27 +66,92 @@ def checkout(rev: str, parent: Path) -> Iterator[Path]:
         )  # fmt: skip
 
 
-def one_run(tree: Path, cells: int, overrides: list[str]) -> dict[str, Any]:
-    command = [sys.executable, "scripts/bench_latency.py", "--cells", str(cells)]
-    for override in overrides:
-        command += ["--set", override]
-    done = subprocess.run(command, cwd=tree, capture_output=True, text=True, timeout=1800)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise SystemExit(f"bench_latency failed in {tree} (exit {done.returncode}): {done.stderr[-2000:]}")
-    return dict(json.loads(lines[-1]))
+@contextlib.contextmanager
+def cluster(tree: Path, state_dir: Path, hosts: int, overrides: list[str]) -> Iterator[psutil.Process]:
+    """``tandem up`` of ``tree``'s code, until its cluster file appears; stopped with SIGTERM."""
+    command = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--hosts",
+        str(hosts),
+        "--state-dir",
+        str(state_dir),
+    ]
+    command += ["--set", "log.level=warning", *(x for o in overrides for x in ("--set", o))]
+    log = open(state_dir.parent / "up.log", "wb")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(command, cwd=tree, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not (state_dir / "cluster.json").exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = (state_dir.parent / "up.log").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"tandem up in {tree} did not start (exit {process.poll()}): {tail}")
+            time.sleep(0.2)
+        yield psutil.Process(process.pid)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
 
 
-def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    ratios = [r["ratio_p50"] for r in runs]
-    p50s = [r["tandem_p50_ms"] for r in runs]
-    return {
-        "ratio_p50": ratios,
-        "ratio_p50_median": round(statistics.median(ratios), 3),
-        "tandem_p50_ms": p50s,
-        "tandem_p50_ms_median": round(statistics.median(p50s), 3),
-        "ipykernel_p50_ms_median": round(statistics.median(r["ipykernel_p50_ms"] for r in runs), 3),
+def tree_of(root: psutil.Process) -> list[psutil.Process]:
+    return [root, *root.children(recursive=True)]
+
+
+def measure(
+    ups: dict[str, psutil.Process], state_dirs: dict[str, Path], rounds: int, block: int, warmup: int
+) -> dict[str, Any]:
+    kernels: dict[str, Any] = {}
+    for side in SIDES:
+        os.environ["TANDEM_STATE_DIR"] = str(state_dirs[side])  # the provisioner reads it at start
+        kernels[side] = start("tandem")
+    kernels["ipykernel"] = start("python3")
+    samples: dict[str, list[list[float]]] = {name: [] for name in kernels}
+    cpu: dict[str, list[float]] = {side: [] for side in SIDES}
+    me = psutil.Process()
+    try:
+        for _, kc in kernels.values():
+            for _ in range(warmup):
+                one_cell(kc)
+        processes = {side: [me, *tree_of(ups[side])] for side in SIDES}  # after warm-up: replicas up
+        for _ in range(rounds):
+            for name, (_, kc) in kernels.items():
+                before = cpu_seconds(processes[name]) if name in cpu else 0.0
+                samples[name].append([one_cell(kc) for _ in range(block)])
+                if name in cpu:
+                    cpu[name].append((cpu_seconds(processes[name]) - before) * 1000.0 / block)
+    finally:
+        for km, kc in kernels.values():
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+    everything = {name: [x for chunk in chunks for x in chunk] for name, chunks in samples.items()}
+    stock_p50 = statistics.median(everything["ipykernel"])
+    result: dict[str, Any] = {"ipykernel_p50_ms": round(stock_p50, 3)}
+    for side in SIDES:
+        p50 = statistics.median(everything[side])
+        result[side] = {
+            "p50_ms": round(p50, 3),
+            "p99_ms": round(percentile(everything[side], 99), 3),
+            "ratio_p50": round(p50 / stock_p50, 3),
+            "cpu_ms_per_cell": round(statistics.fmean(cpu[side]), 3),
+        }
+    p50_change = [
+        round(statistics.median(b) - statistics.median(a), 3)
+        for a, b in zip(samples["a"], samples["b"], strict=True)
+    ]
+    cpu_change = [round(b - a, 3) for a, b in zip(cpu["a"], cpu["b"], strict=True)]
+    result["paired"] = {
+        "p50_change_ms": round(statistics.median(p50_change), 3),
+        "cpu_change_ms": round(statistics.median(cpu_change), 3),
+        "p50_change_per_round": p50_change,
+        "cpu_change_per_round": cpu_change,
     }
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,29 +160,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("rev_a", help="a git revision, or . for this checkout as it is")
     parser.add_argument("rev_b", help="a git revision, or . for this checkout as it is")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--cells", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=8, help="blocks per kernel")
+    parser.add_argument("--block", type=int, default=50, help="cells per block")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--hosts", type=int, default=3)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for both sides")
     args = parser.parse_args(argv)
     if args.rev_a == args.rev_b:
         parser.error("give two different revisions")
-    runs: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
-    with (
-        tempfile.TemporaryDirectory(prefix="tandem-ab-") as tmp,
-        checkout(args.rev_a, Path(tmp)) as tree_a,
-        checkout(args.rev_b, Path(tmp)) as tree_b,
-    ):
-        for _ in range(args.rounds):
-            runs["a"].append(one_run(tree_a, args.cells, args.set))
-            runs["b"].append(one_run(tree_b, args.cells, args.set))
-    a, b = summary(runs["a"]), summary(runs["b"])
+    logging.getLogger("traitlets").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix="tandem-ab-") as tmp, contextlib.ExitStack() as stack:
+        install(prefix=str(Path(tmp) / "prefix"))
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(
+            filter(None, [str(Path(tmp) / "prefix" / "share" / "jupyter"), os.environ.get("JUPYTER_PATH")])
+        )
+        ups: dict[str, psutil.Process] = {}
+        state_dirs = {side: Path(tmp) / f"{side}-run" / "state" for side in SIDES}
+        for side, rev in zip(SIDES, (args.rev_a, args.rev_b), strict=True):
+            tree = stack.enter_context(checkout(rev, Path(tmp)))
+            state_dirs[side].mkdir(parents=True)
+            ups[side] = stack.enter_context(cluster(tree, state_dirs[side], args.hosts, args.set))
+        result = measure(ups, state_dirs, args.rounds, args.block, args.warmup)
     result = {
         "bench": "latency_ab",
-        "cells": args.cells,
         "rounds": args.rounds,
-        "a": {"rev": args.rev_a, **a},
-        "b": {"rev": args.rev_b, **b},
-        "ratio_change": round(b["ratio_p50_median"] - a["ratio_p50_median"], 3),
+        "block": args.block,
+        "rev_a": args.rev_a,
+        "rev_b": args.rev_b,
+        **result,
     }
     print(json.dumps(result))
     return 0

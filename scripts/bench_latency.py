@@ -14,6 +14,11 @@ the cell itself, ``replicate_ms`` the DONE/STATE commit that idle waits for), ``
 global scheduler's view (``metrics.steps_ms``: ``elect_ms`` from routing the request to hearing
 who executes it, ``run_ms`` from then to the cell's end). The rest of ``tandem_p50_ms`` is the
 hops between client, gateway, schedulers and replica.
+
+``*_cpu_ms_per_cell`` is the CPU time (user + system, all threads) each side burns per cell: the
+client (this process) plus the stock kernel's process, or plus every process of the embedded
+cluster. On a machine with few cores the cell path is CPU-bound, and this figure moves far less
+with the neighbours' load than latency does, so it is what an A/B of a change reads first.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import psutil  # noqa: E402
 from jupyter_client import BlockingKernelClient, KernelManager  # noqa: E402
 
 from services.embedded import EmbeddedCluster  # noqa: E402
@@ -90,17 +96,44 @@ def start(kernel_name: str) -> tuple[KernelManager, BlockingKernelClient]:
     return km, kc
 
 
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    """User + system CPU of these processes (all their threads) so far."""
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:  # gone: it used nothing more since the last look
+            continue
+        total += times.user + times.system
+    return total
+
+
+def side_processes(stock_kernel_pid: int | None) -> dict[str, list[psutil.Process]]:
+    """Whose CPU each side's cells cost: the client (this process) and the stock kernel, or the
+    client and every other process under it (the embedded cluster's services and replicas)."""
+    me = psutil.Process()
+    others = [p for p in me.children(recursive=True) if p.pid != stock_kernel_pid]
+    stock = [psutil.Process(stock_kernel_pid)] if stock_kernel_pid is not None else []
+    return {"tandem": [me, *others], "ipykernel": [me, *stock]}
+
+
 def measure(cells: int, block: int, warmup: int) -> dict[str, Any]:
     kernels = {name: start(spec) for name, spec in (("tandem", "tandem"), ("ipykernel", "python3"))}
     samples: dict[str, list[float]] = {name: [] for name in kernels}
+    cpu_s: dict[str, float] = {name: 0.0 for name in kernels}
     try:
         for _, kc in kernels.values():
             for _ in range(warmup):
                 one_cell(kc)
+        stock = kernels["ipykernel"][0].provisioner
+        stock_pid = getattr(getattr(stock, "process", None), "pid", None)
+        processes = side_processes(stock_pid)  # after warm-up: every replica is up
         while min(len(s) for s in samples.values()) < cells:
             for name, (_, kc) in kernels.items():
+                before = cpu_seconds(processes[name])
                 for _ in range(min(block, cells - len(samples[name]))):
                     samples[name].append(one_cell(kc))
+                cpu_s[name] += cpu_seconds(processes[name]) - before
     finally:
         for km, kc in kernels.values():
             kc.stop_channels()
@@ -110,6 +143,7 @@ def measure(cells: int, block: int, warmup: int) -> dict[str, Any]:
         result[f"{name}_p50_ms"] = round(statistics.median(values), 3)
         result[f"{name}_p99_ms"] = round(percentile(values, 99), 3)
         result[f"{name}_mean_ms"] = round(statistics.fmean(values), 3)
+        result[f"{name}_cpu_ms_per_cell"] = round(cpu_s[name] * 1000.0 / len(values), 3)
     result["ratio_p50"] = round(result["tandem_p50_ms"] / result["ipykernel_p50_ms"], 3)
     result["meets_targets"] = result["ratio_p50"] <= 1.3 and result["tandem_p99_ms"] <= 20.0
     return result
