@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         snapshot_every=config.get("raft.snapshot_every"),
         raft_fsync=config.get("raft.fsync"),
         raft_transport=config.get("raft.transport"),
+        lead_deferral_s=config.get("raft.lead_deferral_ms") / 1000,
         propose_votes=os.environ.get("TANDEM_PROPOSE_VOTES", "1") != "0",
         executor_silence_s=float(os.environ.get("TANDEM_EXECUTOR_SILENCE_S", "10")),
     )

@@ -4,7 +4,9 @@ Every replica feeds the same committed log entries in the same order, so every r
 same decisions without talking about them: for each cell (msg_id) the first committed LEAD from a
 current voter wins; if every current voter has YIELDed before any LEAD, the election failed; later
 LEAD/YIELD entries for a decided msg_id change nothing. DONE records the reply every replica sends
-(the first DONE per msg_id counts, which is what makes a retried msg_id run at most once). STATE is
+(the first DONE per msg_id counts, which is what makes a retried msg_id run at most once); a DONE
+that carries its executor's LEAD (a cell that ended before its LEAD was proposed) is that LEAD
+followed by that DONE, and nothing at all if the LEAD does not win. STATE is
 accepted only for the latest DONE, so a namespace update that arrives too late can never overwrite
 a newer cell's state (the replica that executed meanwhile gave up waiting for it).
 
@@ -14,7 +16,7 @@ No I/O, no clock, no threads: the Raft thread owns one instance and serialises a
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kernel_replica.log_entries import Done, Lead, LogEntry, Progress, State, Vote, Votes, Yield
@@ -207,6 +209,17 @@ class ElectionBook:
     def _on_done(self, entry: Done) -> list[BookEvent]:
         if entry.msg_id in self._done:
             return [EntryIgnored(entry, "duplicate DONE")]
+        decided: list[BookEvent] = []
+        if entry.claims_lead:  # its LEAD first, as if committed just before it
+            decided = self._on_lead(Lead(entry.msg_id, entry.replica_id))
+            outcome = self._elections[entry.msg_id].outcome
+            if outcome is None:
+                return [EntryIgnored(entry, "DONE carrying a LEAD from a non-voter")]
+            if outcome.winner != entry.replica_id:
+                lost = "had failed" if outcome.failed else f"was won by {outcome.winner}"
+                return [EntryIgnored(entry, f"DONE carrying a LEAD for an election that {lost}")]
+            decided = [e for e in decided if isinstance(e, ElectionDecided)]
+            entry = replace(entry, claims_lead=False)  # the LEAD is spent (snapshots drop the flag)
         # Only the winner proposes DONE; whoever proposed the first one, it counts, so the cell is
         # never run again.
         self._done[entry.msg_id] = entry
@@ -216,7 +229,7 @@ class ElectionBook:
                 del self._running[msg_id]
                 if msg_id == entry.msg_id:
                     break
-        return [CellDone(entry)]
+        return [*decided, CellDone(entry)]
 
     def _all_yielded(self, election: _Election) -> bool:
         return bool(self._voters) and self._voters <= election.yielded

@@ -216,7 +216,7 @@ class TandemKernel(IPythonKernel):
         metadata = self.init_metadata(parent)
         started = time.perf_counter()
         timing: dict[str, float] = {}
-        executed = replayed = no_executor = False
+        executed = replayed = no_executor = lead_with_done = False
         bridge = self._bridge
         if bridge is None:
             reply, role = (
@@ -248,17 +248,9 @@ class TandemKernel(IPythonKernel):
                     timing["run_ms"] = (time.perf_counter() - ran) * 1000
                     timing |= self._residency.timings  # to_gpu_ms / to_host_ms, when tensors moved
                     role, executed = EXECUTOR, True
-                    if decision.lead_pending and not bridge.core.lead_won(msg_id):
-                        confirming = time.perf_counter()  # started before its LEAD committed
-                        if not await bridge.call(bridge.core.confirm_lead(msg_id)):
-                            reply = error_content(
-                                "ExecutorConflict",
-                                f"replica {self.replica_id} ran this cell but lost the executor "
-                                "election (its Raft leadership ended); another replica ran it too",
-                                self._count(),
-                            )
-                            role, executed = STANDBY, False
-                        timing["confirm_ms"] = (time.perf_counter() - confirming) * 1000
+                    # started before its LEAD committed (or was proposed): the LEAD rides in the
+                    # DONE, and the reply waits for that commit
+                    lead_with_done = decision.lead_pending and not bridge.core.lead_won(msg_id)
                 case BindFailed(reason=reason):
                     reply = error_content(
                         "GpuUnavailable",
@@ -288,6 +280,24 @@ class TandemKernel(IPythonKernel):
                 case Unavailable(reason=reason):
                     log.warning("cell_not_run", reason=reason)
                     reply, role = error_content("ReplicaUnavailable", reason, self._count()), STANDBY
+        idle: list[bytes] | None = None
+        if executed and bridge is not None:
+            # Replied before DONE commits when the LEAD has: the committed LEAD already makes the
+            # cell run at most once. The namespace changes are taken now, before the next cell
+            # can change them, and idle goes out once DONE and STATE are committed: idle means
+            # the cell's state is held by a majority of the replicas, so a client that kills the
+            # executor as soon as it sees idle still finds the cell's variables on the next
+            # executor. (Idle before that commit lost them in some such runs: 4 of 5 when idle
+            # preceded the planning, 1 CI run when it followed the hand-off to the Raft thread.)
+            # ipykernel's flushes after the handler cost nothing: nothing was queued on IOPub
+            # since the cell's own flush (streams.py).
+            idle = self._serialized_idle(parent)
+            if lead_with_done:
+                timing |= await self._replicate(
+                    bridge, msg_id, code, reply, log, execute_args, lead_with_done
+                )
+                if not bridge.core.lead_won(msg_id):
+                    reply, role, executed = await self._confirm_lead(bridge, msg_id, reply, timing)
         timing["total_ms"] = (time.perf_counter() - started) * 1000
         metadata = self.finish_metadata(parent, metadata, reply)
         metadata["tandem"] = {"replica_id": self.replica_id, "role": role}
@@ -300,26 +310,50 @@ class TandemKernel(IPythonKernel):
             # A ZMQStream only queues the reply; send it now, ahead of the idle that follows
             # (ipykernel would flush it only after publishing idle).
             stream.flush(zmq.POLLOUT)
-        if executed and bridge is not None:
-            # Replied before DONE commits: the committed LEAD already makes the cell run at most
-            # once. The namespace changes are taken now, before the next cell can change them,
-            # and idle goes out once DONE and STATE are committed: idle means the cell's state is
-            # held by a majority of the replicas, so a client that kills the executor as soon as
-            # it sees idle still finds the cell's variables on the next executor. (Idle before
-            # that commit lost them in some such runs: 4 of 5 when idle preceded the planning,
-            # 1 CI run when it followed the hand-off to the Raft thread.) ipykernel's flushes
-            # after the handler cost nothing: nothing was queued on IOPub since the cell's own
-            # flush (streams.py).
-            replied_at = time.time()
-            history = code if not silent and execute_args["store_history"] else None
-            idle = self._serialized_idle(parent)
-            timing |= await self._finish_in_background(bridge, msg_id, code, reply, log, history)
+        if executed and bridge is not None and idle is not None:
+            if not lead_with_done:
+                timing |= await self._replicate(bridge, msg_id, code, reply, log, execute_args)
             self._publish_executor_idle(parent, idle)
-            if self._trace_sync:  # wall clock: the standbys' state_applied lines are compared to it
-                log.info("state_sent", replied_at=replied_at, proposed_at=time.time(), **timing)
         self._record_timing(role, reply, timing, log)
         if executed and bridge is not None:
             self._report_timing(bridge, msg_id, timing)
+
+    async def _replicate(
+        self,
+        bridge: RaftBridge,
+        msg_id: str,
+        code: str,
+        reply: dict[str, t.Any],
+        log: t.Any,
+        execute_args: dict[str, t.Any],
+        claims_lead: bool = False,
+    ) -> dict[str, float]:
+        """The cell's DONE and STATE, committed (``_finish_in_background``); timings."""
+        finished_at = time.time()
+        history = code if not execute_args["silent"] and execute_args["store_history"] else None
+        timing = await self._finish_in_background(bridge, msg_id, code, reply, log, history, claims_lead)
+        if self._trace_sync:  # wall clock: the standbys' state_applied lines are compared to it
+            log.info("state_sent", replied_at=finished_at, proposed_at=time.time(), **timing)
+        return timing
+
+    async def _confirm_lead(
+        self, bridge: RaftBridge, msg_id: str, reply: dict[str, t.Any], timing: dict[str, float]
+    ) -> tuple[dict[str, t.Any], str, bool]:
+        """A cell run before its LEAD committed, whose DONE did not settle the election here yet:
+        wait for the outcome. Lost: the other replica's reply is the cell's, this one is an error
+        and this replica is a standby for it. Returns (reply, role, executed)."""
+        confirming = time.perf_counter()
+        won = await bridge.call(bridge.core.confirm_lead(msg_id))
+        timing["confirm_ms"] = (time.perf_counter() - confirming) * 1000
+        if won:
+            return reply, EXECUTOR, True
+        conflict = error_content(
+            "ExecutorConflict",
+            f"replica {self.replica_id} ran this cell but lost the executor election (its Raft "
+            "leadership ended); another replica ran it too",
+            self._count(),
+        )
+        return conflict, STANDBY, False
 
     @staticmethod
     def _report_timing(bridge: RaftBridge, msg_id: str, timing: dict[str, float]) -> None:
@@ -478,6 +512,7 @@ class TandemKernel(IPythonKernel):
         reply: dict[str, t.Any],
         log: t.Any,
         history: str | None = None,
+        claims_lead: bool = False,
     ) -> dict[str, float]:
         """Steps 5 and 7 after the reply: find and encode the namespace changes here (the main
         thread owns the namespace, and the next cell must not change it first), then hand DONE
@@ -487,7 +522,7 @@ class TandemKernel(IPythonKernel):
         committed (at most ``IDLE_REPLICATION_WAIT_S``; large objects written behind are not
         waited for)."""
         assert self.shell is not None
-        done = Done(msg_id, self.replica_id, reply, self._count(), True, history)
+        done = Done(msg_id, self.replica_id, reply, self._count(), True, history, claims_lead)
         try:
             started = time.perf_counter()
             effects = analyse_cell(code, self._registry)

@@ -96,6 +96,10 @@ class Done:
     # (only its designated executor is), so this is how their history and function registry
     # learn it. None for silent cells, ``store_history=False``, and DONEs not from the executor.
     code: str | None = None
+    # The executor's LEAD rides in this DONE (a cell that ended before its LEAD was proposed,
+    # ``ReplicaSettings.lead_deferral_s``): the book applies the LEAD first, and ignores the
+    # DONE when the election was already won by another replica.
+    claims_lead: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +161,8 @@ def encode(entry: LogEntry) -> bytes:
             }
             if entry.code is not None:
                 body["h"] = entry.code
+            if entry.claims_lead:
+                body["l"] = True
         case Progress():
             body = {"k": PROGRESS, "m": entry.msg_id, "r": entry.replica_id}
         case State():
@@ -223,6 +229,7 @@ def decode(data: bytes) -> LogEntry:
         return Progress(msg_id, replica_id)
     if kind == DONE:
         content, count, follows, code = raw.get("c"), raw.get("n"), raw.get("s", True), raw.get("h")
+        claims_lead = raw.get("l", False)
         if not isinstance(content, dict) or not isinstance(content.get("status"), str):
             raise LogEntryError("DONE: content must be a map with a string 'status'")
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
@@ -231,7 +238,9 @@ def decode(data: bytes) -> LogEntry:
             raise LogEntryError("DONE: 's' must be a bool")
         if code is not None and not isinstance(code, str):
             raise LogEntryError(f"DONE: 'h' (the cell's code) must be a string, got {type(code).__name__}")
-        return Done(msg_id, replica_id, content, count, follows, code)
+        if not isinstance(claims_lead, bool):
+            raise LogEntryError("DONE: 'l' (claims the LEAD) must be a bool")
+        return Done(msg_id, replica_id, content, count, follows, code, claims_lead)
     digests, blob = raw.get("dg", {}), raw.get("ns", b"")
     deleted, skipped = raw.get("d", []), raw.get("sk", {})
     if not isinstance(digests, dict) or not all(

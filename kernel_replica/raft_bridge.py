@@ -105,6 +105,12 @@ class ReplicaSettings:
     # designation bypasses the election wait). See ``_execute_before_commit`` for the one case
     # this gives up: a leader cut off within the LEAD's round trip whose cell is then taken over.
     execute_before_commit: bool = True
+    # On that fast path the LEAD is proposed only once the cell has run this long; a cell that ends
+    # sooner sends its LEAD inside its DONE (``Done.claims_lead``), so a short cell costs one Raft
+    # round, not two, and its reply waits for that round instead of the LEAD's. Until the LEAD
+    # commits, the scheduler's ``elected`` event is what marks the cell as started (a replica lost
+    # before then fails the cell rather than run it elsewhere). 0: propose the LEAD at once.
+    lead_deferral_s: float = 0.02
 
 
 # ---- what the kernel is told to do with a cell ---------------------------------------------------
@@ -471,7 +477,12 @@ class ReplicaCore:
         except Exception:  # a bug here must not stop the replica applying its log
             self._log.exception("log_entry_failed", index=entry.index, kind=type(decoded).__name__)
 
-    def _on_conf_change(self, change: ConfChange, conf: ConfState) -> None:
+    def _on_conf_change(self, change: ConfChange | None, conf: ConfState) -> None:
+        """A membership change committed, or (``change`` None) a snapshot restored: the book
+        counts LEADs against these voters (a joiner's book restored from the bootstrap snapshot
+        has none: it would ignore every LEAD, and every DONE that carries one)."""
+        if change is None and self.book.voters == frozenset(conf.voters):
+            return
         self._handle(self.book.set_voters(conf.voters))
 
     def _handle(self, events: list[Any]) -> None:
@@ -483,7 +494,8 @@ class ReplicaCore:
                         # Standbys are not sent the cell: they learn it here, vote for the winner
                         # and watch it until its DONE.
                         self._vote_later(msg_id, winner)
-                        self._follow(msg_id, winner)
+                        if self.book.done(msg_id) is None:  # not a LEAD carried by its DONE
+                            self._follow(msg_id, winner)
                 case ElectionFailed(msg_id=msg_id):
                     self._resolve(self._election_waiters, msg_id, Outcome(None))
                 case ExecutorLost(msg_id=msg_id, executor=executor):
@@ -781,7 +793,6 @@ class ReplicaCore:
         reaches a follower and a standby takes the cell over ``election_wait_s`` later: then the
         user code has run twice, but only the new executor's reply reaches the client."""
         binding: asyncio.Future[list[int]] | None = None
-        self._spawn(self._propose_lead(msg_id))  # runs once this returns: the cell starts first
         try:
             # usually bound by the local scheduler as it forwarded the request: no await here
             device_ids = self.scheduler.bound_ahead(msg_id, self.settings.gpus)
@@ -793,6 +804,7 @@ class ReplicaCore:
                 device_ids = await binding
         except (RpcError, RpcTimeout, ValueError) as exc:
             log.warning("gpu_commit_failed", error=str(exc))
+            self._spawn(self._propose_lead(msg_id))
             if await self.confirm_lead(msg_id):
                 return BindFailed(str(exc))
             self._unbind_later(msg_id, binding)
@@ -802,7 +814,6 @@ class ReplicaCore:
             msg_id,
             device_ids,
             started,
-            lead_proposed=True,
             state_wait_ms=waited,
             bind_ms=(time.perf_counter() - bind_started) * 1000,
             state_missing=tuple(missing),
@@ -814,16 +825,16 @@ class ReplicaCore:
         device_ids: list[int],
         started: float,
         *,
-        lead_proposed: bool = False,
         state_wait_ms: float = 0.0,
         bind_ms: float = 0.0,
         state_missing: tuple[str, ...] | None = None,
     ) -> Execute:
-        """The fast path's decision: the LEAD proposed (it runs once this returns: the cell
-        starts first) and PROGRESS beats started."""
-        if not lead_proposed:
-            self._spawn(self._propose_lead(msg_id))
-        self._progress_task = asyncio.ensure_future(self._beat(msg_id))
+        """The fast path's decision: the LEAD proposed after ``lead_deferral_s`` unless the cell's
+        DONE carries it first (it runs once this returns: the cell starts first), then PROGRESS
+        beats."""
+        self._progress_task = asyncio.ensure_future(
+            self._beat(msg_id, lead_after_s=self.settings.lead_deferral_s)
+        )
         return Execute(
             device_ids,
             elect_ms=(time.perf_counter() - started) * 1000,
@@ -1004,8 +1015,13 @@ class ReplicaCore:
             if not fut.done():
                 fut.set_result(None)
 
-    async def _beat(self, msg_id: str) -> None:
-        """While this replica executes msg_id: PROGRESS entries tell the standbys it is alive."""
+    async def _beat(self, msg_id: str, *, lead_after_s: float | None = None) -> None:
+        """While this replica executes msg_id: PROGRESS entries tell the standbys it is alive.
+        ``lead_after_s``: first the cell's LEAD, after that long (``lead_deferral_s``)."""
+        if lead_after_s is not None:
+            if lead_after_s > 0:
+                await asyncio.sleep(lead_after_s)
+            self._spawn(self._propose_lead(msg_id))
         while True:
             await asyncio.sleep(self.settings.progress_interval_s)
             with contextlib.suppress(RaftError):

@@ -106,6 +106,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # Replica-to-replica Raft messages: "tcp" (asyncio streams; shared/raft/tcp_transport.py
         # says why) or "zmq" (DEALER/ROUTER, like the services).
         "transport": "tcp",
+        # The designated executor proposes its LEAD once its cell has run this long; a cell that
+        # ends sooner sends the LEAD inside its DONE: one Raft round per short cell, not two
+        # (kernel_replica/raft_bridge.py, ReplicaSettings.lead_deferral_s). 0: the LEAD at once.
+        "lead_deferral_ms": 20,
     },
     "gateway": {
         # The Jupyter-facing edge. Port 0 picks a free port (the embedded cluster); a node

@@ -33,6 +33,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 REPLICAS = ("r1", "r2", "r3")
 KERNEL_ID = "k-test"
+LEAD_DEFERRAL_MS = 1000
 
 
 class FakeLocalScheduler:
@@ -147,8 +148,9 @@ class Cluster:
                 sys.executable, "-m", "kernel_replica",
                 "--kernel-id", KERNEL_ID, "--replica-id", rid, "--connection-file", str(self.tmp / f"{rid}.json"),
                 "--local-scheduler", self.scheduler.address, "--data-dir", str(self.tmp / rid),
-                # snapshot often, so the restart test restores from a snapshot plus a log suffix
-                "--config-json", json.dumps({"raft": {"snapshot_every": 8}}),
+                # snapshot often, so the restart test restores from a snapshot plus a log suffix;
+                # a designated executor's LEAD waits 1 s (the conflict test needs the time)
+                "--config-json", json.dumps({"raft": {"snapshot_every": 8, "lead_deferral_ms": LEAD_DEFERRAL_MS}}),
             ],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
@@ -332,18 +334,7 @@ def test_a_designated_leader_runs_on_gpus_bound_ahead_without_asking(cluster: Cl
          "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
     )  # fmt: skip
     msg_id = msg["header"]["msg_id"]
-    push = Envelope(
-        messages.GPU_BOUND,
-        {
-            "kernel_id": KERNEL_ID,
-            "replica_id": leader,
-            "msg_id": msg_id,
-            "device_ids": [7],
-            "designated": True,
-        },
-    )
-    cluster.scheduler._outbox.put((cluster.scheduler.identities[leader], push))
-    time.sleep(0.5)  # the real local scheduler sends the push before it forwards the request
+    _push_designated(cluster, leader, msg_id)
     replies = cluster.replies(cluster.send_cell("", leader, msg=msg))
     assert roles(replies)[leader] == "executor"
     assert sorted(roles(replies).values()) == ["executor", "standby", "standby"]
@@ -353,6 +344,53 @@ def test_a_designated_leader_runs_on_gpus_bound_ahead_without_asking(cluster: Cl
     assert [(e["replica_id"], e["detail"]["gpus"]) for e in elected] == [(leader, [7])]
     outputs = cluster.iopub(leader, msg_id)
     assert [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"] == ["7\n"]
+
+
+def _push_designated(cluster: Cluster, replica: str, msg_id: str) -> None:
+    """What the local scheduler sends ahead of a cell only ``replica`` is sent: GPUs bound."""
+    push = Envelope(
+        messages.GPU_BOUND,
+        {
+            "kernel_id": KERNEL_ID,
+            "replica_id": replica,
+            "msg_id": msg_id,
+            "device_ids": [7],
+            "designated": True,
+        },
+    )
+    cluster.scheduler._outbox.put((cluster.scheduler.identities[replica], push))
+    time.sleep(0.5)  # the real local scheduler sends the push before it forwards the request
+
+
+def test_a_designated_leader_whose_lead_was_beaten_replies_executor_conflict(cluster: Cluster) -> None:
+    """The designated leader starts a cell before proposing its LEAD (``lead_deferral_ms``), and
+    another replica takes the cell over and wins the election meanwhile (the global scheduler
+    does that for a candidate it found silent): the leader's DONE, which carries its LEAD, is
+    ignored, and its reply is an ``ExecutorConflict`` error; the winner's outcome is the cell's."""
+    leader = _raft_leader(cluster)
+    rival = next(r for r in REPLICAS if r != leader)
+    assert cluster.run("conflict_runs = 0", leader)[leader]["content"]["status"] == "ok"
+    msg = cluster.clients[leader].session.msg(
+        "execute_request",
+        {"code": "import time\ntime.sleep(0.3)\nconflict_runs += 1", "silent": False,
+         "store_history": True, "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
+    )  # fmt: skip
+    _push_designated(cluster, leader, msg["header"]["msg_id"])
+    cluster.send_cell("", leader, to=(leader,), msg=msg)
+    time.sleep(0.05)  # the leader is inside the cell; its LEAD is not proposed yet
+    cluster.send_cell("", rival, to=(rival,), msg=msg)
+    replies = cluster.replies(msg, to=(leader, rival))
+    assert replies[rival]["content"]["status"] == "ok" and roles(replies)[rival] == "executor"
+    conflict = replies[leader]["content"]
+    assert conflict["status"] == "error" and conflict["ename"] == "ExecutorConflict", conflict
+    assert roles(replies)[leader] == "standby"
+    # every replica holds the winner's state: the cell ran once as far as the notebook knows
+    for rid in REPLICAS:
+        check = cluster.send_cell("", rid, msg=cluster.clients[rid].session.msg(
+            "execute_request", {"code": "", "silent": False, "user_expressions": {"n": "conflict_runs"}}
+        ))  # fmt: skip
+        content = cluster.replies(check)[rid]["content"]
+        assert content["user_expressions"]["n"]["data"]["text/plain"] == "1", (rid, content)
 
 
 def test_duplicate_msg_id_runs_at_most_once(cluster: Cluster) -> None:

@@ -134,6 +134,40 @@ def test_a_cell_decided_before_the_previous_done_waits_for_it() -> None:
     assert restored.unfinished_before("p") == book.unfinished_before("p") == []
 
 
+def test_a_done_carrying_its_lead_decides_the_election_and_finishes_the_cell() -> None:
+    book = ElectionBook(VOTERS)
+    events = book.apply(Done("m", "r1", {"status": "ok"}, 1, claims_lead=True))
+    assert events[0] == ElectionDecided("m", "r1") and isinstance(events[1], CellDone)
+    assert book.awaiting_state() == "m" and book.unfinished_before("n") == []
+    assert book.apply(State("m", "r1")) == [StateAccepted(State("m", "r1"))]
+    assert isinstance(book.apply(Lead("m", "r1"))[0], EntryIgnored)  # its own LEAD, proposed late
+
+
+def test_a_done_carrying_a_lead_that_lost_is_ignored_with_its_state() -> None:
+    # r1 ran the cell before proposing its LEAD, but r2 took the cell over and its LEAD came first
+    book = ElectionBook(VOTERS)
+    feed(book, [Lead("m", "r2")])
+    ignored = book.apply(Done("m", "r1", {"status": "ok"}, 1, claims_lead=True))
+    assert len(ignored) == 1 and isinstance(ignored[0], EntryIgnored) and "r2" in ignored[0].reason
+    assert book.done("m") is None and book.unfinished_before("n") == ["m"]
+    assert isinstance(book.apply(State("m", "r1"))[0], EntryIgnored)
+    assert isinstance(book.apply(Done("m", "r2", {"status": "ok"}, 1))[0], CellDone)
+
+
+def test_a_done_carrying_a_lead_from_a_non_voter_is_ignored() -> None:
+    book = ElectionBook(VOTERS)
+    assert isinstance(book.apply(Done("m", "r9", {"status": "ok"}, 1, claims_lead=True))[0], EntryIgnored)
+    assert book.done("m") is None and book.outcome("m") is None
+
+
+def test_a_done_carrying_a_lead_already_committed_counts_once() -> None:
+    book = ElectionBook(VOTERS)
+    feed(book, [Lead("m", "r1")])
+    assert book.apply(Done("m", "r1", {"status": "ok"}, 1, claims_lead=True)) == [
+        CellDone(Done("m", "r1", {"status": "ok"}, 1))
+    ]
+
+
 # ---- properties ----------------------------------------------------------------------------------
 
 replica_ids = st.sampled_from(["r1", "r2", "r3", "r4"])
@@ -143,10 +177,11 @@ entries = st.one_of(
     st.builds(lambda m, r, p: Yield(m, r, p), msg_ids, replica_ids, replica_ids),
     st.builds(Vote, msg_ids, replica_ids, replica_ids),
     st.builds(
-        lambda m, r, n: Done(m, r, {"status": "ok", "execution_count": n}, n + 1),
+        lambda m, r, n, lead: Done(m, r, {"status": "ok", "execution_count": n}, n + 1, claims_lead=lead),
         msg_ids,
         replica_ids,
         st.integers(0, 9),
+        st.booleans(),
     ),
     st.builds(lambda m, r: State(m, r, {"x": m.encode()}, m.encode()), msg_ids, replica_ids),
 )
@@ -173,15 +208,24 @@ def test_every_replica_feeding_the_same_log_decides_the_same(log: list[LogEntry]
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(entries, max_size=40))
-def test_winner_is_the_first_voter_lead_before_all_voters_yield(log: list[LogEntry]) -> None:
+def test_winner_is_the_first_voter_lead_before_all_voters_yield_and_a_losing_done_never_counts(
+    log: list[LogEntry],
+) -> None:
     book = ElectionBook(VOTERS)
     feed(book, log)
     for m in ("a", "b", "c"):
         yielded: set[str] = set()
         expected: str | None = None
-        decided = False
+        decided = done = False
         for entry in log:
-            if entry.msg_id != m or decided:
+            if entry.msg_id != m:
+                continue
+            if isinstance(entry, Done) and not done:
+                # a DONE carrying its LEAD is that LEAD first, and counts only if that LEAD won
+                if entry.claims_lead and not decided and entry.replica_id in VOTERS:
+                    expected, decided = entry.replica_id, True
+                done = not entry.claims_lead or (decided and expected == entry.replica_id)
+            if decided:
                 continue
             if isinstance(entry, Lead) and entry.replica_id in VOTERS:
                 expected, decided = entry.replica_id, True
@@ -193,3 +237,4 @@ def test_winner_is_the_first_voter_lead_before_all_voters_yield(log: list[LogEnt
             assert outcome is None
         else:
             assert outcome is not None and outcome.winner == expected
+        assert (book.done(m) is not None) == done

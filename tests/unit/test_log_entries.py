@@ -34,6 +34,7 @@ from kernel_replica.log_entries import (
         Done("m1", "r1", {"status": "ok", "execution_count": 4}, 5, code="x = 1"),
         Done("m1", "r1", {"status": "ok", "execution_count": 4, "payload": []}, 5),
         Done("m1", "r1", {"status": "error", "ename": "E"}, 5, state_follows=False),
+        Done("m1", "r1", {"status": "ok", "execution_count": 4}, 5, code="x = 1", claims_lead=True),
         State("m1", "r1", {"x": b"\x01" * 16}, b"\x80\x05}\x94.", ("y",), {"f": "not picklable"}),
         State("m1", "r1", gpu_resident=(("model", (), "module"), ("d", ("w", 0), "tensor"))),
     ],
@@ -61,6 +62,10 @@ def test_round_trip(entry: object) -> None:
         (
             msgpack.packb({"t": 1, "k": "DONE", "m": "a", "r": "b", "c": {"status": "ok"}, "n": 1, "h": 3}),
             "code",
+        ),
+        (
+            msgpack.packb({"t": 1, "k": "DONE", "m": "a", "r": "b", "c": {"status": "ok"}, "n": 1, "l": 1}),
+            "claims the LEAD",
         ),
     ],
 )
