@@ -6,7 +6,9 @@ than the changes being measured). So both revisions run side by side: each is ch
 temporary git worktree (``.`` means this checkout as it is, uncommitted changes included) and runs
 its own embedded cluster (``tandem up`` in that worktree, with this interpreter), and one client
 sends blocks of ``x = 1`` cells to A, to B and to a stock ipykernel in turn, as
-``scripts/bench_latency.py`` does for one revision. Every slow second then hits all three alike.
+``scripts/bench_latency.py`` does for one revision (A and B take turns going first: the side
+measured right after the stock kernel ran slightly faster). Every slow second then hits all three
+alike.
 
 Prints one JSON line: per revision ``p50_ms``, ``p99_ms``, ``ratio_p50`` (to the stock kernel's
 p50) and ``cpu_ms_per_cell`` (the client plus that cluster's processes, all threads, per cell;
@@ -119,8 +121,10 @@ def measure(
             for _ in range(warmup):
                 one_cell(kc)
         processes = {side: [me, *tree_of(ups[side])] for side in SIDES}  # after warm-up: replicas up
-        for _ in range(rounds):
-            for name, (_, kc) in kernels.items():
+        for round_ in range(rounds):
+            order = ("a", "b", "ipykernel") if round_ % 2 == 0 else ("b", "a", "ipykernel")
+            for name in order:  # A and B take turns going first: no side gains from the order
+                kc = kernels[name][1]
                 before = cpu_seconds(processes[name]) if name in cpu else 0.0
                 samples[name].append([one_cell(kc) for _ in range(block)])
                 if name in cpu:
