@@ -221,8 +221,15 @@ class ElectionBook:
             decided = [e for e in decided if isinstance(e, ElectionDecided)]
             entry = replace(entry, claims_lead=False)  # the LEAD is spent (snapshots drop the flag)
         # Only the winner proposes DONE; whoever proposed the first one, it counts, so the cell is
-        # never run again.
+        # never run again. The winner's DONE is also its VOTE (it appends no VOTE of its own).
         self._done[entry.msg_id] = entry
+        election = self._elections.get(entry.msg_id)
+        if (
+            election is not None
+            and election.outcome is not None
+            and election.outcome.winner == entry.replica_id
+        ):
+            election.votes.setdefault(entry.replica_id, entry.replica_id)
         self._awaiting_state = entry.msg_id if entry.state_follows else None
         if entry.msg_id in self._running:
             for msg_id in list(self._running):

@@ -1032,8 +1032,7 @@ class ReplicaCore:
         self._stop_beat()
         if release_gpus:
             self._spawn(self._release(done.msg_id))
-        self._vote_later(done.msg_id, self.replica_id)
-        await self.propose(done)
+        await self.propose(done)  # the winner's DONE is also its VOTE (ElectionBook)
 
     def _stop_beat(self) -> None:
         if self._progress_task is not None:
@@ -1061,8 +1060,7 @@ class ReplicaCore:
         DONE and STATE are committed (with write-behind, once DONE is: the upload is not waited
         for), or once that has failed: the kernel publishes idle then. The GPUs were released by
         the local scheduler as the reply went by (its ``_release_on_reply``)."""
-        self._stop_beat()
-        self._vote_later(done.msg_id, self.replica_id)
+        self._stop_beat()  # no VOTE of its own: the winner's DONE is that (ElectionBook)
         previous = self._finish_tail
         tail: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._finish_tail = tail

@@ -168,6 +168,15 @@ def test_a_done_carrying_a_lead_already_committed_counts_once() -> None:
     ]
 
 
+def test_the_winners_done_is_its_vote_and_a_stand_ins_is_not() -> None:
+    book = ElectionBook(VOTERS)
+    feed(book, [Lead("m", "r1"), Vote("m", "r2", "r1"), Done("m", "r1", {"status": "ok"}, 1)])
+    feed(book, [Lead("n", "r2"), Done("n", "r3", {"status": "error", "ename": "ExecutorLost"}, 1, False)])
+    elections = book.to_snapshot()["elections"]
+    assert elections["m"]["votes"] == {"r2": "r1", "r1": "r1"}
+    assert elections["n"]["votes"] == {}
+
+
 # ---- properties ----------------------------------------------------------------------------------
 
 replica_ids = st.sampled_from(["r1", "r2", "r3", "r4"])
