@@ -81,10 +81,20 @@ class _Election:
     outcome: Outcome | None = None
 
 
-class ElectionBook:
-    """Decisions for every msg_id seen in the log, plus the voters they are counted against."""
+# Elections and DONEs remembered: the oldest beyond this are forgotten (in log order, so every
+# replica forgets the same ones). Only a request retried after this many newer cells could run
+# twice; without a bound the book, and every snapshot of it, grew with each cell ever run.
+DECIDED_KEPT = 4096
 
-    def __init__(self, voters: Iterable[str] = ()) -> None:
+
+class ElectionBook:
+    """Decisions for the latest msg_ids seen in the log (``DECIDED_KEPT``), plus the voters they
+    are counted against."""
+
+    def __init__(self, voters: Iterable[str] = (), *, keep: int = DECIDED_KEPT) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        self._keep = keep
         self._voters: frozenset[str] = frozenset(voters)
         self._elections: dict[str, _Election] = {}
         self._done: dict[str, Done] = {}
@@ -164,7 +174,7 @@ class ElectionBook:
             case Yield():
                 return self._on_yield(entry)
             case Vote():
-                election = self._elections.setdefault(entry.msg_id, _Election())
+                election = self._election(entry.msg_id)
                 election.votes[entry.replica_id] = entry.winner
                 if election.outcome is not None and election.outcome.winner != entry.winner:
                     return [
@@ -185,7 +195,7 @@ class ElectionBook:
         raise TypeError(f"not a log entry: {type(entry).__name__}")
 
     def _on_lead(self, entry: Lead) -> list[BookEvent]:
-        election = self._elections.setdefault(entry.msg_id, _Election())
+        election = self._election(entry.msg_id)
         election.leads.append(entry.replica_id)
         if election.outcome is not None:
             return [EntryIgnored(entry, "election already decided")]
@@ -197,7 +207,7 @@ class ElectionBook:
         return [ElectionDecided(entry.msg_id, entry.replica_id)]
 
     def _on_yield(self, entry: Yield) -> list[BookEvent]:
-        election = self._elections.setdefault(entry.msg_id, _Election())
+        election = self._election(entry.msg_id)
         if election.outcome is not None:
             return [EntryIgnored(entry, "election already decided")]
         election.yielded.add(entry.replica_id)
@@ -223,6 +233,8 @@ class ElectionBook:
         # Only the winner proposes DONE; whoever proposed the first one, it counts, so the cell is
         # never run again. The winner's DONE is also its VOTE (it appends no VOTE of its own).
         self._done[entry.msg_id] = entry
+        while len(self._done) > self._keep:
+            del self._done[next(iter(self._done))]
         election = self._elections.get(entry.msg_id)
         if (
             election is not None
@@ -237,6 +249,15 @@ class ElectionBook:
                 if msg_id == entry.msg_id:
                     break
         return [*decided, CellDone(entry)]
+
+    def _election(self, msg_id: str) -> _Election:
+        """msg_id's election, opened if new (then the oldest beyond ``keep`` is forgotten)."""
+        election = self._elections.get(msg_id)
+        if election is None:
+            election = self._elections[msg_id] = _Election()
+            while len(self._elections) > self._keep:
+                del self._elections[next(iter(self._elections))]
+        return election
 
     def _all_yielded(self, election: _Election) -> bool:
         return bool(self._voters) and self._voters <= election.yielded
@@ -265,8 +286,8 @@ class ElectionBook:
         }
 
     @classmethod
-    def from_snapshot(cls, data: dict[str, Any]) -> ElectionBook:
-        book = cls(data["voters"])
+    def from_snapshot(cls, data: dict[str, Any], *, keep: int = DECIDED_KEPT) -> ElectionBook:
+        book = cls(data["voters"], keep=keep)
         for msg_id, raw in data["elections"].items():
             book._elections[msg_id] = _Election(
                 leads=list(raw["leads"]),
@@ -276,6 +297,9 @@ class ElectionBook:
             )
         for msg_id, (replica_id, content, count, follows) in data["done"].items():
             book._done[msg_id] = Done(msg_id, replica_id, content, count, follows)
+        for table in (book._elections, book._done):  # a snapshot from a book that kept more
+            for msg_id in list(table)[: max(0, len(table) - keep)]:
+                del table[msg_id]
         book._awaiting_state = data["awaiting_state"]
         book._running = {str(m): str(w) for m, w in data.get("running") or ()}
         return book

@@ -177,6 +177,20 @@ def test_the_winners_done_is_its_vote_and_a_stand_ins_is_not() -> None:
     assert elections["n"]["votes"] == {}
 
 
+def test_the_book_forgets_the_oldest_cells_beyond_its_bound_and_snapshots_stay_small() -> None:
+    book = ElectionBook(VOTERS, keep=8)
+    for i in range(20):
+        feed(book, [Lead(f"m{i}", "r1"), Done(f"m{i}", "r1", {"status": "ok"}, i + 1)])
+    assert book.done("m11") is None and book.outcome("m11") is None  # forgotten
+    assert book.done("m12") is not None and book.outcome("m19") is not None
+    snapshot = book.to_snapshot()
+    assert len(snapshot["elections"]) == len(snapshot["done"]) == 8
+    assert book.last_done() == Done("m19", "r1", {"status": "ok"}, 20)
+    # a book restored with a smaller bound keeps only the newest
+    small = ElectionBook.from_snapshot(snapshot, keep=3)
+    assert [m for m in ("m16", "m17", "m18", "m19") if small.done(m)] == ["m17", "m18", "m19"]
+
+
 # ---- properties ----------------------------------------------------------------------------------
 
 replica_ids = st.sampled_from(["r1", "r2", "r3", "r4"])
@@ -205,11 +219,11 @@ def decisions(book: ElectionBook) -> dict[str, object]:
 def test_every_replica_feeding_the_same_log_decides_the_same(log: list[LogEntry], cut: int) -> None:
     # Replica A applies the whole log; replica B restarts at `cut` from a snapshot (the way a
     # restarted or joining replica catches up) and applies the rest.
-    a = ElectionBook(VOTERS)
+    a = ElectionBook(VOTERS, keep=2)  # small: forgetting must be the same everywhere too
     feed(a, log)
-    b = ElectionBook(VOTERS)
+    b = ElectionBook(VOTERS, keep=2)
     feed(b, log[:cut])
-    b = ElectionBook.from_snapshot(b.to_snapshot())
+    b = ElectionBook.from_snapshot(b.to_snapshot(), keep=2)
     feed(b, log[cut:])
     assert decisions(a) == decisions(b)
     assert a.last_done() == b.last_done()
