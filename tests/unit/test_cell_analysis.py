@@ -196,7 +196,10 @@ def test_names_to_check_filters_expands_aliases_and_sharing() -> None:
 # ----- soundness: whatever a generated cell changes is found by analysis + sharing --------------
 
 SETUP = """
-import contextlib
+import contextlib, sys, types
+# a module of its own per namespace: the templates set attributes on what they import, and on a
+# real one (math) that leaked into other tests' star imports
+sys.modules["tandem_scratch_module"] = types.ModuleType("tandem_scratch_module")
 class Obj:
     def __init__(self):
         self.v = [0]
@@ -229,7 +232,7 @@ TEMPLATES = [
     "h = lambda: {x}.append(2)\nh()",
     "def g():\n    global {x}\n    {x} = 9\ng()",
     "match {y}:\n    case [{x}, *_]:\n        pass\n    case _:\n        pass",
-    "import math as {x}",
+    "import tandem_scratch_module as {x}",
     "if True:\n    {x} = [1]",
     "[{x}.append(i) for i in range(2)]",
     "{x}, *{y} = [1, 2, 3]",
