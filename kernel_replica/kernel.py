@@ -293,8 +293,8 @@ class TandemKernel(IPythonKernel):
             # since the cell's own flush (streams.py).
             idle = self._serialized_idle(parent)
             if lead_with_done:
-                timing |= await self._replicate(
-                    bridge, msg_id, code, reply, log, execute_args, lead_with_done
+                timing |= await self._replicate_cell(
+                    bridge, msg_id, code, reply, log, execute_args, claims_lead=True
                 )
                 if not bridge.core.lead_won(msg_id):
                     reply, role, executed = await self._confirm_lead(bridge, msg_id, reply, timing)
@@ -312,29 +312,11 @@ class TandemKernel(IPythonKernel):
             stream.flush(zmq.POLLOUT)
         if executed and bridge is not None and idle is not None:
             if not lead_with_done:
-                timing |= await self._replicate(bridge, msg_id, code, reply, log, execute_args)
+                timing |= await self._replicate_cell(bridge, msg_id, code, reply, log, execute_args)
             self._publish_executor_idle(parent, idle)
         self._record_timing(role, reply, timing, log)
         if executed and bridge is not None:
             self._report_timing(bridge, msg_id, timing)
-
-    async def _replicate(
-        self,
-        bridge: RaftBridge,
-        msg_id: str,
-        code: str,
-        reply: dict[str, t.Any],
-        log: t.Any,
-        execute_args: dict[str, t.Any],
-        claims_lead: bool = False,
-    ) -> dict[str, float]:
-        """The cell's DONE and STATE, committed (``_finish_in_background``); timings."""
-        finished_at = time.time()
-        history = code if not execute_args["silent"] and execute_args["store_history"] else None
-        timing = await self._finish_in_background(bridge, msg_id, code, reply, log, history, claims_lead)
-        if self._trace_sync:  # wall clock: the standbys' state_applied lines are compared to it
-            log.info("state_sent", replied_at=finished_at, proposed_at=time.time(), **timing)
-        return timing
 
     async def _confirm_lead(
         self, bridge: RaftBridge, msg_id: str, reply: dict[str, t.Any], timing: dict[str, float]
@@ -408,7 +390,7 @@ class TandemKernel(IPythonKernel):
         self, parent: dict[str, t.Any], args: dict[str, t.Any], device_ids: list[int], log: t.Any
     ) -> dict[str, t.Any]:
         """Step 5 on the executor: run with the bound GPUs; returns the reply (DONE commits after
-        the reply, see ``_finish_in_background``)."""
+        the reply, see ``_replicate_cell``)."""
         assert self.shell is not None
         if not args["silent"]:
             self._publish_execute_input(args["code"], parent, self.execution_count)
@@ -504,24 +486,27 @@ class TandemKernel(IPythonKernel):
         return int(self.shell.execution_count) if self.shell is not None else 0
 
     # ---- DONE and state replication ------------------------------------------------------------------
-    async def _finish_in_background(
+    async def _replicate_cell(
         self,
         bridge: RaftBridge,
         msg_id: str,
         code: str,
         reply: dict[str, t.Any],
         log: t.Any,
-        history: str | None = None,
+        execute_args: dict[str, t.Any],
+        *,
         claims_lead: bool = False,
     ) -> dict[str, float]:
-        """Steps 5 and 7 after the reply: find and encode the namespace changes here (the main
+        """Steps 5 and 7 as the cell ends: find and encode the namespace changes here (the main
         thread owns the namespace, and the next cell must not change it first), then hand DONE
-        and STATE to the Raft thread, which commits them in order without the kernel waiting.
-        Returns the replication steps' timings (ms). ``history``: the code the standbys put in
-        their input history (None: the cell is not stored there). Returns once DONE and STATE are
-        committed (at most ``IDLE_REPLICATION_WAIT_S``; large objects written behind are not
-        waited for)."""
+        and STATE to the Raft thread, which commits them in order. ``claims_lead``: the DONE
+        carries this replica's LEAD (``Done.claims_lead``). Returns the replication steps'
+        timings (ms) once DONE and STATE are committed (at most ``IDLE_REPLICATION_WAIT_S``;
+        large objects written behind are not waited for)."""
         assert self.shell is not None
+        finished_at = time.time()
+        # the code the standbys put in their input history (None: not stored there)
+        history = code if not execute_args["silent"] and execute_args["store_history"] else None
         done = Done(msg_id, self.replica_id, reply, self._count(), True, history, claims_lead)
         try:
             started = time.perf_counter()
@@ -580,6 +565,8 @@ class TandemKernel(IPythonKernel):
                 pointers=sum(1 for g in plan.groups if g.get("pointer")),
                 **{k: round(v, 3) for k, v in timings.items()},
             )
+        if self._trace_sync:  # wall clock: the standbys' state_applied lines are compared to it
+            log.info("state_sent", replied_at=finished_at, proposed_at=time.time(), **timings)
         return timings
 
     async def _get_codec(self) -> ObjectCodec:

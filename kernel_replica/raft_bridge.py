@@ -103,7 +103,8 @@ class ReplicaSettings:
     # The designated candidate, when it is the Raft leader, starts the cell as soon as its LEAD is
     # in its own log and confirms the commit before it replies (NotebookOS §3.2.2: a scheduler
     # designation bypasses the election wait). See ``_execute_before_commit`` for the one case
-    # this gives up: a leader cut off within the LEAD's round trip whose cell is then taken over.
+    # this gives up: a leader cut off before its LEAD reaches a follower (within
+    # ``lead_deferral_s`` plus a round trip) whose cell is then taken over.
     execute_before_commit: bool = True
     # On that fast path the LEAD is proposed only once the cell has run this long; a cell that ends
     # sooner sends its LEAD inside its DONE (``Done.claims_lead``), so a short cell costs one Raft
@@ -554,7 +555,11 @@ class ReplicaCore:
 
     def _proposed_here(self, entry: Done | State) -> bool:
         """True for this process's own DONE/STATE (the kernel already reflects it). The same
-        replica's entries from before a restart are applied like anyone else's."""
+        replica's entries from before a restart are applied like anyone else's, and so is the
+        winner's DONE/STATE for a cell this replica also ran and proposed but lost (its own
+        were ignored: the kernel must take the winner's)."""
+        if entry.replica_id != self.replica_id:
+            return False
         key = (type(entry).__name__, entry.msg_id)
         if key in self._own_entries:
             self._own_entries.discard(key)
@@ -788,10 +793,11 @@ class ReplicaCore:
         """The fast path: the scheduler designated this replica (the others were told to yield,
         and only propose LEAD after ``election_wait_s`` of silence from it) and it leads the Raft
         group, so its LEAD is the first for this cell in the log. The cell starts once the GPUs are
-        bound and the previous cell's state is here; the kernel holds the reply until
-        ``confirm_lead``. At most once still holds unless this leader is cut off before its LEAD
-        reaches a follower and a standby takes the cell over ``election_wait_s`` later: then the
-        user code has run twice, but only the new executor's reply reaches the client."""
+        bound and the previous cell's state is here; the kernel holds the reply until its LEAD
+        has committed (inside its DONE for a short cell, else ``confirm_lead``). At most once still
+        holds unless this leader is cut off before its LEAD reaches a follower and a standby takes
+        the cell over ``election_wait_s`` later: then the user code has run twice, but only the
+        new executor's reply and state count (this one replies ``ExecutorConflict``)."""
         binding: asyncio.Future[list[int]] | None = None
         try:
             # usually bound by the local scheduler as it forwarded the request: no await here

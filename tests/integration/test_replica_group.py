@@ -314,6 +314,12 @@ def test_large_objects_travel_through_the_data_store(cluster: Cluster) -> None:
 
 def _raft_leader(cluster: Cluster) -> str:
     """The leader of the newest term reported through replica.event raft_role."""
+    cluster.scheduler.wait_for(
+        lambda: any(
+            e["event"] == "raft_role" and str(e["detail"]["role"]).lower() == "leader"
+            for e in cluster.scheduler.events
+        )
+    )
     leaders = [
         (int(e["detail"].get("term") or 0), e["replica_id"])
         for e in cluster.scheduler.events
@@ -370,9 +376,10 @@ def test_a_designated_leader_whose_lead_was_beaten_replies_executor_conflict(clu
     leader = _raft_leader(cluster)
     rival = next(r for r in REPLICAS if r != leader)
     assert cluster.run("conflict_runs = 0", leader)[leader]["content"]["status"] == "ok"
+    ran_on = "get_ipython().kernel.replica_id"  # differs between the two runs of the cell
     msg = cluster.clients[leader].session.msg(
         "execute_request",
-        {"code": "import time\ntime.sleep(0.3)\nconflict_runs += 1", "silent": False,
+        {"code": f"import time\ntime.sleep(0.3)\nconflict_runs += 1\nconflict_ran_on = {ran_on}", "silent": False,
          "store_history": True, "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
     )  # fmt: skip
     _push_designated(cluster, leader, msg["header"]["msg_id"])
@@ -387,10 +394,12 @@ def test_a_designated_leader_whose_lead_was_beaten_replies_executor_conflict(clu
     # every replica holds the winner's state: the cell ran once as far as the notebook knows
     for rid in REPLICAS:
         check = cluster.send_cell("", rid, msg=cluster.clients[rid].session.msg(
-            "execute_request", {"code": "", "silent": False, "user_expressions": {"n": "conflict_runs"}}
+            "execute_request", {"code": "", "silent": False,
+                                "user_expressions": {"n": "conflict_runs", "on": "conflict_ran_on"}}
         ))  # fmt: skip
         content = cluster.replies(check)[rid]["content"]
         assert content["user_expressions"]["n"]["data"]["text/plain"] == "1", (rid, content)
+        assert content["user_expressions"]["on"]["data"]["text/plain"] == repr(rival), (rid, content)
 
 
 def test_duplicate_msg_id_runs_at_most_once(cluster: Cluster) -> None:
