@@ -14,7 +14,8 @@ Two paths, both carried out through a ``HostProvider``:
   cordons it, moves each of them to another host through the drain that ``tandem host drain``
   runs (``Migrator.drain``, a Raft membership change per replica), then asks the provider to stop
   it. A replica that no host can take abandons that release: the host is uncordoned and a
-  ``scale_in_failed`` event says why (replicas already moved stay where they went).
+  ``scale_in_failed`` event says why (replicas already moved stay where they went); that host
+  must then stay idle twice as long before it is tried again, and so on (``SCALE_IN_BACKOFF_MAX``).
 
 Every decision is kept as a scale event for ``tandem status --json`` and the metrics; a scale-in's
 event lists the migrations it made.
@@ -41,6 +42,11 @@ from shared.policies.placement_index import PlacementIndex
 from shared.resources import Resources
 
 log = structlog.get_logger("autoscaling")
+
+# A host whose release failed is judged again only after scale_in_idle_s x 2^(failures in a row),
+# at most this many times scale_in_idle_s: a drain that cannot finish (no host can take a replica)
+# costs migrations each try, so it must not repeat every idle period while nothing has changed.
+SCALE_IN_BACKOFF_MAX = 16
 
 # Moves every replica off a cordoned host: ``{"moved": [...], "failed": [...], "replicas_left": n}``.
 DrainHost = Callable[[str], Awaitable[dict[str, Any]]]
@@ -90,6 +96,7 @@ class ClusterAutoscaler:
         self._waiters: dict[str, asyncio.Event] = {}  # kernel id -> set when its reserved hosts arrive
         self._abandoned: set[str] = set()  # kernels shut down while waiting for hosts
         self._idle_since: dict[str, float] = {}
+        self._release_failures: dict[str, int] = {}  # host -> failed releases in a row
         self._releasing: set[str] = set()
         self._seen_min_hosts = False
         self._drain: DrainHost | None = None  # without one, only hosts holding no replica are released
@@ -301,7 +308,10 @@ class ClusterAutoscaler:
                 since = self._idle_since.setdefault(host.host_id, now)
             else:
                 self._idle_since.pop(host.host_id, None)
-            releasable = idle and self.provider.owns(host.host_id) and now - since >= self._idle_needed
+                self._release_failures.pop(host.host_id, None)  # in use again: a fresh judgement
+            releasable = (
+                idle and self.provider.owns(host.host_id) and now - since >= self._idle_wanted(host.host_id)
+            )
             loads.append(
                 HostLoad(
                     host.host_id,
@@ -313,6 +323,12 @@ class ClusterAutoscaler:
                 )
             )
         return loads
+
+    def _idle_wanted(self, host_id: str) -> float:
+        """How long ``host_id`` must be idle before a release: ``scale_in_idle_s``, doubled for
+        each release of it that failed in a row (``SCALE_IN_BACKOFF_MAX`` at most)."""
+        failures = self._release_failures.get(host_id, 0)
+        return self._idle_needed * min(2**failures, SCALE_IN_BACKOFF_MAX)
 
     async def evaluate_once(self) -> None:
         if not self.enabled:
@@ -354,15 +370,24 @@ class ClusterAutoscaler:
                     raise RuntimeError(stuck)
             await self.provider.release(host_id)
         except Exception as exc:
-            log.error("scale_in_failed", host=host_id, reason=str(exc), migrations=len(moved))
+            failures = self._release_failures[host_id] = self._release_failures.get(host_id, 0) + 1
+            log.error(
+                "scale_in_failed",
+                host=host_id,
+                reason=str(exc),
+                migrations=len(moved),
+                failures_in_a_row=failures,
+                next_try_after_idle_s=self._idle_wanted(host_id),
+            )
             host.cordoned = was_cordoned
-            self._idle_since.pop(host_id, None)  # wait a full idle period before trying again
+            self._idle_since.pop(host_id, None)  # idle afresh, and longer, before the next try
             self._event("scale_in_failed", [host_id], str(exc), migrations=moved)
             return
         finally:
             self._releasing.discard(host_id)
         self.state.hosts.pop(host_id, None)
         self._idle_since.pop(host_id, None)
+        self._release_failures.pop(host_id, None)
         self.scale_ins += 1
         self._event("scale_in", [host_id], reason, migrations=moved)
         log.info("scale_in", host=host_id, reason=reason, migrations=len(moved))
