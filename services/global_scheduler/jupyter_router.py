@@ -258,7 +258,7 @@ class KernelRouter:
         self._after(merged)
         forwards = list(merged.forwards)
         for f in failed_requests:
-            forwards += self.synthesize_failure(f, "ReplicaLost", reason)
+            forwards += self.synthesize_failure(f, "ReplicaLost", _lost_reason(f, reason))
         return forwards, merged.finished + [f.msg_id for f in failed_requests], resend
 
     def ask_the_others(
@@ -418,6 +418,19 @@ def parent_msg_id(part: bytes) -> str | None:
     parent = json.loads(part)
     msg_id = parent.get("msg_id") if isinstance(parent, dict) else None
     return msg_id if isinstance(msg_id, str) else None
+
+
+def _lost_reason(failed: Failed, reason: str) -> str:
+    """Why a request failed with its replica. For a cell that replica ran, the outcome is not
+    known here: the executor proposes the cell's DONE and STATE before it replies, so a process
+    lost in between may leave them in the log (the cell's changes kept) or not."""
+    context = failed.context if isinstance(failed.context, dict) else {}
+    if context.get("msg_type") != "execute_request" or failed.reply_sent:
+        return reason
+    return (
+        f"{reason} before replying to this cell; if the cell had finished, its changes may still "
+        "have been kept by the other replicas (check the variables it sets)"
+    )
 
 
 def _json_field(part: bytes, key: str) -> Any:
