@@ -310,7 +310,8 @@ class TandemKernel(IPythonKernel):
             # A ZMQStream only queues the reply; send it now, ahead of the idle that follows
             # (ipykernel would flush it only after publishing idle).
             stream.flush(zmq.POLLOUT)
-        if executed and bridge is not None and idle is not None:
+        if executed and idle is not None:  # idle: made above, for a cell run here with a bridge
+            assert bridge is not None
             if not lead_with_done:
                 timing |= await self._replicate_cell(bridge, msg_id, code, reply, log, execute_args)
             self._publish_executor_idle(parent, idle)

@@ -15,7 +15,8 @@ Two paths, both carried out through a ``HostProvider``:
   runs (``Migrator.drain``, a Raft membership change per replica), then asks the provider to stop
   it. A replica that no host can take abandons that release: the host is uncordoned and a
   ``scale_in_failed`` event says why (replicas already moved stay where they went); that host
-  must then stay idle twice as long before it is tried again, and so on (``SCALE_IN_BACKOFF_MAX``).
+  must then stay idle twice as long before it is tried again, and so on
+  (``shared.policies.autoscale.scale_in_idle_wanted``).
 
 Every decision is kept as a scale event for ``tandem status --json`` and the metrics; a scale-in's
 event lists the migrations it made.
@@ -35,18 +36,21 @@ import structlog
 from services.global_scheduler.cluster_state import DEAD, RUNNING, STOPPED, ClusterState
 from services.host_provider import HostProvider
 from shared.config import Config
-from shared.policies.autoscale import AutoscaleConfig, Autoscaler, HostLoad, ScaleIn, ScaleOut, feasible_hosts
+from shared.policies.autoscale import (
+    AutoscaleConfig,
+    Autoscaler,
+    HostLoad,
+    ScaleIn,
+    ScaleOut,
+    feasible_hosts,
+    scale_in_idle_wanted,
+)
 from shared.policies.kernel_placement import KernelPlacement
 from shared.policies.placement import HostView, PlacementDecision, PlacementRequest
 from shared.policies.placement_index import PlacementIndex
 from shared.resources import Resources
 
 log = structlog.get_logger("autoscaling")
-
-# A host whose release failed is judged again only after scale_in_idle_s x 2^(failures in a row),
-# at most this many times scale_in_idle_s: a drain that cannot finish (no host can take a replica)
-# costs migrations each try, so it must not repeat every idle period while nothing has changed.
-SCALE_IN_BACKOFF_MAX = 16
 
 # Moves every replica off a cordoned host: ``{"moved": [...], "failed": [...], "replicas_left": n}``.
 DrainHost = Callable[[str], Awaitable[dict[str, Any]]]
@@ -326,9 +330,8 @@ class ClusterAutoscaler:
 
     def _idle_wanted(self, host_id: str) -> float:
         """How long ``host_id`` must be idle before a release: ``scale_in_idle_s``, doubled for
-        each release of it that failed in a row (``SCALE_IN_BACKOFF_MAX`` at most)."""
-        failures = self._release_failures.get(host_id, 0)
-        return self._idle_needed * min(2**failures, SCALE_IN_BACKOFF_MAX)
+        each release of it that failed in a row (``scale_in_idle_wanted``)."""
+        return scale_in_idle_wanted(self._idle_needed, self._release_failures.get(host_id, 0))
 
     async def evaluate_once(self) -> None:
         if not self.enabled:

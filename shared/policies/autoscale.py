@@ -80,6 +80,17 @@ class _PendingHost:
     reservations: list[tuple[str, Resources]] = field(default_factory=list)
 
 
+# A host whose release failed is judged again only after its idle period times 2^(failures in a
+# row), at most this many times: a drain that cannot finish (no host can take a replica) costs
+# migrations each try, so it must not repeat every idle period while nothing has changed.
+SCALE_IN_BACKOFF_MAX = 16
+
+
+def scale_in_idle_wanted(idle_s: float, failures: int) -> float:
+    """How long a host must be idle before a release is tried, after ``failures`` failed in a row."""
+    return idle_s * min(2**failures, SCALE_IN_BACKOFF_MAX)
+
+
 def feasible_hosts(decision: PlacementDecision) -> int:
     """Hosts that passed every filter of a failed placement (they were too few)."""
     return sum(1 for why in decision.rejected.values() if why.startswith("only "))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from services.global_scheduler.autoscaling import SCALE_IN_BACKOFF_MAX, ClusterAutoscaler
+from services.global_scheduler.autoscaling import ClusterAutoscaler
 from services.global_scheduler.cluster_state import ClusterState
 from shared.config import load_config
+from shared.policies.autoscale import SCALE_IN_BACKOFF_MAX
 from shared.resources import Resources
 
 IDLE_S = 30.0
