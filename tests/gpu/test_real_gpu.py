@@ -16,6 +16,8 @@ The tests share one cluster and one notebook and run in file order.
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -347,3 +349,52 @@ def test_residency_off_leaves_tensors_on_the_gpu_between_cells(
         print(f"residency off: in cell {probe}, between cells {used_between}, next cell {found}")
         assert found["device"] == "cuda" and found["allocated_at_start"] >= tensor_bytes, found
         assert found["residency_timings"] == {}, found
+
+
+def test_a_replica_restarted_from_its_snapshot_brings_the_model_back_to_the_gpu(
+    tmp_path_factory: pytest.TempPathFactory, tandem_kernelspec: Path
+) -> None:
+    """A standby killed and restarted in place rebuilds the notebook from its Raft snapshot and
+    log tail, in host memory; the snapshot says which objects live on the GPU, so when it then
+    executes, the model and optimizer go to the device and training goes on where it stopped."""
+    state_dir = tmp_path_factory.mktemp("tandem-gpu-snapshot")
+    snapshotting = ("--set", "raft.snapshot_every=4", "--set", "scheduler.replace_dead_replicas=false")
+    with (
+        running_cluster(state_dir, *REAL_GPU_CLUSTER, *snapshotting) as cluster,
+        tandem_kernel() as (km, kc),
+    ):
+        run_ok(kc, SETUP, timeout=180)
+        last = run_ok(kc, TRAIN)
+        for _ in range(3):  # past several snapshots
+            last = run_ok(kc, TRAIN)
+        kernel = next(k for k in cluster.status()["kernels"] if k["id"] == km.kernel_id)
+        victim = next(r for r in kernel["replicas"] if r["id"] != last.tandem["replica_id"])
+        os.kill(int(victim["pid"]), signal.SIGKILL)
+
+        def victim_alive(status: dict[str, Any]) -> bool | None:
+            kernels = [k for k in status.get("kernels", []) if k["id"] == km.kernel_id]
+            return next((r["alive"] for k in kernels for r in k["replicas"] if r["id"] == victim["id"]), None)
+
+        cluster.wait_for_status(lambda s: victim_alive(s) is False, f"the scheduler saw {victim['id']} exit")
+        run_ok(kc, TRAIN)  # a cell the victim misses
+        restart = cluster.cli("replica", "restart", km.kernel_id, victim["id"], timeout=120)
+        assert restart.returncode == 0, restart.stderr
+        others = [h["id"] for h in cluster.status()["hosts"] if h["id"] != victim["host"]]
+        for host in others:
+            assert cluster.cli("host", "cordon", host).returncode == 0
+        try:
+            cell = run_ok(kc, TRAIN)
+            used_between = device_used_bytes()
+        finally:
+            for host in others:
+                assert cluster.cli("host", "uncordon", host).returncode == 0
+        assert cell.tandem.get("replica_id") == victim["id"], cell.tandem
+        log = state_dir / "hosts" / victim["host"] / km.kernel_id / victim["id"] / "replica.log"
+        assert "snapshot_restored" in log.read_text(errors="replace"), "not restored from its snapshot"
+        found, probe = printed(cell)
+        print(f"restarted {victim['id']}@{victim['host']}: {found}; in cell {probe}; between {used_between}")
+        assert_training_state_on_gpu(found)
+        assert probe["steps_done"] == 35, probe
+        (result,) = printed(run_ok(kc, REFERENCE))
+        print(f"reference run after the restart: {result}")
+        assert result["max_abs_difference"] <= 1e-6, result
