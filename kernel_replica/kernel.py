@@ -56,7 +56,7 @@ from kernel_replica.state_sync import (
 )
 from shared.config import Config
 from shared.datastore.base import DataStore
-from shared.election_round import SILENT_FIELD, election_key, round_of
+from shared.election_round import OUTCOME_FIELD, SILENT_FIELD, election_key, round_of
 from shared.raft.driver import RaftError
 
 EXECUTOR = "executor"
@@ -225,8 +225,11 @@ class TandemKernel(IPythonKernel):
             )
         else:
             silent = parent["header"].get(SILENT_FIELD)  # the designated candidate, found hung
+            lost_executor = parent["header"].get(OUTCOME_FIELD)  # died running it: only its outcome
             # decided as the GPUs were bound ahead (no hop to the Raft thread), or decide now
             decision = bridge.core.take_early_decision(msg_id, EARLY_WAIT_S) if lead else None
+            if decision is None and isinstance(lost_executor, str) and not lead:
+                decision = await bridge.call(bridge.core.outcome_of(msg_id, lost_executor))
             if decision is None:
                 decision = await bridge.call(
                     bridge.core.decide(msg_id, lead=lead, silent=silent if isinstance(silent, str) else None)
@@ -282,22 +285,22 @@ class TandemKernel(IPythonKernel):
                     reply, role = error_content("ReplicaUnavailable", reason, self._count()), STANDBY
         idle: list[bytes] | None = None
         if executed and bridge is not None:
-            # Replied before DONE commits when the LEAD has: the committed LEAD already makes the
-            # cell run at most once. The namespace changes are taken now, before the next cell
-            # can change them, and idle goes out once DONE and STATE are committed: idle means
-            # the cell's state is held by a majority of the replicas, so a client that kills the
+            # The reply and idle go out once the cell's DONE and STATE are committed: what the
+            # client hears is what a majority of the replicas holds. A client that kills the
             # executor as soon as it sees idle still finds the cell's variables on the next
-            # executor. (Idle before that commit lost them in some such runs: 4 of 5 when idle
-            # preceded the planning, 1 CI run when it followed the hand-off to the Raft thread.)
-            # ipykernel's flushes after the handler cost nothing: nothing was queued on IOPub
-            # since the cell's own flush (streams.py).
+            # executor (idle before that commit lost them in some such runs: 4 of 5 when idle
+            # preceded the planning, 1 CI run when it followed the hand-off to the Raft thread),
+            # and an executor lost before its reply leaves the survivors the cell's outcome in
+            # the log: its DONE, or the ``ExecutorLost`` one they commit for it, never an ``ok``
+            # the log does not hold. The namespace changes are taken now, before the next cell
+            # can change them. ipykernel's flushes after the handler cost nothing: nothing was
+            # queued on IOPub since the cell's own flush (streams.py).
             idle = self._serialized_idle(parent)
-            if lead_with_done:
-                timing |= await self._replicate_cell(
-                    bridge, msg_id, code, reply, log, execute_args, claims_lead=True
-                )
-                if not bridge.core.lead_won(msg_id):
-                    reply, role, executed = await self._confirm_lead(bridge, msg_id, reply, timing)
+            timing |= await self._replicate_cell(
+                bridge, msg_id, code, reply, log, execute_args, claims_lead=lead_with_done
+            )
+            if lead_with_done and not bridge.core.lead_won(msg_id):
+                reply, role, executed = await self._confirm_lead(bridge, msg_id, reply, timing)
         timing["total_ms"] = (time.perf_counter() - started) * 1000
         metadata = self.finish_metadata(parent, metadata, reply)
         metadata["tandem"] = {"replica_id": self.replica_id, "role": role}
@@ -311,9 +314,6 @@ class TandemKernel(IPythonKernel):
             # (ipykernel would flush it only after publishing idle).
             stream.flush(zmq.POLLOUT)
         if executed and idle is not None:  # idle: made above, for a cell run here with a bridge
-            assert bridge is not None
-            if not lead_with_done:
-                timing |= await self._replicate_cell(bridge, msg_id, code, reply, log, execute_args)
             self._publish_executor_idle(parent, idle)
         self._record_timing(role, reply, timing, log)
         if executed and bridge is not None:

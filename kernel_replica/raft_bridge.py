@@ -779,6 +779,40 @@ class ReplicaCore:
             state_missing=tuple(missing),
         )
 
+    async def outcome_of(self, msg_id: str, executor: str) -> Decision:
+        """The scheduler lost ``executor`` while it ran msg_id and asks this survivor what became
+        of the cell: its DONE if one is committed (the executor died after finishing it), else
+        the ``ExecutorLost`` DONE the standbys commit on its behalf. Never an election that could
+        run the cell here: it started on ``executor``, so a LEAD is proposed in its name (a
+        duplicate of its own changes nothing) and the first committed LEAD still decides."""
+        if self.peer is None:
+            return Unavailable("this replica's Raft group is not configured yet")
+        done = self.book.done(msg_id)
+        if done is not None:
+            return Replay(done)
+        if executor == self.replica_id:
+            return Unavailable("the scheduler asked this replica for the outcome of its own cell")
+        outcome = self.book.outcome(msg_id)
+        if outcome is None:
+            try:
+                await self.propose(Lead(msg_id, executor))  # applied here: the election is decided
+            except RaftError as exc:
+                return Unavailable(f"Raft could not commit the outcome of this cell: {exc}")
+            outcome = self.book.outcome(msg_id)
+            if outcome is None:
+                return Unavailable("the cell's election is still undecided after a committed LEAD")
+        if outcome.failed:  # every voter yielded before: the cell ran nowhere
+            return Failed()
+        winner = outcome.winner
+        assert winner is not None
+        if winner == self.replica_id:
+            return Unavailable(
+                f"this cell was claimed by {self.replica_id} but its completion is not in the log"
+            )
+        if winner == executor:
+            self._executor_died.add(msg_id)  # its DONE will not come: commit ExecutorLost now
+        return Standby(winner)
+
     def _may_execute_before_commit(self, msg_id: str) -> bool:
         """Designated (no other replica proposes LEAD for msg_id) and the Raft leader."""
         peer = self.peer

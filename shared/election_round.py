@@ -19,7 +19,13 @@ ROUND_FIELD = "tandem_round"  # header field of a cell sent again after a failed
 # Header field of a ``yield_request`` the scheduler sent because the cell's designated candidate
 # stayed silent: that candidate's id (the stand-ins do not wait ``election_wait_s`` for it again).
 SILENT_FIELD = "tandem_silent_candidate"
-SCHEDULER_FIELDS = frozenset((ROUND_FIELD, SILENT_FIELD))  # set by the scheduler, never by a client
+# Header field of a ``yield_request`` the scheduler sent because the cell's executor died before
+# replying: that executor's id. The survivors answer with the cell's outcome from the Raft log
+# (its DONE, or the ``ExecutorLost`` one committed for it) and never run it.
+OUTCOME_FIELD = "tandem_outcome_of"
+SCHEDULER_FIELDS = frozenset(
+    (ROUND_FIELD, SILENT_FIELD, OUTCOME_FIELD)
+)  # set by the scheduler, never by a client
 _SEPARATOR = ":round-"
 
 

@@ -27,7 +27,7 @@ from services.global_scheduler.reply_merger import (
     Merged,
     ReplyMerger,
 )
-from shared.election_round import ROUND_FIELD, SCHEDULER_FIELDS, SILENT_FIELD
+from shared.election_round import OUTCOME_FIELD, ROUND_FIELD, SCHEDULER_FIELDS, SILENT_FIELD
 from shared.jupyter_wire import Signer, WireError, header_of, json_part
 from shared.policies.executor_choice import ExecutorChoice
 
@@ -238,14 +238,22 @@ class KernelRouter:
 
     def on_replica_lost(
         self, replica_id: str, reason: str, live: Sequence[str] = ()
-    ) -> tuple[list[Forward], list[str], list[tuple[str, Frames]]]:
-        """A replica died. Requests it was answering fail (the client gets a ``ReplicaLost``
-        error); cells it was designated for but had not started are withdrawn and returned (msg_id
-        and the client's frames, oldest first) for the service to route again among ``live``, in the same
-        election round: if the dead replica's LEAD did commit, the new candidate finds it in the
-        log and answers with the cell's outcome instead of running it."""
+    ) -> tuple[list[Forward], list[str], list[tuple[str, Frames]], list[tuple[str, str, Frames]]]:
+        """A replica died. Returns (to the client, msg_ids finished, cells to route again, what
+        to send to replicas now).
+
+        A cell it was running and had not answered: its survivors (two or more: a quorum) are
+        asked for the cell's outcome from the Raft log (``ask_outcome``), so the client gets the
+        cell's own reply if its DONE committed, else the ``ExecutorLost`` error committed for it;
+        either way what the client hears matches the variables the next cell sees. Other requests
+        it was answering fail (the client gets a ``ReplicaLost`` error). Cells it was designated
+        for but had not started are withdrawn and returned (msg_id and the client's frames, oldest
+        first) for the service to route again among ``live``, in the same election round: if the
+        dead replica's LEAD did commit, the new candidate finds it in the log and answers with the
+        cell's outcome instead of running it."""
         resend: list[tuple[str, Frames]] = []
-        if set(live) - {replica_id}:
+        survivors = [r for r in live if r != replica_id]
+        if survivors:
             for msg_id in self.merger.orphans_of(replica_id):
                 failed = self.merger.fail(msg_id)
                 frames = self._execute_ids.pop(msg_id, None)
@@ -257,9 +265,31 @@ class KernelRouter:
         merged, failed_requests = self.merger.replica_lost(replica_id)
         self._after(merged)
         forwards = list(merged.forwards)
+        finished = list(merged.finished)
+        ask: list[tuple[str, str, Frames]] = []
         for f in failed_requests:
+            asked = self.ask_outcome(f, replica_id, survivors) if len(survivors) >= 2 else []
+            if asked:
+                ask += asked
+                continue
             forwards += self.synthesize_failure(f, "ReplicaLost", _lost_reason(f, reason))
-        return forwards, merged.finished + [f.msg_id for f in failed_requests], resend
+            finished.append(f.msg_id)
+        return forwards, finished, resend, ask
+
+    def ask_outcome(
+        self, failed: Failed, executor: str, survivors: Sequence[str]
+    ) -> list[tuple[str, str, Frames]]:
+        """``executor`` died running the cell ``failed`` before its reply: send the survivors a
+        ``yield_request`` naming it (``OUTCOME_FIELD``). They answer from the Raft log and never
+        run the cell. Nothing to send (the caller fails the request) when it is not such a cell."""
+        frames = self._execute_ids.get(failed.msg_id)
+        if frames is None or failed.reply_sent or self.dead_reason is not None:
+            return []
+        sent_header = self._scheduler_header(failed.msg_id, header_of(frames))
+        sent_header[OUTCOME_FIELD] = executor
+        yield_frames = rewrite_msg_type(frames, sent_header, "yield_request", self.signer)
+        self.merger.reopen(failed, set(survivors))
+        return [(r, "shell", yield_frames) for r in survivors]
 
     def ask_the_others(
         self, now: float, silence: float, live: Sequence[str]

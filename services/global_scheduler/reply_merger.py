@@ -130,6 +130,20 @@ class ReplyMerger:
             busy_sent,
         )
 
+    def reopen(self, failed: Failed, targets: set[str]) -> None:
+        """Track a request that failed with its responder again, now sent to ``targets`` (the
+        first to reply answers it), ahead of every other pending request: it was the oldest
+        serial one, and what the client already saw of it still counts."""
+        self.open(
+            failed.msg_id,
+            targets,
+            reply_channel=failed.reply_channel,
+            context=failed.context,
+            first_reply_wins=True,
+            busy_sent=failed.busy_sent,
+        )
+        self._pending = {failed.msg_id: self._pending.pop(failed.msg_id), **self._pending}
+
     def is_pending(self, msg_id: str) -> bool:
         return msg_id in self._pending
 

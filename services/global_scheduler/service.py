@@ -474,11 +474,14 @@ class GlobalScheduler:
     def _replica_lost(self, kernel: KernelRecord, replica: ReplicaRecord, reason: str) -> None:
         replica.alive = False
         replica.role = None
-        forwards, done, resend = kernel.router.on_replica_lost(
+        forwards, done, resend, ask = kernel.router.on_replica_lost(
             replica.replica_id, reason, kernel.live_replicas()
         )
         self._to_gateway(kernel, forwards)
         self._release(kernel, done)
+        for replica_id, channel, frames in ask:  # cells it was running: their outcome, from the log
+            log.info("outcome_asked", kernel=kernel.kernel_id, replica=replica_id, lost=replica.replica_id)
+            self._to_replica(kernel, replica_id, channel, frames)
         live = kernel.live_replicas()
         if kernel.state == STOPPING and not live:
             self._mark_stopped(kernel)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from jupyter_client.session import Session
 
 from services.global_scheduler.jupyter_router import KernelRouter, reply_type_of
+from shared.election_round import OUTCOME_FIELD
 from shared.jupyter_wire import DELIMITER
 from shared.policies.executor_choice import ExecutorChoice
 
@@ -80,8 +81,8 @@ def test_a_cell_whose_designated_executor_died_before_starting_it_is_sent_again_
     router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"))
     busy = reply_frames(s, "status", msg_id, {"execution_state": "busy"})
     assert router.on_replica_message("r1", "iopub", busy).forwards == [("iopub", busy)]
-    forwards, done, resend = router.on_replica_lost("r1", "replica r1 exited (-9)", ["r2", "r3"])
-    assert forwards == [] and done == []  # the client sees nothing yet: the cell is not lost
+    forwards, done, resend, ask = router.on_replica_lost("r1", "replica r1 exited (-9)", ["r2", "r3"])
+    assert forwards == [] and done == [] and ask == []  # the client sees nothing yet: not lost
     assert resend == [(msg_id, frames)]
     routed = router.route_request("shell", frames, live=["r2", "r3"], choose=lambda: choose("r2"))
     ((target, _, sent),) = routed.to_replicas
@@ -218,16 +219,66 @@ def test_dead_kernel_answers_at_once_with_signed_error_reply_error_and_idle() ->
     assert msgs[3][1]["content"]["execution_state"] == "idle"
 
 
-def test_losing_the_executor_mid_cell_fails_only_what_is_missing() -> None:
+def test_losing_the_executor_mid_cell_asks_the_survivors_for_its_outcome_from_the_log() -> None:
     s = session()
     router = KernelRouter("k", KEY)
     msg_id, frames = client_frames(s, "execute_request", {"code": "x"})
     router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"))
     router.on_replica_message("r1", "iopub", reply_frames(s, "status", msg_id, {"execution_state": "busy"}))
     router.on_elected("r1", msg_id)
-    forwards, done, resend = router.on_replica_lost("r1", "replica r1 exited (-9)", ["r2", "r3"])
-    assert done == [msg_id] and resend == []  # it had started the cell: never run elsewhere
+    forwards, done, resend, ask = router.on_replica_lost("r1", "replica r1 exited (-9)", ["r2", "r3"])
+    assert forwards == [] and done == [] and resend == []  # it had started the cell: never run again
+    assert sorted(r for r, _, _ in ask) == ["r2", "r3"]
+    asked = parse(s, ask[0][2])
+    assert asked["header"]["msg_type"] == "yield_request" and asked["header"]["msg_id"] == msg_id
+    assert asked["header"][OUTCOME_FIELD] == "r1" and asked["content"]["code"] == "x"
+    # the first survivor to answer (from the log) is the answer; busy was already sent
+    answers = {
+        r: [
+            ("iopub", reply_frames(s, "status", msg_id, {"execution_state": "busy"})),
+            ("shell", reply_frames(s, "execute_reply", msg_id, {"status": "error", "ename": "ExecutorLost",
+                                                                "execution_count": 1},
+                                   {"tandem": {"role": "standby"}})),
+            ("iopub", reply_frames(s, "status", msg_id, {"execution_state": "idle"})),
+        ]
+        for r in ("r3", "r2")
+    }  # fmt: skip
+    forwarded = [f for ch, a in answers["r3"] for f in router.on_replica_message("r3", ch, a).forwards]
+    assert [f for _, f in forwarded] == [answers["r3"][1][1], answers["r3"][2][1]]
+    assert [f for ch, a in answers["r2"] for f in router.on_replica_message("r2", ch, a).forwards] == []
+    assert not router.merger.is_pending(msg_id)
+
+
+def test_losing_the_executor_without_a_quorum_left_fails_only_what_is_missing() -> None:
+    s = session()
+    router = KernelRouter("k", KEY)
+    msg_id, frames = client_frames(s, "execute_request", {"code": "x"})
+    router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"))
+    router.on_replica_message("r1", "iopub", reply_frames(s, "status", msg_id, {"execution_state": "busy"}))
+    router.on_elected("r1", msg_id)
+    forwards, done, resend, ask = router.on_replica_lost("r1", "replica r1 exited (-9)", ["r2"])
+    assert done == [msg_id] and resend == [] and ask == []  # one survivor cannot commit an outcome
     assert [parse(s, f)["header"]["msg_type"] for _, f in forwards] == ["error", "execute_reply", "status"]
+    reply = parse(s, forwards[1][1])
+    assert (
+        reply["content"]["ename"] == "ReplicaLost"
+        and "may still have been kept" in reply["content"]["evalue"]
+    )
+
+
+def test_a_client_cannot_set_the_outcome_field_itself() -> None:
+    s = session()
+    router = KernelRouter("k", KEY)
+    msg = s.msg("execute_request", {"code": "x"})
+    msg["header"][OUTCOME_FIELD] = "r2"
+    wire = s.serialize(msg)
+    frames = wire[wire.index(DELIMITER) + 1 :]
+    routed = router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"))
+    ((_, _, sent),) = routed.to_replicas
+    assert OUTCOME_FIELD not in parse(s, sent)["header"]
+    router.on_elected("r1", msg["header"]["msg_id"])
+    _forwards, _done, _resend, ask = router.on_replica_lost("r1", "replica r1 exited (-9)", ["r2", "r3"])
+    assert all(parse(s, f)["header"][OUTCOME_FIELD] == "r1" for _, _, f in ask)
 
 
 def test_timeout_synthesizes_a_reply_of_the_right_type() -> None:
