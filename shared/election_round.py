@@ -23,9 +23,8 @@ SILENT_FIELD = "tandem_silent_candidate"
 # replying: that executor's id. The survivors answer with the cell's outcome from the Raft log
 # (its DONE, or the ``ExecutorLost`` one committed for it) and never run it.
 OUTCOME_FIELD = "tandem_outcome_of"
-SCHEDULER_FIELDS = frozenset(
-    (ROUND_FIELD, SILENT_FIELD, OUTCOME_FIELD)
-)  # set by the scheduler, never by a client
+# set by the scheduler, never by a client (stripped from a client's header before routing)
+SCHEDULER_FIELDS = frozenset((ROUND_FIELD, SILENT_FIELD, OUTCOME_FIELD))
 _SEPARATOR = ":round-"
 
 

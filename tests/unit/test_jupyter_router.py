@@ -219,13 +219,19 @@ def test_dead_kernel_answers_at_once_with_signed_error_reply_error_and_idle() ->
     assert msgs[3][1]["content"]["execution_state"] == "idle"
 
 
-def test_losing_the_executor_mid_cell_asks_the_survivors_for_its_outcome_from_the_log() -> None:
+def cell_started_on_r1() -> tuple[Session, KernelRouter, str]:
+    """A cell ``x`` the scheduler designated r1 for, which took its GPUs and sent busy."""
     s = session()
     router = KernelRouter("k", KEY)
     msg_id, frames = client_frames(s, "execute_request", {"code": "x"})
     router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"))
     router.on_replica_message("r1", "iopub", reply_frames(s, "status", msg_id, {"execution_state": "busy"}))
     router.on_elected("r1", msg_id)
+    return s, router, msg_id
+
+
+def test_losing_the_executor_mid_cell_asks_the_survivors_for_its_outcome_from_the_log() -> None:
+    s, router, msg_id = cell_started_on_r1()
     forwards, done, resend, ask = router.on_replica_lost("r1", "replica r1 exited (-9)", ["r2", "r3"])
     assert forwards == [] and done == [] and resend == []  # it had started the cell: never run again
     assert sorted(r for r, _, _ in ask) == ["r2", "r3"]
@@ -250,12 +256,7 @@ def test_losing_the_executor_mid_cell_asks_the_survivors_for_its_outcome_from_th
 
 
 def test_losing_the_executor_without_a_quorum_left_fails_only_what_is_missing() -> None:
-    s = session()
-    router = KernelRouter("k", KEY)
-    msg_id, frames = client_frames(s, "execute_request", {"code": "x"})
-    router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"))
-    router.on_replica_message("r1", "iopub", reply_frames(s, "status", msg_id, {"execution_state": "busy"}))
-    router.on_elected("r1", msg_id)
+    s, router, msg_id = cell_started_on_r1()
     forwards, done, resend, ask = router.on_replica_lost("r1", "replica r1 exited (-9)", ["r2"])
     assert done == [msg_id] and resend == [] and ask == []  # one survivor cannot commit an outcome
     assert [parse(s, f)["header"]["msg_type"] for _, f in forwards] == ["error", "execute_reply", "status"]
