@@ -61,6 +61,9 @@ def require_live_policy(cfg: Config) -> None:
 
 GATEWAY_IDENTITY = b"gateway"
 STOP_TIMEOUT_S = 10.0
+# Jupyter requests kept per kernel that a restarted scheduler has not adopted yet (its hosts have
+# not registered again); beyond this they are dropped with a warning
+UNADOPTED_KEPT = 256
 
 
 class GlobalScheduler:
@@ -95,6 +98,9 @@ class GlobalScheduler:
         # replicas being restarted in place: their process exits, but that is no loss to replace
         self._restarting: set[tuple[str, str]] = set()
         self._started_at = clock()
+        # requests for kernels not (yet) adopted since a restart, in arrival order: routed once
+        # enough of the kernel's replicas are back, dropped if it never comes back
+        self._unadopted: dict[str, list[tuple[str, list[bytes]]]] = {}
         self._sync_handlers = {
             messages.JUPYTER_REQUEST: self._on_jupyter_request,
             messages.JUPYTER_REPLY: self._on_jupyter_reply,
@@ -186,6 +192,8 @@ class GlobalScheduler:
             try:
                 self._check_hosts()
                 self._check_deadlines()
+                if self._unadopted:
+                    self._route_unadopted()
             except Exception:
                 log.exception("monitor_failed")
 
@@ -235,14 +243,55 @@ class GlobalScheduler:
 
     def _on_jupyter_request(self, identity: bytes, env: Envelope) -> None:
         body = env.body
-        kernel = self.state.kernels.get(body["kernel_id"])
+        kernel_id = body["kernel_id"]
+        kernel = self.state.kernels.get(kernel_id)
+        if kernel_id in self._unadopted or (kernel is None and self._rebuilding()):
+            self._keep_until_adopted(kernel_id, body["channel"], body["frames"])
+            return None
         if kernel is None:
-            log.warning("request_for_unknown_kernel", kernel=body["kernel_id"], peer=identity)
+            log.warning("request_for_unknown_kernel", kernel=kernel_id, peer=identity)
             return None
         if kernel.state == STARTING:
             log.warning("request_before_kernel_started", kernel=kernel.kernel_id)
         self.route_from_gateway(kernel, body["channel"], body["frames"])
         return None
+
+    def _rebuilding(self) -> bool:
+        """A restarted scheduler learns its kernels from the hosts' registrations: until they all
+        had time to register again, an unknown kernel may still be one of ours."""
+        return self._clock() - self._started_at < self._heartbeat_timeout * 2
+
+    def _keep_until_adopted(self, kernel_id: str, channel: str, frames: list[bytes]) -> None:
+        """A request for a kernel this restarted scheduler has not adopted yet (the gateway's
+        link queued it while no scheduler ran, or sent it before the kernel's hosts registered
+        again): dropping it would leave its client waiting for ever. Later requests of the same
+        kernel queue behind it, so the kernel sees them in order."""
+        waiting = self._unadopted.setdefault(kernel_id, [])
+        if len(waiting) >= UNADOPTED_KEPT:
+            log.warning("request_dropped_while_rebuilding", kernel=kernel_id, kept=len(waiting))
+            return
+        waiting.append((channel, frames))
+        log.info("request_kept_until_adopted", kernel=kernel_id, waiting=len(waiting))
+
+    def _route_unadopted(self) -> None:
+        """Route the kept requests of each kernel that has a quorum of its replicas back; once the
+        rebuilding window is over, also those of kernels back with fewer (they get the kernel's
+        own answer, dead or not) and drop those of kernels that never came back (the gateway
+        then finds the kernel unknown and reports it dead to its client)."""
+        rebuilding = self._rebuilding()
+        for kernel_id in list(self._unadopted):
+            kernel = self.state.kernels.get(kernel_id)
+            if kernel is None:
+                if not rebuilding:
+                    dropped = self._unadopted.pop(kernel_id)
+                    log.warning("requests_for_unknown_kernel", kernel=kernel_id, dropped=len(dropped))
+                continue
+            if rebuilding and not kernel.alive:
+                continue
+            waiting = self._unadopted.pop(kernel_id)
+            log.info("kept_requests_routed", kernel=kernel_id, requests=len(waiting))
+            for channel, frames in waiting:
+                self.route_from_gateway(kernel, channel, frames)
 
     def route_from_gateway(
         self, kernel: KernelRecord, channel: str, frames: list[bytes], *, rerouted: bool = False
@@ -563,6 +612,8 @@ class GlobalScheduler:
             host_id, capacity, body["gpu_kind"], body.get("address", ""), self._clock()
         )
         self._reconcile_host(host_id, body.get("replicas") or [])
+        if self._unadopted:
+            self._route_unadopted()
         self.autoscaling.on_host_registered(host_id)
         log.info(
             "host_registered",
@@ -667,9 +718,7 @@ class GlobalScheduler:
     def _on_kernel_status(self, identity: bytes, env: Envelope) -> Envelope:
         kernel = self.state.kernels.get(env.body["kernel_id"])
         if kernel is None:
-            if self._clock() - self._started_at < self._heartbeat_timeout * 2:
-                # A restarted scheduler learns its kernels from the hosts' registrations: until
-                # they all had time to register again, unknown does not mean gone.
+            if self._rebuilding():  # unknown does not mean gone yet
                 return env.error("the scheduler restarted and is rebuilding its view", code="rebuilding")
             return env.error(f"unknown kernel {env.body['kernel_id']!r}", code="not_found")
         return env.reply(self.state.kernel_status(kernel))

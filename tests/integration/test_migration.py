@@ -324,6 +324,12 @@ def test_killing_a_local_scheduler_re_places_its_replicas(
     assert moved, "status shows no replacement"
 
 
+def signal_hosts(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # a host killed by an earlier test
+            os.kill(pid, signum)
+
+
 def test_restarting_the_global_scheduler_loses_no_kernel(
     small_cluster: ClusterHandle, notebooks: list[Notebook], tmp_path: Path
 ) -> None:
@@ -336,6 +342,11 @@ def test_restarting_the_global_scheduler_loses_no_kernel(
     settle(small_cluster)
     running = BackgroundCell(notebooks[0][1], tmp_path / "release")  # runs across the restart
     wait_for(lambda: busy_hosts(small_cluster), "the cell running")
+    host_pids = [
+        pid
+        for name, pid in json.loads(cluster_file.read_text())["processes"].items()
+        if name.startswith("host-")
+    ]
     os.kill(old_pid, signal.SIGKILL)  # a host died earlier: the restart must not mind
 
     def restarted() -> bool:
@@ -344,6 +355,22 @@ def test_restarting_the_global_scheduler_loses_no_kernel(
         return False
 
     wait_for(restarted, "tandem up to restart the global scheduler")
+    # A cell sent before the kernel's hosts have registered with the new scheduler (their local
+    # schedulers are held stopped for a moment): it is kept until the kernel is adopted, then run.
+    signal_hosts(host_pids, signal.SIGSTOP)
+    sent_meanwhile: queue.Queue[CellResult] = queue.Queue()
+    try:
+        threading.Thread(
+            target=lambda: sent_meanwhile.put(run(notebooks[1][1], "print(value * 10)", timeout=90)),
+            daemon=True,
+        ).start()
+        wait_for(
+            lambda: "request_kept_until_adopted" in small_cluster.log_text("global-scheduler"),
+            "the new scheduler to keep the cell of a kernel it has not adopted yet",
+            timeout=20,
+        )
+    finally:
+        signal_hosts(host_pids, signal.SIGCONT)
 
     def every_kernel_back() -> bool:
         with contextlib.suppress(Exception):
@@ -356,6 +383,9 @@ def test_restarting_the_global_scheduler_loses_no_kernel(
     wait_for(every_kernel_back, "the hosts to re-register every kernel's replicas")
     finished = running.release()  # its output and reply reach the client through the new scheduler
     assert finished.status == "ok" and finished.stdout.strip() == "released", finished.reply["content"]
+    meanwhile = sent_meanwhile.get(timeout=90)
+    assert meanwhile.status == "ok", meanwhile.reply["content"]
+    assert int(meanwhile.stdout) == before[notebooks[1][0].kernel_id] * 10
     for km, kc in notebooks:
         assert km.is_alive()
         settle(small_cluster)
