@@ -432,7 +432,7 @@ class ReplicaCore:
     async def stop(self) -> None:
         tail = self._finish_tail
         if tail is not None and not tail.done() and self.peer is not None:
-            # the last cell's DONE and STATE (its reply is already out): give them a moment
+            # the last cell's DONE and STATE, still committing: give them a moment
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(tail), 1.0)
         for task in list(self._background):
@@ -467,7 +467,7 @@ class ReplicaCore:
         except LogEntryError as exc:
             self._log.warning("log_entry_skipped", index=entry.index, reason=str(exc))
             return
-        if self._dead_members:
+        if self._dead_members and not isinstance(decoded, Lead):  # a stand-in LEAD names the dead one
             self._dead_members.discard(decoded.proposer if isinstance(decoded, Yield) else decoded.replica_id)
         if isinstance(decoded, Progress):
             self._last_progress[decoded.msg_id] = time.monotonic()
