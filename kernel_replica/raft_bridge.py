@@ -229,7 +229,8 @@ class ReplicaCore:
             self._ctx, kernel_id=kernel_id, replica_id=replica_id, address=scheduler_address
         )
         self._election_waiters: dict[str, list[asyncio.Future[Outcome]]] = {}
-        self._done_waiters: dict[str, list[asyncio.Future[Done]]] = {}
+        # a cell's DONE, or why none can come (its executor was removed from the group)
+        self._done_waiters: dict[str, list[asyncio.Future[Done | str]]] = {}
         self._state_waiters: list[asyncio.Future[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self._pending_votes: list[Vote] = []
@@ -1202,7 +1203,10 @@ class ReplicaCore:
     async def _wait_done(self, msg_id: str, winner: str, execution_count: int) -> Done | str:
         """No deadline while the executor shows progress (cells run for minutes), but a group
         without a leader for ``quorum_timeout_s`` ends the wait with the reason, and a silent or
-        dead executor gets an ``ExecutorLost`` DONE committed on its behalf."""
+        dead executor gets an ``ExecutorLost`` DONE committed on its behalf. An executor removed
+        from the group before its DONE committed (a replacement's membership change) is answered
+        with an ``ExecutorLost`` DONE made here, not in the log: every replica applies the same
+        change, so each answers the same, and no DONE of the removed member can count after it."""
         waiter = self._waiter(self._done_waiters, msg_id)
         leaderless_since: float | None = None
         gave_up = False
@@ -1213,7 +1217,16 @@ class ReplicaCore:
                     (waiter, self._lost_future()), timeout=0.5, return_when=asyncio.FIRST_COMPLETED
                 )
                 if waiter.done():
-                    return waiter.result()
+                    result = waiter.result()
+                    if isinstance(result, str):  # the executor left the group: no DONE can come
+                        return Done(
+                            msg_id,
+                            self.replica_id,
+                            lost_content(result, execution_count),
+                            execution_count,
+                            False,
+                        )
+                    return result
                 peer = self.peer
                 if peer is None or not peer.status().running:
                     return "this replica's Raft peer is not running"
