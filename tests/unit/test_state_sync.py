@@ -56,6 +56,7 @@ def standby_apply(ns: dict[str, Any], codec: ObjectCodec, state: State) -> None:
 def test_only_user_names_are_replicated() -> None:
     ns = {"x": 1, "_": 2, "_i1": "", "__builtins__": None, "In": [], "Out": {}, "get_ipython": None, "h": 3}
     assert replicable_names(ns, hidden=["h"]) == ["x"]
+    assert replicable_names(ns | {"": 4, "y": 5}, hidden={"h": None}) == ["x", "y"]  # IPython's dict
 
 
 def test_only_changed_names_travel_and_imports_are_replayed() -> None:
