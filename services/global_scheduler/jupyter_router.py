@@ -343,6 +343,10 @@ class KernelRouter:
         self._remember_round(msg_id, round_ + 1, busy_sent)
         return frames, round_ + 1, busy_sent
 
+    def resume_round(self, msg_id: str, round_: int, busy_sent: bool) -> None:
+        """A held cell a restarted scheduler took over (held_journal.py) is sent in this round."""
+        self._remember_round(msg_id, round_, busy_sent)
+
     def _remember_round(self, msg_id: str, round_: int, busy_sent: bool) -> None:
         """msg_id is sent again (a new round, or the same round to another candidate): its
         replicas' answers must carry this round, and the client already saw busy if it did."""

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from services.global_scheduler.cluster_state import RUNNING, KernelRecord, ReplicaRecord
+from services.global_scheduler.held_journal import HeldJournal, HeldQueue
 from services.global_scheduler.reply_merger import Failed
 from shared import messages
 from shared.config import Config
@@ -88,6 +89,9 @@ class Migrator:
         # sent before the replica's gpu.release reached it): look again after one before moving.
         self.ledger_settle_s = float(sched["heartbeat_interval_s"])
         self._held: dict[str, HeldCell] = {}  # kernel_id -> the cell waiting for a replica
+        # held queues on disk, so a restarted scheduler still runs them (held_journal.py)
+        self._journal = HeldJournal(cfg.state_dir() / "scheduler" / "held")
+        self._restored: set[str] = set()  # kernels whose queue came back from it, not resolving yet
         self._resolving: set[str] = set()  # kernels whose held cell has a _resolve running
         self._locks: dict[str, asyncio.Lock] = {}
         self._issued: dict[str, int] = {}  # kernel_id -> highest replica number handed out
@@ -111,6 +115,7 @@ class Migrator:
         if cell is None or cell.msg_id != msg_id:  # else held again: keep its attempts and deadline
             self._held[kernel.kernel_id] = HeldCell(msg_id, header, self._gs._clock())
             log.info("cell_held", kernel=kernel.kernel_id, msg_id=msg_id, reason=REASON_ALL_YIELD)
+        self.persist(kernel)
         if kernel.kernel_id not in self._resolving:
             self._resolving.add(kernel.kernel_id)
             self._gs._spawn(self._resolve(kernel))
@@ -132,6 +137,7 @@ class Migrator:
         # a later cell held meanwhile stays queued behind this one (held afresh when sent on)
         cell = HeldCell(msg_id, header, self._gs._clock(), busy_sent=busy_sent, settle_first=True)
         self._held[kernel.kernel_id] = cell
+        self.persist(kernel)
         if kernel.state != RUNNING:
             self._give_up(kernel, cell, f"kernel {kernel.kernel_id} is {kernel.state}", "NoExecutorAvailable")
             return
@@ -245,10 +251,61 @@ class Migrator:
     def _dispatch(self, kernel: KernelRecord) -> None:
         """Send the held requests on, in order, through the normal path (which may hold again)."""
         held, kernel.held = kernel.held or [], None
+        self.persist(kernel)  # before they go: a crash in between must not send them twice
         for frames in held:
             self._gs.route_from_gateway(kernel, "shell", frames)
         if kernel.held is None:
             self._held.pop(kernel.kernel_id, None)
+
+    # ---- held queues across a scheduler restart (held_journal.py) ------------------------------
+
+    def persist(self, kernel: KernelRecord) -> None:
+        """Write the kernel's held queue to disk as it is now (nothing held: remove it)."""
+        cell = self._held.get(kernel.kernel_id)
+        queue = None
+        if kernel.held and cell is not None:
+            queue = HeldQueue(
+                cell.msg_id,
+                kernel.router.round_of(cell.msg_id),
+                cell.busy_sent,
+                tuple(tuple(frames) for frames in kernel.held),
+            )
+        self._journal.save(kernel.kernel_id, queue)
+
+    def restore(self, kernel: KernelRecord) -> None:
+        """A kernel this restarted scheduler adopts: hold again what its predecessor held. It is
+        resolved (``resume_restored``) once the kernel's hosts are back, not from the first one."""
+        queue = self._journal.load(kernel.kernel_id)
+        if queue is None:
+            return
+        requests = [list(frames) for frames in queue.requests]
+        try:
+            header = header_of(requests[0])
+        except WireError:
+            header = {"msg_id": queue.msg_id, "msg_type": "execute_request"}
+        kernel.held = requests
+        if queue.round_ > 0:
+            kernel.router.resume_round(queue.msg_id, queue.round_, queue.busy_sent)
+        self._held[kernel.kernel_id] = HeldCell(
+            queue.msg_id, header, self._gs._clock(), busy_sent=queue.busy_sent, settle_first=True
+        )
+        self._restored.add(kernel.kernel_id)
+        log.info("held_cells_restored", kernel=kernel.kernel_id, msg_id=queue.msg_id, requests=len(requests))
+
+    def resume_restored(self, *, rebuilding: bool, replicas: int) -> None:
+        """Start resolving restored queues: of kernels with ``replicas`` live replicas back, or
+        of every kernel once the restarted scheduler's rebuilding window is over."""
+        for kernel_id in list(self._restored):
+            kernel = self._gs.state.kernels.get(kernel_id)
+            if kernel is None:
+                self._restored.discard(kernel_id)
+                continue
+            if rebuilding and len(kernel.live_replicas()) < replicas:
+                continue
+            self._restored.discard(kernel_id)
+            if kernel.held is not None and kernel_id not in self._resolving:
+                self._resolving.add(kernel_id)
+                self._gs._spawn(self._resolve(kernel))
 
     def interrupt(self, kernel: KernelRecord) -> bool:
         """An interrupt while a cell waits for a migration ends that cell, as it would end a
@@ -266,6 +323,7 @@ class Migrator:
         held = kernel.held or []
         kernel.held = held[1:] or None
         self._held.pop(kernel.kernel_id, None)
+        self.persist(kernel)
         failed = Failed(cell.msg_id, cell.header, "shell", cell.busy_sent, False, False)
         self._gs._to_gateway(kernel, kernel.router.synthesize_failure(failed, ename, reason))
         if kernel.held is not None:

@@ -192,6 +192,9 @@ class GlobalScheduler:
             try:
                 self._check_hosts()
                 self._check_deadlines()
+                self._migrator.resume_restored(
+                    rebuilding=self._rebuilding(), replicas=self.state.replicas_per_kernel
+                )
                 if self._unadopted:
                     self._route_unadopted()
             except Exception:
@@ -300,6 +303,7 @@ class GlobalScheduler:
         ``rerouted``: a cell sent again because its designated executor died before starting it."""
         if kernel.held is not None and channel == "shell":  # behind a cell waiting for a migration
             kernel.held.append(frames)
+            self._migrator.persist(kernel)
             return None
         router = kernel.router
 
@@ -612,6 +616,7 @@ class GlobalScheduler:
             host_id, capacity, body["gpu_kind"], body.get("address", ""), self._clock()
         )
         self._reconcile_host(host_id, body.get("replicas") or [])
+        self._migrator.resume_restored(rebuilding=self._rebuilding(), replicas=self.state.replicas_per_kernel)
         if self._unadopted:
             self._route_unadopted()
         self.autoscaling.on_host_registered(host_id)
@@ -675,6 +680,7 @@ class GlobalScheduler:
         kernel.router.merger.forward_unknown = True  # cells its predecessor routed still answer
         self.state.kernels[kernel_id] = kernel
         log.info("kernel_adopted", kernel=kernel_id)
+        self._migrator.restore(kernel)  # what the predecessor held for it
         return kernel
 
     def _on_host_heartbeat(self, identity: bytes, env: Envelope) -> Envelope:

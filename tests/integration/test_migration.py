@@ -392,3 +392,53 @@ def test_restarting_the_global_scheduler_loses_no_kernel(
         cell = run(kc, "value += 100; print(value)", timeout=60)
         assert cell.status == "ok", cell.reply["content"]
         assert int(cell.stdout) == before[km.kernel_id] + 100
+
+
+def test_a_cell_held_for_a_migration_survives_a_scheduler_restart(
+    small_cluster: ClusterHandle, notebooks: list[Notebook], tmp_path: Path
+) -> None:
+    """Every host busy: a new kernel's cell is held for a migration, and only the scheduler knows
+    it. The scheduler is killed; its successor reads the held queue back (held_journal.py) when
+    it adopts the kernel and runs the cell once a GPU is free, exactly once."""
+    settle(small_cluster)
+    hosts = sorted(h["id"] for h in cluster_status(small_cluster)["hosts"] if h["alive"])
+    occupiers = occupy(small_cluster, notebooks, hosts, tmp_path / "release")
+    cluster_file = small_cluster.state_dir / "cluster.json"
+    released = False
+    try:
+        with tandem_kernel() as (km, kc):
+            held_msg = kc.execute("print('ran once')")
+            wait_for(lambda: kernel_view(small_cluster, km.kernel_id)["held_requests"] == 1, "the cell held")
+            old_pid = json.loads(cluster_file.read_text())["processes"]["global-scheduler"]
+            os.kill(old_pid, signal.SIGKILL)
+
+            def restored() -> bool:
+                with contextlib.suppress(Exception):
+                    if json.loads(cluster_file.read_text())["processes"]["global-scheduler"] == old_pid:
+                        return False
+                    return kernel_view(small_cluster, km.kernel_id)["held_requests"] == 1
+                return False
+
+            wait_for(restored, "the new scheduler to hold the cell again")
+            results = [c.release() for c in occupiers]
+            released = True
+            assert all(r.status == "ok" for r in results), [r.reply["content"] for r in results]
+            reply = kc.get_shell_msg(timeout=90)
+            assert reply["parent_header"]["msg_id"] == held_msg
+            assert reply["content"]["status"] == "ok", reply["content"]
+            printed = ""
+            while True:
+                msg = kc.get_iopub_msg(timeout=30)
+                if msg["parent_header"].get("msg_id") != held_msg:
+                    continue
+                if msg["msg_type"] == "stream":
+                    printed += msg["content"]["text"]
+                if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                    break
+            assert printed == "ran once\n"
+            again = run(kc, "print('next')", timeout=60)
+            assert again.status == "ok" and again.stdout == "next\n", again.reply["content"]
+    finally:
+        if not released:
+            for cell in occupiers:
+                cell.release()

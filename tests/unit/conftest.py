@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,3 +21,10 @@ def run(request: pytest.FixtureRequest) -> Iterator[Callable[[Awaitable[Any]], A
     """Runs a coroutine to completion on each event loop the services may use."""
     with asyncio.Runner(loop_factory=LOOPS[request.param]) as runner:
         yield runner.run
+
+
+@pytest.fixture(autouse=True)
+def private_state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever a service under test writes to its state dir (the scheduler's held queues, say)
+    goes to the test's own directory, never the user's ``~/.tandem``, nor leaks into the next test."""
+    monkeypatch.setenv("TANDEM_STATE_DIR", str(tmp_path / "tandem-state"))
