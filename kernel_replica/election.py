@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from typing import Any
 
 from kernel_replica.log_entries import Done, Lead, LogEntry, Progress, State, Vote, Votes, Yield
@@ -233,8 +234,7 @@ class ElectionBook:
         # Only the winner proposes DONE; whoever proposed the first one, it counts, so the cell is
         # never run again. The winner's DONE is also its VOTE (it appends no VOTE of its own).
         self._done[entry.msg_id] = entry
-        while len(self._done) > self._keep:
-            del self._done[next(iter(self._done))]
+        _forget_oldest(self._done, self._keep)
         election = self._elections.get(entry.msg_id)
         if (
             election is not None
@@ -255,8 +255,7 @@ class ElectionBook:
         election = self._elections.get(msg_id)
         if election is None:
             election = self._elections[msg_id] = _Election()
-            while len(self._elections) > self._keep:
-                del self._elections[next(iter(self._elections))]
+            _forget_oldest(self._elections, self._keep)
         return election
 
     def _all_yielded(self, election: _Election) -> bool:
@@ -297,9 +296,14 @@ class ElectionBook:
             )
         for msg_id, (replica_id, content, count, follows) in data["done"].items():
             book._done[msg_id] = Done(msg_id, replica_id, content, count, follows)
-        for table in (book._elections, book._done):  # a snapshot from a book that kept more
-            for msg_id in list(table)[: max(0, len(table) - keep)]:
-                del table[msg_id]
+        _forget_oldest(book._elections, keep)  # a snapshot from a book that kept more
+        _forget_oldest(book._done, keep)
         book._awaiting_state = data["awaiting_state"]
         book._running = {str(m): str(w) for m, w in data.get("running") or ()}
         return book
+
+
+def _forget_oldest(table: dict[str, Any], keep: int) -> None:
+    """Drop ``table``'s oldest entries (insertion order is log order) beyond ``keep``."""
+    for msg_id in list(islice(table, max(0, len(table) - keep))):
+        del table[msg_id]

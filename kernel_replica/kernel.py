@@ -390,8 +390,8 @@ class TandemKernel(IPythonKernel):
     async def _execute(
         self, parent: dict[str, t.Any], args: dict[str, t.Any], device_ids: list[int], log: t.Any
     ) -> dict[str, t.Any]:
-        """Step 5 on the executor: run with the bound GPUs; returns the reply (DONE commits after
-        the reply, see ``_replicate_cell``)."""
+        """Step 5 on the executor: run with the bound GPUs; returns the reply (sent once DONE and
+        STATE commit, see ``_replicate_cell``)."""
         assert self.shell is not None
         if not args["silent"]:
             self._publish_execute_input(args["code"], parent, self.execution_count)
