@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         tick_interval_s=config.get("raft.tick_ms") / 1000,
         election_ticks=config.get("raft.election_ticks"),
         snapshot_every=config.get("raft.snapshot_every"),
+        commit_notice_s=config.get("raft.commit_notice_ms") / 1000,
         raft_fsync=config.get("raft.fsync"),
         raft_transport=config.get("raft.transport"),
         lead_deferral_s=config.get("raft.lead_deferral_ms") / 1000,

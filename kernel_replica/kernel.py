@@ -546,6 +546,7 @@ class TandemKernel(IPythonKernel):
         if plan.deferred and self._behind_store is not None:  # write-behind, on the Raft thread
             written = bridge.thread.submit(complete_state(state, plan.deferred, self._behind_store, log))
         replicated: concurrent.futures.Future[None] = concurrent.futures.Future()
+        proposed_at = time.time()
         bridge.thread.call(bridge.core.finish_cell, done, state, written, replicated)
         waited = time.perf_counter()
         try:
@@ -567,7 +568,7 @@ class TandemKernel(IPythonKernel):
                 **{k: round(v, 3) for k, v in timings.items()},
             )
         if self._trace_sync:  # wall clock: the standbys' state_applied lines are compared to it
-            log.info("state_sent", replied_at=finished_at, proposed_at=time.time(), **timings)
+            log.info("state_sent", replied_at=finished_at, proposed_at=proposed_at, **timings)
         return timings
 
     async def _get_codec(self) -> ObjectCodec:

@@ -94,6 +94,7 @@ class ReplicaSettings:
     # PROGRESS nor DONE for ``executor_silence_s`` (with a healthy Raft group) commits a DONE with
     # an ``ExecutorLost`` error itself, so a dead executor cannot block the kernel forever.
     progress_interval_s: float = 2.0
+    commit_notice_s: float = 0.001  # PeerConfig.commit_notice_delay (``raft.commit_notice_ms``)
     executor_silence_s: float = 10.0
     # The leader hands Raft leadership to a replica that executed this many cells in a row (its
     # LEADs then commit without the hop to a remote leader); 0 disables. At most once per
@@ -295,11 +296,11 @@ class ReplicaCore:
             peers=others,
             bootstrap_voters=voters,
             tick_interval=self.settings.tick_interval_s,
-            # Followers rarely propose (votes, and their own cells when they execute): a commit
-            # reaches them with the next cell's append or a heartbeat (one tick), which spares
-            # each entry an empty append and its response per follower. A follower's own
-            # proposals are still confirmed at once.
+            # Followers rarely propose (votes, and their own cells when they execute): they learn
+            # a commit from the next append or, ``commit_notice_s`` after it, an empty append (not
+            # one per entry), and a follower's own proposals are confirmed at once.
             raft=RaftConfig(election_ticks=self.settings.election_ticks, eager_commit=False),
+            commit_notice_delay=self.settings.commit_notice_s,
             snapshot_every=self.settings.snapshot_every,
             fsync=self.settings.raft_fsync,
             transport_kind=self.settings.raft_transport,

@@ -100,6 +100,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "tick_ms": 20,
         "election_ticks": 10,
         "snapshot_every": 1000,
+        # How soon after a commit the leader tells the standbys (who apply a cell's STATE only
+        # then) when no append carries it sooner; without it they wait up to a tick (issue #21).
+        "commit_notice_ms": 1.0,
         # false: no fdatasync per Raft Ready; the log is fenced by the boot id and a replica whose
         # host rebooted is replaced, not restarted (shared/raft/storage.py). true: etcd's fsync.
         "fsync": False,

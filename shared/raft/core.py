@@ -713,6 +713,26 @@ class RaftNode:
         if self.id not in conf.current.voters and conf.last_change_index <= self.log.committed:
             self._step_down_after_removal()
 
+    def commit_notice_owed(self) -> bool:
+        """With ``eager_commit`` off: whether a follower holds entries that committed since it was
+        last told. The driver answers with ``send_commit_notices`` a moment later, so followers
+        apply within that moment instead of at the next heartbeat, and an append that goes out
+        meanwhile (the next proposal's) carries the commit instead."""
+        if self._role != _LEADER:
+            return False
+        committed = self.log.committed
+        return any(pr.sent_commit < min(pr.match, committed) for pr in self._tracker.progress.values())
+
+    def send_commit_notices(self) -> None:
+        """Tell every follower that holds newly committed entries of the commit (an empty append
+        anchored at its match index, as ``_send_commit_nudge``). A no-op unless leader."""
+        if self._role != _LEADER:
+            return
+        committed = self.log.committed
+        for node, pr in self._tracker.progress.items():
+            if pr.sent_commit < min(pr.match, committed):
+                self._send_commit_nudge(node, pr)
+
     def _step_down_after_removal(self) -> None:
         """Our removal committed: hand over to the most up-to-date voter and stop leading."""
         last = self.log.last_index()

@@ -125,6 +125,11 @@ class PeerConfig:
     transport: TransportOptions = field(default_factory=TransportOptions)
     transport_kind: str = "tcp"  # shared.raft.transport.TRANSPORT_KINDS
     seed: int | None = None  # election timeout randomness; None = from the OS
+    # With ``raft.eager_commit`` off, how long after a commit the leader tells the followers that
+    # hold the entries (one empty append each), unless an append carries it first. Followers apply
+    # committed entries (a kernel's STATE) only once told: without this they waited for the next
+    # heartbeat, up to ``tick_interval`` (issue #21). 0: right after the Ready that committed.
+    commit_notice_delay: float = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +202,7 @@ class RaftPeer:
         self._pid_prefix = f"{self.node_id}.{secrets.token_hex(4)}."
         self._pid_seq = 0
         self._wake = asyncio.Event()
+        self._commit_notice: asyncio.TimerHandle | None = None
         self._running = False
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -284,6 +290,9 @@ class RaftPeer:
         self._running = False
         self._stopping = True
         self._wake.set()
+        if self._commit_notice is not None:
+            self._commit_notice.cancel()
+            self._commit_notice = None
         try:
             ready_task, *others = self._tasks
             for t in others:
@@ -483,6 +492,14 @@ class RaftPeer:
                 assert node is not None
                 while node.has_ready() and not self._stopping:
                     await self._handle_ready(node, node.ready())
+                if (
+                    self._commit_notice is None
+                    and not self.config.raft.eager_commit
+                    and node.commit_notice_owed()
+                ):
+                    self._commit_notice = asyncio.get_running_loop().call_later(
+                        self.config.commit_notice_delay, self._send_commit_notices
+                    )
                 self._observe_leader(node)
                 await self._maybe_snapshot(node)
         except asyncio.CancelledError:
@@ -493,6 +510,13 @@ class RaftPeer:
             self._running = False
             self._fail_all(NotRunning(f"raft peer {self.node_id} failed: {exc!r}"))
             self._leader_event.set()
+
+    def _send_commit_notices(self) -> None:
+        self._commit_notice = None
+        node = self._node
+        if node is not None and self._running:
+            node.send_commit_notices()
+            self._wake.set()
 
     async def _handle_ready(self, node: RaftNode, rd: Ready) -> None:
         storage, transport = self._storage, self._transport

@@ -505,6 +505,8 @@ class Simulation:
                         raft.tick()
                         if raft.role == _LEADER:
                             self._observe_leader(node, raft)
+                            if raft.commit_notice_owed():  # the driver's commit notice (#21)
+                                raft.send_commit_notices()
                         self._drain(node)
                 for _ in range(sc.substeps):
                     self._deliver()

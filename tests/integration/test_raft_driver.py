@@ -678,3 +678,20 @@ def test_raft_config_is_passed_to_the_core(tmp_path: Path) -> None:
             await g.leader()
 
     run(main())
+
+
+def test_followers_apply_a_commit_within_the_notice_delay_not_the_next_heartbeat(tmp_path: Path) -> None:
+    """Issue #21: with eager_commit off, followers learned a commit only from the next heartbeat."""
+
+    async def main() -> None:
+        # heartbeats every 100 ticks (1 s): only the commit notice can explain an apply within
+        # a fraction of that
+        raft = RaftConfig(election_ticks=200, heartbeat_ticks=100, eager_commit=False)
+        async with group(tmp_path, raft=raft, commit_notice_delay=0.001) as g:
+            leader = await g.leader(timeout=15.0)
+            await leader.propose(b"warm-up")
+            await eventually(lambda: all(len(kv.log) == 1 for kv in g.kv.values()), what="warm-up applied")
+            await leader.propose(b"state")
+            await eventually(lambda: all(len(kv.log) == 2 for kv in g.kv.values()), 0.6, "all applied")
+
+    run(main())

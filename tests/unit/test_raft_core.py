@@ -572,6 +572,36 @@ def test_lazy_commit_still_tells_a_follower_whose_proposal_committed_at_once() -
     assert net.nodes["c"].log.committed < net.nodes["a"].log.committed
 
 
+def test_lazy_commit_notice_tells_followers_when_the_driver_asks_and_only_then() -> None:
+    net = Net.cluster(config=RaftConfig(election_ticks=E, heartbeat_ticks=1, eager_commit=False))
+    a = net.elect("a")
+    a.propose(b"x", "p1")
+    net.deliver()  # the append reaches b and c
+    net.deliver()  # their responses commit it at a
+    assert a.commit_notice_owed()
+    assert not net.nodes["b"].commit_notice_owed()  # a follower owes nobody
+    a.send_commit_notices()
+    notices = net.take()
+    assert sorted(m.to for m in notices) == ["b", "c"]
+    assert all(m.type == MT.APPEND and not m.entries and m.commit == 3 for m in notices)
+    for m in notices:
+        net.nodes[m.to].step(m)
+    assert net.nodes["b"].log.committed == net.nodes["c"].log.committed == 3
+    assert not a.commit_notice_owed()
+
+
+def test_lazy_commit_notice_is_not_owed_once_an_append_carried_the_commit() -> None:
+    net = Net.cluster(config=RaftConfig(election_ticks=E, heartbeat_ticks=1, eager_commit=False))
+    a = net.elect("a")
+    a.propose(b"x", "p1")
+    net.deliver()
+    net.deliver()
+    a.propose(b"y", "p2")
+    appends = net.take()  # the Ready: its appends carry commit 3 to both followers
+    assert sorted(m.to for m in appends if m.entries and m.commit == 3) == ["b", "c"]
+    assert not a.commit_notice_owed()
+
+
 def test_appends_are_batched_by_bytes() -> None:
     net = Net.cluster(config=RaftConfig(election_ticks=E, max_bytes_per_append=260))
     a = net.elect("a")
