@@ -52,8 +52,11 @@ test: setup test-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
+# The regression guard (under a minute): small-state sync against scripts/baselines/, then the
+# trivial cell against a stock ipykernel. Run after every change to the replica core, Raft or state.
 bench: setup
-	$(BIN)/python scripts/bench_latency.py
+	$(BIN)/python scripts/bench_state_sync.py --quick
+	$(BIN)/python scripts/bench_latency.py --cells 200
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
