@@ -645,7 +645,10 @@ class TandemKernel(IPythonKernel):
         count = done.content.get("execution_count")
         if done.code is not None and isinstance(count, int) and done.content.get("ename") != "ExecutorLost":
             self._followed.append((count, done.code))
-            if len(self._followed) >= FOLLOWED_CATCH_UP:
+            # The batch runs after this cell's STATE is applied (``_apply``), not before it: ~20 ms
+            # of history and analysis would otherwise delay the STATE on every standby at once.
+            # Twice the batch: STATEs stopped coming, catch up here.
+            if len(self._followed) >= 2 * FOLLOWED_CATCH_UP:
                 self._catch_up_followed()
 
     def _apply_remote_state(self, state: State) -> None:
@@ -715,6 +718,8 @@ class TandemKernel(IPythonKernel):
             )
         else:
             self._slog.debug("state_applied", msg_id=msg_id, apply_ms=round(self.apply_ms[-1], 3))
+        if len(self._followed) >= FOLLOWED_CATCH_UP:
+            self._catch_up_followed()
 
     async def _state_applied(self, log: t.Any) -> None:
         """Before executing here: every STATE already handed to this kernel is in the namespace."""
