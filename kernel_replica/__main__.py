@@ -17,10 +17,12 @@ import os
 import random
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 
+from shared import messages
 from shared.config import Config, config_from_json, load_config
 from shared.logs import configure_logging
 from shared.raft.storage import StaleLogAfterReboot, check_boot_fence
@@ -28,10 +30,22 @@ from shared.raft.storage import StaleLogAfterReboot, check_boot_fence
 HISTORY_CACHE = 20
 
 
+def _safe_id(field: str) -> Callable[[str], str]:
+    """An argparse type: the id as ``shared.messages`` admits it (it names directories)."""
+
+    def check(value: str) -> str:
+        problem = messages.id_problem(field, value)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    return check
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m kernel_replica", description=__doc__.split("\n")[0])
-    parser.add_argument("--kernel-id", required=True)
-    parser.add_argument("--replica-id", required=True)
+    parser.add_argument("--kernel-id", required=True, type=_safe_id("kernel_id"))
+    parser.add_argument("--replica-id", required=True, type=_safe_id("replica_id"))
     parser.add_argument("--connection-file", required=True)
     parser.add_argument("--local-scheduler", required=True, help="the local scheduler's replica ROUTER")
     parser.add_argument("--data-dir", required=True, help="Raft WAL and snapshots of this replica")

@@ -21,6 +21,7 @@ C = CLI / provisioner):
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # ---- generic answers -------------------------------------------------------------------------
@@ -181,6 +182,22 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
 
 _CHECKED_CHANNEL = {JUPYTER_REQUEST, JUPYTER_REPLY}
 
+# Kernel and replica ids name directories (``<state>/<kernel>/<replica>``) and ZMQ identities: one
+# path component of safe characters, checked on arrival so no handler ever sees ``/etc`` or ``..``.
+# Jupyter's own kernel ids (UUIDs) pass.
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+_ID_FIELDS = ("kernel_id", "replica_id")
+
+
+def id_problem(field: str, value: str) -> str | None:
+    """Why ``value`` cannot be a ``kernel_id``/``replica_id``, or None if it can."""
+    if _SAFE_ID.fullmatch(value) is None or ".." in value:
+        return (
+            f"field {field!r} must be one path component of letters, digits, '_', '.' or '-' "
+            f"(at most 128, not starting with a symbol, no '..'), got {value[:80]!r}"
+        )
+    return None
+
 
 def known_types() -> tuple[str, ...]:
     return tuple(_SCHEMAS)
@@ -200,6 +217,10 @@ def validate(msg_type: str, body: dict[str, Any]) -> str | None:
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             expected = "/".join(t.__name__ for t in types)
             return f"field {key!r} must be {expected}, got {type(value).__name__}"
+    for key in _ID_FIELDS:
+        value = body.get(key)
+        if isinstance(value, str) and (problem := id_problem(key, value)) is not None:
+            return problem
     if msg_type in _CHECKED_CHANNEL:
         if body["channel"] not in CHANNELS:
             return f"unknown channel {body['channel']!r}"

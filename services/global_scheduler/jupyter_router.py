@@ -105,6 +105,11 @@ class KernelRouter:
     ) -> Routed:
         """Route one client message; ``choose`` is called only for an execute_request."""
         routed = Routed()
+        # Never forward, let alone re-sign, what the kernel's key did not sign: the scheduler's
+        # socket is reachable without the gateway, and a re-signed request runs in the kernel.
+        if len(frames) < 5 or not self.signer.verify(frames[0], frames[1:5]):
+            routed.problem = "bad signature: the message is not signed with the kernel's key"
+            return routed
         if channel == "stdin":  # input_reply: only the replica that asked (the executor) reads it
             target = self.current_executor()
             routed.to_replicas = [(r, channel, frames) for r in ([target] if target in live else live)]
