@@ -84,3 +84,46 @@ def parent_msg_id(msg_frames: list[bytes]) -> str | None:
 
 def json_part(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), default=str).encode()
+
+
+# What a request's content must hold for the kernel to answer it at all (ipykernel reads these
+# keys unguarded: a request without them is logged and never answered, stalling the client).
+# key -> allowed JSON types; "?" prefix: optional, checked only when present.
+_REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "execute_request": {
+        "code": (str,),
+        "?silent": (bool,),
+        "?store_history": (bool,),
+        "?user_expressions": (dict,),
+        "?allow_stdin": (bool,),
+        "?stop_on_error": (bool,),
+    },
+    "complete_request": {"code": (str,), "cursor_pos": (int,)},
+    "inspect_request": {"code": (str,), "cursor_pos": (int,), "?detail_level": (int,)},
+    "is_complete_request": {"code": (str,)},
+    "history_request": {"?hist_access_type": (str,), "?output": (bool,), "?raw": (bool,)},
+    "shutdown_request": {"?restart": (bool,)},
+    "input_reply": {"value": (str,)},
+}
+
+
+def content_problem(msg_type: str, content: bytes) -> str | None:
+    """Why a request's content cannot be answered by a kernel, or None. Every request's content
+    must be a JSON object; the fields of the common requests are checked by type."""
+    try:
+        parsed = json.loads(content)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return f"{msg_type} content is not JSON: {exc}"
+    if not isinstance(parsed, dict):
+        return f"{msg_type} content must be a JSON object, got {type(parsed).__name__}"
+    for key, types in _REQUEST_FIELDS.get(msg_type, {}).items():
+        optional = key.startswith("?")
+        name = key.removeprefix("?")
+        if name not in parsed:
+            if optional:
+                continue
+            return f"{msg_type} content lacks the field {name!r}"
+        value = parsed[name]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            return f"{msg_type} field {name!r} must be {'/'.join(t.__name__ for t in types)}, got {type(value).__name__}"
+    return None

@@ -28,7 +28,7 @@ from services.global_scheduler.reply_merger import (
     ReplyMerger,
 )
 from shared.election_round import OUTCOME_FIELD, ROUND_FIELD, SCHEDULER_FIELDS, SILENT_FIELD
-from shared.jupyter_wire import Signer, WireError, header_of, json_part
+from shared.jupyter_wire import Signer, WireError, content_problem, header_of, json_part
 from shared.policies.executor_choice import ExecutorChoice
 
 PROTOCOL_VERSION = "5.3"
@@ -127,6 +127,14 @@ class KernelRouter:
                 Failed(msg_id, header, channel, retried is not None and retried[1], False, False),
                 "KernelDead",
                 self.dead_reason or "no live replicas",
+            )
+            return routed
+        if (problem := content_problem(msg_type, frames[4])) is not None:
+            # answered here, at once: a kernel would log it and never reply (the client and the
+            # kernel's queue would wait for the request timeout), and nothing gets reserved for it
+            routed.problem = problem
+            routed.to_client = self.synthesize_failure(
+                Failed(msg_id, header, channel, False, False, False), "BadRequest", problem
             )
             return routed
         serial = channel == "shell"

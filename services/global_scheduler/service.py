@@ -320,6 +320,8 @@ class GlobalScheduler:
         routed = router.route_request(channel, frames, live=live, choose=choose, single=self._single(kernel))
         if routed.problem is not None:
             log.warning("request_dropped", kernel=kernel.kernel_id, channel=channel, reason=routed.problem)
+            if routed.to_client:  # a signed request a kernel could not answer: the error reply
+                self._to_gateway(kernel, routed.to_client)
             return None
         if routed.msg_type == "execute_request" and routed.to_replicas:
             log.debug(
