@@ -153,6 +153,7 @@ class GlobalScheduler:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._outbound.cancel_all()
+            await asyncio.to_thread(self._migrator.close)
             await self._server.close()
             self._ctx.destroy(linger=0)
             log.info("stopped")
