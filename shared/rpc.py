@@ -105,6 +105,10 @@ class RpcServer:
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
         _configure(self._sock)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # A peer that restarts (a gateway, a local scheduler) connects again under its identity
+        # while its old connection may not be seen as closed yet (a crashed machine sends no FIN):
+        # the new connection takes the identity over instead of being refused.
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._handler = handler
         self._log = log.bind(server=name)
         self._dispatch = _Dispatcher()

@@ -39,6 +39,8 @@ class FakeScheduler:
         self.start_bodies: list[dict[str, Any]] = []
         self.shutdowns: list[dict[str, Any]] = []
         self.dead = False
+        self.unknown: set[str] = set()  # kernels it answers not_found for
+        self.silent = False  # keep requests unanswered (in self.requests), as a cell still running
 
     def handle(self, identity: bytes, env: Envelope) -> Envelope | None:
         if env.type == messages.KERNEL_START and env.body["kernel_id"].startswith("unplaceable"):
@@ -52,10 +54,13 @@ class FakeScheduler:
             self.shutdowns.append(env.body)
             return env.reply({})
         if env.type == messages.KERNEL_STATUS:
+            if env.body["kernel_id"] in self.unknown:
+                return env.error(f"unknown kernel {env.body['kernel_id']!r}", code="not_found")
             return env.reply({"alive": not self.dead})
         if env.type == messages.JUPYTER_REQUEST:
             self.requests.append(env.body)
-            self.play_kernel(identity, env.body)
+            if not self.silent:
+                self.play_kernel(identity, env.body)
         return None
 
     def msg(
@@ -138,11 +143,19 @@ class Harness:
 
     async def _start(self) -> None:
         self.scheduler = FakeScheduler(self.ctx)
-        address = self.scheduler.server.bind("tcp://127.0.0.1:0")
+        self.scheduler_address = self.scheduler.server.bind("tcp://127.0.0.1:0")
         self.scheduler.server.start()
+        await self._start_gateway("tcp://127.0.0.1:0")
+
+    async def _start_gateway(self, api_address: str) -> None:
         cfg = load_config(None, {"gateway.status_poll_interval_s": "0.2"})
-        self.gateway = Gateway(self.ctx, cfg, scheduler_address=address)
-        self.api_address = await self.gateway.start("tcp://127.0.0.1:0")
+        self.gateway = Gateway(self.ctx, cfg, scheduler_address=self.scheduler_address)
+        self.api_address = await self.gateway.start(api_address)
+
+    def restart_gateway(self) -> None:
+        """A new gateway process in all but the process: nothing carried over but the state dir."""
+        self.call(self.gateway.close())
+        self.call(self._start_gateway(self.api_address))
 
     async def api(self, msg_type: str, body: dict[str, Any]) -> Envelope:
         client = RpcClient(self.ctx, name="test-api")
