@@ -100,6 +100,8 @@ class KernelEndpoint:
         # replies can say where they ran without the replica knowing its host.
         self.replica_hosts: dict[str, str] = {}
         self.on_unknown_replica: Callable[[], None] | None = None
+        # requests kept back while clients reconnect to a restarted gateway (hold_requests)
+        self._held: list[tuple[str, list[bytes]]] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -200,7 +202,23 @@ class KernelEndpoint:
             self._remember(msg_id, PendingRoute(channel, identities, header["msg_type"], time.time()))
         self.stats.forwarded += 1
         self._log.debug("client_request", channel=channel, msg_id=msg_id, msg_type=header["msg_type"])
+        if self._held is not None:
+            self._held.append((channel, msg))
+            return
         self._forward(channel, msg)
+
+    def hold_requests(self) -> None:
+        """Keep clients' requests back (in order) until ``release_requests``. A restarted gateway
+        does so for a moment: a client's shell socket may reconnect before its iopub one, and
+        the outputs of a cell sent at once would be published to nobody (ZMQ's PUB drops what
+        no subscriber is connected for), leaving the client waiting for them."""
+        if self._held is None:
+            self._held = []
+
+    def release_requests(self) -> None:
+        held, self._held = self._held or [], None
+        for channel, msg in held:
+            self._forward(channel, msg)
 
     def _reject(self, channel: str, reason: str) -> None:
         self.stats.rejected += 1

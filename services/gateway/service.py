@@ -14,6 +14,8 @@ replicas never noticed: clients reconnect to the same ports and find their names
 from __future__ import annotations
 
 import asyncio
+import errno
+import time
 import uuid
 from typing import Any
 
@@ -32,6 +34,13 @@ from shared.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
 log = structlog.get_logger("gateway")
 
 GATEWAY_IDENTITY = b"gateway"
+# A restarted gateway waits this long before its first word to the scheduler, which then sends
+# what it kept for the gateway (services/global_scheduler/gateway_outbox.py), and before it
+# forwards clients' requests: time for clients' iopub subscriptions to reconnect (ZMQ retries
+# every 100 ms), or they would miss those outputs.
+RECONNECT_GRACE_S = 1.0
+# How long a restarted gateway waits for a kernel's old port to be free before it gives the kernel up.
+PORTS_FREED_WITHIN_S = 2.0
 
 
 class KernelState:
@@ -68,23 +77,20 @@ class Gateway:
         self._published: dict[str, KernelEntry] = {}
 
     async def start(self, api_address: str) -> str:
-        restored = self._restore_kernels()  # before the API answers: a client asks about them
+        restored = await self._restore_kernels()  # before the API answers: a client asks about them
         address = self.api.bind(api_address)
         self.api.start()
         self.scheduler.connect(self._scheduler_address)
         self._poller = asyncio.ensure_future(self._poll_liveness())
         if restored:
-            self._in_background(self._check_liveness(restored))
+            self._in_background(self._check_liveness(restored, after=RECONNECT_GRACE_S))
+            asyncio.get_running_loop().call_later(RECONNECT_GRACE_S, self._release_restored, restored)
         log.info("gateway_started", api=address, scheduler=self._scheduler_address)
         return address
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await _cancel([self._poller] if self._poller is not None else [])
+        await _cancel(list(self._background))
         for endpoint in list(self.kernels.values()):
             await endpoint.close()
         self.kernels.clear()
@@ -244,7 +250,7 @@ class Gateway:
             except OSError as exc:
                 log.error("kernel_table_not_saved", path=str(self._table.path), reason=str(exc))
 
-    def _restore_kernels(self) -> list[str]:
+    async def _restore_kernels(self) -> list[str]:
         """Serve again every kernel of the table on its old ports, alive until the scheduler says
         otherwise (``_check_liveness``, at once and then periodically). A kernel whose ports are
         now taken is reported dead with the reason; its replicas are stopped by the client's
@@ -262,7 +268,7 @@ class Gateway:
                     self._forwarder(kernel_id),
                     ip=entry.ip,
                 )
-                endpoint.bind(entry.ports)
+                await _bind_when_free(endpoint, entry.ports)
             except (WireError, zmq.ZMQError) as exc:
                 reason = f"the gateway restarted and cannot serve the kernel on ports {entry.ports}: {exc}"
                 klog.error("kernel_not_restored", reason=reason)
@@ -271,6 +277,7 @@ class Gateway:
                 continue
             endpoint.alive = True
             endpoint.on_unknown_replica = lambda kid=kernel_id: self._refresh_placement_soon(kid)
+            endpoint.hold_requests()  # until its clients had time to reconnect (RECONNECT_GRACE_S)
             self.kernels[kernel_id] = endpoint
             self.states[kernel_id] = KernelState.ALIVE
             self._published[kernel_id] = entry
@@ -312,13 +319,20 @@ class Gateway:
         else:
             log.warning("unexpected_scheduler_message", type=env.type)
 
+    def _release_restored(self, kernel_ids: list[str]) -> None:
+        for kernel_id in kernel_ids:
+            endpoint = self.kernels.get(kernel_id)
+            if endpoint is not None:
+                endpoint.release_requests()
+
     async def _poll_liveness(self) -> None:
         """Backstop for a lost ``kernel.dead`` push: ask the scheduler about each live kernel."""
         while True:
             await asyncio.sleep(self._poll_interval)
             await self._check_liveness([k for k, state in self.states.items() if state == KernelState.ALIVE])
 
-    async def _check_liveness(self, kernel_ids: list[str]) -> None:
+    async def _check_liveness(self, kernel_ids: list[str], *, after: float = 0.0) -> None:
+        await asyncio.sleep(after)
         for kernel_id in kernel_ids:
             if self.states.get(kernel_id) != KernelState.ALIVE:
                 continue
@@ -397,6 +411,31 @@ class Gateway:
         endpoint = self.kernels.get(kernel_id)
         if endpoint is not None:
             endpoint.alive = False
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel and wait for ``tasks``, cancelling again any that swallowed it (on Python 3.11,
+    ``asyncio.wait_for`` loses a cancellation that lands as its awaitable completes, which left
+    a closing gateway waiting for ever on its liveness poller)."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.1)
+
+
+async def _bind_when_free(endpoint: KernelEndpoint, ports: dict[str, int]) -> None:
+    """Bind the kernel's old ports, waiting a moment for any still held by the previous gateway's
+    sockets while they close; ``zmq.ZMQError`` if one stays taken."""
+    deadline = time.monotonic() + PORTS_FREED_WITHIN_S
+    while True:
+        try:
+            endpoint.bind(ports)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.05)
 
 
 def scheduler_says_dead(body: dict[str, Any]) -> bool:

@@ -55,14 +55,14 @@ def test_a_restarted_gateway_serves_the_kernel_on_the_same_ports_with_its_key(ha
         assert reply["content"]["status"] == "ok"
         status = harness.call(harness.api(messages.KERNEL_STATUS, {"kernel_id": kernel_id})).body
         assert status["state"] == "alive" and status["alive"] is True
-        assert client.is_alive()
+        wait_until(client.is_alive, "the heartbeat answered again")
     finally:
         client.stop_channels()
     assert stat.S_IMODE(table_path().stat().st_mode) == 0o600  # it holds the kernels' keys
 
 
 def test_a_reply_to_a_cell_the_previous_gateway_forwarded_reaches_its_client(harness: Harness) -> None:
-    kernel_id, info = harness.start_kernel()
+    _, info = harness.start_kernel()
     client = client_for(info)
     try:
         client.wait_for_ready(timeout=5)
@@ -70,11 +70,14 @@ def test_a_reply_to_a_cell_the_previous_gateway_forwarded_reaches_its_client(har
         msg_id = client.execute("slow()")
         wait_until(lambda: any(r["channel"] == "shell" for r in harness.scheduler.requests[-1:]), "the cell")
         harness.restart_gateway()
-        wait_until(lambda: harness.gateway.kernels.get(kernel_id) is not None, "the kernel restored")
-        time.sleep(0.3)  # the new gateway's scheduler link is up (it asked about the kernel)
+        asked = harness.scheduler.status_asked
+        # the new gateway speaks to the scheduler once its clients had time to reconnect (as the
+        # real scheduler, the double answers pushes only then: gateway_outbox.py)
+        wait_until(lambda: harness.scheduler.status_asked > asked, "the new gateway's first word")
         harness.call(_play(harness, harness.scheduler.requests[-1]))
         reply = client.get_shell_msg(timeout=5)
-        assert reply["parent_header"]["msg_id"] == msg_id
+        while reply["parent_header"]["msg_id"] != msg_id:  # a late kernel_info_reply of wait_for_ready
+            reply = client.get_shell_msg(timeout=5)
         assert reply["content"]["status"] == "ok"
     finally:
         client.stop_channels()
@@ -108,9 +111,17 @@ def test_a_kernel_whose_ports_are_taken_is_reported_dead_with_the_reason(harness
     kernel_id, info = harness.start_kernel()
     harness.call(harness.gateway.close())
     squatter = zmq.Context.instance().socket(zmq.ROUTER)
-    squatter.bind(f"tcp://127.0.0.1:{info['shell_port']}")
+
+    def squat() -> bool:  # once the closed gateway's socket let the port go
+        try:
+            squatter.bind(f"tcp://127.0.0.1:{info['shell_port']}")
+        except zmq.ZMQError:
+            return False
+        return True
+
+    wait_until(squat, "the shell port free")
     try:
-        harness.call(harness._start_gateway(harness.api_address))
+        harness.start_gateway_again()
         status = harness.call(harness.api(messages.KERNEL_STATUS, {"kernel_id": kernel_id})).body
         assert status["state"] == "dead" and str(info["shell_port"]) in status["reason"]
     finally:
