@@ -24,9 +24,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, tandem_kernelspec: Path) -> Iterator[ClusterHandle]:
-    with running_cluster(
-        tmp_path_factory.mktemp("gateway-restart"), "--hosts", "3", "--set", "log.level=debug"
-    ) as handle:
+    with running_cluster(tmp_path_factory.mktemp("gateway-restart"), "--hosts", "3") as handle:
         yield handle
 
 
