@@ -329,12 +329,15 @@ class EmbeddedCluster:
             )
         self._gateway_restarts.append(now)
         old = next(c for c in self.children if c.name == "gateway")
+        place = self.children.index(old)
         self.children.remove(old)
         if old.log_file is not None:
             old.log_file.close()
         address_file = self.state_dir / "gateway.address"
         address_file.unlink(missing_ok=True)
         child = self._spawn("gateway", [*self._gateway_args, "--bind", self.gateway_address], critical=True)
+        self.children.remove(child)
+        self.children.insert(place, child)  # stop() goes in reverse start order
         deadline = time.monotonic() + timeout
         while not address_file.exists():
             if child.process is not None and child.process.poll() is not None:
