@@ -24,8 +24,26 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, tandem_kernelspec: Path) -> Iterator[ClusterHandle]:
-    with running_cluster(tmp_path_factory.mktemp("gateway-restart"), "--hosts", "3") as handle:
+    state_dir = tmp_path_factory.mktemp("gateway-restart")
+    with running_cluster(state_dir, "--hosts", "3") as handle:
         yield handle
+    # every process of it, restarted gateways and replicas included, is gone
+    assert not processes_with_state_dir(state_dir), processes_with_state_dir(state_dir)
+
+
+def processes_with_state_dir(state_dir: Path) -> list[int]:
+    """Live processes started for this cluster (``tandem up`` hands its state dir to all)."""
+    marker = f"TANDEM_STATE_DIR={state_dir}\0".encode()
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(entry) == os.getpid() or marker not in Path(f"/proc/{entry}/environ").read_bytes():
+                continue
+            if Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
@@ -75,6 +93,7 @@ def test_a_killed_gateway_comes_back_and_the_next_cell_sees_the_old_variables(cl
         again = run(kc, "x += 1; print(x)", timeout=60)
         assert again.status == "ok" and again.stdout == "42\n", again.reply["content"]
     assert "kernel_restored" in cluster.log_text("gateway")
+    assert processes_with_state_dir(cluster.state_dir)  # what the fixture's orphan check looks for
 
 
 def test_a_cell_running_when_the_gateway_dies_runs_once_and_its_client_gets_the_reply(
