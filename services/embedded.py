@@ -38,6 +38,9 @@ log = structlog.get_logger("embedded")
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 STOP_GRACE_S = 10.0
+# A gateway that dies more often than this is not restarted again: the cluster stops instead.
+GATEWAY_RESTARTS_PER_WINDOW = 5
+GATEWAY_RESTART_WINDOW_S = 60.0
 
 
 class ClusterStartError(RuntimeError):
@@ -120,6 +123,8 @@ class EmbeddedCluster:
         self.log_dir = Path(os.path.expanduser(log_dir)) if log_dir else state_dir / "logs"
         self.children: list[Child] = []
         self._scheduler_args: list[str] = []
+        self._gateway_args: list[str] = []
+        self._gateway_restarts: list[float] = []
         self.scheduler_address = ""
         self.gateway_address = ""
         self.cluster_file = state_dir / CLUSTER_FILE
@@ -169,15 +174,14 @@ class EmbeddedCluster:
         self.scheduler_address = self._wait_for_announcement(scheduler, offset, deadline)
         address_file = self.state_dir / "gateway.address"
         address_file.unlink(missing_ok=True)
+        forget_kernel_table(self.state_dir)  # no kernel outlives the cluster that ran it
+        self._gateway_args = [
+            "-m", "services.gateway", "--scheduler", self.scheduler_address,
+            "--address-file", str(address_file), "--config-json", config_json, *log_format,
+        ]  # fmt: skip
         self._spawn(
-            "gateway",
-            [
-                "-m", "services.gateway", "--scheduler", self.scheduler_address,
-                "--bind", self.cfg.get("gateway.api_address"), "--address-file", str(address_file),
-                "--config-json", config_json, *log_format,
-            ],
-            critical=True,
-        )  # fmt: skip
+            "gateway", [*self._gateway_args, "--bind", self.cfg.get("gateway.api_address")], critical=True
+        )
         for index in range(self.hosts):
             host_id = f"host-{index}"
             self._spawn(
@@ -312,6 +316,49 @@ class EmbeddedCluster:
             os.replace(tmp, self.cluster_file)
         log.warning("scheduler_restarted", pid=child.process.pid if child.process else None)
 
+    def restart_gateway(self, timeout: float = 30.0) -> None:
+        """The gateway died: start a new one on the same API address. It serves every kernel
+        again on the ports its clients hold (services/gateway/kernel_table.py); the replicas
+        and the scheduler never stopped. Refused when it keeps dying (a crash loop)."""
+        now = time.monotonic()
+        self._gateway_restarts = [t for t in self._gateway_restarts if now - t < GATEWAY_RESTART_WINDOW_S]
+        if len(self._gateway_restarts) >= GATEWAY_RESTARTS_PER_WINDOW:
+            raise ClusterStartError(
+                f"the gateway died {len(self._gateway_restarts) + 1} times within "
+                f"{GATEWAY_RESTART_WINDOW_S:g}s; last lines of its log:\n{tail(self.log_dir / 'gateway.log')}"
+            )
+        self._gateway_restarts.append(now)
+        old = next(c for c in self.children if c.name == "gateway")
+        place = self.children.index(old)
+        self.children.remove(old)
+        if old.log_file is not None:
+            old.log_file.close()
+        address_file = self.state_dir / "gateway.address"
+        address_file.unlink(missing_ok=True)
+        child = self._spawn("gateway", [*self._gateway_args, "--bind", self.gateway_address], critical=True)
+        self.children.remove(child)
+        self.children.insert(place, child)  # stop() goes in reverse start order
+        deadline = time.monotonic() + timeout
+        while not address_file.exists():
+            if child.process is not None and child.process.poll() is not None:
+                raise ClusterStartError(
+                    f"the restarted gateway exited with code {child.process.returncode}; "
+                    f"last lines of its log:\n{tail(child.log_path)}"
+                )
+            if time.monotonic() > deadline:
+                raise ClusterStartError(f"the restarted gateway did not answer within {timeout:g}s")
+            time.sleep(0.05)
+        self._record_pid("gateway", child)
+        log.warning("gateway_restarted", pid=child.process.pid if child.process else None)
+
+    def _record_pid(self, name: str, child: Child) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            info = json.loads(self.cluster_file.read_text())
+            info["processes"][name] = child.process.pid if child.process else None
+            tmp = self.cluster_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(info, indent=2))
+            os.replace(tmp, self.cluster_file)
+
     def failed_critical(self) -> Child | None:
         """A critical service that died on its own (the cluster cannot go on without it)."""
         for child in self.children:
@@ -416,6 +463,12 @@ def run_foreground(cluster: EmbeddedCluster, *, on_ready: Any = None) -> int:
                     continue
                 except ClusterStartError as exc:
                     print(f"tandem up: the global scheduler could not be restarted: {exc}", file=sys.stderr)
+            if failed is not None and failed.name == "gateway":
+                try:
+                    cluster.restart_gateway()
+                    continue
+                except ClusterStartError as exc:
+                    print(f"tandem up: the gateway could not be restarted: {exc}", file=sys.stderr)
             if failed is not None:
                 assert failed.process is not None
                 print(
@@ -430,6 +483,12 @@ def run_foreground(cluster: EmbeddedCluster, *, on_ready: Any = None) -> int:
     finally:
         cluster.stop()
     return exit_code
+
+
+def forget_kernel_table(state_dir: Path) -> None:
+    """A new cluster starts with no kernel: the previous gateway's table must not be restored."""
+    with contextlib.suppress(FileNotFoundError):
+        (state_dir / "gateway" / "kernels.json").unlink()
 
 
 def cluster_alive(state_dir: Path) -> bool:

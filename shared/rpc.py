@@ -101,10 +101,18 @@ class _Dispatcher:
 class RpcServer:
     """A ROUTER socket that validates, dispatches and answers envelopes."""
 
-    def __init__(self, ctx: zmq.Context[Any], handler: ServerHandler, *, name: str) -> None:
+    def __init__(
+        self, ctx: zmq.Context[Any], handler: ServerHandler, *, name: str, mandatory: bool = False
+    ) -> None:
+        """``mandatory``: a push to a peer not connected now fails (``send`` returns False)
+        instead of vanishing, for a caller that keeps what it could not deliver."""
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
         _configure(self._sock)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1 if mandatory else 0)
+        # A peer that restarts (a gateway, a local scheduler) connects again under its identity
+        # while its old connection may not be seen as closed yet (a crashed machine sends no FIN):
+        # the new connection takes the identity over instead of being refused.
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._handler = handler
         self._log = log.bind(server=name)
         self._dispatch = _Dispatcher()
@@ -126,12 +134,15 @@ class RpcServer:
         """Start receiving (needs the running loop); messages queued before now are delivered."""
         self._channel.start()
 
-    def send(self, identity: bytes, env: Envelope) -> None:
-        """Push to a connected peer; never blocks (the peer may be gone: then it is dropped)."""
+    def send(self, identity: bytes, env: Envelope) -> bool:
+        """Push to a connected peer; never blocks (the peer may be gone: then it is dropped).
+        False when ZMQ refused it (a ``mandatory`` server's peer not connected, or a full queue)."""
         try:
             self._channel.send_multipart([identity, env.encode()])
         except zmq.ZMQError as exc:
             self._log.warning("send_failed", peer=identity, type=env.type, error=str(exc))
+            return False
+        return True
 
     def _on_frames(self, frames: list[bytes]) -> None:
         """One inbound message: validate, then dispatch or answer with an ``error``."""

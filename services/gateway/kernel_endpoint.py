@@ -100,20 +100,27 @@ class KernelEndpoint:
         # replies can say where they ran without the replica knowing its host.
         self.replica_hosts: dict[str, str] = {}
         self.on_unknown_replica: Callable[[], None] | None = None
+        # requests kept back while clients reconnect to a restarted gateway (hold_requests)
+        self._held: list[tuple[str, list[bytes]]] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def bind(self) -> dict[str, int]:
-        """Bind the five sockets on free ports; idempotent, so a restart keeps the client's ports."""
+    def bind(self, ports: dict[str, int] | None = None) -> dict[str, int]:
+        """Bind the five sockets, on free ports or on ``ports`` (a restarted gateway serving the
+        kernel where its clients' connection files point); idempotent, so a kernel restart keeps
+        the client's ports. Raises ``zmq.ZMQError`` with nothing left bound if a port is taken."""
         if self._iopub is not None:
             return self.ports
-        for channel in (*ROUTED_CHANNELS, "iopub", "hb"):
-            kind = zmq.PUB if channel == "iopub" else zmq.ROUTER
-            sock: zmq.Socket[bytes] = self._ctx.socket(kind, socket_class=zmq.Socket)
-            sock.setsockopt(zmq.LINGER, 0)
-            if kind == zmq.ROUTER:
-                sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-            self.ports[channel] = sock.bind_to_random_port(f"tcp://{self.ip}")
+        bound: list[zmq.Socket[bytes]] = []
+        try:
+            for channel in (*ROUTED_CHANNELS, "iopub", "hb"):
+                bound.append(self._bind_one(channel, ports[channel] if ports else None))
+        except zmq.ZMQError:
+            for sock in bound:
+                sock.close(linger=0)
+            self.ports.clear()
+            raise
+        for channel, sock in zip((*ROUTED_CHANNELS, "iopub", "hb"), bound, strict=True):
             if channel == "iopub":
                 self._iopub = sock
             elif channel == "hb":
@@ -125,6 +132,23 @@ class KernelEndpoint:
         for drained in self._sockets.values():
             drained.start()
         return self.ports
+
+    def _bind_one(self, channel: str, port: int | None) -> zmq.Socket[bytes]:
+        kind = zmq.PUB if channel == "iopub" else zmq.ROUTER
+        sock: zmq.Socket[bytes] = self._ctx.socket(kind, socket_class=zmq.Socket)
+        sock.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        try:
+            if port is None:
+                self.ports[channel] = sock.bind_to_random_port(f"tcp://{self.ip}")
+            else:
+                sock.bind(f"tcp://{self.ip}:{port}")
+                self.ports[channel] = port
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        return sock
 
     def set_key(self, key: bytes, signature_scheme: str) -> None:
         """A restart may come with a new key; clients sign with whatever the provisioner handed out."""
@@ -178,7 +202,23 @@ class KernelEndpoint:
             self._remember(msg_id, PendingRoute(channel, identities, header["msg_type"], time.time()))
         self.stats.forwarded += 1
         self._log.debug("client_request", channel=channel, msg_id=msg_id, msg_type=header["msg_type"])
+        if self._held is not None:
+            self._held.append((channel, msg))
+            return
         self._forward(channel, msg)
+
+    def hold_requests(self) -> None:
+        """Keep clients' requests back (in order) until ``release_requests``. A restarted gateway
+        does so for a moment: a client's shell socket may reconnect before its iopub one, and
+        the outputs of a cell sent at once would be published to nobody (ZMQ's PUB drops what
+        no subscriber is connected for), leaving the client waiting for them."""
+        if self._held is None:
+            self._held = []
+
+    def release_requests(self) -> None:
+        held, self._held = self._held or [], None
+        for channel, msg in held:
+            self._forward(channel, msg)
 
     def _reject(self, channel: str, reason: str) -> None:
         self.stats.rejected += 1
@@ -215,8 +255,7 @@ class KernelEndpoint:
         parent_id = parent_msg_id(frames)
         route = self._routes.get(parent_id) if parent_id else None
         if route is None:
-            self.stats.unroutable += 1
-            self._log.warning("unroutable_reply", channel=channel, msg_id=parent_id)
+            self._deliver_without_route(channel, frames, parent_id)
             return
         if channel != "stdin":  # stdin traffic (input_request) precedes the shell reply it belongs to
             del self._routes[parent_id]
@@ -227,6 +266,21 @@ class KernelEndpoint:
         self._send(channel, [*route.identities, DELIMITER, *frames])
         self.stats.delivered += 1
         self._log.debug("reply_routed", channel=channel, msg_id=parent_id, request_type=route.msg_type)
+
+    def _deliver_without_route(self, channel: str, frames: list[bytes], parent_id: str | None) -> None:
+        """A reply to a request this endpoint does not remember: one a previous gateway process
+        forwarded before it died (the routes died with it). jupyter_client names its shell,
+        control and stdin sockets after the session (``identity=session.bsession``), so the
+        parent header's session still reaches the client that asked; ZMQ drops it if no such
+        client is connected. The request ran once, upstream: this only returns its answer."""
+        session = parent_session(frames)
+        if session is None:
+            self.stats.unroutable += 1
+            self._log.warning("unroutable_reply", channel=channel, msg_id=parent_id)
+            return
+        self._send(channel, [session, DELIMITER, *frames])
+        self.stats.delivered += 1
+        self._log.info("reply_routed_by_session", channel=channel, msg_id=parent_id)
 
     def _note_execute_input(self, frames: list[bytes]) -> None:
         """The executor publishes execute_input right before user code runs: our view of "started"."""
@@ -282,3 +336,15 @@ class KernelEndpoint:
 
     def pending_count(self) -> int:
         return len(self._routes)
+
+
+def parent_session(frames: list[bytes]) -> bytes | None:
+    """The session named in a message's parent header, as a ZMQ identity (None if absent)."""
+    try:
+        parent = json.loads(frames[2])
+    except (json.JSONDecodeError, UnicodeDecodeError, IndexError):
+        return None
+    session = parent.get("session") if isinstance(parent, dict) else None
+    if not isinstance(session, str) or not session or len(session) > 255:
+        return None
+    return session.encode()

@@ -4,11 +4,18 @@ Two links: an API ROUTER (``kernel.start/shutdown/status/interrupt`` from the pr
 CLI) and a DEALER to the global scheduler (identity ``gateway``) carrying ``jupyter.request`` out
 and ``jupyter.reply`` / ``kernel.dead`` back. All decisions about replicas live in the scheduler;
 the gateway only binds sockets, checks signatures and routes frames.
+
+A gateway restart loses no kernel: every kernel handed to a client is in the gateway's kernel
+table on disk (kernel_table.py), and a restarted gateway binds each one's five ports again with
+its key, then checks with the scheduler which of them still live (``_restore_kernels``). The
+replicas never noticed: clients reconnect to the same ports and find their namespaces.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import time
 import uuid
 from typing import Any
 
@@ -17,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from services.gateway.kernel_endpoint import KernelEndpoint
+from services.gateway.kernel_table import KernelEntry, KernelTableFile
 from shared import messages
 from shared.config import Config
 from shared.envelope import Envelope
@@ -26,6 +34,13 @@ from shared.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
 log = structlog.get_logger("gateway")
 
 GATEWAY_IDENTITY = b"gateway"
+# A restarted gateway waits this long before its first word to the scheduler, which then sends
+# what it kept for the gateway (services/global_scheduler/gateway_outbox.py), and before it
+# forwards clients' requests: time for clients' iopub subscriptions to reconnect (ZMQ retries
+# every 100 ms), or they would miss those outputs.
+RECONNECT_GRACE_S = 1.0
+# How long a restarted gateway waits for a kernel's old port to be free before it gives the kernel up.
+PORTS_FREED_WITHIN_S = 2.0
 
 
 class KernelState:
@@ -56,19 +71,26 @@ class Gateway:
         self._poller: asyncio.Task[None] | None = None
         self._refreshing: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
+        # kernels whose connection info a client got: what the table on disk lists
+        self._table = KernelTableFile(cfg.state_dir() / "gateway" / "kernels.json")
+        self._table_lock = asyncio.Lock()
+        self._published: dict[str, KernelEntry] = {}
 
     async def start(self, api_address: str) -> str:
+        restored = await self._restore_kernels()  # before the API answers: a client asks about them
         address = self.api.bind(api_address)
         self.api.start()
         self.scheduler.connect(self._scheduler_address)
         self._poller = asyncio.ensure_future(self._poll_liveness())
+        if restored:
+            self._in_background(self._check_liveness(restored, after=RECONNECT_GRACE_S))
+            asyncio.get_running_loop().call_later(RECONNECT_GRACE_S, self._release_restored, restored)
         log.info("gateway_started", api=address, scheduler=self._scheduler_address)
         return address
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
+        await _cancel([self._poller] if self._poller is not None else [])
+        await _cancel(list(self._background))
         for endpoint in list(self.kernels.values()):
             await endpoint.close()
         self.kernels.clear()
@@ -134,6 +156,11 @@ class Gateway:
         info = endpoint.connection_info()
         info["kernel_id"] = kernel_id
         info["placement"] = answer.body
+        # On disk before the client has the ports: a gateway restart after this finds the kernel.
+        self._published[kernel_id] = KernelEntry(
+            kernel_id, endpoint.key.decode(), endpoint.signature_scheme, endpoint.ip, dict(endpoint.ports)
+        )
+        await self._save_table()
         klog.info("kernel_started", ports=endpoint.ports)
         return env.reply(info)
 
@@ -141,9 +168,10 @@ class Gateway:
         kernel_id: str = env.body["kernel_id"]
         restart = bool(env.body.get("restart", False))
         endpoint = self.kernels.get(kernel_id)
-        if endpoint is None:
+        if endpoint is None and kernel_id not in self.states:
             return env.error(f"unknown kernel {kernel_id}", code="unknown_kernel")
-        endpoint.alive = False
+        if endpoint is not None:  # else restored without its ports (taken): it still has replicas
+            endpoint.alive = False
         scheduler_error = ""
         if self.states.get(kernel_id) != KernelState.STOPPED:
             try:
@@ -206,6 +234,58 @@ class Gateway:
         endpoint = self.kernels.pop(kernel_id, None)
         if endpoint is not None:
             await endpoint.close()
+        if self._published.pop(kernel_id, None) is not None:
+            await self._save_table()
+
+    # ---- the kernel table on disk (kernel_table.py) ------------------------------------------
+
+    async def _save_table(self) -> None:
+        """Write the published kernels; serialized, so the last write carries the latest table.
+        A failure is logged as an error: the kernels keep running, but would not survive a
+        gateway restart."""
+        async with self._table_lock:
+            entries = list(self._published.values())
+            try:
+                await asyncio.to_thread(self._table.save, entries)
+            except OSError as exc:
+                log.error("kernel_table_not_saved", path=str(self._table.path), reason=str(exc))
+
+    async def _restore_kernels(self) -> list[str]:
+        """Serve again every kernel of the table on its old ports, alive until the scheduler says
+        otherwise (``_check_liveness``, at once and then periodically). A kernel whose ports are
+        now taken is reported dead with the reason; its replicas are stopped by the client's
+        shutdown as usual."""
+        restored: list[str] = []
+        for entry in self._table.load():
+            kernel_id = entry.kernel_id
+            klog = log.bind(kernel=kernel_id)
+            try:
+                endpoint = KernelEndpoint(
+                    self._ctx,
+                    kernel_id,
+                    entry.key.encode(),
+                    entry.signature_scheme,
+                    self._forwarder(kernel_id),
+                    ip=entry.ip,
+                )
+                await _bind_when_free(endpoint, entry.ports)
+            except (WireError, zmq.ZMQError) as exc:
+                reason = f"the gateway restarted and cannot serve the kernel on ports {entry.ports}: {exc}"
+                klog.error("kernel_not_restored", reason=reason)
+                self.states[kernel_id] = KernelState.DEAD
+                self.reasons[kernel_id] = reason
+                continue
+            endpoint.alive = True
+            endpoint.on_unknown_replica = lambda kid=kernel_id: self._refresh_placement_soon(kid)
+            endpoint.hold_requests()  # until its clients had time to reconnect (RECONNECT_GRACE_S)
+            self.kernels[kernel_id] = endpoint
+            self.states[kernel_id] = KernelState.ALIVE
+            self._published[kernel_id] = entry
+            restored.append(kernel_id)
+            klog.info("kernel_restored", ports=entry.ports)
+        if restored:
+            log.info("kernel_table_restored", kernels=len(restored), path=str(self._table.path))
+        return restored
 
     # ---- Jupyter traffic -------------------------------------------------------------------
 
@@ -239,30 +319,47 @@ class Gateway:
         else:
             log.warning("unexpected_scheduler_message", type=env.type)
 
+    def _release_restored(self, kernel_ids: list[str]) -> None:
+        for kernel_id in kernel_ids:
+            endpoint = self.kernels.get(kernel_id)
+            if endpoint is not None:
+                endpoint.release_requests()
+
     async def _poll_liveness(self) -> None:
         """Backstop for a lost ``kernel.dead`` push: ask the scheduler about each live kernel."""
         while True:
             await asyncio.sleep(self._poll_interval)
-            for kernel_id, state in list(self.states.items()):
-                if state != KernelState.ALIVE:
-                    continue
-                try:
-                    answer = await self.scheduler.request(
-                        Envelope(messages.KERNEL_STATUS, {"kernel_id": kernel_id}),
-                        timeout=self._request_timeout,
-                    )
-                except RpcError as exc:
-                    if exc.code in ("unknown_kernel", "not_found"):
-                        self._mark_dead(kernel_id, f"scheduler does not know the kernel: {exc.reason}")
-                    continue
-                except RpcTimeout:
-                    continue
-                self._learn_placement(kernel_id, answer.body)
-                state = str(answer.body.get("state", "")).lower()
-                if state in ("stopping", "stopped"):  # a client's own shutdown_request on control
-                    self._mark_stopped(kernel_id)
-                elif scheduler_says_dead(answer.body):
-                    self._mark_dead(kernel_id, str(answer.body.get("reason") or "scheduler reports it dead"))
+            await self._check_liveness([k for k, state in self.states.items() if state == KernelState.ALIVE])
+
+    async def _check_liveness(self, kernel_ids: list[str], *, after: float = 0.0) -> None:
+        await asyncio.sleep(after)
+        for kernel_id in kernel_ids:
+            if self.states.get(kernel_id) != KernelState.ALIVE:
+                continue
+            try:
+                answer = await self.scheduler.request(
+                    Envelope(messages.KERNEL_STATUS, {"kernel_id": kernel_id}),
+                    timeout=self._request_timeout,
+                )
+            except RpcError as exc:  # "rebuilding": a restarted scheduler may still adopt it
+                if exc.code in ("unknown_kernel", "not_found"):
+                    self._mark_dead(kernel_id, f"scheduler does not know the kernel: {exc.reason}")
+                    if self._published.pop(kernel_id, None) is not None:  # never restore it again
+                        await self._save_table()
+                continue
+            except RpcTimeout:
+                continue
+            self._learn_placement(kernel_id, answer.body)
+            state = str(answer.body.get("state", "")).lower()
+            if state in ("stopping", "stopped"):  # a client's own shutdown_request on control
+                self._mark_stopped(kernel_id)
+            elif scheduler_says_dead(answer.body):
+                self._mark_dead(kernel_id, str(answer.body.get("reason") or "scheduler reports it dead"))
+
+    def _in_background(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _learn_placement(self, kernel_id: str, status: dict[str, Any]) -> None:
         """Remember replica -> host from a kernel status, to label replies with where they ran."""
@@ -294,9 +391,7 @@ class Gateway:
             finally:
                 self._refreshing.discard(kernel_id)
 
-        task = asyncio.ensure_future(refresh())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(refresh())
 
     def _mark_stopped(self, kernel_id: str) -> None:
         if self.states.get(kernel_id) != KernelState.ALIVE:
@@ -316,6 +411,31 @@ class Gateway:
         endpoint = self.kernels.get(kernel_id)
         if endpoint is not None:
             endpoint.alive = False
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel and wait for ``tasks``, cancelling again any that swallowed it (on Python 3.11,
+    ``asyncio.wait_for`` loses a cancellation that lands as its awaitable completes, which left
+    a closing gateway waiting for ever on its liveness poller)."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.1)
+
+
+async def _bind_when_free(endpoint: KernelEndpoint, ports: dict[str, int]) -> None:
+    """Bind the kernel's old ports, waiting a moment for any still held by the previous gateway's
+    sockets while they close; ``zmq.ZMQError`` if one stays taken."""
+    deadline = time.monotonic() + PORTS_FREED_WITHIN_S
+    while True:
+        try:
+            endpoint.bind(ports)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.05)
 
 
 def scheduler_says_dead(body: dict[str, Any]) -> bool:

@@ -272,6 +272,10 @@ class Migrator:
             )
         self._journal.save(kernel.kernel_id, queue)
 
+    def close(self) -> None:
+        """Finish writing the held queues (the journal's writer thread) at shutdown."""
+        self._journal.close()
+
     def restore(self, kernel: KernelRecord) -> None:
         """A kernel this restarted scheduler adopts: hold again what its predecessor held. It is
         resolved (``resume_restored``) once the kernel's hosts are back, not from the first one."""

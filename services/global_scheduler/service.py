@@ -28,6 +28,7 @@ from services.global_scheduler.cluster_state import (
     KernelRecord,
     ReplicaRecord,
 )
+from services.global_scheduler.gateway_outbox import GatewayOutbox
 from services.global_scheduler.jupyter_router import KernelRouter
 from services.global_scheduler.metrics import PrometheusExporter, SchedulerMetrics, cluster_report
 from services.global_scheduler.migration import REASON_SCALE_IN, Migrator
@@ -87,7 +88,9 @@ class GlobalScheduler:
         self._exporter: PrometheusExporter | None = None
         require_live_policy(cfg)
         self._ctx = zmq.asyncio.Context()
-        self._server = RpcServer(self._ctx, self._handle, name="global_scheduler")
+        self._server = RpcServer(self._ctx, self._handle, name="global_scheduler", mandatory=True)
+        # pushes to a gateway that is restarting wait for it (gateway_outbox.py)
+        self._gateway = GatewayOutbox(lambda env: self._server.send(GATEWAY_IDENTITY, env) is not False)
         self._outbound = OutboundRequests(self._server)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._migrator = Migrator(self, cfg)
@@ -153,6 +156,7 @@ class GlobalScheduler:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._outbound.cancel_all()
+            await asyncio.to_thread(self._migrator.close)
             await self._server.close()
             self._ctx.destroy(linger=0)
             log.info("stopped")
@@ -230,6 +234,8 @@ class GlobalScheduler:
     # ---- dispatch ---------------------------------------------------------------------------
 
     def _handle(self, identity: bytes, env: Envelope) -> Any:
+        if identity == GATEWAY_IDENTITY and self._gateway.waiting:
+            self._gateway.gateway_seen()
         handler = self._sync_handlers.get(env.type)
         if handler is not None:
             return handler(identity, env)
@@ -408,14 +414,13 @@ class GlobalScheduler:
         return None
 
     def _to_gateway(self, kernel: KernelRecord, forwards: list[Forward]) -> None:
-        send = self._server.send
+        push = self._gateway.push
         kernel_id = kernel.kernel_id
         for channel, frames in forwards:
-            send(
-                GATEWAY_IDENTITY,
+            push(
                 Envelope(
                     messages.JUPYTER_REPLY, {"kernel_id": kernel_id, "channel": channel, "frames": frames}
-                ),
+                )
             )
 
     def _release(self, kernel: KernelRecord, msg_ids: list[str]) -> None:
@@ -594,10 +599,7 @@ class GlobalScheduler:
         self._to_gateway(kernel, forwards)
         self._release(kernel, done)
         log.error("kernel_dead", kernel=kernel.kernel_id, reason=reason, failed_requests=len(done))
-        self._server.send(
-            GATEWAY_IDENTITY,
-            Envelope(messages.KERNEL_DEAD, {"kernel_id": kernel.kernel_id, "reason": reason}),
-        )
+        self._gateway.push(Envelope(messages.KERNEL_DEAD, {"kernel_id": kernel.kernel_id, "reason": reason}))
         # The survivors cannot form a quorum: stop them rather than leave processes behind.
         for replica in kernel.replicas.values():
             if replica.alive:

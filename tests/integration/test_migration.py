@@ -409,6 +409,8 @@ def test_a_cell_held_for_a_migration_survives_a_scheduler_restart(
         with tandem_kernel() as (km, kc):
             held_msg = kc.execute("print('ran once')")
             wait_for(lambda: kernel_view(small_cluster, km.kernel_id)["held_requests"] == 1, "the cell held")
+            held_log = small_cluster.state_dir / "scheduler" / "held" / f"{km.kernel_id}.held.log"
+            wait_for(held_log.exists, "the held cell written (in the background) to the journal")
             old_pid = json.loads(cluster_file.read_text())["processes"]["global-scheduler"]
             os.kill(old_pid, signal.SIGKILL)
 

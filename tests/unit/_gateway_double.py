@@ -39,6 +39,9 @@ class FakeScheduler:
         self.start_bodies: list[dict[str, Any]] = []
         self.shutdowns: list[dict[str, Any]] = []
         self.dead = False
+        self.unknown: set[str] = set()  # kernels it answers not_found for
+        self.status_asked = 0
+        self.silent = False  # keep requests unanswered (in self.requests), as a cell still running
 
     def handle(self, identity: bytes, env: Envelope) -> Envelope | None:
         if env.type == messages.KERNEL_START and env.body["kernel_id"].startswith("unplaceable"):
@@ -52,10 +55,14 @@ class FakeScheduler:
             self.shutdowns.append(env.body)
             return env.reply({})
         if env.type == messages.KERNEL_STATUS:
+            self.status_asked += 1
+            if env.body["kernel_id"] in self.unknown:
+                return env.error(f"unknown kernel {env.body['kernel_id']!r}", code="not_found")
             return env.reply({"alive": not self.dead})
         if env.type == messages.JUPYTER_REQUEST:
             self.requests.append(env.body)
-            self.play_kernel(identity, env.body)
+            if not self.silent:
+                self.play_kernel(identity, env.body)
         return None
 
     def msg(
@@ -138,11 +145,34 @@ class Harness:
 
     async def _start(self) -> None:
         self.scheduler = FakeScheduler(self.ctx)
-        address = self.scheduler.server.bind("tcp://127.0.0.1:0")
+        self.scheduler_address = self.scheduler.server.bind("tcp://127.0.0.1:0")
         self.scheduler.server.start()
+        await self._start_gateway("tcp://127.0.0.1:0")
+
+    async def _start_gateway(self, api_address: str) -> None:
         cfg = load_config(None, {"gateway.status_poll_interval_s": "0.2"})
-        self.gateway = Gateway(self.ctx, cfg, scheduler_address=address)
-        self.api_address = await self.gateway.start("tcp://127.0.0.1:0")
+        self.gateway = Gateway(self.ctx, cfg, scheduler_address=self.scheduler_address)
+        try:
+            self.api_address = await self.gateway.start(api_address)
+        except BaseException:
+            await self.gateway.close()  # as its process's exit would: the ports are free again
+            raise
+
+    def restart_gateway(self) -> None:
+        """A new gateway process in all but the process: nothing carried over but the state dir."""
+        self.call(self.gateway.close())
+        self.start_gateway_again()
+
+    def start_gateway_again(self) -> None:
+        deadline = time.monotonic() + 5.0
+        while True:  # the old sockets close in ZMQ's I/O thread: the API port frees a moment later
+            try:
+                self.call(self._start_gateway(self.api_address))
+                return
+            except zmq.ZMQError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     async def api(self, msg_type: str, body: dict[str, Any]) -> Envelope:
         client = RpcClient(self.ctx, name="test-api")

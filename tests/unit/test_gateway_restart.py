@@ -1,0 +1,161 @@
+"""A restarted gateway serves its kernels again (services/gateway/kernel_table.py, service.py)."""
+
+from __future__ import annotations
+
+import json
+import stat
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _gateway_double import Harness
+from test_gateway import client_for
+
+from services.gateway.kernel_table import (
+    KernelEntry,
+    KernelTableError,
+    KernelTableFile,
+    decode_table,
+    encode_table,
+)
+from shared import messages
+from shared.config import load_config
+
+ENTRY = KernelEntry(
+    "k1", "secret", "hmac-sha256", "127.0.0.1", {"shell": 1, "iopub": 2, "stdin": 3, "control": 4, "hb": 5}
+)
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    h = Harness()
+    yield h
+    h.close()
+
+
+def table_path() -> Path:
+    return load_config(None, {}).state_dir() / "gateway" / "kernels.json"
+
+
+def wait_until(predicate: object, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_restarted_gateway_serves_the_kernel_on_the_same_ports_with_its_key(harness: Harness) -> None:
+    kernel_id, info = harness.start_kernel()
+    client = client_for(info)
+    try:
+        assert client.execute_interactive("x = 1", timeout=5)["content"]["status"] == "ok"
+        harness.restart_gateway()
+        reply = client.execute_interactive("print(x)", timeout=10)  # same connection info, no reconnect
+        assert reply["content"]["status"] == "ok"
+        status = harness.call(harness.api(messages.KERNEL_STATUS, {"kernel_id": kernel_id})).body
+        assert status["state"] == "alive" and status["alive"] is True
+        wait_until(client.is_alive, "the heartbeat answered again")
+    finally:
+        client.stop_channels()
+    assert stat.S_IMODE(table_path().stat().st_mode) == 0o600  # it holds the kernels' keys
+
+
+def test_a_reply_to_a_cell_the_previous_gateway_forwarded_reaches_its_client(harness: Harness) -> None:
+    _, info = harness.start_kernel()
+    client = client_for(info)
+    try:
+        client.wait_for_ready(timeout=5)
+        harness.scheduler.silent = True  # the cell is still running when the gateway dies
+        msg_id = client.execute("slow()")
+        wait_until(lambda: any(r["channel"] == "shell" for r in harness.scheduler.requests[-1:]), "the cell")
+        harness.restart_gateway()
+        asked = harness.scheduler.status_asked
+        # the new gateway speaks to the scheduler once its clients had time to reconnect (as the
+        # real scheduler, the double answers pushes only then: gateway_outbox.py)
+        wait_until(lambda: harness.scheduler.status_asked > asked, "the new gateway's first word")
+        harness.call(_play(harness, harness.scheduler.requests[-1]))
+        reply = client.get_shell_msg(timeout=5)
+        while reply["parent_header"]["msg_id"] != msg_id:  # a late kernel_info_reply of wait_for_ready
+            reply = client.get_shell_msg(timeout=5)
+        assert reply["content"]["status"] == "ok"
+    finally:
+        client.stop_channels()
+
+
+async def _play(harness: Harness, body: dict[str, object]) -> None:
+    harness.scheduler.play_kernel(b"gateway", body)  # type: ignore[arg-type]
+
+
+def test_a_restored_kernel_the_scheduler_does_not_know_is_dead_and_leaves_the_table(harness: Harness) -> None:
+    kernel_id, _ = harness.start_kernel()
+    kept_id, _ = harness.start_kernel()
+    harness.scheduler.unknown.add(kernel_id)  # it died with the whole cluster meanwhile
+    harness.restart_gateway()
+
+    def dead() -> bool:
+        status = harness.call(harness.api(messages.KERNEL_STATUS, {"kernel_id": kernel_id})).body
+        return bool(status["state"] == "dead")
+
+    wait_until(dead, "the unknown kernel reported dead")
+    wait_until(
+        lambda: [k["kernel_id"] for k in json.loads(table_path().read_text())["kernels"]] == [kept_id],
+        "the table to keep only the kernel the scheduler knows",
+    )
+    harness.call(harness.api(messages.KERNEL_SHUTDOWN, {"kernel_id": kernel_id}))  # still answered
+
+
+def test_a_kernel_whose_ports_are_taken_is_reported_dead_with_the_reason(harness: Harness) -> None:
+    import zmq
+
+    kernel_id, info = harness.start_kernel()
+    harness.call(harness.gateway.close())
+    squatter = zmq.Context.instance().socket(zmq.ROUTER)
+
+    def squat() -> bool:  # once the closed gateway's socket let the port go
+        try:
+            squatter.bind(f"tcp://127.0.0.1:{info['shell_port']}")
+        except zmq.ZMQError:
+            return False
+        return True
+
+    wait_until(squat, "the shell port free")
+    try:
+        harness.start_gateway_again()
+        status = harness.call(harness.api(messages.KERNEL_STATUS, {"kernel_id": kernel_id})).body
+        assert status["state"] == "dead" and str(info["shell_port"]) in status["reason"]
+    finally:
+        squatter.close(linger=0)
+
+
+def test_a_kernel_shut_down_is_not_restored(harness: Harness) -> None:
+    kernel_id, _ = harness.start_kernel()
+    harness.call(harness.api(messages.KERNEL_SHUTDOWN, {"kernel_id": kernel_id}))
+    harness.restart_gateway()
+    assert kernel_id not in harness.gateway.kernels
+    assert json.loads(table_path().read_text())["kernels"] == []
+
+
+def test_the_table_round_trips_and_bad_entries_are_left_out_with_a_reason() -> None:
+    assert decode_table(encode_table([ENTRY])) == ([ENTRY], [])
+    body = json.loads(encode_table([ENTRY]))
+    body["kernels"].append({**ENTRY.to_dict(), "kernel_id": "k2", "ports": {"shell": 70000}})
+    body["kernels"].append(ENTRY.to_dict())
+    entries, problems = decode_table(json.dumps(body).encode())
+    assert entries == [ENTRY]
+    assert len(problems) == 2 and "ports must name exactly" in problems[0] and "twice" in problems[1]
+    with pytest.raises(KernelTableError, match="not JSON"):
+        decode_table(b"{")
+    with pytest.raises(KernelTableError, match="version"):
+        decode_table(b'{"kernels": []}')
+
+
+def test_an_unreadable_table_is_moved_aside_not_trusted(tmp_path: Path) -> None:
+    table = KernelTableFile(tmp_path / "gateway" / "kernels.json")
+    assert table.load() == []
+    table.save([ENTRY])
+    assert table.load() == [ENTRY]
+    table.path.write_text("garbage")
+    assert table.load() == []
+    assert (tmp_path / "gateway" / "kernels.json.bad").read_text() == "garbage"
+    assert stat.S_IMODE((tmp_path / "gateway").stat().st_mode) == 0o700
