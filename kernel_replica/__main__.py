@@ -183,9 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         commit_notice_s=config.get("raft.commit_notice_ms") / 1000,
         raft_fsync=config.get("raft.fsync"),
         raft_transport=config.get("raft.transport"),
-        lead_deferral_s=config.get("raft.lead_deferral_ms") / 1000,
         propose_votes=os.environ.get("TANDEM_PROPOSE_VOTES", "1") != "0",
-        executor_silence_s=float(os.environ.get("TANDEM_EXECUTOR_SILENCE_S", "10")),
+        executor_silence_s=config.get("kernel.executor_silence_s"),
     )
     bridge = RaftBridge.start(
         kernel_id=args.kernel_id,

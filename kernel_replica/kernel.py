@@ -66,9 +66,10 @@ FOLLOWED_CATCH_UP = 64
 # The executor's idle waits for the cell's DONE and STATE to commit, at most this long (a group
 # that lost its quorum must not leave the client without idle; the commit goes on behind it).
 IDLE_REPLICATION_WAIT_S = 2.0
-# how long the kernel thread blocks for its cell's gpu.bound push to reach the Raft thread
-# (usually ~0.1 ms behind the cell; a miss costs the thread hop of RaftBridge.call instead)
-EARLY_WAIT_S = 0.002
+# A replica whose namespace ran ahead of the log (``cell_outcome_superseded``) exits with this
+# code once its reply is out; the scheduler replaces it like any dead replica.
+DIVERGED_EXIT_CODE = 75
+DIVERGED_EXIT_DELAY_S = 0.3
 TIMING_SUMMARY_EVERY = 100
 STANDBY = "standby"
 
@@ -216,7 +217,7 @@ class TandemKernel(IPythonKernel):
         metadata = self.init_metadata(parent)
         started = time.perf_counter()
         timing: dict[str, float] = {}
-        executed = replayed = no_executor = lead_with_done = False
+        executed = replayed = no_executor = diverged = False
         bridge = self._bridge
         if bridge is None:
             reply, role = (
@@ -226,9 +227,8 @@ class TandemKernel(IPythonKernel):
         else:
             silent = parent["header"].get(SILENT_FIELD)  # the designated candidate, found hung
             lost_executor = parent["header"].get(OUTCOME_FIELD)  # died running it: only its outcome
-            # decided as the GPUs were bound ahead (no hop to the Raft thread), or decide now
-            decision = bridge.core.take_early_decision(msg_id, EARLY_WAIT_S) if lead else None
-            if decision is None and isinstance(lost_executor, str) and not lead:
+            decision = None
+            if isinstance(lost_executor, str) and not lead:
                 decision = await bridge.call(bridge.core.outcome_of(msg_id, lost_executor))
             if decision is None:
                 decision = await bridge.call(
@@ -246,14 +246,20 @@ class TandemKernel(IPythonKernel):
                     timing["apply_wait_ms"] = (time.perf_counter() - waited) * 1000
                     if self._followed:  # DONEs that arrived while this cell waited for them
                         self._catch_up_followed()
-                    ran = time.perf_counter()
-                    reply = await self._execute(parent, execute_args, device_ids, log)
-                    timing["run_ms"] = (time.perf_counter() - ran) * 1000
-                    timing |= self._residency.timings  # to_gpu_ms / to_host_ms, when tensors moved
-                    role, executed = EXECUTOR, True
-                    # started before its LEAD committed (or was proposed): the LEAD rides in the
-                    # DONE, and the reply waits for that commit
-                    lead_with_done = decision.lead_pending and not bridge.core.lead_won(msg_id)
+                    ended = bridge.core.book.done(msg_id)
+                    if ended is not None:
+                        # This replica won the cell, then stalled (paused, swapped out) before
+                        # running it for longer than the executor silence: the standbys committed
+                        # its outcome without it (ExecutorLost). The log is the truth; never run.
+                        log.warning("cell_ended_before_it_ran", ename=ended.content.get("ename"))
+                        bridge.thread.call(bridge.core.abandon)
+                        reply, role, replayed = ended.content, STANDBY, True
+                    else:
+                        ran = time.perf_counter()
+                        reply = await self._execute(parent, execute_args, device_ids, log)
+                        timing["run_ms"] = (time.perf_counter() - ran) * 1000
+                        timing |= self._residency.timings  # to_gpu_ms / to_host_ms, when tensors moved
+                        role, executed = EXECUTOR, True
                 case BindFailed(reason=reason):
                     reply = error_content(
                         "GpuUnavailable",
@@ -296,11 +302,15 @@ class TandemKernel(IPythonKernel):
             # can change them. ipykernel's flushes after the handler cost nothing: nothing was
             # queued on IOPub since the cell's own flush (streams.py).
             idle = self._serialized_idle(parent)
-            timing |= await self._replicate_cell(
-                bridge, msg_id, code, reply, log, execute_args, claims_lead=lead_with_done
-            )
-            if lead_with_done and not bridge.core.lead_won(msg_id):
-                reply, role, executed = await self._confirm_lead(bridge, msg_id, reply, timing)
+            timing |= await self._replicate_cell(bridge, msg_id, code, reply, log, execute_args)
+            logged = bridge.core.book.done(msg_id)
+            if logged is not None and logged.replica_id != self.replica_id:
+                # This replica stalled inside the cell past the executor silence; the standbys
+                # committed the cell's outcome without it (ExecutorLost) and ignored its DONE and
+                # STATE. The client hears the log's outcome, and this process, whose namespace
+                # now holds changes the group does not, leaves so a fresh replica replaces it.
+                log.error("cell_outcome_superseded", by=logged.replica_id, ename=logged.content.get("ename"))
+                reply, diverged = logged.content, True
         timing["total_ms"] = (time.perf_counter() - started) * 1000
         metadata = self.finish_metadata(parent, metadata, reply)
         metadata["tandem"] = {"replica_id": self.replica_id, "role": role}
@@ -316,27 +326,10 @@ class TandemKernel(IPythonKernel):
         if executed and idle is not None:  # idle: made above, for a cell run here with a bridge
             self._publish_executor_idle(parent, idle)
         self._record_timing(role, reply, timing, log)
-        if executed and bridge is not None:
+        if executed and bridge is not None and not diverged:
             self._report_timing(bridge, msg_id, timing)
-
-    async def _confirm_lead(
-        self, bridge: RaftBridge, msg_id: str, reply: dict[str, t.Any], timing: dict[str, float]
-    ) -> tuple[dict[str, t.Any], str, bool]:
-        """A cell run before its LEAD committed, whose DONE did not settle the election here yet:
-        wait for the outcome. Lost: the other replica's reply is the cell's, this one is an error
-        and this replica is a standby for it. Returns (reply, role, executed)."""
-        confirming = time.perf_counter()
-        won = await bridge.call(bridge.core.confirm_lead(msg_id))
-        timing["confirm_ms"] = (time.perf_counter() - confirming) * 1000
-        if won:
-            return reply, EXECUTOR, True
-        conflict = error_content(
-            "ExecutorConflict",
-            f"replica {self.replica_id} ran this cell but lost the executor election (its Raft "
-            "leadership ended); another replica ran it too",
-            self._count(),
-        )
-        return conflict, STANDBY, False
+        if diverged:  # after the reply and idle are on their way
+            asyncio.get_running_loop().call_later(DIVERGED_EXIT_DELAY_S, os._exit, DIVERGED_EXIT_CODE)
 
     @staticmethod
     def _report_timing(bridge: RaftBridge, msg_id: str, timing: dict[str, float]) -> None:
@@ -495,20 +488,17 @@ class TandemKernel(IPythonKernel):
         reply: dict[str, t.Any],
         log: t.Any,
         execute_args: dict[str, t.Any],
-        *,
-        claims_lead: bool = False,
     ) -> dict[str, float]:
         """Steps 5 and 7 as the cell ends: find and encode the namespace changes here (the main
         thread owns the namespace, and the next cell must not change it first), then hand DONE
-        and STATE to the Raft thread, which commits them in order. ``claims_lead``: the DONE
-        carries this replica's LEAD (``Done.claims_lead``). Returns the replication steps'
+        and STATE to the Raft thread, which commits them in order. Returns the replication steps'
         timings (ms) once DONE and STATE are committed (at most ``IDLE_REPLICATION_WAIT_S``;
         large objects written behind are not waited for)."""
         assert self.shell is not None
         finished_at = time.time()
         # the code the standbys put in their input history (None: not stored there)
         history = code if not execute_args["silent"] and execute_args["store_history"] else None
-        done = Done(msg_id, self.replica_id, reply, self._count(), True, history, claims_lead)
+        done = Done(msg_id, self.replica_id, reply, self._count(), True, history)
         try:
             started = time.perf_counter()
             effects = analyse_cell(code, self._registry)

@@ -96,9 +96,10 @@ class Done:
     # (only its designated executor is), so this is how their history and function registry
     # learn it. None for silent cells, ``store_history=False``, and DONEs not from the executor.
     code: str | None = None
-    # The executor's LEAD rides in this DONE (a cell that ended before its LEAD was proposed,
-    # ``ReplicaSettings.lead_deferral_s``): the book applies the LEAD first, and ignores the
-    # DONE when the election was already won by another replica.
+    # The executor's LEAD rode in this DONE: no replica proposes such a DONE any more (user code
+    # runs only after a committed LEAD), but Raft logs written before that change may hold one,
+    # and they must replay as they were decided: the book applies the LEAD first, and ignores
+    # the DONE when the election was already won by another replica.
     claims_lead: bool = False
 
 

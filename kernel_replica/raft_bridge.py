@@ -52,7 +52,7 @@ from kernel_replica.log_entries import (
 from kernel_replica.scheduler_link import SchedulerLink
 from kernel_replica.state_sync import ReplicatedNamespace
 from shared.raft.driver import NotRunning, PeerConfig, ProposalDropped, RaftError, RaftPeer, RaftTimeout
-from shared.raft.types import ConfChange, ConfState, Entry, RaftConfig, Role
+from shared.raft.types import ConfChange, ConfState, Entry, RaftConfig
 from shared.rpc import RpcError, RpcTimeout
 
 T = TypeVar("T")
@@ -63,7 +63,6 @@ SNAPSHOT_VERSION = 1
 PROPOSE_ATTEMPT_S = 1.0
 # After replica.stop, how long the main thread gets to stop gracefully before the process exits.
 STOP_GRACE_S = 0.5
-EARLY_READY_KEPT = 256
 SILENT_POLL_S = 0.05  # how often a stand-in for a hung candidate checks whether the others answered
 
 
@@ -101,18 +100,6 @@ class ReplicaSettings:
     # ``leader_transfer_every_s``: a transfer drops proposals for a moment.
     leader_follows_executor: int = 3
     leader_transfer_every_s: float = 10.0
-    # The designated candidate, when it is the Raft leader, starts the cell as soon as its LEAD is
-    # in its own log and confirms the commit before it replies (NotebookOS §3.2.2: a scheduler
-    # designation bypasses the election wait). See ``_execute_before_commit`` for the one case
-    # this gives up: a leader cut off before its LEAD reaches a follower (within
-    # ``lead_deferral_s`` plus a round trip) whose cell is then taken over.
-    execute_before_commit: bool = True
-    # On that fast path the LEAD is proposed only once the cell has run this long; a cell that ends
-    # sooner sends its LEAD inside its DONE (``Done.claims_lead``), so a short cell costs one Raft
-    # round, not two, and its reply waits for that round instead of the LEAD's. Until the LEAD
-    # commits, the scheduler's ``elected`` event is what marks the cell as started (a replica lost
-    # before then fails the cell rather than run it elsewhere). 0: propose the LEAD at once.
-    lead_deferral_s: float = 0.02
 
 
 # ---- what the kernel is told to do with a cell ---------------------------------------------------
@@ -130,7 +117,6 @@ class Execute:
     state_wait_ms: float = 0.0  # waiting for the previous cell's STATE
     bind_ms: float = 0.0  # gpu.commit round trip
     state_missing: tuple[str, ...] = ()  # earlier cells whose DONE/STATE never arrived in time
-    lead_pending: bool = False  # started before its LEAD committed: confirm before replying
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,10 +225,6 @@ class ReplicaCore:
         self._late_bindings: dict[str, asyncio.Future[list[int]]] = {}
         self._own_entries: set[tuple[str, str]] = set()  # (kind, msg_id) proposed by this process
         self._last_progress: dict[str, float] = {}  # msg_id -> when its executor was last heard
-        # ``_decide_early``: decisions made before the kernel asked for them, and a flag per cell
-        # whose gpu.bound push was taken (set either way), which the kernel thread may wait on
-        self.early_decisions: dict[str, Decision] = {}
-        self.early_ready: dict[str, threading.Event] = {}
         # One watcher per cell another replica executes (``_follow``): its DONE, or ExecutorLost.
         self._followers: dict[str, asyncio.Task[Done | str]] = {}
         # Entries up to this index were in this replica's log when it started: applying them again
@@ -276,7 +258,6 @@ class ReplicaCore:
         self.scheduler.set_handlers(
             on_configure=self.configure, on_stop=self._stop_requested, on_membership=self.membership
         )
-        self.scheduler.on_bound = self._on_bound
         self.scheduler.connect()
         await self.scheduler.register(self.raft_address)
         self._log.info("registered", raft_address=self.raft_address)
@@ -651,63 +632,9 @@ class ReplicaCore:
         return fut
 
     # ---- the execute path (called from the kernel through RaftThread.submit) -----------------------
-    def _on_bound(self, msg_id: str, designated: bool) -> None:
-        """A gpu.bound push came for msg_id: decide it now if it can be (``_decide_early``), then
-        tell a kernel thread waiting for that (``early_ready``) to look."""
-        try:
-            if designated:
-                self._decide_early(msg_id)
-        finally:
-            ready = self.early_ready.setdefault(msg_id, threading.Event())
-            ready.set()
-            while len(self.early_ready) > EARLY_READY_KEPT:  # cells never asked for here
-                self.early_ready.pop(next(iter(self.early_ready)), None)
-
-    def _decide_early(self, msg_id: str) -> None:
-        """The local scheduler bound this replica's GPUs for a cell it alone was sent, and pushed
-        that ahead of the cell: on the fast path (``_execute_before_commit``: Raft leader, nothing
-        earlier pending, the binding here) the decision needs nothing but this thread's state, so
-        it is made now, synchronously, and the kernel takes it without a hop to this thread
-        (``take_early_decision``); the LEAD is on its way while the kernel thread is still
-        parsing the request. Anything else is left to ``decide`` when the cell arrives."""
-        if (
-            msg_id in self.early_decisions
-            or self.book.done(msg_id) is not None
-            or self.book.outcome(msg_id) is not None
-            or not self._may_execute_before_commit(msg_id)
-            or self._previous_cell_pending(msg_id)
-        ):
-            return
-        started = time.perf_counter()
-        device_ids = self.scheduler.bound_ahead(msg_id, self.settings.gpus, announce=False)
-        if device_ids is None:
-            return
-        self.early_decisions[msg_id] = self._start_before_commit(msg_id, device_ids, started)
-        # the slower, GIL-releasing steps after the decision is out
-        self.scheduler.event("elected", msg_id, gpus=device_ids)
-        self._open_at_death.discard(msg_id)
-        self.scheduler.settle_bound_ahead(msg_id, executing=True)
-
-    def take_early_decision(self, msg_id: str, wait_s: float = 0.0) -> Decision | None:
-        """The kernel thread's side of ``_decide_early`` (safe from any thread: one atomic pop,
-        and ``decide`` pops the same entry on this thread, so exactly one of them takes it).
-        ``wait_s``: how long to block for the cell's gpu.bound push to be taken here, if it has
-        not been yet (the local scheduler sends it right behind the cell; blocking releases the
-        GIL to this thread, and costs less than the hop ``decide`` would take)."""
-        decision = self.early_decisions.pop(msg_id, None)
-        if decision is None and wait_s > 0:
-            ready = self.early_ready.setdefault(msg_id, threading.Event())
-            if ready.wait(wait_s):
-                decision = self.early_decisions.pop(msg_id, None)
-        self.early_ready.pop(msg_id, None)
-        return decision
-
     async def decide(self, msg_id: str, *, lead: bool, silent: str | None = None) -> Decision:
         """Steps 3-4 of the execute path: election, waiting for the previous state, GPU binding.
         ``silent``: the designated candidate the scheduler found hung (not waited for again)."""
-        early = self.early_decisions.pop(msg_id, None)
-        if early is not None:  # decided as the gpu.bound push came (``_decide_early``)
-            return early
         decision = await self._decide(msg_id, lead=lead, silent=silent)
         self._open_at_death.discard(msg_id)
         if self.scheduler.settle_bound_ahead(msg_id, executing=isinstance(decision, Execute)):
@@ -727,8 +654,6 @@ class ReplicaCore:
         if outcome is None and not lead:
             outcome = await self._grace_for_lead(msg_id)
         binding: asyncio.Future[list[int]] | None = None
-        if outcome is None and lead and self._may_execute_before_commit(msg_id):
-            return await self._execute_before_commit(msg_id, started, log)
         if outcome is None:
             waiter = self._waiter(self._election_waiters, msg_id)
             entry: LogEntry = (
@@ -814,111 +739,6 @@ class ReplicaCore:
         if winner == executor:
             self._executor_died.add(msg_id)  # its DONE will not come: commit ExecutorLost now
         return Standby(winner)
-
-    def _may_execute_before_commit(self, msg_id: str) -> bool:
-        """Designated (no other replica proposes LEAD for msg_id) and the Raft leader."""
-        peer = self.peer
-        return (
-            self.settings.execute_before_commit
-            and peer is not None
-            and self.scheduler.designated(msg_id)
-            and peer.status().role == Role.LEADER
-        )
-
-    async def _execute_before_commit(self, msg_id: str, started: float, log: Any) -> Decision:
-        """The fast path: the scheduler designated this replica (the others were told to yield,
-        and only propose LEAD after ``election_wait_s`` of silence from it) and it leads the Raft
-        group, so its LEAD is the first for this cell in the log. The cell starts once the GPUs are
-        bound and the previous cell's state is here; the kernel holds the reply until its LEAD
-        has committed (inside its DONE for a short cell, else ``confirm_lead``). At most once still
-        holds unless this leader is cut off before its LEAD reaches a follower and a standby takes
-        the cell over ``election_wait_s`` later: then the user code has run twice, but only the
-        new executor's reply and state count (this one replies ``ExecutorConflict``)."""
-        binding: asyncio.Future[list[int]] | None = None
-        try:
-            # usually bound by the local scheduler as it forwarded the request: no await here
-            device_ids = self.scheduler.bound_ahead(msg_id, self.settings.gpus)
-            if device_ids is None:
-                binding = asyncio.ensure_future(self.scheduler.gpu_commit(msg_id, self.settings.gpus))
-            waited, missing = await self._wait_previous_cell(msg_id, log)
-            bind_started = time.perf_counter()
-            if binding is not None:
-                device_ids = await binding
-        except (RpcError, RpcTimeout, ValueError) as exc:
-            log.warning("gpu_commit_failed", error=str(exc))
-            self._spawn(self._propose_lead(msg_id))
-            if await self.confirm_lead(msg_id):
-                return BindFailed(str(exc))
-            self._unbind_later(msg_id, binding)
-            return Unavailable(f"this cell was not run here: {exc}")
-        assert device_ids is not None
-        return self._start_before_commit(
-            msg_id,
-            device_ids,
-            started,
-            state_wait_ms=waited,
-            bind_ms=(time.perf_counter() - bind_started) * 1000,
-            state_missing=tuple(missing),
-        )
-
-    def _start_before_commit(
-        self,
-        msg_id: str,
-        device_ids: list[int],
-        started: float,
-        *,
-        state_wait_ms: float = 0.0,
-        bind_ms: float = 0.0,
-        state_missing: tuple[str, ...] | None = None,
-    ) -> Execute:
-        """The fast path's decision: the LEAD proposed after ``lead_deferral_s`` unless the cell's
-        DONE carries it first (it runs once this returns: the cell starts first), then PROGRESS
-        beats."""
-        self._progress_task = asyncio.ensure_future(
-            self._beat(msg_id, lead_after_s=self.settings.lead_deferral_s)
-        )
-        return Execute(
-            device_ids,
-            elect_ms=(time.perf_counter() - started) * 1000,
-            state_wait_ms=state_wait_ms,
-            bind_ms=bind_ms,
-            state_missing=state_missing
-            if state_missing is not None
-            else tuple(self._state_lost_before(msg_id)),
-            lead_pending=True,
-        )
-
-    async def _propose_lead(self, msg_id: str) -> None:
-        try:
-            await self.propose(Lead(msg_id, self.replica_id))
-        except RaftError as exc:  # confirm_lead times out on its waiter and reports it
-            self._log.warning("lead_not_committed", msg_id=msg_id, error=str(exc))
-
-    def lead_won(self, msg_id: str) -> bool:
-        """True once this replica's LEAD for msg_id is the committed winner. A plain read of the
-        book, so the kernel's thread may call it without a hop to this thread."""
-        outcome = self.book.outcome(msg_id)
-        return outcome is not None and outcome.winner == self.replica_id
-
-    async def confirm_lead(self, msg_id: str) -> bool:
-        """For a cell started before its LEAD committed: wait for the election's outcome; False
-        if another replica won it or it did not commit in time (the caller then gives the cell
-        up: no reply as executor, no DONE, GPUs released)."""
-        if self.book.outcome(msg_id) is None:
-            waiter = self._waiter(self._election_waiters, msg_id)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(waiter, self.settings.propose_timeout_s * 2)
-        if self.lead_won(msg_id):
-            return True
-        outcome = self.book.outcome(msg_id)
-        self._log.error(
-            "ran_without_winning_lead",
-            msg_id=msg_id,
-            winner=outcome.winner if outcome is not None else None,
-        )
-        self._stop_beat()
-        self._spawn(self._release(msg_id))
-        return False
 
     def _unbind_later(self, msg_id: str, binding: asyncio.Future[list[int]] | None) -> None:
         """The early gpu.commit of a LEAD that did not win: release whatever it bound."""
@@ -1057,13 +877,8 @@ class ReplicaCore:
             if not fut.done():
                 fut.set_result(None)
 
-    async def _beat(self, msg_id: str, *, lead_after_s: float | None = None) -> None:
-        """While this replica executes msg_id: PROGRESS entries tell the standbys it is alive.
-        ``lead_after_s``: first the cell's LEAD, after that long (``lead_deferral_s``)."""
-        if lead_after_s is not None:
-            if lead_after_s > 0:
-                await asyncio.sleep(lead_after_s)
-            self._spawn(self._propose_lead(msg_id))
+    async def _beat(self, msg_id: str) -> None:
+        """While this replica executes msg_id: PROGRESS entries tell the standbys it is alive."""
         while True:
             await asyncio.sleep(self.settings.progress_interval_s)
             with contextlib.suppress(RaftError):
@@ -1075,6 +890,11 @@ class ReplicaCore:
         if release_gpus:
             self._spawn(self._release(done.msg_id))
         await self.propose(done)  # the winner's DONE is also its VOTE (ElectionBook)
+
+    def abandon(self) -> None:
+        """An Execute decision whose cell will not run after all (its outcome was committed
+        without it): stop the PROGRESS beats. Call on the Raft thread."""
+        self._stop_beat()
 
     def _stop_beat(self) -> None:
         if self._progress_task is not None:

@@ -67,9 +67,6 @@ class SchedulerLink:
         self._late_releases: set[asyncio.Task[None]] = set()
         self._timings: list[dict[str, Any]] = []  # cell_timings not sent yet
         self._timings_timer: asyncio.TimerHandle | None = None
-        # a gpu.bound push taken (msg_id, whether it bound GPUs for a cell this replica alone was
-        # sent): the replica may decide the cell before its kernel thread asks
-        self.on_bound: Callable[[str, bool], None] = lambda msg_id, designated: None
 
     def set_handlers(
         self,
@@ -206,7 +203,6 @@ class SchedulerLink:
         self._bound_ahead[msg_id] = (list(device_ids) if device_ids is not None else None, designated)
         while len(self._bound_ahead) > BOUND_AHEAD_KEPT:  # pushes for cells never run here
             self._bound_ahead.popitem(last=False)
-        self.on_bound(msg_id, designated and device_ids is not None)
 
     async def _on_request(self, env: Envelope) -> Envelope | None:
         if env.type == messages.REPLICA_CONFIGURE:

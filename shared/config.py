@@ -44,6 +44,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # NotebookOS §3.3: tensors/modules/optimizers the notebook keeps on a GPU go to host memory
         # after each cell and back to the bound GPU before the next (kernel_replica/device_residency).
         "gpu_residency": "move",  # move | off
+        # A running cell's executor beats PROGRESS into the Raft log every 2 s; standbys that hear
+        # neither that nor its DONE this long commit ExecutorLost for the cell (it never reruns).
+        "executor_silence_s": 10.0,
     },
     "scheduler": {
         "heartbeat_interval_s": 1.0,
@@ -109,10 +112,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # Replica-to-replica Raft messages: "tcp" (asyncio streams; shared/raft/tcp_transport.py
         # says why) or "zmq" (DEALER/ROUTER, like the services).
         "transport": "tcp",
-        # The designated executor proposes its LEAD once its cell has run this long; a cell that
-        # ends sooner sends the LEAD inside its DONE: one Raft round per short cell, not two
-        # (kernel_replica/raft_bridge.py, ReplicaSettings.lead_deferral_s). 0: the LEAD at once.
-        "lead_deferral_ms": 20,
     },
     "gateway": {
         # The Jupyter-facing edge. Port 0 picks a free port (the embedded cluster); a node

@@ -1,0 +1,115 @@
+"""At most once under pauses: SIGSTOP the replica a cell goes to (the last executor, often also
+the Raft leader) for longer than the takeover timeouts, then SIGCONT it. The others run the cell;
+the resumed replica must learn that from the committed log and never run it too. Before the fix a
+designated Raft leader started the cell before its LEAD committed, and each paused cell ran twice
+(3 of 3 runs), after the client already had ``ok``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _cluster import ClusterHandle, running_cluster
+from _kernels import run, tandem_kernel
+
+pytestmark = pytest.mark.integration
+
+PAUSED_CELLS = 20
+CANDIDATE_SILENCE_S = 0.5  # the scheduler gives the cell to the others after this much silence
+PAUSE_S = 1.5  # longer than that, a Raft election and the takeover's own election together
+EXECUTOR_SILENCE_S = 2.5  # standbys give up on a silent executor's running cell after this
+
+
+@pytest.fixture
+def pausing_cluster(tmp_path: Path, tandem_kernelspec: Path) -> Iterator[ClusterHandle]:
+    with running_cluster(
+        tmp_path / "state",
+        "--hosts", "3",
+        "--set", f"scheduler.candidate_silence_s={CANDIDATE_SILENCE_S}",
+        "--set", f"kernel.executor_silence_s={EXECUTOR_SILENCE_S}",
+    ) as handle:  # fmt: skip
+        yield handle
+
+
+def _append(path: Path, line: str) -> str:
+    return f"import os\nopen({str(path)!r}, 'a').write({line!r} + '\\n')\nprint(os.getpid())"
+
+
+def _paused(pid: int, seconds: float) -> threading.Timer:
+    os.kill(pid, signal.SIGSTOP)
+    timer = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
+    timer.start()
+    return timer
+
+
+def test_a_cell_sent_to_a_paused_replica_runs_exactly_once(
+    pausing_cluster: ClusterHandle, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.txt"
+    answered: dict[str, str] = {}
+    with tandem_kernel() as (_km, kc):
+        first = run(kc, _append(ledger, "warm-up"), timeout=30)
+        assert first.status == "ok", first.errors
+        executor = int(first.stdout.strip())
+        for i in range(PAUSED_CELLS):
+            timer = _paused(executor, PAUSE_S)
+            try:
+                cell = run(kc, _append(ledger, f"cell-{i}"), timeout=60)
+            finally:
+                timer.join()
+                os.kill(executor, signal.SIGCONT)  # never leave a process stopped
+            answered[f"cell-{i}"] = cell.status
+            if cell.status == "ok":
+                executor = int(cell.stdout.strip())
+            time.sleep(0.2)  # the resumed replica reads the cell it was sent, and the log
+        time.sleep(PAUSE_S)  # anything a resumed replica might still run would be written by now
+        after = run(kc, _append(ledger, "after"), timeout=30)
+        assert after.status == "ok", after.errors
+    lines = Counter(ledger.read_text().split())
+    duplicates = {line: n for line, n in lines.items() if n > 1}
+    assert duplicates == {}, f"cells ran more than once: {duplicates}"
+    for line, status in answered.items():
+        # ok means it ran (once); an error reply means it did not run at all
+        assert lines[line] == (1 if status == "ok" else 0), (line, status)
+    assert sum(1 for s in answered.values() if s == "ok") >= PAUSED_CELLS // 2, answered
+
+
+def test_a_cell_whose_executor_is_paused_inside_it_runs_once_and_the_kernel_goes_on(
+    pausing_cluster: ClusterHandle, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.txt"
+    started = tmp_path / "started"
+    with tandem_kernel() as (_km, kc):
+        assert run(kc, "n = 0").status == "ok"
+        for i in range(1):  # one: the paused replica then leaves and is replaced (no quorum to pause again)
+            started.unlink(missing_ok=True)
+            code = (
+                f"import os, time\nopen({str(started)!r}, 'w').write(str(os.getpid()))\n"
+                f"open({str(ledger)!r}, 'a').write('inside-{i}\\n')\ntime.sleep(1.0)\nn += 1"
+            )
+            result: dict[str, object] = {}
+            worker = threading.Thread(target=lambda r=result, c=code: r.update(cell=run(kc, c, timeout=60)))
+            worker.start()
+            deadline = time.monotonic() + 30
+            while not started.exists() or not started.read_text():
+                assert time.monotonic() < deadline, "the cell never started"
+                time.sleep(0.01)
+            pid = int(started.read_text())
+            timer = _paused(pid, EXECUTOR_SILENCE_S + 2.0)
+            worker.join(60)
+            timer.join()
+            os.kill(pid, signal.SIGCONT)
+            cell = result["cell"]
+            assert cell.status == "error" and cell.reply["content"]["ename"] == "ExecutorLost", cell.reply
+            time.sleep(1.5)  # the resumed executor finishes its cell; its DONE and STATE count for nothing
+        nxt = run(kc, "print(n)", timeout=30)
+        assert nxt.status == "ok", nxt.errors
+        assert nxt.stdout.strip() == "0"  # the lost cells' changes are not the group's state
+    lines = Counter(ledger.read_text().split())
+    assert lines == Counter({"inside-0": 1})
