@@ -32,6 +32,7 @@ from services.cluster_file import CLUSTER_FILE, ClusterNotRunning, ask_sync, pid
 from shared import messages
 from shared.config import Config
 from shared.rpc import RpcError, RpcTimeout
+from shared.security import curve
 
 log = structlog.get_logger("embedded")
 
@@ -128,6 +129,7 @@ class EmbeddedCluster:
         self.scheduler_address = ""
         self.gateway_address = ""
         self.cluster_file = state_dir / CLUSTER_FILE
+        self.keys_dir = cfg.keys_dir() if cfg.get("security.keys_dir") else state_dir / "keys"
 
     # ---- start -----------------------------------------------------------------------------
 
@@ -160,6 +162,10 @@ class EmbeddedCluster:
 
     def _start(self) -> dict[str, Any]:
         config_json = self._child_config()
+        # `tandem up` is the operator of its own cluster: it issues every key (shared/security)
+        curve.ensure_cluster_keys(self.keys_dir)
+        for index in range(self.hosts):
+            curve.issue(self.keys_dir, curve.host_principal(f"host-{index}"))
         log_format = ["--log-format", self.cfg.get("log.format")]
         deadline = time.monotonic() + float(self.cfg.get("embedded.ready_timeout_s"))
         # The scheduler binds a port the OS picks at bind time and announces it; a port chosen here
@@ -198,6 +204,7 @@ class EmbeddedCluster:
             "pid": os.getpid(),
             "hosts": hosts,
             "state_dir": str(self.state_dir),
+            "keys_dir": str(self.keys_dir),
             "log_dir": str(self.log_dir),
             "processes": {c.name: c.process.pid for c in self.children if c.process is not None},
             "started_at": time.time(),
@@ -279,7 +286,13 @@ class EmbeddedCluster:
         while time.monotonic() < deadline:
             self._check_children()
             try:
-                status = ask_sync(self.scheduler_address, messages.CLUSTER_STATUS, {}, timeout=1.0)
+                status = ask_sync(
+                    self.scheduler_address,
+                    messages.CLUSTER_STATUS,
+                    {},
+                    credentials=curve.client_curve(self.keys_dir, curve.OPERATOR, curve.SCHEDULER),
+                    timeout=1.0,
+                )
             except (RpcTimeout, RpcError):
                 time.sleep(0.1)
                 continue

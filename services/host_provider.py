@@ -28,6 +28,7 @@ from typing import Protocol
 import structlog
 
 from shared.config import Config
+from shared.security import curve
 
 log = structlog.get_logger("host_provider")
 
@@ -93,8 +94,11 @@ class LocalProcessHostProvider:
         python: str | None = None,
         log_format: str = "json",
         on_exit: HostExited | None = None,
+        keys_dir: Path | None = None,
     ) -> None:
+        """``keys_dir``: where to issue each new host's key (the operator here is ``tandem up``)."""
         self.scheduler_address = scheduler_address
+        self.keys_dir = keys_dir
         self.config_json = config_json
         self.log_dir = log_dir
         self.hosts_file = hosts_file
@@ -123,6 +127,7 @@ class LocalProcessHostProvider:
             hosts_file=cfg.state_dir() / hosts_file_name(scheduler_address),
             log_format=str(cfg.get("log.format")),
             on_exit=on_exit,
+            keys_dir=cfg.keys_dir(),
         )
 
     def owns(self, host_id: str) -> bool:
@@ -168,6 +173,8 @@ class LocalProcessHostProvider:
         for _ in range(count):
             host_id = f"host-{self._next_index}"
             self._next_index += 1
+            if self.keys_dir is not None:
+                curve.issue(self.keys_dir, curve.host_principal(host_id))
             argv = [
                 self.python, "-m", "services.local_scheduler", "--host-id", host_id,
                 "--scheduler", self.scheduler_address, "--config-json", self.config_json,
