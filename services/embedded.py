@@ -135,8 +135,11 @@ class EmbeddedCluster:
 
     def start(self) -> dict[str, Any]:
         """Bring every service up and write cluster.json; on any failure stop what started."""
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # namespaces (Raft WAL, data store), history and logs live below: this user's only
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.state_dir.stat().st_mode & 0o077:
+            log.warning("state_dir_readable_by_others", state_dir=str(self.state_dir), hint="chmod 700 it")
+        self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         with contextlib.suppress(ClusterNotRunning):
             running = read_cluster(self.state_dir)
             raise ClusterStartError(
@@ -209,9 +212,7 @@ class EmbeddedCluster:
             "processes": {c.name: c.process.pid for c in self.children if c.process is not None},
             "started_at": time.time(),
         }
-        tmp = self.cluster_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info, indent=2))
-        os.replace(tmp, self.cluster_file)
+        self._write_cluster_file(info)
         log.info(
             "cluster_ready", gateway=self.gateway_address, scheduler=self.scheduler_address, hosts=len(hosts)
         )
@@ -324,9 +325,7 @@ class EmbeddedCluster:
         with contextlib.suppress(OSError, ValueError):
             info = json.loads(self.cluster_file.read_text())
             info["processes"]["global-scheduler"] = child.process.pid if child.process else None
-            tmp = self.cluster_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(info, indent=2))
-            os.replace(tmp, self.cluster_file)
+            self._write_cluster_file(info)
         log.warning("scheduler_restarted", pid=child.process.pid if child.process else None)
 
     def restart_gateway(self, timeout: float = 30.0) -> None:
@@ -368,9 +367,16 @@ class EmbeddedCluster:
         with contextlib.suppress(OSError, ValueError):
             info = json.loads(self.cluster_file.read_text())
             info["processes"][name] = child.process.pid if child.process else None
-            tmp = self.cluster_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(info, indent=2))
-            os.replace(tmp, self.cluster_file)
+            self._write_cluster_file(info)
+
+    def _write_cluster_file(self, info: dict[str, Any]) -> None:
+        """Atomically, and readable by this user only: it says where the keys are."""
+        tmp = self.cluster_file.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(info, indent=2))
+        os.chmod(tmp, 0o600)  # an older file of that name may have had another mode
+        os.replace(tmp, self.cluster_file)
 
     def failed_critical(self) -> Child | None:
         """A critical service that died on its own (the cluster cannot go on without it)."""
