@@ -301,6 +301,7 @@ class RaftPeer:
             snapshot_index=restored.snapshot_meta.index,
             entries=len(restored.entries),
             fsync=storage.fsync,
+            tls=cfg.tls is not None,
         )
 
     async def stop(self) -> None:

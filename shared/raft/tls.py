@@ -203,12 +203,10 @@ def _pem_files(*blobs: bytes) -> Iterator[tuple[str, ...]]:
         yield tuple(paths)
 
 
-def identity_from_env(environ: dict[str, str] | os._Environ[str] | None = None) -> MemberIdentity | None:
-    """Take (and remove) this process's Raft identity from its environment: user code in the
-    replica should not find the key lying in ``os.environ``. None when none was given."""
-    env = os.environ if environ is None else environ
-    text = env.pop(IDENTITY_ENV, None)
-    return None if text is None else MemberIdentity.from_json(text)
+def take_identity_env(environ: dict[str, str] | os._Environ[str] | None = None) -> str | None:
+    """Take (and remove) this process's Raft identity (JSON) from its environment, so that user
+    code in the replica does not find the key lying in ``os.environ``. None when none was given."""
+    return (os.environ if environ is None else environ).pop(IDENTITY_ENV, None)
 
 
 # --------------------------------------------------------------------------- sans-I/O session
@@ -288,3 +286,30 @@ class TlsSession:
             ) from None
         self.established = True
         return True
+
+
+def link_tls_for(
+    enabled: bool, transport: str, identity_json: str | None, group: str, member: str
+) -> LinkTls | None:
+    """The TLS of a replica's Raft links (config ``raft.tls``, ``raft.transport``), or why it
+    cannot start (IdentityError): with authentication on it needs an identity for exactly this
+    member of this kernel, and the TCP transport (the ZMQ one cannot authenticate its peers)."""
+    if not enabled:
+        return None
+    if transport != "tcp":
+        raise IdentityError(
+            f'raft.transport = {transport!r} cannot authenticate Raft peers: use "tcp" (TLS), '
+            "or set raft.tls = false on a network where every host is trusted"
+        )
+    if identity_json is None:
+        raise IdentityError(
+            f"no Raft identity in ${IDENTITY_ENV}: the scheduler issues one with replica.start "
+            "(raft.tls is on; set it false on every node to run without authentication)"
+        )
+    identity = MemberIdentity.from_json(identity_json)
+    if (identity.group, identity.member) != (group, member):
+        raise IdentityError(
+            f"the Raft identity is for member {identity.member!r} of {identity.group!r}, "
+            f"not {member!r} of {group!r}"
+        )
+    return LinkTls.from_identity(identity)

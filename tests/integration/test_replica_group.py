@@ -27,6 +27,8 @@ from jupyter_client.connect import write_connection_file
 
 from shared import messages
 from shared.envelope import Envelope, decode
+from shared.raft.tls import IDENTITY_ENV
+from shared.raft.tls_ca import ClusterCA
 
 pytestmark = pytest.mark.integration
 
@@ -126,6 +128,7 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.clients: dict[str, BlockingKernelClient] = {}
         self.alive: tuple[str, ...] = REPLICAS
+        self.raft_ca = ClusterCA.create()  # the global scheduler's role: each start gets a certificate
         key = os.urandom(16).hex()
         for rid in REPLICAS:
             cf = str(tmp / f"{rid}.json")
@@ -141,6 +144,7 @@ class Cluster:
     def launch(self, rid: str) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO), TANDEM_KERNEL_GPUS="1")
         env["TANDEM_STATE_DIR"] = str(self.tmp / "state")  # the shared data store: <state>/datastore
+        env[IDENTITY_ENV] = self.raft_ca.issue(KERNEL_ID, rid).to_json()
         log = open(self.tmp / f"{rid}.log", "ab")  # noqa: SIM115
         self.procs[rid] = subprocess.Popen(
             [
