@@ -26,6 +26,7 @@ from shared import messages
 from shared.config import Config, config_from_json, load_config
 from shared.logs import configure_logging
 from shared.raft.storage import StaleLogAfterReboot, check_boot_fence
+from shared.raft.tls import IdentityError, link_tls_for, take_identity_env
 from shared.security import curve
 
 HISTORY_CACHE = 20
@@ -125,6 +126,7 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     link_curve = curve.link_curve_from_env()  # out of os.environ before any user code runs
+    raft_identity = take_identity_env()  # out of os.environ before any user code runs
     args = parse_args(argv)
     config: Config = config_from_json(args.config_json) if args.config_json else load_config()
     configure_logging(config.get("log.format"), config.get("log.level"), service="replica")
@@ -136,6 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     stale = stale_raft_log(Path(args.data_dir))
     if stale is not None:
         log.error("stale_raft_log", error=stale)
+        return 1
+    try:
+        raft_tls = link_tls_for(
+            config.get("raft.tls"),
+            config.get("raft.transport"),
+            raft_identity,
+            args.kernel_id,
+            args.replica_id,
+        )
+    except IdentityError as exc:
+        log.error("raft_identity_refused", error=str(exc))
         return 1
 
     # Imported late: ipykernel pulls in IPython, and the logging above should catch its failures.
@@ -185,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         commit_notice_s=config.get("raft.commit_notice_ms") / 1000,
         raft_fsync=config.get("raft.fsync"),
         raft_transport=config.get("raft.transport"),
+        raft_tls=raft_tls,
         propose_votes=os.environ.get("TANDEM_PROPOSE_VOTES", "1") != "0",
         executor_silence_s=config.get("kernel.executor_silence_s"),
         link_curve=link_curve,

@@ -286,6 +286,11 @@ class ElectionBook:
 
     @classmethod
     def from_snapshot(cls, data: dict[str, Any], *, keep: int = DECIDED_KEPT) -> ElectionBook:
+        """The book ``to_snapshot`` described; ValueError naming the problem for anything else
+        (a snapshot comes from a peer: a malformed one must be refused, not half-restored)."""
+        problem = _snapshot_problem(data)
+        if problem is not None:
+            raise ValueError(f"election book snapshot: {problem}")
         book = cls(data["voters"], keep=keep)
         for msg_id, raw in data["elections"].items():
             book._elections[msg_id] = _Election(
@@ -301,6 +306,54 @@ class ElectionBook:
         book._awaiting_state = data["awaiting_state"]
         book._running = {str(m): str(w) for m, w in data.get("running") or ()}
         return book
+
+
+def _str_list(value: Any) -> bool:
+    return type(value) is list and all(type(v) is str for v in value)
+
+
+def _snapshot_problem(data: Any) -> str | None:
+    """What makes ``data`` not an ``ElectionBook.to_snapshot()``, or None."""
+    if type(data) is not dict:
+        return "not a map"
+    if not _str_list(data.get("voters")):
+        return "voters must be a list of ids"
+    elections, done = data.get("elections"), data.get("done")
+    if type(elections) is not dict or type(done) is not dict:
+        return "elections and done must be maps"
+    for msg_id, raw in elections.items():
+        if (
+            type(msg_id) is not str
+            or type(raw) is not dict
+            or not _str_list(raw.get("leads"))
+            or not _str_list(raw.get("yielded"))
+            or type(raw.get("votes")) is not dict
+            or not all(type(k) is str and type(v) is str for k, v in raw["votes"].items())
+            or type(raw.get("decided")) is not bool
+            or not (raw.get("winner") is None or type(raw.get("winner")) is str)
+        ):
+            return f"election {str(msg_id)[:80]!r} is malformed"
+    for msg_id, raw in done.items():
+        if (
+            type(msg_id) is not str
+            or type(raw) is not list
+            or len(raw) != 4
+            or type(raw[0]) is not str
+            or type(raw[1]) is not dict
+            or type(raw[2]) is not int
+            or type(raw[3]) is not bool
+        ):
+            return f"done {str(msg_id)[:80]!r} is malformed"
+    if "awaiting_state" not in data or not (
+        data["awaiting_state"] is None or type(data["awaiting_state"]) is str
+    ):
+        return "awaiting_state must be a msg_id or nil"
+    running = data.get("running")
+    if running is not None and not (
+        type(running) is list and all(_str_list(r) and len(r) == 2 for r in running)
+    ):
+        return "running must be a list of [msg_id, executor]"
+    return None
 
 
 def _forget_oldest(table: dict[str, Any], keep: int) -> None:

@@ -52,6 +52,7 @@ from kernel_replica.log_entries import (
 from kernel_replica.scheduler_link import SchedulerLink
 from kernel_replica.state_sync import ReplicatedNamespace
 from shared.raft.driver import NotRunning, PeerConfig, ProposalDropped, RaftError, RaftPeer, RaftTimeout
+from shared.raft.tls import LinkTls
 from shared.raft.types import ConfChange, ConfState, Entry, RaftConfig
 from shared.rpc import RpcError, RpcTimeout
 from shared.security.curve import ClientCurve
@@ -65,6 +66,9 @@ PROPOSE_ATTEMPT_S = 1.0
 # After replica.stop, how long the main thread gets to stop gracefully before the process exits.
 STOP_GRACE_S = 0.5
 SILENT_POLL_S = 0.05  # how often a stand-in for a hung candidate checks whether the others answered
+# Exit status of a replica whose Raft stopped on an error it cannot continue after (its state
+# machine may have diverged): the local scheduler reports the exit and the member is replaced.
+RAFT_FATAL_EXIT = 70  # EX_SOFTWARE
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,8 @@ class ReplicaSettings:
     snapshot_every: int = 1000
     raft_fsync: bool = False  # config raft.fsync: see shared/raft/storage.py's durability policy
     raft_transport: str = "tcp"  # config raft.transport: shared/raft/tcp_transport.py says why
+    # This member's TLS identity on the Raft links (shared/raft/tls.py); None only with raft.tls off
+    raft_tls: LinkTls | None = None
     # NotebookOS appends VOTE(winner) after the election. Here the commit order alone decides, so
     # votes only record each replica's view in the log; they ride along with this replica's next
     # proposal (same Ready, same fsync) or go out after ``vote_flush_s`` of quiet.
@@ -213,6 +219,7 @@ class ReplicaCore:
         self._log = structlog.get_logger("replica.raft").bind(kernel=kernel_id, replica=replica_id)
         self.book = ElectionBook()
         self.namespace = ReplicatedNamespace()
+        self.skipped_entries = 0  # committed entries that did not decode (skipped by every replica)
         self.peer: RaftPeer | None = None
         self._ctx = zmq.asyncio.Context()
         self.scheduler = SchedulerLink(
@@ -292,6 +299,7 @@ class ReplicaCore:
             snapshot_every=self.settings.snapshot_every,
             fsync=self.settings.raft_fsync,
             transport_kind=self.settings.raft_transport,
+            tls=self.settings.raft_tls,
         )
         if voters:
             self.book.set_voters(voters)
@@ -301,6 +309,8 @@ class ReplicaCore:
             take_snapshot=self._take_snapshot,
             restore_snapshot=self._restore_snapshot,
             on_conf_change=self._on_conf_change,
+            check_snapshot=self._parse_snapshot,
+            on_fatal=self._raft_failed,
             logger=self._log,
         )
         await peer.start()
@@ -439,8 +449,10 @@ class ReplicaCore:
         if self.peer is None:
             return {"configured": False}
         st = self.peer.status()
+        stats = self.peer.transport_stats
         return {
             "configured": True,
+            "running": st.running,
             "role": st.role.name,
             "leader": st.leader,
             "term": st.term,
@@ -448,14 +460,35 @@ class ReplicaCore:
             "applied": st.applied,
             "voters": list(st.voters),
             "learners": list(st.learners),
+            # frames dropped because they did not decode, connections refused by authentication
+            "malformed_frames": stats.malformed if stats is not None else 0,
+            "refused_connections": stats.refused if stats is not None else 0,
+            "skipped_entries": self.skipped_entries,
         }
+
+    def _raft_failed(self, exc: BaseException) -> None:
+        """Raft stopped for good (storage failed, or a committed entry or accepted snapshot could
+        not be applied: this replica's state may differ from the group's). Lingering would keep a
+        member the scheduler counts as alive but that answers nothing; exiting gets it replaced,
+        and the replacement catches up from the leader's snapshot and log."""
+        self._log.critical(
+            "raft_failed_exiting", error=repr(exc), exit_status=RAFT_FATAL_EXIT, status=self.status()
+        )
+        os._exit(RAFT_FATAL_EXIT)
 
     # ---- applying the log (called by RaftPeer, in log order) ---------------------------------------
     def _on_apply(self, entry: Entry) -> None:
+        """Apply one committed entry. One that does not decode is skipped (every replica decodes
+        the same bytes alike, so all skip it: no divergence), counted and logged. One that
+        decodes but fails to apply raises: the state machine may be half-changed, so Raft stops
+        (``_raft_failed``) rather than go on with state that differs from the group's."""
         try:
             decoded = log_entries.decode(entry.data)
         except LogEntryError as exc:
-            self._log.warning("log_entry_skipped", index=entry.index, reason=str(exc))
+            self.skipped_entries += 1
+            self._log.warning(
+                "log_entry_skipped", index=entry.index, reason=str(exc), total=self.skipped_entries
+            )
             return
         if self._dead_members and not isinstance(decoded, Lead):  # a stand-in LEAD names the dead one
             self._dead_members.discard(decoded.proposer if isinstance(decoded, Yield) else decoded.replica_id)
@@ -464,9 +497,16 @@ class ReplicaCore:
             return
         self._applying_live = self._replayed_through is not None and entry.index > self._replayed_through
         try:
-            self._handle(self.book.apply(decoded))
-        except Exception:  # a bug here must not stop the replica applying its log
-            self._log.exception("log_entry_failed", index=entry.index, kind=type(decoded).__name__)
+            events = self.book.apply(decoded)
+            for event in events:  # the namespace is the state machine's too: applied before the rest
+                if isinstance(event, StateAccepted):
+                    self.namespace.apply(event.state)
+        except Exception:
+            self._log.critical(
+                "log_entry_not_applied", index=entry.index, kind=type(decoded).__name__, exc_info=True
+            )
+            raise
+        self._handle(events)
 
     def _on_conf_change(self, change: ConfChange | None, conf: ConfState) -> None:
         """A membership change committed, or (``change`` None) a snapshot restored: the book
@@ -477,40 +517,47 @@ class ReplicaCore:
         self._handle(self.book.set_voters(conf.voters))
 
     def _handle(self, events: list[Any]) -> None:
+        """What the book's events mean for waiters, the kernel and the log (the replicated state
+        is already changed): a failure here is logged, it cannot make this replica diverge."""
         for event in events:
-            match event:
-                case ElectionDecided(msg_id=msg_id, winner=winner):
-                    self._resolve(self._election_waiters, msg_id, Outcome(winner))
-                    if winner != self.replica_id and self._applying_live:
-                        # Standbys are not sent the cell: they learn it here, vote for the winner
-                        # and watch it until its DONE.
-                        self._vote_later(msg_id, winner)
-                        if self.book.done(msg_id) is None:  # not a LEAD carried by its DONE
-                            self._follow(msg_id, winner)
-                case ElectionFailed(msg_id=msg_id):
-                    self._resolve(self._election_waiters, msg_id, Outcome(None))
-                case ExecutorLost(msg_id=msg_id, executor=executor):
-                    self._wake_state_waiters()
-                    self._resolve(
-                        self._done_waiters,
-                        msg_id,
-                        f"the executor {executor} was removed from the kernel's Raft group before it finished",
-                    )
-                case CellDone(done=done):
-                    self._wake_state_waiters()
-                    self._resolve(self._done_waiters, done.msg_id, done)
-                    self._leader_follows(done)
-                    if not self._proposed_here(done):
-                        self._post(self.on_done, done)
-                case StateAccepted(state=state):
-                    self.namespace.apply(state)
-                    if not self._proposed_here(state):
-                        self._post(self.on_state, state)
-                    self._wake_state_waiters()
-                case EntryIgnored(entry=entry, reason=reason):
-                    self._log.debug(
-                        "log_entry_ignored", kind=type(entry).__name__, msg_id=entry.msg_id, reason=reason
-                    )
+            try:
+                self._react(event)
+            except Exception:
+                self._log.exception("log_event_failed", event=type(event).__name__)
+
+    def _react(self, event: Any) -> None:
+        match event:
+            case ElectionDecided(msg_id=msg_id, winner=winner):
+                self._resolve(self._election_waiters, msg_id, Outcome(winner))
+                if winner != self.replica_id and self._applying_live:
+                    # Standbys are not sent the cell: they learn it here, vote for the winner
+                    # and watch it until its DONE.
+                    self._vote_later(msg_id, winner)
+                    if self.book.done(msg_id) is None:  # not a LEAD carried by its DONE
+                        self._follow(msg_id, winner)
+            case ElectionFailed(msg_id=msg_id):
+                self._resolve(self._election_waiters, msg_id, Outcome(None))
+            case ExecutorLost(msg_id=msg_id, executor=executor):
+                self._wake_state_waiters()
+                self._resolve(
+                    self._done_waiters,
+                    msg_id,
+                    f"the executor {executor} was removed from the kernel's Raft group before it finished",
+                )
+            case CellDone(done=done):
+                self._wake_state_waiters()
+                self._resolve(self._done_waiters, done.msg_id, done)
+                self._leader_follows(done)
+                if not self._proposed_here(done):
+                    self._post(self.on_done, done)
+            case StateAccepted(state=state):  # its namespace change was applied with the entry
+                if not self._proposed_here(state):
+                    self._post(self.on_state, state)
+                self._wake_state_waiters()
+            case EntryIgnored(entry=entry, reason=reason):
+                self._log.debug(
+                    "log_entry_ignored", kind=type(entry).__name__, msg_id=entry.msg_id, reason=reason
+                )
 
     def _leader_follows(self, done: Done) -> None:
         """On the leader: after ``leader_follows_executor`` cells in a row ran on another voter,
@@ -568,14 +615,30 @@ class ReplicaCore:
             use_bin_type=True,
         )
 
+    @staticmethod
+    def _parse_snapshot(data: bytes) -> tuple[ElectionBook, bytes]:
+        """A snapshot's election book and namespace data, checked without side effects (no import
+        run, nothing unpickled); ValueError naming the problem. ``RaftPeer`` drops a peer's
+        snapshot that fails this on arrival, so a malformed one never reaches the state machine."""
+        try:
+            raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises several unrelated types for garbage
+            raise ValueError(f"replica snapshot is not msgpack: {type(exc).__name__}") from None
+        if type(raw) is not dict or raw.get("v") != SNAPSHOT_VERSION:
+            raise ValueError(
+                f"unsupported replica snapshot (version {raw.get('v') if type(raw) is dict else raw!r:.40})"
+            )
+        if type(raw.get("book")) is not dict or type(raw.get("ns")) is not bytes:
+            raise ValueError("a replica snapshot holds a 'book' map and 'ns' bytes")
+        ReplicatedNamespace.parse_snapshot(raw["ns"])
+        return ElectionBook.from_snapshot(raw["book"]), raw["ns"]
+
     def _restore_snapshot(self, data: bytes) -> None:
         if not data:
             return
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        if raw.get("v") != SNAPSHOT_VERSION:
-            raise ValueError(f"unsupported replica snapshot version {raw.get('v')!r}")
-        self.book = ElectionBook.from_snapshot(raw["book"])
-        self.namespace.restore(raw["ns"])
+        book, namespace = self._parse_snapshot(data)
+        self.namespace.restore(namespace)  # checked: replaces all or nothing
+        self.book = book
         self._post(self.on_namespace_restored, (*self.namespace.contents(), self.namespace.gpu_resident()))
         last = self.book.last_done()
         if last is not None:

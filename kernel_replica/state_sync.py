@@ -390,12 +390,55 @@ class ReplicatedNamespace:
             )
 
     def restore(self, data: bytes) -> None:
-        raw = msgpack.unpackb(data, raw=False) if data else {"fps": {}, "records": {}, "groups": []}
-        if not isinstance(raw, dict) or not isinstance(raw.get("fps"), dict):
-            raise ValueError("namespace snapshot must be a map with fingerprints")
+        """Replace the contents with a ``to_snapshot``'s; ValueError (nothing replaced) if malformed."""
+        parsed = self.parse_snapshot(data)
         with self._lock:
-            self._fps = dict(raw["fps"])
-            self._records = {name: (kind, value) for name, (kind, value) in raw["records"].items()}
-            self._groups = {int(gid): dict(group) for gid, group in raw["groups"]}
-            self._next_group = int(raw.get("next", max(self._groups, default=-1) + 1))
-            self._gpu_resident = decode_gpu_resident(raw.get("gr", []), "namespace snapshot 'gr'")
+            self._fps, self._records, self._groups, self._next_group, self._gpu_resident = parsed
+
+    @staticmethod
+    def parse_snapshot(
+        data: bytes,
+    ) -> tuple[
+        dict[str, bytes], dict[str, tuple[str, Any]], dict[int, dict[str, Any]], int, tuple[GpuResident, ...]
+    ]:
+        """A snapshot's contents, checked (no import is run, nothing is unpickled here: that is
+        the kernel's, when it loads the namespace); ValueError naming what is malformed."""
+        try:
+            raw = msgpack.unpackb(data, raw=False) if data else {"fps": {}, "records": {}, "groups": []}
+        except Exception as exc:  # msgpack raises several unrelated types for garbage
+            raise ValueError(f"namespace snapshot is not msgpack: {type(exc).__name__}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("namespace snapshot must be a map")
+        fps, records, groups = raw.get("fps"), raw.get("records"), raw.get("groups")
+        if type(fps) is not dict or not all(type(k) is str and type(v) is bytes for k, v in fps.items()):
+            raise ValueError("namespace snapshot 'fps' must map names to digests")
+        if type(groups) is not list or not all(
+            type(g) is list and len(g) == 2 and type(g[0]) is int and type(g[1]) is dict for g in groups
+        ):
+            raise ValueError("namespace snapshot 'groups' must be a list of [id, group]")
+        parsed_groups = {gid: dict(group) for gid, group in groups}
+        if not all(
+            type(g.get("names")) is list and all(type(n) is str for n in g["names"])
+            for g in parsed_groups.values()
+        ):
+            raise ValueError("every group of a namespace snapshot must list its names")
+        if type(records) is not dict:
+            raise ValueError("namespace snapshot 'records' must be a map")
+        parsed_records: dict[str, tuple[str, Any]] = {}
+        for name, record in records.items():
+            if not (
+                type(name) is str
+                and type(record) is list
+                and len(record) == 2
+                and (
+                    (record[0] == "i" and type(record[1]) is str)
+                    or (record[0] == "g" and type(record[1]) is int and record[1] in parsed_groups)
+                )
+            ):
+                raise ValueError(f"namespace snapshot record {str(name)[:80]!r} is malformed")
+            parsed_records[name] = (record[0], record[1])
+        next_group = raw.get("next", max(parsed_groups, default=-1) + 1)
+        if type(next_group) is not int or next_group <= max(parsed_groups, default=-1):
+            raise ValueError("namespace snapshot 'next' must be an int above every group id")
+        gpu_resident = decode_gpu_resident(raw.get("gr", []), "namespace snapshot 'gr'")  # a ValueError
+        return dict(fps), parsed_records, parsed_groups, next_group, gpu_resident

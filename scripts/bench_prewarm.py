@@ -34,6 +34,7 @@ from shared import messages
 from shared.config import Config, load_config
 from shared.envelope import Envelope
 from shared.logs import configure_logging
+from shared.raft.tls_ca import ClusterCA
 
 
 def make_config(state_dir: Path, *, warm: bool, imports: list[str]) -> Config:
@@ -51,6 +52,9 @@ def make_config(state_dir: Path, *, warm: bool, imports: list[str]) -> Config:
     )
 
 
+RAFT_CA = ClusterCA.create()
+
+
 async def start_once(scheduler: Any, n: int) -> float:
     """One replica.start handled by ``scheduler``; seconds until it replied; the replica is stopped."""
     body = {
@@ -58,6 +62,7 @@ async def start_once(scheduler: Any, n: int) -> float:
         "replica_id": "r1",
         "key": os.urandom(16).hex(),
         "resources": {"gpus": 1},
+        "raft_identity": RAFT_CA.issue(f"bench-{n}", "r1").to_wire(),  # as the global scheduler's
     }
     started = time.perf_counter()
     answer = await scheduler._replica_start(Envelope(messages.REPLICA_START, body))

@@ -13,7 +13,8 @@ Prints ONE JSON line:
   machines are shared and noisy: a ratio travels between runs better than a millisecond figure.
 
 ``--transport zmq`` runs the group over the ZMQ transport instead of the default TCP one; compare
-the two in alternating runs (``--no-fsync`` takes the disk out of the comparison).
+the two in alternating runs (``--no-fsync`` takes the disk out of the comparison). ``--tls`` runs
+the TCP links under mutual TLS, as replicas do (``raft.tls``), with certificates from a fresh CA.
 
 Usage: ``python scripts/bench_raft.py [--samples 2000] [--seconds 3] [--inflight 128] [--transport tcp]``
 """
@@ -154,6 +155,7 @@ async def _node_async(
     node_id: str, addresses: dict[str, str], data_dir: str, conn: Connection, opts: dict
 ) -> None:
     from shared.raft.driver import PeerConfig, RaftError, RaftPeer
+    from shared.raft.tls import LinkTls, MemberIdentity
 
     applied = 0
 
@@ -171,6 +173,9 @@ async def _node_async(
         fsync=opts["fsync"],
         snapshot_every=opts["snapshot_every"],
         transport_kind=opts["transport"],
+        tls=LinkTls.from_identity(MemberIdentity.from_json(opts["identities"][node_id]))
+        if opts.get("identities")
+        else None,
     )
     peer = RaftPeer(cfg, on_apply=on_apply, take_snapshot=lambda: applied.to_bytes(8, "little"))
     await peer.start()
@@ -313,6 +318,7 @@ def main() -> None:
     )
     ap.add_argument("--profile", metavar="DIR", help="cProfile the leader and a follower into DIR")
     ap.add_argument("--transport", choices=TRANSPORT_KINDS, default="tcp", help="the Raft peer transport")
+    ap.add_argument("--tls", action="store_true", help="mutual TLS on the links (tcp only), as replicas run")
     args = ap.parse_args()
     opts = {
         "transport": args.transport,
@@ -320,6 +326,11 @@ def main() -> None:
         "snapshot_every": args.snapshot_every,
         "fsync": not args.no_fsync,
     }
+    if args.tls:
+        from shared.raft.tls_ca import ClusterCA
+
+        ca = ClusterCA.create()
+        opts["identities"] = {nid: ca.issue("bench", nid).to_json() for nid in ("n1", "n2", "n3")}
 
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-raft-", dir=os.environ.get("BENCH_DIR")) as base:
@@ -381,6 +392,7 @@ def main() -> None:
         "sync_in_thread": args.sync_in_thread,
         "fsync": not args.no_fsync,
         "raft_transport": args.transport,
+        "raft_tls": args.tls,
         "baseline": {
             "fdatasync_p50_ms": fs50,
             "fdatasync_p99_ms": fs99,

@@ -112,6 +112,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # Replica-to-replica Raft messages: "tcp" (asyncio streams; shared/raft/tcp_transport.py
         # says why) or "zmq" (DEALER/ROUTER, like the services).
         "transport": "tcp",
+        # Mutual TLS on the replicas' Raft links under the cluster's Raft CA, which the global
+        # scheduler keeps in <state_dir>/keys (shared/raft/tls.py): a peer must prove it is a
+        # member of the same kernel before anything it sends is decoded. Needs transport "tcp".
+        # false only where every host on the network is trusted (and on every node alike).
+        "tls": True,
     },
     "gateway": {
         # The Jupyter-facing edge. Port 0 picks a free port (the embedded cluster); a node

@@ -128,6 +128,9 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "signature_scheme": (_str, False),
         "resources": (_map, True),
         "join": (_bool, False),  # True: start as a new member of an existing Raft group
+        # its TLS identity on the Raft links (shared/raft/tls.MemberIdentity.to_wire); absent
+        # only when raft.tls is off
+        "raft_identity": (_map, False),
     },
     REPLICA_CONFIGURE: {
         "kernel_id": (_str, True),
@@ -142,6 +145,7 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "key": (_str, False),
         "signature_scheme": (_str, False),
         "resources": (_map, False),
+        "raft_identity": (_map, False),  # as in replica.start
     },
     REPLICA_MEMBERSHIP: {
         "kernel_id": (_str, True),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import zmq
@@ -46,6 +46,9 @@ from shared.rpc import OutboundRequests, RpcError, RpcServer, RpcTimeout
 from shared.security import curve
 from shared.security.authorization import scheduler_refusal
 
+if TYPE_CHECKING:
+    from shared.raft.tls_ca import ClusterCA
+
 log = structlog.get_logger("global_scheduler")
 
 LIVE_POLICIES = ("notebookos",)
@@ -73,6 +76,7 @@ class GlobalScheduler:
     def __init__(self, cfg: Config, *, clock: Any = time.monotonic) -> None:
         sched = cfg["scheduler"]
         self._cfg = cfg
+        self._raft_ca: ClusterCA | None = None  # once a replica needs a Raft certificate
         self._clock = clock
         self._heartbeat_timeout = float(sched["heartbeat_timeout_s"])
         self._request_timeout = float(sched["request_timeout_s"])
@@ -855,6 +859,7 @@ class GlobalScheduler:
             "signature_scheme": kernel.signature_scheme,
             "resources": kernel.resources.to_dict(),
             "join": join,
+            **self._raft_identity(kernel, replica),
         }
         answer = await self._outbound.request(
             replica.host_id.encode(),
@@ -866,6 +871,18 @@ class GlobalScheduler:
         replica.pid = answer.body.get("pid")
         replica.raft_address = str(answer.body.get("raft_address", ""))
         replica.started = True
+
+    def _raft_identity(self, kernel: KernelRecord, replica: ReplicaRecord) -> dict[str, Any]:
+        """``{"raft_identity": ...}``: a new certificate from the cluster's Raft CA for a replica
+        start or restart (shared/raft/tls.py), or nothing with ``raft.tls`` off. The CA is made
+        on first use in ``<state_dir>/keys`` and read from there after a restart."""
+        if not self._cfg.get("raft.tls"):
+            return {}
+        if self._raft_ca is None:
+            from shared.raft.tls_ca import ClusterCA  # imports cryptography: only when needed
+
+            self._raft_ca = ClusterCA.load_or_create(self._cfg.keys_dir())
+        return {"raft_identity": self._raft_ca.issue(kernel.kernel_id, replica.replica_id).to_wire()}
 
     async def _configure_replica(
         self, kernel: KernelRecord, replica: ReplicaRecord, peers: dict[str, str]
@@ -946,6 +963,7 @@ class GlobalScheduler:
                         "key": kernel.key,
                         "signature_scheme": kernel.signature_scheme,
                         "resources": kernel.resources.to_dict(),
+                        **self._raft_identity(kernel, replica),
                     },
                 ),
                 timeout=self._replica_start_timeout + STOP_TIMEOUT_S,

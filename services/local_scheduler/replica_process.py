@@ -25,6 +25,7 @@ import zmq.asyncio
 from jupyter_core.paths import secure_write
 
 from shared.jupyter_wire import DELIMITER
+from shared.raft.tls import IDENTITY_ENV, MemberIdentity
 from shared.security import curve
 from shared.zmq_drain import DrainingSocket
 
@@ -39,6 +40,19 @@ SETPRIV = shutil.which("setpriv") if sys.platform.startswith("linux") else None
 LOG_TAIL_BYTES = 4000
 
 
+def raft_identity_json(raw: Any, kernel_id: str, replica_id: str) -> str | None:
+    """The ``raft_identity`` of a ``replica.start``/``restart`` as the replica's environment
+    carries it; ValueError if it is malformed or for another replica (None: none was sent)."""
+    if raw is None:
+        return None
+    identity = MemberIdentity.from_wire(raw)
+    if (identity.group, identity.member) != (kernel_id, replica_id):
+        raise ValueError(
+            f"raft_identity is for {identity.group}/{identity.member}, not {kernel_id}/{replica_id}"
+        )
+    return identity.to_json()
+
+
 class ReplicaProcess:
     def __init__(
         self,
@@ -51,6 +65,7 @@ class ReplicaProcess:
         resources: dict[str, Any],
         data_dir: Path,
         ip: str = "127.0.0.1",
+        raft_identity: str | None = None,
     ) -> None:
         self.host_id = host_id
         self.kernel_id = kernel_id
@@ -60,6 +75,9 @@ class ReplicaProcess:
         self.resources = resources
         self.data_dir = data_dir
         self.ip = ip
+        # its Raft TLS identity (shared/raft/tls.py, JSON), handed over in its environment only:
+        # never argv (visible to every user), never on disk, never in describe()
+        self.raft_identity = raft_identity
         self.connection_file = data_dir / "connection.json"
         self.log_file = data_dir / "replica.log"
         self.process: asyncio.subprocess.Process | None = None
@@ -171,6 +189,8 @@ class ReplicaProcess:
         }
         if self.server_public:
             env |= curve.link_env(self.link_keys, self.server_public)
+        if self.raft_identity is not None:
+            env[IDENTITY_ENV] = self.raft_identity
         return env
 
     def _replica_args(self, local_scheduler: str, config_json: str, join: bool) -> list[str]:

@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from services.local_scheduler.gpu_ledger import GpuLedger, LedgerError
 from services.local_scheduler.gpus import GpuInventory, detect_gpus
-from services.local_scheduler.replica_process import ReplicaProcess
+from services.local_scheduler.replica_process import ReplicaProcess, raft_identity_json
 from services.local_scheduler.warm_pool import WarmPool
 from shared import messages
 from shared.config import Config
@@ -360,6 +360,10 @@ class LocalScheduler:
 
     def _new_replica(self, key: ReplicaKey, body: dict[str, Any]) -> ReplicaProcess:
         """The process record for a start or a restart: the same data dir for the same replica."""
+        try:
+            raft_identity = raft_identity_json(body.get("raft_identity"), key[0], key[1])
+        except ValueError as exc:
+            raise RpcError(f"unusable raft_identity: {exc}", "bad_request") from None
         replica = ReplicaProcess(
             host_id=self.host_id,
             kernel_id=key[0],
@@ -369,6 +373,7 @@ class LocalScheduler:
             resources=dict(body["resources"]),
             data_dir=self._data_root / key[0] / key[1],
             ip=str(self.cfg.get("cluster.ip")),
+            raft_identity=raft_identity,
         )
         replica.server_public = self._host_keys.public
         self._replica_keys.allow(replica.link_keys.public, replica_principal(*key))

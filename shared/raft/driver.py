@@ -18,6 +18,13 @@ A leader sends its appends before its own fsync (see ``_handle_ready`` for why t
 
 The application's state machine is in memory: on restart it is rebuilt from the newest snapshot
 (``restore_snapshot``) followed by the committed log (``on_apply``), so both must be deterministic.
+
+What peers send is vetted by the transport before the core sees it: frames that do not decode, and
+snapshots whose envelope or application data (``check_snapshot``) could not be restored, are
+dropped and counted (``transport_stats.malformed``). A failure past that point (storage, or the
+application failing to apply a committed entry or an accepted snapshot) stops the peer for good
+(fail-stop: continuing would diverge from the group) and calls ``on_fatal``, so the process can
+exit and be replaced instead of lingering with a dead Raft.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import structlog
 from shared.raft.core import RaftNode
 from shared.raft.membership import apply_conf_change
 from shared.raft.storage import DEFAULT_SEGMENT_BYTES, Storage, remove_files
+from shared.raft.tls import LinkTls
 from shared.raft.transport import Transport, TransportOptions, TransportStats, open_transport
 from shared.raft.types import (
     ConfChange,
@@ -63,6 +71,8 @@ ApplyFn = Callable[[Entry], Awaitable[None] | None]
 TakeSnapshotFn = Callable[[], bytes | Awaitable[bytes]]
 RestoreSnapshotFn = Callable[[bytes], Awaitable[None] | None]
 ConfChangeFn = Callable[[ConfChange | None, ConfState], None]
+CheckSnapshotFn = Callable[[bytes], None]  # raises ValueError if restore_snapshot would fail; no effects
+FatalFn = Callable[[BaseException], None]
 
 
 # ---------------------------------------------------------------------------- errors
@@ -124,6 +134,9 @@ class PeerConfig:
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     transport: TransportOptions = field(default_factory=TransportOptions)
     transport_kind: str = "tcp"  # shared.raft.transport.TRANSPORT_KINDS
+    # Mutual TLS on every link (shared/raft/tls.py): only members of the same group get through.
+    # None: plain TCP, for tests and benchmarks of Raft itself (replicas always have one).
+    tls: LinkTls | None = None
     seed: int | None = None  # election timeout randomness; None = from the OS
     # With ``raft.eager_commit`` off, how long after a commit the leader tells the followers that
     # hold the entries (one empty append each), unless an append carries it first. Followers apply
@@ -169,7 +182,11 @@ class RaftPeer:
 
     ``restore_snapshot(data)`` replaces the application state (``b""`` means empty: a new group
     starts from the core's bootstrap snapshot); ``take_snapshot()`` returns it as bytes. Either may
-    be a coroutine function.
+    be a coroutine function. ``check_snapshot(data)`` parses snapshot data as ``restore_snapshot``
+    would, without applying it, and raises ``ValueError`` if it could not be restored: a peer's
+    snapshot that fails it is dropped on arrival instead of stopping this peer.
+
+    ``on_fatal(exc)`` is called once if the peer stops on an error it cannot continue after.
     """
 
     def __init__(
@@ -180,6 +197,8 @@ class RaftPeer:
         take_snapshot: TakeSnapshotFn = lambda: b"",
         restore_snapshot: RestoreSnapshotFn = _noop,
         on_conf_change: ConfChangeFn = _noop,
+        check_snapshot: CheckSnapshotFn | None = None,
+        on_fatal: FatalFn = _noop,
         logger: Any = None,
     ) -> None:
         self.config = config
@@ -188,6 +207,8 @@ class RaftPeer:
         self._take_snapshot = take_snapshot
         self._restore_snapshot = restore_snapshot
         self._on_conf_change = on_conf_change
+        self._check_app_snapshot = check_snapshot
+        self._on_fatal = on_fatal
         self._log = (logger if logger is not None else structlog.get_logger("raft")).bind(node=self.node_id)
         self._node: RaftNode | None = None
         self._storage: Storage | None = None
@@ -252,6 +273,8 @@ class RaftPeer:
                 self._on_messages,
                 options=cfg.transport,
                 logger=self._log,
+                tls=cfg.tls,
+                check_snapshot=self._check_snapshot,
             )
             self.address = await transport.start()
         except BaseException:
@@ -278,6 +301,7 @@ class RaftPeer:
             snapshot_index=restored.snapshot_meta.index,
             entries=len(restored.entries),
             fsync=storage.fsync,
+            tls=cfg.tls is not None,
         )
 
     async def stop(self) -> None:
@@ -510,6 +534,10 @@ class RaftPeer:
             self._running = False
             self._fail_all(NotRunning(f"raft peer {self.node_id} failed: {exc!r}"))
             self._leader_event.set()
+            try:
+                self._on_fatal(exc)
+            except Exception:
+                self._log.exception("raft.on_fatal_failed")
 
     def _send_commit_notices(self) -> None:
         self._commit_notice = None
@@ -625,6 +653,12 @@ class RaftPeer:
 
     # ------------------------------------------------------------------ snapshots
 
+    def _check_snapshot(self, data: bytes) -> None:
+        """Whether a peer's snapshot could be restored (the transport drops it if not)."""
+        _addresses, app = _unwrap(data)
+        if self._check_app_snapshot is not None and app:
+            self._check_app_snapshot(app)
+
     async def _restore_app(self, snapshot: Snapshot) -> None:
         """Load a snapshot (own on restart, or the leader's) into the application and address book."""
         addresses, app = _unwrap(snapshot.data)
@@ -730,6 +764,10 @@ def _unwrap(data: bytes) -> tuple[dict[str, str], bytes]:
         version, addresses, app = msgpack.unpackb(data, raw=False)
         if version != SNAPSHOT_ENVELOPE_VERSION or type(app) is not bytes:
             raise ValueError(f"unsupported snapshot envelope version {version!r}")
-        return {str(k): str(v) for k, v in addresses.items()}, app
+        if type(addresses) is not dict or not all(
+            type(k) is str and type(v) is str for k, v in addresses.items()
+        ):
+            raise ValueError("the address book must map member ids to addresses")
+        return dict(addresses), app
     except Exception as exc:
         raise ValueError(f"malformed snapshot envelope: {exc}") from exc

@@ -27,6 +27,13 @@ options).
 
 What arrives is handed to the driver in batches: every message that came in one turn of the event
 loop, in one call, so the driver steps them all into one ``Ready``.
+
+With ``tls`` (a ``shared.raft.tls.LinkTls``; replicas always have one unless ``raft.tls`` is off)
+every connection is mutual TLS 1.3 under the cluster's Raft CA, run by a ``TlsSession`` inside the
+protocols below. An inbound connection is refused, and counted in ``refused``, when its handshake
+fails (no certificate, another CA, not TLS at all), when the certificate is of another kernel, or
+when its hello names another member than its certificate; until then nothing it sent is decoded.
+An outbound link drops a connection whose certificate is not the member it meant to reach.
 """
 
 from __future__ import annotations
@@ -43,10 +50,12 @@ import msgpack
 import structlog
 
 from shared.raft.codec import encode_message
+from shared.raft.tls import LinkTls, TlsFailure, TlsSession
 from shared.raft.transport import (
     DEFAULT_OPTIONS,
     OnMessages,
     RejectLog,
+    SnapshotCheck,
     TransportOptions,
     TransportStats,
     hand_over,
@@ -61,6 +70,7 @@ MAX_HELLO_BYTES = 1024
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # as the codec: a larger length means a broken stream
 _LENGTH = struct.Struct(">I")
 _SMALL_FRAME = 64 * 1024  # below: one write of header + payload; above: no concatenation copy
+HANDSHAKE_TIMEOUT_S = 10.0  # an accepted connection that has not sent its hello by then is closed
 
 
 def frame(payload: bytes) -> bytes:
@@ -84,7 +94,11 @@ class TcpTransport:
         *,
         options: TransportOptions = DEFAULT_OPTIONS,
         logger: Any = None,
+        tls: LinkTls | None = None,
+        check_snapshot: SnapshotCheck | None = None,
     ) -> None:
+        if tls is not None and tls.member != node_id:
+            raise ValueError(f"the TLS identity is member {tls.member!r}, this node is {node_id!r}")
         self.node_id = node_id
         self._bind_address = bind_address
         self._on_messages = on_messages
@@ -93,6 +107,11 @@ class TcpTransport:
         self.address = bind_address  # the concrete endpoint once bound (port resolved)
         self.stats = TransportStats()
         self._reject = RejectLog(self.stats, self._log)
+        self._refuse = RejectLog(
+            self.stats, self._log, counter="refused", event="raft.transport.peer_refused"
+        )
+        self._tls = tls
+        self._check_snapshot = check_snapshot
         self._hello = hello_frame(node_id)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -170,7 +189,13 @@ class TcpTransport:
             self.stats.dropped_full += 1
             return False
         payload = encode_message(msg)
-        if len(payload) < _SMALL_FRAME:
+        tls = link.tls
+        if tls is not None:
+            if len(payload) < _SMALL_FRAME:
+                out.write(tls.encrypt(_LENGTH.pack(len(payload)) + payload))
+            else:
+                out.write(tls.encrypt(_LENGTH.pack(len(payload)), payload))
+        elif len(payload) < _SMALL_FRAME:
             out.write(_LENGTH.pack(len(payload)) + payload)
         else:
             out.writelines((_LENGTH.pack(len(payload)), payload))
@@ -186,7 +211,7 @@ class TcpTransport:
     def _accept(self, sender: bytes, payload: bytes) -> None:
         if self._closed:
             return
-        msg = vet_message(self.node_id, sender, payload, self._reject)
+        msg = vet_message(self.node_id, sender, payload, self._reject, self._check_snapshot)
         if msg is None:
             return
         self._batch.append(msg)
@@ -224,13 +249,15 @@ def _tune(transport: asyncio.BaseTransport, opts: TransportOptions) -> None:
 
 class _PeerLink:
     """The connection this node writes to one peer on, re-established with backoff while the
-    peer is known. ``transport`` is set only while connected (hello already written)."""
+    peer is known. ``transport`` is set only while connected (TLS established and the peer's
+    certificate checked, hello already written); ``tls`` is its session then, if any."""
 
     def __init__(self, owner: TcpTransport, peer_id: str, address: str) -> None:
         self._owner = owner
         self.peer_id = peer_id
         self.address = address
         self.transport: asyncio.Transport | None = None
+        self.tls: TlsSession | None = None
         self._task: asyncio.Task[None] | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -244,6 +271,7 @@ class _PeerLink:
         if self.transport is not None:
             self.transport.abort()
             self.transport = None
+            self.tls = None
 
     async def _connect_forever(self) -> None:
         owner, opts = self._owner, self._owner._opts
@@ -256,34 +284,89 @@ class _PeerLink:
         delay = opts.reconnect_ivl_ms / 1000
         while True:
             lost: asyncio.Future[None] = loop.create_future()
+            tls = TlsSession(owner._tls.client, server_side=False) if owner._tls is not None else None
+            protocol = _Outbound(lost, tls)
             try:
-                transport, _ = await loop.create_connection(partial(_Outbound, lost), host, port)
+                transport, _ = await loop.create_connection(partial(_same, protocol), host, port)
             except OSError:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, opts.reconnect_ivl_max_ms / 1000)
                 continue
             _tune(transport, opts)
-            transport.write(owner._hello)
-            self.transport = transport  # type: ignore[assignment]
-            delay = opts.reconnect_ivl_ms / 1000
             try:
+                if tls is not None and not await self._secure(transport, protocol, tls):
+                    transport.abort()
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, opts.reconnect_ivl_max_ms / 1000)
+                    continue
+                transport.write(tls.encrypt(owner._hello) if tls is not None else owner._hello)
+                self.transport, self.tls = transport, tls  # type: ignore[assignment]
+                delay = opts.reconnect_ivl_ms / 1000
                 await lost
             finally:
-                self.transport = None
+                self.transport = self.tls = None
                 transport.abort()
             await asyncio.sleep(delay)  # the peer went away: do not spin while it restarts
 
+    async def _secure(self, transport: asyncio.BaseTransport, protocol: _Outbound, tls: TlsSession) -> bool:
+        """Run the TLS handshake and check that the peer is the member this link is for."""
+        owner = self._owner
+        assert owner._tls is not None
+        transport.write(tls.start())  # type: ignore[attr-defined]
+        try:
+            await asyncio.wait_for(asyncio.shield(protocol.established), HANDSHAKE_TIMEOUT_S)
+        except TlsFailure as exc:  # e.g. its certificate is not from our CA
+            owner._refuse(self.peer_id.encode(), f"outbound to {self.address}: {exc}")
+            return False
+        except (OSError, TimeoutError):  # gone or restarting: reconnect as for a refused connect
+            return False
+        member, problem = owner._tls.peer_problem(tls.ssl_object, self.peer_id)
+        if member is None:
+            owner._refuse(self.peer_id.encode(), f"outbound to {self.address}: {problem}")
+            return False
+        return True
+
+
+def _same(protocol: _Outbound) -> _Outbound:
+    return protocol
+
 
 class _Outbound(asyncio.Protocol):
-    """The writing side of a link; the peer never writes back on it."""
+    """The writing side of a link; the peer never writes back on it, except for its TLS
+    handshake and session messages, which ``tls`` consumes."""
 
-    def __init__(self, lost: asyncio.Future[None]) -> None:
+    def __init__(self, lost: asyncio.Future[None], tls: TlsSession | None) -> None:
         self._lost = lost
+        self._tls = tls
+        self._transport: asyncio.Transport | None = None
+        self.established: asyncio.Future[None] = lost.get_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        pass
+        tls = self._tls
+        if tls is None:
+            return
+        try:
+            tls.receive(data)  # no application data comes this way
+        except TlsFailure as exc:
+            if not self.established.done():
+                self.established.set_exception(exc)
+                self.established.exception()  # marked retrieved: the waiter may have given up
+            if self._transport is not None:
+                self._transport.abort()
+            return
+        out = tls.pending()
+        if out and self._transport is not None:
+            self._transport.write(out)
+        if tls.established and not self.established.done():
+            self.established.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if not self.established.done():
+            self.established.set_exception(ConnectionResetError("closed during the TLS handshake"))
+            self.established.exception()  # marked retrieved: the waiter may have given up
         if not self._lost.done():
             self._lost.set_result(None)
 
@@ -296,20 +379,57 @@ class _Inbound(asyncio.Protocol):
         self._buf = bytearray()
         self._sender: bytes | None = None
         self._transport: asyncio.Transport | None = None
+        tls = owner._tls
+        self._tls = TlsSession(tls.server, server_side=True) if tls is not None else None
+        self._certified: str | None = None  # the member the peer's certificate names
+        self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         _tune(transport, self._owner._opts)
         self._owner._inbound.add(self)
+        if self._owner._loop is not None:
+            self._deadline = self._owner._loop.call_later(HANDSHAKE_TIMEOUT_S, self._too_slow)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._owner._inbound.discard(self)
+        if self._deadline is not None:
+            self._deadline.cancel()
 
     def abort(self) -> None:
         if self._transport is not None:
             self._transport.abort()
 
+    def _too_slow(self) -> None:
+        if self._sender is None:
+            self._refuse(
+                f"no {'TLS handshake and ' if self._tls else ''}hello within {HANDSHAKE_TIMEOUT_S:g}s"
+            )
+
     def data_received(self, data: bytes) -> None:
+        tls = self._tls
+        if tls is not None:
+            try:
+                data = tls.receive(data)
+            except TlsFailure as exc:
+                alert = tls.pending()  # tell the peer why (its TLS error names the alert)
+                if alert and self._transport is not None:
+                    self._transport.write(alert)
+                self._refuse(str(exc), flush=True)
+                return
+            out = tls.pending()
+            if out and self._transport is not None:
+                self._transport.write(out)
+            if self._certified is None:
+                if not tls.established:
+                    return
+                member, problem = self._owner._tls.peer_problem(tls.ssl_object)  # type: ignore[union-attr]
+                if member is None:
+                    self._refuse(problem)
+                    return
+                self._certified = member
+            if not data:
+                return
         buf = self._buf
         buf += data
         offset, end_of_data = 0, len(buf)
@@ -348,7 +468,13 @@ class _Inbound(asyncio.Protocol):
         ):
             self._fail(f"expected a hello [{HELLO!r}, {HELLO_VERSION}, sender id], got {hello!r:.80}")
             return False
+        if self._tls is not None and hello[2] != self._certified:
+            self._refuse(f"hello claims member {hello[2]!r:.80} but the certificate is {self._certified!r}")
+            return False
         self._sender = hello[2].encode()
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
         return True
 
     def _fail(self, reason: str) -> None:
@@ -357,3 +483,15 @@ class _Inbound(asyncio.Protocol):
         self._owner._reject(self._sender or str(peer).encode(), reason)
         self._buf.clear()
         self.abort()
+
+    def _refuse(self, reason: str, *, flush: bool = False) -> None:
+        """Not a member of this group (or not who it claims): closed, nothing it sent decoded;
+        ``flush``: after what we already wrote (a TLS alert) has gone."""
+        peer = self._transport.get_extra_info("peername") if self._transport is not None else None
+        self._owner._refuse(str(peer).encode(), reason)
+        self._buf.clear()
+        if flush and self._transport is not None:
+            self._transport.pause_reading()
+            self._transport.close()
+        else:
+            self.abort()

@@ -5,6 +5,13 @@ Two implementations carry the same one-msgpack-message-per-frame wire contents
 (``shared.raft.codec``): ``tcp`` (``shared.raft.tcp_transport``, the default) and ``zmq``
 (``shared.raft.zmq_transport``). Both are fire-and-forget: a send never blocks or waits, and a
 message a peer cannot take now is dropped and counted, which Raft's retries repair.
+
+Only ``tcp`` authenticates its peers (mutual TLS, ``shared.raft.tls``): ``open_transport`` refuses
+to open ``zmq`` with a TLS identity rather than run a replica's links unauthenticated.
+
+Everything a peer sends is checked here before the Raft core sees it (``vet_message``): a frame
+that does not decode, lies about its sender, or carries a snapshot the application cannot read
+(``check_snapshot``) is dropped and counted, never raised into the node.
 """
 
 from __future__ import annotations
@@ -12,13 +19,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shared.raft.codec import decode_message
-from shared.raft.types import Message
+from shared.raft.types import Message, MessageType
+
+if TYPE_CHECKING:
+    from shared.raft.tls import LinkTls
 
 TRANSPORT_KINDS = ("tcp", "zmq")
 OnMessages = Callable[[list[Message]], None]
+# Raises ValueError naming the problem when snapshot data could not be restored (no side effects).
+SnapshotCheck = Callable[[bytes], None]
 
 
 @dataclass(slots=True)
@@ -27,7 +39,8 @@ class TransportStats:
     received: int = 0
     dropped_full: int = 0  # peer not connected, or too much already queued for it
     dropped_unknown_peer: int = 0  # no address known for the destination
-    malformed: int = 0  # frames that failed to decode or lied about their sender
+    malformed: int = 0  # frames that failed to decode, lied about their sender, or bad snapshots
+    refused: int = 0  # connections refused: TLS failed, another kernel's certificate, a false hello
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,16 +99,34 @@ def open_transport(
     *,
     options: TransportOptions = DEFAULT_OPTIONS,
     logger: Any = None,
+    tls: LinkTls | None = None,
+    check_snapshot: SnapshotCheck | None = None,
 ) -> Transport:
-    """A transport of ``kind`` (one of ``TRANSPORT_KINDS``), not started yet."""
+    """A transport of ``kind`` (one of ``TRANSPORT_KINDS``), not started yet; with ``tls``, one
+    that admits only members of the same group (``tcp`` only)."""
     if kind == "tcp":
         from shared.raft.tcp_transport import TcpTransport
 
-        return TcpTransport(node_id, bind_address, on_messages, options=options, logger=logger)
+        return TcpTransport(
+            node_id,
+            bind_address,
+            on_messages,
+            options=options,
+            logger=logger,
+            tls=tls,
+            check_snapshot=check_snapshot,
+        )
     if kind == "zmq":
+        if tls is not None:
+            raise ValueError(
+                'the zmq Raft transport cannot authenticate its peers: use raft.transport = "tcp" '
+                "(TLS), or turn authentication off with raft.tls = false on a trusted network only"
+            )
         from shared.raft.zmq_transport import ZmqTransport
 
-        return ZmqTransport(node_id, bind_address, on_messages, options=options, logger=logger)
+        return ZmqTransport(
+            node_id, bind_address, on_messages, options=options, logger=logger, check_snapshot=check_snapshot
+        )
     raise ValueError(f"unknown Raft transport {kind!r}: expected one of {', '.join(TRANSPORT_KINDS)}")
 
 
@@ -113,13 +144,23 @@ class RejectLog:
     """Counts and logs bad input: at most one line per sender per second, so a flood of garbage
     cannot flood the log too (each line says how many were suppressed since the last one)."""
 
-    def __init__(self, stats: TransportStats, logger: Any) -> None:
+    def __init__(
+        self,
+        stats: TransportStats,
+        logger: Any,
+        *,
+        counter: str = "malformed",
+        event: str = "raft.transport.malformed_frame",
+    ) -> None:
         self._stats = stats
         self._log = logger
+        self._counter = counter
+        self._event = event
         self._last: dict[bytes, tuple[float, int]] = {}  # sender -> (last logged, suppressed)
 
     def __call__(self, sender: bytes, reason: str) -> None:
-        self._stats.malformed += 1
+        total = getattr(self._stats, self._counter) + 1
+        setattr(self._stats, self._counter, total)
         now = time.monotonic()
         last, suppressed = self._last.get(sender, (0.0, 0))
         if now - last < 1.0:
@@ -129,17 +170,24 @@ class RejectLog:
             self._last.clear()
         self._last[sender] = (now, 0)
         self._log.warning(
-            "raft.transport.malformed_frame",
+            self._event,
             sender=sender.decode("utf-8", "replace"),
             reason=reason,
             suppressed_since_last=suppressed,
+            total=total,
         )
 
 
-def vet_message(node_id: str, sender: bytes, payload: bytes, reject: RejectLog) -> Message | None:
+def vet_message(
+    node_id: str,
+    sender: bytes,
+    payload: bytes,
+    reject: RejectLog,
+    check_snapshot: SnapshotCheck | None = None,
+) -> Message | None:
     """Decode one inbound frame from ``sender`` (its ZMQ identity or TCP hello) and check that it
-    comes from whom it says and is meant for ``node_id``; a bad one is logged and dropped (None),
-    never raised."""
+    comes from whom it says and is meant for ``node_id``, and that a snapshot it carries can be
+    restored (``check_snapshot``); a bad one is logged and dropped (None), never raised."""
     try:
         msg = decode_message(payload)
     except ValueError as exc:
@@ -151,6 +199,12 @@ def vet_message(node_id: str, sender: bytes, payload: bytes, reject: RejectLog) 
     if msg.to != node_id:
         reject(sender, f"addressed to {msg.to!r}, not to this node")
         return None
+    if msg.snapshot is not None and check_snapshot is not None:
+        try:
+            check_snapshot(msg.snapshot.data)
+        except Exception as exc:  # whatever the application's parser raises: the frame goes
+            reject(sender, f"{MessageType(msg.type).name} carries a snapshot that cannot be restored: {exc}")
+            return None
     return msg
 
 

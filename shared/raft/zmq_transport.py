@@ -31,6 +31,7 @@ from shared.raft.transport import (
     DEFAULT_OPTIONS,
     OnMessages,
     RejectLog,
+    SnapshotCheck,
     TransportOptions,
     TransportStats,
     hand_over,
@@ -52,6 +53,7 @@ class ZmqTransport:
         options: TransportOptions = DEFAULT_OPTIONS,
         context: zmq.asyncio.Context | None = None,
         logger: Any = None,
+        check_snapshot: SnapshotCheck | None = None,
     ) -> None:
         self.node_id = node_id
         self._identity = node_id.encode()
@@ -67,6 +69,7 @@ class ZmqTransport:
         self.address = bind_address  # the concrete endpoint once bound (port resolved)
         self.stats = TransportStats()
         self._reject = RejectLog(self.stats, self._log)
+        self._check_snapshot = check_snapshot
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -175,6 +178,6 @@ class ZmqTransport:
         if len(frames) != 2:
             self._reject(frames[0] if frames else b"", f"expected 2 frames, got {len(frames)}")
             return
-        msg = vet_message(self.node_id, frames[0], frames[1], self._reject)
+        msg = vet_message(self.node_id, frames[0], frames[1], self._reject, self._check_snapshot)
         if msg is not None:
             batch.append(msg)

@@ -260,7 +260,8 @@ class PeerDirectory:
                 public, _ = zmq.auth.load_certificate(path)
             except (OSError, ValueError):
                 continue
-            found[public] = name
+            if public:
+                found[public] = name
         self._from_files = found
 
     def name_of(self, public_z85: bytes) -> str | None:

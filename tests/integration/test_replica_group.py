@@ -27,6 +27,8 @@ from jupyter_client.connect import write_connection_file
 
 from shared import messages
 from shared.envelope import Envelope, decode
+from shared.raft.tls import IDENTITY_ENV
+from shared.raft.tls_ca import ClusterCA
 
 pytestmark = pytest.mark.integration
 
@@ -112,6 +114,18 @@ class FakeLocalScheduler:
         for i in sent:
             assert self._answers[i].type == messages.REPLY, self._answers[i].body
 
+    def status(self, rid: str) -> dict[str, Any]:
+        """The replica's view of its Raft group (``replica.membership status``)."""
+        env = Envelope(
+            messages.REPLICA_MEMBERSHIP,
+            {"kernel_id": KERNEL_ID, "replica_id": rid, "action": "status"},
+        )
+        self._outbox.put((self.identities[rid], env))
+        self.wait_for(lambda: env.id in self._answers, timeout=10)
+        answer = self._answers.pop(env.id)
+        assert answer.type == messages.REPLY, answer.body
+        return answer.body
+
     def close(self) -> None:
         self._stop = True
         self._thread.join(2)
@@ -120,12 +134,14 @@ class FakeLocalScheduler:
 
 
 class Cluster:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, config: dict[str, Any] | None = None) -> None:
         self.tmp = tmp
+        self.config = config or {}
         self.scheduler = FakeLocalScheduler()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.clients: dict[str, BlockingKernelClient] = {}
         self.alive: tuple[str, ...] = REPLICAS
+        self.raft_ca = ClusterCA.create()  # the global scheduler's role: each start gets a certificate
         key = os.urandom(16).hex()
         for rid in REPLICAS:
             cf = str(tmp / f"{rid}.json")
@@ -141,18 +157,29 @@ class Cluster:
     def launch(self, rid: str) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO), TANDEM_KERNEL_GPUS="1")
         env["TANDEM_STATE_DIR"] = str(self.tmp / "state")  # the shared data store: <state>/datastore
+        if self.config.get("raft", {}).get("tls", True):
+            env[IDENTITY_ENV] = self.raft_ca.issue(KERNEL_ID, rid).to_json()
         log = open(self.tmp / f"{rid}.log", "ab")  # noqa: SIM115
         self.procs[rid] = subprocess.Popen(
             [
                 sys.executable, "-m", "kernel_replica",
                 "--kernel-id", KERNEL_ID, "--replica-id", rid, "--connection-file", str(self.tmp / f"{rid}.json"),
                 "--local-scheduler", self.scheduler.address, "--data-dir", str(self.tmp / rid),
-                # snapshot often, so the restart test restores from a snapshot plus a log suffix;
-                # a designated executor's LEAD waits 1 s (the conflict test needs the time)
-                "--config-json", json.dumps({"raft": {"snapshot_every": 8}, "kernel": {"executor_silence_s": 2.0}}),
+                "--config-json", json.dumps(self._config()),
             ],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
+
+    def _config(self) -> dict[str, Any]:
+        # snapshot often, so the restart test restores from a snapshot plus a log suffix;
+        # a designated executor's LEAD waits 1 s (the conflict test needs the time)
+        config: dict[str, dict[str, Any]] = {
+            "raft": {"snapshot_every": 8},
+            "kernel": {"executor_silence_s": 2.0},
+        }
+        for section, values in self.config.items():
+            config.setdefault(section, {}).update(values)
+        return config
 
     def restart(self, rid: str) -> None:
         """Kill -9 and start again on the same data dir, as a local scheduler would after a crash."""
