@@ -158,8 +158,9 @@ def _names(names: Collection[str]) -> str:
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
 
 
-def unprotected_warning(unstored: Mapping[str, str], retrying: bool) -> str:
-    """The executor's stderr line(s) after a cell that leaves ``unstored`` names."""
+def unprotected_warning(unstored: Mapping[str, str], retry_in_s: float) -> str:
+    """The executor's stderr lines after a cell that leaves ``unstored`` names; the next attempt
+    to store them is made by the first cell run ``retry_in_s`` from now or later."""
     by_reason: dict[str, list[str]] = {}
     for name, reason in sorted(unstored.items()):
         by_reason.setdefault(reason, []).append(name)
@@ -167,27 +168,32 @@ def unprotected_warning(unstored: Mapping[str, str], retrying: bool) -> str:
     for reason, names in by_reason.items():
         noun = "variable" if len(names) == 1 else "variables"
         lines.append(f"Tandem: WARNING: {noun} {_names(names)} NOT protected ({reason}).")
+    when = "the next cell" if retry_in_s <= 0 else f"the first cell run {retry_in_s:.0f} s from now or later"
     lines.append(
-        "Their latest values exist only in this replica's memory: they will be missing if the "
-        "kernel moves to another replica. "
-        + (
-            "Tandem will store them again with the next cell."
-            if retrying
-            else "Tandem will try to store them again with a later cell."
-        )
+        "The latest values exist only in this replica's memory and will be missing if the kernel "
+        f"moves to another replica. Tandem tries to store them again with {when}."
     )
     return "\n".join(lines)
 
 
-def missing_notice(missing: Mapping[str, Marker], present: Container[str], replica_id: str) -> str:
-    """What the new executor ``replica_id`` tells its user on the first cell it runs: each name
-    it lacks (or holds an older value of, ``present``), which replica held it and why it never
-    reached the log."""
+def missing_notice(
+    missing: Mapping[str, Marker], not_loaded: Mapping[str, str], present: Container[str], replica_id: str
+) -> str:
+    """What the executor ``replica_id`` tells its user before the cell runs: each name whose
+    latest value never reached the log (``missing``: which replica held it, and why), and each
+    name the log has but this replica could not load (``not_loaded``: why), saying whether it
+    is missing here or holds an older value (``present``)."""
     lines = [
-        f"Tandem: WARNING: this cell runs on replica {replica_id}; the kernel's previous executor "
-        "did not get these variables into the replicated state, so they are not as it left them:"
+        f"Tandem: WARNING: this cell runs on replica {replica_id}, which does not have these "
+        "variables as the previous cell left them:"
     ]
     for name, marker in missing.items():
         what = "has an older value here" if name in present else "is missing"
-        lines.append(f"  {name!r} {what} (its value stayed on replica {marker.replica_id}: {marker.reason})")
+        lines.append(
+            f"  {name!r} {what}: its value stayed on replica {marker.replica_id}, never stored ({marker.reason})"
+        )
+    for name, reason in sorted(not_loaded.items()):
+        if name not in missing:
+            what = "has an older value here" if name in present else "is missing"
+            lines.append(f"  {name!r} {what}: {reason}")
     return "\n".join(lines)

@@ -36,6 +36,13 @@ from ipykernel.jsonutil import json_clean
 from kernel_replica import helper
 from kernel_replica.cell_analysis import FunctionFacts, analyse_cell, update_registry
 from kernel_replica.device_residency import GpuResidency
+from kernel_replica.durability import (
+    Backoff,
+    ExecutorRecord,
+    missing_here,
+    missing_notice,
+    unprotected_warning,
+)
 from kernel_replica.log_entries import Done, State
 from kernel_replica.object_codec import DEFAULT_LARGE_OBJECT_BYTES, ObjectCodec
 from kernel_replica.raft_bridge import (
@@ -66,6 +73,10 @@ FOLLOWED_CATCH_UP = 64
 # The executor's idle waits for the cell's DONE and STATE to commit, at most this long (a group
 # that lost its quorum must not leave the client without idle; the commit goes on behind it).
 IDLE_REPLICATION_WAIT_S = 2.0
+# A large object written behind the reply fails fast when the store is unwritable (the open
+# fails): waiting this much longer than the DONE commit for the write's outcome puts the
+# warning on the cell that made the object in that case, at a small cost to large-object cells.
+WRITE_OUTCOME_GRACE_S = 0.005
 # A replica whose namespace ran ahead of the log (``cell_outcome_superseded``) exits with this
 # code once its reply is out; the scheduler replaces it like any dead replica.
 DIVERGED_EXIT_CODE = 75
@@ -116,6 +127,15 @@ class TandemKernel(IPythonKernel):
         self._pending_digests: dict[str, bytes] | None = None  # digests of the latest unconfirmed STATE
         self._trace_sync = False  # log.sync_timings: per-cell state_sent / state_applied info lines
         self._residency = GpuResidency()  # before any cell: pins CUDA_DEVICE_ORDER (NVML order)
+        # No ok without durability (kernel_replica/durability.py): what this process holds that
+        # the log does not, the STATE outcomes still to settle into it (in cell order: a write
+        # behind the reply settles when it ends), and the marks already told to the user here
+        self._own = ExecutorRecord()
+        self._settling: deque[tuple[State | concurrent.futures.Future[State], tuple[str, ...]]] = deque()
+        self._told: set[tuple[str, str]] = set()
+        self._not_loaded: dict[str, str] = {}  # names whose logged value failed to load here, and why
+        self._store_retry = Backoff()  # reopening a data store that failed to open
+        self._store_lock: asyncio.Lock | None = None
 
     def attach(
         self, bridge: RaftBridge, *, kernel_id: str, replica_id: str, config: Config | None = None
@@ -127,6 +147,9 @@ class TandemKernel(IPythonKernel):
         self._trace_sync = bool(config.get("log.sync_timings")) if config is not None else False
         if config is not None:
             self._residency.mode = str(config.get("kernel.gpu_residency"))
+            for backoff in (self._own.backoff, self._store_retry):
+                backoff.initial_s = float(config.get("datastore.retry_initial_s"))
+                backoff.max_s = float(config.get("datastore.retry_max_s"))
         self.kernel_id, self.replica_id = kernel_id, replica_id
         self._slog = structlog.get_logger("replica.kernel").bind(kernel=kernel_id, replica=replica_id)
         core = bridge.core
@@ -246,6 +269,9 @@ class TandemKernel(IPythonKernel):
                     timing["apply_wait_ms"] = (time.perf_counter() - waited) * 1000
                     if self._followed:  # DONEs that arrived while this cell waited for them
                         self._catch_up_followed()
+                    if self._not_loaded:  # the store may work again: load them before telling
+                        await self._load_again(bridge, log)
+                    self._tell_missing(bridge)
                     ended = bridge.core.book.done(msg_id)
                     if ended is not None:
                         # This replica won the cell, then stalled (paused, swapped out) before
@@ -499,6 +525,8 @@ class TandemKernel(IPythonKernel):
         # the code the standbys put in their input history (None: not stored there)
         history = code if not execute_args["silent"] and execute_args["store_history"] else None
         done = Done(msg_id, self.replica_id, reply, self._count(), True, history)
+        self._settle_written()
+        effects = None
         try:
             started = time.perf_counter()
             effects = analyse_cell(code, self._registry)
@@ -513,15 +541,25 @@ class TandemKernel(IPythonKernel):
                 codec,
                 hidden=self.shell.user_ns_hidden,
                 store_seconds=(lambda: timer.write_s) if timer is not None else None,
-                defer_large=self._behind_store is not None,
+                # while the store fails, write before the reply: the attempt's outcome is then
+                # on this cell's output, not found out after it
+                defer_large=self._behind_store is not None and not self._own.backoff.failing,
                 defer_max_bytes=int(self._config.get("datastore.write_behind_max_bytes"))
                 if self._config
                 else None,
+                retry=self._own.retry_names(time.monotonic()),
+                unprotected={*self._own.names, *bridge.core.namespace.unprotected()},
             )
             plan.timings["analysis_ms"] += analysed_ms
-        except Exception:  # never leave the group waiting for a STATE that will not come
+        except Exception as exc:  # never leave the group waiting for a STATE that will not come
             log.exception("state_detection_failed")
             plan = StatePlan()
+            why = f"Tandem could not encode the cell's changes: {exc.__class__.__name__}: {exc}"
+            if effects is not None and not effects.unknown:
+                plan.unstored = dict.fromkeys(
+                    (n for n in effects.candidates() if n in self.shell.user_ns and not n.startswith("_")),
+                    why,
+                )
         for name, reason in plan.skipped.items():
             self._warn_unreplicable(name, reason)
         # with what this replica keeps in host memory for the GPU: the next executor needs it too
@@ -535,6 +573,7 @@ class TandemKernel(IPythonKernel):
         written = None
         if plan.deferred and self._behind_store is not None:  # write-behind, on the Raft thread
             written = bridge.thread.submit(complete_state(state, plan.deferred, self._behind_store, log))
+        self._settling.append((written if written is not None else state, plan.retried))
         replicated: concurrent.futures.Future[None] = concurrent.futures.Future()
         proposed_at = time.time()
         bridge.thread.call(bridge.core.finish_cell, done, state, written, replicated)
@@ -545,6 +584,10 @@ class TandemKernel(IPythonKernel):
             replicated.result(IDLE_REPLICATION_WAIT_S)
         except concurrent.futures.TimeoutError:
             log.warning("idle_before_state_committed", waited_s=IDLE_REPLICATION_WAIT_S)
+        if written is not None:  # a store that fails at once does so within the grace
+            concurrent.futures.wait([written], timeout=WRITE_OUTCOME_GRACE_S)
+        self._settle_written()
+        self._warn_unprotected(log)
         timings = {k: v for k, v in plan.timings.items()}
         timings["replicate_ms"] = (time.perf_counter() - waited) * 1000
         if plan:
@@ -562,29 +605,96 @@ class TandemKernel(IPythonKernel):
         return timings
 
     async def _get_codec(self) -> ObjectCodec:
-        """The codec, with the configured data store (opened on first use; none if it fails)."""
+        """The codec, with the configured data store (opened on first use). A store that fails
+        to open is opened again on later cells, with backoff; meanwhile large objects go inline
+        in the Raft log, up to ``object_codec.MAX_INLINE_BYTES``, and larger ones are unstored."""
         if self._codec is None:
             config = self._config
-            large = DEFAULT_LARGE_OBJECT_BYTES
-            store: DataStore | None = None
-            if config is not None:
-                large = int(config.get("datastore.large_object_bytes"))
-                try:
-                    store = await open_replica_datastore(config)
-                except Exception as exc:
-                    self._slog.warning("datastore_unavailable", error=f"{exc.__class__.__name__}: {exc}")
-            if store is not None and config is not None and config.get("datastore.write_behind"):
-                bridge = self._bridge
-                try:  # its clients belong to the loop that writes: the Raft thread's
-                    self._behind_store = await bridge.call(open_replica_datastore(config)) if bridge else None
-                except Exception as exc:
-                    self._slog.warning("write_behind_unavailable", error=f"{exc.__class__.__name__}: {exc}")
-            if store is not None:
-                self._store_timer = _TimedStore(store)
-                self._codec = ObjectCodec(self._store_timer, large_object_bytes=large)  # type: ignore[arg-type]
-            else:
-                self._codec = ObjectCodec(None, large_object_bytes=large)
+            large = int(config.get("datastore.large_object_bytes")) if config else DEFAULT_LARGE_OBJECT_BYTES
+            self._codec = ObjectCodec(None, large_object_bytes=large)
+            if config is None:
+                self._codec.store_error = "no configuration"
+        if self._codec.store is None and self._config is not None and self._store_retry.due(time.monotonic()):
+            if self._store_lock is None:
+                self._store_lock = asyncio.Lock()
+            async with self._store_lock:  # a STATE applied meanwhile would open a second one
+                if self._codec.store is None and self._store_retry.due(time.monotonic()):
+                    await self._open_store(self._codec, self._config)
         return self._codec
+
+    async def _open_store(self, codec: ObjectCodec, config: Config) -> None:
+        try:
+            store = await open_replica_datastore(config)
+        except Exception as exc:
+            codec.store_error = f"{exc.__class__.__name__}: {exc}"
+            self._store_retry.failed(time.monotonic())
+            self._slog.warning("datastore_unavailable", error=codec.store_error)
+            return
+        self._store_retry.succeeded()
+        if config.get("datastore.write_behind"):
+            bridge = self._bridge
+            try:  # its clients belong to the loop that writes: the Raft thread's
+                self._behind_store = await bridge.call(open_replica_datastore(config)) if bridge else None
+            except Exception as exc:
+                self._slog.warning("write_behind_unavailable", error=f"{exc.__class__.__name__}: {exc}")
+        self._store_timer = _TimedStore(store)
+        codec.store, codec.store_error = self._store_timer, ""  # type: ignore[assignment]
+
+    # ---- no ok without durability (kernel_replica/durability.py) ------------------------------------
+    def _settle_written(self) -> None:
+        """Fold the STATE outcomes known so far into ``_own``, in cell order: a cell whose write
+        behind the reply still runs holds back the cells after it."""
+        while self._settling:
+            outcome, retried = self._settling[0]
+            if isinstance(outcome, concurrent.futures.Future):
+                if not outcome.done():
+                    return
+                if outcome.cancelled() or outcome.exception() is not None:  # complete_state never raises
+                    self._settling.popleft()
+                    continue
+                outcome = outcome.result()
+            self._settling.popleft()
+            self._own.settle(outcome, retried, time.monotonic())
+
+    def _warn_unprotected(self, log: t.Any) -> None:
+        """On the executor's cell, before its reply: the names whose latest values are only in
+        this process's memory, and why (every cell, until a write succeeds)."""
+        unstored = self._own.unstored()
+        if not unstored:
+            return
+        retry_in = max(0.0, self._own.backoff.next_at - time.monotonic())
+        log.warning("state_unprotected", names=sorted(unstored), failures=self._own.backoff.failures)
+        if sys.stderr is not None:
+            print(unprotected_warning(unstored, retry_in), file=sys.stderr)
+            sys.stderr.flush()
+
+    def _tell_missing(self, bridge: RaftBridge) -> None:
+        """Before the executor runs a cell: the names the previous executor could not get into
+        the log, which this replica therefore lacks or holds an older value of, and those the
+        log has but this replica could not load; each once, on the cell's stderr."""
+        self._settle_written()
+        missing = missing_here(bridge.core.namespace.unprotected(), self._own.names, self._told)
+        not_loaded = {n: why for n, why in self._not_loaded.items() if (n, why) not in self._told}
+        if (not missing and not not_loaded) or self.shell is None:
+            return
+        self._told.update((name, marker.msg_id) for name, marker in missing.items())
+        self._told.update(not_loaded.items())
+        self._slog.warning("state_missing_here", names=sorted({*missing, *not_loaded}))
+        if sys.stderr is not None:
+            print(missing_notice(missing, not_loaded, self.shell.user_ns, self.replica_id), file=sys.stderr)
+            sys.stderr.flush()
+
+    async def _load_again(self, bridge: RaftBridge, log: t.Any) -> None:
+        """Load the logged values of names that failed to load here (a store that was down)."""
+        names = list(self._not_loaded)
+        imports, groups = bridge.core.namespace.contents_of(names)
+        logged = {alias for alias, _ in imports} | {n for _, kept in groups for n in kept}
+        for name in names:
+            if name not in logged:  # the log holds no value of it any more: nothing to load
+                self._not_loaded.pop(name, None)
+        if imports or groups:
+            self._chain_apply("load_again", imports, [(g, kept) for g, kept in groups], [])
+            await self._state_applied(log)
 
     def _replicated_digests(self, bridge: RaftBridge) -> dict[str, bytes]:
         """What the log will hold once this process's in-flight STATE entries commit: compare
@@ -649,6 +759,23 @@ class TandemKernel(IPythonKernel):
         self._residency.adopt(state.gpu_resident)  # its GPU objects are ours when we execute next
         groups = [(g, None) for g in state.groups]
         self._chain_apply(state.msg_id, list(state.imports), groups, list(state.deleted), time.time())
+        if state.replica_id != self.replica_id and self._bridge is not None:
+            self._yield_unprotected(self._bridge)
+
+    def _yield_unprotected(self, bridge: RaftBridge) -> None:
+        """Another replica executed after this one and told its user what it lacked (its STATE
+        cleared the marks): values only this process held are not the notebook's any more. Put
+        the log's values of those names back (or remove them), so this replica agrees with the
+        others when it executes again, and stop retrying them."""
+        self._settling.clear()  # earlier cells of this process: all applied before this STATE
+        names = self._own.drop_all()
+        if not names or self.shell is None:
+            return
+        imports, groups = bridge.core.namespace.contents_of(names)
+        logged = {alias for alias, _ in imports} | {n for _, kept in groups for n in kept}
+        gone = [name for name in names if name not in logged]
+        self._slog.info("unprotected_values_dropped", names=names)
+        self._chain_apply("unprotected", imports, [(g, kept) for g, kept in groups], gone)
 
     def _load_namespace(self, contents: t.Any) -> None:
         """A snapshot was restored: rebuild the namespace from it (the log replays the rest), and
@@ -690,7 +817,9 @@ class TandemKernel(IPythonKernel):
         codec: ObjectCodec | None = None
         try:
             codec = await self._get_codec()
-            failures = await apply_state(self.shell.user_ns, codec, imports, groups, deleted)
+            failures = await apply_state(
+                self.shell.user_ns, codec, imports, groups, deleted, self._not_loaded
+            )
         except Exception as exc:
             failures = [f"{exc.__class__.__name__}: {exc}"]
         self.apply_ms.append((time.perf_counter() - started) * 1000)

@@ -30,9 +30,9 @@ import msgpack
 import xxhash
 
 from kernel_replica.cell_analysis import CellEffects, ImportRecord, names_to_check
+from kernel_replica.durability import Marker, apply_markers
 from kernel_replica.fingerprint import fingerprint
 from kernel_replica.log_entries import GpuResident, State, decode_gpu_resident, encode_gpu_resident
-from kernel_replica.durability import Marker, apply_markers
 from kernel_replica.object_codec import EncodedGroup, ObjectCodec, dumps, store_failure
 from shared.config import Config
 from shared.datastore import DataStore, open_datastore
@@ -295,15 +295,29 @@ def star_imported(record: ImportRecord, namespace: Mapping[str, Any], replicable
     )
 
 
-def replay_imports(namespace: dict[str, Any], imports: Iterable[tuple[str, str]]) -> list[str]:
+def replay_imports(
+    namespace: dict[str, Any], imports: Iterable[tuple[str, str]], not_loaded: dict[str, str] | None = None
+) -> list[str]:
     """Run import statements in ``namespace``, each distinct one once (a star import stands for
-    every name it binds); returns the failures ("stmt: error")."""
+    every name it binds); returns the failures ("stmt: error"), and records each failed alias
+    in ``not_loaded`` (a successful one is removed from it)."""
     failures = []
-    for statement in dict.fromkeys(statement for _alias, statement in imports):
+    aliases: dict[str, list[str]] = {}
+    for alias, statement in imports:
+        aliases.setdefault(statement, []).append(alias)
+    for statement, names in aliases.items():
         try:
             exec(statement, namespace)  # an import statement the executor ran
         except Exception as exc:
             failures.append(f"{statement}: {exc.__class__.__name__}: {exc}")
+            if not_loaded is not None:
+                not_loaded.update(
+                    dict.fromkeys(names, f"{statement!r} failed: {exc.__class__.__name__}: {exc}")
+                )
+            continue
+        if not_loaded is not None:
+            for name in names:
+                not_loaded.pop(name, None)
     return failures
 
 
@@ -313,23 +327,32 @@ async def apply_state(
     imports: Iterable[tuple[str, str]],
     groups: Iterable[tuple[Mapping[str, Any], Iterable[str] | None]],
     deleted: Iterable[str] = (),
+    not_loaded: dict[str, str] | None = None,
 ) -> list[str]:
     """A standby's side: replay imports, decode groups in log order (taking ``names`` of each, or
-    all when None), then drop ``deleted``. Returns the failures (the rest is still applied)."""
-    failures = replay_imports(namespace, imports)
+    all when None), then drop ``deleted``. Returns the failures (the rest is still applied).
+    ``not_loaded``: name -> why this replica lacks the log's value of it, kept up to date (a
+    name loaded or deleted later leaves it), so that it can be loaded again or told."""
+    failures = replay_imports(namespace, imports, not_loaded)
     for raw, names in groups:
         try:
             group = EncodedGroup.from_dict(raw)
             values = await codec.decode(group, namespace)
         except Exception as exc:  # e.g. a module missing on this host, a store unreachable
             failures.append(f"{', '.join(raw.get('names', ()))}: {exc.__class__.__name__}: {exc}")
+            if not_loaded is not None:
+                why = f"could not be loaded here: {exc.__class__.__name__}: {exc}"
+                not_loaded.update(dict.fromkeys(raw.get("names", ()) if names is None else names, why))
             continue
-        if names is None:
-            namespace.update(values)
-        else:
-            namespace.update({name: values[name] for name in names if name in values})
+        taken = values if names is None else {name: values[name] for name in names if name in values}
+        namespace.update(taken)
+        if not_loaded is not None:
+            for name in taken:
+                not_loaded.pop(name, None)
     for name in deleted:
         namespace.pop(name, None)
+        if not_loaded is not None:
+            not_loaded.pop(name, None)
     return failures
 
 
