@@ -68,7 +68,9 @@ def apply_markers(markers: Mapping[str, Marker], state: State) -> dict[str, Mark
 
 @dataclass(slots=True)
 class Backoff:
-    """Capped exponential backoff between attempts to store what a failed write left unstored."""
+    """Capped exponential backoff between attempts to store what a failed write left unstored.
+    The first attempt after a failure is not delayed: a write behind the reply may be found to
+    have failed only when the next cell settles it, and a passing fault may be gone already."""
 
     initial_s: float = DEFAULT_RETRY_INITIAL_S
     max_s: float = DEFAULT_RETRY_MAX_S
@@ -80,7 +82,8 @@ class Backoff:
 
     def failed(self, now: float) -> None:
         self.failures += 1
-        self.next_at = now + min(self.max_s, self.initial_s * 2 ** (self.failures - 1))
+        delay = 0.0 if self.failures == 1 else min(self.max_s, self.initial_s * 2 ** (self.failures - 2))
+        self.next_at = now + delay
 
     def succeeded(self) -> None:
         self.failures, self.next_at = 0, 0.0

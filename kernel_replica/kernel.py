@@ -73,10 +73,6 @@ FOLLOWED_CATCH_UP = 64
 # The executor's idle waits for the cell's DONE and STATE to commit, at most this long (a group
 # that lost its quorum must not leave the client without idle; the commit goes on behind it).
 IDLE_REPLICATION_WAIT_S = 2.0
-# A large object written behind the reply fails fast when the store is unwritable (the open
-# fails): waiting this much longer than the DONE commit for the write's outcome puts the
-# warning on the cell that made the object in that case, at a small cost to large-object cells.
-WRITE_OUTCOME_GRACE_S = 0.005
 # A replica whose namespace ran ahead of the log (``cell_outcome_superseded``) exits with this
 # code once its reply is out; the scheduler replaces it like any dead replica.
 DIVERGED_EXIT_CODE = 75
@@ -136,6 +132,7 @@ class TandemKernel(IPythonKernel):
         self._not_loaded: dict[str, str] = {}  # names whose logged value failed to load here, and why
         self._store_retry = Backoff()  # reopening a data store that failed to open
         self._store_lock: asyncio.Lock | None = None
+        self._write_outcome_wait_s = 0.005  # datastore.write_outcome_wait_s
 
     def attach(
         self, bridge: RaftBridge, *, kernel_id: str, replica_id: str, config: Config | None = None
@@ -147,6 +144,7 @@ class TandemKernel(IPythonKernel):
         self._trace_sync = bool(config.get("log.sync_timings")) if config is not None else False
         if config is not None:
             self._residency.mode = str(config.get("kernel.gpu_residency"))
+            self._write_outcome_wait_s = float(config.get("datastore.write_outcome_wait_s"))
             for backoff in (self._own.backoff, self._store_retry):
                 backoff.initial_s = float(config.get("datastore.retry_initial_s"))
                 backoff.max_s = float(config.get("datastore.retry_max_s"))
@@ -584,8 +582,8 @@ class TandemKernel(IPythonKernel):
             replicated.result(IDLE_REPLICATION_WAIT_S)
         except concurrent.futures.TimeoutError:
             log.warning("idle_before_state_committed", waited_s=IDLE_REPLICATION_WAIT_S)
-        if written is not None:  # a store that fails at once does so within the grace
-            concurrent.futures.wait([written], timeout=WRITE_OUTCOME_GRACE_S)
+        if written is not None:  # a store that refuses writes fails at once (the open fails)
+            concurrent.futures.wait([written], timeout=self._write_outcome_wait_s)
         self._settle_written()
         self._warn_unprotected(log)
         timings = {k: v for k, v in plan.timings.items()}

@@ -150,6 +150,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # then doubling up to retry_max_s between attempts while the store keeps failing.
         "retry_initial_s": 1.0,
         "retry_max_s": 60.0,
+        # The reply of a cell whose large objects are written behind it waits this much longer
+        # than its DONE commit for the write's outcome: a store that refuses writes fails within
+        # it, and the cell that made the object then says so itself (not the next one).
+        "write_outcome_wait_s": 0.005,
     },
     "simulator": {
         # `tandem sim` (shared/simulator): the discrete-event model's costs and cluster. Times are

@@ -95,7 +95,7 @@ def test_unstored_variable_is_named_on_the_cell_and_protected_once_the_store_wor
             assert later.status == "ok"
             assert "NOT protected" in later.stdout and "'big'" in later.stdout, later.stdout
             restore(tmp)
-            time.sleep(2.5)  # past the retry backoff after two failed attempts (1 s, then 2 s)
+            time.sleep(1.5)  # past the retry backoff after two failed attempts (at once, then 1 s)
             stored = run(kc, "n = 3")
             assert stored.status == "ok"
             assert "NOT protected" not in stored.stdout, stored.stdout

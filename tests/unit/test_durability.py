@@ -91,9 +91,8 @@ def test_the_next_cell_stores_an_unstored_name_again_and_protects_it(tmp_path: P
     replicated.apply(first.state("m1", "r1"))
     record.settle(first.state("m1", "r1"), first.retried, now=0.0)
     assert record.unstored().keys() == {"big"} and replicated.unprotected()["big"].replica_id == "r1"
-    assert record.retry_names(now=0.5) == []  # backing off
     _writable_again(store)
-    retry = record.retry_names(now=1.0)
+    retry = record.retry_names(now=0.0)  # the first attempt after a failure is not delayed
     second = _plan(ns, "n = 1", codec, replicated, retry=retry, unprotected=record.names)
     assert sorted(n for g in second.groups for n in g["names"]) == ["big", "n"]
     assert second.retried == ("big",) and not second.unstored
@@ -210,7 +209,7 @@ def test_backoff_doubles_up_to_its_cap_and_a_success_resets_it() -> None:
     for now in range(5):
         backoff.failed(float(now))
         waits.append(backoff.next_at - now)
-    assert waits == [1.0, 2.0, 4.0, 5.0, 5.0] and backoff.failing
+    assert waits == [0.0, 1.0, 2.0, 4.0, 5.0] and backoff.failing
     assert not backoff.due(5.0) and backoff.due(9.0)
     backoff.succeeded()
     assert backoff.due(0.0) and not backoff.failing
@@ -221,7 +220,7 @@ def test_the_record_settles_in_cell_order_and_does_not_retry_unpicklable_names()
     record.settle(State("m1", "r1", unstored={"big": "disk full"}, skipped={"lock": "pickle"}), (), now=0.0)
     assert record.retry_names(now=1.0) == ["big"] and set(record.names) == {"big", "lock"}
     record.settle(State("m2", "r1", unstored={"big": "disk full"}), ("big",), now=1.0)  # failed again
-    assert record.retry_names(now=2.5) == [] and record.retry_names(now=3.0) == ["big"]
+    assert record.retry_names(now=1.5) == [] and record.retry_names(now=2.0) == ["big"]
     # a cell that wrote nothing to the store says nothing about it: the backoff stays
     record.settle(State("m3", "r1", groups=(_group("n"),)), (), now=3.0)
     assert record.backoff.failures == 2
