@@ -31,6 +31,7 @@ import structlog
 from services.cluster_file import CLUSTER_FILE, ClusterNotRunning, ask_sync, pid_alive, read_cluster
 from shared import messages
 from shared.config import Config
+from shared.private_files import open_private_file, private_dir, write_private
 from shared.rpc import RpcError, RpcTimeout
 
 log = structlog.get_logger("embedded")
@@ -133,8 +134,8 @@ class EmbeddedCluster:
 
     def start(self) -> dict[str, Any]:
         """Bring every service up and write cluster.json; on any failure stop what started."""
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.state_dir)  # the notebooks' state: the Raft WALs, the data store, logs
+        private_dir(self.log_dir)
         with contextlib.suppress(ClusterNotRunning):
             running = read_cluster(self.state_dir)
             raise ClusterStartError(
@@ -203,7 +204,7 @@ class EmbeddedCluster:
             "started_at": time.time(),
         }
         tmp = self.cluster_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info, indent=2))
+        write_private(tmp, json.dumps(info, indent=2))
         os.replace(tmp, self.cluster_file)
         log.info(
             "cluster_ready", gateway=self.gateway_address, scheduler=self.scheduler_address, hosts=len(hosts)
@@ -212,7 +213,7 @@ class EmbeddedCluster:
 
     def _spawn(self, name: str, args: list[str], *, critical: bool) -> Child:
         child = Child(name, [self.python, *args], self.log_dir / f"{name}.log", critical)
-        child.log_file = open(child.log_path, "ab")  # noqa: SIM115 - lives as long as the child
+        child.log_file = open_private_file(child.log_path, "ab")  # lives as long as the child
         # Children resolve the state dir as $TANDEM_STATE_DIR before configuration: an inherited
         # value (another cluster's) must not win over this cluster's --state-dir.
         env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_STATE_DIR=str(self.state_dir))
@@ -312,7 +313,7 @@ class EmbeddedCluster:
             info = json.loads(self.cluster_file.read_text())
             info["processes"]["global-scheduler"] = child.process.pid if child.process else None
             tmp = self.cluster_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(info, indent=2))
+            write_private(tmp, json.dumps(info, indent=2))
             os.replace(tmp, self.cluster_file)
         log.warning("scheduler_restarted", pid=child.process.pid if child.process else None)
 
@@ -356,7 +357,7 @@ class EmbeddedCluster:
             info = json.loads(self.cluster_file.read_text())
             info["processes"][name] = child.process.pid if child.process else None
             tmp = self.cluster_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(info, indent=2))
+            write_private(tmp, json.dumps(info, indent=2))
             os.replace(tmp, self.cluster_file)
 
     def failed_critical(self) -> Child | None:

@@ -28,6 +28,7 @@ from typing import Protocol
 import structlog
 
 from shared.config import Config
+from shared.private_files import private_dir, write_private
 
 log = structlog.get_logger("host_provider")
 
@@ -159,11 +160,11 @@ class LocalProcessHostProvider:
         pids = {**self._adopted, **{h: p.pid for h, p in self._processes.items()}}
         tmp = self.hosts_file.with_suffix(".tmp")
         with contextlib.suppress(OSError):
-            tmp.write_text(json.dumps(pids))
+            write_private(tmp, json.dumps(pids))
             os.replace(tmp, self.hosts_file)
 
     async def provision(self, count: int) -> list[str]:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.log_dir)
         started: list[str] = []
         for _ in range(count):
             host_id = f"host-{self._next_index}"
