@@ -12,10 +12,11 @@ Nothing of this may be silent:
   cell that appends, trains or writes files, is wrong twice). The warning says exactly what is
   at risk. It is repeated after every cell while anything is unstored, and stops once a write
   succeeds;
-* the executor retries (``ExecutorRecord.retry_names``): every later cell encodes the unstored
-  names again, with a capped exponential backoff after failed attempts (``Backoff``), and the
-  store is written before the reply while it is failing, so that the attempt's outcome is on
-  that cell's output;
+* the executor retries (``ExecutorRecord.retry_names``), with a capped exponential backoff
+  after failed attempts (``Backoff``): in the background between cells (a *repair* STATE,
+  ``apply_repair``, carries what it stored), and with every later cell, which encodes the
+  unstored names again; while the store fails, a cell writes it before its reply, so that the
+  attempt's outcome is on that cell's output. Once stored, the next cell says so, once;
 * the STATE entry lists the unstored and skipped names with the reason (``State.unstored``,
   ``State.skipped``), so the committed log knows (``apply_markers``); a replica that executes
   after another one tells its user, on the first cell it runs, which names it lacks or holds an
@@ -28,6 +29,7 @@ clock, and prints what it returns.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Container, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -64,6 +66,35 @@ def apply_markers(markers: Mapping[str, Marker], state: State) -> dict[str, Mark
     for name, reason in (*state.skipped.items(), *state.unstored.items()):
         kept[name] = Marker(reason, state.msg_id, state.replica_id)
     return kept
+
+
+def apply_repair(markers: Mapping[str, Marker], state: State) -> tuple[dict[str, Marker], State]:
+    """A repair STATE (``State.repair``: values stored after their cell, by a background retry)
+    commits: it protects only the names still marked as held by its executor. Any other name in
+    it is stale (a later cell changed or stored it, or another executor took over): left out of
+    the returned STATE, which is what every replica applies. A name whose attempt failed again
+    stays marked, with the cell that changed it."""
+    held = {name for name, marker in markers.items() if marker.replica_id == state.replica_id}
+    groups = []
+    for group in state.groups:
+        names = [name for name in group.get("names", ()) if name in held]
+        if names:
+            groups.append({**group, "names": names})
+    taken = {name for group in groups for name in group["names"]}
+    kept = {name: marker for name, marker in markers.items() if name not in taken}
+    unstored = {name: reason for name, reason in state.unstored.items() if name in held and name not in taken}
+    for name, reason in unstored.items():
+        kept[name] = markers[name]._replace(reason=reason)
+    effective = dataclasses.replace(
+        state,
+        digests={name: fp for name, fp in state.digests.items() if name in taken},
+        deleted=(),
+        skipped={},
+        groups=tuple(groups),
+        imports=(),
+        unstored=unstored,
+    )
+    return kept, effective
 
 
 @dataclass(slots=True)
@@ -110,18 +141,25 @@ class ExecutorRecord:
 
     backoff: Backoff = field(default_factory=Backoff)
     names: dict[str, Own] = field(default_factory=dict)
+    recovered: set[str] = field(default_factory=set)  # stored after a failed attempt, not yet said
 
     def settle(self, state: State, retried: Collection[str], now: float) -> None:
         """``state``: the STATE proposed for a cell, as it ended (write-behind done); ``retried``:
         the names that cell encoded again because an earlier cell could not store them."""
         carried = {name for group in state.groups for name in group.get("names", ())}
         carried.update(alias for alias, _statement in state.imports)
-        for name in (*carried, *state.deleted):
+        for name in carried:
+            own = self.names.pop(name, None)
+            if own is not None and own.retry:
+                self.recovered.add(name)
+        for name in state.deleted:
             self.names.pop(name, None)
+            self.recovered.discard(name)
         for name, reason in state.skipped.items():
             self.names[name] = Own(reason, state.msg_id, False)
         for name, reason in state.unstored.items():
             self.names[name] = Own(reason, state.msg_id, True)
+            self.recovered.discard(name)
         if state.unstored:
             self.backoff.failed(now)
         elif any(group.get("pointer") for group in state.groups) or carried.intersection(retried):
@@ -133,6 +171,11 @@ class ExecutorRecord:
             return []
         return sorted(name for name, own in self.names.items() if own.retry)
 
+    def take_recovered(self) -> list[str]:
+        """The names stored since they were last reported unstored (each said once)."""
+        names, self.recovered = sorted(self.recovered), set()
+        return names
+
     def unstored(self) -> dict[str, str]:
         return {name: own.reason for name, own in self.names.items() if own.retry}
 
@@ -140,6 +183,7 @@ class ExecutorRecord:
         """Another replica executed after this one: its marks are cleared, its values rule."""
         names = sorted(self.names)
         self.names.clear()
+        self.recovered.clear()
         self.backoff.succeeded()
         return names
 
@@ -171,12 +215,19 @@ def unprotected_warning(unstored: Mapping[str, str], retry_in_s: float) -> str:
     for reason, names in by_reason.items():
         noun = "variable" if len(names) == 1 else "variables"
         lines.append(f"Tandem: WARNING: {noun} {_names(names)} NOT protected ({reason}).")
-    when = "the next cell" if retry_in_s <= 0 else f"the first cell run {retry_in_s:.0f} s from now or later"
+    when = "now" if retry_in_s <= 0.5 else f"in {retry_in_s:.0f} s"
     lines.append(
         "The latest values exist only in this replica's memory and will be missing if the kernel "
-        f"moves to another replica. Tandem tries to store them again with {when}."
+        f"moves to another replica. Tandem tries to store them again {when}, in the background "
+        "and with later cells, until it succeeds."
     )
     return "\n".join(lines)
+
+
+def protected_again(names: Collection[str]) -> str:
+    """The executor's stderr line once names reported unstored have been stored."""
+    noun = "variable" if len(names) == 1 else "variables"
+    return f"Tandem: {noun} {_names(names)} now protected (stored after an earlier attempt failed)."
 
 
 def missing_notice(

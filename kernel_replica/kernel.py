@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 import typing as t
+import uuid
 from collections import deque
 from types import FrameType
 
@@ -41,6 +42,7 @@ from kernel_replica.durability import (
     ExecutorRecord,
     missing_here,
     missing_notice,
+    protected_again,
     unprotected_warning,
 )
 from kernel_replica.log_entries import Done, State
@@ -60,6 +62,8 @@ from kernel_replica.state_sync import (
     complete_state,
     open_replica_datastore,
     plan_state,
+    replicable_names,
+    value_fingerprint,
 )
 from shared.config import Config
 from shared.datastore.base import DataStore
@@ -133,6 +137,9 @@ class TandemKernel(IPythonKernel):
         self._store_retry = Backoff()  # reopening a data store that failed to open
         self._store_lock: asyncio.Lock | None = None
         self._write_outcome_wait_s = 0.005  # datastore.write_outcome_wait_s
+        self._cells_active = 0  # cell requests being handled (the background retry waits for none)
+        self._repair_task: asyncio.Future[None] | None = None  # storing unstored values between cells
+        self._repair_timer: asyncio.TimerHandle | None = None
 
     def attach(
         self, bridge: RaftBridge, *, kernel_id: str, replica_id: str, config: Config | None = None
@@ -201,11 +208,25 @@ class TandemKernel(IPythonKernel):
 
     # ---- the execute path ----------------------------------------------------------------------------
     async def execute_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
-        await self._cell_request(stream, ident, parent, lead=True)
+        await self._in_cell(self._cell_request(stream, ident, parent, lead=True))
 
     async def yield_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
         """The scheduler decided this replica cannot execute the cell (``execute_request`` rewritten)."""
-        await self._cell_request(stream, ident, parent, lead=False)
+        await self._in_cell(self._cell_request(stream, ident, parent, lead=False))
+
+    async def _in_cell(self, request: t.Coroutine[t.Any, t.Any, None]) -> None:
+        """A cell request waits for a background store of unprotected values to end (that write
+        reads the live objects, which the cell could change under it), and none starts during
+        the request."""
+        repair = self._repair_task
+        if repair is not None and not repair.done():
+            with contextlib.suppress(Exception):
+                await repair
+        self._cells_active += 1
+        try:
+            await request
+        finally:
+            self._cells_active -= 1
 
     async def _cell_request(
         self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any], *, lead: bool
@@ -656,15 +677,72 @@ class TandemKernel(IPythonKernel):
 
     def _warn_unprotected(self, log: t.Any) -> None:
         """On the executor's cell, before its reply: the names whose latest values are only in
-        this process's memory, and why (every cell, until a write succeeds)."""
+        this process's memory, and why (every cell, until a write succeeds); and those that were
+        stored since the last warning, once."""
+        recovered = self._own.take_recovered()
+        if recovered and sys.stderr is not None:
+            print(protected_again(recovered), file=sys.stderr)
+            sys.stderr.flush()
         unstored = self._own.unstored()
         if not unstored:
             return
+        self._schedule_repair()
         retry_in = max(0.0, self._own.backoff.next_at - time.monotonic())
         log.warning("state_unprotected", names=sorted(unstored), failures=self._own.backoff.failures)
         if sys.stderr is not None:
             print(unprotected_warning(unstored, retry_in), file=sys.stderr)
             sys.stderr.flush()
+
+    def _schedule_repair(self) -> None:
+        """Store the unstored values in the background when the backoff allows, not only with
+        the next cell: a user who stops after the warning gets them protected all the same."""
+        if self._repair_timer is not None:
+            self._repair_timer.cancel()
+        delay = max(0.05, self._own.backoff.next_at - time.monotonic())
+        self._repair_timer = asyncio.get_running_loop().call_later(delay, self._start_repair)
+
+    def _start_repair(self) -> None:
+        self._repair_timer = None
+        if self._cells_active or (self._repair_task is not None and not self._repair_task.done()):
+            return  # the cell, as it ends, stores them or schedules this again
+        self._repair_task = asyncio.ensure_future(self._repair())
+
+    async def _repair(self) -> None:
+        """One background attempt: encode the unstored names as they are now, write them to the
+        store, and propose a repair STATE (``durability.apply_repair``) after this replica's
+        cells in flight. Scheduled again while anything stays unstored."""
+        bridge, shell = self._bridge, self.shell
+        if bridge is None or shell is None:
+            return
+        self._settle_written()
+        namespace = shell.user_ns
+        names = [name for name in self._own.retry_names(time.monotonic()) if name in namespace]
+        log = self._slog.bind(retry=names)
+        if names:
+            try:
+                codec = await self._get_codec()
+                result = await codec.encode(
+                    namespace, names, universe=replicable_names(namespace, shell.user_ns_hidden)
+                )
+                fingerprints = {name: value_fingerprint(namespace[name], namespace) for name in result.names}
+            except Exception as exc:  # never raises out of the background: it is tried again
+                log.warning("state_repair_failed", error=f"{exc.__class__.__name__}: {exc}")
+                self._own.backoff.failed(time.monotonic())
+            else:
+                state = State(
+                    f"repair-{uuid.uuid4().hex}",
+                    self.replica_id,
+                    {name: fp for name, fp in fingerprints.items() if fp is not None},
+                    groups=tuple(group.to_dict() for group in result.groups),
+                    unstored=result.unstored,
+                    repair=True,
+                )
+                bridge.thread.call(bridge.core.finish_repair, state, concurrent.futures.Future())
+                self._settling.append((state, tuple(names)))
+                self._settle_written()
+                log.info("state_stored_after_cell" if not state.unstored else "state_still_unstored")
+        if self._own.unstored():
+            self._schedule_repair()
 
     def _tell_missing(self, bridge: RaftBridge) -> None:
         """Before the executor runs a cell: the names the previous executor could not get into
@@ -753,6 +831,10 @@ class TandemKernel(IPythonKernel):
         """Another executor's STATE: load it in the background, in log order (the next cell
         executed here waits for it, ``_state_applied``)."""
         if self.shell is None:
+            return
+        if state.repair:  # values its executor stored after their cell: only those it still held
+            if state.groups:
+                self._chain_apply(state.msg_id, [], [(g, list(g["names"])) for g in state.groups], [])
             return
         self._residency.adopt(state.gpu_resident)  # its GPU objects are ours when we execute next
         groups = [(g, None) for g in state.groups]

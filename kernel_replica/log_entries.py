@@ -130,6 +130,10 @@ class State:
     # for the Raft log): the value lives only in the executor's memory, which retries. Committed
     # so that any other replica that executes next can tell its user exactly what it lacks.
     unstored: dict[str, str] = field(default_factory=dict)
+    # Not a cell's STATE: the executor stored, after the cell, values it had left unstored
+    # (``msg_id`` is its own id for the attempt). Replicas take from it only the names still
+    # marked as held by ``replica_id`` (``state_sync.ReplicatedNamespace.apply``).
+    repair: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +190,8 @@ def encode(entry: LogEntry) -> bytes:
                 body["gr"] = encode_gpu_resident(entry.gpu_resident)
             if entry.unstored:
                 body["us"] = entry.unstored
+            if entry.repair:
+                body["rp"] = True
         case _:
             raise TypeError(f"not a log entry: {type(entry).__name__}")
     body["t"] = ENTRY_VERSION
@@ -266,6 +272,9 @@ def decode(data: bytes) -> LogEntry:
         isinstance(k, str) and isinstance(v, str) for k, v in unstored.items()
     ):
         raise LogEntryError("STATE: 'us' must map names to reasons")
+    repair = raw.get("rp", False)
+    if not isinstance(repair, bool):
+        raise LogEntryError("STATE: 'rp' (a repair) must be a bool")
     groups, imports = raw.get("g", []), raw.get("im", [])
     if not isinstance(groups, list) or not all(
         isinstance(g, dict) and isinstance(g.get("names"), list) and isinstance(g.get("sizes"), list)
@@ -288,6 +297,7 @@ def decode(data: bytes) -> LogEntry:
         tuple((alias, stmt) for alias, stmt in imports),
         resident,
         unstored,
+        repair,
     )
 
 

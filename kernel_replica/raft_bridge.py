@@ -496,9 +496,9 @@ class ReplicaCore:
                     if not self._proposed_here(done):
                         self._post(self.on_done, done)
                 case StateAccepted(state=state):
-                    self.namespace.apply(state)
+                    accepted = self.namespace.apply(state)
                     if not self._proposed_here(state):
-                        self._post(self.on_state, state)
+                        self._post(self.on_state, accepted)
                     self._wake_state_waiters()
                 case EntryIgnored(entry=entry, reason=reason):
                     self._log.debug(
@@ -971,6 +971,29 @@ class ReplicaCore:
             if not tail.done():
                 tail.set_result(None)
             self._wake_state_waiters()
+
+    def finish_repair(self, state: State, committed: concurrent.futures.Future[None]) -> None:
+        """Propose a repair STATE (values stored after their cell, ``durability.apply_repair``)
+        after this replica's cells still in flight, as their STATEs are ordered: what it carries
+        is newer than any of them. ``committed`` is resolved once it is, or has failed. Call on
+        the Raft thread."""
+        previous = self._finish_tail
+        tail: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._finish_tail = tail
+
+        async def run() -> None:
+            try:
+                if previous is not None and not previous.done():
+                    await asyncio.shield(previous)
+                await self.propose(state)
+            except RaftError as exc:
+                self._log.warning("repair_not_replicated", msg_id=state.msg_id, error=str(exc))
+            finally:
+                _resolve_once(committed)
+                if not tail.done():
+                    tail.set_result(None)
+
+        self._spawn(run())
 
     def _vote_later(self, msg_id: str, winner: str) -> None:
         if not self.settings.propose_votes:

@@ -30,7 +30,7 @@ import msgpack
 import xxhash
 
 from kernel_replica.cell_analysis import CellEffects, ImportRecord, names_to_check
-from kernel_replica.durability import Marker, apply_markers
+from kernel_replica.durability import Marker, apply_markers, apply_repair
 from kernel_replica.fingerprint import fingerprint
 from kernel_replica.log_entries import GpuResident, State, decode_gpu_resident, encode_gpu_resident
 from kernel_replica.object_codec import EncodedGroup, ObjectCodec, dumps, store_failure
@@ -385,10 +385,15 @@ class ReplicatedNamespace:
         # names whose latest value is not in the log (durability.Marker): who holds it and why
         self._unprotected: dict[str, Marker] = {}
 
-    def apply(self, state: State) -> None:
+    def apply(self, state: State) -> State:
+        """Apply a committed STATE; returns it as every replica must apply it to its namespace
+        (a repair narrowed to the names it still protects: ``durability.apply_repair``)."""
         with self._lock:
-            self._unprotected = apply_markers(self._unprotected, state)
-            self._gpu_resident = state.gpu_resident
+            if state.repair:
+                self._unprotected, state = apply_repair(self._unprotected, state)
+            else:
+                self._unprotected = apply_markers(self._unprotected, state)
+                self._gpu_resident = state.gpu_resident
             for alias, statement in state.imports:
                 self._records[alias] = ("i", statement)
             for group in state.groups:
@@ -402,6 +407,7 @@ class ReplicatedNamespace:
                 self._fps.pop(name, None)
                 self._records.pop(name, None)
             self._collect()
+        return state
 
     def _collect(self) -> None:
         live = {value for kind, value in self._records.values() if kind == "g"}

@@ -132,3 +132,25 @@ def test_next_executor_names_the_variables_that_died_with_the_previous_one(
         assert "NotADirectoryError" in after.stdout, after.stdout
         again = run(kc, "big = 1")
         assert "WARNING" not in again.stdout, again.stdout  # told once; its STATE cleared the marks
+
+
+def test_unstored_variable_is_stored_in_the_background_when_no_cell_follows(
+    tandem_cluster: ClusterHandle,
+) -> None:
+    """The executor is killed without any cell after the failed one: only its background
+    attempts can have stored the variable the next executor finds."""
+    with tandem_kernel() as (_km, kc):
+        _settle(kc, "import os\nimport numpy as np\nopened = np.zeros(300_000)")
+        pid = _pid(kc)
+        with unwritable_store(tandem_cluster) as tmp:
+            made = run(kc, FIVE_MB_ARRAY)
+            assert made.status == "ok" and "'big'" in made.stdout and "NOT protected" in made.stdout
+            time.sleep(1.0)  # attempts fail meanwhile, and back off
+            restore(tmp)
+            time.sleep(4.0)  # the next background attempt (at most 2 s after the last) stores it
+        os.kill(pid, signal.SIGKILL)
+        after = run(kc, "print('got', big.sum(), os.getpid())", timeout=30)
+        assert after.status == "ok", after.reply["content"]
+        total, new_pid = _line(after.stdout, "got")[1:]
+        assert float(total) == BIG_SUM and int(new_pid) != pid, after.stdout
+        assert "WARNING" not in after.stdout and after.tandem["replica_id"] != made.tandem["replica_id"]

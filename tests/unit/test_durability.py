@@ -25,8 +25,10 @@ from kernel_replica.durability import (
     apply_markers,
     missing_here,
     missing_notice,
+    protected_again,
     unprotected_warning,
 )
+from kernel_replica.election import ElectionBook, StateAccepted
 from kernel_replica.log_entries import State
 from kernel_replica.object_codec import ObjectCodec
 from kernel_replica.state_sync import ReplicatedNamespace, apply_state, complete_state, plan_state
@@ -200,6 +202,53 @@ def test_a_name_is_marked_exactly_when_its_last_news_is_a_failure_by_the_latest_
     assert {name: m.reason for name, m in marks.items()} == expected
 
 
+# ---- repairs: values stored after their cell -----------------------------------------------------
+
+
+def test_a_repair_protects_only_what_its_executor_still_holds_unprotected() -> None:
+    replicated = ReplicatedNamespace()
+    replicated.apply(State("m1", "r1", unstored={"big": "disk full", "other": "disk full"}))
+    replicated.apply(State("m2", "r1", groups=(_group("other"),)))  # a later cell stored other
+    repair = State(
+        "repair-1",
+        "r1",
+        {"big": b"fp", "other": b"old", "friend": b"f"},
+        groups=(_group("big", "friend", pointer=True), _group("other", pointer=True)),
+        repair=True,
+    )
+    applied = replicated.apply(repair)
+    assert [g["names"] for g in applied.groups] == [["big"]] and applied.digests == {"big": b"fp"}
+    assert replicated.unprotected() == {} and replicated.digests()["big"] == b"fp"
+    assert [names for _, names in replicated.contents()[1]] == [["other"], ["big"]]
+
+
+def test_a_repair_after_another_executor_took_over_changes_nothing() -> None:
+    replicated = ReplicatedNamespace()
+    replicated.apply(State("m1", "r1", unstored={"big": "disk full"}))
+    replicated.apply(State("m2", "r2", unstored={"mine": "disk full"}))  # r2 told its user
+    applied = replicated.apply(State("repair-1", "r1", {"big": b"fp"}, groups=(_group("big"),), repair=True))
+    assert applied.groups == () and applied.digests == {}
+    assert replicated.unprotected() == {"mine": Marker("disk full", "m2", "r2")}
+
+
+def test_a_repair_that_failed_again_keeps_the_mark_of_the_cell_that_changed_the_value() -> None:
+    replicated = ReplicatedNamespace()
+    replicated.apply(State("m1", "r1", unstored={"big": "disk full"}))
+    replicated.apply(State("repair-1", "r1", unstored={"big": "read-only"}, repair=True))
+    assert replicated.unprotected() == {"big": Marker("read-only", "m1", "r1")}
+
+
+def test_the_book_accepts_a_repair_between_a_done_and_its_state() -> None:
+    book = ElectionBook(["r1", "r2", "r3"])
+    book.apply(log_entries.Lead("m1", "r1"))
+    book.apply(log_entries.Lead("m1", "r1"))
+    book.apply(log_entries.Done("m1", "r1", {"status": "ok"}, 1))
+    repair = State("repair-1", "r1", repair=True)
+    assert book.apply(repair) == [StateAccepted(repair)] and book.awaiting_state() == "m1"
+    decoded = log_entries.decode(log_entries.encode(repair))
+    assert isinstance(decoded, State) and decoded.repair
+
+
 # ---- the executor's record, its backoff, and what users read -------------------------------------
 
 
@@ -226,6 +275,7 @@ def test_the_record_settles_in_cell_order_and_does_not_retry_unpicklable_names()
     assert record.backoff.failures == 2
     record.settle(State("m4", "r1", groups=(_group("big", pointer=True),)), ("big",), now=3.0)
     assert record.unstored() == {} and not record.backoff.failing and set(record.names) == {"lock"}
+    assert record.take_recovered() == ["big"] and record.take_recovered() == []  # said once
     assert record.drop_all() == ["lock"] and record.names == {}
 
 
@@ -242,8 +292,11 @@ def test_a_new_executor_is_told_each_mark_once_except_for_values_it_holds() -> N
 def test_the_warning_names_every_unprotected_variable_with_its_reason_and_when_it_retries() -> None:
     text = unprotected_warning({"b": "disk full", "a": "disk full", "c": "too large"}, retry_in_s=2.0)
     assert "variables 'a' and 'b' NOT protected (disk full)" in text
-    assert "variable 'c' NOT protected (too large)" in text and "2 s from now" in text
-    assert "the next cell" in unprotected_warning({"a": "x"}, retry_in_s=0.0)
+    assert "variable 'c' NOT protected (too large)" in text and "again in 2 s" in text
+    assert "again now" in unprotected_warning({"a": "x"}, retry_in_s=0.0)
+    assert protected_again(["b", "a"]) == (
+        "Tandem: variables 'a' and 'b' now protected (stored after an earlier attempt failed)."
+    )
 
 
 # ---- a standby that could not load a value -------------------------------------------------------
