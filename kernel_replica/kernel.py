@@ -844,11 +844,13 @@ class TandemKernel(IPythonKernel):
 
     def _yield_unprotected(self, bridge: RaftBridge) -> None:
         """Another replica executed after this one and told its user what it lacked (its STATE
-        cleared the marks): values only this process held are not the notebook's any more. Put
-        the log's values of those names back (or remove them), so this replica agrees with the
-        others when it executes again, and stop retrying them."""
+        cleared the marks): values only this process could not store are not the notebook's any
+        more. Put the log's values of those names back (or remove them), so this replica agrees
+        with the others when it executes again, and stop retrying them. Unpicklable values are
+        left alone: no replica can have them, and the user was told so when they were made."""
         self._settling.clear()  # earlier cells of this process: all applied before this STATE
-        names = self._own.drop_all()
+        names = sorted(self._own.unstored())
+        self._own.drop_all()
         if not names or self.shell is None:
             return
         imports, groups = bridge.core.namespace.contents_of(names)

@@ -154,3 +154,41 @@ def test_unstored_variable_is_stored_in_the_background_when_no_cell_follows(
         total, new_pid = _line(after.stdout, "got")[1:]
         assert float(total) == BIG_SUM and int(new_pid) != pid, after.stdout
         assert "WARNING" not in after.stdout and after.tandem["replica_id"] != made.tandem["replica_id"]
+
+
+def test_former_executor_takes_the_logs_values_after_the_next_one_reported_them(
+    tandem_cluster: ClusterHandle,
+) -> None:
+    """The executor changes while a value is unstored (its host is cordoned, it lives on): the
+    new executor tells the user it has an older value; when the first executor runs cells
+    again, it has that older value too, not the one it could not store."""
+    with tandem_kernel() as (_km, kc):
+        first = _settle(kc, "import os\nimport numpy as np\nkept = np.ones(300_000)")
+        hosts = [h["id"] for h in tandem_cluster.status()["hosts"]]
+        cordoned: list[str] = []
+        try:
+            with unwritable_store(tandem_cluster):
+                made = run(kc, "kept[0] = 7")
+                assert "'kept'" in made.stdout and "NOT protected" in made.stdout, made.stdout
+                home = made.tandem["host_id"]
+                time.sleep(0.3)  # its STATE, listing kept as unstored, commits
+                assert tandem_cluster.cli("host", "cordon", home).returncode == 0
+                cordoned.append(home)
+                moved = run(kc, "print('got', kept[0])")
+                assert moved.tandem["replica_id"] != first, moved.tandem
+                assert (
+                    "'kept' has an older value here" in moved.stdout
+                    and _line(moved.stdout, "got")[1] == "1.0"
+                )
+            assert tandem_cluster.cli("host", "uncordon", home).returncode == 0
+            cordoned.remove(home)
+            for host in hosts:  # only the first executor's host is left to run cells
+                if host != home:
+                    assert tandem_cluster.cli("host", "cordon", host).returncode == 0
+                    cordoned.append(host)
+            back = run(kc, "print('got', kept[0])")
+            assert back.tandem["replica_id"] == first, back.tandem
+            assert _line(back.stdout, "got")[1] == "1.0" and "WARNING" not in back.stdout, back.stdout
+        finally:
+            for host in cordoned:
+                tandem_cluster.cli("host", "uncordon", host)
