@@ -138,7 +138,8 @@ class TandemKernel(IPythonKernel):
         self._store_lock: asyncio.Lock | None = None
         self._write_outcome_wait_s = 0.005  # datastore.write_outcome_wait_s
         self._cells_active = 0  # cell requests being handled (the background retry waits for none)
-        self._repair_task: asyncio.Future[None] | None = None  # storing unstored values between cells
+        self._repair_task: asyncio.Future[None] | None = None  # encoding unstored values between cells
+        self._repair_write: concurrent.futures.Future[State] | None = None  # and writing them behind
         self._repair_timer: asyncio.TimerHandle | None = None
 
     def attach(
@@ -703,45 +704,73 @@ class TandemKernel(IPythonKernel):
 
     def _start_repair(self) -> None:
         self._repair_timer = None
-        if self._cells_active or (self._repair_task is not None and not self._repair_task.done()):
-            return  # the cell, as it ends, stores them or schedules this again
+        if (
+            self._cells_active
+            or (self._repair_task is not None and not self._repair_task.done())
+            or (self._repair_write is not None and not self._repair_write.done())
+        ):
+            return  # the cell as it ends, or the write as it settles, schedules this again
         self._repair_task = asyncio.ensure_future(self._repair())
 
     async def _repair(self) -> None:
-        """One background attempt: encode the unstored names as they are now, write them to the
-        store, and propose a repair STATE (``durability.apply_repair``) after this replica's
-        cells in flight. Scheduled again while anything stays unstored."""
+        """One background attempt: encode the unstored names as they are now, copy the large
+        ones aside (cells wait for this, not for the write: the write must not read objects a
+        cell is changing, and a hung store must not hold cells up), write them to the store on
+        the Raft thread, and propose a repair STATE (``durability.apply_repair``) after this
+        replica's cells in flight. Once it settles, scheduled again if anything is unstored."""
         bridge, shell = self._bridge, self.shell
         if bridge is None or shell is None:
             return
         self._settle_written()
         namespace = shell.user_ns
         names = [name for name in self._own.retry_names(time.monotonic()) if name in namespace]
+        if not names:
+            if self._own.unstored():
+                self._schedule_repair()
+            return
         log = self._slog.bind(retry=names)
-        if names:
-            try:
-                codec = await self._get_codec()
-                result = await codec.encode(
-                    namespace, names, universe=replicable_names(namespace, shell.user_ns_hidden)
-                )
-                fingerprints = {name: value_fingerprint(namespace[name], namespace) for name in result.names}
-            except Exception as exc:  # never raises out of the background: it is tried again
-                log.warning("state_repair_failed", error=f"{exc.__class__.__name__}: {exc}")
-                self._own.backoff.failed(time.monotonic())
-            else:
-                state = State(
-                    f"repair-{uuid.uuid4().hex}",
-                    self.replica_id,
-                    {name: fp for name, fp in fingerprints.items() if fp is not None},
-                    groups=tuple(group.to_dict() for group in result.groups),
-                    unstored=result.unstored,
-                    repair=True,
-                )
-                bridge.thread.call(bridge.core.finish_repair, state, concurrent.futures.Future())
-                self._settling.append((state, tuple(names)))
-                self._settle_written()
-                log.info("state_stored_after_cell" if not state.unstored else "state_still_unstored")
-        if self._own.unstored():
+        behind = self._behind_store
+        try:
+            codec = await self._get_codec()
+            result = await codec.encode(
+                namespace,
+                names,
+                universe=replicable_names(namespace, shell.user_ns_hidden),
+                defer_large=behind is not None,
+            )
+            fingerprints = {name: value_fingerprint(namespace[name], namespace) for name in result.names}
+        except Exception as exc:  # never raises out of the background: it is tried again
+            log.warning("state_repair_failed", error=f"{exc.__class__.__name__}: {exc}")
+            self._own.backoff.failed(time.monotonic())
+            self._schedule_repair()
+            return
+        state = State(
+            f"repair-{uuid.uuid4().hex}",
+            self.replica_id,
+            {name: fp for name, fp in fingerprints.items() if fp is not None},
+            groups=tuple(group.to_dict() for group in result.groups),
+            unstored=result.unstored,
+            repair=True,
+        )
+        written = None
+        if result.deferred and behind is not None:
+            written = bridge.thread.submit(complete_state(state, result.deferred, behind, log))
+        bridge.thread.call(bridge.core.finish_repair, state, written)
+        self._settling.append((written if written is not None else state, tuple(names)))
+        log.info("state_repair_proposed", behind=written is not None)
+        if written is None:
+            self._repair_settled()
+        else:
+            self._repair_write = written
+            loop = asyncio.get_running_loop()
+            written.add_done_callback(lambda _: loop.call_soon_threadsafe(self._repair_settled))
+
+    def _repair_settled(self) -> None:
+        """A background attempt's outcome is known: settle it, and try again later if needed."""
+        self._settle_written()
+        unstored = self._own.unstored()
+        self._slog.info("state_repair_settled", unstored=sorted(unstored))
+        if unstored:
             self._schedule_repair()
 
     def _tell_missing(self, bridge: RaftBridge) -> None:

@@ -972,28 +972,29 @@ class ReplicaCore:
                 tail.set_result(None)
             self._wake_state_waiters()
 
-    def finish_repair(self, state: State, committed: concurrent.futures.Future[None]) -> None:
+    def finish_repair(self, state: State, written: concurrent.futures.Future[State] | None = None) -> None:
         """Propose a repair STATE (values stored after their cell, ``durability.apply_repair``)
         after this replica's cells still in flight, as their STATEs are ordered: what it carries
-        is newer than any of them. ``committed`` is resolved once it is, or has failed. Call on
-        the Raft thread."""
+        is newer than any of them. ``written``: the STATE to propose instead, once its values are
+        in the data store (as ``finish_cell``'s). Call on the Raft thread."""
         previous = self._finish_tail
         tail: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._finish_tail = tail
 
-        async def run() -> None:
+        async def run(state: State) -> None:
             try:
                 if previous is not None and not previous.done():
                     await asyncio.shield(previous)
+                if written is not None:
+                    state = await asyncio.wrap_future(written)
                 await self.propose(state)
             except RaftError as exc:
                 self._log.warning("repair_not_replicated", msg_id=state.msg_id, error=str(exc))
             finally:
-                _resolve_once(committed)
                 if not tail.done():
                     tail.set_result(None)
 
-        self._spawn(run())
+        self._spawn(run(state))
 
     def _vote_later(self, msg_id: str, winner: str) -> None:
         if not self.settings.propose_votes:
