@@ -27,6 +27,7 @@ from shared.config import Config, config_from_json, load_config
 from shared.logs import configure_logging
 from shared.private_files import open_private, private_dir, write_private
 from shared.raft.storage import StaleLogAfterReboot, check_boot_fence
+from shared.security import curve
 
 HISTORY_CACHE = 20
 
@@ -124,6 +125,7 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    link_curve = curve.link_curve_from_env()  # out of os.environ before any user code runs
     args = parse_args(argv)
     config: Config = config_from_json(args.config_json) if args.config_json else load_config()
     configure_logging(config.get("log.format"), config.get("log.level"), service="replica")
@@ -189,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         raft_transport=config.get("raft.transport"),
         propose_votes=os.environ.get("TANDEM_PROPOSE_VOTES", "1") != "0",
         executor_silence_s=config.get("kernel.executor_silence_s"),
+        link_curve=link_curve,
     )
     bridge = RaftBridge.start(
         kernel_id=args.kernel_id,

@@ -54,6 +54,7 @@ from kernel_replica.state_sync import ReplicatedNamespace
 from shared.raft.driver import NotRunning, PeerConfig, ProposalDropped, RaftError, RaftPeer, RaftTimeout
 from shared.raft.types import ConfChange, ConfState, Entry, RaftConfig
 from shared.rpc import RpcError, RpcTimeout
+from shared.security.curve import ClientCurve
 
 T = TypeVar("T")
 
@@ -100,6 +101,8 @@ class ReplicaSettings:
     # ``leader_transfer_every_s``: a transfer drops proposals for a moment.
     leader_follows_executor: int = 3
     leader_transfer_every_s: float = 10.0
+    # keys on the link to the local scheduler (shared/security/curve.link_env); None: plain link
+    link_curve: ClientCurve | None = None
 
 
 # ---- what the kernel is told to do with a cell ---------------------------------------------------
@@ -213,7 +216,11 @@ class ReplicaCore:
         self.peer: RaftPeer | None = None
         self._ctx = zmq.asyncio.Context()
         self.scheduler = SchedulerLink(
-            self._ctx, kernel_id=kernel_id, replica_id=replica_id, address=scheduler_address
+            self._ctx,
+            kernel_id=kernel_id,
+            replica_id=replica_id,
+            address=scheduler_address,
+            curve=settings.link_curve,
         )
         self._election_waiters: dict[str, list[asyncio.Future[Outcome]]] = {}
         # a cell's DONE, or why none can come (its executor was removed from the group)

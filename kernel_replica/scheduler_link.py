@@ -20,6 +20,7 @@ import zmq.asyncio
 from shared import messages
 from shared.envelope import Envelope
 from shared.rpc import RpcClient, RpcError, RpcTimeout
+from shared.security.curve import ClientCurve
 
 BOUND_AHEAD_KEPT = 64
 TIMINGS_FLUSH_S = 0.5  # cell_timings batches: at most this late
@@ -44,6 +45,7 @@ class SchedulerLink:
         replica_id: str,
         address: str,
         request_timeout_s: float = 10.0,
+        curve: ClientCurve | None = None,
     ) -> None:
         self.kernel_id = kernel_id
         self.replica_id = replica_id
@@ -55,6 +57,7 @@ class SchedulerLink:
             identity=f"{kernel_id}/{replica_id}/{os.getpid()}".encode(),
             on_message=self._on_message,
             name=f"replica-{replica_id}",
+            curve=curve,
         )
         self._on_configure: ConfigureHandler | None = None
         self._on_stop: StopHandler | None = None

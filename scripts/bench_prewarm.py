@@ -81,6 +81,7 @@ async def wait_ready(pool: Any, timeout: float = 120.0) -> None:
 async def bench(starts: int, imports: list[str]) -> dict[str, Any]:
     from services.global_scheduler.service import GlobalScheduler
     from services.local_scheduler.service import LocalScheduler
+    from shared.security import curve
 
     with tempfile.TemporaryDirectory(prefix="bench-prewarm-") as tmp:
         state = Path(tmp)
@@ -88,6 +89,8 @@ async def bench(starts: int, imports: list[str]) -> dict[str, Any]:
         stop = asyncio.Event()
         gs = GlobalScheduler(make_config(state, warm=False, imports=imports))
         address = gs.bind("tcp://127.0.0.1:0")
+        for host_id in ("cold-host", "warm-host"):
+            curve.issue(state / "keys", curve.host_principal(host_id))
         cold = LocalScheduler(
             make_config(state, warm=False, imports=imports), host_id="cold-host", scheduler_address=address
         )

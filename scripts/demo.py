@@ -25,14 +25,16 @@ from services.kernelspec import install  # noqa: E402
 from shared import messages  # noqa: E402
 from shared.config import load_config, parse_overrides  # noqa: E402
 from shared.logs import configure_logging  # noqa: E402
+from shared.security import curve  # noqa: E402
 
 
 class Failover:
     """Cordons the executor's host after N cells: the rest of the notebook must run elsewhere,
     with every variable intact. This is the product's promise, shown rather than told."""
 
-    def __init__(self, scheduler: str, *, after_cells: int) -> None:
+    def __init__(self, scheduler: str, *, keys_dir: str, after_cells: int) -> None:
         self.scheduler = scheduler
+        self.credentials = curve.client_curve(Path(keys_dir), curve.OPERATOR, curve.SCHEDULER)
         self.after_cells = after_cells
         self.seen = 0
         self.cordoned: str | None = None
@@ -41,7 +43,8 @@ class Failover:
         self.seen += 1
         if self.after_cells and self.seen == self.after_cells and row.get("host"):
             self.cordoned = str(row["host"])
-            await ask(self.scheduler, messages.HOST_CORDON, {"host_id": self.cordoned}, timeout=5.0)
+            body = {"host_id": self.cordoned}
+            await ask(self.scheduler, messages.HOST_CORDON, body, credentials=self.credentials, timeout=5.0)
 
     def note(self) -> None:
         if self.cordoned:
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             info = cluster.start()
             print(f"cluster up: gateway {info['gateway']}, hosts {', '.join(info['hosts'])}")
             print(f"running {args.notebook} on the 'tandem' kernel ...")
-            failover = Failover(info["scheduler"], after_cells=args.cordon_after)
+            failover = Failover(info["scheduler"], keys_dir=info["keys_dir"], after_cells=args.cordon_after)
             report = run_notebook(
                 Path(args.notebook),
                 Path(args.output) if args.output else None,

@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from services.cluster_file import ask_sync  # noqa: E402
 from shared import messages  # noqa: E402
 from shared.config import load_config  # noqa: E402
+from shared.security import curve  # noqa: E402
 from shared.simulator.engine import Simulator  # noqa: E402
 from shared.simulator.params import SimParams  # noqa: E402
 from shared.simulator.results import summarize_run  # noqa: E402
@@ -211,10 +212,13 @@ class Replay:
                     self.errors.append(f"{s.session_id}: shutdown: {exc}")
 
 
-def poll_status(scheduler: str, stop: threading.Event, replay: Replay, samples: list[dict[str, Any]]) -> None:
+def poll_status(
+    scheduler: str, keys_dir: str, stop: threading.Event, replay: Replay, samples: list[dict[str, Any]]
+) -> None:
+    credentials = curve.client_curve(Path(keys_dir), curve.OPERATOR, curve.SCHEDULER)
     while not stop.is_set():
         try:
-            status = ask_sync(scheduler, messages.CLUSTER_STATUS, {}, timeout=5.0)
+            status = ask_sync(scheduler, messages.CLUSTER_STATUS, {}, credentials=credentials, timeout=5.0)
             cluster = status.get("cluster") or {}
             hosts = status.get("hosts", [])
             samples.append({
@@ -319,7 +323,9 @@ def main() -> None:
             replay.t0 = time.monotonic()
             wall0 = time.perf_counter()
             poller = threading.Thread(
-                target=poll_status, args=(info["scheduler"], stop, replay, samples), daemon=True
+                target=poll_status,
+                args=(info["scheduler"], info["keys_dir"], stop, replay, samples),
+                daemon=True,
             )
             poller.start()
             threads = [
@@ -337,7 +343,13 @@ def main() -> None:
             wall = time.perf_counter() - wall0
             stop.set()
             poller.join(timeout=10)
-            final = ask_sync(info["scheduler"], messages.CLUSTER_STATUS, {}, timeout=10.0)
+            final = ask_sync(
+                info["scheduler"],
+                messages.CLUSTER_STATUS,
+                {},
+                credentials=curve.client_curve(Path(info["keys_dir"]), curve.OPERATOR, curve.SCHEDULER),
+                timeout=10.0,
+            )
         finally:
             stop_cluster(proc)
     live = live_numbers(trace, replay, samples, final, window_s, wall)

@@ -18,7 +18,9 @@ from typing import Any
 from services.cluster_file import ClusterNotRunning, ask_sync, read_cluster
 from shared import messages
 from shared.config import Config, ConfigError, load_config, parse_overrides
+from shared.messages import id_problem
 from shared.rpc import RpcError, RpcTimeout
+from shared.security import curve
 from shared.simulator.cli import add_sim_command, cmd_sim
 
 # flag dest -> configuration key
@@ -94,6 +96,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-o", "--output", help="write the executed notebook here")
     run.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds")
 
+    keys = sub.add_parser(
+        "keys", help="the cluster's CurveZMQ keys (node deployments; `tandem up` makes its own)"
+    )
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    for name, text in (
+        ("init", "create the scheduler's, gateway's and operator's keys (idempotent)"),
+        ("host", "issue the key of each HOST (copy host.HOST.key_secret and scheduler.key to it)"),
+        (
+            "rotate",
+            "replace the keys of NAME (scheduler, gateway, operator, host.HOST): restart what uses them",
+        ),
+        ("list", "the principals that have keys, and which have their secret here"),
+    ):
+        p = keys_sub.add_parser(name, help=text)
+        common(p)
+        p.add_argument("--keys-dir", help="default: security.keys_dir, else <state_dir>/keys")
+        if name == "host":
+            p.add_argument("host_ids", metavar="HOST", nargs="+")
+        if name == "rotate":
+            p.add_argument("names", metavar="NAME", nargs="+")
+
     ks = sub.add_parser("kernelspec", help="manage the 'tandem' kernelspec")
     ks_sub = ks.add_subparsers(dest="kernelspec_command", required=True)
     install = ks_sub.add_parser("install", help="install the 'Tandem (replicated)' kernelspec")
@@ -159,12 +182,16 @@ def cmd_up(args: argparse.Namespace, cfg: Config) -> int:
     return run_foreground(cluster, on_ready=announce)
 
 
-def _scheduler(args: argparse.Namespace, cfg: Config) -> str:
-    return read_cluster(state_dir_of(args, cfg)).scheduler
+def _ask_scheduler(
+    args: argparse.Namespace, cfg: Config, msg_type: str, body: dict[str, Any], *, timeout: float
+) -> dict[str, Any]:
+    cluster = read_cluster(state_dir_of(args, cfg))
+    credentials = cluster.operator_curve(curve.SCHEDULER)
+    return ask_sync(cluster.scheduler, msg_type, body, credentials=credentials, timeout=timeout)
 
 
 def cmd_status(args: argparse.Namespace, cfg: Config) -> int:
-    status = ask_sync(_scheduler(args, cfg), messages.CLUSTER_STATUS, {}, timeout=5.0)
+    status = _ask_scheduler(args, cfg, messages.CLUSTER_STATUS, {}, timeout=5.0)
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True, default=str))
         return 0
@@ -223,7 +250,7 @@ def render_status(status: dict[str, Any]) -> None:
 
 def cmd_replica(args: argparse.Namespace, cfg: Config) -> int:
     body = {"kernel_id": args.kernel_id, "replica_id": args.replica_id}
-    kernel = ask_sync(_scheduler(args, cfg), messages.REPLICA_RESTART, body, timeout=args.timeout)
+    kernel = _ask_scheduler(args, cfg, messages.REPLICA_RESTART, body, timeout=args.timeout)
     pid = next((r.get("pid") for r in kernel.get("replicas", []) if r.get("id") == args.replica_id), None)
     print(f"{args.kernel_id}/{args.replica_id}: restarted (pid {pid})")
     return 0
@@ -262,8 +289,8 @@ def _migrations(kernel: dict[str, Any]) -> str:
 
 def cmd_host(args: argparse.Namespace, cfg: Config) -> int:
     if args.host_command == "drain":
-        outcome = ask_sync(
-            _scheduler(args, cfg), messages.HOST_DRAIN, {"host_id": args.host_id}, timeout=args.timeout
+        outcome = _ask_scheduler(
+            args, cfg, messages.HOST_DRAIN, {"host_id": args.host_id}, timeout=args.timeout
         )
         for move in outcome.get("moved", []):
             print(f"{move['kernel']}/{move['replica']} -> {move['to']}")
@@ -274,7 +301,7 @@ def cmd_host(args: argparse.Namespace, cfg: Config) -> int:
         print(f"{args.host_id}: drained, {outcome.get('replicas_left', 0)} replicas left")
         return 1 if outcome.get("failed") else 0
     msg_type = messages.HOST_CORDON if args.host_command == "cordon" else messages.HOST_UNCORDON
-    ask_sync(_scheduler(args, cfg), msg_type, {"host_id": args.host_id}, timeout=5.0)
+    _ask_scheduler(args, cfg, msg_type, {"host_id": args.host_id}, timeout=5.0)
     print(f"{args.host_id}: {args.host_command}ed")
     return 0
 
@@ -358,6 +385,33 @@ def print_report(report: dict[str, Any]) -> None:
         console.print(f"[red]failed:[/red] {report['error']}")
 
 
+def cmd_keys(args: argparse.Namespace, cfg: Config) -> int:
+    if args.keys_dir:
+        keys_dir = Path(os.path.expanduser(args.keys_dir)).resolve()
+    elif cfg.get("security.keys_dir"):
+        keys_dir = cfg.keys_dir()
+    else:
+        keys_dir = state_dir_of(args, cfg) / "keys"
+    if args.keys_command == "init":
+        curve.ensure_cluster_keys(keys_dir)
+        print(f"cluster keys in {keys_dir}")
+    elif args.keys_command == "host":
+        for host_id in args.host_ids:
+            problem = id_problem("host id", host_id)
+            if problem:
+                raise ConfigError(problem)
+            curve.issue(keys_dir, curve.host_principal(host_id))
+            print(f"{keys_dir / curve.host_principal(host_id)}.key_secret: copy to host {host_id}")
+    elif args.keys_command == "rotate":
+        for name in args.names:
+            curve.rotate(keys_dir, name)
+            print(f"{name}: new keys in {keys_dir}; restart the services that use them")
+    else:
+        for name, has_secret in curve.principals(keys_dir):
+            print(f"{name}\t{'secret+public' if has_secret else 'public only'}")
+    return 0
+
+
 def cmd_kernelspec(args: argparse.Namespace, _cfg: Config) -> int:
     from services.kernelspec import install
 
@@ -374,6 +428,7 @@ COMMANDS = {
     "replica": cmd_replica,
     "run": cmd_run,
     "kernelspec": cmd_kernelspec,
+    "keys": cmd_keys,
     "sim": cmd_sim,
 }
 
@@ -383,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         return COMMANDS[args.command](args, cfg)
-    except (ConfigError, ClusterNotRunning) as exc:
+    except (ConfigError, ClusterNotRunning, curve.KeyError_) as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
     except RpcError as exc:

@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from shared.envelope import Envelope
 from shared.rpc import RpcClient
+from shared.security import curve
 
 CLUSTER_FILE = "cluster.json"
 
@@ -33,6 +34,23 @@ class ClusterInfo:
     pid: int
     path: Path
     raw: dict[str, Any]
+
+    @property
+    def keys_dir(self) -> Path | None:
+        """Where the cluster's keys are: ``cluster.json`` names it, or beside it. None for a
+        cluster from before keys (no ``keys_dir`` and no ``keys/``): it is spoken to in the clear,
+        which only a server that requires no keys accepts."""
+        named = self.raw.get("keys_dir")
+        if named:
+            return Path(str(named))
+        beside = self.path.parent / "keys"
+        return beside if beside.exists() else None
+
+    def operator_curve(self, server: str) -> curve.ClientCurve | None:
+        """The operator's credentials towards ``server`` (``curve.GATEWAY`` or ``curve.SCHEDULER``):
+        whoever can read the 0600 key files of this cluster may operate it, nobody else."""
+        keys_dir = self.keys_dir
+        return None if keys_dir is None else curve.client_curve(keys_dir, curve.OPERATOR, server)
 
 
 def state_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
@@ -79,9 +97,18 @@ def _context() -> zmq.asyncio.Context:
     return _shared_ctx
 
 
-async def ask(address: str, msg_type: str, body: dict[str, Any], *, timeout: float = 10.0) -> dict[str, Any]:
-    """One request to a ROUTER service; returns the reply body, raises RpcError / RpcTimeout."""
-    client = RpcClient(_context(), name=f"ask-{msg_type}")
+async def ask(
+    address: str,
+    msg_type: str,
+    body: dict[str, Any],
+    *,
+    credentials: curve.ClientCurve | None,
+    timeout: float = 10.0,
+) -> dict[str, Any]:
+    """One request to a ROUTER service; returns the reply body, raises RpcError / RpcTimeout.
+    ``credentials``: the operator's keys (``ClusterInfo.operator_curve``); a service refuses a
+    client without them, which then sees only the timeout."""
+    client = RpcClient(_context(), name=f"ask-{msg_type}", curve=credentials)
     client.connect(address)
     try:
         answer = await client.request(Envelope(msg_type, body), timeout=timeout)
@@ -90,6 +117,13 @@ async def ask(address: str, msg_type: str, body: dict[str, Any], *, timeout: flo
     return answer.body
 
 
-def ask_sync(address: str, msg_type: str, body: dict[str, Any], *, timeout: float = 10.0) -> dict[str, Any]:
+def ask_sync(
+    address: str,
+    msg_type: str,
+    body: dict[str, Any],
+    *,
+    credentials: curve.ClientCurve | None,
+    timeout: float = 10.0,
+) -> dict[str, Any]:
     """``ask`` for synchronous callers (the CLI)."""
-    return asyncio.run(ask(address, msg_type, body, timeout=timeout))
+    return asyncio.run(ask(address, msg_type, body, credentials=credentials, timeout=timeout))

@@ -31,8 +31,9 @@ import structlog
 from services.cluster_file import CLUSTER_FILE, ClusterNotRunning, ask_sync, pid_alive, read_cluster
 from shared import messages
 from shared.config import Config
-from shared.private_files import open_private_file, private_dir, write_private
+from shared.private_files import open_private_file, private_dir
 from shared.rpc import RpcError, RpcTimeout
+from shared.security import curve
 
 log = structlog.get_logger("embedded")
 
@@ -129,13 +130,18 @@ class EmbeddedCluster:
         self.scheduler_address = ""
         self.gateway_address = ""
         self.cluster_file = state_dir / CLUSTER_FILE
+        self.keys_dir = cfg.keys_dir() if cfg.get("security.keys_dir") else state_dir / "keys"
 
     # ---- start -----------------------------------------------------------------------------
 
     def start(self) -> dict[str, Any]:
         """Bring every service up and write cluster.json; on any failure stop what started."""
-        private_dir(self.state_dir)  # the notebooks' state: the Raft WALs, the data store, logs
-        private_dir(self.log_dir)
+        # namespaces (Raft WAL, data store), history and logs live below: this user's only. An
+        # existing directory is the operator's: told about, not changed.
+        private_dir(self.state_dir, tighten=False)
+        if self.state_dir.stat().st_mode & 0o077:
+            log.warning("state_dir_readable_by_others", state_dir=str(self.state_dir), hint="chmod 700 it")
+        private_dir(self.log_dir, tighten=False)
         with contextlib.suppress(ClusterNotRunning):
             running = read_cluster(self.state_dir)
             raise ClusterStartError(
@@ -161,6 +167,10 @@ class EmbeddedCluster:
 
     def _start(self) -> dict[str, Any]:
         config_json = self._child_config()
+        # `tandem up` is the operator of its own cluster: it issues every key (shared/security)
+        curve.ensure_cluster_keys(self.keys_dir)
+        for index in range(self.hosts):
+            curve.issue(self.keys_dir, curve.host_principal(f"host-{index}"))
         log_format = ["--log-format", self.cfg.get("log.format")]
         deadline = time.monotonic() + float(self.cfg.get("embedded.ready_timeout_s"))
         # The scheduler binds a port the OS picks at bind time and announces it; a port chosen here
@@ -199,13 +209,12 @@ class EmbeddedCluster:
             "pid": os.getpid(),
             "hosts": hosts,
             "state_dir": str(self.state_dir),
+            "keys_dir": str(self.keys_dir),
             "log_dir": str(self.log_dir),
             "processes": {c.name: c.process.pid for c in self.children if c.process is not None},
             "started_at": time.time(),
         }
-        tmp = self.cluster_file.with_suffix(".tmp")
-        write_private(tmp, json.dumps(info, indent=2))
-        os.replace(tmp, self.cluster_file)
+        self._write_cluster_file(info)
         log.info(
             "cluster_ready", gateway=self.gateway_address, scheduler=self.scheduler_address, hosts=len(hosts)
         )
@@ -280,7 +289,13 @@ class EmbeddedCluster:
         while time.monotonic() < deadline:
             self._check_children()
             try:
-                status = ask_sync(self.scheduler_address, messages.CLUSTER_STATUS, {}, timeout=1.0)
+                status = ask_sync(
+                    self.scheduler_address,
+                    messages.CLUSTER_STATUS,
+                    {},
+                    credentials=curve.client_curve(self.keys_dir, curve.OPERATOR, curve.SCHEDULER),
+                    timeout=1.0,
+                )
             except (RpcTimeout, RpcError):
                 time.sleep(0.1)
                 continue
@@ -312,9 +327,7 @@ class EmbeddedCluster:
         with contextlib.suppress(OSError, ValueError):
             info = json.loads(self.cluster_file.read_text())
             info["processes"]["global-scheduler"] = child.process.pid if child.process else None
-            tmp = self.cluster_file.with_suffix(".tmp")
-            write_private(tmp, json.dumps(info, indent=2))
-            os.replace(tmp, self.cluster_file)
+            self._write_cluster_file(info)
         log.warning("scheduler_restarted", pid=child.process.pid if child.process else None)
 
     def restart_gateway(self, timeout: float = 30.0) -> None:
@@ -356,9 +369,16 @@ class EmbeddedCluster:
         with contextlib.suppress(OSError, ValueError):
             info = json.loads(self.cluster_file.read_text())
             info["processes"][name] = child.process.pid if child.process else None
-            tmp = self.cluster_file.with_suffix(".tmp")
-            write_private(tmp, json.dumps(info, indent=2))
-            os.replace(tmp, self.cluster_file)
+            self._write_cluster_file(info)
+
+    def _write_cluster_file(self, info: dict[str, Any]) -> None:
+        """Atomically, and readable by this user only: it says where the keys are."""
+        tmp = self.cluster_file.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(info, indent=2))
+        os.chmod(tmp, 0o600)  # an older file of that name may have had another mode
+        os.replace(tmp, self.cluster_file)
 
     def failed_critical(self) -> Child | None:
         """A critical service that died on its own (the cluster cannot go on without it)."""

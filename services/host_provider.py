@@ -28,7 +28,8 @@ from typing import Protocol
 import structlog
 
 from shared.config import Config
-from shared.private_files import private_dir, write_private
+from shared.private_files import open_private_file, private_dir, write_private
+from shared.security import curve
 
 log = structlog.get_logger("host_provider")
 
@@ -94,8 +95,11 @@ class LocalProcessHostProvider:
         python: str | None = None,
         log_format: str = "json",
         on_exit: HostExited | None = None,
+        keys_dir: Path | None = None,
     ) -> None:
+        """``keys_dir``: where to issue each new host's key (the operator here is ``tandem up``)."""
         self.scheduler_address = scheduler_address
+        self.keys_dir = keys_dir
         self.config_json = config_json
         self.log_dir = log_dir
         self.hosts_file = hosts_file
@@ -124,6 +128,7 @@ class LocalProcessHostProvider:
             hosts_file=cfg.state_dir() / hosts_file_name(scheduler_address),
             log_format=str(cfg.get("log.format")),
             on_exit=on_exit,
+            keys_dir=cfg.keys_dir(),
         )
 
     def owns(self, host_id: str) -> bool:
@@ -169,6 +174,8 @@ class LocalProcessHostProvider:
         for _ in range(count):
             host_id = f"host-{self._next_index}"
             self._next_index += 1
+            if self.keys_dir is not None:
+                curve.issue(self.keys_dir, curve.host_principal(host_id))
             argv = [
                 self.python, "-m", "services.local_scheduler", "--host-id", host_id,
                 "--scheduler", self.scheduler_address, "--config-json", self.config_json,
@@ -177,7 +184,7 @@ class LocalProcessHostProvider:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             repo_root = str(Path(__file__).resolve().parents[1])
             env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
-            with open(self.log_dir / f"{host_id}.log", "ab") as out:
+            with open_private_file(self.log_dir / f"{host_id}.log", "ab") as out:
                 process = await asyncio.create_subprocess_exec(
                     *argv,
                     stdin=asyncio.subprocess.DEVNULL,

@@ -22,6 +22,7 @@ import contextlib
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
@@ -32,6 +33,7 @@ from services.cluster_file import ClusterNotRunning, ask, pid_alive, read_cluste
 from shared import messages
 from shared.resources import Resources
 from shared.rpc import RpcError, RpcTimeout
+from shared.security import curve
 
 RESOURCE_ENV = {
     "gpus": "TANDEM_GPUS",
@@ -87,6 +89,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
     _launched: bool = False
     _exit_code: int | None = None
     _gateway: str = ""
+    _keys_dir: str = ""
     _cluster_pid: int = 0
     _unanswered_polls: int = 0
     _resources: dict[str, Any] = {}
@@ -114,6 +117,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         except TandemConfigError as exc:
             raise RuntimeError(f"Tandem kernel: {exc}") from None
         self._gateway = cluster.gateway
+        self._keys_dir = str(cluster.keys_dir or "")  # "": a cluster from before keys
         self._cluster_pid = cluster.pid
         kwargs.pop("extra_arguments", None)
         kwargs = await super().pre_launch(**kwargs)
@@ -132,7 +136,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         }
         self.log.info("Tandem: starting distributed kernel %s with %s", self.kernel_id, self._resources)
         try:
-            info = await ask(self._gateway, messages.KERNEL_START, body, timeout=self.start_timeout)
+            info = await self._ask(messages.KERNEL_START, body, timeout=self.start_timeout)
         except RpcError as exc:
             raise RuntimeError(f"Tandem could not start kernel {self.kernel_id}: {exc.reason}") from None
         except RpcTimeout:
@@ -157,6 +161,15 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         }
         return self.connection_info
 
+    async def _ask(self, msg_type: str, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+        """One request to the gateway, with the operator's key read from the cluster's 0600 files."""
+        credentials = (
+            curve.client_curve(Path(self._keys_dir), curve.OPERATOR, curve.GATEWAY)
+            if self._keys_dir
+            else None
+        )
+        return await ask(self._gateway, msg_type, body, credentials=credentials, timeout=timeout)
+
     # ---- process-like surface --------------------------------------------------------------
 
     async def poll(self) -> int | None:
@@ -167,9 +180,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         if self._cluster_pid and not pid_alive(self._cluster_pid):
             return self._died("the Tandem cluster (`tandem up`) is no longer running")
         try:
-            status = await ask(
-                self._gateway, messages.KERNEL_STATUS, {"kernel_id": self.kernel_id}, timeout=3.0
-            )
+            status = await self._ask(messages.KERNEL_STATUS, {"kernel_id": self.kernel_id}, timeout=3.0)
         except RpcTimeout:
             self._unanswered_polls += 1
             if self._unanswered_polls >= UNREACHABLE_POLLS_BEFORE_DEAD:
@@ -208,9 +219,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             return
         if signum == signal.SIGINT:
             try:
-                await ask(
-                    self._gateway, messages.KERNEL_INTERRUPT, {"kernel_id": self.kernel_id}, timeout=5.0
-                )
+                await self._ask(messages.KERNEL_INTERRUPT, {"kernel_id": self.kernel_id}, timeout=5.0)
             except (RpcError, RpcTimeout) as exc:
                 self.log.warning("Tandem: interrupt of %s failed: %s", self.kernel_id, exc)
         elif signum in (signal.SIGTERM, signal.SIGKILL):
@@ -235,15 +244,14 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             # Releases the gateway's sockets if only a restart-shutdown happened; an error means
             # already forgotten or the cluster is gone: nothing left to release either way.
             with contextlib.suppress(RpcError, RpcTimeout):
-                await ask(self._gateway, messages.KERNEL_SHUTDOWN, {"kernel_id": self.kernel_id}, timeout=5.0)
+                await self._ask(messages.KERNEL_SHUTDOWN, {"kernel_id": self.kernel_id}, timeout=5.0)
         self._launched = False
 
     async def _shutdown(self, *, restart: bool) -> None:
         if not self._gateway or self._exit_code == STOPPED_EXIT_CODE:
             return
         try:
-            await ask(
-                self._gateway,
+            await self._ask(
                 messages.KERNEL_SHUTDOWN,
                 {"kernel_id": self.kernel_id, "restart": restart},
                 timeout=15.0,
@@ -258,12 +266,18 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
 
     async def get_provisioner_info(self) -> dict[str, Any]:
         info = await super().get_provisioner_info()
-        info.update(gateway=self._gateway, cluster_pid=self._cluster_pid, resources=self._resources)
+        info.update(
+            gateway=self._gateway,
+            keys_dir=self._keys_dir,
+            cluster_pid=self._cluster_pid,
+            resources=self._resources,
+        )
         return info
 
     async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
         await super().load_provisioner_info(provisioner_info)
         self._gateway = provisioner_info.get("gateway", "")
+        self._keys_dir = provisioner_info.get("keys_dir", "")
         self._cluster_pid = int(provisioner_info.get("cluster_pid", 0))
         self._resources = dict(provisioner_info.get("resources", {}))
         self._launched = True

@@ -122,6 +122,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "status_poll_interval_s": 2.0,  # how often the liveness seen by heartbeats is refreshed
         "scheduler_address": "",  # empty: the one written in cluster.json / passed by `tandem up`
     },
+    "security": {
+        # The cluster's keys (shared/security): CurveZMQ keypairs of the scheduler, gateway,
+        # operator and each host. Empty: <state_dir>/keys, created by `tandem up` or `tandem keys`.
+        "keys_dir": "",
+    },
     "embedded": {
         "virtual_gpus": True,  # hosts of `tandem up` declare host.gpus virtual GPUs, not NVML's
         "ready_timeout_s": 60.0,  # until every host has registered
@@ -235,6 +240,10 @@ class Config:
 
     def state_dir(self) -> Path:
         return Path(os.path.expanduser(os.environ.get("TANDEM_STATE_DIR") or self.get("cluster.state_dir")))
+
+    def keys_dir(self) -> Path:
+        explicit = self.get("security.keys_dir")
+        return Path(os.path.expanduser(explicit)) if explicit else self.state_dir() / "keys"
 
 
 def _split(dotted: str, source: str) -> tuple[str, str]:

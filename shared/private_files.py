@@ -21,9 +21,11 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 
 
-def private_dir(path: str | os.PathLike[str]) -> Path:
-    """``mkdir -p`` whose every created directory is 0700; an existing ``path`` owned by this
-    user is made 0700 too (its sticky bit kept). Parents that existed are left as they are."""
+def private_dir(path: str | os.PathLike[str], *, tighten: bool = True) -> Path:
+    """``mkdir -p`` whose every created directory is 0700. ``tighten``: an existing ``path``
+    owned by this user loses its group and other bits too (its sticky bit kept); not for a
+    directory the operator named, such as the state dir. Parents that existed are left as
+    they are."""
     path = Path(path)
     missing: list[Path] = []
     current = path
@@ -35,7 +37,8 @@ def private_dir(path: str | os.PathLike[str]) -> Path:
     for directory in reversed(missing):
         with contextlib.suppress(FileExistsError):  # made meanwhile by another process
             directory.mkdir(mode=DIR_MODE)
-    _tighten(path, DIR_MODE)
+    if tighten:
+        _tighten(path, DIR_MODE)
     return path
 
 

@@ -18,21 +18,36 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from shared import messages
 from shared.envelope import Envelope, EnvelopeError, decode
+from shared.security.curve import ClientCurve, ServerCurve
 from shared.zmq_drain import DrainingSocket
 
 log = structlog.get_logger("rpc")
 
+# handshakes a CURVE server refuses before its ZAP handler is asked (ZAP logs its own refusals)
+_MECHANISM_MISMATCH = 0x11000002  # ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+_HANDSHAKE_FAILURES_EXPLAINED = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed: the peer broke it off (as a client without a cluster key does)",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed: protocol error",
+}
+# a peer that keeps reconnecting is logged once per interval, with how many were not logged
+_REFUSAL_LOG_INTERVAL_S = 1.0
+_HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
 HandlerResult = Envelope | None | Awaitable[Envelope | None]
 ServerHandler = Callable[[bytes, Envelope], HandlerResult]
 ClientHandler = Callable[[Envelope], HandlerResult]
+# (principal the peer's key was issued to, its routing identity, the message) -> why it is refused
+Authorizer = Callable[[str, bytes, Envelope], str | None]
 
 
 class RpcError(RuntimeError):
@@ -102,12 +117,28 @@ class RpcServer:
     """A ROUTER socket that validates, dispatches and answers envelopes."""
 
     def __init__(
-        self, ctx: zmq.Context[Any], handler: ServerHandler, *, name: str, mandatory: bool = False
+        self,
+        ctx: zmq.Context[Any],
+        handler: ServerHandler,
+        *,
+        name: str,
+        mandatory: bool = False,
+        curve: ServerCurve | None = None,
+        authorize: Authorizer | None = None,
     ) -> None:
         """``mandatory``: a push to a peer not connected now fails (``send`` returns False)
-        instead of vanishing, for a caller that keeps what it could not deliver."""
+        instead of vanishing, for a caller that keeps what it could not deliver.
+
+        ``curve``: only clients whose keys the context's ``CurveAuthority`` admits to the
+        domain can connect; ``authorize`` then sees each message with the principal its
+        connection proved, and a reason it returns refuses the message (``unauthorized``) before
+        any handler runs."""
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
         _configure(self._sock)
+        if curve is not None:
+            curve.apply(self._sock)
+        self._authorize = authorize
+        self.refused = 0
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1 if mandatory else 0)
         # A peer that restarts (a gateway, a local scheduler) connects again under its identity
         # while its old connection may not be seen as closed yet (a crashed machine sends no FIN):
@@ -116,8 +147,44 @@ class RpcServer:
         self._handler = handler
         self._log = log.bind(server=name)
         self._dispatch = _Dispatcher()
-        self._channel = DrainingSocket(self._sock, self._on_frames, name=name, logger=self._log)
+        self._monitor: DrainingSocket | None = None
+        self.refused_handshakes = 0
+        self._refusal_logged_at: dict[str, float] = {}  # per reason
+        self._refusals_unlogged: dict[str, int] = {}
+        if curve is not None:
+            self._channel = DrainingSocket(
+                self._sock, None, on_authenticated=self._on_frames, name=name, logger=self._log
+            )
+            # a client with a key the cluster did not issue is refused (and logged) by ZAP; one
+            # with no key or no CURVE at all fails the handshake before ZAP: the monitor logs it
+            address = f"inproc://rpc-monitor-{id(self._sock):x}"
+            self._sock.monitor(address, _HANDSHAKE_FAILURES)
+            monitor: zmq.Socket[bytes] = ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
+            monitor.connect(address)
+            self._monitor = DrainingSocket(monitor, self._on_monitor_event, name=f"{name}.monitor")
+        else:
+            self._channel = DrainingSocket(self._sock, self._on_frames, name=name, logger=self._log)
         self.address = ""
+
+    def _on_monitor_event(self, frames: list[bytes]) -> None:
+        event = parse_monitor_message(frames)
+        self.refused_handshakes += 1
+        if event["value"] == _MECHANISM_MISMATCH:
+            reason = "handshake failed: the peer holds no cluster key (it is not a CURVE client)"
+        else:
+            reason = _HANDSHAKE_FAILURES_EXPLAINED.get(event["event"], "handshake failed")
+        now = time.monotonic()
+        if now - self._refusal_logged_at.get(reason, -_REFUSAL_LOG_INTERVAL_S) < _REFUSAL_LOG_INTERVAL_S:
+            self._refusals_unlogged[reason] = self._refusals_unlogged.get(reason, 0) + 1
+            return
+        self._refusal_logged_at[reason] = now
+        self._log.warning(
+            "peer_refused",
+            reason=reason,
+            endpoint=bytes(event["endpoint"]).decode(errors="replace"),
+            detail=event["value"],
+            not_logged_since=self._refusals_unlogged.pop(reason, 0),
+        )
 
     def bind(self, address: str) -> str:
         """Bind (``tcp://127.0.0.1:0`` picks a free port) and return the real address."""
@@ -133,6 +200,8 @@ class RpcServer:
     def start(self) -> None:
         """Start receiving (needs the running loop); messages queued before now are delivered."""
         self._channel.start()
+        if self._monitor is not None:
+            self._monitor.start()
 
     def send(self, identity: bytes, env: Envelope) -> bool:
         """Push to a connected peer; never blocks (the peer may be gone: then it is dropped).
@@ -144,8 +213,8 @@ class RpcServer:
             return False
         return True
 
-    def _on_frames(self, frames: list[bytes]) -> None:
-        """One inbound message: validate, then dispatch or answer with an ``error``."""
+    def _on_frames(self, frames: list[bytes], principal: str = "") -> None:
+        """One inbound message: validate, authorise, then dispatch or answer with an ``error``."""
         if len(frames) != 2:
             self._log.warning("malformed_frames", count=len(frames))
             if len(frames) > 2:
@@ -159,6 +228,15 @@ class RpcServer:
             bad = Envelope(messages.ERROR, {"reason": str(exc), "code": "bad_message"}, id=_error_id(payload))
             self.send(identity, bad)
             return
+        if self._authorize is not None:
+            refusal = self._authorize(principal, identity, env)
+            if refusal is not None:
+                self.refused += 1
+                self._log.warning(
+                    "unauthorized", principal=principal or "anonymous", type=env.type, reason=refusal
+                )
+                self.send(identity, env.error(refusal, code="unauthorized"))
+                return
         self._run(identity, env)
 
     def _run(self, identity: bytes, env: Envelope) -> None:
@@ -184,6 +262,9 @@ class RpcServer:
         """Stop receiving, cancel running handlers, close the socket (pending sends are dropped)."""
         self._channel.stop()
         await self._dispatch.cancel_all()
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close()
         self._sock.close(linger=0)
 
 
@@ -197,9 +278,14 @@ class RpcClient:
         identity: bytes | None = None,
         on_message: ClientHandler | None = None,
         name: str = "client",
+        curve: ClientCurve | None = None,
     ) -> None:
+        """``curve``: this client's keys and the server's public key (a CURVE server refuses a
+        client without them: the handshake fails and requests time out)."""
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
         _configure(self._sock)
+        if curve is not None:
+            curve.apply(self._sock)
         if identity is not None:
             self._sock.setsockopt(zmq.IDENTITY, identity)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -325,10 +411,16 @@ class OutboundRequests:
             raise RpcError(str(answer.body.get("reason")), str(answer.body.get("code", "error")))
         return answer
 
-    def on_answer(self, env: Envelope) -> bool:
-        """Feed a ``reply``/``error`` received by the server; False if nobody waits for it."""
+    def on_answer(self, env: Envelope, identity: bytes | None = None) -> bool:
+        """Feed a ``reply``/``error`` received by the server from ``identity``; False if nobody
+        waits for it, or if it came from another peer than the one asked (never a forged answer)."""
         fut = self._pending.get(env.id)
         if fut is None or fut.done():
+            return False
+        if identity is not None and self._peer_of.get(env.id) != identity:
+            log.warning(
+                "answer_from_wrong_peer", request_id=env.id, peer=identity, asked=self._peer_of.get(env.id)
+            )
             return False
         fut.set_result(env)
         return True

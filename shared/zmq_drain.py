@@ -29,6 +29,8 @@ import zmq
 import zmq.asyncio
 
 MessageHandler = Callable[[list[bytes]], None]
+# For a CURVE server: the message and the principal its connection authenticated as (ZAP User-Id)
+AuthenticatedHandler = Callable[[list[bytes], str], None]
 
 # Most messages handed over per wake-up before yielding to the rest of the loop for one turn.
 DEFAULT_MAX_BATCH = 1_024
@@ -61,24 +63,30 @@ class DrainingSocket:
     from it is logged and the next message is delivered (one odd message never kills a channel).
     ``on_drained`` (optional) runs once after each wake-up that delivered at least one message, for
     callers that want to act on a batch (Raft steps all of them and writes once).
+    ``on_authenticated`` (instead of ``on_message``) also gets each message's ZAP User-Id, for a
+    server that authorises by who the peer proved to be rather than by what it says.
     """
 
     def __init__(
         self,
         sock: zmq.Socket[bytes],
-        on_message: MessageHandler,
+        on_message: MessageHandler | None,
         *,
         name: str,
+        on_authenticated: AuthenticatedHandler | None = None,
         on_drained: Callable[[], None] | None = None,
         max_batch: int = DEFAULT_MAX_BATCH,
         logger: Any = None,
     ) -> None:
         if isinstance(sock, zmq.asyncio.Socket):  # its sends return Futures nobody would await
             raise TypeError(f"{name}: DrainingSocket needs a plain zmq.Socket, not a zmq.asyncio one")
+        if (on_message is None) == (on_authenticated is None):
+            raise ValueError(f"{name}: give exactly one of on_message and on_authenticated")
         if max_batch < 1:
             raise ValueError(f"{name}: max_batch must be at least 1, got {max_batch}")
         self._sock = sock
         self._on_message = on_message
+        self._on_authenticated = on_authenticated
         self._on_drained = on_drained
         self._max_batch = max_batch
         self._log = (logger if logger is not None else log).bind(socket=name)
@@ -169,12 +177,18 @@ class DrainingSocket:
             return
         sock = self._sock
         on_message = self._on_message
+        on_authenticated = self._on_authenticated
         delivered = 0
         self._draining = True
         try:
             while delivered < self._max_batch:
                 try:
-                    frames = sock.recv_multipart(_NOBLOCK)
+                    if on_authenticated is None:
+                        frames = sock.recv_multipart(_NOBLOCK)
+                    else:
+                        parts = sock.recv_multipart(_NOBLOCK, copy=False)
+                        user = parts[-1].get("User-Id") or ""
+                        frames = [part.bytes for part in parts]
                 except zmq.Again:
                     break
                 except zmq.ZMQError as exc:
@@ -182,7 +196,10 @@ class DrainingSocket:
                     break
                 delivered += 1
                 try:
-                    on_message(frames)
+                    if on_authenticated is None:
+                        on_message(frames)  # type: ignore[misc]
+                    else:
+                        on_authenticated(frames, user)
                 except Exception:
                     self._log.exception("zmq_drain.handler_failed", frames=len(frames))
                 if self._closed:  # the handler closed us

@@ -23,7 +23,9 @@ from typing import Any
 
 import pytest
 
+from services.cluster_file import ask_sync
 from services.embedded import die_with_parent
+from shared.security import curve
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED_MODULES = (
@@ -57,6 +59,33 @@ class ClusterHandle:
     @property
     def scheduler(self) -> str:
         return str(self.info["scheduler"])
+
+    def ask_scheduler(self, msg_type: str, body: dict[str, Any], *, timeout: float = 10.0) -> dict[str, Any]:
+        """One request to the global scheduler, as the cluster's operator."""
+        credentials = curve.client_curve(self.state_dir / "keys", curve.OPERATOR, curve.SCHEDULER)
+        return ask_sync(self.scheduler, msg_type, body, credentials=credentials, timeout=timeout)
+
+    def ask_gateway(self, msg_type: str, body: dict[str, Any], *, timeout: float = 10.0) -> dict[str, Any]:
+        """One request to the gateway's lifecycle API, as the cluster's operator."""
+        credentials = curve.client_curve(self.state_dir / "keys", curve.OPERATOR, curve.GATEWAY)
+        return ask_sync(self.gateway, msg_type, body, credentials=credentials, timeout=timeout)
+
+    def dealer(
+        self, service: str, principal: str | None = curve.OPERATOR, *, identity: bytes | None = None
+    ) -> Any:
+        """A raw DEALER on ``service`` ("gateway" or "global-scheduler") holding ``principal``'s
+        key, or no key at all (``None``): for tests that send what no well-behaved client would."""
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if identity is not None:
+            sock.setsockopt(zmq.ROUTING_ID, identity)
+        server = curve.GATEWAY if service == "gateway" else curve.SCHEDULER
+        if principal is not None:
+            curve.client_curve(self.state_dir / "keys", principal, server).apply(sock)
+        sock.connect(self.gateway if service == "gateway" else self.scheduler)
+        return sock
 
     def log_text(self, service: str) -> str:
         path = self.log_dir / f"{service}.log"

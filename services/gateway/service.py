@@ -30,6 +30,8 @@ from shared.config import Config
 from shared.envelope import Envelope
 from shared.jupyter_wire import WireError, json_part
 from shared.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
+from shared.security import curve
+from shared.security.authorization import gateway_refusal
 
 log = structlog.get_logger("gateway")
 
@@ -61,9 +63,27 @@ class Gateway:
         self._request_timeout: float = cfg.get("scheduler.request_timeout_s")
         self._poll_interval: float = cfg.get("gateway.status_poll_interval_s")
         self._scheduler_address = scheduler_address
-        self.api = RpcServer(ctx, self._on_api, name="gateway-api")
+        keys_dir = cfg.keys_dir()
+        api_curve = curve.server_curve(keys_dir, curve.GATEWAY)
+        scheduler_curve = curve.client_curve(keys_dir, curve.GATEWAY, curve.SCHEDULER)
+        # the lifecycle API admits only the operator's key (the CLI, the Jupyter provisioner)
+        self._authority: curve.CurveAuthority | None = curve.CurveAuthority.acquire(ctx)
+        self._authority.serve(
+            curve.GATEWAY, curve.PeerDirectory(keys_dir, exclude=(curve.SCHEDULER, curve.GATEWAY))
+        )
+        self.api = RpcServer(
+            ctx,
+            self._on_api,
+            name="gateway-api",
+            curve=api_curve,
+            authorize=lambda principal, _identity, env: gateway_refusal(principal, env.type),
+        )
         self.scheduler = RpcClient(
-            ctx, identity=GATEWAY_IDENTITY, on_message=self._on_scheduler_push, name="gateway->scheduler"
+            ctx,
+            identity=GATEWAY_IDENTITY,
+            on_message=self._on_scheduler_push,
+            name="gateway->scheduler",
+            curve=scheduler_curve,
         )
         self.kernels: dict[str, KernelEndpoint] = {}
         self.states: dict[str, str] = {}
@@ -96,6 +116,9 @@ class Gateway:
         self.kernels.clear()
         await self.api.close()
         await self.scheduler.close()
+        if self._authority is not None:
+            self._authority.release()
+            self._authority = None
 
     # ---- API -------------------------------------------------------------------------------
 

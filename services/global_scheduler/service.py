@@ -43,6 +43,8 @@ from shared.policies.kernel_placement import KernelPlacement
 from shared.policies.placement import PlacementRequest
 from shared.resources import Resources
 from shared.rpc import OutboundRequests, RpcError, RpcServer, RpcTimeout
+from shared.security import curve
+from shared.security.authorization import scheduler_refusal
 
 log = structlog.get_logger("global_scheduler")
 
@@ -88,7 +90,17 @@ class GlobalScheduler:
         self._exporter: PrometheusExporter | None = None
         require_live_policy(cfg)
         self._ctx = zmq.asyncio.Context()
-        self._server = RpcServer(self._ctx, self._handle, name="global_scheduler", mandatory=True)
+        self._keys_dir = cfg.keys_dir()
+        curve.ensure_cluster_keys(self._keys_dir)
+        self._authority: curve.CurveAuthority | None = None
+        self._server = RpcServer(
+            self._ctx,
+            self._handle,
+            name="global_scheduler",
+            mandatory=True,
+            curve=curve.server_curve(self._keys_dir, curve.SCHEDULER),
+            authorize=self._authorize,
+        )
         # pushes to a gateway that is restarting wait for it (gateway_outbox.py)
         self._gateway = GatewayOutbox(lambda env: self._server.send(GATEWAY_IDENTITY, env) is not False)
         self._outbound = OutboundRequests(self._server)
@@ -126,7 +138,25 @@ class GlobalScheduler:
     # ---- lifecycle --------------------------------------------------------------------------
 
     def bind(self, address: str) -> str:
+        if self._authority is None:  # admits the cluster's keys before any peer can connect
+            self._authority = curve.CurveAuthority.acquire(self._ctx)
+            directory = curve.PeerDirectory(self._keys_dir, exclude=(curve.SCHEDULER,))
+            self._authority.serve(curve.SCHEDULER, directory)
         return self._server.bind(address)
+
+    def _authorize(self, principal: str, identity: bytes, env: Envelope) -> str | None:
+        """Who the peer's key says it is decides what it may send (shared/security/authorization)."""
+        if (principal == curve.GATEWAY) != (identity == GATEWAY_IDENTITY):
+            return f"{principal or 'anonymous'} may not use the routing identity {identity!r}"
+        host = curve.host_of(principal)
+        if host is not None and identity != host.encode():
+            return f"{principal} may not use the routing identity {identity!r}"
+        return scheduler_refusal(principal, env.type, env.body, self._host_of_replica)
+
+    def _host_of_replica(self, kernel_id: str, replica_id: str) -> str | None:
+        kernel = self.state.kernels.get(kernel_id)
+        replica = kernel.replicas.get(replica_id) if kernel is not None else None
+        return replica.host_id if replica is not None else None
 
     @property
     def address(self) -> str:
@@ -158,6 +188,8 @@ class GlobalScheduler:
             self._outbound.cancel_all()
             await asyncio.to_thread(self._migrator.close)
             await self._server.close()
+            if self._authority is not None:
+                self._authority.release()
             self._ctx.destroy(linger=0)
             log.info("stopped")
 
@@ -243,7 +275,7 @@ class GlobalScheduler:
         if async_handler is not None:
             return async_handler(identity, env)
         if env.type in (messages.REPLY, messages.ERROR):
-            if not self._outbound.on_answer(env) and env.type == messages.ERROR:
+            if not self._outbound.on_answer(env, identity) and env.type == messages.ERROR:
                 log.warning("peer_error", peer=identity, reason=env.body.get("reason"))
             return None
         return env.error(f"the global scheduler does not handle {env.type!r}", code="unsupported")

@@ -26,6 +26,7 @@ from jupyter_core.paths import secure_write
 
 from shared.jupyter_wire import DELIMITER
 from shared.private_files import open_private_file, private_dir
+from shared.security import curve
 from shared.zmq_drain import DrainingSocket
 
 if TYPE_CHECKING:
@@ -76,6 +77,10 @@ class ReplicaProcess:
         self._sockets: dict[str, DrainingSocket] = {}
         self._watcher: asyncio.Task[None] | None = None
         self.log = structlog.get_logger("replica").bind(host=host_id, kernel=kernel_id, replica=replica_id)
+        # its CURVE keys on the link to this local scheduler (shared/security/curve.py), and the
+        # local scheduler's public key it must find there; handed over in its environment
+        self.link_keys = curve.new_keypair()
+        self.server_public = b""
 
     @property
     def pid(self) -> int | None:
@@ -161,10 +166,13 @@ class ReplicaProcess:
         self._write_connection_file()
 
     def _replica_env(self) -> dict[str, str]:
-        return {
+        env = {
             "TANDEM_HOST_ID": self.host_id,
             "TANDEM_KERNEL_GPUS": str(int(self.resources.get("gpus", 0))),  # what it asks gpu.commit for
         }
+        if self.server_public:
+            env |= curve.link_env(self.link_keys, self.server_public)
+        return env
 
     def _replica_args(self, local_scheduler: str, config_json: str, join: bool) -> list[str]:
         """``python -m kernel_replica`` arguments (docs/protocol.md, kernel start step 3)."""

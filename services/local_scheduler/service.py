@@ -28,6 +28,8 @@ from shared.config import Config
 from shared.election_round import election_key, round_of
 from shared.envelope import Envelope
 from shared.rpc import OutboundRequests, RpcClient, RpcError, RpcServer, RpcTimeout
+from shared.security import curve
+from shared.security.authorization import REPLICA_PREFIX, local_scheduler_refusal, replica_principal
 
 log = structlog.get_logger("local_scheduler")
 
@@ -72,10 +74,26 @@ class LocalScheduler:
         self._heartbeat_interval = float(cfg.get("scheduler.heartbeat_interval_s"))
         self._start_timeout = float(cfg.get("scheduler.replica_start_timeout_s"))
         self._ctx = zmq.asyncio.Context()
+        keys_dir = cfg.keys_dir()
+        # a host registers only with the key the operator issued for its id (`tandem keys`)
+        self._host_keys = curve.load_secret(keys_dir, curve.host_principal(host_id))
         self._upstream = RpcClient(
-            self._ctx, identity=host_id.encode(), on_message=self._on_upstream, name="global_scheduler"
+            self._ctx,
+            identity=host_id.encode(),
+            on_message=self._on_upstream,
+            name="global_scheduler",
+            curve=curve.ClientCurve(self._host_keys, curve.load(keys_dir, curve.SCHEDULER).public),
         )
-        self._server = RpcServer(self._ctx, self._on_replica_message, name=f"local_scheduler:{host_id}")
+        # replicas connect with the per-replica keys this host gave them at launch
+        self._replica_keys = curve.PeerDirectory()
+        self._authority: curve.CurveAuthority | None = None
+        self._server = RpcServer(
+            self._ctx,
+            self._on_replica_message,
+            name=f"local_scheduler:{host_id}",
+            curve=curve.ServerCurve(self._host_keys, domain="replicas"),
+            authorize=self._authorize_replica,
+        )
         self._outbound = OutboundRequests(self._server)
         self._registered = asyncio.Event()
         self._data_root = cfg.state_dir() / "hosts" / host_id
@@ -88,7 +106,18 @@ class LocalScheduler:
         return self._server.address
 
     def bind(self, address: str) -> str:
+        if self._authority is None:
+            self._authority = curve.CurveAuthority.acquire(self._ctx)
+            self._authority.serve("replicas", self._replica_keys)
         return self._server.bind(address)
+
+    @staticmethod
+    def _authorize_replica(principal: str, identity: bytes, env: Envelope) -> str | None:
+        """A replica speaks only for itself, under a routing identity of its own."""
+        own = principal[len(REPLICA_PREFIX) :]
+        if not identity.startswith(f"{own}/".encode()):
+            return f"{principal or 'anonymous'} may not use the routing identity {identity!r}"
+        return local_scheduler_refusal(principal, env.type, env.body)
 
     def resources(self) -> dict[str, Any]:
         host = self.cfg["host"]
@@ -121,6 +150,8 @@ class LocalScheduler:
             self._outbound.cancel_all()
             await self._upstream.close()
             await self._server.close()
+            if self._authority is not None:
+                self._authority.release()
             self._ctx.destroy(linger=0)  # never blocks: closes whatever is still open, drops pending sends
             self.log.info("stopped")
 
@@ -329,7 +360,7 @@ class LocalScheduler:
 
     def _new_replica(self, key: ReplicaKey, body: dict[str, Any]) -> ReplicaProcess:
         """The process record for a start or a restart: the same data dir for the same replica."""
-        return ReplicaProcess(
+        replica = ReplicaProcess(
             host_id=self.host_id,
             kernel_id=key[0],
             replica_id=key[1],
@@ -339,6 +370,9 @@ class LocalScheduler:
             data_dir=self._data_root / key[0] / key[1],
             ip=str(self.cfg.get("cluster.ip")),
         )
+        replica.server_public = self._host_keys.public
+        self._replica_keys.allow(replica.link_keys.public, replica_principal(*key))
+        return replica
 
     async def _replica_restart(self, env: Envelope) -> Envelope:
         """Restart one replica in place (after a crash, or to replace its process): stop it if it
@@ -385,6 +419,7 @@ class LocalScheduler:
         return await replica.stop(ask=ask, grace_s=STOP_GRACE_S)
 
     def _on_replica_exit(self, replica: ReplicaProcess) -> None:
+        self._replica_keys.forget(replica.link_keys.public)
         key = (replica.kernel_id, replica.replica_id)
         if self.replicas.get(key) is replica:
             del self.replicas[key]
@@ -430,7 +465,7 @@ class LocalScheduler:
         if env.type == messages.REPLICA_REGISTER:
             return self._replica_register(identity, env)
         if env.type in (messages.REPLY, messages.ERROR):
-            if not self._outbound.on_answer(env) and env.type == messages.ERROR:
+            if not self._outbound.on_answer(env, identity) and env.type == messages.ERROR:
                 self.log.warning("replica_error", reason=body.get("reason"))
             return None
         return env.error(f"a local scheduler does not accept {env.type!r} from replicas", code="unsupported")

@@ -24,7 +24,6 @@ from _cluster import FAST_AUTOSCALING, ClusterHandle, running_cluster, start_clu
 from _kernels import run, tandem_kernel
 from jupyter_client import BlockingKernelClient
 
-from services.cluster_file import ask_sync
 from services.embedded import EmbeddedCluster
 from shared import messages
 from shared.rpc import RpcError
@@ -69,7 +68,7 @@ def notebook(scaling_cluster: ClusterHandle) -> Iterator[BlockingKernelClient]:
 
 def start_kernel(cluster: ClusterHandle, kernel_id: str) -> dict[str, Any]:
     body = {"kernel_id": kernel_id, "key": uuid.uuid4().hex, "resources": {"gpus": 1}}
-    return ask_sync(cluster.scheduler, messages.KERNEL_START, body, timeout=SCALE_TIMEOUT_S)
+    return cluster.ask_scheduler(messages.KERNEL_START, body, timeout=SCALE_TIMEOUT_S)
 
 
 def host_ids(report: dict[str, Any]) -> list[str]:
@@ -100,7 +99,7 @@ def test_placement_that_cannot_fit_scales_out_then_idle_hosts_scale_in(
         start_kernel(cluster, f"too-many-{uuid.uuid4().hex[:8]}")
     assert refused.value.code == "no_capacity" and "max_hosts=6" in refused.value.reason
 
-    ask_sync(cluster.scheduler, messages.KERNEL_SHUTDOWN, {"kernel_id": second}, timeout=30)
+    cluster.ask_scheduler(messages.KERNEL_SHUTDOWN, {"kernel_id": second}, timeout=30)
     shrunk = cluster.wait_for_status(
         lambda s: len(host_ids(s)) == 3, "scale-in to the 3 initial hosts", SCALE_TIMEOUT_S
     )
@@ -210,7 +209,7 @@ def test_hosts_added_by_a_scheduler_are_adopted_by_its_restarted_successor(
         SCALE_TIMEOUT_S,
     )
     assert {h["id"] for h in back["hosts"] if h["provisioned_by_autoscaler"]} == added  # adopted
-    ask_sync(cluster.scheduler, messages.KERNEL_SHUTDOWN, {"kernel_id": second}, timeout=30)
+    cluster.ask_scheduler(messages.KERNEL_SHUTDOWN, {"kernel_id": second}, timeout=30)
     shrunk = cluster.wait_for_status(
         lambda s: len(host_ids(s)) == 3, "the adopted hosts released when idle", SCALE_TIMEOUT_S
     )

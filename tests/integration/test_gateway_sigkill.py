@@ -16,7 +16,6 @@ import pytest
 from _cluster import ClusterHandle, running_cluster
 from _kernels import CellResult, run, tandem_kernel
 
-from services.cluster_file import ask_sync
 from shared import messages
 
 pytestmark = pytest.mark.integration
@@ -68,7 +67,7 @@ def kill_gateway_and_wait_for_its_successor(cluster: ClusterHandle) -> int:
         try:
             if gateway_pid(cluster) == old:
                 return False
-            ask_sync(cluster.gateway, messages.KERNEL_STATUS, {"kernel_id": "none"}, timeout=1.0)
+            cluster.ask_gateway(messages.KERNEL_STATUS, {"kernel_id": "none"}, timeout=1.0)
         except Exception as exc:  # not answering yet, or answering "unknown kernel": it is up
             return "unknown kernel" in str(exc)
         return True

@@ -27,7 +27,6 @@ from _cluster import ClusterHandle, running_cluster
 from _kernels import CellResult, run, tandem_kernel
 from jupyter_client import BlockingKernelClient, KernelManager
 
-from services.cluster_file import ask_sync
 from shared import messages
 
 pytestmark = pytest.mark.integration
@@ -66,7 +65,7 @@ def notebooks(small_cluster: ClusterHandle) -> Iterator[list[Notebook]]:
 
 
 def cluster_status(cluster: ClusterHandle) -> dict[str, Any]:
-    return ask_sync(cluster.scheduler, messages.CLUSTER_STATUS, {}, timeout=10.0)
+    return cluster.ask_scheduler(messages.CLUSTER_STATUS, {}, timeout=10.0)
 
 
 def kernel_view(cluster: ClusterHandle, kernel_id: str) -> dict[str, Any]:
@@ -100,7 +99,7 @@ def settle(cluster: ClusterHandle) -> None:
 
 def set_cordon(cluster: ClusterHandle, host: str, cordoned: bool) -> None:
     kind = messages.HOST_CORDON if cordoned else messages.HOST_UNCORDON
-    ask_sync(cluster.scheduler, kind, {"host_id": host}, timeout=10.0)
+    cluster.ask_scheduler(kind, {"host_id": host}, timeout=10.0)
 
 
 def run_counted(

@@ -24,7 +24,6 @@ import pytest
 from _cluster import FAST_AUTOSCALING, ClusterHandle, running_cluster
 from _kernels import run, tandem_kernel
 
-from services.cluster_file import ask_sync
 from shared import messages
 
 pytestmark = pytest.mark.integration
@@ -61,7 +60,7 @@ def test_idle_hosts_holding_replicas_are_released_after_their_replicas_migrate(
 ) -> None:
     filler = f"filler-{uuid.uuid4().hex[:8]}"
     body = {"kernel_id": filler, "key": uuid.uuid4().hex, "resources": {"gpus": 2}}
-    placed = ask_sync(cluster.scheduler, messages.KERNEL_START, body, timeout=WAIT_S)
+    placed = cluster.ask_scheduler(messages.KERNEL_START, body, timeout=WAIT_S)
     assert sorted(r["host"] for r in placed["replicas"]) == INITIAL
 
     with tandem_kernel() as (km, kc):  # one GPU: only fits on hosts the autoscaler adds
@@ -83,7 +82,7 @@ def test_idle_hosts_holding_replicas_are_released_after_their_replicas_migrate(
         assert run(kc, "x += 1\nx", timeout=60).results == ["43"]
 
         # 2. room on the initial hosts: the added hosts go, their replicas move there first
-        ask_sync(cluster.scheduler, messages.KERNEL_SHUTDOWN, {"kernel_id": filler}, timeout=30)
+        cluster.ask_scheduler(messages.KERNEL_SHUTDOWN, {"kernel_id": filler}, timeout=30)
         shrunk = cluster.wait_for_status(
             lambda s: alive_hosts(s) == INITIAL, "scale-in to the initial hosts", WAIT_S
         )

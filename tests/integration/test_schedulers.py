@@ -31,6 +31,7 @@ from shared import messages
 from shared.envelope import Envelope
 from shared.jupyter_wire import DELIMITER
 from shared.rpc import RpcClient, RpcError
+from shared.security import curve
 
 pytestmark = pytest.mark.integration
 
@@ -100,6 +101,7 @@ class Cluster:
         self._spawn("global", ["services.global_scheduler", "--bind", self.address])
 
     def start_host(self, host_id: str) -> None:
+        curve.issue(self.tmp / "state" / "keys", curve.host_principal(host_id))  # as `tandem keys host`
         self._spawn(host_id, ["services.local_scheduler", "--host-id", host_id, "--scheduler", self.address])
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
@@ -144,14 +146,25 @@ def cluster(tmp: Path, hosts: int = 3, gpus: int = 4, **extra: Any) -> Iterator[
 class Gateway:
     """What the gateway does with the scheduler: RPCs, and Jupyter frames both ways."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, keys_dir: Path) -> None:
         self.ctx = zmq.asyncio.Context()
         self.inbox: asyncio.Queue[Envelope] = asyncio.Queue()
         self.dead: list[dict[str, Any]] = []
         self.client = RpcClient(
-            self.ctx, identity=b"gateway", on_message=self._on_message, name="test-gateway"
+            self.ctx,
+            identity=b"gateway",
+            on_message=self._on_message,
+            name="test-gateway",
+            curve=curve.client_curve(keys_dir, curve.GATEWAY, curve.SCHEDULER),
         )
         self.client.connect(address)
+        # lifecycle and administration as the operator (`tandem host cordon`, ...), frames as the gateway
+        self.admin = RpcClient(
+            self.ctx,
+            name="test-operator",
+            curve=curve.client_curve(keys_dir, curve.OPERATOR, curve.SCHEDULER),
+        )
+        self.admin.connect(address)
         self.sessions: dict[str, Session] = {}
 
     def _on_message(self, env: Envelope) -> None:
@@ -161,7 +174,7 @@ class Gateway:
             self.inbox.put_nowait(env)
 
     async def call(self, msg_type: str, body: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
-        return (await self.client.request(Envelope(msg_type, body), timeout=timeout)).body
+        return (await self.admin.request(Envelope(msg_type, body), timeout=timeout)).body
 
     async def wait_hosts(self, count: int, timeout: float = 15.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -224,12 +237,13 @@ class Gateway:
 
     async def close(self) -> None:
         await self.client.close()
+        await self.admin.close()
         self.ctx.destroy(linger=0)
 
 
 @contextlib.asynccontextmanager
 async def gateway(c: Cluster, hosts: int = 3) -> AsyncIterator[Gateway]:
-    gw = Gateway(c.address)
+    gw = Gateway(c.address, c.tmp / "state" / "keys")
     try:
         await gw.wait_hosts(hosts)
         yield gw

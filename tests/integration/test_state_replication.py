@@ -30,7 +30,6 @@ from blake3 import blake3
 from datastore_fixtures import S3_ENV, redis_url, s3_endpoint  # noqa: F401 - fixtures
 from jupyter_client import BlockingKernelClient
 
-from services.cluster_file import ask_sync
 from shared import messages
 
 pytestmark = pytest.mark.integration
@@ -316,12 +315,12 @@ SCENARIOS_AFTER_CHECKS = "(42, 'tandem', [0, 2, 3], ['b', 'c'], 6, 9, False, -1.
 
 
 def _status(cluster: ClusterHandle) -> dict[str, Any]:
-    return ask_sync(cluster.scheduler, messages.CLUSTER_STATUS, {}, timeout=10.0)
+    return cluster.ask_scheduler(messages.CLUSTER_STATUS, {}, timeout=10.0)
 
 
 def _cordon(cluster: ClusterHandle, host_id: str, cordoned: bool) -> None:
     msg_type = messages.HOST_CORDON if cordoned else messages.HOST_UNCORDON
-    ask_sync(cluster.scheduler, msg_type, {"host_id": host_id}, timeout=10.0)
+    cluster.ask_scheduler(msg_type, {"host_id": host_id}, timeout=10.0)
 
 
 def _replicas(cluster: ClusterHandle, kernel_id: str) -> dict[str, dict[str, Any]]:

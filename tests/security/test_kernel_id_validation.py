@@ -6,7 +6,6 @@ from pathlib import Path
 
 import msgpack
 import pytest
-import zmq
 from _cluster import ClusterHandle
 
 from shared import messages
@@ -39,10 +38,7 @@ def test_kernel_start_with_a_path_kernel_id_touches_nothing(
     for replica in ("r1", "r2", "r3"):
         (victim / replica).mkdir(parents=True)
         (victim / replica / "keep").write_text("precious")
-    address = tandem_cluster.gateway if service == "gateway" else tandem_cluster.scheduler
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
+    sock = tandem_cluster.dealer(service)  # the operator's key: allowed to start kernels
     try:
         for verb in (messages.KERNEL_START, messages.KERNEL_SHUTDOWN):
             body = {"kernel_id": str(victim), "key": "k", "resources": {}}

@@ -12,6 +12,7 @@ import json
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -24,6 +25,7 @@ from shared.config import load_config
 from shared.envelope import Envelope
 from shared.jupyter_wire import Signer, header_of, json_part
 from shared.rpc import RpcClient, RpcServer
+from shared.security import curve
 
 KEY = "0123456789abcdef"
 
@@ -31,8 +33,12 @@ KEY = "0123456789abcdef"
 class FakeScheduler:
     """Stands in for the global scheduler: one ipykernel's worth of answers per request."""
 
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
-        self.server = RpcServer(ctx, self.handle, name="fake-scheduler")
+    def __init__(self, ctx: zmq.asyncio.Context, keys_dir: Path) -> None:
+        self.authority = curve.CurveAuthority.acquire(ctx)
+        self.authority.serve(curve.SCHEDULER, curve.PeerDirectory(keys_dir, exclude=(curve.SCHEDULER,)))
+        self.server = RpcServer(
+            ctx, self.handle, name="fake-scheduler", curve=curve.server_curve(keys_dir, curve.SCHEDULER)
+        )
         self.signers: dict[str, Signer] = {}
         self.requests: list[dict[str, Any]] = []
         self.started: list[str] = []
@@ -135,6 +141,9 @@ class Harness:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.ctx = zmq.asyncio.Context()
+        self.cfg = load_config(None, {"gateway.status_poll_interval_s": "0.2"})
+        self.keys_dir = self.cfg.keys_dir()
+        curve.ensure_cluster_keys(self.keys_dir)
         self.scheduler: FakeScheduler
         self.gateway: Gateway
         self.api_address = ""
@@ -144,14 +153,13 @@ class Harness:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _start(self) -> None:
-        self.scheduler = FakeScheduler(self.ctx)
+        self.scheduler = FakeScheduler(self.ctx, self.keys_dir)
         self.scheduler_address = self.scheduler.server.bind("tcp://127.0.0.1:0")
         self.scheduler.server.start()
         await self._start_gateway("tcp://127.0.0.1:0")
 
     async def _start_gateway(self, api_address: str) -> None:
-        cfg = load_config(None, {"gateway.status_poll_interval_s": "0.2"})
-        self.gateway = Gateway(self.ctx, cfg, scheduler_address=self.scheduler_address)
+        self.gateway = Gateway(self.ctx, self.cfg, scheduler_address=self.scheduler_address)
         try:
             self.api_address = await self.gateway.start(api_address)
         except BaseException:
@@ -174,8 +182,11 @@ class Harness:
                     raise
                 time.sleep(0.05)
 
+    def operator(self) -> curve.ClientCurve:
+        return curve.client_curve(self.keys_dir, curve.OPERATOR, curve.GATEWAY)
+
     async def api(self, msg_type: str, body: dict[str, Any]) -> Envelope:
-        client = RpcClient(self.ctx, name="test-api")
+        client = RpcClient(self.ctx, name="test-api", curve=self.operator())
         client.connect(self.api_address)
         try:
             return await client.request(Envelope(msg_type, body), timeout=5.0)
@@ -184,6 +195,7 @@ class Harness:
 
     async def raw_api(self, payload: bytes) -> dict[str, Any]:
         sock = self.ctx.socket(zmq.DEALER)
+        self.operator().apply(sock)
         sock.connect(self.api_address)
         try:
             await sock.send(payload)
@@ -209,6 +221,7 @@ class Harness:
     def close(self) -> None:
         self.call(self.gateway.close())
         self.call(self.scheduler.server.close())
+        self.scheduler.authority.release()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
         self.ctx.destroy(linger=0)  # term() would block forever on a socket a failed test left open

@@ -28,7 +28,14 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness
     state = tmp_path / "state"
     state.mkdir()
     (state / "cluster.json").write_text(
-        json.dumps({"gateway": harness.api_address, "scheduler": "tcp://127.0.0.1:1", "pid": os.getpid()})
+        json.dumps(
+            {
+                "gateway": harness.api_address,
+                "scheduler": "tcp://127.0.0.1:1",
+                "pid": os.getpid(),
+                "keys_dir": str(harness.keys_dir),
+            }
+        )
     )
     kernelspec.install(prefix=str(tmp_path / "prefix"))
     monkeypatch.setenv("TANDEM_STATE_DIR", str(state))

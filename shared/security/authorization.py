@@ -1,0 +1,116 @@
+"""Who may send what to whom: the message types each principal may send to each server, and the
+ids in a body that must be the sender's own.
+
+Pure: the services call ``refusal`` with the principal the connection's key proved (see
+``shared.security.curve``) and a lookup of where a replica runs; the answer is None or the reason
+the message is refused, logged and returned to the sender as an ``unauthorized`` error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from shared import messages
+from shared.security.curve import GATEWAY, OPERATOR, host_of
+
+HOST = "host"  # role of every ``host.<id>`` principal
+REPLICA_PREFIX = "replica."  # a local scheduler's per-replica keys: ``replica.<kernel>/<replica>``
+REPLICA = "replica"
+
+_KERNEL_LIFECYCLE = {
+    messages.KERNEL_START,
+    messages.KERNEL_SHUTDOWN,
+    messages.KERNEL_STATUS,
+    messages.KERNEL_INTERRUPT,
+}
+_ANSWERS = {messages.REPLY, messages.ERROR}
+_OPERATIONS = {
+    messages.CLUSTER_STATUS,
+    messages.HOST_CORDON,
+    messages.HOST_UNCORDON,
+    messages.HOST_DRAIN,
+    messages.REPLICA_RESTART,
+}
+
+# server -> role -> message types it accepts from that role
+SCHEDULER_ACCEPTS: dict[str, frozenset[str]] = {
+    GATEWAY: frozenset(_KERNEL_LIFECYCLE | {messages.JUPYTER_REQUEST, messages.CLUSTER_STATUS}),
+    OPERATOR: frozenset(_OPERATIONS | _KERNEL_LIFECYCLE),  # the cluster's administrator
+    HOST: frozenset(
+        _ANSWERS
+        | {messages.HOST_REGISTER, messages.HOST_HEARTBEAT, messages.JUPYTER_REPLY, messages.REPLICA_EVENT}
+    ),
+}
+GATEWAY_ACCEPTS: dict[str, frozenset[str]] = {OPERATOR: frozenset(_KERNEL_LIFECYCLE)}
+LOCAL_SCHEDULER_ACCEPTS: dict[str, frozenset[str]] = {
+    REPLICA: frozenset(
+        _ANSWERS
+        | {messages.REPLICA_REGISTER, messages.GPU_COMMIT, messages.GPU_RELEASE, messages.REPLICA_EVENT}
+    ),
+}
+
+# (kernel_id, replica_id) -> the host it runs on, or None if the scheduler knows no such replica
+ReplicaHost = Callable[[str, str], str | None]
+
+
+def replica_principal(kernel_id: str, replica_id: str) -> str:
+    return f"{REPLICA_PREFIX}{kernel_id}/{replica_id}"
+
+
+def role_of(principal: str) -> str:
+    if host_of(principal) is not None:
+        return HOST
+    if principal.startswith(REPLICA_PREFIX):
+        return REPLICA
+    return principal
+
+
+def _type_refusal(table: dict[str, frozenset[str]], principal: str, env_type: str) -> str | None:
+    if not principal:
+        return "unauthenticated peer"
+    allowed = table.get(role_of(principal))
+    if allowed is None or env_type not in allowed:
+        return f"{principal} may not send {env_type}"
+    return None
+
+
+def scheduler_refusal(principal: str, env_type: str, body: dict[str, Any], where: ReplicaHost) -> str | None:
+    """Why the global scheduler refuses this message, or None.
+
+    A host speaks only for itself: its registration and heartbeats carry its own id, and the
+    replica events and Jupyter replies it relays are of replicas the scheduler placed on it."""
+    refusal = _type_refusal(SCHEDULER_ACCEPTS, principal, env_type)
+    if refusal is not None:
+        return refusal
+    host = host_of(principal)
+    if host is None:
+        return None
+    if env_type in (messages.HOST_REGISTER, messages.HOST_HEARTBEAT):
+        if body.get("host_id") != host:
+            return f"{principal} may not speak for host {body.get('host_id')!r}"
+    elif env_type in (messages.REPLICA_EVENT, messages.JUPYTER_REPLY):
+        kernel_id, replica_id = body.get("kernel_id"), body.get("replica_id")
+        if isinstance(kernel_id, str) and isinstance(replica_id, str):
+            placed = where(kernel_id, replica_id)
+            if placed is not None and placed != host:
+                return f"{principal} relayed a message of {kernel_id}/{replica_id}, which runs on {placed}"
+    return None
+
+
+def gateway_refusal(principal: str, env_type: str) -> str | None:
+    return _type_refusal(GATEWAY_ACCEPTS, principal, env_type)
+
+
+def local_scheduler_refusal(principal: str, env_type: str, body: dict[str, Any]) -> str | None:
+    """A replica speaks only for itself (its own kernel and replica ids)."""
+    refusal = _type_refusal(LOCAL_SCHEDULER_ACCEPTS, principal, env_type)
+    if refusal is not None:
+        return refusal
+    if env_type in _ANSWERS:
+        return None
+    own = principal[len(REPLICA_PREFIX) :]
+    claimed = f"{body.get('kernel_id')}/{body.get('replica_id')}"
+    if claimed != own:
+        return f"{principal} may not speak for replica {claimed}"
+    return None

@@ -1,0 +1,356 @@
+"""CurveZMQ keys and peer authentication for the service links (gateway, schedulers, replicas).
+
+Why CurveZMQ: every service link is ZMQ already, and CURVE gives each one mutual authentication
+and encryption with no extra transport; pyzmq ships the keypair files (``zmq.auth``) and the ZAP
+authenticator, so nothing here implements cryptography.
+
+Keys live in one directory per cluster (``security.keys_dir``, default ``<state_dir>/keys``;
+mode 0700, every file 0600), one pair per principal in pyzmq's certificate format:
+
+- ``scheduler``: the global scheduler's server key;
+- ``gateway``: the gateway (server of the lifecycle API, client of the scheduler);
+- ``operator``: the CLI and the Jupyter provisioner (client of the gateway and the scheduler);
+- ``host.<host_id>``: one local scheduler; a host registers only with the key issued for its id.
+
+A server learns who a peer is from the key it proved, never from what the peer says: the ZAP
+handler maps the client's public key to its principal name, which ZMQ attaches to every message
+from that connection (the ``User-Id`` property), and each service authorises message types and
+the ids in their bodies against it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+log = structlog.get_logger("security")
+
+SCHEDULER = "scheduler"
+GATEWAY = "gateway"
+OPERATOR = "operator"
+HOST_PREFIX = "host."
+CLUSTER_PRINCIPALS = (SCHEDULER, GATEWAY, OPERATOR)
+# The key files are read again at most this often (a host key the operator issued or rotated
+# after the scheduler started counts without a restart).
+RELOAD_INTERVAL_S = 1.0
+UNKNOWN_KEY_RELOADS_PER_S = 20.0
+
+
+class KeyError_(RuntimeError):
+    """A key file is missing or unreadable; the message says which and how to issue it."""
+
+
+def host_principal(host_id: str) -> str:
+    return f"{HOST_PREFIX}{host_id}"
+
+
+def host_of(principal: str) -> str | None:
+    """The host id a ``host.<id>`` principal speaks for, else None."""
+    return principal[len(HOST_PREFIX) :] if principal.startswith(HOST_PREFIX) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Keypair:
+    """z85-encoded CURVE keys (40 ASCII bytes each); ``secret`` is None for a peer's public key."""
+
+    public: bytes
+    secret: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerCurve:
+    """What a ROUTER needs to be a CURVE server: its keypair and the ZAP domain it answers in."""
+
+    keys: Keypair
+    domain: str
+
+    def apply(self, sock: zmq.Socket[Any]) -> None:
+        assert self.keys.secret is not None, "a CURVE server needs its secret key"
+        sock.curve_secretkey = self.keys.secret
+        sock.curve_publickey = self.keys.public
+        sock.zap_domain = self.domain.encode()
+        # no ZAP handler running (not started yet, or stopped) refuses every peer, never admits all
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        sock.curve_server = True
+
+
+@dataclass(frozen=True, slots=True)
+class ClientCurve:
+    """What a DEALER needs to reach a CURVE server: its own keypair and the server's public key."""
+
+    keys: Keypair
+    server_public: bytes
+
+    def apply(self, sock: zmq.Socket[Any]) -> None:
+        assert self.keys.secret is not None, "a CURVE client needs its secret key"
+        sock.curve_secretkey = self.keys.secret
+        sock.curve_publickey = self.keys.public
+        sock.curve_serverkey = self.server_public
+
+
+def new_keypair() -> Keypair:
+    public, secret = zmq.curve_keypair()
+    return Keypair(public, secret)
+
+
+# ---- the key directory -----------------------------------------------------------------------
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` (and parents) 0700, and make it 0700 if it already existed."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+@contextlib.contextmanager
+def _locked(keys_dir: Path) -> Iterator[None]:
+    """Serialise issuers (``tandem up``, the scheduler's host provider, ``tandem keys``)."""
+    with open(keys_dir / ".lock", "a") as handle:
+        os.chmod(keys_dir / ".lock", 0o600)
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _paths(keys_dir: Path, name: str) -> tuple[Path, Path]:
+    return keys_dir / f"{name}.key", keys_dir / f"{name}.key_secret"
+
+
+def issue(keys_dir: Path, name: str) -> Keypair:
+    """The keypair of ``name``, created (atomically, files 0600) if the directory lacks it."""
+    private_dir(keys_dir)
+    public_path, secret_path = _paths(keys_dir, name)
+    with _locked(keys_dir):
+        if not secret_path.exists():
+            with tempfile.TemporaryDirectory(dir=keys_dir, prefix=".issue-") as scratch:
+                made_public, made_secret = zmq.auth.create_certificates(scratch, name)
+                for made in (made_public, made_secret):
+                    os.chmod(made, 0o600)
+                os.replace(made_public, public_path)
+                os.replace(made_secret, secret_path)
+            log.info("key_issued", principal=name, keys_dir=str(keys_dir))
+    return load(keys_dir, name)
+
+
+def rotate(keys_dir: Path, name: str) -> Keypair:
+    """New keys for ``name``; the old ones stop working where the new public key is loaded (a
+    server re-reads the directory for an unknown key; a client must be restarted with the new
+    secret)."""
+    public_path, secret_path = _paths(keys_dir, name)
+    with _locked(private_dir(keys_dir)):
+        public_path.unlink(missing_ok=True)
+        secret_path.unlink(missing_ok=True)
+    return issue(keys_dir, name)
+
+
+def principals(keys_dir: Path) -> list[tuple[str, bool]]:
+    """Every principal with a key in ``keys_dir``, and whether its secret is here."""
+    names = sorted(path.name[: -len(".key")] for path in keys_dir.glob("*.key"))
+    return [(name, _paths(keys_dir, name)[1].exists()) for name in names]
+
+
+def ensure_cluster_keys(keys_dir: Path) -> None:
+    """The scheduler's, gateway's and operator's keys (idempotent)."""
+    for name in CLUSTER_PRINCIPALS:
+        issue(keys_dir, name)
+
+
+def issue_hint(name: str) -> str:
+    host = host_of(name)
+    return f"`tandem keys host {host}`" if host is not None else "`tandem keys init`"
+
+
+def load(keys_dir: Path, name: str) -> Keypair:
+    """``name``'s keypair from ``keys_dir``; the secret only where its ``.key_secret`` file is."""
+    public_path, secret_path = _paths(keys_dir, name)
+    path = secret_path if secret_path.exists() else public_path
+    if not path.exists():
+        raise KeyError_(
+            f"no key for {name!r} in {keys_dir}: issue one with {issue_hint(name)} (on the operator's "
+            "machine) and copy it to the machine that needs it (README, Security)"
+        )
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise KeyError_(f"the key file {path} cannot be used: {exc}") from None
+    return Keypair(public, secret)
+
+
+def load_secret(keys_dir: Path, name: str) -> Keypair:
+    keys = load(keys_dir, name)
+    if keys.secret is None:
+        raise KeyError_(
+            f"{keys_dir} holds only the public key of {name!r}; this process needs its secret key"
+        )
+    return keys
+
+
+def server_curve(keys_dir: Path, name: str) -> ServerCurve:
+    return ServerCurve(load_secret(keys_dir, name), domain=name)
+
+
+def client_curve(keys_dir: Path, name: str, server: str) -> ClientCurve:
+    return ClientCurve(load_secret(keys_dir, name), load(keys_dir, server).public)
+
+
+# A replica's keys on the link to its local scheduler travel in its environment (readable only by
+# its own user, unlike its command line), never in a file.
+LINK_ENV = ("TANDEM_LINK_PUBLIC", "TANDEM_LINK_SECRET", "TANDEM_LINK_SERVER")
+
+
+def link_env(keys: Keypair, server_public: bytes) -> dict[str, str]:
+    assert keys.secret is not None
+    values = (keys.public, keys.secret, server_public)
+    return {name: value.decode("ascii") for name, value in zip(LINK_ENV, values, strict=True)}
+
+
+def link_curve_from_env(environ: dict[str, str] | None = None) -> ClientCurve | None:
+    """The replica's side of ``link_env``, removed from the environment so that the user's code,
+    which runs in the replica, does not find the key lying in ``os.environ``; None when absent
+    (a replica started by hand or by a test against an unauthenticated server)."""
+    source = os.environ if environ is None else environ
+    values = [source.pop(name, "") for name in LINK_ENV]
+    if not all(values):
+        return None
+    public, secret, server = (value.encode("ascii") for value in values)
+    return ClientCurve(Keypair(public, secret), server)
+
+
+# ---- who may connect -------------------------------------------------------------------------
+
+
+class PeerDirectory:
+    """Public key -> principal name: the keys in a directory, plus keys allowed at run time
+    (a local scheduler's per-replica keys). Unknown keys are refused."""
+
+    def __init__(self, keys_dir: Path | None = None, *, exclude: tuple[str, ...] = ()) -> None:
+        self._keys_dir = keys_dir
+        self._exclude = exclude
+        self._from_files: dict[bytes, str] = {}
+        self._at_run_time: dict[bytes, str] = {}
+        self._loaded_at = -RELOAD_INTERVAL_S
+        if keys_dir is not None:
+            self._reload()
+
+    def _reload(self) -> None:
+        assert self._keys_dir is not None
+        self._loaded_at = time.monotonic()
+        found: dict[bytes, str] = {}
+        for path in self._keys_dir.glob("*.key"):
+            name = path.name[: -len(".key")]
+            if name in self._exclude:
+                continue
+            try:
+                public, _ = zmq.auth.load_certificate(path)
+            except (OSError, ValueError):
+                continue
+            found[public] = name
+        self._from_files = found
+
+    def name_of(self, public_z85: bytes) -> str | None:
+        """Looked up at each handshake. The files are re-read when older than a second (a key
+        rotated away stops working), and at once for an unknown key (one issued since), at most
+        ``UNKNOWN_KEY_RELOADS_PER_S`` times a second: ZMQ does not retry a refused handshake,
+        so a host started right after its key was issued must not be refused."""
+        if self._keys_dir is None:
+            return self._at_run_time.get(public_z85)
+        age = time.monotonic() - self._loaded_at
+        if age >= RELOAD_INTERVAL_S:
+            self._reload()
+        name = self._at_run_time.get(public_z85) or self._from_files.get(public_z85)
+        if name is None and age >= 1.0 / UNKNOWN_KEY_RELOADS_PER_S:
+            self._reload()
+            name = self._from_files.get(public_z85)
+        return name
+
+    def allow(self, public_z85: bytes, name: str) -> None:
+        self._at_run_time[public_z85] = name
+
+    def forget(self, public_z85: bytes) -> None:
+        self._at_run_time.pop(public_z85, None)
+
+
+class _Authenticator(ThreadAuthenticator):
+    """ZAP in a thread: a CURVE client is admitted only if its key is in the domain's directory,
+    and its User-Id is the principal name that key was issued to."""
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        super().__init__(ctx, log=None)
+        self.directories: dict[str, PeerDirectory] = {}
+        self.refused = 0
+
+    async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
+        directory = self.directories.get(domain)
+        if directory is None:
+            self.refused += 1
+            log.warning("peer_refused", domain=domain, reason="unknown ZAP domain")
+            return False, b"Unknown domain"
+        if directory.name_of(z85.encode(client_key)) is None:
+            self.refused += 1
+            log.warning("peer_refused", domain=domain, reason="key not issued by this cluster")
+            return False, b"Unknown key"
+        return True, b"OK"
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        key = z85.encode(client_public_key)
+        for directory in self.directories.values():
+            name = directory.name_of(key)
+            if name is not None:
+                return name
+        return ""
+
+
+class CurveAuthority:
+    """The ZAP handler of one ZMQ context, shared by every server of that context (ZMQ allows
+    one per context). ``acquire`` / ``release`` in pairs; the last ``release`` stops the
+    handler's thread, which must happen before the context is destroyed (the thread owns a
+    socket of it)."""
+
+    _of_context: dict[int, CurveAuthority] = {}
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        self._ctx = ctx
+        self._auth = _Authenticator(ctx)
+        self._auth.start()
+        self._users = 0
+
+    @classmethod
+    def acquire(cls, ctx: zmq.Context[Any]) -> CurveAuthority:
+        authority = cls._of_context.get(id(ctx))
+        if authority is None or authority._ctx is not ctx:
+            authority = cls._of_context[id(ctx)] = cls(ctx)
+        authority._users += 1
+        return authority
+
+    def serve(self, domain: str, directory: PeerDirectory) -> None:
+        """Admit to servers of ``domain`` the clients whose keys ``directory`` knows."""
+        self._auth.directories[domain] = directory
+
+    @property
+    def refused(self) -> int:
+        return self._auth.refused
+
+    def release(self) -> None:
+        self._users -= 1
+        if self._users > 0:
+            return
+        if self._of_context.get(id(self._ctx)) is self:
+            del self._of_context[id(self._ctx)]
+        if self._auth.is_alive():
+            self._auth.stop()
