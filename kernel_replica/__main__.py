@@ -25,6 +25,7 @@ import structlog
 from shared import messages
 from shared.config import Config, config_from_json, load_config
 from shared.logs import configure_logging
+from shared.private_files import open_private, private_dir, write_private
 from shared.raft.storage import StaleLogAfterReboot, check_boot_fence
 from shared.raft.tls import IdentityError, link_tls_for, take_identity_env
 from shared.security import curve
@@ -94,7 +95,7 @@ def raft_address_for(data_dir: Path, host: str) -> str:
     if saved.exists():
         return saved.read_text().strip()
     address = f"tcp://{host}:{free_port(host)}"
-    saved.write_text(address)
+    write_private(saved, address)
     return address
 
 
@@ -159,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     from kernel_replica.raft_bridge import RaftBridge, ReplicaSettings
 
     data_dir = Path(args.data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(data_dir)
+    # sqlite creates the history with the umask's modes, and its journals like the database:
+    # made 0600 here first, the code of every cell stays private
+    os.close(open_private(data_dir / "history.sqlite", os.O_WRONLY))
     app = IPKernelApp.instance(kernel_class=TandemKernel)
     _init_sockets = app.init_sockets
 

@@ -188,6 +188,10 @@ class ElectionBook:
                 return self._on_done(entry)
             case Progress():
                 return []  # liveness only; the replica's shell times it, the book has no clock
+            case State(repair=True):
+                # a value stored after its cell (durability.py): belongs to no cell's election,
+                # and the namespace takes only the names its executor still holds unprotected
+                return [StateAccepted(entry)]
             case State():
                 if entry.msg_id != self._awaiting_state:
                     return [EntryIgnored(entry, f"stale state (awaiting {self._awaiting_state!r})")]

@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 import typing as t
+import uuid
 from collections import deque
 from types import FrameType
 
@@ -36,6 +37,14 @@ from ipykernel.jsonutil import json_clean
 from kernel_replica import helper
 from kernel_replica.cell_analysis import FunctionFacts, analyse_cell, update_registry
 from kernel_replica.device_residency import GpuResidency
+from kernel_replica.durability import (
+    Backoff,
+    ExecutorRecord,
+    missing_here,
+    missing_notice,
+    protected_again,
+    unprotected_warning,
+)
 from kernel_replica.log_entries import Done, State
 from kernel_replica.object_codec import DEFAULT_LARGE_OBJECT_BYTES, ObjectCodec
 from kernel_replica.raft_bridge import (
@@ -53,6 +62,8 @@ from kernel_replica.state_sync import (
     complete_state,
     open_replica_datastore,
     plan_state,
+    replicable_names,
+    value_fingerprint,
 )
 from shared.config import Config
 from shared.datastore.base import DataStore
@@ -116,6 +127,20 @@ class TandemKernel(IPythonKernel):
         self._pending_digests: dict[str, bytes] | None = None  # digests of the latest unconfirmed STATE
         self._trace_sync = False  # log.sync_timings: per-cell state_sent / state_applied info lines
         self._residency = GpuResidency()  # before any cell: pins CUDA_DEVICE_ORDER (NVML order)
+        # No ok without durability (kernel_replica/durability.py): what this process holds that
+        # the log does not, the STATE outcomes still to settle into it (in cell order: a write
+        # behind the reply settles when it ends), and the marks already told to the user here
+        self._own = ExecutorRecord()
+        self._settling: deque[tuple[State | concurrent.futures.Future[State], tuple[str, ...]]] = deque()
+        self._told: set[tuple[str, str]] = set()
+        self._not_loaded: dict[str, str] = {}  # names whose logged value failed to load here, and why
+        self._store_retry = Backoff()  # reopening a data store that failed to open
+        self._store_lock: asyncio.Lock | None = None
+        self._write_outcome_wait_s = 0.005  # datastore.write_outcome_wait_s
+        self._cells_active = 0  # cell requests being handled (the background retry waits for none)
+        self._repair_task: asyncio.Future[None] | None = None  # encoding unstored values between cells
+        self._repair_write: concurrent.futures.Future[State] | None = None  # and writing them behind
+        self._repair_timer: asyncio.TimerHandle | None = None
 
     def attach(
         self, bridge: RaftBridge, *, kernel_id: str, replica_id: str, config: Config | None = None
@@ -127,6 +152,10 @@ class TandemKernel(IPythonKernel):
         self._trace_sync = bool(config.get("log.sync_timings")) if config is not None else False
         if config is not None:
             self._residency.mode = str(config.get("kernel.gpu_residency"))
+            self._write_outcome_wait_s = float(config.get("datastore.write_outcome_wait_s"))
+            for backoff in (self._own.backoff, self._store_retry):
+                backoff.initial_s = float(config.get("datastore.retry_initial_s"))
+                backoff.max_s = float(config.get("datastore.retry_max_s"))
         self.kernel_id, self.replica_id = kernel_id, replica_id
         self._slog = structlog.get_logger("replica.kernel").bind(kernel=kernel_id, replica=replica_id)
         core = bridge.core
@@ -180,11 +209,25 @@ class TandemKernel(IPythonKernel):
 
     # ---- the execute path ----------------------------------------------------------------------------
     async def execute_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
-        await self._cell_request(stream, ident, parent, lead=True)
+        await self._in_cell(self._cell_request(stream, ident, parent, lead=True))
 
     async def yield_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
         """The scheduler decided this replica cannot execute the cell (``execute_request`` rewritten)."""
-        await self._cell_request(stream, ident, parent, lead=False)
+        await self._in_cell(self._cell_request(stream, ident, parent, lead=False))
+
+    async def _in_cell(self, request: t.Coroutine[t.Any, t.Any, None]) -> None:
+        """A cell request waits for a background store of unprotected values to end (that write
+        reads the live objects, which the cell could change under it), and none starts during
+        the request."""
+        repair = self._repair_task
+        if repair is not None and not repair.done():
+            with contextlib.suppress(Exception):
+                await repair
+        self._cells_active += 1
+        try:
+            await request
+        finally:
+            self._cells_active -= 1
 
     async def _cell_request(
         self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any], *, lead: bool
@@ -246,6 +289,9 @@ class TandemKernel(IPythonKernel):
                     timing["apply_wait_ms"] = (time.perf_counter() - waited) * 1000
                     if self._followed:  # DONEs that arrived while this cell waited for them
                         self._catch_up_followed()
+                    if self._not_loaded:  # the store may work again: load them before telling
+                        await self._load_again(bridge, log)
+                    self._tell_missing(bridge)
                     ended = bridge.core.book.done(msg_id)
                     if ended is not None:
                         # This replica won the cell, then stalled (paused, swapped out) before
@@ -499,6 +545,8 @@ class TandemKernel(IPythonKernel):
         # the code the standbys put in their input history (None: not stored there)
         history = code if not execute_args["silent"] and execute_args["store_history"] else None
         done = Done(msg_id, self.replica_id, reply, self._count(), True, history)
+        self._settle_written()
+        effects = None
         try:
             started = time.perf_counter()
             effects = analyse_cell(code, self._registry)
@@ -513,15 +561,25 @@ class TandemKernel(IPythonKernel):
                 codec,
                 hidden=self.shell.user_ns_hidden,
                 store_seconds=(lambda: timer.write_s) if timer is not None else None,
-                defer_large=self._behind_store is not None,
+                # while the store fails, write before the reply: the attempt's outcome is then
+                # on this cell's output, not found out after it
+                defer_large=self._behind_store is not None and not self._own.backoff.failing,
                 defer_max_bytes=int(self._config.get("datastore.write_behind_max_bytes"))
                 if self._config
                 else None,
+                retry=self._own.retry_names(time.monotonic()),
+                unprotected={*self._own.names, *bridge.core.namespace.unprotected()},
             )
             plan.timings["analysis_ms"] += analysed_ms
-        except Exception:  # never leave the group waiting for a STATE that will not come
+        except Exception as exc:  # never leave the group waiting for a STATE that will not come
             log.exception("state_detection_failed")
             plan = StatePlan()
+            why = f"Tandem could not encode the cell's changes: {exc.__class__.__name__}: {exc}"
+            if effects is not None and not effects.unknown:
+                plan.unstored = dict.fromkeys(
+                    (n for n in effects.candidates() if n in self.shell.user_ns and not n.startswith("_")),
+                    why,
+                )
         for name, reason in plan.skipped.items():
             self._warn_unreplicable(name, reason)
         # with what this replica keeps in host memory for the GPU: the next executor needs it too
@@ -535,6 +593,7 @@ class TandemKernel(IPythonKernel):
         written = None
         if plan.deferred and self._behind_store is not None:  # write-behind, on the Raft thread
             written = bridge.thread.submit(complete_state(state, plan.deferred, self._behind_store, log))
+        self._settling.append((written if written is not None else state, plan.retried))
         replicated: concurrent.futures.Future[None] = concurrent.futures.Future()
         proposed_at = time.time()
         bridge.thread.call(bridge.core.finish_cell, done, state, written, replicated)
@@ -545,6 +604,10 @@ class TandemKernel(IPythonKernel):
             replicated.result(IDLE_REPLICATION_WAIT_S)
         except concurrent.futures.TimeoutError:
             log.warning("idle_before_state_committed", waited_s=IDLE_REPLICATION_WAIT_S)
+        if written is not None:  # a store that refuses writes fails at once (the open fails)
+            concurrent.futures.wait([written], timeout=self._write_outcome_wait_s)
+        self._settle_written()
+        self._warn_unprotected(log)
         timings = {k: v for k, v in plan.timings.items()}
         timings["replicate_ms"] = (time.perf_counter() - waited) * 1000
         if plan:
@@ -562,29 +625,181 @@ class TandemKernel(IPythonKernel):
         return timings
 
     async def _get_codec(self) -> ObjectCodec:
-        """The codec, with the configured data store (opened on first use; none if it fails)."""
+        """The codec, with the configured data store (opened on first use). A store that fails
+        to open is opened again on later cells, with backoff; meanwhile large objects go inline
+        in the Raft log, up to ``object_codec.MAX_INLINE_BYTES``, and larger ones are unstored."""
         if self._codec is None:
             config = self._config
-            large = DEFAULT_LARGE_OBJECT_BYTES
-            store: DataStore | None = None
-            if config is not None:
-                large = int(config.get("datastore.large_object_bytes"))
-                try:
-                    store = await open_replica_datastore(config)
-                except Exception as exc:
-                    self._slog.warning("datastore_unavailable", error=f"{exc.__class__.__name__}: {exc}")
-            if store is not None and config is not None and config.get("datastore.write_behind"):
-                bridge = self._bridge
-                try:  # its clients belong to the loop that writes: the Raft thread's
-                    self._behind_store = await bridge.call(open_replica_datastore(config)) if bridge else None
-                except Exception as exc:
-                    self._slog.warning("write_behind_unavailable", error=f"{exc.__class__.__name__}: {exc}")
-            if store is not None:
-                self._store_timer = _TimedStore(store)
-                self._codec = ObjectCodec(self._store_timer, large_object_bytes=large)  # type: ignore[arg-type]
-            else:
-                self._codec = ObjectCodec(None, large_object_bytes=large)
+            large = int(config.get("datastore.large_object_bytes")) if config else DEFAULT_LARGE_OBJECT_BYTES
+            self._codec = ObjectCodec(None, large_object_bytes=large)
+            if config is None:
+                self._codec.store_error = "no configuration"
+        if self._codec.store is None and self._config is not None and self._store_retry.due(time.monotonic()):
+            if self._store_lock is None:
+                self._store_lock = asyncio.Lock()
+            async with self._store_lock:  # a STATE applied meanwhile would open a second one
+                if self._codec.store is None and self._store_retry.due(time.monotonic()):
+                    await self._open_store(self._codec, self._config)
         return self._codec
+
+    async def _open_store(self, codec: ObjectCodec, config: Config) -> None:
+        try:
+            store = await open_replica_datastore(config)
+        except Exception as exc:
+            codec.store_error = f"{exc.__class__.__name__}: {exc}"
+            self._store_retry.failed(time.monotonic())
+            self._slog.warning("datastore_unavailable", error=codec.store_error)
+            return
+        self._store_retry.succeeded()
+        if config.get("datastore.write_behind"):
+            bridge = self._bridge
+            try:  # its clients belong to the loop that writes: the Raft thread's
+                self._behind_store = await bridge.call(open_replica_datastore(config)) if bridge else None
+            except Exception as exc:
+                self._slog.warning("write_behind_unavailable", error=f"{exc.__class__.__name__}: {exc}")
+        self._store_timer = _TimedStore(store)
+        codec.store, codec.store_error = self._store_timer, ""  # type: ignore[assignment]
+
+    # ---- no ok without durability (kernel_replica/durability.py) ------------------------------------
+    def _settle_written(self) -> None:
+        """Fold the STATE outcomes known so far into ``_own``, in cell order: a cell whose write
+        behind the reply still runs holds back the cells after it."""
+        while self._settling:
+            outcome, retried = self._settling[0]
+            if isinstance(outcome, concurrent.futures.Future):
+                if not outcome.done():
+                    return
+                if outcome.cancelled() or outcome.exception() is not None:  # complete_state never raises
+                    self._settling.popleft()
+                    continue
+                outcome = outcome.result()
+            self._settling.popleft()
+            self._own.settle(outcome, retried, time.monotonic())
+
+    def _warn_unprotected(self, log: t.Any) -> None:
+        """On the executor's cell, before its reply: the names whose latest values are only in
+        this process's memory, and why (every cell, until a write succeeds); and those that were
+        stored since the last warning, once."""
+        recovered = self._own.take_recovered()
+        if recovered and sys.stderr is not None:
+            print(protected_again(recovered), file=sys.stderr)
+            sys.stderr.flush()
+        unstored = self._own.unstored()
+        if not unstored:
+            return
+        self._schedule_repair()
+        retry_in = max(0.0, self._own.backoff.next_at - time.monotonic())
+        log.warning("state_unprotected", names=sorted(unstored), failures=self._own.backoff.failures)
+        if sys.stderr is not None:
+            print(unprotected_warning(unstored, retry_in), file=sys.stderr)
+            sys.stderr.flush()
+
+    def _schedule_repair(self) -> None:
+        """Store the unstored values in the background when the backoff allows, not only with
+        the next cell: a user who stops after the warning gets them protected all the same."""
+        if self._repair_timer is not None:
+            self._repair_timer.cancel()
+        delay = max(0.05, self._own.backoff.next_at - time.monotonic())
+        self._repair_timer = asyncio.get_running_loop().call_later(delay, self._start_repair)
+
+    def _start_repair(self) -> None:
+        self._repair_timer = None
+        if (
+            self._cells_active
+            or (self._repair_task is not None and not self._repair_task.done())
+            or (self._repair_write is not None and not self._repair_write.done())
+        ):
+            return  # the cell as it ends, or the write as it settles, schedules this again
+        self._repair_task = asyncio.ensure_future(self._repair())
+
+    async def _repair(self) -> None:
+        """One background attempt: encode the unstored names as they are now, copy the large
+        ones aside (cells wait for this, not for the write: the write must not read objects a
+        cell is changing, and a hung store must not hold cells up), write them to the store on
+        the Raft thread, and propose a repair STATE (``durability.apply_repair``) after this
+        replica's cells in flight. Once it settles, scheduled again if anything is unstored."""
+        bridge, shell = self._bridge, self.shell
+        if bridge is None or shell is None:
+            return
+        self._settle_written()
+        namespace = shell.user_ns
+        names = [name for name in self._own.retry_names(time.monotonic()) if name in namespace]
+        if not names:
+            if self._own.unstored():
+                self._schedule_repair()
+            return
+        log = self._slog.bind(retry=names)
+        behind = self._behind_store
+        try:
+            codec = await self._get_codec()
+            result = await codec.encode(
+                namespace,
+                names,
+                universe=replicable_names(namespace, shell.user_ns_hidden),
+                defer_large=behind is not None,
+            )
+            fingerprints = {name: value_fingerprint(namespace[name], namespace) for name in result.names}
+        except Exception as exc:  # never raises out of the background: it is tried again
+            log.warning("state_repair_failed", error=f"{exc.__class__.__name__}: {exc}")
+            self._own.backoff.failed(time.monotonic())
+            self._schedule_repair()
+            return
+        state = State(
+            f"repair-{uuid.uuid4().hex}",
+            self.replica_id,
+            {name: fp for name, fp in fingerprints.items() if fp is not None},
+            groups=tuple(group.to_dict() for group in result.groups),
+            unstored=result.unstored,
+            repair=True,
+        )
+        written = None
+        if result.deferred and behind is not None:
+            written = bridge.thread.submit(complete_state(state, result.deferred, behind, log))
+        bridge.thread.call(bridge.core.finish_repair, state, written)
+        self._settling.append((written if written is not None else state, tuple(names)))
+        log.info("state_repair_proposed", behind=written is not None)
+        if written is None:
+            self._repair_settled()
+        else:
+            self._repair_write = written
+            loop = asyncio.get_running_loop()
+            written.add_done_callback(lambda _: loop.call_soon_threadsafe(self._repair_settled))
+
+    def _repair_settled(self) -> None:
+        """A background attempt's outcome is known: settle it, and try again later if needed."""
+        self._settle_written()
+        unstored = self._own.unstored()
+        self._slog.info("state_repair_settled", unstored=sorted(unstored))
+        if unstored:
+            self._schedule_repair()
+
+    def _tell_missing(self, bridge: RaftBridge) -> None:
+        """Before the executor runs a cell: the names the previous executor could not get into
+        the log, which this replica therefore lacks or holds an older value of, and those the
+        log has but this replica could not load; each once, on the cell's stderr."""
+        self._settle_written()
+        missing = missing_here(bridge.core.namespace.unprotected(), self._own.names, self._told)
+        not_loaded = {n: why for n, why in self._not_loaded.items() if (n, why) not in self._told}
+        if (not missing and not not_loaded) or self.shell is None:
+            return
+        self._told.update((name, marker.msg_id) for name, marker in missing.items())
+        self._told.update(not_loaded.items())
+        self._slog.warning("state_missing_here", names=sorted({*missing, *not_loaded}))
+        if sys.stderr is not None:
+            print(missing_notice(missing, not_loaded, self.shell.user_ns, self.replica_id), file=sys.stderr)
+            sys.stderr.flush()
+
+    async def _load_again(self, bridge: RaftBridge, log: t.Any) -> None:
+        """Load the logged values of names that failed to load here (a store that was down)."""
+        names = list(self._not_loaded)
+        imports, groups = bridge.core.namespace.contents_of(names)
+        logged = {alias for alias, _ in imports} | {n for _, kept in groups for n in kept}
+        for name in names:
+            if name not in logged:  # the log holds no value of it any more: nothing to load
+                self._not_loaded.pop(name, None)
+        if imports or groups:
+            self._chain_apply("load_again", imports, [(g, kept) for g, kept in groups], [])
+            await self._state_applied(log)
 
     def _replicated_digests(self, bridge: RaftBridge) -> dict[str, bytes]:
         """What the log will hold once this process's in-flight STATE entries commit: compare
@@ -646,9 +861,32 @@ class TandemKernel(IPythonKernel):
         executed here waits for it, ``_state_applied``)."""
         if self.shell is None:
             return
+        if state.repair:  # values its executor stored after their cell: only those it still held
+            if state.groups:
+                self._chain_apply(state.msg_id, [], [(g, list(g["names"])) for g in state.groups], [])
+            return
         self._residency.adopt(state.gpu_resident)  # its GPU objects are ours when we execute next
         groups = [(g, None) for g in state.groups]
         self._chain_apply(state.msg_id, list(state.imports), groups, list(state.deleted), time.time())
+        if state.replica_id != self.replica_id and self._bridge is not None:
+            self._yield_unprotected(self._bridge)
+
+    def _yield_unprotected(self, bridge: RaftBridge) -> None:
+        """Another replica executed after this one and told its user what it lacked (its STATE
+        cleared the marks): values only this process could not store are not the notebook's any
+        more. Put the log's values of those names back (or remove them), so this replica agrees
+        with the others when it executes again, and stop retrying them. Unpicklable values are
+        left alone: no replica can have them, and the user was told so when they were made."""
+        self._settling.clear()  # earlier cells of this process: all applied before this STATE
+        names = sorted(self._own.unstored())
+        self._own.drop_all()
+        if not names or self.shell is None:
+            return
+        imports, groups = bridge.core.namespace.contents_of(names)
+        logged = {alias for alias, _ in imports} | {n for _, kept in groups for n in kept}
+        gone = [name for name in names if name not in logged]
+        self._slog.info("unprotected_values_dropped", names=names)
+        self._chain_apply("unprotected", imports, [(g, kept) for g, kept in groups], gone)
 
     def _load_namespace(self, contents: t.Any) -> None:
         """A snapshot was restored: rebuild the namespace from it (the log replays the rest), and
@@ -690,7 +928,9 @@ class TandemKernel(IPythonKernel):
         codec: ObjectCodec | None = None
         try:
             codec = await self._get_codec()
-            failures = await apply_state(self.shell.user_ns, codec, imports, groups, deleted)
+            failures = await apply_state(
+                self.shell.user_ns, codec, imports, groups, deleted, self._not_loaded
+            )
         except Exception as exc:
             failures = [f"{exc.__class__.__name__}: {exc}"]
         self.apply_ms.append((time.perf_counter() - started) * 1000)

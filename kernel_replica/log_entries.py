@@ -119,13 +119,21 @@ class State:
     digests: dict[str, bytes] = field(default_factory=dict)
     namespace: bytes = b""
     deleted: tuple[str, ...] = ()
-    # name -> why it could not be replicated (unpicklable, too large); kept for the record.
+    # name -> why it could not be replicated (unpicklable); the next executor names it as missing.
     skipped: dict[str, str] = field(default_factory=dict)
     groups: tuple[dict[str, Any], ...] = ()
     imports: tuple[tuple[str, str], ...] = ()
     # (name, path, kind) of what the executor keeps in host memory for the GPU between cells
     # (kernel_replica/device_residency.py): the next executor moves the same objects to its GPU
     gpu_resident: tuple[GpuResident, ...] = ()
+    # name -> why its new value could not be stored (the data store failed, or it is too large
+    # for the Raft log): the value lives only in the executor's memory, which retries. Committed
+    # so that any other replica that executes next can tell its user exactly what it lacks.
+    unstored: dict[str, str] = field(default_factory=dict)
+    # Not a cell's STATE: the executor stored, after the cell, values it had left unstored
+    # (``msg_id`` is its own id for the attempt). Replicas take from it only the names still
+    # marked as held by ``replica_id`` (``state_sync.ReplicatedNamespace.apply``).
+    repair: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +188,10 @@ def encode(entry: LogEntry) -> bytes:
             }
             if entry.gpu_resident:
                 body["gr"] = encode_gpu_resident(entry.gpu_resident)
+            if entry.unstored:
+                body["us"] = entry.unstored
+            if entry.repair:
+                body["rp"] = True
         case _:
             raise TypeError(f"not a log entry: {type(entry).__name__}")
     body["t"] = ENTRY_VERSION
@@ -243,7 +255,7 @@ def decode(data: bytes) -> LogEntry:
             raise LogEntryError("DONE: 'l' (claims the LEAD) must be a bool")
         return Done(msg_id, replica_id, content, count, follows, code, claims_lead)
     digests, blob = raw.get("dg", {}), raw.get("ns", b"")
-    deleted, skipped = raw.get("d", []), raw.get("sk", {})
+    deleted, skipped, unstored = raw.get("d", []), raw.get("sk", {}), raw.get("us", {})
     if not isinstance(digests, dict) or not all(
         isinstance(k, str) and isinstance(v, bytes) for k, v in digests.items()
     ):
@@ -256,6 +268,13 @@ def decode(data: bytes) -> LogEntry:
         isinstance(k, str) and isinstance(v, str) for k, v in skipped.items()
     ):
         raise LogEntryError("STATE: 'sk' must map names to reasons")
+    if not isinstance(unstored, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in unstored.items()
+    ):
+        raise LogEntryError("STATE: 'us' must map names to reasons")
+    repair = raw.get("rp", False)
+    if not isinstance(repair, bool):
+        raise LogEntryError("STATE: 'rp' (a repair) must be a bool")
     groups, imports = raw.get("g", []), raw.get("im", [])
     if not isinstance(groups, list) or not all(
         isinstance(g, dict) and isinstance(g.get("names"), list) and isinstance(g.get("sizes"), list)
@@ -277,6 +296,8 @@ def decode(data: bytes) -> LogEntry:
         tuple(groups),
         tuple((alias, stmt) for alias, stmt in imports),
         resident,
+        unstored,
+        repair,
     )
 
 

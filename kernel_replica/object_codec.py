@@ -41,6 +41,10 @@ except ImportError:  # pragma: no cover - torch is a project dependency
     torch = None  # type: ignore[assignment]
 
 DEFAULT_LARGE_OBJECT_BYTES = 1024 * 1024
+# Without a data store a large group travels inline in the Raft log, up to this: a Raft frame is
+# refused beyond 256 MiB (shared/raft/codec.py), and entries this big would stall every peer's
+# log and snapshot. A larger group is left unstored (``EncodeResult.unstored``) instead.
+MAX_INLINE_BYTES = 64 * 1024 * 1024
 _HEAP_MAX_BYTES = 32 * 1024 * 1024
 _COPY_SLICE_BYTES = 64 * 1024 * 1024
 FORMAT = "tandem-pickle5/1"
@@ -104,6 +108,9 @@ class EncodeResult:
     # encode(defer_large=True): group index -> a private copy of its payload, still to be written
     # to the store (the group has neither inline bytes nor a pointer until then)
     deferred: dict[int, memoryview] = field(default_factory=dict)
+    # name -> why its group could not be stored (store write failed, too large to go inline
+    # without a store): not in ``groups``, so not replicated; the executor retries it later
+    unstored: dict[str, str] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -376,6 +383,11 @@ def memo_pass(value: Any, namespace: Mapping[str, Any] | None = None) -> set[Any
     return pickler.finish()
 
 
+def store_failure(exc: BaseException) -> str:
+    """The reason recorded for a group whose data store write failed."""
+    return f"data store write failed: {exc.__class__.__name__}: {exc}"
+
+
 def _describe(value: Any, exc: BaseException) -> str:
     return f"{type(value).__module__}.{type(value).__qualname__} is not picklable: {exc.__class__.__name__}: {exc}"
 
@@ -421,10 +433,17 @@ class ObjectCodec:
     """
 
     def __init__(
-        self, store: DataStore | None, *, large_object_bytes: int = DEFAULT_LARGE_OBJECT_BYTES
+        self,
+        store: DataStore | None,
+        *,
+        large_object_bytes: int = DEFAULT_LARGE_OBJECT_BYTES,
+        max_inline_bytes: int = MAX_INLINE_BYTES,
     ) -> None:
         self.store = store
         self.large_object_bytes = large_object_bytes
+        self.max_inline_bytes = max_inline_bytes
+        # why there is no store (its open failed), for the reason given when a group is unstored
+        self.store_error = ""
         self._reach: dict[str, set[Any]] = {}
 
     def forget(self, names: Iterable[str]) -> None:
@@ -517,7 +536,9 @@ class ObjectCodec:
         of written: a memory copy is much faster than a store write, and once it is taken the
         next cell may change the live objects while the copy is written in the background. The
         copy doubles the group's memory, so at most ``defer_max_bytes`` (None: no limit) are
-        copied aside per call; larger groups are streamed to the store here."""
+        copied aside per call; larger groups are streamed to the store here. A group whose write
+        fails, or that is too large to go inline when there is no store, is left out and its
+        names reported in ``unstored``: the other groups of the cell are still replicated."""
         plan, skipped, singles = self._plan(namespace, names, universe)
         result = EncodeResult(skipped=skipped)
         deferred_bytes = 0
@@ -532,14 +553,23 @@ class ObjectCodec:
                 continue
             views = _views(pickled, buffers)
             sizes = tuple(v.nbytes for v in views)
-            if sum(sizes) < self.large_object_bytes or self.store is None:
+            total = sum(sizes)
+            if total < self.large_object_bytes or (self.store is None and total <= self.max_inline_bytes):
                 result.groups.append(EncodedGroup(group, sizes, inline=b"".join(views)))
-            elif defer_large and (defer_max_bytes is None or deferred_bytes + sum(sizes) <= defer_max_bytes):
-                deferred_bytes += sum(sizes)
+            elif self.store is None:
+                why = f"{total} bytes is too large for the Raft log (at most {self.max_inline_bytes})"
+                why += f" and there is no data store ({self.store_error or 'none configured'})"
+                result.unstored.update(dict.fromkeys(group, why))
+            elif defer_large and (defer_max_bytes is None or deferred_bytes + total <= defer_max_bytes):
+                deferred_bytes += total
                 result.deferred[len(result.groups)] = copy_aside(views)
                 result.groups.append(EncodedGroup(group, sizes))
             else:
-                ref = await self.store.put_stream(views, size_hint=sum(sizes))
+                try:
+                    ref = await self.store.put_stream(views, size_hint=total)
+                except Exception as exc:  # the store's error, whatever its backend: this group only
+                    result.unstored.update(dict.fromkeys(group, store_failure(exc)))
+                    continue
                 result.groups.append(EncodedGroup(group, sizes, pointer=ref.to_dict()))
         return result
 

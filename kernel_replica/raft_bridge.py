@@ -498,9 +498,9 @@ class ReplicaCore:
         self._applying_live = self._replayed_through is not None and entry.index > self._replayed_through
         try:
             events = self.book.apply(decoded)
-            for event in events:  # the namespace is the state machine's too: applied before the rest
-                if isinstance(event, StateAccepted):
-                    self.namespace.apply(event.state)
+            for i, event in enumerate(events):  # the namespace is the state machine's too: applied first
+                if isinstance(event, StateAccepted):  # as every replica applies it (a repair narrowed)
+                    events[i] = StateAccepted(self.namespace.apply(event.state))
         except Exception:
             self._log.critical(
                 "log_entry_not_applied", index=entry.index, kind=type(decoded).__name__, exc_info=True
@@ -1041,6 +1041,30 @@ class ReplicaCore:
             if not tail.done():
                 tail.set_result(None)
             self._wake_state_waiters()
+
+    def finish_repair(self, state: State, written: concurrent.futures.Future[State] | None = None) -> None:
+        """Propose a repair STATE (values stored after their cell, ``durability.apply_repair``)
+        after this replica's cells still in flight, as their STATEs are ordered: what it carries
+        is newer than any of them. ``written``: the STATE to propose instead, once its values are
+        in the data store (as ``finish_cell``'s). Call on the Raft thread."""
+        previous = self._finish_tail
+        tail: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._finish_tail = tail
+
+        async def run(state: State) -> None:
+            try:
+                if previous is not None and not previous.done():
+                    await asyncio.shield(previous)
+                if written is not None:
+                    state = await asyncio.wrap_future(written)
+                await self.propose(state)
+            except RaftError as exc:
+                self._log.warning("repair_not_replicated", msg_id=state.msg_id, error=str(exc))
+            finally:
+                if not tail.done():
+                    tail.set_result(None)
+
+        self._spawn(run(state))
 
     def _vote_later(self, msg_id: str, winner: str) -> None:
         if not self.settings.propose_votes:

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Collection, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,9 +30,10 @@ import msgpack
 import xxhash
 
 from kernel_replica.cell_analysis import CellEffects, ImportRecord, names_to_check
+from kernel_replica.durability import Marker, apply_markers, apply_repair
 from kernel_replica.fingerprint import fingerprint
 from kernel_replica.log_entries import GpuResident, State, decode_gpu_resident, encode_gpu_resident
-from kernel_replica.object_codec import EncodedGroup, ObjectCodec, dumps
+from kernel_replica.object_codec import EncodedGroup, ObjectCodec, dumps, store_failure
 from shared.config import Config
 from shared.datastore import DataStore, open_datastore
 
@@ -107,9 +108,11 @@ class StatePlan:
     skipped: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     deferred: dict[int, memoryview] = field(default_factory=dict)  # group index -> payload to write
+    unstored: dict[str, str] = field(default_factory=dict)  # changed, but the store write failed
+    retried: tuple[str, ...] = ()  # unstored names of earlier cells encoded again by this one
 
     def __bool__(self) -> bool:
-        return bool(self.groups or self.imports or self.deleted)
+        return bool(self.groups or self.imports or self.deleted or self.unstored)
 
     def state(self, msg_id: str, replica_id: str, gpu_resident: tuple[GpuResident, ...] = ()) -> State:
         """The STATE entry; ``gpu_resident``: what the executor keeps in host memory for the GPU."""
@@ -123,6 +126,7 @@ class StatePlan:
             tuple(self.groups),
             tuple(self.imports),
             gpu_resident,
+            dict(self.unstored),
         )
 
     def nbytes(self) -> int:
@@ -139,6 +143,8 @@ async def plan_state(
     store_seconds: Any = None,
     defer_large: bool = False,
     defer_max_bytes: int | None = None,
+    retry: Collection[str] = (),
+    unprotected: Collection[str] = (),
 ) -> StatePlan:
     """The executor's side of step 7: which names changed, and their encoded groups.
 
@@ -146,13 +152,19 @@ async def plan_state(
     returning the seconds spent writing to the data store so far (to split encode time).
     ``defer_large``: groups for the data store are copied aside (``StatePlan.deferred``) for
     ``complete_state`` to write after the reply, instead of being written here (at most
-    ``defer_max_bytes`` of them per cell: the copy doubles their memory)."""
+    ``defer_max_bytes`` of them per cell: the copy doubles their memory). ``retry``: names an
+    earlier cell could not store, encoded again whatever their fingerprint says (the next
+    attempt). ``unprotected``: names the log holds no current value of (unstored, unpicklable);
+    one that is gone from the namespace is listed as deleted, so no later executor reports it
+    missing."""
     plan = StatePlan()
     started = time.perf_counter()
     replicable = replicable_names(namespace, hidden)
     replicable_set = set(replicable)
     check = names_to_check(effects, namespace, replicated=replicated, shared_with=codec.sharing())
     check = {name for name in check if name in replicable_set or name in replicated}
+    retrying = {name for name in retry if name in replicable_set}
+    check |= retrying
     module_aliases: set[str] = set()
     for record in effects.imported:
         try:
@@ -171,7 +183,7 @@ async def plan_state(
         if isinstance(namespace[record.alias], types.ModuleType):
             module_aliases.add(record.alias)  # replayed, not pickled
             plan.fingerprints[record.alias] = import_fingerprint(statement)
-    plan.deleted = sorted(name for name in replicated if name not in replicable_set)
+    plan.deleted = sorted(name for name in {*replicated, *unprotected} if name not in replicable_set)
     plan.timings["analysis_ms"] = (time.perf_counter() - started) * 1000
 
     started = time.perf_counter()
@@ -185,7 +197,7 @@ async def plan_state(
         ):
             continue  # still the imported module (its attributes are not replicated state)
         fps[name] = value_fingerprint(namespace[name], namespace)
-        if fps[name] is None or fps[name] != replicated.get(name):
+        if fps[name] is None or fps[name] != replicated.get(name) or name in retrying:
             changed.append(name)
     plan.timings["fingerprint_ms"] = (time.perf_counter() - started) * 1000
 
@@ -199,6 +211,8 @@ async def plan_state(
         plan.groups = [group.to_dict() for group in result.groups]
         plan.deferred = result.deferred
         plan.skipped = {s.name: s.reason for s in result.skipped}
+        plan.unstored = dict(result.unstored)
+        plan.retried = tuple(sorted(retrying & set(changed)))
         for name in result.names:
             fp = fps[name] if name in fps else value_fingerprint(namespace[name], namespace)
             if fp is not None:
@@ -215,8 +229,10 @@ async def complete_state(
     """Write-behind (``datastore.write_behind``), on the Raft thread after the reply: write each
     copied-aside group to the data store and put its pointer into the STATE entry, which is only
     proposed then (a standby must never see a pointer to an object not yet written). A group
-    whose write fails is left out with its names, fingerprints included, so the next executor
-    sends them again; the standbys keep their previous values meanwhile. Never raises."""
+    whose write fails is left out with its names, fingerprints included, and they are listed
+    in ``unstored`` with the reason: the executor retries them, and any other replica that
+    executes next tells its user they are missing. The standbys keep their previous values
+    meanwhile. Never raises."""
     groups = list(state.groups)
     failed: dict[int, str] = {}
     for index, payload in sorted(deferred.items()):
@@ -224,7 +240,7 @@ async def complete_state(
         try:
             ref = await store.put_stream([payload], size_hint=payload.nbytes)
         except Exception as exc:
-            failed[index] = f"{exc.__class__.__name__}: {exc}"
+            failed[index] = store_failure(exc)
             log.warning("state_write_failed", names=groups[index]["names"], reason=failed[index])
             continue
         groups[index] = {**groups[index], "pointer": ref.to_dict()}
@@ -241,7 +257,7 @@ async def complete_state(
         state,
         groups=tuple(group for index, group in enumerate(groups) if index not in failed),
         digests={name: fp for name, fp in state.digests.items() if name not in lost},
-        skipped={**state.skipped, **{name: f"data store write failed: {why}" for name, why in lost.items()}},
+        unstored={**state.unstored, **lost},
     )
 
 
@@ -279,15 +295,29 @@ def star_imported(record: ImportRecord, namespace: Mapping[str, Any], replicable
     )
 
 
-def replay_imports(namespace: dict[str, Any], imports: Iterable[tuple[str, str]]) -> list[str]:
+def replay_imports(
+    namespace: dict[str, Any], imports: Iterable[tuple[str, str]], not_loaded: dict[str, str] | None = None
+) -> list[str]:
     """Run import statements in ``namespace``, each distinct one once (a star import stands for
-    every name it binds); returns the failures ("stmt: error")."""
+    every name it binds); returns the failures ("stmt: error"), and records each failed alias
+    in ``not_loaded`` (a successful one is removed from it)."""
     failures = []
-    for statement in dict.fromkeys(statement for _alias, statement in imports):
+    aliases: dict[str, list[str]] = {}
+    for alias, statement in imports:
+        aliases.setdefault(statement, []).append(alias)
+    for statement, names in aliases.items():
         try:
             exec(statement, namespace)  # an import statement the executor ran
         except Exception as exc:
             failures.append(f"{statement}: {exc.__class__.__name__}: {exc}")
+            if not_loaded is not None:
+                not_loaded.update(
+                    dict.fromkeys(names, f"{statement!r} failed: {exc.__class__.__name__}: {exc}")
+                )
+            continue
+        if not_loaded is not None:
+            for name in names:
+                not_loaded.pop(name, None)
     return failures
 
 
@@ -297,24 +327,42 @@ async def apply_state(
     imports: Iterable[tuple[str, str]],
     groups: Iterable[tuple[Mapping[str, Any], Iterable[str] | None]],
     deleted: Iterable[str] = (),
+    not_loaded: dict[str, str] | None = None,
 ) -> list[str]:
     """A standby's side: replay imports, decode groups in log order (taking ``names`` of each, or
-    all when None), then drop ``deleted``. Returns the failures (the rest is still applied)."""
-    failures = replay_imports(namespace, imports)
+    all when None), then drop ``deleted``. Returns the failures (the rest is still applied).
+    ``not_loaded``: name -> why this replica lacks the log's value of it, kept up to date (a
+    name loaded or deleted later leaves it), so that it can be loaded again or told."""
+    failures = replay_imports(namespace, imports, not_loaded)
     for raw, names in groups:
         try:
             group = EncodedGroup.from_dict(raw)
             values = await codec.decode(group, namespace)
         except Exception as exc:  # e.g. a module missing on this host, a store unreachable
             failures.append(f"{', '.join(raw.get('names', ()))}: {exc.__class__.__name__}: {exc}")
+            if not_loaded is not None:
+                why = f"could not be loaded here: {exc.__class__.__name__}: {exc}"
+                not_loaded.update(dict.fromkeys(raw.get("names", ()) if names is None else names, why))
             continue
-        if names is None:
-            namespace.update(values)
-        else:
-            namespace.update({name: values[name] for name in names if name in values})
+        taken = values if names is None else {name: values[name] for name in names if name in values}
+        namespace.update(taken)
+        if not_loaded is not None:
+            for name in taken:
+                not_loaded.pop(name, None)
     for name in deleted:
         namespace.pop(name, None)
+        if not_loaded is not None:
+            not_loaded.pop(name, None)
     return failures
+
+
+def _markers(raw: Any) -> dict[str, Marker]:
+    if not isinstance(raw, dict) or not all(
+        isinstance(name, str) and isinstance(m, list) and len(m) == 3 and all(isinstance(f, str) for f in m)
+        for name, m in raw.items()
+    ):
+        raise ValueError("namespace snapshot 'up' must map names to [reason, msg_id, replica_id]")
+    return {name: Marker(*fields) for name, fields in raw.items()}
 
 
 class ReplicatedNamespace:
@@ -334,10 +382,18 @@ class ReplicatedNamespace:
         # what the last executor keeps in host memory for the GPU (its latest STATE's list), so
         # that a replica restored from a snapshot brings the same objects to its GPU
         self._gpu_resident: tuple[GpuResident, ...] = ()
+        # names whose latest value is not in the log (durability.Marker): who holds it and why
+        self._unprotected: dict[str, Marker] = {}
 
-    def apply(self, state: State) -> None:
+    def apply(self, state: State) -> State:
+        """Apply a committed STATE; returns it as every replica must apply it to its namespace
+        (a repair narrowed to the names it still protects: ``durability.apply_repair``)."""
         with self._lock:
-            self._gpu_resident = state.gpu_resident
+            if state.repair:
+                self._unprotected, state = apply_repair(self._unprotected, state)
+            else:
+                self._unprotected = apply_markers(self._unprotected, state)
+                self._gpu_resident = state.gpu_resident
             for alias, statement in state.imports:
                 self._records[alias] = ("i", statement)
             for group in state.groups:
@@ -351,6 +407,7 @@ class ReplicatedNamespace:
                 self._fps.pop(name, None)
                 self._records.pop(name, None)
             self._collect()
+        return state
 
     def _collect(self) -> None:
         live = {value for kind, value in self._records.values() if kind == "g"}
@@ -376,6 +433,22 @@ class ReplicatedNamespace:
         with self._lock:
             return self._gpu_resident
 
+    def unprotected(self) -> dict[str, Marker]:
+        """Names whose latest value never reached the log, as committed (``durability``)."""
+        with self._lock:
+            return dict(self._unprotected)
+
+    def contents_of(
+        self, names: Collection[str]
+    ) -> tuple[list[tuple[str, str]], list[tuple[dict[str, Any], list[str]]]]:
+        """``contents`` restricted to ``names``: what puts the log's values of them back."""
+        imports, groups = self.contents()
+        wanted = set(names)
+        return (
+            [(alias, stmt) for alias, stmt in imports if alias in wanted],
+            [(group, kept) for group, names_of in groups if (kept := [n for n in names_of if n in wanted])],
+        )
+
     def to_snapshot(self) -> bytes:
         with self._lock:
             return msgpack.packb(
@@ -385,6 +458,7 @@ class ReplicatedNamespace:
                     "groups": [[gid, group] for gid, group in sorted(self._groups.items())],
                     "next": self._next_group,
                     "gr": encode_gpu_resident(self._gpu_resident),
+                    "up": {name: list(marker) for name, marker in self._unprotected.items()},
                 },
                 use_bin_type=True,
             )
@@ -393,13 +467,25 @@ class ReplicatedNamespace:
         """Replace the contents with a ``to_snapshot``'s; ValueError (nothing replaced) if malformed."""
         parsed = self.parse_snapshot(data)
         with self._lock:
-            self._fps, self._records, self._groups, self._next_group, self._gpu_resident = parsed
+            (
+                self._fps,
+                self._records,
+                self._groups,
+                self._next_group,
+                self._gpu_resident,
+                self._unprotected,
+            ) = parsed
 
     @staticmethod
     def parse_snapshot(
         data: bytes,
     ) -> tuple[
-        dict[str, bytes], dict[str, tuple[str, Any]], dict[int, dict[str, Any]], int, tuple[GpuResident, ...]
+        dict[str, bytes],
+        dict[str, tuple[str, Any]],
+        dict[int, dict[str, Any]],
+        int,
+        tuple[GpuResident, ...],
+        dict[str, Marker],
     ]:
         """A snapshot's contents, checked (no import is run, nothing is unpickled here: that is
         the kernel's, when it loads the namespace); ValueError naming what is malformed."""
@@ -441,4 +527,5 @@ class ReplicatedNamespace:
         if type(next_group) is not int or next_group <= max(parsed_groups, default=-1):
             raise ValueError("namespace snapshot 'next' must be an int above every group id")
         gpu_resident = decode_gpu_resident(raw.get("gr", []), "namespace snapshot 'gr'")  # a ValueError
-        return dict(fps), parsed_records, parsed_groups, next_group, gpu_resident
+        unprotected = _markers(raw.get("up", {}))  # a ValueError
+        return dict(fps), parsed_records, parsed_groups, next_group, gpu_resident, unprotected

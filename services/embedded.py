@@ -31,6 +31,7 @@ import structlog
 from services.cluster_file import CLUSTER_FILE, ClusterNotRunning, ask_sync, pid_alive, read_cluster
 from shared import messages
 from shared.config import Config
+from shared.private_files import open_private_file, private_dir
 from shared.rpc import RpcError, RpcTimeout
 from shared.security import curve
 
@@ -135,11 +136,12 @@ class EmbeddedCluster:
 
     def start(self) -> dict[str, Any]:
         """Bring every service up and write cluster.json; on any failure stop what started."""
-        # namespaces (Raft WAL, data store), history and logs live below: this user's only
-        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # namespaces (Raft WAL, data store), history and logs live below: this user's only. An
+        # existing directory is the operator's: told about, not changed.
+        private_dir(self.state_dir, tighten=False)
         if self.state_dir.stat().st_mode & 0o077:
             log.warning("state_dir_readable_by_others", state_dir=str(self.state_dir), hint="chmod 700 it")
-        self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(self.log_dir, tighten=False)
         with contextlib.suppress(ClusterNotRunning):
             running = read_cluster(self.state_dir)
             raise ClusterStartError(
@@ -220,7 +222,7 @@ class EmbeddedCluster:
 
     def _spawn(self, name: str, args: list[str], *, critical: bool) -> Child:
         child = Child(name, [self.python, *args], self.log_dir / f"{name}.log", critical)
-        child.log_file = open(child.log_path, "ab")  # noqa: SIM115 - lives as long as the child
+        child.log_file = open_private_file(child.log_path, "ab")  # lives as long as the child
         # Children resolve the state dir as $TANDEM_STATE_DIR before configuration: an inherited
         # value (another cluster's) must not win over this cluster's --state-dir.
         env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_STATE_DIR=str(self.state_dir))

@@ -28,6 +28,7 @@ from typing import Protocol
 import structlog
 
 from shared.config import Config
+from shared.private_files import open_private_file, private_dir, write_private
 from shared.security import curve
 
 log = structlog.get_logger("host_provider")
@@ -164,11 +165,11 @@ class LocalProcessHostProvider:
         pids = {**self._adopted, **{h: p.pid for h, p in self._processes.items()}}
         tmp = self.hosts_file.with_suffix(".tmp")
         with contextlib.suppress(OSError):
-            tmp.write_text(json.dumps(pids))
+            write_private(tmp, json.dumps(pids))
             os.replace(tmp, self.hosts_file)
 
     async def provision(self, count: int) -> list[str]:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.log_dir)
         started: list[str] = []
         for _ in range(count):
             host_id = f"host-{self._next_index}"
@@ -183,7 +184,7 @@ class LocalProcessHostProvider:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             repo_root = str(Path(__file__).resolve().parents[1])
             env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
-            with open(self.log_dir / f"{host_id}.log", "ab") as out:
+            with open_private_file(self.log_dir / f"{host_id}.log", "ab") as out:
                 process = await asyncio.create_subprocess_exec(
                     *argv,
                     stdin=asyncio.subprocess.DEVNULL,

@@ -155,6 +155,15 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # At most this many bytes per cell are copied aside (the copy doubles their memory); a
         # larger model or dataset is streamed to the store before the next cell, held once.
         "write_behind_max_bytes": 536_870_912,
+        # A value the store could not take stays in the executor's memory, unprotected (the cell
+        # says so on its stderr); later cells store it again, at first after retry_initial_s,
+        # then doubling up to retry_max_s between attempts while the store keeps failing.
+        "retry_initial_s": 1.0,
+        "retry_max_s": 60.0,
+        # The reply of a cell whose large objects are written behind it waits this much longer
+        # than its DONE commit for the write's outcome: a store that refuses writes fails within
+        # it, and the cell that made the object then says so itself (not the next one).
+        "write_outcome_wait_s": 0.005,
     },
     "simulator": {
         # `tandem sim` (shared/simulator): the discrete-event model's costs and cluster. Times are

@@ -148,7 +148,8 @@ def missing_services() -> list[str]:
 def start_cluster(state_dir: Path, *extra: str) -> ClusterHandle:
     """Run ``tandem up`` in the background and wait for its cluster.json."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    out = open(state_dir / "tandem-up.out", "wb")  # noqa: SIM115 - closed by stop_cluster
+    # closed by stop_cluster; 0600 like everything else in a state dir (tests/security/test_file_modes.py)
+    out = os.fdopen(os.open(state_dir / "tandem-up.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--state-dir", str(state_dir), "--log-format", "json", *extra],
         stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,

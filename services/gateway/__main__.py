@@ -16,6 +16,7 @@ import structlog
 import zmq.asyncio
 
 from services.gateway.service import Gateway
+from shared.private_files import write_private
 from shared.runner import run_service
 from shared.service_cli import add_common_arguments, setup
 
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             address = await gateway.start(cfg.get("gateway.api_address"))
             if args.address_file:
                 tmp = Path(args.address_file + ".tmp")
-                tmp.write_text(address)
+                write_private(tmp, address)
                 os.replace(tmp, args.address_file)
             await stop.wait()
         finally:

@@ -25,6 +25,7 @@ import zmq.asyncio
 from jupyter_core.paths import secure_write
 
 from shared.jupyter_wire import DELIMITER
+from shared.private_files import open_private_file, private_dir
 from shared.raft.tls import IDENTITY_ENV, MemberIdentity
 from shared.security import curve
 from shared.zmq_drain import DrainingSocket
@@ -141,7 +142,7 @@ class ReplicaProcess:
         repo_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
         env.update(self._replica_env())
-        with open(self.log_file, "ab") as out:
+        with open_private_file(self.log_file, "ab") as out:
             self.process = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -179,7 +180,7 @@ class ReplicaProcess:
             # A fresh replica (a new kernel, or a restart under the same kernel id) must not
             # recover the Raft log of a previous incarnation that happened to use this path.
             shutil.rmtree(self.data_dir, ignore_errors=True)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)  # its Raft WAL holds the notebook's variables; its history, the code
         self._write_connection_file()
 
     def _replica_env(self) -> dict[str, str]:

@@ -35,6 +35,7 @@ from shared.policies.prewarm import (
     PrewarmPolicy,
     reconcile,
 )
+from shared.private_files import open_private_file, private_dir
 
 log = structlog.get_logger("warm_pool")
 
@@ -69,8 +70,8 @@ class WarmRuntime:
         argv = [python, "-m", "kernel_replica.warm", *(x for name in imports for x in ("--import", name))]
         if setpriv is not None:
             argv = [setpriv, "--pdeathsig", "TERM", *argv]  # dies with this local scheduler
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_file, "ab") as err:
+        private_dir(log_file.parent)
+        with open_private_file(log_file, "ab") as err:
             process = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.PIPE,

@@ -19,6 +19,7 @@ from shared.datastore.base import DEFAULT_CACHE_BYTES, DEFAULT_CHUNK_BYTES, Data
 from shared.datastore.chunking import HashingStream
 from shared.datastore.errors import CorruptObject, DataStoreUnavailable, ObjectNotFound
 from shared.datastore.keys import ChecksumVerifier, ContentId, object_path
+from shared.private_files import open_private, private_dir
 
 # Temp files older than this belong to a writer that died; swept when a store opens.
 _STALE_TMP_S = 3600.0
@@ -59,8 +60,8 @@ class LocalStore(DataStore):
         self.root = Path(root).expanduser()
         self.fsync = fsync
         try:
-            (self.root / "objects").mkdir(parents=True, exist_ok=True)
-            (self.root / "tmp").mkdir(exist_ok=True)
+            private_dir(self.root / "objects")  # the notebooks' large variables: 0700/0600
+            private_dir(self.root / "tmp")
         except OSError as exc:
             raise DataStoreUnavailable(f"datastore local: cannot use directory {self.root}: {exc}") from exc
         self._sweep_tmp()
@@ -76,7 +77,7 @@ class LocalStore(DataStore):
 
     def _open_tmp(self) -> tuple[Path, int]:
         path = self.root / "tmp" / f"{uuid.uuid4().hex}.part"
-        return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        return path, open_private(path, os.O_WRONLY | os.O_EXCL)
 
     def _publish(self, fd: int, tmp: Path, key: str) -> None:
         """fsync, then rename into place; if the content is already there, drop the duplicate."""
@@ -89,7 +90,7 @@ class LocalStore(DataStore):
         if final.exists():
             tmp.unlink(missing_ok=True)
             return
-        final.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(final.parent)
         os.replace(tmp, final)
         if self.fsync:
             _fsync_dir(final.parent)

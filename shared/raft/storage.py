@@ -71,6 +71,7 @@ from typing import Any
 import msgpack
 import structlog
 
+from shared.private_files import open_private, private_dir
 from shared.raft.codec import (
     entry_from_wire,
     hard_state_from_wire,
@@ -176,7 +177,7 @@ class Storage:
         logger: Any = None,
     ) -> None:
         self._dir = Path(directory)
-        self._dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self._dir)  # the log and snapshots hold the application's state (0700/0600)
         self._segment_bytes = segment_bytes
         self._fsync = fsync  # fdatasync WAL appends; off: the directory is fenced by the boot id
         self._boot_id = boot_id
@@ -331,7 +332,7 @@ class Storage:
         payload = msgpack.packb([snapshot_meta_to_wire(meta), snapshot.data], use_bin_type=True)
         path = self._snapshot_path(meta.index, meta.term)
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
+        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as f:
             f.write(SNAP_MAGIC + HEADER.pack(len(payload), zlib.crc32(payload)))
             f.write(payload)
             f.flush()
@@ -435,7 +436,7 @@ class Storage:
         path = self._segment_path(seq)
         tmp = path.with_name(path.name + ".tmp")
         body = WAL_MAGIC + b"".join(HEADER.pack(len(p), zlib.crc32(p)) + p for p in payloads)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
         try:
             os.write(fd, body)
             os.fsync(fd)
@@ -472,7 +473,7 @@ class Storage:
         if written is None:
             fence = self._dir / FENCE_FILE
             tmp = fence.with_name(FENCE_FILE + ".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)
             try:
                 os.write(fd, now.encode() + b"\n")
                 os.fsync(fd)
