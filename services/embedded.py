@@ -31,7 +31,7 @@ import structlog
 from services.cluster_file import CLUSTER_FILE, ClusterNotRunning, ask_sync, pid_alive, read_cluster
 from shared import messages
 from shared.config import Config
-from shared.private_files import open_private_file, private_dir
+from shared.private_files import open_private_file, private_dir, write_private
 from shared.rpc import RpcError, RpcTimeout
 from shared.security import curve
 
@@ -374,10 +374,7 @@ class EmbeddedCluster:
     def _write_cluster_file(self, info: dict[str, Any]) -> None:
         """Atomically, and readable by this user only: it says where the keys are."""
         tmp = self.cluster_file.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(info, indent=2))
-        os.chmod(tmp, 0o600)  # an older file of that name may have had another mode
+        write_private(tmp, json.dumps(info, indent=2))
         os.replace(tmp, self.cluster_file)
 
     def failed_critical(self) -> Child | None:

@@ -69,8 +69,10 @@ def open_private_file(path: str | os.PathLike[str], mode: str = "ab") -> IO[byte
     return os.fdopen(open_private(path, flags), mode)
 
 
-def write_private(path: str | os.PathLike[str], data: str | bytes) -> None:
-    """Write ``data`` to ``path`` (created or truncated), 0600."""
+def write_private(path: str | os.PathLike[str], data: str | bytes, *, exclusive: bool = False) -> None:
+    """Write ``data`` to ``path`` (created or truncated), 0600. ``exclusive``: the file must be
+    new (a temporary file in a shared directory: never written through another's file)."""
     raw = data.encode() if isinstance(data, str) else data
-    with os.fdopen(open_private(path, os.O_WRONLY | os.O_TRUNC), "wb") as f:
+    flags = os.O_WRONLY | (os.O_EXCL if exclusive else os.O_TRUNC)
+    with os.fdopen(open_private(path, flags), "wb") as f:
         f.write(raw)

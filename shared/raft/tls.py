@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.private_files import write_private
+
 IDENTITY_ENV = "TANDEM_RAFT_IDENTITY"  # a replica's MemberIdentity, JSON, in its environment
 SAN_PREFIX = "urn:tandem:raft:"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # as shared.messages admits ids
@@ -112,13 +114,6 @@ class MemberIdentity:
         if not isinstance(raw, dict):
             raise IdentityError("a Raft identity must be a map")
         return cls.from_json(json.dumps(raw))
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write a new file readable by its owner only (O_EXCL: never over another's file)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
 
 
 # --------------------------------------------------------------------------- TLS contexts
@@ -198,7 +193,7 @@ def _pem_files(*blobs: bytes) -> Iterator[tuple[str, ...]]:
         paths = []
         for n, blob in enumerate(blobs):
             path = Path(tmp) / f"{n}.pem"
-            write_private(path, blob)
+            write_private(path, blob, exclusive=True)
             paths.append(str(path))
         yield tuple(paths)
 

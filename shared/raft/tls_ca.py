@@ -11,7 +11,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from shared.raft.tls import IdentityError, MemberIdentity, member_of, member_uri, write_private
+from shared.private_files import private_dir, write_private
+from shared.raft.tls import IdentityError, MemberIdentity, member_of, member_uri
 
 CA_CERT_FILE = "raft-ca.pem"
 CA_KEY_FILE = "raft-ca-key.pem"  # not *.key: that names CurveZMQ principals
@@ -78,7 +79,7 @@ class ClusterCA:
     @classmethod
     def load_or_create(cls, directory: Path) -> ClusterCA:
         """The CA kept in ``directory`` (0700; the key file 0600), created there if absent."""
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(directory)
         cert_path, key_path = directory / CA_CERT_FILE, directory / CA_KEY_FILE
         if key_path.exists() or cert_path.exists():
             try:

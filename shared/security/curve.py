@@ -36,6 +36,8 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from shared.private_files import private_dir
+
 log = structlog.get_logger("security")
 
 SCHEDULER = "scheduler"
@@ -107,13 +109,6 @@ def new_keypair() -> Keypair:
 
 
 # ---- the key directory -----------------------------------------------------------------------
-
-
-def private_dir(path: Path) -> Path:
-    """Create ``path`` (and parents) 0700, and make it 0700 if it already existed."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-    return path
 
 
 @contextlib.contextmanager
