@@ -33,6 +33,7 @@ import pickle
 import socket
 import sys
 import types
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -659,10 +660,48 @@ class ObjectCodec:
         self.store = store
         self.large_object_bytes = large_object_bytes
         self._reach: dict[str, set[Any]] = {}
+        # name -> the plain ndarray its reach was recorded for: bound to the very same array, a
+        # name reaches the same memory (a base chain never changes), so ``refresh`` skips it
+        self._held: dict[str, weakref.ref[Any]] = {}
 
     def forget(self, names: Iterable[str]) -> None:
+        """Drop what ``names`` reach: deleted, or replaced by a standby's decode (their objects
+        are new, so the identities recorded for them would join nothing, or the wrong names)."""
         for name in names:
             self._reach.pop(name, None)
+            self._held.pop(name, None)
+
+    def index(self, namespace: Mapping[str, Any], names: Iterable[str]) -> None:
+        """Record what each of ``names`` reaches, where not known yet (a new executor's names,
+        names a standby replaced): sharing with them is then seen."""
+        for name in names:
+            if name in namespace and name not in self._reach:
+                self._record(namespace, name)
+
+    def refresh(self, namespace: Mapping[str, Any], names: Iterable[str]) -> None:
+        """Record again what ``names`` reach now: a value can stay equal while what it shares
+        changes (``b = a[:]`` after ``b = a.copy()``; ``d["k"] = a`` over an equal copy)."""
+        for name in names:
+            if name not in namespace:
+                continue
+            held = self._held.get(name)
+            if held is not None and held() is namespace[name]:
+                continue
+            self._record(namespace, name)
+
+    def _record(self, namespace: Mapping[str, Any], name: str) -> None:
+        try:
+            reach = memo_pass(namespace[name], namespace)
+        except Exception:
+            reach = set()
+        self._remember(name, reach, namespace[name])
+
+    def _remember(self, name: str, reach: set[Any], value: Any) -> None:
+        self._reach[name] = reach
+        if type(value) is np.ndarray:
+            self._held[name] = weakref.ref(value)
+        else:
+            self._held.pop(name, None)
 
     def sharing(self) -> dict[str, set[str]]:
         """name -> other names sharing objects with it, as of the last encode (for names_to_check)."""
@@ -688,12 +727,7 @@ class ObjectCodec:
     def _plan(
         self, namespace: Mapping[str, Any], names: Iterable[str], universe: Iterable[str]
     ) -> tuple[list[tuple[str, ...]], list[Skipped], dict[str, _Dumped]]:
-        for name in universe:
-            if name in namespace and name not in self._reach:
-                try:
-                    self._reach[name] = memo_pass(namespace[name], namespace)
-                except Exception:
-                    self._reach[name] = set()
+        self.index(namespace, universe)
         todo = [name for name in dict.fromkeys(names) if name in namespace]
         skipped: list[Skipped] = []
         fresh: dict[str, set[Any]] = {}
@@ -708,7 +742,7 @@ class ObjectCodec:
             except Exception as exc:
                 skipped.append(Skipped(name, _describe(namespace[name], exc)))
                 fresh[name] = set()
-                self._reach.pop(name, None)
+                self.forget([name])
                 continue
             for other, reach in self._reach.items():
                 if other not in fresh and other in namespace and not reach.isdisjoint(fresh[name]):
@@ -732,7 +766,7 @@ class ObjectCodec:
         for name in sorted(parent):
             groups.setdefault(find(name), []).append(name)
         for name in parent:
-            self._reach[name] = fresh[name]
+            self._remember(name, fresh[name], namespace[name])
         return [tuple(g) for g in groups.values()], skipped, singles
 
     async def encode(

@@ -39,6 +39,15 @@ from shared.datastore import DataStore, open_datastore
 # Names IPython itself puts in the user namespace; replicating them would be wrong or pointless.
 IPYTHON_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit"})
 IMPORT_MARK = b"import:"  # fingerprint prefix of a name bound by a replayed import statement
+# A name's replicated fingerprint is its value's, then, if it shares objects with other names
+# (views of one array, a model and its optimizer), SHARE_MARK and a digest of their sorted names:
+# an equal value that shares differently (``b = a[:]`` after ``b = a.copy()``) is sent again.
+SHARE_MARK = b"&shares:"
+# The fingerprint of a name sent whose value cannot be fingerprinted: never equal to a computed
+# one (the name is sent again whenever checked), but the name is known replicated (a deletion
+# of it reaches the standbys).
+UNFINGERPRINTED = b"unfingerprinted:"
+_SHARE_SUFFIX = len(SHARE_MARK) + 16
 
 
 def digest(data: bytes) -> bytes:
@@ -94,6 +103,21 @@ def value_fingerprint(value: Any, namespace: Mapping[str, Any]) -> bytes | None:
             h.update(buffer.raw())
         return b"fn:" + h.digest()
     return fingerprint(value)
+
+
+def with_sharers(value_fp: bytes, sharers: Iterable[str]) -> bytes:
+    """The replicated fingerprint of a value whose name shares objects with ``sharers``."""
+    names = sorted(sharers)
+    if not names:
+        return value_fp
+    return value_fp + SHARE_MARK + digest("\0".join(names).encode())
+
+
+def value_part(fp: bytes) -> bytes:
+    """``fp`` without its sharers' digest (``with_sharers``)."""
+    if len(fp) >= _SHARE_SUFFIX and fp[-_SHARE_SUFFIX:-16] == SHARE_MARK:
+        return fp[:-_SHARE_SUFFIX]
+    return fp
 
 
 @dataclass(slots=True)
@@ -185,8 +209,16 @@ async def plan_state(
         ):
             continue  # still the imported module (its attributes are not replicated state)
         fps[name] = value_fingerprint(namespace[name], namespace)
-        if fps[name] is None or fps[name] != replicated.get(name):
+        if fps[name] is None or fps[name] != value_part(replicated.get(name, b"")):
             changed.append(name)
+    same = [name for name in fps if name not in changed]
+    if same:  # an equal value may share differently than the standbys' copy does
+        codec.index(namespace, replicable)
+        codec.refresh(namespace, same)
+        sharing = codec.sharing()
+        for name in same:
+            if with_sharers(fps[name], sharing.get(name, ())) != replicated.get(name):  # type: ignore[arg-type]
+                changed.append(name)
     plan.timings["fingerprint_ms"] = (time.perf_counter() - started) * 1000
 
     started = time.perf_counter()
@@ -199,9 +231,19 @@ async def plan_state(
         plan.groups = [group.to_dict() for group in result.groups]
         plan.deferred = result.deferred
         plan.skipped = {s.name: s.reason for s in result.skipped}
+        sharing = codec.sharing()
         for name in result.names:
             fp = fps[name] if name in fps else value_fingerprint(namespace[name], namespace)
-            if fp is not None:
+            plan.fingerprints[name] = with_sharers(fp, sharing.get(name, ())) if fp else UNFINGERPRINTED
+        # a name left unsent whose sharers changed (``v`` rebound away from a view of ``x``): the
+        # standbys' copy no longer shares with them either, so only its fingerprint is updated
+        for name, old in replicated.items():
+            if name in plan.fingerprints or name not in namespace or name not in sharing:
+                continue
+            if old.startswith(IMPORT_MARK) or old == UNFINGERPRINTED or name in plan.skipped:
+                continue
+            fp = with_sharers(value_part(old), sharing[name])
+            if fp != old:
                 plan.fingerprints[name] = fp
     store_ms = ((store_seconds() if store_seconds is not None else 0.0) - store_before) * 1000
     plan.timings["serialize_ms"] = (time.perf_counter() - started) * 1000 - store_ms
@@ -308,12 +350,12 @@ async def apply_state(
         except Exception as exc:  # e.g. a module missing on this host, a store unreachable
             failures.append(f"{', '.join(raw.get('names', ()))}: {exc.__class__.__name__}: {exc}")
             continue
-        if names is None:
-            namespace.update(values)
-        else:
-            namespace.update({name: values[name] for name in names if name in values})
+        taken = values if names is None else {name: values[name] for name in names if name in values}
+        namespace.update(taken)
+        codec.forget(taken)  # new objects: what the old ones reached no longer holds
     for name in deleted:
         namespace.pop(name, None)
+    codec.forget(alias for alias, _statement in imports)
     return failures
 
 
