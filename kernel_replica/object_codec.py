@@ -252,6 +252,11 @@ def _rebuild_ndarray(
     return arr
 
 
+def _rebuild_empty(cls: type, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """An array without elements, of class ``cls`` (its state follows, as for any array)."""
+    return np.ndarray.__new__(cls, shape, dtype=dtype)
+
+
 def _identity(obj: Any) -> Any:
     return obj
 
@@ -522,6 +527,9 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         the pickle on the same memory), with its class and instance state. Object dtypes, empty
         arrays and subclasses with their own reducer go through numpy's pickling (a copy)."""
         if not _rebuildable(obj):
+            if obj.size == 0 and not obj.dtype.hasobject and _region_class(type(obj)):
+                # no memory to share; numpy's MaskedArray pickle would store a default fill value
+                return self._with_state(obj, (_rebuild_empty, (type(obj), obj.dtype, obj.shape)))
             return NotImplemented
         outer = _outermost(obj)
         box = self._regions.get(id(outer))
@@ -542,10 +550,17 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
             return NotImplemented
         self.reach.add(box.key)
         args = (box, cls, dtype, obj.shape, obj.strides, offset, bool(obj.flags.writeable))
+        return self._with_state(obj, (_rebuild_ndarray, args))
+
+    @staticmethod
+    def _with_state(obj: np.ndarray, reduced: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``reduced`` plus a subclass instance's ``__dict__`` (set after the array is memoised,
+        so it may refer back to it); a memmap's map does not travel."""
+        cls = type(obj)
         state = getattr(obj, "__dict__", None) if cls is not np.ndarray else None
-        if not state or issubclass(cls, np.memmap):  # a memmap's map does not travel
-            return (_rebuild_ndarray, args)
-        return (_rebuild_ndarray, args, state, None, None, _set_ndarray_state)
+        if not state or issubclass(cls, np.memmap):
+            return reduced
+        return (*reduced, state, None, None, _set_ndarray_state)
 
 
 _Dumped = tuple[bytes, list[pickle.PickleBuffer], set[Any]]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kernel_replica import log_entries
 from kernel_replica.cell_analysis import FunctionFacts, analyse_cell, update_registry
 from kernel_replica.log_entries import State
-from kernel_replica.object_codec import EncodedGroup, ObjectCodec, decode_all
+from kernel_replica.object_codec import EncodedGroup, ObjectCodec, decode_all, layout
 from kernel_replica.state_sync import ReplicatedNamespace, apply_state, plan_state, replicable_names
 from shared.datastore.local_backend import LocalStore
 from tests.unit._fidelity import arrays, assert_same_namespace, assert_writes_alias_alike, programs, run
@@ -26,15 +26,17 @@ FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 
 
 def encode_decode(ns: dict[str, Any], store: LocalStore | None, large: int) -> dict[str, Any]:
-    async def go() -> dict[str, Any]:
+    target: dict[str, Any] = {"__name__": "__main__"}
+
+    async def go() -> None:  # returns nothing: asyncio.run reprs its task, result included, and
+        # a MaskedArray's repr stores its default fill value (numpy's, not the namespace's)
         result = await ObjectCodec(store, large_object_bytes=large).encode(ns, replicable_names(ns))
         assert not result.skipped
         groups = [EncodedGroup.from_dict(g.to_dict()) for g in result.groups]  # as the log holds them
-        target: dict[str, Any] = {"__name__": "__main__"}
         target.update(await decode_all(ObjectCodec(store), groups, target))
-        return target
 
-    return asyncio.run(go())
+    asyncio.run(go())
+    return target
 
 
 @FAST
@@ -179,19 +181,19 @@ def test_unaligned_records_of_the_previous_format_are_realigned() -> None:
     """A /1 record (parts packed) from a log written before the change still decodes aligned."""
     ns = {"a": np.arange(5, dtype=np.int8), "b": np.arange(7.0)}
 
-    async def go() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    async def go() -> None:
         result = await ObjectCodec(None).encode(ns, ["a", "b"])
         old = []
         for group in result.groups:
-            from kernel_replica.object_codec import layout
-
             offsets, _ = layout(group.sizes)
             assert group.inline is not None
             packed = b"".join(group.inline[o : o + n] for o, n in zip(offsets, group.sizes, strict=True))
             record = group.to_dict() | {"format": "tandem-pickle5/1", "inline": packed}
             old.append(EncodedGroup.from_dict(record))
-        return await decode_all(ObjectCodec(None), old, {})
+        out.update(await decode_all(ObjectCodec(None), old, {}))
 
-    out = asyncio.run(go())
+    asyncio.run(go())
     assert out["a"].tolist() == list(range(5)) and out["b"].tolist() == list(np.arange(7.0))
     assert all(arr.ctypes.data % 64 == 0 for arr in arrays(out).values())
