@@ -26,7 +26,9 @@ place and unpickles against views of it, so restored arrays are aligned as numpy
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
+import importlib
 import io
 import mmap
 import pickle
@@ -277,6 +279,23 @@ def _by_reference(func: types.FunctionType) -> bool:
         return False
 
 
+_HOMES_TRIED: set[str] = set()
+
+
+def _import_home(cls: type) -> None:
+    """Import the module a class names as its home, if its package is imported but the module
+    is not: cloudpickle pickles a class by value when its module is missing from
+    ``sys.modules``, and the copy is another class (``np.recarray`` lives in the lazily loaded
+    ``numpy.rec``: a copy breaks ``super()`` in its methods and ``isinstance``)."""
+    name = getattr(cls, "__module__", None)
+    if not isinstance(name, str) or name in sys.modules or name in _HOMES_TRIED:
+        return
+    _HOMES_TRIED.add(name)
+    if name.partition(".")[0] in sys.modules:
+        with contextlib.suppress(Exception):  # not a real module: by value, as before
+            importlib.import_module(name)
+
+
 class _StorageBox:
     """One pickle-memoised stand-in per torch storage, so every view shares it after decode."""
 
@@ -481,6 +500,8 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         return obj
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, type):
+            _import_home(obj)
         if isinstance(obj, _UNSENDABLE) and not isinstance(obj, io.BytesIO | io.StringIO):
             # cloudpickle would send a read-mode file's *contents* as a StringIO: not the same object
             raise TypeError(f"cannot pickle {type(obj).__qualname__!r} object (an open OS resource)")

@@ -5,6 +5,10 @@ after every cell, compared with the namespace the same code makes in a plain dic
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,7 @@ from kernel_replica.state_sync import ReplicatedNamespace, apply_state, plan_sta
 from shared.datastore.local_backend import LocalStore
 from tests.unit._fidelity import arrays, assert_same_namespace, assert_writes_alias_alike, programs, run
 
+ROOT = Path(__file__).resolve().parents[2]
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -197,3 +202,36 @@ def test_unaligned_records_of_the_previous_format_are_realigned() -> None:
     asyncio.run(go())
     assert out["a"].tolist() == list(range(5)) and out["b"].tolist() == list(np.arange(7.0))
     assert all(arr.ctypes.data % 64 == 0 for arr in arrays(out).values())
+
+
+ENCODE_IN_A_FRESH_INTERPRETER = """
+import asyncio, json, sys
+import numpy as np
+from kernel_replica.object_codec import ObjectCodec
+assert "numpy.rec" not in sys.modules  # np.recarray's home module, loaded lazily
+data = np.array([(1, 2.0), (3, 4.0)], dtype=[("a", "i8"), ("b", "f8")])
+result = asyncio.run(ObjectCodec(None).encode({"r": data.view(np.recarray)}, ["r"]))
+print(json.dumps([{**g.to_dict(), "inline": g.inline.hex()} for g in result.groups]))
+"""
+
+
+def test_a_class_whose_module_is_not_imported_yet_is_pickled_by_reference() -> None:
+    """cloudpickle pickles a class by value when its module is not in sys.modules; a copy of
+    np.recarray is another class (isinstance fails, its methods' super() raises)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", ENCODE_IN_A_FRESH_INTERPRETER],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    records = [{**g, "inline": bytes.fromhex(g["inline"])} for g in json.loads(done.stdout)]
+    out: dict[str, Any] = {}
+
+    async def go() -> None:
+        out.update(await decode_all(ObjectCodec(None), [EncodedGroup.from_dict(g) for g in records], {}))
+
+    asyncio.run(go())
+    assert type(out["r"]) is np.recarray
+    assert out["r"][1].b == 4.0 and out["r"].a.tolist() == [1, 3]
