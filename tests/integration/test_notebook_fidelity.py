@@ -142,7 +142,8 @@ def test_notebook_with_an_executor_change_after_every_cell_matches_a_stock_kerne
         hosts = _replica_hosts(tandem_cluster, km.kernel_id)
         assert len(hosts) >= 2, f"replicas on {hosts}: an executor change needs two hosts"
         previous: str | None = None
-        executors = []
+        executors: list[str] = []
+        mismatches: list[str] = []
         for index, cell in enumerate(NOTEBOOK):
             target = next(h for h in hosts[index % len(hosts) :] + hosts if h != previous)
             with only_host_open(tandem_cluster, target):
@@ -150,6 +151,10 @@ def test_notebook_with_an_executor_change_after_every_cell_matches_a_stock_kerne
             executor = result.tandem.get("host_id")
             assert executor == target and executor != previous, (index, executor, target, previous)
             executors.append(executor)
-            assert _outputs(result) == expected[index], f"cell {index}:\n{cell}\n{_outputs(result)}\n{expected[index]}\n{result.errors}"
+            if _outputs(result) != expected[index]:
+                mismatches.append(
+                    f"cell {index}:\n{cell}\n  tandem: {_outputs(result)}\n  stock:  {expected[index]}"
+                )
             previous = executor
+    assert not mismatches, f"{len(mismatches)} of {len(NOTEBOOK)} cells differ:\n" + "\n".join(mismatches)
     assert len(set(executors)) >= 2 and all(a != b for a, b in itertools.pairwise(executors))
