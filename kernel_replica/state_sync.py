@@ -196,6 +196,7 @@ async def plan_state(
             module_aliases.add(record.alias)  # replayed, not pickled
             plan.fingerprints[record.alias] = import_fingerprint(statement)
     plan.deleted = sorted(name for name in replicated if name not in replicable_set)
+    codec.forget(plan.deleted)
     plan.timings["analysis_ms"] = (time.perf_counter() - started) * 1000
 
     started = time.perf_counter()
@@ -224,7 +225,6 @@ async def plan_state(
     started = time.perf_counter()
     store_before = store_seconds() if store_seconds is not None else 0.0
     if changed:
-        codec.forget(plan.deleted)
         result = await codec.encode(
             namespace, changed, universe=replicable, defer_large=defer_large, defer_max_bytes=defer_max_bytes
         )
@@ -353,9 +353,10 @@ async def apply_state(
         taken = values if names is None else {name: values[name] for name in names if name in values}
         namespace.update(taken)
         codec.forget(taken)  # new objects: what the old ones reached no longer holds
+    deleted = list(deleted)
     for name in deleted:
         namespace.pop(name, None)
-    codec.forget(alias for alias, _statement in imports)
+    codec.forget([*deleted, *(alias for alias, _statement in imports)])
     return failures
 
 
