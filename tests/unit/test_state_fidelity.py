@@ -235,3 +235,34 @@ def test_a_class_whose_module_is_not_imported_yet_is_pickled_by_reference() -> N
     asyncio.run(go())
     assert type(out["r"]) is np.recarray
     assert out["r"][1].b == 4.0 and out["r"].a.tolist() == [1, 3]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["bind", "refresh", "forget"]), st.integers(0, 4), st.sets(st.integers(0, 5))
+        ),
+        max_size=25,
+    )
+)
+def test_the_sharing_index_kept_across_records_equals_one_built_from_scratch(
+    steps: list[tuple[str, int, set[int]]],
+) -> None:
+    """Names are bound to lists holding some of six shared lists; after any sequence of
+    (re)bindings, refreshes and forgets, ``sharing`` is what the recorded reaches say."""
+    pool = [[i] for i in range(6)]
+    ns: dict[str, Any] = {}
+    codec = ObjectCodec(None)
+    for op, n, members in steps:
+        name = f"n{n}"
+        if op == "bind":
+            ns[name] = [pool[i] for i in sorted(members)]
+            codec.refresh(ns, [name])
+        elif op == "refresh":
+            codec.refresh(ns, [name])
+        else:
+            codec.forget([name])
+        reach = codec._reach  # the recorded identities, the index's source
+        expected = {a: {b for b in reach if b != a and reach[a] & reach[b]} for a in reach}
+        assert codec.sharing() == expected
