@@ -505,6 +505,15 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         if isinstance(obj, _UNSENDABLE) and not isinstance(obj, io.BytesIO | io.StringIO):
             # cloudpickle would send a read-mode file's *contents* as a StringIO: not the same object
             raise TypeError(f"cannot pickle {type(obj).__qualname__!r} object (an open OS resource)")
+        if isinstance(obj, np.dtype):
+            # a structured dtype's state holds its live fields dict: every array of that dtype
+            # would seem to share an object with every other (and join their names' groups)
+            reduced = obj.__reduce__()
+            if len(reduced) > 2 and isinstance(reduced[2], tuple):
+                for part in reduced[2]:
+                    if isinstance(part, dict | list):
+                        self._keep(part)
+            return reduced
         if torch is not None and isinstance(obj, torch.Tensor):
             reduced = self._reduce_tensor(obj)
             if reduced is not NotImplemented:
@@ -712,6 +721,21 @@ class ObjectCodec:
             if reach is not None:
                 self._unown(name, reach)
             self._held.pop(name, None)
+
+    def sharing_counts(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """name -> {other name: (memory regions, other objects) both reach}: what a name shares,
+        told apart, so that a copy still sharing a small object (a MaskedArray copy keeps its
+        source's ``_basedict``) is not taken for a view (``sharing`` says only "shares")."""
+        counts: dict[str, dict[str, list[int]]] = {name: {} for name in self._reach}
+        for key in self._shared:
+            names = self._owners[key]
+            assert isinstance(names, set)
+            kind = 0 if isinstance(key, tuple) else 1  # region / tensor storage, or an object id
+            for name in names:
+                for other in names:
+                    if other != name:
+                        counts[name].setdefault(other, [0, 0])[kind] += 1
+        return {name: {o: (c[0], c[1]) for o, c in others.items()} for name, others in counts.items()}
 
     def _own(self, name: str, reach: set[Any]) -> None:
         owners, shared = self._owners, self._shared

@@ -105,12 +105,13 @@ def value_fingerprint(value: Any, namespace: Mapping[str, Any]) -> bytes | None:
     return fingerprint(value)
 
 
-def with_sharers(value_fp: bytes, sharers: Iterable[str]) -> bytes:
-    """The replicated fingerprint of a value whose name shares objects with ``sharers``."""
-    names = sorted(sharers)
-    if not names:
+def with_sharers(value_fp: bytes, sharers: Mapping[str, tuple[int, int]]) -> bytes:
+    """The replicated fingerprint of a value whose name shares objects with ``sharers`` (name ->
+    memory regions and other objects shared, ``ObjectCodec.sharing_counts``)."""
+    if not sharers:
         return value_fp
-    return value_fp + SHARE_MARK + digest("\0".join(names).encode())
+    text = "\0".join(f"{name}:{mem}:{obj}" for name, (mem, obj) in sorted(sharers.items()))
+    return value_fp + SHARE_MARK + digest(text.encode())
 
 
 def value_part(fp: bytes) -> bytes:
@@ -216,9 +217,9 @@ async def plan_state(
     if same:  # an equal value may share differently than the standbys' copy does
         codec.index(namespace, replicable)
         codec.refresh(namespace, same)
-        sharing = codec.sharing()
+        sharing = codec.sharing_counts()
         for name in same:
-            if with_sharers(fps[name], sharing.get(name, ())) != replicated.get(name):  # type: ignore[arg-type]
+            if with_sharers(fps[name], sharing.get(name, {})) != replicated.get(name):  # type: ignore[arg-type]
                 changed.append(name)
     plan.timings["fingerprint_ms"] = (time.perf_counter() - started) * 1000
 
@@ -231,10 +232,10 @@ async def plan_state(
         plan.groups = [group.to_dict() for group in result.groups]
         plan.deferred = result.deferred
         plan.skipped = {s.name: s.reason for s in result.skipped}
-        sharing = codec.sharing()
+        sharing = codec.sharing_counts()
         for name in result.names:
             fp = fps[name] if name in fps else value_fingerprint(namespace[name], namespace)
-            plan.fingerprints[name] = with_sharers(fp, sharing.get(name, ())) if fp else UNFINGERPRINTED
+            plan.fingerprints[name] = with_sharers(fp, sharing.get(name, {})) if fp else UNFINGERPRINTED
         # a name left unsent whose sharers changed (``v`` rebound away from a view of ``x``): the
         # standbys' copy no longer shares with them either, so only its fingerprint is updated
         for name, old in replicated.items():

@@ -145,18 +145,53 @@ def test_names_changed_in_different_cells_stay_views_of_one_base() -> None:
         assert x[2] == -1 and v[1] == -1 and np.shares_memory(v, w)
 
 
+BASES = {
+    "plain": "np.arange(4.0)",
+    "structured": "np.array([(i, i / 2) for i in range(4)], dtype=[('a', 'i4'), ('b', 'f8')])",
+    "masked": "np.ma.array(np.arange(4.0), mask=[0, 1, 0, 0])",  # a copy keeps sharing _basedict
+}
+
+
+@pytest.mark.parametrize("base", sorted(BASES))
 @pytest.mark.parametrize("rebind", ["v = x.copy()", "v = x[:]"])
-def test_an_equal_value_that_shares_differently_is_sent_again(rebind: str) -> None:
+def test_an_equal_value_that_shares_differently_is_sent_again(rebind: str, base: str) -> None:
     """v's bytes do not change, only whether it is a view of x: the standbys must follow."""
     first = "v = x[:]" if rebind == "v = x.copy()" else "v = x.copy()"
     replicas = [Replica(None, 1 << 20) for _ in range(2)]
     replicated = ReplicatedNamespace()
-    for i, cell in enumerate(["x = np.arange(4.0)", first, rebind, "x[0] = 7"]):
+    for i, cell in enumerate([f"x = {BASES[base]}", first, rebind, "x[0] = x[2]"]):
+        state = replicas[i % 2].execute(cell, replicated)
+        replicated.apply(state)
+        replicas[(i + 1) % 2].apply(state)
+    expected = run([f"x = {BASES[base]}", first, rebind, "x[0] = x[2]"])
+    for replica in replicas:
+        assert_same_namespace(expected, replica.ns, restored=False)
+
+
+@pytest.mark.parametrize("rebind", ["v = [x['l'], x['a'].copy()]", "v = [x['l'], x['a'][:]]"])
+def test_what_a_name_shares_is_told_apart_from_whom_it_shares_with(rebind: str) -> None:
+    """v shares the list x['l'] with x either way; only whether it also shares x['a']'s memory
+    changes (the value does not): a signature of sharers' names alone would miss it."""
+    cells = ["x = {'l': [1], 'a': np.arange(4.0)}"]
+    cells.append("v = [x['l'], x['a'][:]]" if "copy" in rebind else "v = [x['l'], x['a'].copy()]")
+    cells += [rebind, "x['a'][0] = 9.0"]
+    replicas = [Replica(None, 1 << 20) for _ in range(2)]
+    replicated = ReplicatedNamespace()
+    for i, cell in enumerate(cells):
         state = replicas[i % 2].execute(cell, replicated)
         replicated.apply(state)
         replicas[(i + 1) % 2].apply(state)
     for replica in replicas:
-        assert (replica.ns["v"][0] == 7) == (rebind == "v = x[:]")
+        assert (replica.ns["v"][1][0] == 9.0) == ("copy" not in rebind)
+        assert replica.ns["v"][0] is replica.ns["x"]["l"]
+
+
+def test_arrays_that_only_share_a_dtype_are_not_grouped() -> None:
+    """A structured dtype's pickle holds its live fields dict; it is not an object the arrays share."""
+    dt = np.dtype([("a", "i4"), ("b", "f8")])
+    ns = {"a": np.zeros(3, dt), "b": np.ones(3, dt)}
+    result = asyncio.run(ObjectCodec(None).encode(ns, ["a", "b"]))
+    assert sorted(g.names for g in result.groups) == [("a",), ("b",)]
 
 
 def test_masked_sum_recarray_and_matrix_keep_their_class() -> None:
