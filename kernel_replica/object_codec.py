@@ -20,8 +20,10 @@ travels inline (pickle + buffers copied, small); a larger one is streamed to the
 ``put_stream([pickle, *buffers])``, which reads the live buffers without another copy, and the
 group record carries the ``ObjectRef``. In the payload every buffer starts at a multiple of
 ``ALIGN`` (64) bytes; decoding has the store fill one fresh, 64-byte aligned writable buffer in
-place and unpickles against views of it, so restored arrays are aligned as numpy allocates them
-(SIMD reductions on floats depend on it: a misaligned copy may sum differently).
+place and unpickles against views of it, so restored arrays are at least as aligned as numpy's
+own (glibc gives numpy 16 bytes). Before, a buffer started wherever the pickle ended: an array
+not aligned to its item size is reduced through numpy's buffered, chunked loop, and a float64
+sum of 1M elements differed in the last digit from the same sum on the executor.
 """
 
 from __future__ import annotations
