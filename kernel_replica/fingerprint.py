@@ -37,11 +37,25 @@ def _header(h: xxhash.xxh3_128, *parts: object) -> None:
 
 
 def _hash_array(h: xxhash.xxh3_128, arr: np.ndarray) -> bool:
-    """Add an array's metadata and bytes; False for object arrays (their bytes are pointers)."""
-    if arr.dtype.hasobject:
+    """Add an array's metadata and bytes; False for object arrays (their bytes are pointers).
+    A subclass adds its class and instance state (a MaskedArray's mask and fill value: masking
+    an element changes no data byte); a structured dtype its fields (``dtype.str`` is ``|V16``
+    whatever the field names)."""
+    dtype = arr.dtype
+    if dtype.hasobject:
         return False
-    _header(h, "nd", arr.dtype.str, arr.shape, arr.strides)
+    _header(h, "nd", dtype.str, arr.shape, arr.strides)
+    if dtype.fields is not None or dtype.subdtype is not None or dtype.type is np.record:
+        _header(h, "dtype", repr(dtype))
     _hash_array_bytes(h, arr)
+    cls = type(arr)
+    if cls is not np.ndarray:
+        _header(h, "cls", cls.__module__, cls.__qualname__)
+        state = getattr(arr, "__dict__", None)
+        if state and not isinstance(arr, np.memmap):  # a memmap's map is not its value
+            file = io.BytesIO()
+            _SkeletonPickler(file, h).dump(state)
+            h.update(file.getbuffer())
     return True
 
 
@@ -50,16 +64,22 @@ def _hash_array_bytes(h: xxhash.xxh3_128, arr: np.ndarray) -> None:
     if arr.size == 0:
         return
     if arr.flags.c_contiguous:
-        h.update(memoryview(arr).cast("B") if arr.ndim else arr.tobytes())
+        h.update(_bytes_of(arr) if arr.ndim else arr.tobytes())
     elif arr.flags.f_contiguous:
-        h.update(memoryview(arr.T).cast("B"))
+        h.update(_bytes_of(arr.T))
     elif arr.ndim > 1 and (permuted := _memory_order(arr)) is not None:
-        h.update(memoryview(permuted).cast("B"))
+        h.update(_bytes_of(permuted))
     elif arr.ndim and arr.shape[0]:
         row = max(arr[0].nbytes, 1)
         step = max(1, _CHUNK_BYTES // row)
         for start in range(0, arr.shape[0], step):
-            h.update(np.ascontiguousarray(arr[start : start + step]).data)
+            h.update(_bytes_of(np.ascontiguousarray(arr[start : start + step])))
+
+
+def _bytes_of(arr: np.ndarray) -> np.ndarray:
+    """A C-contiguous array's bytes, without a copy, as uint8: the buffer protocol refuses some
+    dtypes (datetime64, timedelta64), a byte view does not."""
+    return arr.reshape(-1).view(np.uint8)
 
 
 def _memory_order(arr: np.ndarray) -> np.ndarray | None:

@@ -40,6 +40,15 @@ from shared.datastore import DataStore, open_datastore
 # Names IPython itself puts in the user namespace; replicating them would be wrong or pointless.
 IPYTHON_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit"})
 IMPORT_MARK = b"import:"  # fingerprint prefix of a name bound by a replayed import statement
+# A name's replicated fingerprint is its value's, then, if it shares objects with other names
+# (views of one array, a model and its optimizer), SHARE_MARK and a digest of their sorted names:
+# an equal value that shares differently (``b = a[:]`` after ``b = a.copy()``) is sent again.
+SHARE_MARK = b"&shares:"
+# The fingerprint of a name sent whose value cannot be fingerprinted: never equal to a computed
+# one (the name is sent again whenever checked), but the name is known replicated (a deletion
+# of it reaches the standbys).
+UNFINGERPRINTED = b"unfingerprinted:"
+_SHARE_SUFFIX = len(SHARE_MARK) + 16
 
 
 def digest(data: bytes) -> bytes:
@@ -95,6 +104,22 @@ def value_fingerprint(value: Any, namespace: Mapping[str, Any]) -> bytes | None:
             h.update(buffer.raw())
         return b"fn:" + h.digest()
     return fingerprint(value)
+
+
+def with_sharers(value_fp: bytes, sharers: Mapping[str, tuple[int, int]]) -> bytes:
+    """The replicated fingerprint of a value whose name shares objects with ``sharers`` (name ->
+    memory regions and other objects shared, ``ObjectCodec.sharing_counts``)."""
+    if not sharers:
+        return value_fp
+    text = "\0".join(f"{name}:{mem}:{obj}" for name, (mem, obj) in sorted(sharers.items()))
+    return value_fp + SHARE_MARK + digest(text.encode())
+
+
+def value_part(fp: bytes) -> bytes:
+    """``fp`` without its sharers' digest (``with_sharers``)."""
+    if len(fp) >= _SHARE_SUFFIX and fp[-_SHARE_SUFFIX:-16] == SHARE_MARK:
+        return fp[:-_SHARE_SUFFIX]
+    return fp
 
 
 @dataclass(slots=True)
@@ -184,6 +209,7 @@ async def plan_state(
             module_aliases.add(record.alias)  # replayed, not pickled
             plan.fingerprints[record.alias] = import_fingerprint(statement)
     plan.deleted = sorted(name for name in {*replicated, *unprotected} if name not in replicable_set)
+    codec.forget(plan.deleted)
     plan.timings["analysis_ms"] = (time.perf_counter() - started) * 1000
 
     started = time.perf_counter()
@@ -197,14 +223,21 @@ async def plan_state(
         ):
             continue  # still the imported module (its attributes are not replicated state)
         fps[name] = value_fingerprint(namespace[name], namespace)
-        if fps[name] is None or fps[name] != replicated.get(name) or name in retrying:
+        if fps[name] is None or fps[name] != value_part(replicated.get(name, b"")) or name in retrying:
             changed.append(name)
+    same = [name for name in fps if name not in changed]
+    if same:  # an equal value may share differently than the standbys' copy does
+        codec.index(namespace, replicable)
+        codec.refresh(namespace, same)
+        sharing = codec.sharing_counts()
+        for name in same:
+            if with_sharers(fps[name], sharing.get(name, {})) != replicated.get(name):  # type: ignore[arg-type]
+                changed.append(name)
     plan.timings["fingerprint_ms"] = (time.perf_counter() - started) * 1000
 
     started = time.perf_counter()
     store_before = store_seconds() if store_seconds is not None else 0.0
     if changed:
-        codec.forget(plan.deleted)
         result = await codec.encode(
             namespace, changed, universe=replicable, defer_large=defer_large, defer_max_bytes=defer_max_bytes
         )
@@ -213,9 +246,19 @@ async def plan_state(
         plan.skipped = {s.name: s.reason for s in result.skipped}
         plan.unstored = dict(result.unstored)
         plan.retried = tuple(sorted(retrying & set(changed)))
+        sharing = codec.sharing_counts()
         for name in result.names:
             fp = fps[name] if name in fps else value_fingerprint(namespace[name], namespace)
-            if fp is not None:
+            plan.fingerprints[name] = with_sharers(fp, sharing.get(name, {})) if fp else UNFINGERPRINTED
+        # a name left unsent whose sharers changed (``v`` rebound away from a view of ``x``): the
+        # standbys' copy no longer shares with them either, so only its fingerprint is updated
+        for name, old in replicated.items():
+            if name in plan.fingerprints or name not in namespace or name not in sharing:
+                continue
+            if old.startswith(IMPORT_MARK) or old == UNFINGERPRINTED or name in plan.skipped:
+                continue
+            fp = with_sharers(value_part(old), sharing[name])
+            if fp != old:
                 plan.fingerprints[name] = fp
     store_ms = ((store_seconds() if store_seconds is not None else 0.0) - store_before) * 1000
     plan.timings["serialize_ms"] = (time.perf_counter() - started) * 1000 - store_ms
@@ -333,6 +376,7 @@ async def apply_state(
     all when None), then drop ``deleted``. Returns the failures (the rest is still applied).
     ``not_loaded``: name -> why this replica lacks the log's value of it, kept up to date (a
     name loaded or deleted later leaves it), so that it can be loaded again or told."""
+    imports = list(imports)  # replayed, then forgotten by the codec
     failures = replay_imports(namespace, imports, not_loaded)
     for raw, names in groups:
         try:
@@ -346,13 +390,16 @@ async def apply_state(
             continue
         taken = values if names is None else {name: values[name] for name in names if name in values}
         namespace.update(taken)
+        codec.forget(taken)  # new objects: what the old ones reached no longer holds
         if not_loaded is not None:
             for name in taken:
                 not_loaded.pop(name, None)
+    deleted = list(deleted)
     for name in deleted:
         namespace.pop(name, None)
         if not_loaded is not None:
             not_loaded.pop(name, None)
+    codec.forget([*deleted, *(alias for alias, _statement in imports)])
     return failures
 
 
