@@ -24,7 +24,6 @@ import contextlib
 import fcntl
 import os
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,10 +44,6 @@ GATEWAY = "gateway"
 OPERATOR = "operator"
 HOST_PREFIX = "host."
 CLUSTER_PRINCIPALS = (SCHEDULER, GATEWAY, OPERATOR)
-# The key files are read again at most this often (a host key the operator issued or rotated
-# after the scheduler started counts without a restart).
-RELOAD_INTERVAL_S = 1.0
-UNKNOWN_KEY_RELOADS_PER_S = 20.0
 
 
 class KeyError_(RuntimeError):
@@ -239,13 +234,22 @@ class PeerDirectory:
         self._exclude = exclude
         self._from_files: dict[bytes, str] = {}
         self._at_run_time: dict[bytes, str] = {}
-        self._loaded_at = -RELOAD_INTERVAL_S
+        self._loaded_version: tuple[int, int] | None = None
         if keys_dir is not None:
-            self._reload()
+            self._reload_if_changed()
 
-    def _reload(self) -> None:
+    def _reload_if_changed(self) -> None:
+        """Issuing, rotating or removing a key renames files in the directory, which changes its
+        mtime: one ``stat`` per handshake tells whether to read the files again."""
         assert self._keys_dir is not None
-        self._loaded_at = time.monotonic()
+        try:
+            st = self._keys_dir.stat()
+        except OSError:
+            return
+        version = (st.st_mtime_ns, st.st_ino)
+        if version == self._loaded_version:
+            return
+        self._loaded_version = version
         found: dict[bytes, str] = {}
         for path in self._keys_dir.glob("*.key"):
             name = path.name[: -len(".key")]
@@ -260,20 +264,12 @@ class PeerDirectory:
         self._from_files = found
 
     def name_of(self, public_z85: bytes) -> str | None:
-        """Looked up at each handshake. The files are re-read when older than a second (a key
-        rotated away stops working), and at once for an unknown key (one issued since), at most
-        ``UNKNOWN_KEY_RELOADS_PER_S`` times a second: ZMQ does not retry a refused handshake,
-        so a host started right after its key was issued must not be refused."""
-        if self._keys_dir is None:
-            return self._at_run_time.get(public_z85)
-        age = time.monotonic() - self._loaded_at
-        if age >= RELOAD_INTERVAL_S:
-            self._reload()
-        name = self._at_run_time.get(public_z85) or self._from_files.get(public_z85)
-        if name is None and age >= 1.0 / UNKNOWN_KEY_RELOADS_PER_S:
-            self._reload()
-            name = self._from_files.get(public_z85)
-        return name
+        """Looked up at each handshake, against the key files as they are now: a host key issued
+        after the server started is admitted at once (ZMQ does not retry a refused handshake),
+        and a key rotated away is refused from its next connection on."""
+        if self._keys_dir is not None:
+            self._reload_if_changed()
+        return self._at_run_time.get(public_z85) or self._from_files.get(public_z85)
 
     def allow(self, public_z85: bytes, name: str) -> None:
         self._at_run_time[public_z85] = name

@@ -26,7 +26,6 @@ from _cluster import ClusterHandle
 from _kernels import CellResult, run, tandem_kernel
 from jupyter_client import BlockingKernelClient, KernelManager
 
-from services.cluster_file import ask_sync
 from shared import messages
 
 pytestmark = pytest.mark.integration
@@ -97,12 +96,12 @@ def stock_kernel() -> Iterator[BlockingKernelClient]:
 
 
 def _status(cluster: ClusterHandle) -> dict[str, Any]:
-    return ask_sync(cluster.scheduler, messages.CLUSTER_STATUS, {}, timeout=10.0)
+    return cluster.ask_scheduler(messages.CLUSTER_STATUS, {})
 
 
 def _cordon(cluster: ClusterHandle, host_id: str, cordoned: bool) -> None:
     msg_type = messages.HOST_CORDON if cordoned else messages.HOST_UNCORDON
-    ask_sync(cluster.scheduler, msg_type, {"host_id": host_id}, timeout=10.0)
+    cluster.ask_scheduler(msg_type, {"host_id": host_id})
 
 
 def _replica_hosts(cluster: ClusterHandle, kernel_id: str) -> list[str]:

@@ -137,13 +137,43 @@ def test_a_host_key_issued_after_the_server_started_is_accepted(tmp_path: Path) 
     async def scenario() -> None:
         ctx = zmq.asyncio.Context()
         echo = Echo(ctx, keys)
-        curve.issue(keys, "host.late")
-        await asyncio.sleep(curve.RELOAD_INTERVAL_S)
+        curve.issue(keys, "host.late")  # no wait: the next handshake sees the new file
         client = RpcClient(ctx, name="late", curve=curve.client_curve(keys, "host.late", curve.SCHEDULER))
         client.connect(echo.address)
         await client.request(Envelope(messages.CLUSTER_STATUS, {}), timeout=5)
         assert echo.seen == ["host.late"]
         await client.close()
+        await echo.close()
+        ctx.destroy(linger=0)
+
+    run(scenario())
+
+
+def test_a_rotated_key_is_refused_from_its_next_connection(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    curve.ensure_cluster_keys(keys)
+    old = curve.issue(keys, "host.h1")
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        echo = Echo(ctx, keys)
+        before = RpcClient(ctx, name="before", curve=curve.client_curve(keys, "host.h1", curve.SCHEDULER))
+        before.connect(echo.address)
+        await before.request(Envelope(messages.CLUSTER_STATUS, {}), timeout=5)
+        await before.close()
+        curve.rotate(keys, "host.h1")
+        stale = RpcClient(
+            ctx, name="stale", curve=curve.ClientCurve(old, curve.load(keys, curve.SCHEDULER).public)
+        )
+        stale.connect(echo.address)
+        with pytest.raises(RpcTimeout):
+            await stale.request(Envelope(messages.CLUSTER_STATUS, {}), timeout=1, retries=0)
+        await stale.close()
+        fresh = RpcClient(ctx, name="fresh", curve=curve.client_curve(keys, "host.h1", curve.SCHEDULER))
+        fresh.connect(echo.address)
+        await fresh.request(Envelope(messages.CLUSTER_STATUS, {}), timeout=5)
+        assert echo.seen == ["host.h1", "host.h1"]
+        await fresh.close()
         await echo.close()
         ctx.destroy(linger=0)
 
