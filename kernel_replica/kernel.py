@@ -246,7 +246,7 @@ class TandemKernel(IPythonKernel):
                     timing["apply_wait_ms"] = (time.perf_counter() - waited) * 1000
                     if self._followed:  # DONEs that arrived while this cell waited for them
                         self._catch_up_followed()
-                    ended = bridge.core.book.done(msg_id)
+                    ended = bridge.core.election.ended_before_run(msg_id)
                     if ended is not None:
                         # This replica won the cell, then stalled (paused, swapped out) before
                         # running it for longer than the executor silence: the standbys committed
@@ -303,8 +303,8 @@ class TandemKernel(IPythonKernel):
             # queued on IOPub since the cell's own flush (streams.py).
             idle = self._serialized_idle(parent)
             timing |= await self._replicate_cell(bridge, msg_id, code, reply, log, execute_args)
-            logged = bridge.core.book.done(msg_id)
-            if logged is not None and logged.replica_id != self.replica_id:
+            logged = bridge.core.election.superseded(msg_id)
+            if logged is not None:
                 # This replica stalled inside the cell past the executor silence; the standbys
                 # committed the cell's outcome without it (ExecutorLost) and ignored its DONE and
                 # STATE. The client hears the log's outcome, and this process, whose namespace

@@ -149,7 +149,7 @@ class Cluster:
                 "--local-scheduler", self.scheduler.address, "--data-dir", str(self.tmp / rid),
                 # snapshot often, so the restart test restores from a snapshot plus a log suffix;
                 # a designated executor's LEAD waits 1 s (the conflict test needs the time)
-                "--config-json", json.dumps({"raft": {"snapshot_every": 8}, "kernel": {"executor_silence_s": 2.0}}),
+                "--config-json", json.dumps({"raft": {"snapshot_every": 8}, "election": {"executor_silence_s": 2.0}}),
             ],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
