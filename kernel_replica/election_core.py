@@ -135,6 +135,16 @@ def lost_content(reason: str, execution_count: int) -> dict[str, Any]:
     }
 
 
+# ``ElectionCore.answer_after_run`` verdicts
+COMMITTED = "committed"
+SUPERSEDED = "superseded"
+UNCOMMITTED = "uncommitted"
+DONE_RETRY_S = 0.5  # an executor's DONE that failed to commit is proposed again after this pause
+# A replica whose namespace ran ahead of the log (a cell it ran was superseded) exits with this
+# code once its reply is out; the scheduler replaces it like any dead replica.
+DIVERGED_EXIT_CODE = 75
+
+
 # ---- the read-only port on the Raft peer ------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class RaftView:
@@ -228,6 +238,16 @@ class CellFinished:
 
 
 @dataclass(frozen=True, slots=True)
+class ExitDiverged:
+    """A cell ran here but the log holds another outcome for it (the standbys took this replica
+    for dead): its namespace holds changes the group does not. The process must exit (with
+    ``DIVERGED_EXIT_CODE``, once the cell's reply is out) so a fresh replica replaces it; until
+    then it runs no other cell."""
+
+    msg_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Log:
     level: str  # debug | info | warning | error
     event: str
@@ -245,6 +265,7 @@ Command = (
     | ApplyState
     | CellReplicated
     | CellFinished
+    | ExitDiverged
     | Log
 )
 
@@ -302,7 +323,7 @@ class _Follower:
     """The watch of a cell another replica executes, with the requests waiting on it."""
 
     msg_id: str
-    result: Any = NOT_YET  # its Done, or why no DONE can come (its executor was removed)
+    result: Any = NOT_YET  # its Done
     requests: list[int] = field(default_factory=list)
 
 
@@ -355,6 +376,7 @@ class ElectionCore:
         self._executor_died: set[str] = set()
         self._state_died: set[str] = set()
         self._dead_members: set[str] = set()  # until an entry of theirs shows them back (restarted)
+        self._executor_removed: dict[str, str] = {}  # msg_id -> its winner, removed from the voters
         # elections open when a member_lost came: only those skip waiting for a dead voter (one
         # routed later went to a live candidate; the dead one may since have been restarted)
         self._open_at_death: set[str] = set()
@@ -367,6 +389,7 @@ class ElectionCore:
         self._jobs: list[_FinishJob] = []  # finish jobs in cell order, oldest first
         self._replicate_on_settle: dict[int, _FinishJob] = {}  # DONE token -> its write-behind job
         self._finishing: set[str] = set()  # msg_ids executed here whose DONE/STATE are in flight
+        self._diverged: str | None = None  # a cell run here whose outcome the log overruled
 
     # ---- output --------------------------------------------------------------------------------------
     def take_commands(self) -> list[Command]:
@@ -396,6 +419,41 @@ class ElectionCore:
         stalled (paused, swapped out) before running it for longer than the executor silence, and
         the standbys committed its outcome without it. The log is the truth: answer from it."""
         return self.book.done(msg_id)
+
+    def committed_answer(
+        self, msg_id: str, reply: dict[str, Any], execution_count: int
+    ) -> tuple[dict[str, Any], str]:
+        """What the winner of msg_id tells the client once the cell ran here (or could not get
+        its GPUs) and its DONE had its chance to commit (the kernel waits a bounded time):
+        ``(content, verdict)``. Only a committed outcome is ever answered as such:
+
+        - ``committed``: this replica's DONE is the log's: its own reply;
+        - ``superseded``: another DONE is the log's (``superseded``): that one, and, if the cell
+          ran here, this process must exit once the answer is out;
+        - ``uncommitted``: no DONE is in the log yet (no quorum, or this replica was paused): an
+          error saying so, never the run's own ``ok``, which the standbys' ``ExecutorLost`` may
+          still overrule. The DONE keeps being proposed (``finish_cell``)."""
+        logged = self.book.done(msg_id)
+        if logged is None:
+            return (
+                {
+                    "status": "error",
+                    "ename": "ReplicationFailed",
+                    "evalue": (
+                        f"the cell ran on {self.replica_id} but its completion is not committed to the "
+                        "kernel's Raft log yet (the group may have lost its quorum): its outcome, and "
+                        "whether its changes are kept, will be what the log records"
+                    ),
+                    "traceback": [],
+                    "execution_count": execution_count,
+                    "user_expressions": {},
+                    "payload": [],
+                },
+                UNCOMMITTED,
+            )
+        if logged.replica_id != self.replica_id:
+            return logged.content, SUPERSEDED
+        return reply, COMMITTED
 
     def superseded(self, msg_id: str) -> Done | None:
         """After this replica ran msg_id: the DONE the log holds for it when that is another
@@ -642,6 +700,8 @@ class ElectionCore:
         done = self.book.done(msg_id)
         if done is not None:
             return Replay(done)
+        if self._diverged is not None:
+            return Unavailable(self._leaving())
         outcome = self.book.outcome(msg_id)
         decided_before = outcome is not None
         if outcome is None and not lead and self.settings.yield_grace_s > 0:
@@ -689,6 +749,9 @@ class ElectionCore:
                 f"this cell was already claimed by {self.replica_id} but its completion is not in the log"
             )
         elected = self._now
+        # Beat from the win on: waiting for the previous cell's STATE (``state_wait_s``) and the
+        # GPUs is work on the cell too, and a winner silent that long was taken for dead.
+        self._start_beat(msg_id)
         if binding is None:
             binding = self._bind(msg_id)
         waited, missing = yield from self._wait_previous_cell(msg_id)
@@ -696,8 +759,11 @@ class ElectionCore:
         device_ids = yield from self._bound(binding)
         if isinstance(device_ids, Exception):
             self._log("warning", "gpu_commit_failed", msg_id=msg_id, error=str(device_ids))
-            return BindFailed(str(device_ids))
-        self._start_beat(msg_id)
+            return BindFailed(str(device_ids))  # its DONE (``finish``) stops the beats
+        if self._diverged is not None:  # found out while this election ran: never run on that namespace
+            self._stop_beat()
+            self._unbind(binding)
+            return Unavailable(self._leaving())
         return Execute(
             device_ids,
             elect_ms=(elected - started) * 1000,
@@ -880,8 +946,7 @@ class ElectionCore:
 
             def finished(result: Done | str) -> None:
                 self._followers.pop(msg_id, None)
-                for request in follower.requests:
-                    self._emit(Answer(request, result))
+                self._answer_requests(follower, result)
 
             def failed(exc: Exception) -> None:
                 finished(f"internal error while waiting for the cell's DONE: {exc!r}")
@@ -891,14 +956,17 @@ class ElectionCore:
 
     def _wait_done(self, follower: _Follower, winner: str, execution_count: int) -> Proc:
         """No deadline while the executor shows progress (cells run for minutes), but a group
-        without a leader for ``quorum_timeout_s`` ends the wait with the reason, and a silent or
-        dead executor gets an ``ExecutorLost`` DONE committed on its behalf. An executor removed
-        from the group before its DONE committed (a replacement's membership change) is answered
-        with an ``ExecutorLost`` DONE made here, not in the log: every replica applies the same
-        change, so each answers the same, and no DONE of the removed member can count after it."""
+        without a leader for ``quorum_timeout_s`` answers the requests waiting with the reason,
+        and a silent or dead executor gets an ``ExecutorLost`` DONE committed on its behalf. The
+        watch itself goes on until some DONE is in the log: a cell left without one would hold
+        up every later executor for ``state_wait_s`` (``unfinished_before``), for good. An
+        executor removed from the group before its DONE committed (a replacement's membership
+        change) gets its ``ExecutorLost`` DONE proposed at once. Every answer is the first DONE
+        the log holds (the removed member's own, if it still came first), so all agree."""
         msg_id = follower.msg_id
         leaderless_since: float | None = None
         gave_up = False
+        lost_token: int | None = None  # this replica's ExecutorLost proposal, while in flight
         self._last_progress.setdefault(msg_id, self._now)
         try:
             while True:
@@ -913,30 +981,34 @@ class ElectionCore:
                     return _STOP_WAITING if self._lost_epoch != epoch else NOT_YET
 
                 got = yield _Wait(ended_or_lost, self._now + 0.5)
-                if isinstance(got, str):  # the executor left the group: no DONE can come
-                    return Done(
-                        msg_id, self.replica_id, lost_content(got, execution_count), execution_count, False
-                    )
                 if isinstance(got, Done):
                     return got
+                if lost_token is not None and lost_token in self._settled:
+                    failed = self._settled.pop(lost_token)
+                    lost_token = None
+                    if isinstance(failed, Exception):  # not committed: propose it again when due
+                        self._log("warning", "executor_lost_not_committed", msg_id=msg_id, error=str(failed))
+                        gave_up = False
                 view = self._raft()
                 if not view.running:
                     return "this replica's Raft peer is not running"
                 if view.leader is None:
                     if leaderless_since is None:
                         leaderless_since = self._now
-                    if self._now - leaderless_since > self.settings.quorum_timeout_s:
+                    if self._now - leaderless_since > self.settings.quorum_timeout_s and follower.requests:
                         voters = len(self.book.voters) or len(view.voters)
-                        return (
+                        self._answer_requests(
+                            follower,
                             f"the kernel's Raft group has had no leader for "
                             f"{self.settings.quorum_timeout_s:g}s (quorum lost: fewer than "
-                            f"{majority(voters)} of {voters} replicas reachable)"
+                            f"{majority(voters)} of {voters} replicas reachable)",
                         )
                     continue
                 leaderless_since = None
                 silent_s = self._now - self._last_progress.get(msg_id, self._now)
                 died = msg_id in self._executor_died
-                if not gave_up and (died or silent_s > self.settings.executor_silence_s):
+                removed = msg_id in self._executor_removed
+                if not gave_up and (died or removed or silent_s > self.settings.executor_silence_s):
                     gave_up = True  # once: the DONE (ours or the executor's) then ends the wait
                     self._log(
                         "warning",
@@ -945,9 +1017,12 @@ class ElectionCore:
                         executor=winner,
                         silent_s=round(silent_s, 1),
                         died=died,
+                        removed=removed,
                     )
                     reason = (
-                        f"the executor {winner}'s process died while running this cell; its outcome is unknown"
+                        f"the executor {winner} was removed from the kernel's Raft group before it finished"
+                        if removed
+                        else f"the executor {winner}'s process died while running this cell; its outcome is unknown"
                         if died
                         else f"the executor {winner} stopped reporting progress for "
                         f"{self.settings.executor_silence_s:g}s (it probably died); the cell's outcome is unknown"
@@ -955,9 +1030,18 @@ class ElectionCore:
                     lost = Done(
                         msg_id, self.replica_id, lost_content(reason, execution_count), execution_count, False
                     )
-                    self._propose(lost, "executor_lost", background=True)
+                    lost_token = self._propose(lost, "executor_lost", watched=True)
         finally:
             self._last_progress.pop(msg_id, None)
+            if lost_token is not None:  # still in flight: nobody waits for it now
+                self._watched.discard(lost_token)
+                self._settled.pop(lost_token, None)
+
+    def _answer_requests(self, follower: _Follower, result: Done | str) -> None:
+        """Answer the requests waiting on ``follower`` (later ones wait for what comes next)."""
+        requests, follower.requests = follower.requests, []
+        for request in requests:
+            self._emit(Answer(request, result))
 
     def _beat_proc(self, msg_id: str) -> Proc:
         """While this replica executes msg_id: PROGRESS entries tell the standbys it is alive."""
@@ -990,8 +1074,25 @@ class ElectionCore:
             )
         )
         del self._settled[done_token], self._settled[state_token]
-        if isinstance(results[0], Exception):
-            self._log("error", "done_not_committed", msg_id=done.msg_id, error=str(results[0]))
+        failure = results[0]
+        while self.book.done(done.msg_id) is None:
+            # The cell ran here: its outcome must reach the log, or the standbys' ExecutorLost
+            # must, before this replica answers or leaves it (a DONE dropped for good while a
+            # quorum was away, or while this replica was paused, left its run out of the log
+            # and an ``ok`` the log then contradicted). Proposed again until some DONE is in.
+            if not self._raft().running:
+                self._log("error", "done_not_committed", msg_id=done.msg_id, error=str(failure))
+                return None
+            self._log("warning", "done_not_committed_yet", msg_id=done.msg_id, error=str(failure))
+            yield _Wait(_never, self._now + DONE_RETRY_S)
+            failure = yield from self._propose_and_wait(done, "done")
+        if self.superseded(done.msg_id) is not None:
+            # the standbys' ExecutorLost came first: this replica's STATE counts for nothing, and
+            # its namespace holds what the group's does not
+            if self._diverged is None:
+                self._diverged = done.msg_id
+                self._log("error", "namespace_diverged", msg_id=done.msg_id)
+                self._emit(ExitDiverged(done.msg_id))
             return None
         if isinstance(results[1], Exception) or self.book.awaiting_state() == done.msg_id:
             # dropped, or retried ahead of its DONE (then the book ignored it): once more
@@ -1026,9 +1127,10 @@ class ElectionCore:
                         if self.book.done(msg_id) is None:  # not a LEAD carried by its DONE
                             self._follow(msg_id, winner)
                 case ExecutorLost(msg_id=msg_id, executor=executor):
-                    follower = self._followers.get(msg_id)
-                    if follower is not None and follower.result is NOT_YET:
-                        follower.result = f"the executor {executor} was removed from the kernel's Raft group before it finished"
+                    # No DONE of its own can come: its watch commits an ExecutorLost one at once
+                    # (the first DONE in the log is what every replica answers)
+                    self._executor_removed[msg_id] = executor
+                    self._lost_epoch += 1
                 case CellDone(done=done):
                     follower = self._followers.get(done.msg_id)
                     if follower is not None and follower.result is NOT_YET:
@@ -1156,6 +1258,12 @@ class ElectionCore:
         result = yield _Wait(lambda: self._settled.get(token, NOT_YET))
         del self._settled[token]
         return result
+
+    def _leaving(self) -> str:
+        return (
+            f"replica {self.replica_id} is leaving the kernel: the log overruled the outcome of "
+            f"{self._diverged}, which ran here, so its namespace differs from the group's"
+        )
 
     def _outcome_ready(self, msg_id: str) -> Callable[[], Any]:
         return lambda: self.book.outcome(msg_id) or NOT_YET

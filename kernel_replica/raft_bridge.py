@@ -30,6 +30,7 @@ import zmq.asyncio
 from kernel_replica import log_entries
 from kernel_replica.election import ElectionBook
 from kernel_replica.election_core import (
+    DIVERGED_EXIT_CODE,
     Answer,
     ApplyState,
     BindFailed,
@@ -42,6 +43,7 @@ from kernel_replica.election_core import (
     ElectionCore,
     ElectionSettings,
     Execute,
+    ExitDiverged,
     Failed,
     Log,
     NotifyScheduler,
@@ -86,6 +88,9 @@ SNAPSHOT_VERSION = 1
 PROPOSE_ATTEMPT_S = 1.0
 # After replica.stop, how long the main thread gets to stop gracefully before the process exits.
 STOP_GRACE_S = 0.5
+# A replica the log overruled (``ExitDiverged``) exits this long after it found out, whatever the
+# kernel thread does meanwhile: time for the cell's reply to go out first.
+DIVERGED_EXIT_GRACE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,6 +414,10 @@ class ReplicaCore:
                         finish_ms=round(self.finish_ms[-1], 3),
                         state_bytes=sum(sum(g.get("sizes", ())) for g in state.groups) if state else 0,
                     )
+            case ExitDiverged():
+                # the kernel exits once the cell's reply is out (kernel.py); this is the backstop
+                # for a cell whose reply went out before the log overruled it
+                asyncio.get_running_loop().call_later(DIVERGED_EXIT_GRACE_S, os._exit, DIVERGED_EXIT_CODE)
             case Log(level=level, event=event, fields=fields):
                 getattr(self._log, level)(event, **fields)
 

@@ -3,7 +3,7 @@ for its DONE answers once it is removed from the group."""
 
 from __future__ import annotations
 
-from kernel_replica.election_core import Answer, ElectionCore, ElectionSettings, RaftView
+from kernel_replica.election_core import Answer, ElectionCore, ElectionSettings, Propose, RaftView
 from kernel_replica.log_entries import Done, Lead, LogEntry, Vote, Yield
 
 VOTERS = ("r1", "r2", "r3")
@@ -48,6 +48,10 @@ def test_a_standby_waiting_for_an_executor_removed_from_the_group_answers_execut
     apply_all(core, [Lead("m", "r1")])  # r1 runs m
     request = core.wait_done("m", "r1", 7, now=0.1)
     core.set_voters(("r2", "r3"), now=0.2, restored=True)  # r1 replaced
+    core.tick(0.7)  # its watch wakes: no DONE of r1 can come, so it commits ExecutorLost itself
+    proposed = [c.entry for c in core.take_commands() if isinstance(c, Propose) and isinstance(c.entry, Done)]
+    assert len(proposed) == 1
+    core.apply(2, proposed[0], 0.8)
     answers = [c for c in core.take_commands() if isinstance(c, Answer) and c.request == request]
     assert len(answers) == 1
     answer = answers[0].value
