@@ -478,6 +478,13 @@ class ElectionCore:
         voters = tuple(voters)
         if voters and not self.book.voters:  # restarted from a data dir without a snapshot
             self._handle(self.book.set_voters(voters))
+        # Cells still running in the log it replayed: watch them like the cells whose LEAD it
+        # applies from now on. One it won itself ran in its previous process, which is gone: its
+        # DONE will not come from there (the ExecutorLost one is committed at once).
+        for msg_id, winner in self.book.running().items():
+            if winner == self.replica_id:
+                self._executor_died.add(msg_id)
+            self._follow(msg_id, winner)
         self._pump()
 
     def apply(self, index: int, entry: LogEntry, now: float) -> None:
@@ -515,6 +522,10 @@ class ElectionCore:
         last = book.last_done()
         if last is not None:
             self._emit(DeliverDone(last))
+        if self._configured:  # (at start, ``started`` looks at what is running)
+            for msg_id, winner in book.running().items():
+                if winner != self.replica_id:  # a member joining mid-cell watches it too
+                    self._follow(msg_id, winner)
         self._pump()
 
     def proposal_settled(self, token: int, result: int | Exception, now: float) -> None:
@@ -635,19 +646,29 @@ class ElectionCore:
 
     def finish(self, done: Done, *, release_gpus: bool, now: float) -> int:
         """Step 5 without a run (the GPUs were refused): release them if asked and commit DONE.
-        Its ``Answer`` is None, or the exception the proposal failed with."""
+        Its ``Answer`` is None, or the exception the first proposal failed with; the DONE is
+        then proposed again until the log holds one for the cell (a won cell left without a
+        DONE would hold up every later executor for ``state_wait_s``)."""
         self._now = now
         request = next(self._ids)
         self._stop_beat()
         if release_gpus:
             self._emit(ReleaseGpus(done.msg_id))
 
-        def finished(result: Any) -> None:
-            self._emit(Answer(request, result if isinstance(result, Exception) else None))
+        def failed(exc: Exception) -> None:
+            self._emit(Answer(request, exc))
 
-        self._start(self._propose_and_wait(done, "done"), finished, finished)
+        self._start(self._finish_without_run(request, done), lambda _: None, failed)
         self._pump()
         return request
+
+    def _finish_without_run(self, request: int, done: Done) -> Proc:
+        result = yield from self._propose_and_wait(done, "done")
+        self._emit(Answer(request, result if isinstance(result, Exception) else None))
+        while self.book.done(done.msg_id) is None and self._raft().running:
+            self._log("warning", "done_not_committed_yet", msg_id=done.msg_id, error=str(result))
+            yield _Wait(_never, self._now + DONE_RETRY_S)
+            result = yield from self._propose_and_wait(done, "done")
 
     def abandon(self, now: float) -> None:
         """An Execute decision whose cell will not run after all (``ended_before_run``): stop the
