@@ -102,9 +102,10 @@ IDLE_REPLICATION_WAIT_S = 2.0
 DIVERGED_EXIT_DELAY_S = 0.3
 PROPOSE_ATTEMPT_S = 1.0  # raft_bridge.PROPOSE_ATTEMPT_S: one attempt, then propose again
 DROPPED_RETRY_S = 0.05  # a proposal dropped at once (no leader known) is retried this soon
+RESTART_S = (1.0, 10.0)  # a dead replica's restart, or its replacement's start, takes this long
 PROMPT_TAKEOVER_S = 4.0  # the survivors of a dead executor commit its ExecutorLost this soon
 MAX_ROUNDS = 3  # election rounds of a cell before the scheduler gives up (migration.MAX_ELECTION_ROUNDS)
-DEFAULT_CHAOS_S = 20.0
+DEFAULT_CHAOS_S = 30.0
 INITIAL_VOTERS = ("r1", "r2", "r3")
 
 
@@ -144,7 +145,7 @@ class Scenario:
         focus = ("chaos", "paused_executor", "paused_leader", "crashed_executor")[seed % 4]
         quiet = focus != "chaos"
         return Scenario(
-            cells=r.choice((3, 5, 8)),
+            cells=r.choice((4, 8, 12)),
             chaos_s=chaos_s,
             loss=r.choice((0.0, 0.02, 0.1, 0.25)),
             slow=r.choice((0.0, 0.05, 0.2)),
@@ -966,9 +967,9 @@ class Simulation:
         others_up = sum(1 for v in self.voters if v != r.id and self.replicas[v].up)
         if self.rng.random() < self.scenario.restart or others_up < majority(len(self.voters)):
             # (without a quorum no replacement can commit: the operator restarts it in place)
-            self.at(self.now + self.rng.uniform(0.5, 4.0), lambda: self._restart(r))
+            self.at(self.now + self.rng.uniform(*RESTART_S), lambda: self._restart(r))
         else:
-            self.at(self.now + self.rng.uniform(0.5, 3.0), lambda: self._replace(r))
+            self.at(self.now + self.rng.uniform(*RESTART_S), lambda: self._replace(r))
 
     def _member_lost(self, s: SimReplica, member: str, started: list[str]) -> None:
         if s.core is None:
