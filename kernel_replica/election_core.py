@@ -371,6 +371,9 @@ class ElectionCore:
         self._last_progress: dict[str, float] = {}  # msg_id -> when its executor was last heard
         self._followers: dict[str, _Follower] = {}
         self._deciding: dict[str, int] = {}  # msg_id -> decide requests in flight for it
+        self._requested: set[str] = set()  # msg_ids this process was asked to decide
+        self._caught_up = False  # the log it held at start is applied (``_watch_running``)
+        self._applied_index = 0
         # Cells whose executor's process the scheduler saw die (``member_lost``): their DONE, or
         # the STATE after it, will not come, so nothing waits out a silence timeout for them.
         self._executor_died: set[str] = set()
@@ -470,21 +473,19 @@ class ElectionCore:
         if voters:
             self.book.set_voters(voters)
 
-    def started(self, *, last_index: int, voters: Iterable[str], now: float) -> None:
-        """The peer runs; entries up to ``last_index`` were replayed from this replica's own log."""
+    def started(self, *, last_index: int, voters: Iterable[str], now: float, applied: int = 0) -> None:
+        """The peer runs: entries up to ``last_index`` are this replica's own log, replayed (not
+        live) as they are applied; ``applied``: the index its restored snapshot covers."""
         self._now = now
         self._configured = True
         self._replayed_through = last_index
+        self._applied_index = max(self._applied_index, applied)
         voters = tuple(voters)
         if voters and not self.book.voters:  # restarted from a data dir without a snapshot
             self._handle(self.book.set_voters(voters))
-        # Cells still running in the log it replayed: watch them like the cells whose LEAD it
-        # applies from now on. One it won itself ran in its previous process, which is gone: its
-        # DONE will not come from there (the ExecutorLost one is committed at once).
-        for msg_id, winner in self.book.running().items():
-            if winner == self.replica_id:
-                self._executor_died.add(msg_id)
-            self._follow(msg_id, winner)
+        if self._applied_index >= last_index:  # nothing to replay
+            self._caught_up = True
+            self._watch_running()
         self._pump()
 
     def apply(self, index: int, entry: LogEntry, now: float) -> None:
@@ -498,10 +499,14 @@ class ElectionCore:
             self._pump()
             return
         live = self._replayed_through is not None and index > self._replayed_through
+        self._applied_index = index
         try:
             self._handle(self.book.apply(entry), live=live)
         except Exception as exc:  # a bug here must not stop the replica applying its log
             self._log("error", "log_entry_failed", index=index, kind=type(entry).__name__, error=repr(exc))
+        if not self._caught_up and self._replayed_through is not None and index >= self._replayed_through:
+            self._caught_up = True  # the log this replica held when it started is applied
+            self._watch_running()
         self._pump()
 
     def set_voters(self, voters: Iterable[str], now: float, *, restored: bool = False) -> None:
@@ -522,10 +527,8 @@ class ElectionCore:
         last = book.last_done()
         if last is not None:
             self._emit(DeliverDone(last))
-        if self._configured:  # (at start, ``started`` looks at what is running)
-            for msg_id, winner in book.running().items():
-                if winner != self.replica_id:  # a member joining mid-cell watches it too
-                    self._follow(msg_id, winner)
+        if self._configured:  # a member that joins (or catches up) mid-cell watches it too
+            self._watch_running()
         self._pump()
 
     def proposal_settled(self, token: int, result: int | Exception, now: float) -> None:
@@ -602,6 +605,7 @@ class ElectionCore:
         Returns the request id its ``Answer`` (a ``Decision``) will carry."""
         self._now = now
         request = next(self._ids)
+        self._requested.add(msg_id)
         self._deciding[msg_id] = self._deciding.get(msg_id, 0) + 1
 
         def finished(decision: Decision) -> None:
@@ -955,6 +959,19 @@ class ElectionCore:
                 )
                 return waited, pending
         return waited, self._state_lost_before(msg_id)
+
+    def _watch_running(self) -> None:
+        """Watch the cells the log shows running that this replica did not see start live (it
+        replayed them from its disk, or got them in a snapshot), as it watches those whose LEAD
+        it applies live. One it won itself that this process never asked for ran in its previous
+        process, which is gone: its DONE will not come from there, so its ExecutorLost is
+        committed at once."""
+        for msg_id, winner in self.book.running().items():
+            if winner == self.replica_id:
+                if msg_id in self._requested:
+                    continue  # this process's own cell
+                self._executor_died.add(msg_id)
+            self._follow(msg_id, winner)
 
     def _follow(self, msg_id: str, winner: str, execution_count: int | None = None) -> _Follower:
         """The one watcher of a cell ``winner`` executes, started when its LEAD commits."""

@@ -1028,18 +1028,22 @@ class Simulation:
                 core.restore(ElectionBook.from_snapshot(book.to_snapshot()), self.now)
             core.set_voters(voters, self.now, restored=True)
             r.applied = snapshot_at
-        while r.applied < persisted:  # the replay of its own log, before the peer runs
+        # The peer starts (a snapshot is restored during its start), then replays the log it
+        # holds through its Ready loop: those entries are applied after ``started``, not live.
+        r.replayed_through = max(r.applied, persisted)
+        core.started(
+            last_index=r.replayed_through,
+            applied=r.applied,
+            voters=self.voters if bootstrap or r.incarnation > 1 else (),
+            now=self.now,
+        )
+        while r.applied < persisted:
             item, _ = self.log[r.applied]
             r.applied += 1
             if isinstance(item, tuple):
                 core.set_voters(item, self.now)
             else:
                 core.apply(r.applied, item, self.now)
-        core.take_commands()  # what replaying posted to the kernel (its history) changes nothing here
-        r.replayed_through = r.applied
-        core.started(
-            last_index=r.applied, voters=self.voters if bootstrap or r.incarnation > 1 else (), now=self.now
-        )
         r.count = 0
         last = core.book.last_done()
         if last is not None:

@@ -239,7 +239,9 @@ class ReplicaCore:
         self.peer = peer
         status = peer.status()
         self._feed(
-            lambda now: self.election.started(last_index=status.last_index, voters=status.voters, now=now)
+            lambda now: self.election.started(
+                last_index=status.last_index, voters=status.voters, now=now, applied=status.applied
+            )
         )
         self._spawn(self._report_raft_role())
         self._log.info("raft_running", voters=status.voters, join=join)

@@ -9,14 +9,13 @@ from kernel_replica.log_entries import Done, Lead, LogEntry, Vote, Yield
 VOTERS = ("r1", "r2", "r3")
 
 
-def standby(replayed_through: int = 0) -> ElectionCore:
-    """A standby r2 of a running group whose log is fed by hand (entries up to
-    ``replayed_through`` count as replayed from its own log: no watch starts for them)."""
+def standby() -> ElectionCore:
+    """A standby r2 of a running group whose log is fed by hand."""
     core = ElectionCore(
         "r2", ElectionSettings(), raft=lambda: RaftView(running=True, leader="r3", voters=VOTERS)
     )
     core.configure(VOTERS)
-    core.started(last_index=replayed_through, voters=VOTERS, now=0.0)
+    core.started(last_index=0, voters=VOTERS, now=0.0)
     return core
 
 
@@ -44,14 +43,15 @@ def test_an_entry_the_member_proposed_itself_shows_it_back() -> None:
 
 
 def test_a_standby_waiting_for_an_executor_removed_from_the_group_answers_executor_lost() -> None:
-    core = standby(replayed_through=1)
-    apply_all(core, [Lead("m", "r1")])  # r1 runs m
+    core = standby()
+    previous = Done("p", "r3", {"status": "ok"}, 7, False)  # the kernel's count is 7 after it
+    apply_all(core, [Lead("p", "r3"), previous, Lead("m", "r1")])  # r1 runs m
     request = core.wait_done("m", "r1", 7, now=0.1)
     core.set_voters(("r2", "r3"), now=0.2, restored=True)  # r1 replaced
     core.tick(0.7)  # its watch wakes: no DONE of r1 can come, so it commits ExecutorLost itself
     proposed = [c.entry for c in core.take_commands() if isinstance(c, Propose) and isinstance(c.entry, Done)]
     assert len(proposed) == 1
-    core.apply(2, proposed[0], 0.8)
+    core.apply(4, proposed[0], 0.8)
     answers = [c for c in core.take_commands() if isinstance(c, Answer) and c.request == request]
     assert len(answers) == 1
     answer = answers[0].value

@@ -185,3 +185,13 @@ def test_votes_wait_for_the_replicas_next_proposal_and_ride_with_it() -> None:
     r.commit(Lead("d", "r1"), now=0.3)
     r.core.tick(0.8)  # nothing else to ride with: flushed after vote_flush_s
     assert [p.entry for p in r.proposals(r.take())] == [Vote("d", "r3", "r1")]
+
+
+def test_a_restarted_replica_ends_a_cell_its_previous_process_won_and_never_finished() -> None:
+    core = ElectionCore("r1", ElectionSettings(), raft=lambda: RaftView(True, "r2", VOTERS))
+    core.configure(VOTERS)
+    core.started(last_index=1, voters=VOTERS, now=0.0)  # its disk holds one entry, replayed next
+    core.apply(1, Lead("m", "r1"), now=0.0)  # its previous process won m, then died
+    core.tick(0.5)
+    [lost] = [c.entry for c in core.take_commands() if isinstance(c, Propose) and isinstance(c.entry, Done)]
+    assert lost.msg_id == "m" and lost.content["ename"] == "ExecutorLost"
