@@ -1,5 +1,7 @@
-"""The replica's Raft side: a thread with its own uvloop running the Raft peer, the election book,
-the replicated namespace and the scheduler link, plus the cross-thread calls the kernel makes.
+"""The replica's Raft side: a thread with its own uvloop running the Raft peer, the election core
+(``kernel_replica/election_core.py``: this module feeds it and carries out its commands, and holds
+no election policy), the replicated namespace and the scheduler link, plus the cross-thread calls
+the kernel makes.
 
 Why a thread: user code blocks the kernel's main thread (and its event loop) for as long as a cell
 runs; Raft must keep heartbeating and the scheduler link must keep answering meanwhile. Everything
