@@ -306,7 +306,7 @@ class TandemKernel(IPythonKernel):
             # queued on IOPub since the cell's own flush (streams.py).
             idle = self._serialized_idle(parent)
             timing |= await self._replicate_cell(bridge, msg_id, code, reply, log, execute_args)
-            # Only a committed outcome is answered (ElectionCore.answer_after_run). Superseded:
+            # Only a committed outcome is answered (ElectionCore.committed_answer). Superseded:
             # this replica stalled inside the cell past the executor silence; the standbys
             # committed the cell's outcome without it (ExecutorLost) and ignored its DONE and
             # STATE. The client hears the log's outcome, and this process, whose namespace now
