@@ -135,7 +135,7 @@ def lost_content(reason: str, execution_count: int) -> dict[str, Any]:
     }
 
 
-# ``ElectionCore.answer_after_run`` verdicts
+# ``ElectionCore.committed_answer`` verdicts
 COMMITTED = "committed"
 SUPERSEDED = "superseded"
 UNCOMMITTED = "uncommitted"
