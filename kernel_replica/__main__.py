@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from ipykernel.kernelapp import IPKernelApp
     from tornado import ioloop
 
+    from kernel_replica.election_core import ElectionSettings
     from kernel_replica.kernel import TandemKernel
     from kernel_replica.raft_bridge import RaftBridge, ReplicaSettings
 
@@ -203,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         raft_fsync=config.get("raft.fsync"),
         raft_transport=config.get("raft.transport"),
         raft_tls=raft_tls,
-        propose_votes=os.environ.get("TANDEM_PROPOSE_VOTES", "1") != "0",
-        executor_silence_s=config.get("kernel.executor_silence_s"),
+        election=ElectionSettings.from_config(config["election"]),
         link_curve=link_curve,
     )
     bridge = RaftBridge.start(

@@ -137,6 +137,10 @@ class ElectionBook:
                 out.append(other)
         return out
 
+    def running(self) -> dict[str, str]:
+        """msg_id -> winner of every cell decided with a winner and no DONE yet, in log order."""
+        return dict(self._running)
+
     def running_on(self, replica_id: str) -> list[str]:
         """Cells ``replica_id`` won whose DONE has not committed (what dies with its process)."""
         return [msg_id for msg_id, winner in self._running.items() if winner == replica_id]

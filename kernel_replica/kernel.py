@@ -45,6 +45,7 @@ from kernel_replica.durability import (
     protected_again,
     unprotected_warning,
 )
+from kernel_replica.election_core import COMMITTED, DIVERGED_EXIT_CODE, SUPERSEDED, UNCOMMITTED
 from kernel_replica.log_entries import Done, State
 from kernel_replica.object_codec import DEFAULT_LARGE_OBJECT_BYTES, ObjectCodec
 from kernel_replica.raft_bridge import (
@@ -77,9 +78,8 @@ FOLLOWED_CATCH_UP = 64
 # The executor's idle waits for the cell's DONE and STATE to commit, at most this long (a group
 # that lost its quorum must not leave the client without idle; the commit goes on behind it).
 IDLE_REPLICATION_WAIT_S = 2.0
-# A replica whose namespace ran ahead of the log (``cell_outcome_superseded``) exits with this
-# code once its reply is out; the scheduler replaces it like any dead replica.
-DIVERGED_EXIT_CODE = 75
+# A replica whose namespace ran ahead of the log (``cell_outcome_superseded``) exits with
+# DIVERGED_EXIT_CODE this long after its reply; the scheduler replaces it like any dead replica.
 DIVERGED_EXIT_DELAY_S = 0.3
 TIMING_SUMMARY_EVERY = 100
 STANDBY = "standby"
@@ -292,7 +292,7 @@ class TandemKernel(IPythonKernel):
                     if self._not_loaded:  # the store may work again: load them before telling
                         await self._load_again(bridge, log)
                     self._tell_missing(bridge)
-                    ended = bridge.core.book.done(msg_id)
+                    ended = bridge.core.election.ended_before_run(msg_id)
                     if ended is not None:
                         # This replica won the cell, then stalled (paused, swapped out) before
                         # running it for longer than the executor silence: the standbys committed
@@ -313,7 +313,10 @@ class TandemKernel(IPythonKernel):
                         self._count(),
                     )
                     reply, role = await self._commit_done(msg_id, reply, False, log), EXECUTOR
-                    no_executor = True  # the scheduler migrates a GPU cell rather than pass this on
+                    # the scheduler migrates a GPU cell rather than pass this on, unless the log
+                    # holds another outcome (the standbys took this replica for dead meanwhile)
+                    reply, verdict = bridge.core.election.committed_answer(msg_id, reply, self._count())
+                    no_executor = verdict == COMMITTED
                 case Standby(winner=winner):
                     log.debug("standby", executor=winner)
                     # its history learns the cell from the DONE (``_apply_remote_done``)
@@ -349,14 +352,17 @@ class TandemKernel(IPythonKernel):
             # queued on IOPub since the cell's own flush (streams.py).
             idle = self._serialized_idle(parent)
             timing |= await self._replicate_cell(bridge, msg_id, code, reply, log, execute_args)
-            logged = bridge.core.book.done(msg_id)
-            if logged is not None and logged.replica_id != self.replica_id:
-                # This replica stalled inside the cell past the executor silence; the standbys
-                # committed the cell's outcome without it (ExecutorLost) and ignored its DONE and
-                # STATE. The client hears the log's outcome, and this process, whose namespace
-                # now holds changes the group does not, leaves so a fresh replica replaces it.
-                log.error("cell_outcome_superseded", by=logged.replica_id, ename=logged.content.get("ename"))
-                reply, diverged = logged.content, True
+            # Only a committed outcome is answered (ElectionCore.committed_answer). Superseded:
+            # this replica stalled inside the cell past the executor silence; the standbys
+            # committed the cell's outcome without it (ExecutorLost) and ignored its DONE and
+            # STATE. The client hears the log's outcome, and this process, whose namespace now
+            # holds changes the group does not, leaves so a fresh replica replaces it.
+            reply, verdict = bridge.core.election.committed_answer(msg_id, reply, self._count())
+            if verdict == SUPERSEDED:
+                log.error("cell_outcome_superseded", ename=reply.get("ename"))
+                diverged = True
+            elif verdict == UNCOMMITTED:
+                log.error("cell_outcome_not_committed")
         timing["total_ms"] = (time.perf_counter() - started) * 1000
         metadata = self.finish_metadata(parent, metadata, reply)
         metadata["tandem"] = {"replica_id": self.replica_id, "role": role}

@@ -1,5 +1,7 @@
-"""The replica's Raft side: a thread with its own uvloop running the Raft peer, the election book,
-the replicated namespace and the scheduler link, plus the cross-thread calls the kernel makes.
+"""The replica's Raft side: a thread with its own uvloop running the Raft peer, the election core
+(``kernel_replica/election_core.py``: this module feeds it and carries out its commands, and holds
+no election policy), the replicated namespace and the scheduler link, plus the cross-thread calls
+the kernel makes.
 
 Why a thread: user code blocks the kernel's main thread (and its event loop) for as long as a cell
 runs; Raft must keep heartbeating and the scheduler link must keep answering meanwhile. Everything
@@ -18,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,27 +30,35 @@ import uvloop
 import zmq.asyncio
 
 from kernel_replica import log_entries
-from kernel_replica.election import (
-    CellDone,
-    ElectionBook,
-    ElectionDecided,
-    ElectionFailed,
-    EntryIgnored,
-    ExecutorLost,
-    Outcome,
-    StateAccepted,
+from kernel_replica.election import ElectionBook
+from kernel_replica.election_core import (
+    DIVERGED_EXIT_CODE,
+    Answer,
+    ApplyState,
+    BindFailed,
+    BindGpus,
+    CellFinished,
+    CellReplicated,
+    Command,
+    Decision,
+    DeliverDone,
+    ElectionCore,
+    ElectionSettings,
+    Execute,
+    ExitDiverged,
+    Failed,
+    Log,
+    NotifyScheduler,
+    Propose,
+    RaftView,
+    ReleaseGpus,
+    Replay,
+    Standby,
+    TransferLeadership,
+    Unavailable,
+    lost_content,
 )
-from kernel_replica.log_entries import (
-    Done,
-    Lead,
-    LogEntry,
-    LogEntryError,
-    Progress,
-    State,
-    Vote,
-    Votes,
-    Yield,
-)
+from kernel_replica.log_entries import Done, LogEntry, LogEntryError, State
 from kernel_replica.scheduler_link import SchedulerLink
 from kernel_replica.state_sync import ReplicatedNamespace
 from shared.raft.driver import NotRunning, PeerConfig, ProposalDropped, RaftError, RaftPeer, RaftTimeout
@@ -59,13 +69,31 @@ from shared.security.curve import ClientCurve
 
 T = TypeVar("T")
 
+# What the kernel imports from here (the decisions are the election core's).
+__all__ = [
+    "BindFailed",
+    "Decision",
+    "Execute",
+    "Failed",
+    "RaftBridge",
+    "RaftThread",
+    "Replay",
+    "ReplicaCore",
+    "ReplicaSettings",
+    "Standby",
+    "Unavailable",
+    "lost_content",
+]
+
 SNAPSHOT_VERSION = 1
 # One propose() attempt: a proposal forwarded to a leader that then died is never answered, so it
 # is proposed again (a duplicate LEAD/YIELD/VOTE/DONE/STATE changes nothing in the book).
 PROPOSE_ATTEMPT_S = 1.0
 # After replica.stop, how long the main thread gets to stop gracefully before the process exits.
 STOP_GRACE_S = 0.5
-SILENT_POLL_S = 0.05  # how often a stand-in for a hung candidate checks whether the others answered
+# A replica the log overruled (``ExitDiverged``) exits this long after it found out, whatever the
+# kernel thread does meanwhile: time for the cell's reply to go out first.
+DIVERGED_EXIT_GRACE_S = 1.0
 # Exit status of a replica whose Raft stopped on an error it cannot continue after (its state
 # machine may have diverged): the local scheduler reports the exit and the member is replaced.
 RAFT_FATAL_EXIT = 70  # EX_SOFTWARE
@@ -73,13 +101,9 @@ RAFT_FATAL_EXIT = 70  # EX_SOFTWARE
 
 @dataclass(frozen=True, slots=True)
 class ReplicaSettings:
-    """Timeouts of the execute path; defaults suit the embedded cluster."""
+    """The replica's Raft peer and scheduler link; the election's timing is ``election``."""
 
     gpus: int = 0
-    propose_timeout_s: float = 5.0  # a proposal not applied by then is reported as a lost quorum
-    election_wait_s: float = 5.0  # a yielder waits this long for silent voters, then yields for them
-    state_wait_s: float = 10.0  # the next executor waits this long for the previous cell's STATE
-    quorum_timeout_s: float = 10.0  # a standby with no Raft leader for this long gives up on DONE
     tick_interval_s: float = 0.02
     election_ticks: int = 10
     snapshot_every: int = 1000
@@ -87,85 +111,10 @@ class ReplicaSettings:
     raft_transport: str = "tcp"  # config raft.transport: shared/raft/tcp_transport.py says why
     # This member's TLS identity on the Raft links (shared/raft/tls.py); None only with raft.tls off
     raft_tls: LinkTls | None = None
-    # NotebookOS appends VOTE(winner) after the election. Here the commit order alone decides, so
-    # votes only record each replica's view in the log; they ride along with this replica's next
-    # proposal (same Ready, same fsync) or go out after ``vote_flush_s`` of quiet.
-    propose_votes: bool = True
-    vote_flush_s: float = 0.5
-    # A replica told to yield first waits this long for the candidate's LEAD to commit; only if it
-    # does not (the candidate is slow, dead, or there is none) does it append its YIELD. Saves two
-    # log entries per cell; a failed election is detected this much later.
-    yield_grace_s: float = 0.05
-    # The executor appends PROGRESS this often while a cell runs; a standby that hears neither
-    # PROGRESS nor DONE for ``executor_silence_s`` (with a healthy Raft group) commits a DONE with
-    # an ``ExecutorLost`` error itself, so a dead executor cannot block the kernel forever.
-    progress_interval_s: float = 2.0
     commit_notice_s: float = 0.001  # PeerConfig.commit_notice_delay (``raft.commit_notice_ms``)
-    executor_silence_s: float = 10.0
-    # The leader hands Raft leadership to a replica that executed this many cells in a row (its
-    # LEADs then commit without the hop to a remote leader); 0 disables. At most once per
-    # ``leader_transfer_every_s``: a transfer drops proposals for a moment.
-    leader_follows_executor: int = 3
-    leader_transfer_every_s: float = 10.0
+    election: ElectionSettings = field(default_factory=ElectionSettings)  # config [election]
     # keys on the link to the local scheduler (shared/security/curve.link_env); None: plain link
     link_curve: ClientCurve | None = None
-
-
-# ---- what the kernel is told to do with a cell ---------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Replay:
-    """DONE is already in the log: answer from it, never run again."""
-
-    done: Done
-
-
-@dataclass(frozen=True, slots=True)
-class Execute:
-    device_ids: list[int]
-    elect_ms: float = 0.0  # LEAD proposed -> outcome known
-    state_wait_ms: float = 0.0  # waiting for the previous cell's STATE
-    bind_ms: float = 0.0  # gpu.commit round trip
-    state_missing: tuple[str, ...] = ()  # earlier cells whose DONE/STATE never arrived in time
-
-
-@dataclass(frozen=True, slots=True)
-class BindFailed:
-    """Won the election but the local scheduler refused the GPUs."""
-
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Standby:
-    winner: str
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    """Every voter yielded."""
-
-
-@dataclass(frozen=True, slots=True)
-class Unavailable:
-    """Raft could not decide (no quorum, not configured, stopped); ``reason`` says which."""
-
-    reason: str
-
-
-Decision = Replay | Execute | BindFailed | Standby | Failed | Unavailable
-
-
-def lost_content(reason: str, execution_count: int) -> dict[str, Any]:
-    """The ``execute_reply`` a standby commits for a cell whose executor vanished."""
-    return {
-        "status": "error",
-        "ename": "ExecutorLost",
-        "evalue": reason,
-        "traceback": [f"ExecutorLost: {reason}"],
-        "execution_count": execution_count,
-        "user_expressions": {},
-        "payload": [],
-    }
 
 
 class RaftThread:
@@ -195,7 +144,11 @@ class RaftThread:
 
 
 class ReplicaCore:
-    """Everything of one replica that runs on the Raft thread. Only touch it from that thread."""
+    """Everything of one replica that runs on the Raft thread. Only touch it from that thread.
+
+    The shell around ``ElectionCore``: it feeds the core what the Raft peer applies, what the
+    scheduler and the kernel ask, and the results of the core's commands (proposals, GPU
+    bindings), each with the time, and carries those commands out. No election policy here."""
 
     def __init__(
         self,
@@ -217,7 +170,9 @@ class ReplicaCore:
         self._data_dir = data_dir
         self._post = post_to_kernel  # thread-safe: runs fn(*args) on the kernel's main thread
         self._log = structlog.get_logger("replica.raft").bind(kernel=kernel_id, replica=replica_id)
-        self.book = ElectionBook()
+        self.election = ElectionCore(
+            replica_id, settings.election, raft=self._raft_view, now=time.monotonic()
+        )
         self.namespace = ReplicatedNamespace()
         self.skipped_entries = 0  # committed entries that did not decode (skipped by every replica)
         self.peer: RaftPeer | None = None
@@ -229,43 +184,23 @@ class ReplicaCore:
             address=scheduler_address,
             curve=settings.link_curve,
         )
-        self._election_waiters: dict[str, list[asyncio.Future[Outcome]]] = {}
-        # a cell's DONE, or why none can come (its executor was removed from the group)
-        self._done_waiters: dict[str, list[asyncio.Future[Done | str]]] = {}
-        self._state_waiters: list[asyncio.Future[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
-        self._pending_votes: list[Vote] = []
-        # GPUs bound by a yielder that proposed LEAD for a silent candidate (_wait_outcome)
-        self._late_bindings: dict[str, asyncio.Future[list[int]]] = {}
-        self._own_entries: set[tuple[str, str]] = set()  # (kind, msg_id) proposed by this process
-        self._last_progress: dict[str, float] = {}  # msg_id -> when its executor was last heard
-        # One watcher per cell another replica executes (``_follow``): its DONE, or ExecutorLost.
-        self._followers: dict[str, asyncio.Task[Done | str]] = {}
-        # Entries up to this index were in this replica's log when it started: applying them again
-        # replays history (no votes, no watchers). None until the peer runs.
-        self._replayed_through: int | None = None
-        self._applying_live = False  # the entry being applied is new (see _replayed_through)
-        # Cells whose executor's process the scheduler saw die (``member_lost``): their DONE, or
-        # the STATE after it, will not come, so nothing waits out a silence timeout for them.
-        self._executor_died: set[str] = set()
-        self._state_died: set[str] = set()
-        self._dead_members: set[str] = set()  # until an entry of theirs shows them back (restarted)
-        # elections open when a member_lost came: only those skip waiting for a dead voter (one
-        # routed later went to a live candidate; the dead one may since have been restarted)
-        self._open_at_death: set[str] = set()
-        self._lost_signal: asyncio.Future[None] | None = None
-        self._progress_task: asyncio.Task[None] | None = None
-        self._streak: tuple[str | None, int] = (None, 0)  # (executor, cells in a row) from DONEs
-        self._last_transfer = float("-inf")
-        self._finish_tail: asyncio.Future[None] | None = None  # the latest finish_cell's completion
-        self._finishing: set[str] = set()  # msg_ids executed here whose DONE/STATE are in flight
+        self._answers: dict[int, asyncio.Future[Any]] = {}  # core request id -> its caller
+        # finish jobs of ``finish_cell``: job id -> (the kernel's ``replicated`` future, the STATE)
+        self._jobs: dict[int, tuple[concurrent.futures.Future[None] | None, State | None]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
         self.finish_ms: deque[float] = deque(maxlen=1000)  # executed cell -> DONE and STATE committed
-        self._vote_timer: asyncio.TimerHandle | None = None
         self.on_stop_requested: Callable[[], None] = lambda: None
         self.on_done: Callable[[Done], None] = lambda done: None
         self.on_state: Callable[[State], None] = lambda state: None
         # (imports, [(group, names)], gpu_resident) from ReplicatedNamespace.contents() and .gpu_resident()
         self.on_namespace_restored: Callable[[Any], None] = lambda contents: None
+
+    @property
+    def book(self) -> ElectionBook:
+        """The election book of the entries applied so far (read by the kernel's thread too)."""
+        return self.election.book
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def connect_scheduler(self) -> None:
@@ -301,8 +236,7 @@ class ReplicaCore:
             transport_kind=self.settings.raft_transport,
             tls=self.settings.raft_tls,
         )
-        if voters:
-            self.book.set_voters(voters)
+        self.election.configure(voters)
         peer = RaftPeer(
             config,
             on_apply=self._on_apply,
@@ -316,9 +250,11 @@ class ReplicaCore:
         await peer.start()
         self.peer = peer
         status = peer.status()
-        self._replayed_through = status.last_index
-        if status.voters and not self.book.voters:  # restarted from a data dir without a snapshot
-            self._handle(self.book.set_voters(status.voters))
+        self._feed(
+            lambda now: self.election.started(
+                last_index=status.last_index, voters=status.voters, now=now, applied=status.applied
+            )
+        )
         self._spawn(self._report_raft_role())
         self._log.info("raft_running", voters=status.voters, join=join)
 
@@ -334,7 +270,7 @@ class ReplicaCore:
         peer = self.peer
         if peer is None:
             raise RpcError("this replica's Raft group is not configured yet", "not_ready")
-        deadline = time.monotonic() + self.settings.propose_timeout_s * 2
+        deadline = time.monotonic() + self.settings.election.propose_timeout_s * 2
         while action != "status":
             st = peer.status()
             if (
@@ -363,42 +299,12 @@ class ReplicaCore:
         return self.status()
 
     def member_lost(self, member: str, started: list[str]) -> dict[str, Any]:
-        """``replica.membership lost``: the scheduler saw ``member``'s process exit. A cell it was
-        running will never commit DONE, and a STATE it had yet to send will never come: the
-        standbys waiting for that DONE commit an ``ExecutorLost`` one now (instead of after
-        ``executor_silence_s``), the next executor starts without that STATE, telling the user,
-        and an election waiting on it (its designated candidate) does not wait ``election_wait_s``.
-
-        ``started`` are the cells the scheduler saw it take GPUs for: it may have started one
-        before its LEAD committed (the fast path). Such a cell must not run again elsewhere (a
-        cell that crashes its process would take the next replica with it), so its LEAD is
-        proposed on the dead member's behalf: if no other LEAD came first, it won, and its DONE
-        is ``ExecutorLost``. No Raft change: replacing the member is the scheduler's next step."""
+        """``replica.membership lost``: the scheduler saw ``member``'s process exit
+        (``ElectionCore.member_lost`` says what that changes)."""
         if member == self.replica_id:
             raise RpcError("a replica cannot be told that it died itself", "bad_request")
-        self._dead_members.add(member)
-        self._open_at_death.update(self._election_waiters)
-        for msg_id in started:
-            if self.book.outcome(msg_id) is None and self.book.done(msg_id) is None:
-                self._executor_died.add(msg_id)
-                self.propose_in_background(Lead(msg_id, member), "lead_for_dead_executor")
-        cells = self.book.running_on(member)
-        self._executor_died.update(cells)
-        awaiting = self.book.awaiting_state()
-        done = self.book.done(awaiting) if awaiting is not None else None
-        if awaiting is not None and done is not None and done.replica_id == member:
-            self._state_died.add(awaiting)
-            self._wake_state_waiters()
-        if self._lost_signal is not None and not self._lost_signal.done():
-            self._lost_signal.set_result(None)
-        self._log.warning("member_lost", member=member, running=cells, state_lost=sorted(self._state_died))
+        self._feed(lambda now: self.election.member_lost(member, started, now))
         return self.status()
-
-    def _lost_future(self) -> asyncio.Future[None]:
-        """Resolved by the next ``member_lost``: waits on a dead member wake up at once."""
-        if self._lost_signal is None or self._lost_signal.done():
-            self._lost_signal = asyncio.get_running_loop().create_future()
-        return self._lost_signal
 
     async def _report_raft_role(self) -> None:
         """Push ``replica.event raft_role`` on every change: the global scheduler prefers the Raft
@@ -430,13 +336,17 @@ class ReplicaCore:
         os._exit(0)
 
     async def stop(self) -> None:
-        tail = self._finish_tail
-        if tail is not None and not tail.done() and self.peer is not None:
+        if self.peer is not None:
             # the last cell's DONE and STATE, still committing: give them a moment
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(tail), 1.0)
+            deadline = time.monotonic() + 1.0
+            while self.election.finishing() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
         for task in list(self._background):
             task.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.election.close()
         if self.peer is not None:
             with contextlib.suppress(Exception):
                 await self.peer.stop()
@@ -476,12 +386,131 @@ class ReplicaCore:
         )
         os._exit(RAFT_FATAL_EXIT)
 
+    # ---- the election core's inputs and commands -----------------------------------------------------
+    def _raft_view(self) -> RaftView:
+        """The election core's read-only port on the Raft peer."""
+        peer = self.peer
+        if peer is None:
+            return RaftView(running=False, leader=None)
+        st = peer.status()
+        return RaftView(running=st.running, leader=st.leader, voters=st.voters)
+
+    def _feed(self, step: Callable[[float], T]) -> T:
+        """One input to the election core, with the time; then carry out its commands."""
+        result = step(time.monotonic())
+        self._carry_out()
+        return result
+
+    def _carry_out(self) -> None:
+        for command in self.election.take_commands():
+            try:
+                self._execute(command)
+            except Exception:  # one failed command (a bad STATE, say) must not stop the others
+                self._log.exception("election_command_failed", command=type(command).__name__)
+        self._arm_tick()
+
+    def _execute(self, command: Command) -> None:
+        match command:
+            case Propose(entry=entry, token=token):
+                self._spawn(self._propose_for_core(entry, token))
+            case BindGpus(token=token, msg_id=msg_id):
+                self._spawn(self._bind_for_core(msg_id, token))
+            case ReleaseGpus(msg_id=msg_id):
+                self._spawn(self._release(msg_id))
+            case Answer(request=request, value=value):
+                fut = self._answers.pop(request, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(value)
+            case NotifyScheduler(event=event, msg_id=msg_id):
+                self.scheduler.event(event, msg_id)
+            case TransferLeadership(to=target):
+                self._spawn(self._transfer(target))
+            case DeliverDone(done=done):
+                self._post(self.on_done, done)
+            case ApplyState(state=state, notify_kernel=notify_kernel):
+                try:  # the namespace is the state machine's too: a half-applied entry is fatal
+                    accepted = self.namespace.apply(state)  # as every replica applies it
+                except Exception as exc:
+                    self._log.critical("log_entry_not_applied", msg_id=state.msg_id, exc_info=True)
+                    self._raft_failed(exc)
+                    return
+                if notify_kernel:
+                    self._post(self.on_state, accepted)
+            case CellReplicated(job=job):
+                replicated = self._jobs.get(job, (None, None))[0]
+                _resolve_once(replicated)
+            case CellFinished(job=job, msg_id=msg_id, finish_s=finish_s):
+                state = self._jobs.pop(job, (None, None))[1]
+                if finish_s is not None:
+                    self.finish_ms.append(finish_s * 1000)
+                    self._log.debug(
+                        "cell_finished",
+                        msg_id=msg_id,
+                        finish_ms=round(self.finish_ms[-1], 3),
+                        state_bytes=sum(sum(g.get("sizes", ())) for g in state.groups) if state else 0,
+                    )
+            case ExitDiverged():
+                # the kernel exits once the cell's reply is out (kernel.py); this is the backstop
+                # for a cell whose reply went out before the log overruled it
+                asyncio.get_running_loop().call_later(DIVERGED_EXIT_GRACE_S, os._exit, DIVERGED_EXIT_CODE)
+            case Log(level=level, event=event, fields=fields):
+                getattr(self._log, level)(event, **fields)
+
+    def _arm_tick(self) -> None:
+        """A timer for the core's next deadline (one timer: the earliest wins)."""
+        deadline = self.election.next_deadline()
+        if deadline is None or (
+            self._timer is not None and self._timer_at is not None and self._timer_at <= deadline
+        ):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = deadline
+        self._timer = asyncio.get_running_loop().call_later(
+            max(0.0, deadline - time.monotonic()), self._on_tick
+        )
+
+    def _on_tick(self) -> None:
+        self._timer = self._timer_at = None
+        self._feed(self.election.tick)
+
+    async def _request(self, start: Callable[[float], int]) -> Any:
+        """Start a request in the core and wait for its ``Answer``."""
+        request = start(time.monotonic())
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._answers[request] = answer
+        self._carry_out()
+        return await answer
+
+    async def _propose_for_core(self, entry: LogEntry, token: int) -> None:
+        try:
+            result: int | Exception = await self.propose(entry)
+        except Exception as exc:  # RaftError, or a bug: the core must hear either way
+            result = exc
+        self._feed(lambda now: self.election.proposal_settled(token, result, now))
+
+    async def _bind_for_core(self, msg_id: str, token: int) -> None:
+        try:
+            result: list[int] | Exception = await self.scheduler.gpu_commit(msg_id, self.settings.gpus)
+        except Exception as exc:  # RpcError, RpcTimeout, ValueError: the node refused or is gone
+            result = exc
+        self._feed(lambda now: self.election.bind_settled(token, result, now))
+
+    async def _transfer(self, target: str) -> None:
+        peer = self.peer
+        if peer is None:
+            return
+        try:
+            await peer.transfer_leadership(target, timeout=2.0)
+            self._log.info("leadership_transferred", to=target, reason="executor")
+        except RaftError as exc:
+            self._log.info("leadership_transfer_failed", to=target, error=str(exc))
+
     # ---- applying the log (called by RaftPeer, in log order) ---------------------------------------
     def _on_apply(self, entry: Entry) -> None:
         """Apply one committed entry. One that does not decode is skipped (every replica decodes
-        the same bytes alike, so all skip it: no divergence), counted and logged. One that
-        decodes but fails to apply raises: the state machine may be half-changed, so Raft stops
-        (``_raft_failed``) rather than go on with state that differs from the group's."""
+        the same bytes alike, so all skip it: no divergence), counted and logged; one that
+        decodes but cannot be applied stops this replica (``ApplyState``, ``_raft_failed``)."""
         try:
             decoded = log_entries.decode(entry.data)
         except LogEntryError as exc:
@@ -490,124 +519,11 @@ class ReplicaCore:
                 "log_entry_skipped", index=entry.index, reason=str(exc), total=self.skipped_entries
             )
             return
-        if self._dead_members and not isinstance(decoded, Lead):  # a stand-in LEAD names the dead one
-            self._dead_members.discard(decoded.proposer if isinstance(decoded, Yield) else decoded.replica_id)
-        if isinstance(decoded, Progress):
-            self._last_progress[decoded.msg_id] = time.monotonic()
-            return
-        self._applying_live = self._replayed_through is not None and entry.index > self._replayed_through
-        try:
-            events = self.book.apply(decoded)
-            for i, event in enumerate(events):  # the namespace is the state machine's too: applied first
-                if isinstance(event, StateAccepted):  # as every replica applies it (a repair narrowed)
-                    events[i] = StateAccepted(self.namespace.apply(event.state))
-        except Exception:
-            self._log.critical(
-                "log_entry_not_applied", index=entry.index, kind=type(decoded).__name__, exc_info=True
-            )
-            raise
-        self._handle(events)
+        self._feed(lambda now: self.election.apply(entry.index, decoded, now))
 
     def _on_conf_change(self, change: ConfChange | None, conf: ConfState) -> None:
-        """A membership change committed, or (``change`` None) a snapshot restored: the book
-        counts LEADs against these voters (a joiner's book restored from the bootstrap snapshot
-        has none: it would ignore every LEAD, and every DONE that carries one)."""
-        if change is None and self.book.voters == frozenset(conf.voters):
-            return
-        self._handle(self.book.set_voters(conf.voters))
-
-    def _handle(self, events: list[Any]) -> None:
-        """What the book's events mean for waiters, the kernel and the log (the replicated state
-        is already changed): a failure here is logged, it cannot make this replica diverge."""
-        for event in events:
-            try:
-                self._react(event)
-            except Exception:
-                self._log.exception("log_event_failed", event=type(event).__name__)
-
-    def _react(self, event: Any) -> None:
-        match event:
-            case ElectionDecided(msg_id=msg_id, winner=winner):
-                self._resolve(self._election_waiters, msg_id, Outcome(winner))
-                if winner != self.replica_id and self._applying_live:
-                    # Standbys are not sent the cell: they learn it here, vote for the winner
-                    # and watch it until its DONE.
-                    self._vote_later(msg_id, winner)
-                    if self.book.done(msg_id) is None:  # not a LEAD carried by its DONE
-                        self._follow(msg_id, winner)
-            case ElectionFailed(msg_id=msg_id):
-                self._resolve(self._election_waiters, msg_id, Outcome(None))
-            case ExecutorLost(msg_id=msg_id, executor=executor):
-                self._wake_state_waiters()
-                self._resolve(
-                    self._done_waiters,
-                    msg_id,
-                    f"the executor {executor} was removed from the kernel's Raft group before it finished",
-                )
-            case CellDone(done=done):
-                self._wake_state_waiters()
-                self._resolve(self._done_waiters, done.msg_id, done)
-                self._leader_follows(done)
-                if not self._proposed_here(done):
-                    self._post(self.on_done, done)
-            case StateAccepted(state=state):  # its namespace change was applied with the entry
-                if not self._proposed_here(state):
-                    self._post(self.on_state, state)
-                self._wake_state_waiters()
-            case EntryIgnored(entry=entry, reason=reason):
-                self._log.debug(
-                    "log_entry_ignored", kind=type(entry).__name__, msg_id=entry.msg_id, reason=reason
-                )
-
-    def _leader_follows(self, done: Done) -> None:
-        """On the leader: after ``leader_follows_executor`` cells in a row ran on another voter,
-        hand leadership to it, off the critical path (its reply went out before this DONE)."""
-        if done.replica_id == self._streak[0]:
-            self._streak = (done.replica_id, self._streak[1] + 1)
-        else:
-            self._streak = (done.replica_id, 1)
-        wanted = self.settings.leader_follows_executor
-        peer = self.peer
-        if wanted <= 0 or self._streak[1] < wanted or peer is None or done.replica_id == self.replica_id:
-            return
-        status = peer.status()
-        now = time.monotonic()
-        if (
-            status.leader != self.replica_id
-            or done.replica_id not in status.voters
-            or now - self._last_transfer < self.settings.leader_transfer_every_s
-        ):
-            return
-        self._last_transfer = now
-        target = done.replica_id
-
-        async def transfer() -> None:
-            try:
-                await peer.transfer_leadership(target, timeout=2.0)
-                self._log.info("leadership_transferred", to=target, reason="executor")
-            except RaftError as exc:
-                self._log.info("leadership_transfer_failed", to=target, error=str(exc))
-
-        self._spawn(transfer())
-
-    def _proposed_here(self, entry: Done | State) -> bool:
-        """True for this process's own DONE/STATE (the kernel already reflects it). The same
-        replica's entries from before a restart are applied like anyone else's, and so is the
-        winner's DONE/STATE for a cell this replica also ran and proposed but lost (its own
-        were ignored: the kernel must take the winner's)."""
-        if entry.replica_id != self.replica_id:
-            return False
-        key = (type(entry).__name__, entry.msg_id)
-        if key in self._own_entries:
-            self._own_entries.discard(key)
-            return True
-        return False
-
-    @staticmethod
-    def _resolve(table: dict[str, list[asyncio.Future[Any]]], msg_id: str, value: Any) -> None:
-        for fut in table.pop(msg_id, []):
-            if not fut.done():
-                fut.set_result(value)
+        """A membership change committed, or (``change`` None) a snapshot restored."""
+        self._feed(lambda now: self.election.set_voters(conf.voters, now, restored=change is None))
 
     def _take_snapshot(self) -> bytes:
         return msgpack.packb(
@@ -638,11 +554,8 @@ class ReplicaCore:
             return
         book, namespace = self._parse_snapshot(data)
         self.namespace.restore(namespace)  # checked: replaces all or nothing
-        self.book = book
         self._post(self.on_namespace_restored, (*self.namespace.contents(), self.namespace.gpu_resident()))
-        last = self.book.last_done()
-        if last is not None:
-            self._post(self.on_done, last)
+        self._feed(lambda now: self.election.restore(book, now))
         self._log.info("snapshot_restored", names=len(self.namespace.digests()))
 
     # ---- proposing ---------------------------------------------------------------------------------
@@ -651,12 +564,8 @@ class ReplicaCore:
         the book ignores a second LEAD/YIELD/DONE). Raises ``RaftError`` naming the cause."""
         if self.peer is None:
             raise NotRunning("this replica's Raft group is not configured yet")
-        if self._pending_votes and not isinstance(entry, Vote | Votes):
-            self._flush_votes()  # proposed in this loop turn, so they share this entry's Ready
-        if isinstance(entry, Done | State):
-            self._own_entries.add((type(entry).__name__, entry.msg_id))
         data = log_entries.encode(entry)
-        deadline = time.monotonic() + (timeout or self.settings.propose_timeout_s)
+        deadline = time.monotonic() + (timeout or self.settings.election.propose_timeout_s)
         last: RaftError | None = None
         attempts = 0
         while True:
@@ -680,300 +589,56 @@ class ReplicaCore:
                     error=str(last),
                 )
 
-    def propose_in_background(self, entry: LogEntry, what: str) -> None:
-        async def run() -> None:
-            try:
-                await self.propose(entry)
-            except RaftError as exc:
-                self._log.warning(
-                    "background_proposal_failed", what=what, msg_id=entry.msg_id, error=str(exc)
-                )
-
-        self._spawn(run())
-
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _waiter(self, table: dict[str, list[asyncio.Future[Any]]], msg_id: str) -> asyncio.Future[Any]:
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        table.setdefault(msg_id, []).append(fut)
-        return fut
+    async def _release(self, msg_id: str) -> None:
+        try:
+            await self.scheduler.gpu_release(msg_id)
+        except (RpcError, RpcTimeout) as exc:
+            self._log.warning("gpu_release_failed", msg_id=msg_id, error=str(exc))
 
     # ---- the execute path (called from the kernel through RaftThread.submit) -----------------------
     async def decide(self, msg_id: str, *, lead: bool, silent: str | None = None) -> Decision:
-        """Steps 3-4 of the execute path: election, waiting for the previous state, GPU binding.
-        ``silent``: the designated candidate the scheduler found hung (not waited for again)."""
-        decision = await self._decide(msg_id, lead=lead, silent=silent)
-        self._open_at_death.discard(msg_id)
+        """Steps 3-4 of the execute path (``ElectionCore.decide``). ``silent``: the designated
+        candidate the scheduler found hung (not waited for again)."""
+        decision: Decision = await self._request(
+            lambda now: self.election.decide(msg_id, lead=lead, silent=silent, now=now)
+        )
         if self.scheduler.settle_bound_ahead(msg_id, executing=isinstance(decision, Execute)):
             self._spawn(self._release(msg_id))  # bound ahead for a cell this replica will not run
         return decision
 
-    async def _decide(self, msg_id: str, *, lead: bool, silent: str | None = None) -> Decision:
-        log = self._log.bind(msg_id=msg_id)
-        started = time.perf_counter()
-        if self.peer is None:
-            return Unavailable("this replica's Raft group is not configured yet")
-        done = self.book.done(msg_id)
-        if done is not None:
-            return Replay(done)
-        outcome = self.book.outcome(msg_id)
-        decided_before = outcome is not None
-        if outcome is None and not lead:
-            outcome = await self._grace_for_lead(msg_id)
-        binding: asyncio.Future[list[int]] | None = None
-        if outcome is None:
-            waiter = self._waiter(self._election_waiters, msg_id)
-            entry: LogEntry = (
-                Lead(msg_id, self.replica_id) if lead else Yield(msg_id, self.replica_id, self.replica_id)
-            )
-            if lead:
-                # Only the designated candidate proposes LEAD, so it almost always wins: bind the
-                # GPUs while the LEAD commits (the local scheduler also tells the global scheduler
-                # who executes, before any output); a LEAD that loses gives them back.
-                binding = asyncio.ensure_future(self.scheduler.gpu_commit(msg_id, self.settings.gpus))
-            try:
-                await self.propose(entry)
-                outcome = await self._wait_outcome(msg_id, waiter, silent)
-            except RaftError as exc:
-                self._unbind_later(msg_id, binding or self._late_bindings.pop(msg_id, None))
-                return Unavailable(f"Raft could not commit the election for this cell: {exc}")
-            binding = binding or self._late_bindings.pop(msg_id, None)
-        if outcome.failed:
-            self._unbind_later(msg_id, binding)
-            log.info("election_failed")
-            self.scheduler.event("election_failed", msg_id)
-            return Failed()
-        winner = outcome.winner
-        assert winner is not None
-        if winner != self.replica_id:
-            self._unbind_later(msg_id, binding)
-            return Standby(winner)
-        if decided_before:
-            # A retry of a cell this replica already won: it ran (or started) here, and its DONE
-            # is not in the log. Running it again would break at-most-once.
-            return Unavailable(
-                f"this cell was already claimed by {self.replica_id} but its completion is not in the log"
-            )
-        elected = time.perf_counter()
-        try:
-            if binding is None:
-                binding = asyncio.ensure_future(self.scheduler.gpu_commit(msg_id, self.settings.gpus))
-            waited, missing = await self._wait_previous_cell(msg_id, log)
-            bind_started = time.perf_counter()
-            device_ids = await binding
-        except (RpcError, RpcTimeout, ValueError) as exc:
-            log.warning("gpu_commit_failed", error=str(exc))
-            return BindFailed(str(exc))
-        self._progress_task = asyncio.ensure_future(self._beat(msg_id))
-        return Execute(
-            device_ids,
-            elect_ms=(elected - started) * 1000,
-            state_wait_ms=waited,
-            bind_ms=(time.perf_counter() - bind_started) * 1000,
-            state_missing=tuple(missing),
-        )
-
     async def outcome_of(self, msg_id: str, executor: str) -> Decision:
-        """The scheduler lost ``executor`` while it ran msg_id and asks this survivor what became
-        of the cell: its DONE if one is committed (the executor died after finishing it), else
-        the ``ExecutorLost`` DONE the standbys commit on its behalf. Never an election that could
-        run the cell here: it started on ``executor``, so a LEAD is proposed in its name (a
-        duplicate of its own changes nothing) and the first committed LEAD still decides."""
-        if self.peer is None:
-            return Unavailable("this replica's Raft group is not configured yet")
-        done = self.book.done(msg_id)
-        if done is not None:
-            return Replay(done)
-        if executor == self.replica_id:
-            return Unavailable("the scheduler asked this replica for the outcome of its own cell")
-        outcome = self.book.outcome(msg_id)
-        if outcome is None:
-            try:
-                await self.propose(Lead(msg_id, executor))  # applied here: the election is decided
-            except RaftError as exc:
-                return Unavailable(f"Raft could not commit the outcome of this cell: {exc}")
-            outcome = self.book.outcome(msg_id)
-            if outcome is None:
-                return Unavailable("the cell's election is still undecided after a committed LEAD")
-        if outcome.failed:  # every voter yielded before: the cell ran nowhere
-            return Failed()
-        winner = outcome.winner
-        assert winner is not None
-        if winner == self.replica_id:
-            return Unavailable(
-                f"this cell was claimed by {self.replica_id} but its completion is not in the log"
-            )
-        if winner == executor:
-            self._executor_died.add(msg_id)  # its DONE will not come: commit ExecutorLost now
-        return Standby(winner)
+        """The scheduler lost ``executor`` while it ran msg_id (``ElectionCore.outcome_of``)."""
+        decision: Decision = await self._request(lambda now: self.election.outcome_of(msg_id, executor, now))
+        return decision
 
-    def _unbind_later(self, msg_id: str, binding: asyncio.Future[list[int]] | None) -> None:
-        """The early gpu.commit of a LEAD that did not win: release whatever it bound."""
-        if binding is None:
-            return
-
-        async def release() -> None:
-            with contextlib.suppress(RpcError, RpcTimeout, ValueError, asyncio.CancelledError):
-                await binding
-            await self._release(msg_id)
-
-        self._spawn(release())
-
-    async def _grace_for_lead(self, msg_id: str) -> Outcome | None:
-        if self.settings.yield_grace_s <= 0:
-            return None
-        waiter = self._waiter(self._election_waiters, msg_id)
-        try:
-            return await asyncio.wait_for(waiter, self.settings.yield_grace_s)
-        except TimeoutError:
-            return self.book.outcome(msg_id)
-
-    async def _wait_outcome(
-        self, msg_id: str, waiter: asyncio.Future[Outcome], silent: str | None = None
-    ) -> Outcome:
-        """After our own LEAD/YIELD applied: a LEAD decides at once; a YIELD waits for the others,
-        and after ``election_wait_s`` yields on behalf of voters that stayed silent (at once when
-        the only silent one is ``silent``, a candidate the scheduler already waited for)."""
-        outcome = self.book.outcome(msg_id)
-        if outcome is not None:
-            return outcome
-        deadline = time.monotonic() + self.settings.election_wait_s
-        while not waiter.done() and (remaining := deadline - time.monotonic()) > 0:
-            if (
-                msg_id in self._open_at_death
-                and msg_id not in self._executor_died
-                and self.book.silent_voters(msg_id) <= self._dead_members
-            ):
-                break  # only voters that died during this election are silent, and none ran it
-            if silent is not None and self.book.silent_voters(msg_id) <= {silent}:
-                break
-            await asyncio.wait(
-                (waiter, self._lost_future()),
-                timeout=remaining if silent is None else min(remaining, SILENT_POLL_S),  # YIELDs wake nothing
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-        if waiter.done():
-            return waiter.result()
-        silent = sorted(self.book.silent_voters(msg_id))
-        self._log.warning("election_waiting_on_silent_voters", msg_id=msg_id, silent=silent)
-        # One replica, the first in id order among those that answered, offers to run the cell;
-        # the others give it time before yielding for the silent ones (which would fail the cell).
-        answered = sorted(self.book.voters - set(silent))
-        if answered and answered[0] == self.replica_id:
-            if await self._lead_for_silent_candidate(msg_id):
-                outcome = self.book.outcome(msg_id)
-                if outcome is not None:
-                    return outcome
-                with contextlib.suppress(TimeoutError):
-                    return await asyncio.wait_for(asyncio.shield(waiter), self.settings.propose_timeout_s)
-        elif answered:
-            with contextlib.suppress(TimeoutError):
-                return await asyncio.wait_for(asyncio.shield(waiter), self.settings.propose_timeout_s)
-        for voter in silent:
-            await self.propose(Yield(msg_id, voter, self.replica_id))
-        outcome = self.book.outcome(msg_id)
-        if outcome is not None:
-            return outcome
-        return await asyncio.wait_for(waiter, self.settings.propose_timeout_s)
-
-    async def _lead_for_silent_candidate(self, msg_id: str) -> bool:
-        """The designated candidate stayed silent (it died just before the cell reached it): if
-        this replica's host can bind the GPUs now, it proposes LEAD itself rather than yield on
-        the candidate's behalf. The first committed LEAD still wins, so the cell runs at most
-        once; a losing LEAD gives its GPUs back. True if a LEAD was proposed."""
-        if self.book.outcome(msg_id) is not None:
-            return False
-        binding = asyncio.ensure_future(self.scheduler.gpu_commit(msg_id, self.settings.gpus))
-        try:
-            await asyncio.shield(binding)
-        except (RpcError, RpcTimeout, ValueError) as exc:
-            self._log.info("no_lead_for_silent_candidate", msg_id=msg_id, reason=str(exc))
-            return False
-        self._late_bindings[msg_id] = binding
-        try:
-            await self.propose(Lead(msg_id, self.replica_id))
-        except RaftError:
-            self._unbind_later(msg_id, self._late_bindings.pop(msg_id, None))
-            raise
-        self._log.warning("lead_for_silent_candidate", msg_id=msg_id)
-        return True
-
-    def _previous_cell_pending(self, msg_id: str) -> list[str]:
-        """What the executor of msg_id still waits for: earlier cells without DONE, or the latest
-        DONE's STATE, except this process's own (its namespace already reflects them)."""
-        pending = [m for m in self.book.unfinished_before(msg_id) if m not in self._finishing]
-        awaiting = self.book.awaiting_state()
-        if (
-            awaiting is not None
-            and awaiting != msg_id
-            and awaiting not in self._finishing
-            and awaiting not in self._state_died
-        ):
-            pending.append(awaiting)
-        return pending
-
-    def _state_lost_before(self, msg_id: str) -> list[str]:
-        """The previous cell's STATE, if its executor died before sending it (told by the user)."""
-        awaiting = self.book.awaiting_state()
-        return (
-            [awaiting] if awaiting is not None and awaiting != msg_id and awaiting in self._state_died else []
+    async def wait_done(self, msg_id: str, winner: str, execution_count: int) -> Done | str:
+        """A standby's wait for the executor's DONE, or the reason none can come."""
+        result: Done | str = await self._request(
+            lambda now: self.election.wait_done(msg_id, winner, execution_count, now)
         )
-
-    async def _wait_previous_cell(self, msg_id: str, log: Any) -> tuple[float, list[str]]:
-        """The executor must see the namespace the previous cell left: its DONE and STATE must be
-        applied (its executor replied before committing them), unless it ran in this process.
-        Returns the wait and the cells still missing at the deadline, so the user can be told."""
-        if not self._previous_cell_pending(msg_id):
-            return 0.0, self._state_lost_before(msg_id)
-        started = time.perf_counter()
-        deadline = time.monotonic() + self.settings.state_wait_s
-        while pending := self._previous_cell_pending(msg_id):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                log.warning("previous_state_missing", awaiting=pending, waited_s=self.settings.state_wait_s)
-                return (time.perf_counter() - started) * 1000, pending
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._state_waiters.append(fut)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(fut, remaining)
-        return (time.perf_counter() - started) * 1000, self._state_lost_before(msg_id)
-
-    def _wake_state_waiters(self) -> None:
-        waiters, self._state_waiters = self._state_waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
-    async def _beat(self, msg_id: str) -> None:
-        """While this replica executes msg_id: PROGRESS entries tell the standbys it is alive."""
-        while True:
-            await asyncio.sleep(self.settings.progress_interval_s)
-            with contextlib.suppress(RaftError):
-                await self.propose(Progress(msg_id, self.replica_id))
+        return result
 
     async def finish(self, done: Done, *, release_gpus: bool) -> None:
-        """Step 5: release the GPUs (not on the critical path) and commit DONE."""
-        self._stop_beat()
-        if release_gpus:
-            self._spawn(self._release(done.msg_id))
-        await self.propose(done)  # the winner's DONE is also its VOTE (ElectionBook)
+        """Step 5 without a run: release the GPUs (not on the critical path) and commit DONE."""
+        error = await self._request(
+            lambda now: self.election.finish(done, release_gpus=release_gpus, now=now)
+        )
+        if error is not None:
+            raise error
 
     def abandon(self) -> None:
         """An Execute decision whose cell will not run after all (its outcome was committed
         without it): stop the PROGRESS beats. Call on the Raft thread."""
-        self._stop_beat()
-
-    def _stop_beat(self) -> None:
-        if self._progress_task is not None:
-            self._progress_task.cancel()
-            self._progress_task = None
+        self._feed(self.election.abandon)
 
     def finishing(self) -> bool:
         """Whether DONE/STATE entries of cells executed here are still in flight (any thread)."""
-        return bool(self._finishing)
+        return self.election.finishing()
 
     def finish_cell(
         self,
@@ -982,203 +647,40 @@ class ReplicaCore:
         written: concurrent.futures.Future[State] | None = None,
         replicated: concurrent.futures.Future[None] | None = None,
     ) -> None:
-        """Steps 5 and 7 off the critical path: the executor has already replied (the committed
-        LEAD guarantees at-most-once); DONE and STATE are proposed together, in order after the
-        previous cell's, and the standbys reply once DONE commits. Until both commit the next cell
-        on this replica runs without waiting for them (its namespace is current); any other
-        executor waits for them (``_wait_previous_cell``). Call on the Raft thread. ``written``:
-        the STATE to propose instead, once its large objects are in the data store (write-behind,
-        ``state_sync.complete_state``); DONE does not wait for it. ``replicated`` is resolved once
-        DONE and STATE are committed (with write-behind, once DONE is: the upload is not waited
-        for), or once that has failed: the kernel publishes idle then. The GPUs were released by
-        the local scheduler as the reply went by (its ``_release_on_reply``)."""
-        self._stop_beat()  # no VOTE of its own: the winner's DONE is that (ElectionBook)
-        previous = self._finish_tail
-        tail: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._finish_tail = tail
-        self._finishing.add(done.msg_id)
-        self._spawn(self._finish_cell(done, state, previous, tail, written, replicated))
-
-    async def _finish_cell(
-        self,
-        done: Done,
-        state: State,
-        previous: asyncio.Future[None] | None,
-        tail: asyncio.Future[None],
-        written: concurrent.futures.Future[State] | None = None,
-        replicated: concurrent.futures.Future[None] | None = None,
-    ) -> None:
-        log = self._log.bind(msg_id=done.msg_id)
-        started = time.perf_counter()
-        try:
-            if previous is not None and not previous.done():
-                await asyncio.shield(previous)  # keep DONE/STATE in cell order in the log
-            proposals = [asyncio.ensure_future(self.propose(done))]
-            if written is not None:
-                proposals[0].add_done_callback(lambda _: _resolve_once(replicated))
-                state = await asyncio.wrap_future(written)  # large objects in the store first
-            proposals.append(asyncio.ensure_future(self.propose(state)))
-            results = await asyncio.gather(*proposals, return_exceptions=True)
-            if isinstance(results[0], BaseException):
-                log.error("done_not_committed", error=str(results[0]))
-                return
-            if isinstance(results[1], BaseException) or self.book.awaiting_state() == done.msg_id:
-                # dropped, or retried ahead of its DONE (then the book ignored it): once more
-                await self.propose(state)
-            self.finish_ms.append((time.perf_counter() - started) * 1000)
-            log.debug(
-                "cell_finished",
-                finish_ms=round(self.finish_ms[-1], 3),
-                state_bytes=sum(sum(g.get("sizes", ())) for g in state.groups),
-            )
-        except RaftError as exc:
-            log.warning("state_not_replicated", error=str(exc))
-        except Exception:
-            log.exception("finish_failed")
-        finally:
-            _resolve_once(replicated)
-            self._finishing.discard(done.msg_id)
-            if not tail.done():
-                tail.set_result(None)
-            self._wake_state_waiters()
+        """Steps 5 and 7 off the critical path (``ElectionCore.finish_cell``). Call on the Raft
+        thread. ``written``: the STATE to propose instead, once its large objects are in the data
+        store (write-behind, ``state_sync.complete_state``); DONE does not wait for it.
+        ``replicated`` is resolved once DONE and STATE are committed (with write-behind, once DONE
+        is: the upload is not waited for), or once that has failed: the kernel publishes idle
+        then. The GPUs were released by the local scheduler as the reply went by (its
+        ``_release_on_reply``)."""
+        job = self.election.finish_cell(done, None if written else state, time.monotonic())
+        self._jobs[job] = (replicated, None if written else state)
+        self._carry_out()
+        if written is not None:
+            loop = asyncio.get_running_loop()
+            written.add_done_callback(lambda fut: loop.call_soon_threadsafe(self._state_written, job, fut))
 
     def finish_repair(self, state: State, written: concurrent.futures.Future[State] | None = None) -> None:
-        """Propose a repair STATE (values stored after their cell, ``durability.apply_repair``)
-        after this replica's cells still in flight, as their STATEs are ordered: what it carries
-        is newer than any of them. ``written``: the STATE to propose instead, once its values are
-        in the data store (as ``finish_cell``'s). Call on the Raft thread."""
-        previous = self._finish_tail
-        tail: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._finish_tail = tail
+        """Propose a repair STATE (``ElectionCore.finish_repair``). ``written``: the STATE to
+        propose instead, once its values are in the data store. Call on the Raft thread."""
+        job = self.election.finish_repair(None if written else state, time.monotonic())
+        self._carry_out()
+        if written is not None:
+            loop = asyncio.get_running_loop()
+            written.add_done_callback(lambda fut: loop.call_soon_threadsafe(self._state_written, job, fut))
 
-        async def run(state: State) -> None:
-            try:
-                if previous is not None and not previous.done():
-                    await asyncio.shield(previous)
-                if written is not None:
-                    state = await asyncio.wrap_future(written)
-                await self.propose(state)
-            except RaftError as exc:
-                self._log.warning("repair_not_replicated", msg_id=state.msg_id, error=str(exc))
-            finally:
-                if not tail.done():
-                    tail.set_result(None)
-
-        self._spawn(run(state))
-
-    def _vote_later(self, msg_id: str, winner: str) -> None:
-        if not self.settings.propose_votes:
-            return
-        self._pending_votes.append(Vote(msg_id, self.replica_id, winner))
-        if self._vote_timer is None:
-            self._vote_timer = asyncio.get_running_loop().call_later(
-                self.settings.vote_flush_s, self._flush_votes
-            )
-
-    def _flush_votes(self) -> None:
-        if self._vote_timer is not None:
-            self._vote_timer.cancel()
-            self._vote_timer = None
-        votes, self._pending_votes = self._pending_votes, []
-        if len(votes) == 1:
-            self.propose_in_background(votes[0], "vote")
-        elif votes:
-            batch = Votes(self.replica_id, tuple((v.msg_id, v.winner) for v in votes))
-            self.propose_in_background(batch, "votes")
-
-    async def _release(self, msg_id: str) -> None:
-        try:
-            await self.scheduler.gpu_release(msg_id)
-        except (RpcError, RpcTimeout) as exc:
-            self._log.warning("gpu_release_failed", msg_id=msg_id, error=str(exc))
-
-    async def wait_done(self, msg_id: str, winner: str, execution_count: int) -> Done | str:
-        """A standby's wait for the executor's DONE (see ``_wait_done``)."""
-        done = self.book.done(msg_id)
-        if done is not None:
-            return done
-        return await asyncio.shield(self._follow(msg_id, winner, execution_count))
-
-    def _follow(
-        self, msg_id: str, winner: str, execution_count: int | None = None
-    ) -> asyncio.Task[Done | str]:
-        """The one watcher of a cell ``winner`` executes, started when its LEAD commits."""
-        task = self._followers.get(msg_id)
-        if task is None:
-            if execution_count is None:
-                last = self.book.last_done()
-                execution_count = last.execution_count if last is not None else 0
-            task = asyncio.ensure_future(self._wait_done(msg_id, winner, execution_count))
-            self._followers[msg_id] = task
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-            task.add_done_callback(lambda _: self._followers.pop(msg_id, None))
-        return task
-
-    async def _wait_done(self, msg_id: str, winner: str, execution_count: int) -> Done | str:
-        """No deadline while the executor shows progress (cells run for minutes), but a group
-        without a leader for ``quorum_timeout_s`` ends the wait with the reason, and a silent or
-        dead executor gets an ``ExecutorLost`` DONE committed on its behalf. An executor removed
-        from the group before its DONE committed (a replacement's membership change) is answered
-        with an ``ExecutorLost`` DONE made here, not in the log: every replica applies the same
-        change, so each answers the same, and no DONE of the removed member can count after it."""
-        waiter = self._waiter(self._done_waiters, msg_id)
-        leaderless_since: float | None = None
-        gave_up = False
-        self._last_progress.setdefault(msg_id, time.monotonic())
-        try:
-            while True:
-                await asyncio.wait(
-                    (waiter, self._lost_future()), timeout=0.5, return_when=asyncio.FIRST_COMPLETED
-                )
-                if waiter.done():
-                    result = waiter.result()
-                    if isinstance(result, str):  # the executor left the group: no DONE can come
-                        return Done(
-                            msg_id,
-                            self.replica_id,
-                            lost_content(result, execution_count),
-                            execution_count,
-                            False,
-                        )
-                    return result
-                peer = self.peer
-                if peer is None or not peer.status().running:
-                    return "this replica's Raft peer is not running"
-                now = time.monotonic()
-                if peer.status().leader is None:
-                    leaderless_since = leaderless_since or now
-                    if now - leaderless_since > self.settings.quorum_timeout_s:
-                        return (
-                            f"the kernel's Raft group has had no leader for "
-                            f"{self.settings.quorum_timeout_s:g}s (quorum lost: fewer than 2 of 3 "
-                            "replicas reachable)"
-                        )
-                    continue
-                leaderless_since = None
-                silent_s = now - self._last_progress[msg_id]
-                died = msg_id in self._executor_died
-                if not gave_up and (died or silent_s > self.settings.executor_silence_s):
-                    gave_up = True  # once: the DONE (ours or the executor's) then ends the wait
-                    self._log.warning(
-                        "executor_silent",
-                        msg_id=msg_id,
-                        executor=winner,
-                        silent_s=round(silent_s, 1),
-                        died=died,
-                    )
-                    reason = (
-                        f"the executor {winner}'s process died while running this cell; its outcome is unknown"
-                        if died
-                        else f"the executor {winner} stopped reporting progress for "
-                        f"{self.settings.executor_silence_s:g}s (it probably died); the cell's outcome is unknown"
-                    )
-                    lost = Done(
-                        msg_id, self.replica_id, lost_content(reason, execution_count), execution_count, False
-                    )
-                    self.propose_in_background(lost, "executor_lost")
-        finally:
-            self._last_progress.pop(msg_id, None)
+    def _state_written(self, job: int, fut: concurrent.futures.Future[State]) -> None:
+        """The written-behind STATE (or why writing it failed) to the core, on this loop."""
+        result: State | Exception
+        if fut.cancelled():
+            result = RuntimeError("writing the cell's large objects was cancelled")
+        else:
+            exc = fut.exception()
+            result = fut.result() if exc is None else exc  # type: ignore[assignment]
+        if isinstance(result, State) and job in self._jobs:
+            self._jobs[job] = (self._jobs[job][0], result)
+        self._feed(lambda now: self.election.state_written(job, result, now))
 
 
 def _resolve_once(future: concurrent.futures.Future[None] | None) -> None:

@@ -44,9 +44,29 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # NotebookOS §3.3: tensors/modules/optimizers the notebook keeps on a GPU go to host memory
         # after each cell and back to the bound GPU before the next (kernel_replica/device_residency).
         "gpu_residency": "move",  # move | off
-        # A running cell's executor beats PROGRESS into the Raft log every 2 s; standbys that hear
-        # neither that nor its DONE this long commit ExecutorLost for the cell (it never reruns).
+    },
+    "election": {
+        # The executor election of each cell among a kernel's replicas (kernel_replica/election_core.py).
+        "propose_timeout_s": 5.0,  # a LEAD/YIELD/DONE not applied by then: the cell fails (quorum lost)
+        "election_wait_s": 5.0,  # a yielder waits this long for silent voters, then yields for them
+        "state_wait_s": 10.0,  # the next executor waits this long for the previous cell's STATE
+        "quorum_timeout_s": 10.0,  # a standby with no Raft leader this long stops waiting for DONE
+        # Standbys told to yield first give the candidate's LEAD this long to commit (saves a
+        # YIELD per replica per cell; a failed election is noticed this much later).
+        "yield_grace_s": 0.05,
+        # VOTE entries (informational: the commit order decides) ride with the replica's next
+        # proposal or go out after vote_flush_s of quiet; false: none are appended.
+        "propose_votes": True,
+        "vote_flush_s": 0.5,
+        # A running cell's executor beats PROGRESS into the Raft log this often; standbys that hear
+        # neither that nor its DONE for executor_silence_s commit ExecutorLost for the cell (it
+        # never reruns).
+        "progress_interval_s": 2.0,
         "executor_silence_s": 10.0,
+        # The Raft leader hands leadership to a replica that executed this many cells in a row
+        # (its LEADs then commit one hop sooner); 0: never. At most once per leader_transfer_every_s.
+        "leader_follows_executor": 3,
+        "leader_transfer_every_s": 10.0,
     },
     "scheduler": {
         "heartbeat_interval_s": 1.0,

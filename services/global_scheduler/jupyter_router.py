@@ -30,6 +30,7 @@ from services.global_scheduler.reply_merger import (
 from shared.election_round import OUTCOME_FIELD, ROUND_FIELD, SCHEDULER_FIELDS, SILENT_FIELD
 from shared.jupyter_wire import Signer, WireError, content_problem, header_of, json_part
 from shared.policies.executor_choice import ExecutorChoice
+from shared.quorum import majority
 
 PROTOCOL_VERSION = "5.3"
 BROADCAST_REQUESTS = frozenset(("shutdown_request",))
@@ -71,8 +72,11 @@ class KernelRouter:
         signature_scheme: str = "hmac-sha256",
         *,
         designated_only: bool = True,
+        quorum: int = majority(3),
     ) -> None:
         self.kernel_id = kernel_id
+        # replicas the kernel's Raft group needs to commit: majority(cluster.replicas_per_kernel)
+        self.quorum = quorum
         # With a designated executor, only it is sent an execute_request, and it answers (it wins
         # the election, or replies with the election's outcome). The other replicas learn the cell
         # from the Raft log (its LEAD, then its DONE with the code), which spares each of them and
@@ -255,7 +259,7 @@ class KernelRouter:
         """A replica died. Returns (to the client, msg_ids finished, cells to route again, what
         to send to replicas now).
 
-        A cell it was running and had not answered: its survivors (two or more: a quorum) are
+        A cell it was running and had not answered: its survivors (a quorum or more) are
         asked for the cell's outcome from the Raft log (``ask_outcome``), so the client gets the
         cell's own reply if its DONE committed, else the ``ExecutorLost`` error committed for it;
         either way what the client hears matches the variables the next cell sees. Other requests
@@ -281,7 +285,7 @@ class KernelRouter:
         finished = list(merged.finished)
         ask: list[tuple[str, str, Frames]] = []
         for f in failed_requests:
-            asked = self.ask_outcome(f, replica_id, survivors) if len(survivors) >= 2 else []
+            asked = self.ask_outcome(f, replica_id, survivors) if len(survivors) >= self.quorum else []
             if asked:
                 ask += asked
                 continue

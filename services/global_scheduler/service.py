@@ -41,6 +41,7 @@ from shared.envelope import Envelope
 from shared.policies.executor_choice import ExecutorChoice, choose_executor
 from shared.policies.kernel_placement import KernelPlacement
 from shared.policies.placement import PlacementRequest
+from shared.quorum import majority
 from shared.resources import Resources
 from shared.rpc import OutboundRequests, RpcError, RpcServer, RpcTimeout
 from shared.security import curve
@@ -83,6 +84,7 @@ class GlobalScheduler:
         self._candidate_silence = float(sched["candidate_silence_s"])
         self._replica_start_timeout = float(sched["replica_start_timeout_s"])
         self._replicas_per_kernel = int(cfg.get("cluster.replicas_per_kernel"))
+        self._quorum = majority(self._replicas_per_kernel)  # live replicas a kernel needs to run
         # The same placement class NotebookOsPolicy runs in the simulator (dynamic SR limit, index).
         watermark = float(sched["subscription_ratio_watermark"])
         self.placement = KernelPlacement(watermark, self._replicas_per_kernel)
@@ -581,7 +583,7 @@ class GlobalScheduler:
         live = kernel.live_replicas()
         if kernel.state == STOPPING and not live:
             self._mark_stopped(kernel)
-        elif kernel.state == RUNNING and len(live) < 2:
+        elif kernel.state == RUNNING and len(live) < self._quorum:
             self._mark_dead(kernel, f"{len(live)} of {len(kernel.replicas)} replicas alive: {reason}")
         elif kernel.state == RUNNING and (kernel.kernel_id, replica.replica_id) not in self._restarting:
             self._migrator.on_replica_lost(kernel, replica, reason)
@@ -713,7 +715,11 @@ class GlobalScheduler:
         scheme = str(item.get("signature_scheme") or "hmac-sha256")
         kernel_id = str(item["kernel_id"])
         kernel = KernelRecord(
-            kernel_id, key, scheme, resources, KernelRouter(kernel_id, key.encode(), scheme)
+            kernel_id,
+            key,
+            scheme,
+            resources,
+            KernelRouter(kernel_id, key.encode(), scheme, quorum=self._quorum),
         )
         kernel.router.migrate_without_executor = resources.gpus > 0  # see _migrate_without_executor
         kernel.state = RUNNING
@@ -816,7 +822,11 @@ class GlobalScheduler:
         scheme = str(body.get("signature_scheme") or "hmac-sha256")
         key: str = body["key"]
         kernel = KernelRecord(
-            kernel_id, key, scheme, resources, KernelRouter(kernel_id, key.encode(), scheme)
+            kernel_id,
+            key,
+            scheme,
+            resources,
+            KernelRouter(kernel_id, key.encode(), scheme, quorum=self._quorum),
         )
         kernel.router.migrate_without_executor = resources.gpus > 0  # see _migrate_without_executor
         for n, host_id in enumerate(decision.hosts, start=1):
@@ -938,7 +948,7 @@ class GlobalScheduler:
             raise RpcError(
                 f"host {replica.host_id} of replica {replica.replica_id} is not alive", "unavailable"
             )
-        if replica.alive and len(kernel.live_replicas()) - 1 < 2:
+        if replica.alive and len(kernel.live_replicas()) - 1 < self._quorum:
             raise RpcError(
                 f"restarting {replica.replica_id} now would leave kernel {kernel.kernel_id} without a "
                 f"Raft quorum (live: {', '.join(kernel.live_replicas())}); restart the dead replicas first",

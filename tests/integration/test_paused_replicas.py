@@ -32,7 +32,7 @@ def pausing_cluster(tmp_path: Path, tandem_kernelspec: Path) -> Iterator[Cluster
         tmp_path / "state",
         "--hosts", "3",
         "--set", f"scheduler.candidate_silence_s={CANDIDATE_SILENCE_S}",
-        "--set", f"kernel.executor_silence_s={EXECUTOR_SILENCE_S}",
+        "--set", f"election.executor_silence_s={EXECUTOR_SILENCE_S}",
     ) as handle:  # fmt: skip
         yield handle
 

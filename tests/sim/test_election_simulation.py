@@ -1,0 +1,192 @@
+"""Deterministic fault-injection runs of the executor election (harness:
+``kernel_replica.election_simulation``).
+
+Every seed is a full scenario: three replicas' ``ElectionCore``s (the class each replica process
+runs) on a simulated committed log, with proposal loss and delay, pauses (SIGSTOP), partitions,
+crashes, restarts from disk (from a snapshot or not), replacements by new members, leadership
+moves and refused GPU bindings, three in four with a scripted fault: the executor paused inside its
+cell, the Raft leader paused as a cell reaches it (issue 14), or the executor's process dying
+inside its cell. The invariants are checked as each step happens; liveness once the faults stop.
+A failure names the seed and the one command that replays it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from kernel_replica.election import ElectionBook
+from kernel_replica.election_core import BindFailed, ElectionCore, ElectionSettings, Execute
+from kernel_replica.election_simulation import Scenario, Simulation, reproduce_command, run_seed
+from kernel_replica.log_entries import Lead
+
+CI_SEEDS = 2000
+CHUNK = 100
+
+
+def _failures_in(start: int, count: int) -> list[str]:
+    failures = []
+    for seed in range(start, start + count):
+        result = run_seed(seed)
+        if not result.ok:
+            failures.append(f"seed {seed}: {result.violations[0]}\n  reproduce: {reproduce_command(seed)}")
+    return failures
+
+
+def _run_seeds(first: int, count: int) -> list[str]:
+    starts = range(first, first + count, CHUNK)
+    sizes = [min(CHUNK, first + count - s) for s in starts]
+    workers = min(2, os.cpu_count() or 1)
+    if workers == 1:
+        return [f for s, n in zip(starts, sizes, strict=True) for f in _failures_in(s, n)]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        parts = pool.map(_failures_in, starts, sizes)
+        return [f for part in parts for f in part]
+
+
+def test_the_election_keeps_every_invariant_across_2000_seeds_of_faults() -> None:
+    failures = _run_seeds(0, CI_SEEDS)
+    assert not failures, "\n".join(failures[:10])
+
+
+def quiet(focus: str, **knobs: Any) -> Scenario:
+    """One scripted fault and nothing else: no loss, pauses, crashes, partitions or refusals."""
+    base = Scenario(
+        cells=4,
+        loss=0.0,
+        slow=0.0,
+        pause_rate=0.0,
+        crash_rate=0.0,
+        partition_rate=0.0,
+        transfer_rate=0.0,
+        bind_fail=0.0,
+        overlap=0.0,
+        long_cell=0.0,
+        focus=focus,
+        settings=ElectionSettings(executor_silence_s=3.0),
+    )
+    return replace(base, **knobs)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_an_executor_paused_inside_its_cell_past_the_silence_runs_it_once_and_the_kernel_goes_on(
+    seed: int,
+) -> None:
+    sim = Simulation(seed, quiet("paused_executor", restart=1.0, cells=6))
+    result = sim.run()
+    assert result.ok, result.violations
+    assert result.stats["pauses"] == 1 and result.stats["executor_lost"] >= 1
+    assert result.stats["diverged_exits"] == 1  # it learnt from the log that it was overruled, and left
+    assert all(len(runs) == 1 for runs in sim.runs.values())
+    answers = [cell.answer for cell in sim.cells]
+    assert answers[1] is not None and answers[1]["ename"] == "ExecutorLost"
+    # a cell sent to it before it left is refused (never run on its namespace); the kernel goes on
+    assert all(a is not None for a in answers)
+    assert all(a["status"] == "ok" or a["ename"] == "ReplicaUnavailable" for a in answers[2:])  # type: ignore[index]
+    assert answers[0]["status"] == "ok" and any(a["status"] == "ok" for a in answers[2:])  # type: ignore[index]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_raft_leader_paused_as_a_cell_reaches_it_never_runs_it_a_second_time(seed: int) -> None:
+    sim = Simulation(seed, quiet("paused_leader", candidate_silence_s=0.5))
+    result = sim.run()
+    assert result.ok, result.violations
+    assert result.stats["pauses"] == 1
+    assert all(len(runs) <= 1 for runs in sim.runs.values())
+    assert all(cell.answer is not None for cell in sim.cells)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_an_executor_that_dies_inside_its_cell_is_answered_by_its_survivors_before_the_silence(
+    seed: int,
+) -> None:
+    sim = Simulation(seed, quiet("crashed_executor", settings=ElectionSettings(executor_silence_s=30.0)))
+    result = sim.run()
+    assert result.ok, result.violations
+    assert result.stats["crashes"] == 1
+    lost = next(cell for cell in sim.cells if cell.index == 1)
+    assert lost.answer is not None and lost.answer["ename"] == "ExecutorLost"
+    assert lost.answered_at is not None and lost.answered_at - lost.sent_at < 10.0  # not 30 s of silence
+
+
+def test_a_seed_replays_identically() -> None:
+    first, second = run_seed(4242, verbose=True), run_seed(4242, verbose=True)
+    assert first.ok and second.ok
+    assert (first.sim_s, first.stats, first.trace) == (second.sim_s, second.stats, second.trace)
+    assert first.stats["runs"] > 0 and first.stats["entries"] > 0
+
+
+def test_reproduce_command_names_the_seed() -> None:
+    assert reproduce_command(1234) == "python scripts/election_torture.py --seeds 1 --start 1234 --verbose"
+    assert "--chaos-s 5" in reproduce_command(1234, 5.0)
+
+
+# ====================================================================== the checker has teeth
+
+
+@pytest.fixture
+def runs_before_its_lead_commits() -> Iterator[None]:
+    """The designated candidate starts the cell as soon as its LEAD is proposed (the fast path
+    issue 14 removed: a paused leader's cell then ran twice)."""
+    original = ElectionCore._decide
+
+    def eager(self: ElectionCore, msg_id: str, lead: bool, silent: str | None) -> Generator[Any, Any, Any]:
+        if not lead or self.book.outcome(msg_id) is not None or self.book.done(msg_id) is not None:
+            return (yield from original(self, msg_id, lead, silent))
+        self._propose(Lead(msg_id, self.replica_id), "lead")
+        device_ids = yield from self._bound(self._bind(msg_id))
+        return BindFailed(str(device_ids)) if isinstance(device_ids, Exception) else Execute(device_ids)
+
+    ElectionCore._decide = eager  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ElectionCore._decide = original  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def second_done_wins() -> Iterator[None]:
+    """The book lets a later DONE replace the first (a retried cell could then count twice)."""
+    original = ElectionBook._on_done
+
+    def overwrite(self: ElectionBook, entry: Any) -> Any:
+        self._done.pop(entry.msg_id, None)
+        return original(self, entry)
+
+    ElectionBook._on_done = overwrite  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ElectionBook._on_done = original  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def member_loss_ignored() -> Iterator[None]:
+    """``member_lost`` changes nothing: a dead executor's cell waits out the executor silence."""
+    original = ElectionCore.member_lost
+    ElectionCore.member_lost = lambda self, member, started, now: []  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        ElectionCore.member_lost = original  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(
+    ("mutant", "seeds"),
+    [
+        ("runs_before_its_lead_commits", range(40)),
+        ("second_done_wins", range(200)),
+        ("member_loss_ignored", range(3, 2003, 4)),  # the crashed-executor regime
+    ],
+)
+def test_simulation_catches_a_broken_election(
+    mutant: str, seeds: range, request: pytest.FixtureRequest
+) -> None:
+    request.getfixturevalue(mutant)
+    caught = next((seed for seed in seeds if not run_seed(seed).ok), None)
+    assert caught is not None, f"{mutant} survived {len(seeds)} seeds: the simulation lost its teeth"

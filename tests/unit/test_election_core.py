@@ -1,0 +1,197 @@
+"""The replica's election core without I/O: inputs in, commands out (``ElectionCore``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kernel_replica.election_core import (
+    COMMITTED,
+    SUPERSEDED,
+    UNCOMMITTED,
+    Answer,
+    BindGpus,
+    Command,
+    ElectionCore,
+    ElectionSettings,
+    Execute,
+    ExitDiverged,
+    Propose,
+    RaftView,
+    ReleaseGpus,
+    Standby,
+    TransferLeadership,
+    Unavailable,
+)
+from kernel_replica.log_entries import Done, Lead, LogEntry, State, Vote, Votes, Yield
+
+VOTERS = ("r1", "r2", "r3")
+
+
+class Replica:
+    """One core with its log fed by hand; ``leader`` is what its Raft view says."""
+
+    def __init__(self, rid: str = "r1", settings: ElectionSettings | None = None, leader: str = "r1") -> None:
+        self.leader = leader
+        self.core = ElectionCore(
+            rid, settings or ElectionSettings(), raft=lambda: RaftView(True, self.leader, VOTERS)
+        )
+        self.core.configure(VOTERS)
+        self.core.started(last_index=0, voters=VOTERS, now=0.0)
+        self.index = 0
+        self.commands: list[Command] = []
+
+    def take(self) -> list[Command]:
+        self.commands += self.core.take_commands()
+        taken, self.commands = self.commands, []
+        return taken
+
+    def commit(self, entry: LogEntry, now: float) -> None:
+        self.index += 1
+        self.core.apply(self.index, entry, now)
+
+    def proposals(self, commands: list[Command]) -> list[Propose]:
+        return [c for c in commands if isinstance(c, Propose)]
+
+    def answers(self, commands: list[Command], request: int) -> list[Any]:
+        return [c.value for c in commands if isinstance(c, Answer) and c.request == request]
+
+
+def test_a_candidate_is_told_to_execute_only_once_its_own_lead_is_the_committed_winner() -> None:
+    r = Replica("r1")
+    request = r.core.decide("m", lead=True, now=0.0)
+    commands = r.take()
+    [lead] = r.proposals(commands)
+    [bind] = [c for c in commands if isinstance(c, BindGpus)]
+    assert lead.entry == Lead("m", "r1")
+    r.core.bind_settled(bind.token, [0], now=0.001)  # GPUs bound before the LEAD commits...
+    r.core.proposal_settled(lead.token, 1, now=0.002)  # ...and even "applied" without the entry
+    assert r.answers(r.take(), request) == []
+    r.commit(Lead("m", "r1"), now=0.003)
+    r.core.proposal_settled(lead.token, 1, now=0.003)
+    [decision] = r.answers(r.take(), request)
+    assert isinstance(decision, Execute) and decision.device_ids == [0]
+
+
+def test_a_lead_that_loses_to_an_earlier_one_gives_its_gpus_back() -> None:
+    r = Replica("r1")
+    request = r.core.decide("m", lead=True, now=0.0)
+    commands = r.take()
+    [lead] = r.proposals(commands)
+    [bind] = [c for c in commands if isinstance(c, BindGpus)]
+    r.commit(Lead("m", "r2"), now=0.001)
+    r.commit(Lead("m", "r1"), now=0.002)
+    r.core.proposal_settled(lead.token, 2, now=0.002)
+    assert r.answers(r.take(), request) == [Standby("r2")]
+    r.core.bind_settled(bind.token, [0], now=0.003)  # bound after it lost: released at once
+    assert ReleaseGpus("m") in r.take()
+
+
+def test_a_replica_told_to_yield_gives_the_candidate_its_grace_before_appending_a_yield() -> None:
+    r = Replica("r2", ElectionSettings(yield_grace_s=0.05))
+    request = r.core.decide("m", lead=False, now=0.0)
+    assert r.proposals(r.take()) == []
+    r.core.tick(0.049)
+    assert r.proposals(r.take()) == []
+    r.core.tick(0.05)
+    [yielded] = r.proposals(r.take())
+    assert yielded.entry == Yield("m", "r2", "r2")
+    r.commit(yielded.entry, now=0.06)
+    r.core.proposal_settled(yielded.token, 1, now=0.06)
+    r.commit(Lead("m", "r1"), now=0.07)
+    assert r.answers(r.take(), request) == [Standby("r1")]
+
+
+def test_a_hung_candidate_is_replaced_by_the_first_answering_voter_leading_in_its_place() -> None:
+    r = Replica("r2", ElectionSettings(yield_grace_s=0.0))
+    request = r.core.decide("m", lead=False, silent="r1", now=0.0)
+    [own] = r.proposals(r.take())
+    r.commit(own.entry, now=0.01)
+    r.core.proposal_settled(own.token, 1, now=0.01)
+    assert r.proposals(r.take()) == []  # r3 has not answered yet
+    r.commit(Yield("m", "r3", "r3"), now=0.02)  # only the hung candidate r1 is silent now
+    [bind] = [c for c in r.take() if isinstance(c, BindGpus)]
+    r.core.bind_settled(bind.token, [3], now=0.03)
+    [stand_in] = r.proposals(r.take())
+    assert stand_in.entry == Lead("m", "r2")
+    r.commit(stand_in.entry, now=0.04)
+    r.core.proposal_settled(stand_in.token, 3, now=0.04)
+    [decision] = r.answers(r.take(), request)
+    assert isinstance(decision, Execute) and decision.device_ids == [3]
+
+
+def test_a_standby_watch_ends_on_a_done_applied_in_the_same_batch_as_its_lead() -> None:
+    # one Raft Ready often carries a short cell's LEAD and DONE together: the watch must not miss
+    # that DONE, take the executor for dead after the silence and commit a stray ExecutorLost
+    r = Replica("r2", ElectionSettings(executor_silence_s=1.0, propose_votes=False), leader="r1")
+    r.commit(Lead("m", "r1"), now=0.0)
+    r.commit(Done("m", "r1", {"status": "ok"}, 1, False), now=0.0)
+    for now in (0.5, 1.0, 1.5, 2.0, 2.5):
+        r.core.tick(now)
+    assert r.proposals(r.take()) == [] and r.core.next_deadline() is None
+
+
+def test_an_executors_done_not_yet_committed_is_never_answered_ok_and_is_proposed_again() -> None:
+    r = Replica("r1")
+    done = Done("m", "r1", {"status": "ok"}, 1, True)
+    r.commit(Lead("m", "r1"), now=0.0)
+    r.core.finish_cell(done, State("m", "r1"), now=0.1)
+    done_token, state_token = (p.token for p in r.proposals(r.take()))  # DONE, then STATE
+    r.core.proposal_settled(done_token, TimeoutError("no quorum"), now=5.1)
+    r.core.proposal_settled(state_token, TimeoutError("no quorum"), now=5.1)
+    content, verdict = r.core.committed_answer("m", done.content, 1)
+    assert verdict == UNCOMMITTED and content["ename"] == "ReplicationFailed"
+    r.core.tick(5.6)
+    [again] = r.proposals(r.take())
+    assert again.entry == done
+    r.commit(done, now=5.7)
+    assert r.core.committed_answer("m", done.content, 1) == (done.content, COMMITTED)
+
+
+def test_a_replica_whose_cell_the_log_overruled_leaves_and_runs_nothing_else() -> None:
+    r = Replica("r1")
+    done = Done("m", "r1", {"status": "ok"}, 1, True)
+    r.commit(Lead("m", "r1"), now=0.0)
+    r.core.finish_cell(done, State("m", "r1"), now=1.0)
+    done_token, state_token = (p.token for p in r.proposals(r.take()))  # DONE, then STATE
+    lost = Done("m", "r2", {"status": "error", "ename": "ExecutorLost"}, 1, False)
+    r.commit(lost, now=1.1)  # the standbys declared it dead while it was paused
+    r.commit(done, now=1.2)
+    r.core.proposal_settled(done_token, 3, now=1.2)
+    r.commit(State("m", "r1"), now=1.3)
+    r.core.proposal_settled(state_token, 4, now=1.3)
+    assert ExitDiverged("m") in r.take()
+    assert r.core.committed_answer("m", done.content, 1) == (lost.content, SUPERSEDED)
+    request = r.core.decide("n", lead=True, now=1.4)
+    [decision] = r.answers(r.take(), request)
+    assert isinstance(decision, Unavailable) and "leaving" in decision.reason
+
+
+def test_the_leader_hands_leadership_to_a_replica_that_ran_three_cells_in_a_row() -> None:
+    r = Replica("r1", ElectionSettings(leader_follows_executor=3, propose_votes=False), leader="r1")
+    for n in range(3):
+        r.commit(Lead(f"m{n}", "r2"), now=n)
+        r.commit(Done(f"m{n}", "r2", {"status": "ok"}, n + 1, False), now=n)
+    assert [c for c in r.take() if isinstance(c, TransferLeadership)] == [TransferLeadership("r2")]
+
+
+def test_votes_wait_for_the_replicas_next_proposal_and_ride_with_it() -> None:
+    r = Replica("r3", ElectionSettings(vote_flush_s=0.5), leader="r1")
+    r.commit(Lead("a", "r1"), now=0.0)
+    r.commit(Lead("b", "r2"), now=0.1)
+    assert r.proposals(r.take()) == []
+    r.core.decide("c", lead=True, now=0.2)
+    entries = [p.entry for p in r.proposals(r.take())]
+    assert entries == [Votes("r3", (("a", "r1"), ("b", "r2"))), Lead("c", "r3")]
+    r.commit(Lead("d", "r1"), now=0.3)
+    r.core.tick(0.8)  # nothing else to ride with: flushed after vote_flush_s
+    assert [p.entry for p in r.proposals(r.take())] == [Vote("d", "r3", "r1")]
+
+
+def test_a_restarted_replica_ends_a_cell_its_previous_process_won_and_never_finished() -> None:
+    core = ElectionCore("r1", ElectionSettings(), raft=lambda: RaftView(True, "r2", VOTERS))
+    core.configure(VOTERS)
+    core.started(last_index=1, voters=VOTERS, now=0.0)  # its disk holds one entry, replayed next
+    core.apply(1, Lead("m", "r1"), now=0.0)  # its previous process won m, then died
+    core.tick(0.5)
+    [lost] = [c.entry for c in core.take_commands() if isinstance(c, Propose) and isinstance(c.entry, Done)]
+    assert lost.msg_id == "m" and lost.content["ename"] == "ExecutorLost"
