@@ -25,6 +25,7 @@ import pytest
 
 from services.cluster_file import ask_sync
 from services.embedded import die_with_parent
+from shared import messages
 from shared.security import curve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,6 +87,26 @@ class ClusterHandle:
             curve.client_curve(self.state_dir / "keys", principal, server).apply(sock)
         sock.connect(self.gateway if service == "gateway" else self.scheduler)
         return sock
+
+    def cordon(self, host_id: str, cordoned: bool = True) -> None:
+        self.ask_scheduler(messages.HOST_CORDON if cordoned else messages.HOST_UNCORDON, {"host_id": host_id})
+
+    @contextmanager
+    def only_host_open(self, host_id: str) -> Iterator[None]:
+        """Every host but ``host_id`` cordoned while the block runs, then each as it was: the
+        next cell runs on ``host_id``'s replica (an executor change, made on purpose)."""
+        before = {
+            h["id"]: bool(h["cordoned"]) for h in self.ask_scheduler(messages.CLUSTER_STATUS, {})["hosts"]
+        }
+        for host, cordoned in before.items():
+            if (host != host_id) != cordoned:
+                self.cordon(host, host != host_id)
+        try:
+            yield
+        finally:
+            for host, cordoned in before.items():
+                if (host != host_id) != cordoned:
+                    self.cordon(host, cordoned)
 
     def log_text(self, service: str) -> str:
         path = self.log_dir / f"{service}.log"

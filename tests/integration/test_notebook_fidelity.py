@@ -99,11 +99,6 @@ def _status(cluster: ClusterHandle) -> dict[str, Any]:
     return cluster.ask_scheduler(messages.CLUSTER_STATUS, {})
 
 
-def _cordon(cluster: ClusterHandle, host_id: str, cordoned: bool) -> None:
-    msg_type = messages.HOST_CORDON if cordoned else messages.HOST_UNCORDON
-    cluster.ask_scheduler(msg_type, {"host_id": host_id})
-
-
 def _replica_hosts(cluster: ClusterHandle, kernel_id: str) -> list[str]:
     """Hosts of the kernel's live replicas (one replica per host)."""
     deadline = time.monotonic() + 30
@@ -113,21 +108,6 @@ def _replica_hosts(cluster: ClusterHandle, kernel_id: str) -> list[str]:
         if len(hosts) >= 2 or time.monotonic() > deadline:
             return hosts
         time.sleep(0.2)
-
-
-@contextlib.contextmanager
-def only_host_open(cluster: ClusterHandle, host_id: str) -> Iterator[None]:
-    """Every host but ``host_id`` cordoned while the block runs, then each as it was."""
-    before = {h["id"]: bool(h["cordoned"]) for h in _status(cluster)["hosts"]}
-    for host, cordoned in before.items():
-        if (host != host_id) != cordoned:
-            _cordon(cluster, host, host != host_id)
-    try:
-        yield
-    finally:
-        for host, cordoned in before.items():
-            if (host != host_id) != cordoned:
-                _cordon(cluster, host, cordoned)
 
 
 def test_notebook_with_an_executor_change_after_every_cell_matches_a_stock_kernel(
@@ -145,7 +125,7 @@ def test_notebook_with_an_executor_change_after_every_cell_matches_a_stock_kerne
         mismatches: list[str] = []
         for index, cell in enumerate(NOTEBOOK):
             target = next(h for h in hosts[index % len(hosts) :] + hosts if h != previous)
-            with only_host_open(tandem_cluster, target):
+            with tandem_cluster.only_host_open(target):
                 result = run(kc, cell, timeout=90)
             executor = result.tandem.get("host_id")
             assert executor == target and executor != previous, (index, executor, target, previous)

@@ -17,7 +17,6 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -318,11 +317,6 @@ def _status(cluster: ClusterHandle) -> dict[str, Any]:
     return cluster.ask_scheduler(messages.CLUSTER_STATUS, {}, timeout=10.0)
 
 
-def _cordon(cluster: ClusterHandle, host_id: str, cordoned: bool) -> None:
-    msg_type = messages.HOST_CORDON if cordoned else messages.HOST_UNCORDON
-    cluster.ask_scheduler(msg_type, {"host_id": host_id}, timeout=10.0)
-
-
 def _replicas(cluster: ClusterHandle, kernel_id: str) -> dict[str, dict[str, Any]]:
     kernel = next(k for k in _status(cluster)["kernels"] if k["id"] == kernel_id)
     return {r["id"]: r for r in kernel["replicas"]}
@@ -333,21 +327,6 @@ def _wait_for(predicate: Any, what: str, timeout: float = 15.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
         time.sleep(0.05)
-
-
-@contextmanager
-def _only_host_open(cluster: ClusterHandle, host_id: str) -> Iterator[None]:
-    """Every host but ``host_id`` cordoned while the block runs, then each as it was."""
-    before = {h["id"]: bool(h["cordoned"]) for h in _status(cluster)["hosts"]}
-    for host, cordoned in before.items():
-        if (host != host_id) != cordoned:
-            _cordon(cluster, host, host != host_id)
-    try:
-        yield
-    finally:
-        for host, cordoned in before.items():
-            if (host != host_id) != cordoned:
-                _cordon(cluster, host, cordoned)
 
 
 def test_replicas_restarted_one_at_a_time_lose_nothing(
@@ -379,7 +358,7 @@ def test_replicas_restarted_one_at_a_time_lose_nothing(
         assert restart.returncode == 0, restart.stderr
         replicas = _replicas(cluster, kernel_id)
         assert replicas[replica_id]["alive"], replicas[replica_id]
-        with _only_host_open(cluster, replicas[replica_id]["host"]):
+        with cluster.only_host_open(replicas[replica_id]["host"]):
             cell = run(kc, "print(summary())", timeout=60)
         assert cell.status == "ok", cell.errors
         assert cell.tandem.get("replica_id") == replica_id, cell.tandem
