@@ -180,31 +180,51 @@ class TcpTransport:
 
     def send(self, msg: Message) -> bool:
         """Queue one message without blocking; False (and counted) if it had to be dropped."""
-        link = self._links.get(msg.to)
-        if link is None:
-            self.stats.dropped_unknown_peer += 1
+        framed = self._framed(msg)
+        if framed is None:
             return False
-        out = link.transport
-        if out is None or out.is_closing() or out.get_write_buffer_size() > self._opts.max_buffered_bytes:
-            self.stats.dropped_full += 1
-            return False
-        payload = encode_message(msg)
-        tls = link.tls
-        if tls is not None:
-            if len(payload) < _SMALL_FRAME:
-                out.write(tls.encrypt(_LENGTH.pack(len(payload)) + payload))
-            else:
-                out.write(tls.encrypt(_LENGTH.pack(len(payload)), payload))
-        elif len(payload) < _SMALL_FRAME:
-            out.write(_LENGTH.pack(len(payload)) + payload)
-        else:
-            out.writelines((_LENGTH.pack(len(payload)), payload))
-        self.stats.sent += 1
+        link, frames = framed
+        self._write(link, frames)
         return True
 
     def send_all(self, msgs: Iterable[Message]) -> None:
-        for m in msgs:
-            self.send(m)
+        """One Ready's messages: those to the same peer go out in one write (with TLS, in one
+        record: a record per message cost each side a few microseconds of Python per message)."""
+        per_link: dict[int, tuple[_PeerLink, list[bytes]]] = {}
+        for msg in msgs:
+            framed = self._framed(msg)
+            if framed is not None:
+                link, frames = framed
+                per_link.setdefault(id(link), (link, []))[1].extend(frames)
+        for link, frames in per_link.values():
+            self._write(link, frames)
+
+    def _framed(self, msg: Message) -> tuple[_PeerLink, list[bytes]] | None:
+        link = self._links.get(msg.to)
+        if link is None:
+            self.stats.dropped_unknown_peer += 1
+            return None
+        out = link.transport
+        if out is None or out.is_closing() or out.get_write_buffer_size() > self._opts.max_buffered_bytes:
+            self.stats.dropped_full += 1
+            return None
+        payload = encode_message(msg)
+        self.stats.sent += 1
+        if len(payload) < _SMALL_FRAME:
+            return link, [_LENGTH.pack(len(payload)) + payload]
+        return link, [_LENGTH.pack(len(payload)), payload]
+
+    @staticmethod
+    def _write(link: _PeerLink, frames: list[bytes]) -> None:
+        out, tls = link.transport, link.tls
+        assert out is not None
+        small = len(frames) == 1 or sum(map(len, frames)) < _SMALL_FRAME
+        if tls is not None:
+            out.write(tls.encrypt(b"".join(frames)) if small else tls.encrypt(*frames))
+        elif small:
+            out.write(frames[0] if len(frames) == 1 else b"".join(frames))
+        else:
+            out.writelines(frames)
 
     # ------------------------------------------------------------------ receiving
 
