@@ -203,10 +203,6 @@ def id_problem(field: str, value: str) -> str | None:
     return None
 
 
-def known_types() -> tuple[str, ...]:
-    return tuple(_SCHEMAS)
-
-
 def validate(msg_type: str, body: dict[str, Any]) -> str | None:
     """Return why ``body`` is not a valid ``msg_type`` body, or None if it is."""
     schema = _SCHEMAS.get(msg_type)

@@ -71,7 +71,6 @@ class KernelRouter:
         key: bytes,
         signature_scheme: str = "hmac-sha256",
         *,
-        designated_only: bool = True,
         quorum: int = majority(3),
     ) -> None:
         self.kernel_id = kernel_id
@@ -80,9 +79,9 @@ class KernelRouter:
         # With a designated executor, only it is sent an execute_request, and it answers (it wins
         # the election, or replies with the election's outcome). The other replicas learn the cell
         # from the Raft log (its LEAD, then its DONE with the code), which spares each of them and
-        # every hop on the way the request's work. False: they get a ``yield_request`` and answer
-        # too (the election of NotebookOS §3.2.2 with every replica proposing).
-        self.designated_only = designated_only
+        # every hop on the way the request's work. Without one (no replica's host has the GPUs),
+        # every replica gets a ``yield_request``: they all YIELD, the election fails and the cell
+        # is migrated (NotebookOS §3.2.3).
         self.signer = Signer(key, signature_scheme)
         self.merger = ReplyMerger()
         self.session = uuid.uuid4().hex  # the session of messages the scheduler synthesizes
@@ -145,7 +144,7 @@ class KernelRouter:
         if msg_type == "execute_request" and channel == "shell":
             choice = choose()
             executor = routed.executor = choice.executor if choice.executor in live else None
-            alone = self.designated_only and executor is not None
+            alone = executor is not None
             sent, sent_header = frames, header
             if retried is not None or not SCHEDULER_FIELDS.isdisjoint(header):
                 sent_header = self._scheduler_header(msg_id, header)

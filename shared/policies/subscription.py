@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import Enum
 
 from shared.policies.placement import REPLICAS_PER_KERNEL, HostView, subscription_ratio
 
@@ -56,33 +55,3 @@ def dynamic_limit(
         totals.subscribed_gpus + replicas * request_gpus, totals.gpus, totals.replicas_per_kernel
     )
     return min(max(after, floor), ceiling)
-
-
-class Watermark(Enum):
-    BELOW_LOW = "below_low"  # room to consolidate: a scale-in candidate
-    OK = "ok"
-    ABOVE_HIGH = "above_high"  # contention likely: stop placing here / scale out
-
-
-@dataclass(frozen=True, slots=True)
-class Watermarks:
-    """Low/high bounds on a subscription ratio, for hosts or the cluster as a whole."""
-
-    low: float = 0.5
-    high: float = 3.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.low <= self.high:
-            raise ValueError(f"need 0 <= low <= high, got low={self.low} high={self.high}")
-
-    def check(self, ratio: float) -> Watermark:
-        if ratio > self.high:
-            return Watermark.ABOVE_HIGH
-        if ratio < self.low:
-            return Watermark.BELOW_LOW
-        return Watermark.OK
-
-    def hosts_above_high(self, hosts: Iterable[HostView]) -> list[str]:
-        return sorted(
-            h.host_id for h in hosts if h.alive and self.check(h.subscription_ratio) is Watermark.ABOVE_HIGH
-        )

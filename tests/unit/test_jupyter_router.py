@@ -60,14 +60,13 @@ def test_execute_goes_to_the_designated_executor_alone_and_only_it_answers() -> 
     assert router.on_replica_message("r2", "iopub", idle).finished == [msg_id]
 
 
-def test_without_designated_only_the_others_get_signed_yield_requests() -> None:
+def test_without_a_designated_executor_every_replica_gets_a_signed_yield_request() -> None:
     s = session()
-    router = KernelRouter("k", KEY, designated_only=False)
+    router = KernelRouter("k", KEY)
     msg_id, frames = client_frames(s, "execute_request", {"code": "x = 1"})
-    routed = router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r2"))
+    routed = router.route_request("shell", frames, live=LIVE, choose=lambda: choose(None))
     by_replica = {r: f for r, _, f in routed.to_replicas}
-    assert by_replica["r2"] is frames
-    for yielder in ("r1", "r3"):
+    for yielder in LIVE:
         msg = parse(s, by_replica[yielder])
         assert msg["header"]["msg_type"] == "yield_request"
         assert msg["header"]["msg_id"] == msg_id
@@ -183,11 +182,11 @@ def test_shutdown_is_broadcast_and_interrupt_goes_to_the_executor() -> None:
 
 def test_replica_messages_are_merged_by_parent_msg_id() -> None:
     s = session()
-    router = KernelRouter("k", KEY, designated_only=False)
+    router = KernelRouter("k", KEY)
     msg_id, frames = client_frames(s, "execute_request", {"code": "x"})
     router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"))
     busy = reply_frames(s, "status", msg_id, {"execution_state": "busy"})
-    assert router.on_replica_message("r3", "iopub", busy).forwards == [("iopub", busy)]
+    assert router.on_replica_message("r1", "iopub", busy).forwards == [("iopub", busy)]
     reply = reply_frames(
         s, "execute_reply", msg_id, {"status": "ok", "execution_count": 7}, {"tandem": {"role": "executor"}}
     )

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.policies.placement import HostView, cluster_subscription_ratio
-from shared.policies.subscription import SubscriptionTotals, Watermark, Watermarks, dynamic_limit
+from shared.policies.subscription import SubscriptionTotals, dynamic_limit
 
 
 def test_paper_worked_example_four_kernels_of_four_gpus_on_an_8_gpu_host() -> None:
@@ -40,14 +40,3 @@ def test_dynamic_limit_within_bounds_and_monotone(s: int, g: int, req: int) -> N
     lim = dynamic_limit(t, request_gpus=req)
     assert 1.0 <= lim <= 3.0
     assert dynamic_limit(SubscriptionTotals(s + 1, g), request_gpus=req) >= lim
-
-
-def test_watermarks() -> None:
-    w = Watermarks(low=0.5, high=2.0)
-    assert w.check(0.1) is Watermark.BELOW_LOW
-    assert w.check(1.0) is Watermark.OK
-    assert w.check(2.5) is Watermark.ABOVE_HIGH
-    hosts = [HostView("a", 8, subscribed_gpus=60), HostView("b", 8, subscribed_gpus=6)]
-    assert w.hosts_above_high(hosts) == ["a"]
-    with pytest.raises(ValueError):
-        Watermarks(low=2, high=1)
