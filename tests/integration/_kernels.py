@@ -31,12 +31,19 @@ class CellResult:
 
 @contextlib.contextmanager
 def tandem_kernel(**resources: Any) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
+    with jupyter_kernel("tandem") as started:
+        yield started
+
+
+@contextlib.contextmanager
+def jupyter_kernel(kernel_name: str) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
+    """A started kernel of ``kernel_name`` ("tandem", or "python3" for the stock comparison)."""
     # One zmq context per kernel, owned here and destroyed with linger 0 on the way out. Left to
     # jupyter_client, a manager whose shutdown raised (a dead kernel) keeps its context and control
     # socket open until garbage collection; collected in one cycle, the context's __del__ can run
     # before the socket's and block forever in term() (the suite once hung there).
     ctx = zmq.Context()
-    km = KernelManager(kernel_name="tandem", context=ctx)
+    km = KernelManager(kernel_name=kernel_name, context=ctx)
     try:
         km.start_kernel()
         kc = km.client(context=ctx)

@@ -21,10 +21,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import zmq
 from _cluster import ClusterHandle
-from _kernels import CellResult, run, tandem_kernel
-from jupyter_client import BlockingKernelClient, KernelManager
+from _kernels import CellResult, jupyter_kernel, run, tandem_kernel
+from jupyter_client import BlockingKernelClient
 
 from shared import messages
 
@@ -78,21 +77,8 @@ def _outputs(cell: CellResult) -> tuple[Any, ...]:
 
 @contextlib.contextmanager
 def stock_kernel() -> Iterator[BlockingKernelClient]:
-    ctx = zmq.Context()
-    km = KernelManager(kernel_name="python3", context=ctx)
-    try:
-        km.start_kernel()
-        kc = km.client(context=ctx)
-        kc.start_channels()
-        try:
-            kc.wait_for_ready(timeout=60)
-            yield kc
-        finally:
-            kc.stop_channels()
-            with contextlib.suppress(Exception):
-                km.shutdown_kernel(now=True)
-    finally:
-        ctx.destroy(linger=0)
+    with jupyter_kernel("python3") as (_km, kc):
+        yield kc
 
 
 def _status(cluster: ClusterHandle) -> dict[str, Any]:
