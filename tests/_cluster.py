@@ -162,6 +162,16 @@ class ClusterHandle:
         return pids
 
 
+def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Whether ``predicate`` holds within ``timeout`` (polled every 50 ms)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
 def missing_services() -> list[str]:
     return [m for m in REQUIRED_MODULES if not (ROOT / m).exists()]
 

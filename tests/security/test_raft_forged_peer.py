@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from _cluster import eventually
 from _raft_attack import forged_snapshot, send_in_the_clear, send_over_tls
 from test_replica_group import KERNEL_ID, Cluster
 
@@ -36,17 +37,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         c.close()
 
 
-def _eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def _refused_and_nothing_ran(cluster: Cluster, before: dict[str, object], marker: Path) -> None:
-    assert _eventually(
+    assert eventually(
         lambda: cluster.scheduler.status(TARGET)["refused_connections"] > before["refused_connections"]
     ), "the replica did not count the refused connection"
     after = cluster.scheduler.status(TARGET)
@@ -99,6 +91,6 @@ def test_the_forged_snapshot_runs_its_code_when_authentication_is_off(tmp_path: 
     try:
         address = unsafe.scheduler.raft_addresses[TARGET]
         send_in_the_clear(address, "r2", [forged_snapshot(TARGET, "r2", marker)])
-        assert _eventually(marker.exists, timeout=10), "the forged snapshot's code did not run"
+        assert eventually(marker.exists, timeout=10), "the forged snapshot's code did not run"
     finally:
         unsafe.close()

@@ -10,11 +10,11 @@ compromised member), so its frames do reach the decoder; three real replica proc
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import msgpack
 import pytest
+from _cluster import eventually
 from _raft_attack import replica_snapshot, send_over_tls, snapshot_message
 from test_replica_group import KERNEL_ID, REPLICAS, Cluster
 
@@ -61,15 +61,6 @@ def garbage_frames(to: str) -> list[bytes]:
     ]
 
 
-def _eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def test_garbage_from_an_authenticated_peer_is_dropped_and_counted_and_raft_stays_healthy(
     cluster: Cluster,
 ) -> None:
@@ -78,7 +69,7 @@ def test_garbage_from_an_authenticated_peer_is_dropped_and_counted_and_raft_stay
     for rid in REPLICAS:  # every replica at once: formerly two of these frames stopped the kernel
         frames = garbage_frames(rid)
         assert not send_over_tls(cluster.scheduler.raft_addresses[rid], sender, SENDER, frames, linger=0.5)
-        assert _eventually(
+        assert eventually(
             lambda rid=rid, frames=frames: (
                 cluster.scheduler.status(rid)["malformed_frames"]
                 >= before[rid]["malformed_frames"] + len(frames)
@@ -106,7 +97,7 @@ def test_a_committed_entry_that_does_not_decode_is_skipped_by_every_replica(clus
         cluster.scheduler.raft_addresses[leader], sender, SENDER, [encode_message(proposal)], linger=0.5
     )
     for rid in REPLICAS:
-        assert _eventually(
+        assert eventually(
             lambda rid=rid: (
                 cluster.scheduler.status(rid)["skipped_entries"] == before[rid]["skipped_entries"] + 1
             )
