@@ -773,6 +773,10 @@ class GlobalScheduler:
             if self._rebuilding():  # unknown does not mean gone yet
                 return env.error("the scheduler restarted and is rebuilding its view", code="rebuilding")
             return env.error(f"unknown kernel {env.body['kernel_id']!r}", code="not_found")
+        if not kernel.alive and kernel.state != DEAD and self._rebuilding():
+            # adopted from the first host that reported it; the others' replicas may still come:
+            # "dead" now would make the gateway declare a kernel dead that is about to be whole
+            return env.error("the scheduler restarted and is rebuilding its view", code="rebuilding")
         return env.reply(self.state.kernel_status(kernel))
 
     def _on_kernel_interrupt(self, identity: bytes, env: Envelope) -> Envelope:
