@@ -181,6 +181,7 @@ class _Cluster:
             millicpus=w.node_cpus * 1000, memory_mb=w.node_ram_gb * 1024, gpus=w.node_gpus
         )
         self.node_jobs: list[set[int]] = [set() for _ in range(w.nodes)]  # running BE jobs
+        self.used = [[0, 0, 0] for _ in range(w.nodes)]  # GPU, CPU, RAM held by running/releasing jobs
         self.kind = jobs.kind.tolist()
         self.arrival = jobs.arrival.tolist()
         self.grace = jobs.grace.tolist()
@@ -220,6 +221,11 @@ class _Cluster:
         self.free_ram[node] -= self.ram[job]
 
     def _give(self, node: int, job: int) -> None:
+        """The job's resources are back on the node (completion, or a victim's GP end)."""
+        used = self.used[node]
+        used[0] -= self.gpus[job]
+        used[1] -= self.cpus[job]
+        used[2] -= self.ram[job]
         self.free_gpu[node] += self.gpus[job]
         self.free_cpu[node] += self.cpus[job]
         self.free_ram[node] += self.ram[job]
@@ -239,6 +245,12 @@ class _Cluster:
             self._take(node, job)
         self.node[job] = node
         self.started[job] = now
+        used = self.used[node]
+        used[0] += self.gpus[job]
+        used[1] += self.cpus[job]
+        used[2] += self.ram[job]
+        if used[0] > self.w.node_gpus or used[1] > self.w.node_cpus or used[2] > self.w.node_ram_gb:
+            raise RuntimeError(f"minute {now}: job {job} overcommits node {node}: {used}")
         if self.preempted[job] and self.kind[job] == BE:
             self.resched.append(now - self.released_at[job])
         if self.kind[job] == BE:
@@ -403,6 +415,9 @@ class _Cluster:
             self._schedule(now)
         if next_arrival < n or self.te_queue or self.be_queue or self.pending:
             raise RuntimeError(f"{self.policy.name}: simulation stalled with jobs left at minute {self.now}")
+        w = self.w
+        if self.free_gpu != [w.node_gpus] * w.nodes or self.free_cpu != [w.node_cpus] * w.nodes:
+            raise RuntimeError(f"{self.policy.name}: resources leaked: nodes not all free at the end")
 
 
 def run_policy(w: Workload, jobs: Jobs, policy: PreemptionPolicy) -> PolicyResult:
