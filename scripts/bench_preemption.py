@@ -11,7 +11,10 @@ and fitgpp, the sim scale, the load FIFO kept, and ``wall_s``. Slowdowns pool ev
 The live half (``revoke_p50_ms``, ``revoke_p99_ms``, ``cell_delay_p99_ms_with_be`` /
 ``_without_be``) needs live leases on an embedded cluster and is not measured here yet.
 
-Usage: ``python scripts/bench_preemption.py [--quick] [--seeds 8] [--jobs 65536]``
+``--variant`` swaps in a sensitivity variant of the parameters the paper leaves open
+(``shared.simulator.preemption_sim.VARIANTS``), to diagnose a result, not to report one.
+
+Usage: ``python scripts/bench_preemption.py [--quick] [--seeds 8] [--jobs 65536] [--variant default]``
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.policies.preemption import POLICY_NAMES
-from shared.simulator.preemption_sim import Workload, percentiles, run_all
+from shared.simulator.preemption_sim import VARIANTS, percentiles, run_all
 
 
 def main() -> None:
@@ -36,11 +40,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=None, help="workloads to pool (default 8; quick 1)")
     parser.add_argument("--jobs", type=int, default=None, help="jobs per workload (default 2^16; quick 2^13)")
     parser.add_argument("--s", type=float, default=None, help="FitGpp's s (default 4.0)")
+    parser.add_argument(
+        "--variant",
+        choices=sorted(VARIANTS),
+        default="default",
+        help="open-parameter sensitivity (diagnosis only)",
+    )
     args = parser.parse_args()
     seeds = args.seeds or (1 if args.quick else 8)
-    w = Workload().scaled(args.jobs or (2**13 if args.quick else 2**16))
+    w = VARIANTS[args.variant].scaled(args.jobs or (2**13 if args.quick else 2**16))
     if args.s is not None:
-        w = Workload(**{**{f: getattr(w, f) for f in w.__dataclass_fields__}, "s": args.s})
+        w = replace(w, s=args.s)
 
     started = time.perf_counter()
     te: dict[str, list[np.ndarray]] = {p: [] for p in POLICY_NAMES}
@@ -63,6 +73,7 @@ def main() -> None:
 
     total_jobs = w.jobs * seeds
     out: dict[str, object] = {
+        "sim_variant": args.variant,
         "sim_nodes": w.nodes,
         "sim_gpus_per_node": w.node_gpus,
         "sim_jobs_per_seed": w.jobs,

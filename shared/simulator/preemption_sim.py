@@ -107,6 +107,16 @@ class Workload:
         return replace(self, jobs=jobs)
 
 
+# Sensitivity variants of the open parameters, for diagnosis only (``bench_preemption.py
+# --variant``): the defaults above are the pinned workload, chosen before any result was seen.
+VARIANTS: dict[str, Workload] = {
+    "default": Workload(),
+    "te_gpus_like_be": Workload(te_gpus=TruncNormal(2.0, 2.0, 1.0, 8.0)),
+    "te_gpus_4": Workload(te_gpus=TruncNormal(4.0, 4.0, 1.0, 8.0)),
+    "cpu_ram_x2": Workload(cpus=TruncNormal(8.0, 8.0, 1.0, 32.0), ram_gb=TruncNormal(64.0, 64.0, 1.0, 256.0)),
+}
+
+
 @dataclass(slots=True)
 class Jobs:
     """The generated workload as columns (the same for every policy)."""
@@ -459,6 +469,7 @@ def percentiles(values: np.ndarray, qs: Sequence[int] = (50, 95, 99)) -> list[fl
 
 
 __all__ = [
+    "VARIANTS",
     "Jobs",
     "PolicyResult",
     "TruncNormal",
