@@ -164,7 +164,7 @@ class PolicyResult:
     over_budget_preemptions: int
     blocked_decisions: int
     load: float  # time average over the arrival window of max-axis (demand in system / capacity)
-    rescheduling_min: np.ndarray  # victim's GP end -> restart (the paper's Table 2 interval)
+    rescheduling_min: np.ndarray  # preemption signal -> restart, per preemption (the paper's Table 2)
     wall_s: float
     jobs: int = 0
     extra: dict[str, float] = field(default_factory=dict)
@@ -207,7 +207,7 @@ class _Cluster:
         self.started = [0] * n  # start of the current run segment
         self.epoch = [0] * n  # invalidates a completion event when the job is preempted
         self.preempted = [0] * n
-        self.released_at = [0] * n
+        self.signaled_at = [0] * n
         self.completion = [-1] * n
         self.events: list[tuple[int, int, int, int]] = []  # (time, order, job, epoch)
         self.te_queue: deque[int] = deque()
@@ -262,7 +262,7 @@ class _Cluster:
         if used[0] > self.w.node_gpus or used[1] > self.w.node_cpus or used[2] > self.w.node_ram_gb:
             raise RuntimeError(f"minute {now}: job {job} overcommits node {node}: {used}")
         if self.preempted[job] and self.kind[job] == BE:
-            self.resched.append(now - self.released_at[job])
+            self.resched.append(now - self.signaled_at[job])
         if self.kind[job] == BE:
             self.node_jobs[node].add(job)
         heapq.heappush(self.events, (now + self.remaining[job], 0, job, self.epoch[job]))
@@ -281,6 +281,7 @@ class _Cluster:
         self.node_jobs[self.node[job]].discard(job)
         self.remaining[job] -= now - self.started[job]
         self.epoch[job] += 1
+        self.signaled_at[job] = now
         self.preempted[job] += 1
         self.preemptions += 1
         heapq.heappush(self.events, (now + self.grace[job], 1, job, self.epoch[job]))
@@ -290,7 +291,6 @@ class _Cluster:
         that can start now."""
         self._give(self.node[job], job)
         self.node[job] = -1
-        self.released_at[job] = now
         ready = []
         te = self.waiting_for.pop(job, None)
         if te is not None:
