@@ -223,7 +223,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             except (RpcError, RpcTimeout) as exc:
                 self.log.warning("Tandem: interrupt of %s failed: %s", self.kernel_id, exc)
         elif signum in (signal.SIGTERM, signal.SIGKILL):
-            await self._shutdown(restart=False)
+            await self._shutdown(restart=True)  # the ports are released by cleanup(restart=False)
         else:
             self.log.warning("Tandem: signal %s has no meaning for a distributed kernel; ignored", signum)
 
@@ -232,10 +232,13 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         await self._shutdown(restart=restart)
 
     async def terminate(self, restart: bool = False) -> None:
-        await self._shutdown(restart=restart)
+        await self._shutdown(restart=True)
 
     async def kill(self, restart: bool = False) -> None:
-        await self._shutdown(restart=restart)
+        """Stop the replicas but keep the kernel's ports: jupyter_client's ``restart_kernel(now=True)``
+        calls ``kill(restart=False)`` and only then ``cleanup(restart=True)``, so ``restart`` here
+        cannot tell a restart from a final stop. ``cleanup(restart=False)`` releases the ports."""
+        await self._shutdown(restart=True)
 
     async def cleanup(self, restart: bool = False) -> None:
         if self._launched and self._exit_code is None:
