@@ -296,7 +296,9 @@ class Gateway:
             for decision in kernels_to_cull(self._cull, activity, time.time()):
                 log.warning("kernel_culled", kernel=decision.kernel_id, reason=decision.reason)
                 try:
-                    await self._stop(decision.kernel_id, keep_ports=False, by="culler", reason=decision.reason)
+                    await self._stop(
+                        decision.kernel_id, keep_ports=False, by="culler", reason=decision.reason
+                    )
                 except Exception:  # the next round tries again; the loop must outlive one failure
                     log.exception("kernel_cull_failed", kernel=decision.kernel_id)
 
