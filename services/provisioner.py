@@ -133,6 +133,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             "key": key.decode(),
             "signature_scheme": scheme,
             "resources": self._resources,
+            "name": str(getattr(self.parent, "kernel_name", "") or ""),
         }
         self.log.info("Tandem: starting distributed kernel %s with %s", self.kernel_id, self._resources)
         try:
@@ -194,6 +195,10 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             return self._died(str(status.get("reason") or "fewer than two replicas are alive"))
         if state == "stopped":
             self._exit_code = STOPPED_EXIT_CODE
+            if status.get("stopped_by") in ("operator", "culler"):
+                # `tandem kernel stop` or idle culling: restarting it would undo the decision
+                self.log.warning("Tandem kernel %s was stopped: %s", self.kernel_id, status.get("reason"))
+                self._no_auto_restart()
             return self._exit_code
         return None
 
@@ -203,10 +208,13 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             self._dead_reason = reason
             self.log.error("Tandem kernel %s is dead: %s", self.kernel_id, reason)
         if not self.restart_dead_kernels:
-            restarter = getattr(self.parent, "_restarter", None)
-            if restarter is not None and hasattr(restarter, "restart_limit"):
-                restarter.restart_limit = 0  # report "dead" instead of restarting into an empty kernel
+            self._no_auto_restart()  # report "dead" instead of restarting into an empty kernel
         return self._exit_code
+
+    def _no_auto_restart(self) -> None:
+        restarter = getattr(self.parent, "_restarter", None)
+        if restarter is not None and hasattr(restarter, "restart_limit"):
+            restarter.restart_limit = 0
 
     async def wait(self) -> int | None:
         while (code := await self.poll()) is None:

@@ -757,12 +757,15 @@ class GlobalScheduler:
         return env.reply(outcome)
 
     def _on_cluster_status(self, identity: bytes, env: Envelope) -> Envelope:
-        return env.reply(self._status())
+        return env.reply(self._status(stopped=bool(env.body.get("all", False))))
 
-    def _status(self) -> dict[str, Any]:
-        """``cluster.status``: the cluster state plus autoscaling, warm pools and metrics."""
+    def _status(self, *, stopped: bool = False) -> dict[str, Any]:
+        """``cluster.status``: the cluster state plus autoscaling, warm pools and metrics. Stopped
+        kernels only with ``stopped`` (``tandem status --json --all``): they would pile up."""
         report = cluster_report(self.state, self.autoscaling, self.metrics, self.metrics_url)
         report["policy"] = self._cfg.get("scheduler.policy")
+        if not stopped:
+            report["kernels"] = [k for k in report["kernels"] if k["state"] != STOPPED]
         return report
 
     # ---- kernels ----------------------------------------------------------------------------
