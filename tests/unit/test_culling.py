@@ -31,9 +31,9 @@ def test_busy_and_connected_kernels_are_spared_unless_the_options_say_otherwise(
     assert [d.kernel_id for d in kernels_to_cull(CullPolicy(60, cull_busy=True), [busy, connected], NOW)] == [
         "busy"
     ]
-    assert [d.kernel_id for d in kernels_to_cull(CullPolicy(60, cull_connected=True), [busy, connected], NOW)] == [
-        "connected"
-    ]
+    assert [
+        d.kernel_id for d in kernels_to_cull(CullPolicy(60, cull_connected=True), [busy, connected], NOW)
+    ] == ["connected"]
 
 
 @given(
