@@ -203,17 +203,28 @@ def cmd_up(args: argparse.Namespace, cfg: Config) -> int:
 def _ask_scheduler(
     args: argparse.Namespace, cfg: Config, msg_type: str, body: dict[str, Any], *, timeout: float
 ) -> dict[str, Any]:
-    cluster = read_cluster(state_dir_of(args, cfg))
-    credentials = cluster.operator_curve(curve.SCHEDULER)
-    return ask_sync(cluster.scheduler, msg_type, body, credentials=credentials, timeout=timeout)
+    return _ask(curve.SCHEDULER, args, cfg, msg_type, body, timeout=timeout)
 
 
 def _ask_gateway(
     args: argparse.Namespace, cfg: Config, msg_type: str, body: dict[str, Any], *, timeout: float
 ) -> dict[str, Any]:
+    return _ask(curve.GATEWAY, args, cfg, msg_type, body, timeout=timeout)
+
+
+def _ask(
+    service: str,
+    args: argparse.Namespace,
+    cfg: Config,
+    msg_type: str,
+    body: dict[str, Any],
+    *,
+    timeout: float,
+) -> dict[str, Any]:
+    """One request to the scheduler or the gateway (``curve.SCHEDULER``/``GATEWAY``) as the operator."""
     cluster = read_cluster(state_dir_of(args, cfg))
-    credentials = cluster.operator_curve(curve.GATEWAY)
-    return ask_sync(cluster.gateway, msg_type, body, credentials=credentials, timeout=timeout)
+    address = cluster.scheduler if service == curve.SCHEDULER else cluster.gateway
+    return ask_sync(address, msg_type, body, credentials=cluster.operator_curve(service), timeout=timeout)
 
 
 def cmd_status(args: argparse.Namespace, cfg: Config) -> int:
