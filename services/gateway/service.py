@@ -102,6 +102,8 @@ class Gateway:
         self.names: dict[str, str] = {}  # kernel id -> kernelspec name, as the provisioner said
         self._poller: asyncio.Task[None] | None = None
         self._culler: asyncio.Task[None] | None = None
+        # kernels stopped for a restart, whose ports go back unless a start comes first
+        self._port_holds: dict[str, asyncio.TimerHandle] = {}
         self._refreshing: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
         # kernels whose connection info a client got: what the table on disk lists
@@ -127,6 +129,8 @@ class Gateway:
 
     async def close(self) -> None:
         await _cancel([t for t in (self._poller, self._culler) if t is not None])
+        for hold in self._port_holds.values():
+            hold.cancel()
         await _cancel(list(self._background))
         for endpoint in list(self.kernels.values()):
             await endpoint.close()
@@ -175,6 +179,7 @@ class Gateway:
         endpoint.bind()
         self.kernels[kernel_id] = endpoint
         self.states[kernel_id] = KernelState.STARTING
+        self._end_port_hold(kernel_id)
         self.reasons.pop(kernel_id, None)
         self.stopped_by.pop(kernel_id, None)
         self.names[kernel_id] = str(body.get("name") or self.names.get(kernel_id, ""))
@@ -231,7 +236,10 @@ class Gateway:
         if endpoint is not None:  # else restored without its ports (taken): it still has replicas
             endpoint.alive = False
         scheduler_error = ""
-        if self.states.get(kernel_id) != KernelState.STOPPED:
+        if self.states.get(kernel_id) != KernelState.STOPPED:  # else who stopped it first is kept
+            self.stopped_by[kernel_id] = by
+            if reason:
+                self.reasons[kernel_id] = reason
             try:
                 await self.scheduler.request(
                     Envelope(messages.KERNEL_SHUTDOWN, {"kernel_id": kernel_id, "restart": keep_ports}),
@@ -241,11 +249,9 @@ class Gateway:
                 scheduler_error = exc.reason if isinstance(exc, RpcError) else str(exc)
                 log.warning("kernel_shutdown_scheduler_error", kernel=kernel_id, reason=scheduler_error)
         self.states[kernel_id] = KernelState.STOPPED
-        self.stopped_by[kernel_id] = by
-        if reason:
-            self.reasons[kernel_id] = reason
+        self._end_port_hold(kernel_id)
         if keep_ports and endpoint is not None:
-            asyncio.get_running_loop().call_later(
+            self._port_holds[kernel_id] = asyncio.get_running_loop().call_later(
                 self._ports_kept_s, self._release_ports_if_stopped, kernel_id, endpoint
             )
         else:
@@ -253,9 +259,15 @@ class Gateway:
         log.info("kernel_stopped", kernel=kernel_id, restart=keep_ports, by=by, reason=reason or None)
         return scheduler_error
 
+    def _end_port_hold(self, kernel_id: str) -> None:
+        hold = self._port_holds.pop(kernel_id, None)
+        if hold is not None:
+            hold.cancel()
+
     def _release_ports_if_stopped(self, kernel_id: str, endpoint: KernelEndpoint) -> None:
         """A restart whose start never came (its KernelManager died between the two): the ports
         of the stopped kernel go back."""
+        self._port_holds.pop(kernel_id, None)
         if self.kernels.get(kernel_id) is endpoint and self.states.get(kernel_id) == KernelState.STOPPED:
             log.info("kernel_ports_released", kernel=kernel_id, after_s=self._ports_kept_s)
             self._in_background(self._forget(kernel_id))

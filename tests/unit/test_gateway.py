@@ -284,11 +284,19 @@ def test_an_idle_kernel_is_culled_but_not_while_a_client_is_connected(culling_ha
 
 
 def test_ports_kept_for_a_restart_are_released_when_no_start_follows() -> None:
-    harness = Harness(**{"gateway.restart_ports_kept_s": "0.3"})
+    harness = Harness(**{"gateway.restart_ports_kept_s": "0.6"})
+    restart = {"restart": True}
     try:
-        kernel_id, _ = harness.start_kernel()
-        harness.call(harness.api(messages.KERNEL_SHUTDOWN, {"kernel_id": kernel_id, "restart": True}))
-        assert "ports" in kernel_listed(harness, kernel_id)
+        kernel_id, info = harness.start_kernel()
+        for _ in range(2):  # the first restart's deadline must not cut the second one short
+            harness.call(harness.api(messages.KERNEL_SHUTDOWN, {"kernel_id": kernel_id, **restart}))
+            time.sleep(0.4)
+            assert kernel_listed(harness, kernel_id)["ports"]["shell"] == info["shell_port"]
+            again = harness.call(
+                harness.api(messages.KERNEL_START, {"kernel_id": kernel_id, "key": KEY, "resources": {}})
+            ).body
+            assert again["shell_port"] == info["shell_port"]
+        harness.call(harness.api(messages.KERNEL_SHUTDOWN, {"kernel_id": kernel_id, **restart}))
         assert wait_until(lambda: "ports" not in kernel_listed(harness, kernel_id))
     finally:
         harness.close()
