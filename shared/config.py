@@ -97,6 +97,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # Replace a replica that died for good (its process exited, its host went silent) by a
         # new one on another host, through the same membership change as a migration.
         "replace_dead_replicas": True,
+        # Records of stopped kernels kept for `tandem status --json --all`; older ones are dropped.
+        "stopped_kernels_kept": 200,
     },
     "autoscale": {
         # NotebookOS §3.4.2 (shared/policies/autoscale.py); active when cluster.max_hosts > hosts.
