@@ -331,16 +331,19 @@ def cmd_kernel(args: argparse.Namespace, cfg: Config) -> int:
     from rich.table import Table
 
     table = Table(title="Tandem kernels")
-    for column in ("kernel", "name", "state", "replicas (id@host)", "executor", "last activity", "clients"):
+    table.add_column("kernel", no_wrap=True, min_width=36)  # the whole id: `tandem kernel stop` takes it
+    for column in ("name", "state", "replicas (id@host)", "executor", "last activity", "clients"):
         table.add_column(column)
     now = time.time()
     for row in rows:
-        busy = row["execution_state"]
+        busy, by = row["execution_state"], row["stopped_by"]
         activity = row["last_activity"]
         table.add_row(
             row["id"],
             row["name"],
-            row["state"] + (f" ({busy})" if row["state"] == "running" and busy else ""),
+            row["state"]
+            + (f" ({busy})" if row["state"] == "running" and busy else "")
+            + (f" (by the {by})" if row["state"] == "stopped" and by else ""),
             ", ".join(f"{r['id']}@{r['host']}" for r in row["replicas"]),
             str(row["executor"] or ""),
             f"{max(now - activity, 0):.0f}s ago" if isinstance(activity, int | float) else "",
