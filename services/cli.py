@@ -602,6 +602,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
+        if args.command != "up":  # up sets its own; structlog's default colours even a pipe
+            from shared.logs import configure_logging
+
+            configure_logging(cfg.get("log.format"), "warning", service="tandem")
         return COMMANDS[args.command](args, cfg)
     except (ConfigError, ClusterNotRunning, curve.KeyError_) as exc:
         print(f"tandem: {exc}", file=sys.stderr)
