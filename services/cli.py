@@ -454,6 +454,11 @@ def cmd_host(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_run(args: argparse.Namespace, cfg: Config) -> int:
+    from shared.logs import configure_logging
+
+    # warnings of the provisioner's RPC links only, and in colour only on a terminal (structlog's
+    # default colours even a pipe)
+    configure_logging(cfg.get("log.format"), "warning", service="tandem-run")
     state = state_dir_of(args, cfg)
     read_cluster(state)  # a clear error before nbclient's
     os.environ["TANDEM_STATE_DIR"] = str(state)
@@ -602,10 +607,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
-        if args.command != "up":  # up sets its own; structlog's default colours even a pipe
-            from shared.logs import configure_logging
-
-            configure_logging(cfg.get("log.format"), "warning", service="tandem")
         return COMMANDS[args.command](args, cfg)
     except (ConfigError, ClusterNotRunning, curve.KeyError_) as exc:
         print(f"tandem: {exc}", file=sys.stderr)
