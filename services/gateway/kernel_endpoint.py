@@ -164,6 +164,14 @@ class KernelEndpoint:
     def connections(self) -> int:
         return len(self._peers)
 
+    @property
+    def busy(self) -> bool:
+        """Running a cell, or holding one not started yet (queued behind an election or a
+        migration, the kernel has not said "busy" for it): either way not idle."""
+        if self.execution_state == "busy":
+            return True
+        return any(route.msg_type == "execute_request" for route in self._routes.values())
+
     def _bind_one(self, channel: str, port: int | None) -> zmq.Socket[bytes]:
         kind = zmq.PUB if channel == "iopub" else zmq.ROUTER
         sock: zmq.Socket[bytes] = self._ctx.socket(kind, socket_class=zmq.Socket)

@@ -301,7 +301,7 @@ class Gateway:
         while True:
             await asyncio.sleep(self._cull_interval)
             activity = [
-                KernelActivity(kid, e.last_activity, e.execution_state == "busy", e.connections)
+                KernelActivity(kid, e.last_activity, e.busy, e.connections)
                 for kid, e in self.kernels.items()
                 if self.states.get(kid) == KernelState.ALIVE
             ]

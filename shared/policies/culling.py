@@ -30,7 +30,7 @@ class CullPolicy:
 class KernelActivity:
     kernel_id: str
     last_activity: float  # seconds, on the same clock as ``now``
-    busy: bool  # the kernel's last iopub status was "busy" (a cell runs)
+    busy: bool  # a cell runs (last iopub status "busy") or waits to start (its request unanswered)
     connections: int  # clients connected to the kernel's iopub socket
 
 

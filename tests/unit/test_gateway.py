@@ -311,3 +311,21 @@ def test_a_kernel_stopped_by_the_operator_says_so(harness: Harness) -> None:
         "operator",
         "stopped by the operator",
     )
+
+
+def test_a_cell_waiting_for_its_executor_keeps_the_kernel_from_being_culled() -> None:
+    harness = Harness(
+        **{"kernel.cull_idle_s": "0.3", "kernel.cull_interval_s": "0.1", "kernel.cull_connected": "true"}
+    )
+    try:
+        kernel_id, info = harness.start_kernel()
+        harness.scheduler.silent = True  # the cell is forwarded, the kernel has not said "busy" yet
+        client = client_for(info)
+        try:
+            client.execute("slow_to_start()")
+            time.sleep(1.0)
+            assert kernel_listed(harness, kernel_id)["state"] == "alive"
+        finally:
+            client.stop_channels()
+    finally:
+        harness.close()
