@@ -453,9 +453,14 @@ class TandemKernel(IPythonKernel):
                 )
             else:
                 self._user_code_running = True
+                # Python's own handler while user code runs: its KeyboardInterrupt carries no
+                # frame of ours, so the user's traceback ends in their code (IPython always shows
+                # the frame that raised, even one marked __tracebackhide__)
+                outside = signal.signal(signal.SIGINT, signal.default_int_handler)
                 try:
                     reply = await self.do_execute(**args)
                 finally:
+                    signal.signal(signal.SIGINT, outside)
                     self._user_code_running = False
         except KeyboardInterrupt:  # landed outside IPython's own handler: still a normal reply
             reply = error_content("KeyboardInterrupt", "interrupted", self._count())

@@ -82,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     if not line.strip():
         return 0  # released before it was needed
     replica_argv = become(json.loads(line))
+    from kernel_replica.__main__ import exit_now
     from kernel_replica.__main__ import main as replica_main
 
-    return replica_main(replica_argv)
+    exit_now(replica_main(replica_argv))  # as a replica started cold: no slow teardown
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -66,6 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="hosts, GPUs and kernels of the running cluster")
     common(status)
     status.add_argument("--json", action="store_true", help="the scheduler's cluster.status as JSON")
+    status.add_argument("--all", action="store_true", help="stopped kernels too")
+
+    kernel = sub.add_parser("kernel", help="list and stop kernels")
+    kernel_sub = kernel.add_subparsers(dest="kernel_command", required=True)
+    klist = kernel_sub.add_parser("list", help="kernels with their replicas, executor, activity and clients")
+    common(klist)
+    klist.add_argument("--json", action="store_true", help="one JSON list")
+    klist.add_argument("--all", action="store_true", help="stopped kernels too")
+    kstop = kernel_sub.add_parser("stop", help="shut KERNEL down and stop its replicas")
+    common(kstop)
+    kstop.add_argument("kernel_id", metavar="KERNEL", help="its id (see `tandem kernel list`)")
+    kstop.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the stop")
 
     host = sub.add_parser("host", help="host administration")
     host_sub = host.add_subparsers(dest="host_command", required=True)
@@ -95,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("notebook")
     run.add_argument("-o", "--output", help="write the executed notebook here")
     run.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds")
+    run.add_argument(
+        "--allow-errors",
+        action="store_true",
+        help="run every cell even after one fails (the exit status still reports the failure)",
+    )
 
     keys = sub.add_parser(
         "keys", help="the cluster's CurveZMQ keys (node deployments; `tandem up` makes its own)"
@@ -185,13 +203,32 @@ def cmd_up(args: argparse.Namespace, cfg: Config) -> int:
 def _ask_scheduler(
     args: argparse.Namespace, cfg: Config, msg_type: str, body: dict[str, Any], *, timeout: float
 ) -> dict[str, Any]:
+    return _ask(curve.SCHEDULER, args, cfg, msg_type, body, timeout=timeout)
+
+
+def _ask_gateway(
+    args: argparse.Namespace, cfg: Config, msg_type: str, body: dict[str, Any], *, timeout: float
+) -> dict[str, Any]:
+    return _ask(curve.GATEWAY, args, cfg, msg_type, body, timeout=timeout)
+
+
+def _ask(
+    service: str,
+    args: argparse.Namespace,
+    cfg: Config,
+    msg_type: str,
+    body: dict[str, Any],
+    *,
+    timeout: float,
+) -> dict[str, Any]:
+    """One request to the scheduler or the gateway (``curve.SCHEDULER``/``GATEWAY``) as the operator."""
     cluster = read_cluster(state_dir_of(args, cfg))
-    credentials = cluster.operator_curve(curve.SCHEDULER)
-    return ask_sync(cluster.scheduler, msg_type, body, credentials=credentials, timeout=timeout)
+    address = cluster.scheduler if service == curve.SCHEDULER else cluster.gateway
+    return ask_sync(address, msg_type, body, credentials=cluster.operator_curve(service), timeout=timeout)
 
 
 def cmd_status(args: argparse.Namespace, cfg: Config) -> int:
-    status = _ask_scheduler(args, cfg, messages.CLUSTER_STATUS, {}, timeout=5.0)
+    status = _ask_scheduler(args, cfg, messages.CLUSTER_STATUS, {"all": args.all}, timeout=5.0)
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True, default=str))
         return 0
@@ -201,10 +238,9 @@ def cmd_status(args: argparse.Namespace, cfg: Config) -> int:
 
 def render_status(status: dict[str, Any]) -> None:
     """Hosts and kernels as tables; the shape is the global scheduler's ``cluster.status``."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    out = console()
     table = Table(title="Tandem hosts")
     for column in (
         "host",
@@ -224,11 +260,11 @@ def render_status(status: dict[str, Any]) -> None:
             str(host.get("subscribed", "")),
             str(host.get("subscription_ratio", "")),
         )
-    console.print(table)
-    render_scaling(console, status)
+    out.print(table)
+    render_scaling(out, status)
     kernels = status.get("kernels", [])
     if not kernels:
-        console.print("no kernels")
+        out.print("no kernels")
         return
     ktable = Table(title="Kernels")
     for column in ("kernel", "state", "replicas (id@host role)", "last executor", "migrations"):
@@ -245,7 +281,118 @@ def render_status(status: dict[str, Any]) -> None:
             str(kernel.get("last_executor") or ""),
             _migrations(kernel),
         )
-    console.print(ktable)
+    out.print(ktable)
+
+
+def kernel_rows(
+    scheduler_status: dict[str, Any], gateway_list: dict[str, Any], *, stopped: bool
+) -> list[dict[str, Any]]:
+    """One row per kernel: the scheduler's view (state, replicas, executor) joined by id with the
+    gateway's (kernelspec name, busy/idle, last activity, connected clients)."""
+    seen = {k["id"]: k for k in gateway_list.get("kernels", [])}
+    placed = {k["id"]: k for k in scheduler_status.get("kernels", [])}
+    rows = []
+    for kernel_id in [*placed, *(kid for kid in seen if kid not in placed)]:
+        sched, gw = placed.get(kernel_id, {}), seen.get(kernel_id, {})
+        state = str(sched.get("state") or gw.get("state") or "")
+        if gw.get("state") in ("stopped", "dead") and state in ("running", "starting", ""):
+            state = str(gw["state"])
+        if state == "stopped" and not stopped:
+            continue
+        rows.append(
+            {
+                "id": kernel_id,
+                "name": gw.get("name", ""),
+                "state": state,
+                "execution_state": gw.get("execution_state"),
+                "replicas": [
+                    {"id": r.get("id"), "host": r.get("host"), "role": r.get("role"), "alive": r.get("alive")}
+                    for r in sched.get("replicas", [])
+                ],
+                "executor": sched.get("last_executor"),
+                "last_activity": gw.get("last_activity"),
+                "connections": gw.get("connections"),
+                "reason": sched.get("reason") or gw.get("reason") or "",
+                "stopped_by": gw.get("stopped_by", ""),
+            }
+        )
+    return rows
+
+
+def cmd_kernel(args: argparse.Namespace, cfg: Config) -> int:
+    if args.kernel_command == "stop":
+        return stop_kernel(args, cfg, args.kernel_id)
+    status = _ask_scheduler(args, cfg, messages.CLUSTER_STATUS, {"all": True}, timeout=5.0)
+    listed = _ask_gateway(args, cfg, messages.KERNEL_LIST, {}, timeout=5.0)
+    rows = kernel_rows(status, listed, stopped=args.all)
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True, default=str))
+        return 0
+    from rich.table import Table
+
+    table = Table(title="Tandem kernels")
+    table.add_column("kernel", no_wrap=True, min_width=36)  # the whole id: `tandem kernel stop` takes it
+    for column in ("name", "state", "replicas (id@host)", "executor", "last activity", "clients"):
+        table.add_column(column)
+    now = time.time()
+    for row in rows:
+        busy, by = row["execution_state"], row["stopped_by"]
+        activity = row["last_activity"]
+        table.add_row(
+            row["id"],
+            row["name"],
+            row["state"]
+            + (f" ({busy})" if row["state"] == "running" and busy else "")
+            + (f" (by the {by})" if row["state"] == "stopped" and by else ""),
+            ", ".join(f"{r['id']}@{r['host']}" for r in row["replicas"]),
+            str(row["executor"] or ""),
+            f"{max(now - activity, 0):.0f}s ago" if isinstance(activity, int | float) else "",
+            "" if row["connections"] is None else str(row["connections"]),
+        )
+    console().print(table if rows else "no kernels")
+    return 0
+
+
+def stop_kernel(args: argparse.Namespace, cfg: Config, kernel_id: str) -> int:
+    """Through the gateway (it closes the kernel's ports, its clients see the kernel stopped and
+    do not restart it); a kernel only the scheduler knows (its gateway lost it) there."""
+    body = {"kernel_id": kernel_id, "by": "operator"}
+    try:
+        answer = _ask_gateway(args, cfg, messages.KERNEL_SHUTDOWN, body, timeout=args.timeout)
+    except RpcError as exc:
+        if exc.code != "unknown_kernel":
+            raise
+        status = _ask_scheduler(args, cfg, messages.CLUSTER_STATUS, {"all": True}, timeout=5.0)
+        known = {k["id"]: k["state"] for k in status.get("kernels", [])}
+        if kernel_id not in known:
+            print(f"tandem kernel stop: no kernel {kernel_id!r} in this cluster (see `tandem kernel list`)",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        answer = {}
+        if known[kernel_id] != "stopped":
+            shutdown = {"kernel_id": kernel_id}
+            answer = _ask_scheduler(args, cfg, messages.KERNEL_SHUTDOWN, shutdown, timeout=args.timeout)
+    if answer.get("scheduler_error"):
+        print(f"tandem kernel stop: {kernel_id}: {answer['scheduler_error']}", file=sys.stderr)
+        return 1
+    print(f"{kernel_id}: stopped")
+    return 0
+
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI_ESCAPE.sub("", text)
+
+
+def console() -> Any:
+    """A rich console for this CLI's output: no colours or other escapes when stdout is not a
+    terminal (pipes, CI logs, files), and a wide fixed width there so tables are not squeezed."""
+    from rich.console import Console
+
+    tty = sys.stdout.isatty()
+    return Console(width=None if tty else 120, no_color=not tty, highlight=tty, force_terminal=tty or None)
 
 
 def cmd_replica(args: argparse.Namespace, cfg: Config) -> int:
@@ -307,11 +454,19 @@ def cmd_host(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def cmd_run(args: argparse.Namespace, cfg: Config) -> int:
+    from shared.logs import configure_logging
+
+    # warnings of the provisioner's RPC links only, and in colour only on a terminal (structlog's
+    # default colours even a pipe)
+    configure_logging(cfg.get("log.format"), "warning", service="tandem-run")
     state = state_dir_of(args, cfg)
     read_cluster(state)  # a clear error before nbclient's
     os.environ["TANDEM_STATE_DIR"] = str(state)
     report = run_notebook(
-        Path(args.notebook), Path(args.output) if args.output else None, timeout=args.timeout
+        Path(args.notebook),
+        Path(args.output) if args.output else None,
+        timeout=args.timeout,
+        allow_errors=args.allow_errors,
     )
     print_report(report)
     return 0 if report["ok"] else 1
@@ -321,9 +476,16 @@ AfterCell = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def run_notebook(
-    path: Path, output: Path | None, *, timeout: int = 600, after_cell: AfterCell | None = None
+    path: Path,
+    output: Path | None,
+    *,
+    timeout: int = 600,
+    after_cell: AfterCell | None = None,
+    allow_errors: bool = False,
 ) -> dict[str, Any]:
     """Execute ``path`` on the tandem kernel; per code cell: executor replica, host, interactivity delay.
+    ``allow_errors``: a failing cell does not stop the run (nbclient's option); ``ok`` is still
+    false when one failed.
 
     ``after_cell`` (async) sees each cell's row as soon as it ran: the demo uses it to cordon the
     executor's host mid-notebook and show the namespace following the new executor.
@@ -351,7 +513,7 @@ def run_notebook(
 
     client = NotebookClient(
         nb, kernel_name="tandem", timeout=timeout, on_cell_executed=on_cell_executed,
-        resources={"metadata": {"path": str(path.parent)}},
+        resources={"metadata": {"path": str(path.parent)}}, allow_errors=allow_errors,
     )  # fmt: skip
     started = time.monotonic()
     error = ""
@@ -363,12 +525,14 @@ def run_notebook(
         error = f"{exc.__class__.__name__}: {exc}"
     if output is not None:
         nbformat.write(nb, output)
-    ok = not error and all(c["status"] == "ok" for c in cells)
+    failed = [c["cell"] for c in cells if c["status"] != "ok"]
+    if failed and not error:
+        error = f"cell{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed"
+    ok = not error and not failed
     return {"ok": ok, "error": error, "cells": cells, "seconds": round(time.monotonic() - started, 2)}
 
 
 def print_report(report: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"Executed in {report['seconds']} s")
@@ -379,10 +543,15 @@ def print_report(report: dict[str, Any]) -> None:
         delay = cell["interactivity_delay_ms"]
         table.add_row(str(cell["cell"]), str(cell["status"]), str(cell["replica"]), str(cell["host"]),
                       f"{delay:.1f}" if isinstance(delay, int | float) else "?", cell["source"])  # fmt: skip
-    console = Console(width=None if sys.stdout.isatty() else 120)  # CI logs: do not squeeze the table
-    console.print(table)
+    out = console()
+    out.print(table)
     if report["error"]:
-        console.print(f"[red]failed:[/red] {report['error']}")
+        from rich.text import Text
+
+        # nbclient's CellExecutionError carries IPython's coloured traceback: rendered on a
+        # terminal, stripped of its escapes for a pipe or a file
+        error = Text.from_ansi(report["error"]) if out.is_terminal else Text(strip_ansi(report["error"]))
+        out.print(Text("failed: ", style="red") + error)
 
 
 def cmd_keys(args: argparse.Namespace, cfg: Config) -> int:
@@ -426,6 +595,7 @@ COMMANDS = {
     "status": cmd_status,
     "host": cmd_host,
     "replica": cmd_replica,
+    "kernel": cmd_kernel,
     "run": cmd_run,
     "kernelspec": cmd_kernelspec,
     "keys": cmd_keys,

@@ -133,6 +133,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             "key": key.decode(),
             "signature_scheme": scheme,
             "resources": self._resources,
+            "name": str(getattr(self.parent, "kernel_name", "") or ""),
         }
         self.log.info("Tandem: starting distributed kernel %s with %s", self.kernel_id, self._resources)
         try:
@@ -194,6 +195,10 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             return self._died(str(status.get("reason") or "fewer than two replicas are alive"))
         if state == "stopped":
             self._exit_code = STOPPED_EXIT_CODE
+            if status.get("stopped_by") in ("operator", "culler"):
+                # `tandem kernel stop` or idle culling: restarting it would undo the decision
+                self.log.warning("Tandem kernel %s was stopped: %s", self.kernel_id, status.get("reason"))
+                self._no_auto_restart()
             return self._exit_code
         return None
 
@@ -203,10 +208,13 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             self._dead_reason = reason
             self.log.error("Tandem kernel %s is dead: %s", self.kernel_id, reason)
         if not self.restart_dead_kernels:
-            restarter = getattr(self.parent, "_restarter", None)
-            if restarter is not None and hasattr(restarter, "restart_limit"):
-                restarter.restart_limit = 0  # report "dead" instead of restarting into an empty kernel
+            self._no_auto_restart()  # report "dead" instead of restarting into an empty kernel
         return self._exit_code
+
+    def _no_auto_restart(self) -> None:
+        restarter = getattr(self.parent, "_restarter", None)
+        if restarter is not None and hasattr(restarter, "restart_limit"):
+            restarter.restart_limit = 0
 
     async def wait(self) -> int | None:
         while (code := await self.poll()) is None:
@@ -223,7 +231,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             except (RpcError, RpcTimeout) as exc:
                 self.log.warning("Tandem: interrupt of %s failed: %s", self.kernel_id, exc)
         elif signum in (signal.SIGTERM, signal.SIGKILL):
-            await self._shutdown(restart=False)
+            await self._shutdown(restart=True)  # the ports are released by cleanup(restart=False)
         else:
             self.log.warning("Tandem: signal %s has no meaning for a distributed kernel; ignored", signum)
 
@@ -232,10 +240,13 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         await self._shutdown(restart=restart)
 
     async def terminate(self, restart: bool = False) -> None:
-        await self._shutdown(restart=restart)
+        await self._shutdown(restart=True)
 
     async def kill(self, restart: bool = False) -> None:
-        await self._shutdown(restart=restart)
+        """Stop the replicas but keep the kernel's ports: jupyter_client's ``restart_kernel(now=True)``
+        calls ``kill(restart=False)`` and only then ``cleanup(restart=True)``, so ``restart`` here
+        cannot tell a restart from a final stop. ``cleanup(restart=False)`` releases the ports."""
+        await self._shutdown(restart=True)
 
     async def cleanup(self, restart: bool = False) -> None:
         if self._launched and self._exit_code is None:

@@ -44,6 +44,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # NotebookOS §3.3: tensors/modules/optimizers the notebook keeps on a GPU go to host memory
         # after each cell and back to the bound GPU before the next (kernel_replica/device_residency).
         "gpu_residency": "move",  # move | off
+        # Idle culling (Jupyter Server / Enterprise Gateway's cull_idle_timeout): a kernel without
+        # client or kernel messages this long is shut down and its replicas stopped; 0: never.
+        "cull_idle_s": 0.0,
+        "cull_interval_s": 60.0,  # how often the gateway looks for idle kernels
+        "cull_connected": False,  # also cull kernels that clients are still connected to
+        "cull_busy": False,  # also cull kernels running a cell (no message for cull_idle_s)
     },
     "election": {
         # The executor election of each cell among a kernel's replicas (kernel_replica/election_core.py).
@@ -91,6 +97,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # Replace a replica that died for good (its process exited, its host went silent) by a
         # new one on another host, through the same membership change as a migration.
         "replace_dead_replicas": True,
+        # Records of stopped kernels kept for `tandem status --json --all`; older ones are dropped.
+        "stopped_kernels_kept": 200,
     },
     "autoscale": {
         # NotebookOS §3.4.2 (shared/policies/autoscale.py); active when cluster.max_hosts > hosts.
@@ -146,6 +154,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "kernel_start_timeout_s": 90.0,
         "status_poll_interval_s": 2.0,  # how often the liveness seen by heartbeats is refreshed
         "scheduler_address": "",  # empty: the one written in cluster.json / passed by `tandem up`
+        # A kernel stopped for a restart keeps its five ports this long for the start that
+        # follows (clients stay connected through restart_kernel); then they are released.
+        "restart_ports_kept_s": 120.0,
     },
     "security": {
         # The cluster's keys (shared/security): CurveZMQ keypairs of the scheduler, gateway,

@@ -8,7 +8,7 @@ execute path for every Jupyter frame we forward.
 Who sends what (G = gateway, S = global scheduler, L = local scheduler, R = kernel replica,
 C = CLI / provisioner):
 
-    C -> G   kernel.start, kernel.shutdown, kernel.status, kernel.interrupt
+    C -> G   kernel.start, kernel.shutdown, kernel.status, kernel.interrupt, kernel.list
     G -> S   kernel.start, kernel.shutdown, kernel.status, jupyter.request
     S -> G   jupyter.reply, kernel.dead
     C -> S   cluster.status, host.cordon, host.uncordon, host.drain, replica.restart
@@ -34,6 +34,7 @@ KERNEL_SHUTDOWN = "kernel.shutdown"
 KERNEL_STATUS = "kernel.status"
 KERNEL_INTERRUPT = "kernel.interrupt"
 KERNEL_DEAD = "kernel.dead"
+KERNEL_LIST = "kernel.list"  # the gateway's kernels with connections and last activity
 
 # ---- Jupyter traffic, carried opaquely -------------------------------------------------------
 JUPYTER_REQUEST = "jupyter.request"  # towards the replicas
@@ -86,8 +87,11 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "key": (_str, True),
         "signature_scheme": (_str, False),
         "resources": (_map, True),
+        "name": (_str, False),  # C -> G: the kernelspec's name, for `tandem kernel list`
     },
-    KERNEL_SHUTDOWN: {"kernel_id": (_str, True), "restart": (_bool, False)},
+    # restart: keep the kernel's ports for the start that follows; by: who asks, "client"
+    # (default) or "operator" (`tandem kernel stop`), shown by kernel.status and kernel.list
+    KERNEL_SHUTDOWN: {"kernel_id": (_str, True), "restart": (_bool, False), "by": (_str, False)},
     KERNEL_STATUS: {"kernel_id": (_str, True)},
     KERNEL_INTERRUPT: {"kernel_id": (_str, True)},
     KERNEL_DEAD: {"kernel_id": (_str, True), "reason": (_str, True)},
@@ -104,7 +108,8 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "frames": (_list, True),
         "replica_id": (_str, False),
     },
-    CLUSTER_STATUS: {},
+    KERNEL_LIST: {},
+    CLUSTER_STATUS: {"all": (_bool, False)},  # all: stopped kernels too
     HOST_REGISTER: {
         "host_id": (_str, True),
         "address": (_str, False),

@@ -24,6 +24,7 @@ from typing import Any
 
 import structlog
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from shared.jupyter_wire import (
     DELIMITER,
@@ -102,6 +103,11 @@ class KernelEndpoint:
         self.on_unknown_replica: Callable[[], None] | None = None
         # requests kept back while clients reconnect to a restarted gateway (hold_requests)
         self._held: list[tuple[str, list[bytes]]] | None = None
+        # what idle culling and `tandem kernel list` go by (shared/policies/culling.py)
+        self.last_activity = time.time()  # any client request or kernel message, not heartbeats
+        self.execution_state = "starting"  # from the kernel's iopub status messages
+        self._peers: set[int] = set()  # fds of clients connected to iopub (socket monitor)
+        self._monitor: DrainingSocket | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -129,9 +135,42 @@ class KernelEndpoint:
                 self._sockets[channel] = DrainingSocket(
                     sock, self._client_handler(channel), name=channel, logger=self._log
                 )
+        self._watch_connections(self._iopub)
         for drained in self._sockets.values():
             drained.start()
         return self.ports
+
+    def _watch_connections(self, iopub: zmq.Socket[bytes]) -> None:
+        """Count the clients subscribed to iopub (every front end is; the KernelManager's own
+        control socket is not) from the socket's monitor events: Enterprise Gateway's
+        "connections" for ``cull_connected`` and ``tandem kernel list``."""
+        address = f"inproc://tandem-monitor-{self.kernel_id}-{id(self)}"
+        iopub.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        pair: zmq.Socket[bytes] = self._ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
+        pair.setsockopt(zmq.LINGER, 0)
+        pair.connect(address)
+        self._monitor = DrainingSocket(pair, self._on_monitor_event, name="iopub-monitor", logger=self._log)
+        self._monitor.start()
+
+    def _on_monitor_event(self, frames: list[bytes]) -> None:
+        event = parse_monitor_message(frames)
+        fd = int(event["value"])
+        if event["event"] == zmq.EVENT_ACCEPTED:
+            self._peers.add(fd)
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            self._peers.discard(fd)
+
+    @property
+    def connections(self) -> int:
+        return len(self._peers)
+
+    @property
+    def busy(self) -> bool:
+        """Running a cell, or holding one not started yet (queued behind an election or a
+        migration, the kernel has not said "busy" for it): either way not idle."""
+        if self.execution_state == "busy":
+            return True
+        return any(route.msg_type == "execute_request" for route in self._routes.values())
 
     def _bind_one(self, channel: str, port: int | None) -> zmq.Socket[bytes]:
         kind = zmq.PUB if channel == "iopub" else zmq.ROUTER
@@ -174,8 +213,13 @@ class KernelEndpoint:
             drained.close(linger=0)
         self._sockets.clear()
         if self._iopub is not None:
+            self._iopub.disable_monitor()
             self._iopub.close(linger=0)
             self._iopub = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
+        self._peers.clear()
         self._routes.clear()
 
     # ---- client -> cluster -----------------------------------------------------------------
@@ -201,6 +245,7 @@ class KernelEndpoint:
         if channel != "stdin":  # an input_reply is answered by nobody
             self._remember(msg_id, PendingRoute(channel, identities, header["msg_type"], time.time()))
         self.stats.forwarded += 1
+        self.last_activity = time.time()
         self._log.debug("client_request", channel=channel, msg_id=msg_id, msg_type=header["msg_type"])
         if self._held is not None:
             self._held.append((channel, msg))
@@ -244,8 +289,10 @@ class KernelEndpoint:
         """Route one message from the executor (via the scheduler) to the client that asked."""
         if self._iopub is None:
             return
+        self.last_activity = time.time()
         if channel == "iopub":
             self._note_execute_input(frames)
+            self._note_status(frames)
             try:
                 send_multipart_nowait(self._iopub, [self._iopub_topic, DELIMITER, *frames])
             except zmq.ZMQError as exc:
@@ -290,6 +337,19 @@ class KernelEndpoint:
         route = self._routes.get(parent_id) if parent_id else None
         if route is not None and route.code_started_at is None:
             route.code_started_at = time.time()
+
+    def _note_status(self, frames: list[bytes]) -> None:
+        """Follow the kernel's busy/idle status, as Jupyter Server does for its culler."""
+        if b'"status"' not in frames[1]:
+            return
+        try:
+            header, content = json.loads(frames[1]), json.loads(frames[4])
+        except (json.JSONDecodeError, UnicodeDecodeError, IndexError):
+            return
+        if header.get("msg_type") == "status" and isinstance(content, dict):
+            state = content.get("execution_state")
+            if isinstance(state, str):
+                self.execution_state = state
 
     def _stamp_arrival(self, frames: list[bytes], route: PendingRoute) -> list[bytes]:
         """Add our arrival time to execute_reply metadata.tandem, so clients can measure the

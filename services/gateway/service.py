@@ -29,6 +29,7 @@ from shared import messages
 from shared.config import Config
 from shared.envelope import Envelope
 from shared.jupyter_wire import WireError, json_part
+from shared.policies.culling import CullPolicy, KernelActivity, kernels_to_cull
 from shared.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
 from shared.security import curve
 from shared.security.authorization import gateway_refusal
@@ -63,6 +64,13 @@ class Gateway:
         self._request_timeout: float = cfg.get("scheduler.request_timeout_s")
         self._poll_interval: float = cfg.get("gateway.status_poll_interval_s")
         self._scheduler_address = scheduler_address
+        self._cull = CullPolicy(
+            idle_s=float(cfg.get("kernel.cull_idle_s")),
+            cull_connected=bool(cfg.get("kernel.cull_connected")),
+            cull_busy=bool(cfg.get("kernel.cull_busy")),
+        )
+        self._cull_interval: float = cfg.get("kernel.cull_interval_s")
+        self._ports_kept_s: float = cfg.get("gateway.restart_ports_kept_s")
         keys_dir = cfg.keys_dir()
         api_curve = curve.server_curve(keys_dir, curve.GATEWAY)
         scheduler_curve = curve.client_curve(keys_dir, curve.GATEWAY, curve.SCHEDULER)
@@ -88,7 +96,14 @@ class Gateway:
         self.kernels: dict[str, KernelEndpoint] = {}
         self.states: dict[str, str] = {}
         self.reasons: dict[str, str] = {}
+        # who stopped a stopped kernel: "client", "operator" (`tandem kernel stop`) or "culler";
+        # the provisioner does not auto-restart a kernel the operator or the culler stopped
+        self.stopped_by: dict[str, str] = {}
+        self.names: dict[str, str] = {}  # kernel id -> kernelspec name, as the provisioner said
         self._poller: asyncio.Task[None] | None = None
+        self._culler: asyncio.Task[None] | None = None
+        # kernels stopped for a restart, whose ports go back unless a start comes first
+        self._port_holds: dict[str, asyncio.TimerHandle] = {}
         self._refreshing: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
         # kernels whose connection info a client got: what the table on disk lists
@@ -102,6 +117,10 @@ class Gateway:
         self.api.start()
         self.scheduler.connect(self._scheduler_address)
         self._poller = asyncio.ensure_future(self._poll_liveness())
+        if self._cull.enabled:
+            self._culler = asyncio.ensure_future(self._cull_idle_kernels())
+            log.info("idle_culling", idle_s=self._cull.idle_s, cull_connected=self._cull.cull_connected,
+                     cull_busy=self._cull.cull_busy, interval_s=self._cull_interval)  # fmt: skip
         if restored:
             self._in_background(self._check_liveness(restored, after=RECONNECT_GRACE_S))
             asyncio.get_running_loop().call_later(RECONNECT_GRACE_S, self._release_restored, restored)
@@ -109,7 +128,9 @@ class Gateway:
         return address
 
     async def close(self) -> None:
-        await _cancel([self._poller] if self._poller is not None else [])
+        await _cancel([t for t in (self._poller, self._culler) if t is not None])
+        for hold in self._port_holds.values():
+            hold.cancel()
         await _cancel(list(self._background))
         for endpoint in list(self.kernels.values()):
             await endpoint.close()
@@ -128,6 +149,7 @@ class Gateway:
             messages.KERNEL_SHUTDOWN: self._kernel_shutdown,
             messages.KERNEL_STATUS: self._kernel_status,
             messages.KERNEL_INTERRUPT: self._kernel_interrupt,
+            messages.KERNEL_LIST: self._kernel_list,
         }
         handler = handlers.get(env.type)
         if handler is None:
@@ -157,9 +179,13 @@ class Gateway:
         endpoint.bind()
         self.kernels[kernel_id] = endpoint
         self.states[kernel_id] = KernelState.STARTING
+        self._end_port_hold(kernel_id)
         self.reasons.pop(kernel_id, None)
+        self.stopped_by.pop(kernel_id, None)
+        self.names[kernel_id] = str(body.get("name") or self.names.get(kernel_id, ""))
+        endpoint.last_activity = time.time()
         klog.info("kernel_starting", resources=body["resources"], reused_ports=not fresh)
-        forward = Envelope(messages.KERNEL_START, dict(body))
+        forward = Envelope(messages.KERNEL_START, {k: v for k, v in body.items() if k != "name"})
         try:
             answer = await self.scheduler.request(forward, timeout=self._start_timeout)
         except (RpcError, RpcTimeout) as exc:
@@ -189,28 +215,104 @@ class Gateway:
 
     async def _kernel_shutdown(self, env: Envelope) -> Envelope:
         kernel_id: str = env.body["kernel_id"]
-        restart = bool(env.body.get("restart", False))
-        endpoint = self.kernels.get(kernel_id)
-        if endpoint is None and kernel_id not in self.states:
+        if kernel_id not in self.kernels and kernel_id not in self.states:
             return env.error(f"unknown kernel {kernel_id}", code="unknown_kernel")
+        by = str(env.body.get("by") or "client")
+        scheduler_error = await self._stop(
+            kernel_id,
+            keep_ports=bool(env.body.get("restart", False)),
+            by=by,
+            reason=f"stopped by the {by}" if by != "client" else "",
+        )
+        return env.reply(
+            {"kernel_id": kernel_id, "state": KernelState.STOPPED, "scheduler_error": scheduler_error}
+        )
+
+    async def _stop(self, kernel_id: str, *, keep_ports: bool, by: str, reason: str) -> str:
+        """Stop the kernel's replicas; ``keep_ports``: its sockets stay bound for a restart (the
+        connected clients keep their ports), released if no start comes within
+        ``gateway.restart_ports_kept_s``. Returns the scheduler's error, if any."""
+        endpoint = self.kernels.get(kernel_id)
         if endpoint is not None:  # else restored without its ports (taken): it still has replicas
             endpoint.alive = False
         scheduler_error = ""
-        if self.states.get(kernel_id) != KernelState.STOPPED:
+        if self.states.get(kernel_id) != KernelState.STOPPED:  # else who stopped it first is kept
+            self.stopped_by[kernel_id] = by
+            if reason:
+                self.reasons[kernel_id] = reason
             try:
                 await self.scheduler.request(
-                    Envelope(messages.KERNEL_SHUTDOWN, dict(env.body)), timeout=self._request_timeout
+                    Envelope(messages.KERNEL_SHUTDOWN, {"kernel_id": kernel_id, "restart": keep_ports}),
+                    timeout=self._request_timeout,
                 )
             except (RpcError, RpcTimeout) as exc:
                 scheduler_error = exc.reason if isinstance(exc, RpcError) else str(exc)
                 log.warning("kernel_shutdown_scheduler_error", kernel=kernel_id, reason=scheduler_error)
         self.states[kernel_id] = KernelState.STOPPED
-        if not restart:
+        self._end_port_hold(kernel_id)
+        if keep_ports and endpoint is not None:
+            self._port_holds[kernel_id] = asyncio.get_running_loop().call_later(
+                self._ports_kept_s, self._release_ports_if_stopped, kernel_id, endpoint
+            )
+        else:
             await self._forget(kernel_id)
-        log.info("kernel_stopped", kernel=kernel_id, restart=restart)
-        return env.reply(
-            {"kernel_id": kernel_id, "state": KernelState.STOPPED, "scheduler_error": scheduler_error}
-        )
+        log.info("kernel_stopped", kernel=kernel_id, restart=keep_ports, by=by, reason=reason or None)
+        return scheduler_error
+
+    def _end_port_hold(self, kernel_id: str) -> None:
+        hold = self._port_holds.pop(kernel_id, None)
+        if hold is not None:
+            hold.cancel()
+
+    def _release_ports_if_stopped(self, kernel_id: str, endpoint: KernelEndpoint) -> None:
+        """A restart whose start never came (its KernelManager died between the two): the ports
+        of the stopped kernel go back."""
+        self._port_holds.pop(kernel_id, None)
+        if self.kernels.get(kernel_id) is endpoint and self.states.get(kernel_id) == KernelState.STOPPED:
+            log.info("kernel_ports_released", kernel=kernel_id, after_s=self._ports_kept_s)
+            self._in_background(self._forget(kernel_id))
+
+    def _kernel_list(self, env: Envelope) -> Envelope:
+        """Every kernel the gateway serves or stopped, with what only it sees: connections,
+        last activity, busy/idle."""
+        kernels = []
+        for kernel_id, state in self.states.items():
+            endpoint = self.kernels.get(kernel_id)
+            entry: dict[str, Any] = {
+                "id": kernel_id,
+                "name": self.names.get(kernel_id, ""),
+                "state": state,
+                "reason": self.reasons.get(kernel_id, ""),
+                "stopped_by": self.stopped_by.get(kernel_id, ""),
+            }
+            if endpoint is not None:
+                entry.update(
+                    execution_state=endpoint.execution_state,
+                    last_activity=endpoint.last_activity,
+                    connections=endpoint.connections,
+                    ports=dict(endpoint.ports),
+                )
+            kernels.append(entry)
+        return env.reply({"kernels": kernels})
+
+    # ---- idle culling (shared/policies/culling.py) --------------------------------------------
+
+    async def _cull_idle_kernels(self) -> None:
+        while True:
+            await asyncio.sleep(self._cull_interval)
+            activity = [
+                KernelActivity(kid, e.last_activity, e.busy, e.connections)
+                for kid, e in self.kernels.items()
+                if self.states.get(kid) == KernelState.ALIVE
+            ]
+            for decision in kernels_to_cull(self._cull, activity, time.time()):
+                log.warning("kernel_culled", kernel=decision.kernel_id, reason=decision.reason)
+                try:
+                    await self._stop(
+                        decision.kernel_id, keep_ports=False, by="culler", reason=decision.reason
+                    )
+                except Exception:  # the next round tries again; the loop must outlive one failure
+                    log.exception("kernel_cull_failed", kernel=decision.kernel_id)
 
     def _kernel_status(self, env: Envelope) -> Envelope:
         kernel_id: str = env.body["kernel_id"]
@@ -222,6 +324,7 @@ class Gateway:
             "kernel_id": kernel_id,
             "state": state,
             "reason": self.reasons.get(kernel_id, ""),
+            "stopped_by": self.stopped_by.get(kernel_id, ""),
         }
         if endpoint is not None:
             stats = endpoint.stats
@@ -421,6 +524,7 @@ class Gateway:
             return
         log.info("kernel_stopped_by_client", kernel=kernel_id)
         self.states[kernel_id] = KernelState.STOPPED
+        self.stopped_by[kernel_id] = "client"
         endpoint = self.kernels.get(kernel_id)
         if endpoint is not None:
             endpoint.alive = False

@@ -83,6 +83,7 @@ class GlobalScheduler:
         self._request_timeout = float(sched["request_timeout_s"])
         self._candidate_silence = float(sched["candidate_silence_s"])
         self._replica_start_timeout = float(sched["replica_start_timeout_s"])
+        self._stopped_kept = int(sched["stopped_kernels_kept"])
         self._replicas_per_kernel = int(cfg.get("cluster.replicas_per_kernel"))
         self._quorum = majority(self._replicas_per_kernel)  # live replicas a kernel needs to run
         # The same placement class NotebookOsPolicy runs in the simulator (dynamic SR limit, index).
@@ -628,6 +629,14 @@ class GlobalScheduler:
         self._to_gateway(kernel, forwards)
         self._release(kernel, done)
         log.info("kernel_stopped", kernel=kernel.kernel_id)
+        self._forget_oldest_stopped()
+
+    def _forget_oldest_stopped(self) -> None:
+        """Keep the records of the last ``scheduler.stopped_kernels_kept`` stopped kernels (for
+        ``tandem status --all``); older ones would only grow the scheduler's memory."""
+        stopped = [k.kernel_id for k in self.state.kernels.values() if k.state == STOPPED]
+        for kernel_id in stopped[: max(0, len(stopped) - self._stopped_kept)]:
+            del self.state.kernels[kernel_id]
 
     def _mark_dead(self, kernel: KernelRecord, reason: str) -> None:
         kernel.state = DEAD
@@ -757,12 +766,15 @@ class GlobalScheduler:
         return env.reply(outcome)
 
     def _on_cluster_status(self, identity: bytes, env: Envelope) -> Envelope:
-        return env.reply(self._status())
+        return env.reply(self._status(stopped=bool(env.body.get("all", False))))
 
-    def _status(self) -> dict[str, Any]:
-        """``cluster.status``: the cluster state plus autoscaling, warm pools and metrics."""
+    def _status(self, *, stopped: bool = False) -> dict[str, Any]:
+        """``cluster.status``: the cluster state plus autoscaling, warm pools and metrics. Stopped
+        kernels only with ``stopped`` (``tandem status --json --all``): they would pile up."""
         report = cluster_report(self.state, self.autoscaling, self.metrics, self.metrics_url)
         report["policy"] = self._cfg.get("scheduler.policy")
+        if not stopped:
+            report["kernels"] = [k for k in report["kernels"] if k["state"] != STOPPED]
         return report
 
     # ---- kernels ----------------------------------------------------------------------------

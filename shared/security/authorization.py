@@ -42,7 +42,7 @@ SCHEDULER_ACCEPTS: dict[str, frozenset[str]] = {
         | {messages.HOST_REGISTER, messages.HOST_HEARTBEAT, messages.JUPYTER_REPLY, messages.REPLICA_EVENT}
     ),
 }
-GATEWAY_ACCEPTS: dict[str, frozenset[str]] = {OPERATOR: frozenset(_KERNEL_LIFECYCLE)}
+GATEWAY_ACCEPTS: dict[str, frozenset[str]] = {OPERATOR: frozenset(_KERNEL_LIFECYCLE | {messages.KERNEL_LIST})}
 LOCAL_SCHEDULER_ACCEPTS: dict[str, frozenset[str]] = {
     REPLICA: frozenset(
         _ANSWERS

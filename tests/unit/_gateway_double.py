@@ -136,12 +136,12 @@ class FakeScheduler:
 class Harness:
     """Fake scheduler + gateway on an event loop in a background thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, **overrides: str) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.ctx = zmq.asyncio.Context()
-        self.cfg = load_config(None, {"gateway.status_poll_interval_s": "0.2"})
+        self.cfg = load_config(None, {"gateway.status_poll_interval_s": "0.2", **overrides})
         self.keys_dir = self.cfg.keys_dir()
         curve.ensure_cluster_keys(self.keys_dir)
         self.scheduler: FakeScheduler

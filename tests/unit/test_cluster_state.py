@@ -302,3 +302,14 @@ def test_outbound_request_answered_timed_out_or_failed_with_its_peer() -> None:
         assert not out.on_answer(Envelope(messages.REPLY, {}, id="nobody"))
 
     asyncio.run(scenario())
+
+
+def test_status_leaves_stopped_kernels_out_unless_all_and_keeps_only_the_latest(h: Harness) -> None:
+    h.gs._stopped_kept = 2
+    kernels = [h.add_kernel(f"k{n}") for n in range(4)]
+    for kernel in kernels[:3]:
+        h.gs._mark_stopped(kernel)
+    shown = h.handle(b"operator", messages.CLUSTER_STATUS, {}).body["kernels"]
+    assert [k["id"] for k in shown] == ["k3"]
+    everything = h.handle(b"operator", messages.CLUSTER_STATUS, {"all": True}).body["kernels"]
+    assert {k["id"]: k["state"] for k in everything} == {"k1": "stopped", "k2": "stopped", "k3": "running"}

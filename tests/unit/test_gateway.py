@@ -226,3 +226,106 @@ def test_failed_start_is_an_error_answer_and_the_kernel_is_dead(harness: Harness
     status = harness.call(harness.api(messages.KERNEL_STATUS, {"kernel_id": "unplaceable-1"})).body
     assert status["state"] == "dead" and "no 3 hosts" in status["reason"]
     assert [s["kernel_id"] for s in harness.scheduler.shutdowns] == ["unplaceable-1"]  # told to clean up
+
+
+def kernel_listed(harness: Harness, kernel_id: str) -> dict[str, Any]:
+    kernels = harness.call(harness.api(messages.KERNEL_LIST, {})).body["kernels"]
+    return next(k for k in kernels if k["id"] == kernel_id)
+
+
+def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())
+
+
+def test_kernel_list_counts_connected_clients_and_follows_busy_idle(harness: Harness) -> None:
+    kernel_id, info = harness.start_kernel()
+    assert kernel_listed(harness, kernel_id)["connections"] == 0
+    client = client_for(info)
+    try:
+        client.wait_for_ready(timeout=10)
+        assert wait_until(lambda: kernel_listed(harness, kernel_id)["connections"] == 1)
+        before = kernel_listed(harness, kernel_id)["last_activity"]
+        assert client.execute_interactive("x = 1", timeout=10)["content"]["status"] == "ok"
+        listed = kernel_listed(harness, kernel_id)
+        assert listed["execution_state"] == "idle" and listed["last_activity"] > before
+        assert listed["state"] == "alive" and listed["ports"]["shell"] == info["shell_port"]
+    finally:
+        client.stop_channels()
+    assert wait_until(lambda: kernel_listed(harness, kernel_id)["connections"] == 0)
+
+
+@pytest.fixture
+def culling_harness() -> Iterator[Harness]:
+    h = Harness(**{"kernel.cull_idle_s": "0.5", "kernel.cull_interval_s": "0.1"})
+    yield h
+    h.close()
+
+
+def test_an_idle_kernel_is_culled_but_not_while_a_client_is_connected(culling_harness: Harness) -> None:
+    harness = culling_harness
+    kernel_id, info = harness.start_kernel()
+    client = client_for(info)
+    try:
+        client.wait_for_ready(timeout=10)
+        time.sleep(1.0)  # twice cull_idle_s with a client connected: kept
+        assert kernel_listed(harness, kernel_id)["state"] == "alive"
+    finally:
+        client.stop_channels()
+    assert wait_until(lambda: kernel_listed(harness, kernel_id)["state"] == "stopped")
+    status = harness.call(harness.api(messages.KERNEL_STATUS, {"kernel_id": kernel_id})).body
+    assert status["stopped_by"] == "culler" and "without activity" in status["reason"]
+    assert [s["kernel_id"] for s in harness.scheduler.shutdowns] == [kernel_id]  # replicas stopped
+    assert "ports" not in kernel_listed(harness, kernel_id)  # its sockets are closed
+
+
+def test_ports_kept_for_a_restart_are_released_when_no_start_follows() -> None:
+    harness = Harness(**{"gateway.restart_ports_kept_s": "0.6"})
+    restart = {"restart": True}
+    try:
+        kernel_id, info = harness.start_kernel()
+        for _ in range(2):  # the first restart's deadline must not cut the second one short
+            harness.call(harness.api(messages.KERNEL_SHUTDOWN, {"kernel_id": kernel_id, **restart}))
+            time.sleep(0.4)
+            assert kernel_listed(harness, kernel_id)["ports"]["shell"] == info["shell_port"]
+            again = harness.call(
+                harness.api(messages.KERNEL_START, {"kernel_id": kernel_id, "key": KEY, "resources": {}})
+            ).body
+            assert again["shell_port"] == info["shell_port"]
+        harness.call(harness.api(messages.KERNEL_SHUTDOWN, {"kernel_id": kernel_id, **restart}))
+        assert wait_until(lambda: "ports" not in kernel_listed(harness, kernel_id))
+    finally:
+        harness.close()
+
+
+def test_a_kernel_stopped_by_the_operator_says_so(harness: Harness) -> None:
+    kernel_id, _ = harness.start_kernel()
+    harness.call(harness.api(messages.KERNEL_SHUTDOWN, {"kernel_id": kernel_id, "by": "operator"}))
+    status = harness.call(harness.api(messages.KERNEL_STATUS, {"kernel_id": kernel_id})).body
+    assert (status["state"], status["stopped_by"], status["reason"]) == (
+        "stopped",
+        "operator",
+        "stopped by the operator",
+    )
+
+
+def test_a_cell_waiting_for_its_executor_keeps_the_kernel_from_being_culled() -> None:
+    harness = Harness(
+        **{"kernel.cull_idle_s": "0.3", "kernel.cull_interval_s": "0.1", "kernel.cull_connected": "true"}
+    )
+    try:
+        kernel_id, info = harness.start_kernel()
+        harness.scheduler.silent = True  # the cell is forwarded, the kernel has not said "busy" yet
+        client = client_for(info)
+        try:
+            client.execute("slow_to_start()")
+            time.sleep(1.0)
+            assert kernel_listed(harness, kernel_id)["state"] == "alive"
+        finally:
+            client.stop_channels()
+    finally:
+        harness.close()

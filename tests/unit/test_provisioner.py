@@ -145,3 +145,21 @@ def test_dead_kernel_is_reported_dead_not_auto_restarted(cluster: Harness) -> No
 
 def _msg_type(request: dict[str, Any]) -> str:
     return json.loads(request["frames"][1])["msg_type"]
+
+
+def test_a_kernel_the_operator_stopped_is_not_auto_restarted(cluster: Harness) -> None:
+    from jupyter_client.ioloop import IOLoopKernelManager
+
+    km = IOLoopKernelManager(kernel_name="tandem")
+    km.start_kernel()
+    events: list[str] = []
+    try:
+        restarter: Any = km._restarter
+        assert restarter is not None and restarter.restart_limit > 0
+        restarter.add_callback(lambda: events.append("dead"), "dead")
+        cluster.call(cluster.api("kernel.shutdown", {"kernel_id": km.kernel_id, "by": "operator"}))
+        restarter.poll()  # what its periodic callback does
+        assert events == ["dead"] and restarter.restart_limit == 0
+        assert cluster.scheduler.started == [km.kernel_id]  # not started again
+    finally:
+        km.shutdown_kernel(now=True)
