@@ -201,12 +201,9 @@ class Migrator:
             await asyncio.sleep(OWN_GPUS_POLL_S)
 
     def _holds_gpus(self, kernel: KernelRecord) -> bool:
-        prefix = kernel.kernel_id + "/"
         for replica in kernel.replicas.values():
             host = self._gs.state.hosts.get(replica.host_id)
-            if host is not None and any(
-                key.startswith(prefix) for key in (*host.committed, *host.reservations)
-            ):
+            if host is not None and host.ledger.holds_kernel(kernel.kernel_id):
                 return True
         return False
 
@@ -245,7 +242,7 @@ class Migrator:
                 kernel.reserved_on.pop(cell.msg_id, None)
                 target = self._gs.state.hosts.get(plan.target_host)
                 if target is not None:
-                    target.reservations.pop(f"{kernel.kernel_id}/{cell.msg_id}", None)
+                    target.ledger.forget(kernel.kernel_id, cell.msg_id)
         return None
 
     def _dispatch(self, kernel: KernelRecord) -> None:
@@ -430,8 +427,7 @@ class Migrator:
 
     def _executing_on(self, kernel: KernelRecord, replica: ReplicaRecord) -> bool:
         host = self._gs.state.hosts.get(replica.host_id)
-        prefix = kernel.kernel_id + "/"
-        return host is not None and any(key.startswith(prefix) for key in host.committed)
+        return host is not None and host.ledger.holds_kernel(kernel.kernel_id, tentative=False)
 
     def retired(self, kernel_id: str, replica_id: str) -> bool:
         """Whether a move removed this replica from its kernel's Raft group: a host that comes

@@ -487,7 +487,7 @@ class GlobalScheduler:
                 return None
         if event == "elected" and msg_id:
             gpus = detail.get("gpus") or []
-            self.state.committed_by_election(kernel, msg_id, replica.host_id, len(gpus))
+            self.state.committed_by_election(kernel, msg_id, replica.host_id, list(gpus), replica.replica_id)
             self.metrics.cell_elected(kernel.kernel_id, msg_id, replica.replica_id, replica.host_id)
             merged = kernel.router.on_elected(replica.replica_id, msg_id)
             blog.debug("elected", msg_id=msg_id, gpus=gpus)
