@@ -17,14 +17,11 @@ from typing import Any
 from services.global_scheduler.jupyter_router import KernelRouter
 from services.global_scheduler.live_index import LiveIndex, Placed, WatchedDict
 from shared.cluster_core.gpu_ledger import GpuLedger
+from shared.cluster_core.lifecycle import DEAD, RUNNING, STARTING, STOPPED, STOPPING  # noqa: F401 (re-exported)
 from shared.policies.executor_choice import HostLedgerView, ReplicaView
 from shared.policies.placement import HostView
 from shared.policies.placement_index import PlacementIndex
 from shared.resources import Resources
-
-STARTING, RUNNING, STOPPING, STOPPED, DEAD = "starting", "running", "stopping", "stopped", "dead"
-MIN_LIVE_REPLICAS = 2
-
 
 # Record fields that enter a HostView: writing one marks the host for re-indexing (live_index.py).
 _HOST_VIEW_FIELDS = frozenset({"capacity", "cordoned", "alive", "ledger"})
@@ -153,7 +150,7 @@ class KernelRecord:
 
     @property
     def alive(self) -> bool:
-        return self.state in (STARTING, RUNNING) and len(self.live_replicas()) >= MIN_LIVE_REPLICAS
+        return self.state in (STARTING, RUNNING) and len(self.live_replicas()) >= self.router.quorum
 
     def next_replica_id(self) -> str:
         n = 1

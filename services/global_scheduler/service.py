@@ -35,6 +35,7 @@ from services.global_scheduler.migration import REASON_SCALE_IN, Migrator
 from services.global_scheduler.reply_merger import Forward
 from services.host_provider import NoHostProvider, make_host_provider
 from shared import messages
+from shared.cluster_core.lifecycle import ACTIVE, OVER, transition
 from shared.config import Config, ConfigError
 from shared.election_round import election_key, split_election_key
 from shared.envelope import Envelope
@@ -392,8 +393,8 @@ class GlobalScheduler:
             self.state.reserve(kernel, routed.msg_id, kernel.replicas[routed.executor].host_id)
         if kernel.held is not None and routed.msg_type == "interrupt_request":
             self._migrator.interrupt(kernel)
-        if routed.msg_type == "shutdown_request" and kernel.state in (STARTING, RUNNING):
-            kernel.state = STOPPING
+        if routed.msg_type == "shutdown_request" and kernel.state in ACTIVE:
+            transition(kernel, STOPPING)
             log.info("kernel_stopping", kernel=kernel.kernel_id, by="shutdown_request")
         for replica_id, out_channel, out_frames in routed.to_replicas:
             # The executor's local scheduler binds the GPUs as it forwards; designated, it may
@@ -622,7 +623,7 @@ class GlobalScheduler:
                 self._spawn(tell(survivor))
 
     def _mark_stopped(self, kernel: KernelRecord) -> None:
-        kernel.state = STOPPED
+        transition(kernel, STOPPED)
         kernel.router.dead_reason = "kernel was shut down"
         forwards, done = kernel.router.fail_all("KernelShutdown", "kernel was shut down")
         self._to_gateway(kernel, forwards)
@@ -630,7 +631,7 @@ class GlobalScheduler:
         log.info("kernel_stopped", kernel=kernel.kernel_id)
 
     def _mark_dead(self, kernel: KernelRecord, reason: str) -> None:
-        kernel.state = DEAD
+        transition(kernel, DEAD)
         kernel.dead_reason = reason
         kernel.router.dead_reason = reason
         forwards, done = kernel.router.fail_all("KernelDead", reason)
@@ -722,7 +723,7 @@ class GlobalScheduler:
             KernelRouter(kernel_id, key.encode(), scheme, quorum=self._quorum),
         )
         kernel.router.migrate_without_executor = resources.gpus > 0  # see _migrate_without_executor
-        kernel.state = RUNNING
+        transition(kernel, RUNNING)
         kernel.router.merger.forward_unknown = True  # cells its predecessor routed still answer
         self.state.kernels[kernel_id] = kernel
         log.info("kernel_adopted", kernel=kernel_id)
@@ -852,14 +853,15 @@ class GlobalScheduler:
                 raise RpcError(f"kernel became {kernel.state} while starting", "start_failed")
         except BaseException as exc:
             klog.error("kernel_start_failed", reason=str(exc))
-            kernel.state = DEAD
-            kernel.dead_reason = f"start failed: {exc}"
-            kernel.router.dead_reason = kernel.dead_reason
+            if kernel.state not in OVER:  # shut down meanwhile: it stays stopped
+                transition(kernel, DEAD)
+                kernel.dead_reason = f"start failed: {exc}"
+                kernel.router.dead_reason = kernel.dead_reason
             await asyncio.gather(
                 *(self._stop_replica(kernel, r) for r in kernel.replicas.values()), return_exceptions=True
             )
             raise
-        kernel.state = RUNNING
+        transition(kernel, RUNNING)
         klog.info("kernel_started", seconds=round(time.monotonic() - started, 3))
         return env.reply(self.state.kernel_status(kernel))
 
@@ -998,8 +1000,8 @@ class GlobalScheduler:
         if kernel is None:
             self.autoscaling.abandon(env.body["kernel_id"])  # a start waiting for new hosts gives up
             return env.reply({"state": STOPPED})  # nothing to stop: shutdown is idempotent
-        if kernel.state in (STARTING, RUNNING):
-            kernel.state = STOPPING
+        if kernel.state in ACTIVE:
+            transition(kernel, STOPPING)
         log.info("kernel_shutdown", kernel=kernel.kernel_id, restart=env.body.get("restart", False))
         await asyncio.gather(
             *(self._stop_replica(kernel, r) for r in kernel.replicas.values() if r.alive or not r.started),
