@@ -1,4 +1,4 @@
-"""One placement policy, two drivers: the live global scheduler and the simulator's NotebookOsPolicy
+"""One placement policy, two drivers: the live global scheduler and the simulator's replicated kernels
 place kernels through the same ``KernelPlacement`` (dynamic subscription-ratio limit, placement
 index), and the scheduler's incrementally kept index always equals a rebuild from its host views."""
 
@@ -13,7 +13,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import services.global_scheduler.service as live
 from services.global_scheduler.cluster_state import (
     DEAD,
     RUNNING,
@@ -27,11 +26,12 @@ from services.global_scheduler.cluster_state import (
 from services.global_scheduler.jupyter_router import KernelRouter
 from services.global_scheduler.service import GlobalScheduler
 from shared import messages
+from shared.cluster_core.core import ClusterCore
+from shared.cluster_core.replicated import ReplicatedKernels
+from shared.cluster_core.sessions import Session, StartRuntime
 from shared.config import load_config
 from shared.envelope import Envelope
-from shared.policies import baselines, kernel_placement
 from shared.policies.autoscale import AutoscaleConfig, Autoscaler
-from shared.policies.baselines import NotebookOsPolicy, Session, StartRuntime
 from shared.policies.kernel_placement import KernelPlacement
 from shared.policies.placement import HostView, PlacementRequest, default_placement_policy
 from shared.policies.placement_index import PlacementIndex
@@ -69,10 +69,11 @@ def _start_kernel(gs: GlobalScheduler, kernel_id: str, gpus: int) -> Any:
     return asyncio.get_event_loop().run_until_complete(gs._on_kernel_start(b"gateway", env))
 
 
-def test_live_scheduler_and_notebookos_policy_hold_the_same_placement_class(gs: GlobalScheduler) -> None:
-    assert live.KernelPlacement is baselines.KernelPlacement is kernel_placement.KernelPlacement
-    simulated = NotebookOsPolicy({"h1": 8})
-    assert type(gs.placement) is type(simulated.placement) is KernelPlacement
+def test_live_scheduler_and_simulator_place_with_their_cores_placement(gs: GlobalScheduler) -> None:
+    simulated = ClusterCore(policy="notebookos", hosts={"h1": 8})
+    assert gs.placement is gs.core.placement
+    assert type(gs.core.placement) is type(simulated.placement) is KernelPlacement
+    assert simulated.replicated is not None and simulated.replicated.placement is simulated.placement
     assert gs.placement == KernelPlacement(3.0, 3)  # the configured watermark and replica count
     assert simulated.placement == KernelPlacement(3.0, 3)
 
@@ -88,7 +89,9 @@ def test_both_drivers_place_through_kernel_placement_place(
         return real(self, index, request, **kw)
 
     monkeypatch.setattr(KernelPlacement, "place", spy)
-    NotebookOsPolicy({"h1": 1, "h2": 1}).on_session_start(Session("sim", Resources(gpus=1)))
+    ReplicatedKernels(KernelPlacement(), hosts={"h1": 1, "h2": 1}).on_session_start(
+        Session("sim", Resources(gpus=1))
+    )
     _register(gs, "h1", 1)
     _register(gs, "h2", 1)
     with pytest.raises(RpcError, match="cannot place 3 replicas"):
@@ -102,7 +105,7 @@ def test_live_and_simulated_placement_choose_the_same_hosts(gs: GlobalScheduler,
     rng = random.Random(5)
     hosts = {f"h{i}": rng.choice((1, 2, 4, 8)) for i in range(12)}
     scaler = Autoscaler(AutoscaleConfig(min_hosts=1, max_hosts=100)) if growable else None
-    simulated = NotebookOsPolicy(hosts, autoscaler=scaler)
+    simulated = ReplicatedKernels(KernelPlacement(), scaler, hosts=hosts)
     for host_id, gpus in hosts.items():
         _register(gs, host_id, gpus)
     loop = asyncio.get_event_loop()
