@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,7 +28,6 @@ from shared import messages
 from shared.cluster_core.core import ClusterCore
 from shared.cluster_core.replicated import ReplicatedKernels
 from shared.cluster_core.sessions import Session, StartRuntime
-from shared.config import load_config
 from shared.envelope import Envelope
 from shared.policies.autoscale import AutoscaleConfig, Autoscaler
 from shared.policies.kernel_placement import KernelPlacement
@@ -37,17 +35,6 @@ from shared.policies.placement import HostView, PlacementRequest, default_placem
 from shared.policies.placement_index import PlacementIndex
 from shared.resources import Resources
 from shared.rpc import RpcError
-
-
-@pytest.fixture
-def gs() -> Iterator[GlobalScheduler]:
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    scheduler = GlobalScheduler(load_config())
-    yield scheduler
-    scheduler._server._sock.close(linger=0)
-    scheduler._ctx.destroy(linger=0)
-    loop.close()
 
 
 def _register(gs: GlobalScheduler, host_id: str, gpus: int) -> None:

@@ -5,7 +5,6 @@ plan are pure (no I/O, the time passed in)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,17 +24,6 @@ from shared.resources import Resources
 from shared.simulator.engine import Simulator
 from shared.simulator.params import SimParams
 from shared.workload.model import Session, Task, Trace
-
-
-@pytest.fixture
-def gs() -> Iterator[GlobalScheduler]:
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    scheduler = GlobalScheduler(load_config())
-    yield scheduler
-    scheduler._server._sock.close(linger=0)
-    scheduler._ctx.destroy(linger=0)
-    loop.close()
 
 
 class OwningProvider:
