@@ -14,6 +14,7 @@ how many releases of it failed in a row.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -32,6 +33,26 @@ class HostFacts:
     active: bool = False  # holds a replica of a kernel with work in flight
     reserved: bool = False  # a kernel waiting for new hosts has a replica slot reserved here
     owned: bool = True  # the provider started it: only those can be released
+
+
+@dataclass(frozen=True, slots=True)
+class KernelFacts:
+    """Where a kernel that is not over has replicas, and whether it has work in flight."""
+
+    hosts: tuple[str, ...]  # one entry per replica placed (alive, or being started)
+    busy: bool  # starting or stopping, a cell running or held, a request pending, a replica moving
+
+
+def replicas_and_active_hosts(kernels: Iterable[KernelFacts]) -> tuple[Counter[str], set[str]]:
+    """Replicas per host (what a release has to move), and the hosts that are not idle: they
+    hold a replica of a busy kernel."""
+    replicas: Counter[str] = Counter()
+    active: set[str] = set()
+    for kernel in kernels:
+        replicas.update(kernel.hosts)
+        if kernel.busy:
+            active.update(kernel.hosts)
+    return replicas, active
 
 
 class IdleJudge:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -41,7 +41,8 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.cluster_core.core import POLICIES, ClusterCore
-from shared.cluster_core.idle import HostFacts
+from shared.cluster_core.idle import HostFacts, KernelFacts, replicas_and_active_hosts
+from shared.cluster_core.replicated import ReplicatedKernel
 from shared.cluster_core.sessions import (
     Action,
     Held,
@@ -575,13 +576,10 @@ class Simulator:
         cell in flight or held is active; only hosts the provider started are owned."""
         replicated = self.core.replicated
         if replicated is not None:
-            replicas: Counter[str] = Counter()
-            active: set[str] = set()
-            for session_id, kernel in replicated.kernels.items():
-                replicas.update(kernel.hosts)
-                s = self._pos.get(session_id, -1)
-                if kernel.running or kernel.held or (s >= 0 and (self._busy[s] >= 0 or self._held[s] >= 0)):
-                    active.update(kernel.hosts)
+            replicas, active = replicas_and_active_hosts(
+                KernelFacts(tuple(kernel.hosts), self._kernel_busy(session_id, kernel))
+                for session_id, kernel in replicated.kernels.items()
+            )
             return [
                 HostFacts(
                     v.host_id,
@@ -606,6 +604,11 @@ class Simulator:
             )
             for h, led in ledgers.items()
         ]
+
+    def _kernel_busy(self, session_id: str, kernel: ReplicatedKernel) -> bool:
+        """A cell running or held, or one submitted and not ended (waiting client-side)."""
+        s = self._pos.get(session_id, -1)
+        return bool(kernel.running or kernel.held) or (s >= 0 and (self._busy[s] >= 0 or self._held[s] >= 0))
 
     def _tick(self, now: float) -> None:
         replicated = self.core.replicated
