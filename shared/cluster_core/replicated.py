@@ -166,10 +166,14 @@ class ReplicatedKernels:
         return len(self.index) + self.autoscaler.pending_hosts < self.autoscaler.config.max_hosts
 
     def _retry_sessions(self) -> list[Action]:
+        """Place waiting sessions again; one whose reserved hosts have all arrived and that still does
+        not fit asks the autoscaler again, as the live start does (``autoscaling.place``): without
+        that, a session whose new host another placement took waited for hours."""
         actions: list[Action] = []
         for _ in range(len(self.waiting_sessions)):
             s = self.waiting_sessions.popleft()
-            actions.extend(a for a in self._place(s, scale=False) if not isinstance(a, Queued))
+            rescale = self.autoscaler is not None and self.autoscaler.reserved_for(s.session_id) == 0
+            actions.extend(a for a in self._place(s, scale=rescale) if not isinstance(a, Queued))
         return actions
 
     def on_session_end(self, session_id: str) -> list[Action]:

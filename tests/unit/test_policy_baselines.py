@@ -143,6 +143,19 @@ def test_notebookos_failed_placement_scales_out_then_places_on_arrival() -> None
     assert scaler.pending_hosts == 0
 
 
+def test_notebookos_waiting_session_asks_for_hosts_again_once_its_reserved_hosts_arrived() -> None:
+    scaler = Autoscaler(AutoscaleConfig(min_hosts=1))
+    p = notebookos({"a": 8}, autoscaler=scaler)
+    out = p.on_session_start(s("s1", 1))
+    assert isinstance(out[1], ScaleOut) and out[1].count == 2
+    assert p.add_host("n1", 8) == []  # one reserved host still coming: no second request
+    p.remove_host("a")  # a host lost while the start waits
+    retried = p.add_host("n2", 8)
+    assert [a.count for a in retried if isinstance(a, ScaleOut)] == [1]
+    assert p.add_host("n3", 8) != []
+    assert "s1" in p.kernels
+
+
 def test_make_policy_names() -> None:
     for name in ("reservation", "batch", "lcp"):
         assert make_policy(name, HOSTS).name == name
