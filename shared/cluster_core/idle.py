@@ -15,15 +15,15 @@ how many releases of it failed in a row.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from shared.policies.autoscale import HostLoad, scale_in_idle_wanted
 
 
-@dataclass(frozen=True, slots=True)
-class HostFacts:
-    """What the driver knows of one live host that is not being released already."""
+class HostFacts(NamedTuple):
+    """What the driver knows of one live host that is not being released already (a tuple: the
+    simulator builds one per host at every check)."""
 
     host_id: str
     gpus: int
@@ -35,24 +35,23 @@ class HostFacts:
     owned: bool = True  # the provider started it: only those can be released
 
 
-@dataclass(frozen=True, slots=True)
-class KernelFacts:
+class KernelFacts(NamedTuple):
     """Where a kernel that is not over has replicas, and whether it has work in flight."""
 
-    hosts: tuple[str, ...]  # one entry per replica placed (alive, or being started)
+    hosts: Sequence[str]  # one entry per replica placed (alive, or being started)
     busy: bool  # starting or stopping, a cell running or held, a request pending, a replica moving
 
 
 def replicas_and_active_hosts(kernels: Iterable[KernelFacts]) -> tuple[Counter[str], set[str]]:
     """Replicas per host (what a release has to move), and the hosts that are not idle: they
     hold a replica of a busy kernel."""
-    replicas: Counter[str] = Counter()
+    placed: list[str] = []
     active: set[str] = set()
-    for kernel in kernels:
-        replicas.update(kernel.hosts)
-        if kernel.busy:
-            active.update(kernel.hosts)
-    return replicas, active
+    for hosts, busy in kernels:  # one Counter at the end: the simulator runs this at every check
+        placed.extend(hosts)
+        if busy:
+            active.update(hosts)
+    return Counter(placed), active
 
 
 class IdleJudge:

@@ -577,7 +577,7 @@ class Simulator:
         replicated = self.core.replicated
         if replicated is not None:
             replicas, active = replicas_and_active_hosts(
-                KernelFacts(tuple(kernel.hosts), self._kernel_busy(session_id, kernel))
+                KernelFacts(kernel.hosts, self._kernel_busy(session_id, kernel))
                 for session_id, kernel in replicated.kernels.items()
             )
             return [
