@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from jupyter_client.session import Session
 
-from services.global_scheduler.cluster_state import RUNNING, ClusterState, KernelRecord, ReplicaRecord
+from services.global_scheduler.cluster_state import RUNNING, STOPPING, ClusterState, KernelRecord, ReplicaRecord
 from services.global_scheduler.jupyter_router import KernelRouter
 from services.global_scheduler.service import GlobalScheduler
 from shared import messages
@@ -309,6 +309,7 @@ def test_status_leaves_stopped_kernels_out_unless_all_and_keeps_only_the_latest(
     h.gs._stopped_kept = 2
     kernels = [h.add_kernel(f"k{n}") for n in range(4)]
     for kernel in kernels[:3]:
+        kernel.state = STOPPING  # a shutdown under way, as kernel.shutdown leaves it
         h.gs._mark_stopped(kernel)
     shown = h.handle(b"operator", messages.CLUSTER_STATUS, {}).body["kernels"]
     assert [k["id"] for k in shown] == ["k3"]
