@@ -86,6 +86,7 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "key": (_str, True),
         "signature_scheme": (_str, False),
         "resources": (_map, True),
+        "launch": (_map, False),  # working directory and environment (shared/kernel_launch.py)
     },
     KERNEL_SHUTDOWN: {"kernel_id": (_str, True), "restart": (_bool, False)},
     KERNEL_STATUS: {"kernel_id": (_str, True)},
@@ -127,6 +128,7 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "key": (_str, True),
         "signature_scheme": (_str, False),
         "resources": (_map, True),
+        "launch": (_map, False),  # as in kernel.start
         "join": (_bool, False),  # True: start as a new member of an existing Raft group
         # its TLS identity on the Raft links (shared/raft/tls.MemberIdentity.to_wire); absent
         # only when raft.tls is off
@@ -145,6 +147,7 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "key": (_str, False),
         "signature_scheme": (_str, False),
         "resources": (_map, False),
+        "launch": (_map, False),  # as in kernel.start
         "raft_identity": (_map, False),  # as in replica.start
     },
     REPLICA_MEMBERSHIP: {
