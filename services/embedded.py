@@ -1,7 +1,8 @@
 """The embedded cluster behind ``tandem up``: every service as a real OS process on loopback.
 
-Start order: global scheduler, gateway, N local schedulers (virtual GPUs); then wait until every
-host has registered, write ``cluster.json`` and hand control back. Stop order is the reverse, and
+Start order: global scheduler, gateway, N local schedulers (virtual GPUs), then, once every host
+has registered, the Kernel Gateway HTTP API (``http.enabled``); write ``cluster.json`` and hand
+control back. Stop order is the reverse, and
 the "no orphans, ever" rule is enforced three ways, because each alone has a hole:
 
 1. every child gets ``PR_SET_PDEATHSIG`` (SIGTERM), so if ``tandem up`` is killed outright the
@@ -43,6 +44,8 @@ STOP_GRACE_S = 10.0
 # A gateway that dies more often than this is not restarted again: the cluster stops instead.
 GATEWAY_RESTARTS_PER_WINDOW = 5
 GATEWAY_RESTART_WINDOW_S = 60.0
+HTTP_SERVICE = "http-gateway"
+HTTP_STOP_GRACE_S = 8.0  # its kernels' shutdowns run concurrently, each a gateway round trip
 
 
 class ClusterStartError(RuntimeError):
@@ -203,9 +206,11 @@ class EmbeddedCluster:
             )  # fmt: skip
         self.gateway_address = self._wait_for_file(address_file, deadline)
         hosts = self._wait_for_hosts(deadline)
+        http = self._start_http(config_json, log_format, deadline) if self.cfg.get("http.enabled") else None
         info = {
             "gateway": self.gateway_address,
             "scheduler": self.scheduler_address,
+            **({"http": http} if http else {}),
             "pid": os.getpid(),
             "hosts": hosts,
             "state_dir": str(self.state_dir),
@@ -219,6 +224,18 @@ class EmbeddedCluster:
             "cluster_ready", gateway=self.gateway_address, scheduler=self.scheduler_address, hosts=len(hosts)
         )
         return info
+
+    def _start_http(self, config_json: str, log_format: list[str], deadline: float) -> str:
+        """The Kernel Gateway HTTP/WebSocket API (services/http_gateway), started last: its
+        kernels go through the gateway. Its URL, once it serves."""
+        log_path = self.log_dir / f"{HTTP_SERVICE}.log"
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        child = self._spawn(
+            HTTP_SERVICE,
+            ["-m", "services.http_gateway", "--config-json", config_json, *log_format],
+            critical=True,
+        )
+        return self._wait_for_announcement(child, offset, deadline)
 
     def _spawn(self, name: str, args: list[str], *, critical: bool) -> Child:
         child = Child(name, [self.python, *args], self.log_dir / f"{name}.log", critical)
@@ -403,6 +420,7 @@ class EmbeddedCluster:
                 and json.loads(self.cluster_file.read_text()).get("pid") == os.getpid()
             ):
                 self.cluster_file.unlink()
+        self._stop_http_first()
         running = [c for c in reversed(self.children) if c.process is not None and c.process.poll() is None]
         # Local schedulers first (they stop their replicas), then the gateway, the scheduler last.
         for child in running:
@@ -426,6 +444,21 @@ class EmbeddedCluster:
             if child.log_file is not None:
                 child.log_file.close()
         self.children.clear()
+
+    def _stop_http_first(self) -> None:
+        """The HTTP API shuts its kernels down through the gateway: before the gateway stops."""
+        for child in self.children:
+            if child.name != HTTP_SERVICE or child.process is None or child.process.poll() is not None:
+                continue
+            log.info("service_stopping", service=child.name, pid=child.process.pid)
+            child.process.send_signal(signal.SIGTERM)
+            try:
+                child.process.wait(timeout=HTTP_STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                log.warning("service_kill", service=child.name, reason="did not stop within grace period")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.process.pid, signal.SIGKILL)
+                child.process.wait(timeout=5)
 
     def _kill_leftovers(self) -> None:
         leftovers = descendants(os.getpid())
