@@ -111,7 +111,10 @@ class _ToStructlog(logging.Handler):
 def route_logs_to_structlog(app_log: logging.Logger, level: str) -> None:
     """The app's logger (the provisioner logs through it too) and tornado's, into structlog."""
     handler = _ToStructlog()
-    loggers = [app_log, *(logging.getLogger(n) for n in ("tornado.access", "tornado.application", "tornado.general"))]
+    loggers = [
+        app_log,
+        *(logging.getLogger(n) for n in ("tornado.access", "tornado.application", "tornado.general")),
+    ]
     for logger in loggers:
         logger.handlers[:] = [handler]
         logger.propagate = False
@@ -152,7 +155,8 @@ def traitlets_config(cfg: Config, token: str) -> TraitletsConfig:
     c.KernelGatewayApp.client_ca = str(cfg.get("http.client_ca"))
     if int(cfg.get("http.max_kernels")) > 0:
         c.KernelGatewayApp.max_kernels = int(cfg.get("http.max_kernels"))
-    c.KernelGatewayApp.cookie_secret = secrets.token_bytes(32)  # unused (token auth): kept in memory, not on disk
+    # unused (token auth, no login page): kept in memory rather than written to ~/.local
+    c.KernelGatewayApp.cookie_secret = secrets.token_bytes(32)
     c.JupyterWebsocketPersonality.list_kernels = True
     c.KernelSpecManager.allowed_kernelspecs = {KERNEL_NAME}
     # a kernel's start and stop are requests to the Tandem gateway; the KernelManager's
