@@ -98,25 +98,11 @@ class WebSocketKernelClient(BlockingKernelClient):  # type: ignore[misc]
         self._hub = _Hub(ws_url, {"Authorization": f"token {token}"})
         self._ws_channels = {name: _Channel(self._hub, name) for name in self._hub.queues}
 
-    @property
-    def shell_channel(self) -> _Channel:
-        return self._ws_channels["shell"]
-
-    @property
-    def iopub_channel(self) -> _Channel:
-        return self._ws_channels["iopub"]
-
-    @property
-    def stdin_channel(self) -> _Channel:
-        return self._ws_channels["stdin"]
-
-    @property
-    def control_channel(self) -> _Channel:
-        return self._ws_channels["control"]
-
-    @property
-    def hb_channel(self) -> _Channel:
-        return self._ws_channels["hb"]
+    shell_channel = property(lambda self: self._ws_channels["shell"])
+    iopub_channel = property(lambda self: self._ws_channels["iopub"])
+    stdin_channel = property(lambda self: self._ws_channels["stdin"])
+    control_channel = property(lambda self: self._ws_channels["control"])
+    hb_channel = property(lambda self: self._ws_channels["hb"])
 
     def is_alive(self) -> bool:
         return self._hub._reader.is_alive()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +23,13 @@ import pytest
 import requests
 import websocket
 from _cluster import ClusterHandle, eventually
+from datastore_fixtures import free_port, stop_process
 
 from shared import messages
 
 pytestmark = pytest.mark.integration
 
 SERVER_TOKEN = "front-end-token"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -150,7 +144,7 @@ def front_end(tandem_api: Server, tmp_path_factory: pytest.TempPathFactory) -> I
     """``jupyter server --gateway-url`` at Tandem, serving a folder of notebooks."""
     root = tmp_path_factory.mktemp("notebooks")
     home = tmp_path_factory.mktemp("jupyter-home")
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "KERNEL_FOO": "bar",  # GatewayClient forwards the server's KERNEL_* variables
@@ -183,12 +177,7 @@ def front_end(tandem_api: Server, tmp_path_factory: pytest.TempPathFactory) -> I
         assert eventually(ready, timeout=60) and process.poll() is None, (home / "server.log").read_text()
         yield server, root
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
         log.close()
 
 
