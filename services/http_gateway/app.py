@@ -22,13 +22,15 @@ import json
 import logging
 import os
 import secrets
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import structlog
+from jupyter_server.log import log_request
 from kernel_gateway import mixins
 from kernel_gateway.gatewayapp import KernelGatewayApp
-from tornado import httpserver, netutil, web
+from tornado import httpserver, netutil
 from traitlets.config import Config as TraitletsConfig
 
 from services.kernelspec import KERNEL_NAME, kernel_json
@@ -88,7 +90,12 @@ def _require_token(self: Any) -> Any:
             header = self.request.headers.get("Authorization", "")
             given = header[len("token ") :] if header.startswith("token ") else ""
         if not secrets.compare_digest(given.encode(), expected.encode()):
-            raise web.HTTPError(401, UNAUTHORIZED, reason="Unauthorized")
+            # answered here, not raised: tornado would log the raised error with the request's
+            # URI, and a ?token= in it
+            self.set_status(401, reason="Unauthorized")
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps({"reason": "Unauthorized", "message": UNAUTHORIZED}))
+            return None
     return super(mixins.TokenAuthorizationMixin, self).prepare()
 
 
@@ -175,5 +182,7 @@ def build_app(cfg: Config, token: str, spec_root: Path) -> TandemKernelGatewayAp
     mixins.TokenAuthorizationMixin.prepare = _require_token  # type: ignore[method-assign]
     app = TandemKernelGatewayApp(config=traitlets_config(cfg, token))
     app.initialize(argv=[])
+    # jupyter_server's access log, which scrubs ?token= from the URIs it logs (tornado's does not)
+    app.web_app.settings["log_function"] = partial(log_request, record_prometheus_metrics=False)
     route_logs_to_structlog(app.log, str(cfg.get("log.level")))
     return app

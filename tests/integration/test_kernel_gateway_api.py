@@ -236,7 +236,9 @@ def test_a_remote_jupyter_server_runs_interrupts_restarts_and_deletes_a_tandem_k
     assert gone["state"] == "stopped"
 
 
-def test_requests_without_the_token_are_refused_and_told_how_to_authenticate(tandem_api: Server) -> None:
+def test_requests_without_the_token_are_refused_and_told_how_to_authenticate(
+    tandem_api: Server, tandem_cluster: ClusterHandle
+) -> None:
     for headers in ({}, {"Authorization": "token wrong"}):
         refused = requests.get(tandem_api.url + "/api/kernels", headers=headers, timeout=10)
         assert refused.status_code == 401
@@ -248,10 +250,12 @@ def test_requests_without_the_token_are_refused_and_told_how_to_authenticate(tan
             tandem_api.url.replace("http", "ws", 1) + f"/api/kernels/{uuid.uuid4()}/channels", timeout=10
         )
     assert ws_refused.value.status_code == 401
-    assert (
-        requests.get(tandem_api.url + "/api/kernels", headers=tandem_api.headers, timeout=10).status_code
-        == 200
-    )
+    assert tandem_api.request("GET", "/api/kernels").status_code == 200
+    in_query = requests.get(f"{tandem_api.url}/api/kernels?token={tandem_api.token}", timeout=10)
+    assert in_query.status_code == 200
+    requests.get(f"{tandem_api.url}/api/kernels?token=almost-{tandem_api.token}", timeout=10)
+    log = tandem_cluster.log_text("http-gateway")
+    assert "/api/kernels?token=[secret]" in log and tandem_api.token not in log  # never logged
 
 
 def test_a_start_request_env_reaches_every_replica_and_other_variables_stay_behind(
