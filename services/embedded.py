@@ -1,8 +1,9 @@
 """The embedded cluster behind ``tandem up``: every service as a real OS process on loopback.
 
-Start order: global scheduler, gateway, N local schedulers (virtual GPUs), then, once every host
-has registered, the Kernel Gateway HTTP API (``http.enabled``); write ``cluster.json`` and hand
-control back. Stop order is the reverse, and
+Start order: global scheduler, gateway, N local schedulers (virtual GPUs), the Kernel Gateway
+HTTP API (``http.enabled``); then wait until every host has registered and the API serves, write
+``cluster.json`` and hand control back. Stop order is the reverse (the API first, while the
+gateway still stops its kernels), and
 the "no orphans, ever" rule is enforced three ways, because each alone has a hole:
 
 1. every child gets ``PR_SET_PDEATHSIG`` (SIGTERM), so if ``tandem up`` is killed outright the
@@ -204,9 +205,11 @@ class EmbeddedCluster:
                  "--config-json", config_json, *log_format],
                 critical=False,
             )  # fmt: skip
+        # the HTTP API imports Jupyter Server meanwhile; it serves once cluster.json names it
+        http_child = self._start_http(config_json, log_format) if self.cfg.get("http.enabled") else None
         self.gateway_address = self._wait_for_file(address_file, deadline)
         hosts = self._wait_for_hosts(deadline)
-        http = self._start_http(config_json, log_format, deadline) if self.cfg.get("http.enabled") else None
+        http = self._wait_for_announcement(*http_child, deadline) if http_child else None
         info = {
             "gateway": self.gateway_address,
             "scheduler": self.scheduler_address,
@@ -225,9 +228,9 @@ class EmbeddedCluster:
         )
         return info
 
-    def _start_http(self, config_json: str, log_format: list[str], deadline: float) -> str:
-        """The Kernel Gateway HTTP/WebSocket API (services/http_gateway), started last: its
-        kernels go through the gateway. Its URL, once it serves."""
+    def _start_http(self, config_json: str, log_format: list[str]) -> tuple[Child, int]:
+        """The Kernel Gateway HTTP/WebSocket API (services/http_gateway); its kernels go through
+        the gateway. The child and where its announcement will be in its log."""
         log_path = self.log_dir / f"{HTTP_SERVICE}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
         child = self._spawn(
@@ -235,7 +238,7 @@ class EmbeddedCluster:
             ["-m", "services.http_gateway", "--config-json", config_json, *log_format],
             critical=True,
         )
-        return self._wait_for_announcement(child, offset, deadline)
+        return child, offset
 
     def _spawn(self, name: str, args: list[str], *, critical: bool) -> Child:
         child = Child(name, [self.python, *args], self.log_dir / f"{name}.log", critical)
