@@ -1,6 +1,7 @@
-"""A Tandem kernel starts where and with what a stock ipykernel would (#19): nbclient's/papermill's
-``cwd``, ``KERNEL_WORKING_DIR`` and ``KERNEL_*``/``env`` reach every replica, cold or pre-warmed,
-and a replica that moves to another host (a drain) starts there too.
+"""A Tandem kernel starts where and with what a stock ipykernel would (#19), on pre-warmed
+runtimes: nbclient's ``cwd`` and ``env`` reach every replica, and a replica that moves to another
+host (a drain) starts there too. (Cold starts, papermill and ``KERNEL_WORKING_DIR``:
+test_kernel_cwd_env_cold.py.)
 
 One cluster of 4 hosts with one pre-warmed runtime per host: a kernel's three replicas take warm
 runtimes (the cwd is applied when a runtime is claimed), the replica a drain re-places another.
@@ -15,7 +16,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from _cluster import ClusterHandle, eventually, running_cluster
-from _kernels import run, tandem_kernel
+from _kernels import run
 from nbclient import NotebookClient
 
 from shared import messages
@@ -44,19 +45,8 @@ def _warm(handle: ClusterHandle) -> int:
 def _warm_started(handle: ClusterHandle, kernel_id: str) -> list[bool]:
     return [
         b"kernel_replica.warm" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        for pid in _pids(handle, kernel_id)
+        for pid in handle.scheduled_replica_pids(kernel_id)
     ]
-
-
-def _pids(handle: ClusterHandle, kernel_id: str) -> list[int]:
-    """The live replicas' processes, as the scheduler knows them (a warm runtime's command line
-    and initial environment do not name its kernel)."""
-    status = handle.ask_scheduler(messages.KERNEL_STATUS, {"kernel_id": kernel_id})
-    return [r["pid"] for r in status["replicas"] if r["alive"]]
-
-
-def _cwds(handle: ClusterHandle, kernel_id: str) -> list[str]:
-    return sorted(os.readlink(f"/proc/{pid}/cwd") for pid in _pids(handle, kernel_id))
 
 
 def test_nbclient_cwd_and_env_reach_every_replica_and_relative_paths_resolve_there(
@@ -83,7 +73,7 @@ def test_nbclient_cwd_and_env_reach_every_replica_and_relative_paths_resolve_the
     env = {**os.environ, "KERNEL_FOO": "bar", "MY_SETTING": "on"}
     with client.setup_kernel(env=env):
         kernel_id = client.km.kernel_id
-        assert _cwds(cluster, kernel_id) == [str(notebook_dir)] * 3
+        assert cluster.replica_cwds(kernel_id) == [str(notebook_dir)] * 3
         assert _warm_started(cluster, kernel_id) == [True] * 3  # the cwd was applied when claimed
         for index, cell in enumerate(nb.cells):
             client.execute_cell(cell, index)
@@ -93,28 +83,6 @@ def test_nbclient_cwd_and_env_reach_every_replica_and_relative_paths_resolve_the
     assert (notebook_dir / "out.txt").read_text().strip() == "written by the kernel"
     assert outputs[3] == "42"
     assert outputs[4] == "bar on"
-
-
-def test_kernel_working_dir_is_where_the_kernel_starts_and_a_missing_one_is_not_fatal(
-    cluster: ClusterHandle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("KERNEL_WORKING_DIR", str(tmp_path))
-    with tandem_kernel() as (km, kc):
-        assert run(kc, "import os; print(os.getcwd())").stdout.strip() == str(tmp_path)
-        assert _cwds(cluster, km.kernel_id) == [str(tmp_path)] * 3
-    # like jupyter_server's cwd_for_path: a folder only the front end has is no reason to fail
-    monkeypatch.setenv("KERNEL_WORKING_DIR", str(tmp_path / "only-on-the-laptop"))
-    with tandem_kernel() as (_km, kc):
-        assert run(kc, "print(1 + 1)").stdout.strip() == "2"
-
-
-def test_a_cwd_the_hosts_lack_fails_the_start_and_says_which(cluster: ClusterHandle, tmp_path: Path) -> None:
-    from jupyter_client import KernelManager
-
-    km = KernelManager(kernel_name="tandem")
-    missing = tmp_path / "absent"
-    with pytest.raises(RuntimeError, match=f"working directory {missing} does not exist"):
-        km.start_kernel(cwd=str(missing))
 
 
 def test_a_replica_moved_by_a_drain_starts_in_the_kernels_directory(
@@ -132,8 +100,8 @@ def test_a_replica_moved_by_a_drain_starts_in_the_kernels_directory(
         drained = cluster.cli("host", "drain", host, timeout=120)
         assert drained.returncode == 0, drained.stdout + drained.stderr
         (moved_to,) = _replica_hosts(cluster, kernel_id) - before
-        assert eventually(lambda: len(_pids(cluster, kernel_id)) == 3, timeout=30)
-        assert _cwds(cluster, kernel_id) == [str(tmp_path)] * 3
+        assert eventually(lambda: len(cluster.scheduled_replica_pids(kernel_id)) == 3, timeout=30)
+        assert cluster.replica_cwds(kernel_id) == [str(tmp_path)] * 3
         kc = km.client()
         kc.start_channels()
         try:
