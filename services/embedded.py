@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -131,6 +132,9 @@ class EmbeddedCluster:
         self._scheduler_args: list[str] = []
         self._gateway_args: list[str] = []
         self._gateway_restarts: list[float] = []
+        self._http_args: list[str] = []
+        self._http_restarts: list[float] = []
+        self.http_url = ""
         self.scheduler_address = ""
         self.gateway_address = ""
         self.cluster_file = state_dir / CLUSTER_FILE
@@ -206,14 +210,16 @@ class EmbeddedCluster:
                 critical=False,
             )  # fmt: skip
         # the HTTP API imports Jupyter Server meanwhile; it serves once cluster.json names it
-        http_child = self._start_http(config_json, log_format) if self.cfg.get("http.enabled") else None
+        self._http_args = ["-m", "services.http_gateway", "--config-json", config_json, *log_format]
+        http_child = self._start_http() if self.cfg.get("http.enabled") else None
         self.gateway_address = self._wait_for_file(address_file, deadline)
         hosts = self._wait_for_hosts(deadline)
-        http = self._wait_for_announcement(*http_child, deadline) if http_child else None
+        if http_child is not None:
+            self.http_url = self._wait_for_announcement(*http_child, deadline)
         info = {
             "gateway": self.gateway_address,
             "scheduler": self.scheduler_address,
-            **({"http": http} if http else {}),
+            **({"http": self.http_url} if self.http_url else {}),
             "pid": os.getpid(),
             "hosts": hosts,
             "state_dir": str(self.state_dir),
@@ -228,16 +234,12 @@ class EmbeddedCluster:
         )
         return info
 
-    def _start_http(self, config_json: str, log_format: list[str]) -> tuple[Child, int]:
+    def _start_http(self, extra: list[str] | None = None) -> tuple[Child, int]:
         """The Kernel Gateway HTTP/WebSocket API (services/http_gateway); its kernels go through
         the gateway. The child and where its announcement will be in its log."""
         log_path = self.log_dir / f"{HTTP_SERVICE}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
-        child = self._spawn(
-            HTTP_SERVICE,
-            ["-m", "services.http_gateway", "--config-json", config_json, *log_format],
-            critical=True,
-        )
+        child = self._spawn(HTTP_SERVICE, [*self._http_args, *(extra or [])], critical=True)
         return child, offset
 
     def _spawn(self, name: str, args: list[str], *, critical: bool) -> Child:
@@ -354,14 +356,7 @@ class EmbeddedCluster:
         """The gateway died: start a new one on the same API address. It serves every kernel
         again on the ports its clients hold (services/gateway/kernel_table.py); the replicas
         and the scheduler never stopped. Refused when it keeps dying (a crash loop)."""
-        now = time.monotonic()
-        self._gateway_restarts = [t for t in self._gateway_restarts if now - t < GATEWAY_RESTART_WINDOW_S]
-        if len(self._gateway_restarts) >= GATEWAY_RESTARTS_PER_WINDOW:
-            raise ClusterStartError(
-                f"the gateway died {len(self._gateway_restarts) + 1} times within "
-                f"{GATEWAY_RESTART_WINDOW_S:g}s; last lines of its log:\n{tail(self.log_dir / 'gateway.log')}"
-            )
-        self._gateway_restarts.append(now)
+        self._gateway_restarts = self._restart_allowed("gateway", self._gateway_restarts)
         old = next(c for c in self.children if c.name == "gateway")
         place = self.children.index(old)
         self.children.remove(old)
@@ -384,6 +379,34 @@ class EmbeddedCluster:
             time.sleep(0.05)
         self._record_pid("gateway", child)
         log.warning("gateway_restarted", pid=child.process.pid if child.process else None)
+
+    def _restart_allowed(self, name: str, restarts: list[float]) -> list[float]:
+        """``restarts`` (monotonic times) with this one, or ClusterStartError when ``name`` keeps
+        dying (GATEWAY_RESTARTS_PER_WINDOW within GATEWAY_RESTART_WINDOW_S: a crash loop)."""
+        now = time.monotonic()
+        recent = [t for t in restarts if now - t < GATEWAY_RESTART_WINDOW_S]
+        if len(recent) >= GATEWAY_RESTARTS_PER_WINDOW:
+            raise ClusterStartError(
+                f"the {name} died {len(recent) + 1} times within {GATEWAY_RESTART_WINDOW_S:g}s; "
+                f"last lines of its log:\n{tail(self.log_dir / f'{name}.log')}"
+            )
+        return [*recent, now]
+
+    def restart_http(self, timeout: float = 60.0) -> None:
+        """The Kernel Gateway API died: start it again on the same port, so remote front ends
+        keep their URL. The kernels it had started keep running (their replicas never noticed)
+        but the new process does not know them: a front end reconnecting to one is told it does
+        not exist. Refused when it keeps dying (a crash loop)."""
+        self._http_restarts = self._restart_allowed(HTTP_SERVICE, self._http_restarts)
+        old = next(c for c in self.children if c.name == HTTP_SERVICE)
+        self.children.remove(old)
+        if old.log_file is not None:
+            old.log_file.close()
+        port = urlsplit(self.http_url).port
+        child, offset = self._start_http(["--port", str(port)] if port else [])
+        self._wait_for_announcement(child, offset, time.monotonic() + timeout, only_this_child=True)
+        self._record_pid(HTTP_SERVICE, child)
+        log.warning("http_api_restarted", pid=child.process.pid if child.process else None, url=self.http_url)
 
     def _record_pid(self, name: str, child: Child) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -517,6 +540,12 @@ def run_foreground(cluster: EmbeddedCluster, *, on_ready: Any = None) -> int:
                     continue
                 except ClusterStartError as exc:
                     print(f"tandem up: the global scheduler could not be restarted: {exc}", file=sys.stderr)
+            if failed is not None and failed.name == HTTP_SERVICE:
+                try:
+                    cluster.restart_http()
+                    continue
+                except ClusterStartError as exc:
+                    print(f"tandem up: the Kernel Gateway API could not be restarted: {exc}", file=sys.stderr)
             if failed is not None and failed.name == "gateway":
                 try:
                     cluster.restart_gateway()
