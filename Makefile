@@ -1,5 +1,6 @@
 # Tandem developer entry points. `make demo` and `make test` are the whole quickstart.
-# `setup` is idempotent: it rebuilds the venv's install only when pyproject.toml changed.
+# `setup` is idempotent: it rebuilds the venv's install only when pyproject.toml changed. It installs
+# the Jupyter front ends too (JupyterLab, jupyter-console, papermill, ipywidgets: the [jupyter] extra).
 
 # python3.11 where it runs (a pyenv shim may exist without the version behind it), else python3;
 # setup checks that the interpreter is at least 3.11 (pyproject's requires-python).
@@ -23,7 +24,7 @@ $(BIN)/python:
 # torch first and pinned: an unpinned or transitive torch would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -e '.[test,jupyter]'
 	@touch $(STAMP)
 
 demo: setup

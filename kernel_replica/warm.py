@@ -9,8 +9,9 @@ assignment. The local scheduler talks to it over the process's own stdin/stdout 
 channel like argv (it is not yet a service anyone can address):
 
 * stdout: one line ``ready <pid>`` once the imports are done;
-* stdin: one JSON line ``{"argv": [...], "env": {...}, "log_file": "..."}``: the arguments of
-  ``python -m kernel_replica`` for the replica it becomes, its extra environment, and its log.
+* stdin: one JSON line ``{"argv": [...], "env": {...}, "log_file": "...", "cwd": "..."}``: the
+  arguments of ``python -m kernel_replica`` for the replica it becomes, its extra environment,
+  its log, and its working directory (null: stay where it started).
 
 Then stdout/stderr go to the replica's log and ``kernel_replica.__main__.main(argv)`` runs exactly
 as in a cold start. End of input before an assignment (the pool shrank) exits 0.
@@ -65,6 +66,12 @@ def become(assignment: dict[str, Any]) -> list[str]:
     os.dup2(devnull, 0)
     os.close(devnull)
     os.environ.update({str(k): str(v) for k, v in (assignment.get("env") or {}).items()})
+    cwd = assignment.get("cwd")
+    if cwd:
+        started_in = os.getcwd()
+        os.chdir(cwd)  # the kernel's working directory, where a cold start's Popen(cwd=...) puts it
+        if sys.path and sys.path[0] == started_in:
+            sys.path[0] = cwd  # ``python -m`` put the start directory first: modules beside the notebook
     return argv
 
 

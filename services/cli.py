@@ -32,6 +32,7 @@ FLAG_KEYS = {
     "gpus_per_host": "host.gpus",
     "state_dir": "cluster.state_dir",
     "log_format": "log.format",
+    "http_port": "http.port",
 }
 
 
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="Prometheus /metrics port on the scheduler (metrics.prometheus_port; default a free one, 0 off)",
     )
     up.add_argument("--gpus-per-host", type=int, help="virtual GPUs per host (host.gpus)")
+    up.add_argument(
+        "--http-port", type=int, help="Kernel Gateway HTTP API port (http.port; default a free one)"
+    )
     up.add_argument("--log-format", choices=["console", "json"], help="log.format")
 
     status = sub.add_parser("status", help="hosts, GPUs and kernels of the running cluster")
@@ -168,6 +172,7 @@ def state_dir_of(args: argparse.Namespace, cfg: Config) -> Path:
 def cmd_up(args: argparse.Namespace, cfg: Config) -> int:
     from services.embedded import EmbeddedCluster, run_foreground
     from services.global_scheduler.service import require_live_policy
+    from services.http_gateway.app import token_path
     from shared.logs import configure_logging
 
     require_live_policy(cfg)
@@ -188,11 +193,19 @@ def cmd_up(args: argparse.Namespace, cfg: Config) -> int:
         )
     cluster = EmbeddedCluster(cfg, state_dir=state)
 
+    token_file = token_path(cfg, cluster.keys_dir)
+
     def announce(info: dict[str, Any]) -> None:
         print(
             f"Tandem is up: {len(info['hosts'])} hosts x {cfg.get('host.gpus')} GPUs, gateway {info['gateway']}\n"
             f"  cluster file: {cluster.cluster_file}\n  logs: {info['log_dir']}\n"
-            "  Pick the 'Tandem (replicated)' kernel in Jupyter. Ctrl-C stops the cluster.",
+            + (
+                f"  Jupyter Kernel Gateway API: {info['http']} (token in {token_file}):\n"
+                f"    jupyter lab --gateway-url={info['http']} --GatewayClient.auth_token=$(cat {token_file})\n"
+                if info.get("http")
+                else ""
+            )
+            + "  Pick the 'Tandem (replicated)' kernel in Jupyter. Ctrl-C stops the cluster.",
             file=sys.stderr,
             flush=True,
         )

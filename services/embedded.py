@@ -1,7 +1,9 @@
 """The embedded cluster behind ``tandem up``: every service as a real OS process on loopback.
 
-Start order: global scheduler, gateway, N local schedulers (virtual GPUs); then wait until every
-host has registered, write ``cluster.json`` and hand control back. Stop order is the reverse, and
+Start order: global scheduler, gateway, N local schedulers (virtual GPUs), the Kernel Gateway
+HTTP API (``http.enabled``); then wait until every host has registered and the API serves, write
+``cluster.json`` and hand control back. Stop order is the reverse (the API first, while the
+gateway still stops its kernels), and
 the "no orphans, ever" rule is enforced three ways, because each alone has a hole:
 
 1. every child gets ``PR_SET_PDEATHSIG`` (SIGTERM), so if ``tandem up`` is killed outright the
@@ -25,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -43,6 +46,8 @@ STOP_GRACE_S = 10.0
 # A gateway that dies more often than this is not restarted again: the cluster stops instead.
 GATEWAY_RESTARTS_PER_WINDOW = 5
 GATEWAY_RESTART_WINDOW_S = 60.0
+HTTP_SERVICE = "http-gateway"
+HTTP_STOP_GRACE_S = 8.0  # its kernels' shutdowns run concurrently, each a gateway round trip
 
 
 class ClusterStartError(RuntimeError):
@@ -127,6 +132,9 @@ class EmbeddedCluster:
         self._scheduler_args: list[str] = []
         self._gateway_args: list[str] = []
         self._gateway_restarts: list[float] = []
+        self._http_args: list[str] = []
+        self._http_restarts: list[float] = []
+        self.http_url = ""
         self.scheduler_address = ""
         self.gateway_address = ""
         self.cluster_file = state_dir / CLUSTER_FILE
@@ -201,11 +209,17 @@ class EmbeddedCluster:
                  "--config-json", config_json, *log_format],
                 critical=False,
             )  # fmt: skip
+        # the HTTP API imports Jupyter Server meanwhile; it serves once cluster.json names it
+        self._http_args = ["-m", "services.http_gateway", "--config-json", config_json, *log_format]
+        http_child = self._start_http() if self.cfg.get("http.enabled") else None
         self.gateway_address = self._wait_for_file(address_file, deadline)
         hosts = self._wait_for_hosts(deadline)
+        if http_child is not None:
+            self.http_url = self._wait_for_announcement(*http_child, deadline)
         info = {
             "gateway": self.gateway_address,
             "scheduler": self.scheduler_address,
+            **({"http": self.http_url} if self.http_url else {}),
             "pid": os.getpid(),
             "hosts": hosts,
             "state_dir": str(self.state_dir),
@@ -219,6 +233,14 @@ class EmbeddedCluster:
             "cluster_ready", gateway=self.gateway_address, scheduler=self.scheduler_address, hosts=len(hosts)
         )
         return info
+
+    def _start_http(self, extra: list[str] | None = None) -> tuple[Child, int]:
+        """The Kernel Gateway HTTP/WebSocket API (services/http_gateway); its kernels go through
+        the gateway. The child and where its announcement will be in its log."""
+        log_path = self.log_dir / f"{HTTP_SERVICE}.log"
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        child = self._spawn(HTTP_SERVICE, [*self._http_args, *(extra or [])], critical=True)
+        return child, offset
 
     def _spawn(self, name: str, args: list[str], *, critical: bool) -> Child:
         child = Child(name, [self.python, *args], self.log_dir / f"{name}.log", critical)
@@ -334,14 +356,7 @@ class EmbeddedCluster:
         """The gateway died: start a new one on the same API address. It serves every kernel
         again on the ports its clients hold (services/gateway/kernel_table.py); the replicas
         and the scheduler never stopped. Refused when it keeps dying (a crash loop)."""
-        now = time.monotonic()
-        self._gateway_restarts = [t for t in self._gateway_restarts if now - t < GATEWAY_RESTART_WINDOW_S]
-        if len(self._gateway_restarts) >= GATEWAY_RESTARTS_PER_WINDOW:
-            raise ClusterStartError(
-                f"the gateway died {len(self._gateway_restarts) + 1} times within "
-                f"{GATEWAY_RESTART_WINDOW_S:g}s; last lines of its log:\n{tail(self.log_dir / 'gateway.log')}"
-            )
-        self._gateway_restarts.append(now)
+        self._gateway_restarts = self._restart_allowed("gateway", self._gateway_restarts)
         old = next(c for c in self.children if c.name == "gateway")
         place = self.children.index(old)
         self.children.remove(old)
@@ -364,6 +379,34 @@ class EmbeddedCluster:
             time.sleep(0.05)
         self._record_pid("gateway", child)
         log.warning("gateway_restarted", pid=child.process.pid if child.process else None)
+
+    def _restart_allowed(self, name: str, restarts: list[float]) -> list[float]:
+        """``restarts`` (monotonic times) with this one, or ClusterStartError when ``name`` keeps
+        dying (GATEWAY_RESTARTS_PER_WINDOW within GATEWAY_RESTART_WINDOW_S: a crash loop)."""
+        now = time.monotonic()
+        recent = [t for t in restarts if now - t < GATEWAY_RESTART_WINDOW_S]
+        if len(recent) >= GATEWAY_RESTARTS_PER_WINDOW:
+            raise ClusterStartError(
+                f"the {name} died {len(recent) + 1} times within {GATEWAY_RESTART_WINDOW_S:g}s; "
+                f"last lines of its log:\n{tail(self.log_dir / f'{name}.log')}"
+            )
+        return [*recent, now]
+
+    def restart_http(self, timeout: float = 60.0) -> None:
+        """The Kernel Gateway API died: start it again on the same port, so remote front ends
+        keep their URL. The kernels it had started keep running (their replicas never noticed)
+        but the new process does not know them: a front end reconnecting to one is told it does
+        not exist. Refused when it keeps dying (a crash loop)."""
+        self._http_restarts = self._restart_allowed(HTTP_SERVICE, self._http_restarts)
+        old = next(c for c in self.children if c.name == HTTP_SERVICE)
+        self.children.remove(old)
+        if old.log_file is not None:
+            old.log_file.close()
+        port = urlsplit(self.http_url).port
+        child, offset = self._start_http(["--port", str(port)] if port else [])
+        self._wait_for_announcement(child, offset, time.monotonic() + timeout, only_this_child=True)
+        self._record_pid(HTTP_SERVICE, child)
+        log.warning("http_api_restarted", pid=child.process.pid if child.process else None, url=self.http_url)
 
     def _record_pid(self, name: str, child: Child) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -403,6 +446,7 @@ class EmbeddedCluster:
                 and json.loads(self.cluster_file.read_text()).get("pid") == os.getpid()
             ):
                 self.cluster_file.unlink()
+        self._stop_http_first()
         running = [c for c in reversed(self.children) if c.process is not None and c.process.poll() is None]
         # Local schedulers first (they stop their replicas), then the gateway, the scheduler last.
         for child in running:
@@ -426,6 +470,21 @@ class EmbeddedCluster:
             if child.log_file is not None:
                 child.log_file.close()
         self.children.clear()
+
+    def _stop_http_first(self) -> None:
+        """The HTTP API shuts its kernels down through the gateway: before the gateway stops."""
+        for child in self.children:
+            if child.name != HTTP_SERVICE or child.process is None or child.process.poll() is not None:
+                continue
+            log.info("service_stopping", service=child.name, pid=child.process.pid)
+            child.process.send_signal(signal.SIGTERM)
+            try:
+                child.process.wait(timeout=HTTP_STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                log.warning("service_kill", service=child.name, reason="did not stop within grace period")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.process.pid, signal.SIGKILL)
+                child.process.wait(timeout=5)
 
     def _kill_leftovers(self) -> None:
         leftovers = descendants(os.getpid())
@@ -481,6 +540,12 @@ def run_foreground(cluster: EmbeddedCluster, *, on_ready: Any = None) -> int:
                     continue
                 except ClusterStartError as exc:
                     print(f"tandem up: the global scheduler could not be restarted: {exc}", file=sys.stderr)
+            if failed is not None and failed.name == HTTP_SERVICE:
+                try:
+                    cluster.restart_http()
+                    continue
+                except ClusterStartError as exc:
+                    print(f"tandem up: the Kernel Gateway API could not be restarted: {exc}", file=sys.stderr)
             if failed is not None and failed.name == "gateway":
                 try:
                     cluster.restart_gateway()

@@ -31,6 +31,7 @@ from traitlets import Bool, Float, Integer
 
 from services.cluster_file import ClusterNotRunning, ask, pid_alive, read_cluster
 from shared import messages
+from shared.kernel_launch import KernelLaunch, from_client
 from shared.resources import Resources
 from shared.rpc import RpcError, RpcTimeout
 from shared.security import curve
@@ -94,6 +95,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
     _unanswered_polls: int = 0
     _resources: dict[str, Any] = {}
     _dead_reason: str = ""
+    _launch: KernelLaunch = KernelLaunch()
 
     @property
     def has_process(self) -> bool:
@@ -121,6 +123,8 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         self._cluster_pid = cluster.pid
         kwargs.pop("extra_arguments", None)
         kwargs = await super().pre_launch(**kwargs)
+        # what a local kernel would get from Popen(cwd=..., env=...): its replicas start with it
+        self._launch = from_client(kwargs.get("env"), kwargs.get("cwd"), os.environ, os.getcwd())
         kwargs["cmd"] = []  # nothing is spawned here; the cluster starts the replicas
         return kwargs
 
@@ -134,8 +138,14 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             "signature_scheme": scheme,
             "resources": self._resources,
             "name": str(getattr(self.parent, "kernel_name", "") or ""),
+            "launch": self._launch.to_wire(),
         }
-        self.log.info("Tandem: starting distributed kernel %s with %s", self.kernel_id, self._resources)
+        self.log.info(
+            "Tandem: starting distributed kernel %s with %s in %s",
+            self.kernel_id,
+            self._resources,
+            self._launch.cwd or "the hosts' default directory",
+        )
         try:
             info = await self._ask(messages.KERNEL_START, body, timeout=self.start_timeout)
         except RpcError as exc:

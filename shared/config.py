@@ -158,6 +158,21 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # follows (clients stay connected through restart_kernel); then they are released.
         "restart_ports_kept_s": 120.0,
     },
+    "http": {
+        # The Jupyter Kernel Gateway HTTP/WebSocket API (services/http_gateway): what
+        # `jupyter lab --gateway-url`, jupyter_server's GatewayClient and JupyterHub speak.
+        "enabled": True,  # `tandem up` starts it (a node deployment runs it beside its gateway)
+        "ip": "127.0.0.1",  # bind address; "0.0.0.0" to serve other machines (set TLS then)
+        "port": 0,  # 0: a free port, published in cluster.json as "http"; pin it for remote clients
+        # The API token (`Authorization: token ...`): read from this file; empty:
+        # <keys_dir>/http.token, made with a random token (0600) when absent.
+        "token_file": "",
+        "certfile": "",  # TLS: a PEM certificate (and key); both empty: plain HTTP
+        "keyfile": "",
+        "client_ca": "",  # TLS: also require client certificates signed by this CA
+        "allow_origin": "",  # CORS Access-Control-Allow-Origin for browser clients; empty: none
+        "max_kernels": 0,  # kernels the API may run at once; 0: no limit
+    },
     "security": {
         # The cluster's keys (shared/security): CurveZMQ keypairs of the scheduler, gateway,
         # operator and each host. Empty: <state_dir>/keys, created by `tandem up` or `tandem keys`.

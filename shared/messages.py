@@ -88,6 +88,7 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "signature_scheme": (_str, False),
         "resources": (_map, True),
         "name": (_str, False),  # C -> G: the kernelspec's name, for `tandem kernel list`
+        "launch": (_map, False),  # working directory and environment (shared/kernel_launch.py)
     },
     # restart: keep the kernel's ports for the start that follows; by: who asks, "client"
     # (default) or "operator" (`tandem kernel stop`), shown by kernel.status and kernel.list
@@ -132,6 +133,7 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "key": (_str, True),
         "signature_scheme": (_str, False),
         "resources": (_map, True),
+        "launch": (_map, False),  # as in kernel.start
         "join": (_bool, False),  # True: start as a new member of an existing Raft group
         # its TLS identity on the Raft links (shared/raft/tls.MemberIdentity.to_wire); absent
         # only when raft.tls is off
@@ -150,6 +152,7 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "key": (_str, False),
         "signature_scheme": (_str, False),
         "resources": (_map, False),
+        "launch": (_map, False),  # as in kernel.start
         "raft_identity": (_map, False),  # as in replica.start
     },
     REPLICA_MEMBERSHIP: {

@@ -140,6 +140,16 @@ class ClusterHandle:
             time.sleep(0.3)
         pytest.fail(f"{what} did not happen; last status: {json.dumps(current)[:4000]}")
 
+    def scheduled_replica_pids(self, kernel_id: str) -> list[int]:
+        """The live replicas' processes as the scheduler knows them (``replica_pids`` cannot see
+        a pre-warmed runtime: its command line and initial environment name no kernel)."""
+        status = self.ask_scheduler(messages.KERNEL_STATUS, {"kernel_id": kernel_id})
+        return [int(r["pid"]) for r in status["replicas"] if r["alive"]]
+
+    def replica_cwds(self, kernel_id: str) -> list[str]:
+        """The working directory of each live replica process, sorted."""
+        return sorted(os.readlink(f"/proc/{pid}/cwd") for pid in self.scheduled_replica_pids(kernel_id))
+
     def replica_pids(self, kernel_id: str) -> list[int]:
         """Live replica processes of ``kernel_id`` (found by the kernel id in their command line or env)."""
         pids = []

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,7 +51,8 @@ def _wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout_
     raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout_s}s")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM, then SIGKILL after 10 s; reaped either way."""
     proc.terminate()
     try:
         proc.wait(timeout=10)
@@ -92,14 +94,14 @@ def start_moto() -> tuple[str, subprocess.Popen[bytes]]:
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     url, proc = start_redis(tmp_path_factory.mktemp("redis"))
     yield url
-    _stop(proc)
+    stop_process(proc)
 
 
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     url, proc = start_moto()
     yield url
-    _stop(proc)
+    stop_process(proc)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from services.global_scheduler.jupyter_router import KernelRouter
 from services.global_scheduler.live_index import LiveIndex, Placed, WatchedDict
 from shared.cluster_core.gpu_ledger import GpuLedger
 from shared.cluster_core.lifecycle import DEAD, RUNNING, STARTING, STOPPED, STOPPING  # noqa: F401 (re-exported)
+from shared.kernel_launch import KernelLaunch
 from shared.policies.executor_choice import HostLedgerView, ReplicaView
 from shared.policies.placement import HostView
 from shared.policies.placement_index import PlacementIndex
@@ -108,6 +109,8 @@ class KernelRecord:
     held: list[list[bytes]] | None = None
     migrations: int = 0  # replicas moved to another host (all-yield, dead replica, drain)
     last_migration: dict[str, Any] | None = None
+    # the working directory and environment every replica starts with, migrations included
+    launch: KernelLaunch = field(default_factory=KernelLaunch)
     _index: LiveIndex | None = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -40,6 +40,7 @@ from shared.cluster_core.lifecycle import ACTIVE, OVER, REPLACE, after_replica_l
 from shared.config import Config, ConfigError
 from shared.election_round import election_key, split_election_key
 from shared.envelope import Envelope
+from shared.kernel_launch import KernelLaunch
 from shared.policies.executor_choice import ExecutorChoice, choose_executor
 from shared.policies.placement import PlacementRequest
 from shared.quorum import majority
@@ -729,6 +730,10 @@ class GlobalScheduler:
             resources = Resources.from_dict(item.get("resources") or {})
         except ValueError:
             resources = Resources()
+        try:
+            launch = KernelLaunch.from_wire(item.get("launch"))
+        except ValueError:
+            launch = KernelLaunch()  # from a host of an older version: its replicas already run
         scheme = str(item.get("signature_scheme") or "hmac-sha256")
         kernel_id = str(item["kernel_id"])
         kernel = KernelRecord(
@@ -739,6 +744,7 @@ class GlobalScheduler:
             KernelRouter(kernel_id, key.encode(), scheme, quorum=self._quorum),
         )
         kernel.router.migrate_without_executor = resources.gpus > 0  # see _migrate_without_executor
+        kernel.launch = launch
         transition(kernel, RUNNING)
         kernel.router.merger.forward_unknown = True  # cells its predecessor routed still answer
         self.state.kernels[kernel_id] = kernel
@@ -820,7 +826,8 @@ class GlobalScheduler:
         try:
             # Fields the request leaves out come from the [kernel] defaults of the configuration.
             resources = Resources.from_dict({**self._default_request, **body["resources"]})
-        except ValueError as exc:
+            launch = KernelLaunch.from_wire(body.get("launch"))
+        except ValueError as exc:  # LaunchError is one
             raise RpcError(str(exc), "bad_request") from None
         existing = self.state.kernels.get(kernel_id)
         if existing is not None:
@@ -853,6 +860,7 @@ class GlobalScheduler:
             KernelRouter(kernel_id, key.encode(), scheme, quorum=self._quorum),
         )
         kernel.router.migrate_without_executor = resources.gpus > 0  # see _migrate_without_executor
+        kernel.launch = launch
         for n, host_id in enumerate(decision.hosts, start=1):
             kernel.replicas[f"r{n}"] = ReplicaRecord(f"r{n}", host_id)
         self.state.kernels[kernel_id] = kernel
@@ -893,6 +901,7 @@ class GlobalScheduler:
             "key": kernel.key,
             "signature_scheme": kernel.signature_scheme,
             "resources": kernel.resources.to_dict(),
+            "launch": kernel.launch.to_wire(),
             "join": join,
             **self._raft_identity(kernel, replica),
         }
@@ -998,6 +1007,7 @@ class GlobalScheduler:
                         "key": kernel.key,
                         "signature_scheme": kernel.signature_scheme,
                         "resources": kernel.resources.to_dict(),
+                        "launch": kernel.launch.to_wire(),
                         **self._raft_identity(kernel, replica),
                     },
                 ),

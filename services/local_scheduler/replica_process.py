@@ -25,6 +25,7 @@ import zmq.asyncio
 from jupyter_core.paths import secure_write
 
 from shared.jupyter_wire import DELIMITER
+from shared.kernel_launch import KernelLaunch
 from shared.private_files import open_private_file, private_dir
 from shared.raft.tls import IDENTITY_ENV, MemberIdentity
 from shared.security import curve
@@ -67,6 +68,8 @@ class ReplicaProcess:
         data_dir: Path,
         ip: str = "127.0.0.1",
         raft_identity: str | None = None,
+        launch: KernelLaunch | None = None,
+        working_dir: str | None = None,
     ) -> None:
         self.host_id = host_id
         self.kernel_id = kernel_id
@@ -74,13 +77,17 @@ class ReplicaProcess:
         self.key = key
         self.signature_scheme = signature_scheme
         self.resources = resources
-        self.data_dir = data_dir
+        self.data_dir = data_dir.absolute()  # the replica starts in its kernel's working directory
         self.ip = ip
+        # the kernel's working directory and variables (shared/kernel_launch.py); working_dir:
+        # where this replica starts, None for this local scheduler's own directory
+        self.launch = launch or KernelLaunch()
+        self.working_dir = working_dir
         # its Raft TLS identity (shared/raft/tls.py, JSON), handed over in its environment only:
         # never argv (visible to every user), never on disk, never in describe()
         self.raft_identity = raft_identity
-        self.connection_file = data_dir / "connection.json"
-        self.log_file = data_dir / "replica.log"
+        self.connection_file = self.data_dir / "connection.json"
+        self.log_file = self.data_dir / "replica.log"
         self.process: asyncio.subprocess.Process | None = None
         self.identity: bytes | None = None  # its DEALER identity on our replica ROUTER
         self.raft_address = ""
@@ -120,6 +127,7 @@ class ReplicaProcess:
             "key": self.key,
             "signature_scheme": self.signature_scheme,
             "resources": self.resources,
+            "launch": self.launch.to_wire(),
         }
 
     async def spawn(
@@ -150,8 +158,9 @@ class ReplicaProcess:
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
                 env=env,
+                cwd=self.working_dir,
             )
-        self.log.info("replica_spawned", pid=self.process.pid)
+        self.log.info("replica_spawned", pid=self.process.pid, cwd=self.working_dir)
         self._watcher = asyncio.ensure_future(self._watch(on_exit))
 
     async def adopt(
@@ -170,6 +179,7 @@ class ReplicaProcess:
             argv=self._replica_args(local_scheduler, config_json, join),
             env=self._replica_env(),
             log_file=self.log_file,
+            cwd=self.working_dir,
         )
         self.process = runtime.process
         self.log.info("replica_adopted_warm_runtime", pid=self.process.pid)
@@ -184,7 +194,9 @@ class ReplicaProcess:
         self._write_connection_file()
 
     def _replica_env(self) -> dict[str, str]:
+        """The kernel's own variables, then Tandem's (which its variables cannot name)."""
         env = {
+            **self.launch.env,
             "TANDEM_HOST_ID": self.host_id,
             "TANDEM_KERNEL_GPUS": str(int(self.resources.get("gpus", 0))),  # what it asks gpu.commit for
         }

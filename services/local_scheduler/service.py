@@ -27,6 +27,7 @@ from shared.cluster_core.gpu_ledger import GpuLedger, LedgerError
 from shared.config import Config
 from shared.election_round import election_key, round_of
 from shared.envelope import Envelope
+from shared.kernel_launch import KernelLaunch, LaunchError
 from shared.rpc import OutboundRequests, RpcClient, RpcError, RpcServer, RpcTimeout
 from shared.security import curve
 from shared.security.authorization import REPLICA_PREFIX, local_scheduler_refusal, replica_principal
@@ -96,7 +97,8 @@ class LocalScheduler:
         )
         self._outbound = OutboundRequests(self._server)
         self._registered = asyncio.Event()
-        self._data_root = cfg.state_dir() / "hosts" / host_id
+        # absolute: a replica starts in its kernel's working directory (shared/kernel_launch.py)
+        self._data_root = cfg.state_dir().absolute() / "hosts" / host_id
         self.warm_pool = WarmPool(
             cfg, host_id=host_id, directory=self._data_root / "warm", idle_gpus=lambda: self.ledger.free_count
         )
@@ -364,6 +366,13 @@ class LocalScheduler:
             raft_identity = raft_identity_json(body.get("raft_identity"), key[0], key[1])
         except ValueError as exc:
             raise RpcError(f"unusable raft_identity: {exc}", "bad_request") from None
+        try:
+            launch = KernelLaunch.from_wire(body.get("launch"))
+            working_dir, warning = launch.directory_on_this_host()
+        except LaunchError as exc:
+            raise RpcError(f"{exc} ({self.host_id})", "start_failed") from None
+        if warning is not None:
+            self.log.warning("working_dir_missing", kernel=key[0], replica=key[1], reason=warning)
         replica = ReplicaProcess(
             host_id=self.host_id,
             kernel_id=key[0],
@@ -374,6 +383,8 @@ class LocalScheduler:
             data_dir=self._data_root / key[0] / key[1],
             ip=str(self.cfg.get("cluster.ip")),
             raft_identity=raft_identity,
+            launch=launch,
+            working_dir=working_dir,
         )
         replica.server_public = self._host_keys.public
         self._replica_keys.allow(replica.link_keys.public, replica_principal(*key))

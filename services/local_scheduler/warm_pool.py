@@ -95,11 +95,14 @@ class WarmRuntime:
             self.ready.set_exception(RuntimeError(f"warm runtime {self.pid} ended before it was ready"))
         await self.process.stdout.read()
 
-    async def assign(self, *, argv: list[str], env: dict[str, str], log_file: Path) -> None:
-        """Hand over the replica's launch arguments; from now on the process is that replica."""
+    async def assign(
+        self, *, argv: list[str], env: dict[str, str], log_file: Path, cwd: str | None = None
+    ) -> None:
+        """Hand over the replica's launch arguments; from now on the process is that replica.
+        ``cwd``: the directory it moves to, as a cold start's ``Popen(cwd=...)`` (None: stay)."""
         assert self.process.stdin is not None
         self.assigned = True
-        payload = {"argv": argv, "env": env, "log_file": str(log_file)}
+        payload = {"argv": argv, "env": env, "log_file": str(log_file), "cwd": cwd}
         self.process.stdin.write(json.dumps(payload).encode() + b"\n")
         await self.process.stdin.drain()
         self.process.stdin.close()

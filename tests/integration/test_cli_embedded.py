@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _cluster import ClusterHandle, missing_services, start_cluster, stop_cluster
+import requests
+from _cluster import ClusterHandle, eventually, missing_services, start_cluster, stop_cluster
 
 from services.cli import run_notebook
 
@@ -57,10 +58,29 @@ def test_tandem_up_leaves_no_orphans(tmp_path: Path) -> None:
         pytest.skip("cluster services not written yet")
     handle = start_cluster(tmp_path / "state", "--hosts", "3")
     pids = list(handle.info["processes"].values())
-    assert len(pids) == 5
+    assert len(pids) == 6  # scheduler, gateway, 3 hosts, the Kernel Gateway API
     # a local scheduler dies hard: tandem up keeps running and still cleans up at the end
     os.kill(handle.info["processes"]["host-2"], signal.SIGKILL)
     time.sleep(0.5)
+    assert handle.process.poll() is None
+    # the Kernel Gateway API dies hard: restarted on the same URL, the cluster goes on
+    os.kill(handle.info["processes"]["http-gateway"], signal.SIGKILL)
+    cluster_file = tmp_path / "state" / "cluster.json"
+    assert eventually(
+        lambda: (
+            json.loads(cluster_file.read_text())["processes"]["http-gateway"]
+            != handle.info["processes"]["http-gateway"]
+        ),
+        timeout=60,
+    ), (tmp_path / "state" / "tandem-up.out").read_text()[-3000:]
+    url = handle.info["http"]
+    handle.info = json.loads(cluster_file.read_text())
+    assert handle.info["http"] == url
+    token = (tmp_path / "state" / "keys" / "http.token").read_text().strip()
+    answer = requests.get(
+        f"{handle.info['http']}/api/kernelspecs", headers={"Authorization": f"token {token}"}, timeout=30
+    )
+    assert answer.status_code == 200
     assert handle.process.poll() is None
     survivors = stop_cluster(handle)
     assert survivors == []

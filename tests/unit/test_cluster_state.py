@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 from jupyter_client.session import Session
 
-from services.global_scheduler.cluster_state import RUNNING, STOPPING, ClusterState, KernelRecord, ReplicaRecord
+from services.global_scheduler.cluster_state import (
+    RUNNING,
+    STOPPING,
+    ClusterState,
+    KernelRecord,
+    ReplicaRecord,
+)
 from services.global_scheduler.jupyter_router import KernelRouter
 from services.global_scheduler.service import GlobalScheduler
 from shared import messages
