@@ -3,7 +3,8 @@
 One interface, ``ShareControl``, two implementations:
 
 - ``DutyCycleGovernor`` (portable, CPU): the job runs a step, then sleeps so its busy fraction
-  equals its share; optionally caps torch's intra-op threads too. The share is read at every step
+  equals its share (precisely: so its step rate is share x its full-speed rate, see ``DutyCycle``);
+  optionally caps torch's intra-op threads too. The share is read at every step
   boundary, so a squeeze or swell takes effect on the very next step. The accounting (``DutyCycle``)
   is pure: it carries timer overshoot forward so the long-run busy fraction is the share even when
   ``sleep`` oversleeps.
@@ -18,13 +19,16 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from shared.policies.packing import FULL, MIN_CAP, STEP
+
+REFERENCE_STEPS = 64
 
 
 def quantize(percent: float) -> int:
@@ -43,10 +47,25 @@ class ShareControl(Protocol):
 
 @dataclass(slots=True)
 class DutyCycle:
-    """Pure accounting of a duty cycle: how long to pause after a step of ``busy_s`` seconds."""
+    """Pure accounting of a duty cycle: how long to pause after a step of ``busy_s`` seconds.
+
+    At share s a step's period is ``reference / s``, ``reference`` being the step time the job last
+    had at 100% (an average); before the job ever ran at 100% the step's own time stands in. On a
+    device the job has to itself both are the same and the busy fraction is s. They differ on a
+    CPU that other processes share: a process that sleeps gets its next timeslices sooner (the
+    scheduler credits sleepers), so its steps shorten as it is squeezed and "busy fraction = s"
+    would overshoot the throughput share; pacing to the full-speed step time keeps throughput at s
+    of full speed, which is what the coordination search measures."""
 
     share: int = FULL
     _owed_s: float = 0.0  # pause owed but not yet slept (negative: overslept)
+    _full_steps: deque[float] = field(default_factory=lambda: deque(maxlen=REFERENCE_STEPS))
+
+    @property
+    def reference_s(self) -> float | None:
+        """Mean step time over the last steps at 100% (a mean, as throughput is; not an EMA, which
+        one descheduled step would swing)."""
+        return sum(self._full_steps) / len(self._full_steps) if self._full_steps else None
 
     def set_share(self, percent: int) -> None:
         percent = quantize(percent)
@@ -55,12 +74,13 @@ class DutyCycle:
             self._owed_s = 0.0  # a new share starts a new account: effect on the next step
 
     def pause_after(self, busy_s: float) -> float:
-        """Seconds to pause now so busy / (busy + pause) tends to the share."""
+        """Seconds to pause now so the step rate tends to share x the full-speed rate."""
         if self.share >= FULL:
+            self._full_steps.append(busy_s)
             self._owed_s = 0.0
             return 0.0
-        s = self.share / FULL
-        self._owed_s += busy_s * (1.0 - s) / s
+        period = (self.reference_s or busy_s) * FULL / self.share
+        self._owed_s += period - busy_s
         return max(0.0, self._owed_s)
 
     def slept(self, seconds: float) -> None:
