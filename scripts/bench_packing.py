@@ -119,15 +119,19 @@ def _go(go: Path) -> float:
     return t
 
 
-def run_sequential(specs: Sequence[JobSpec], workdir: Path) -> float:
-    finishes: list[float] = []
-    t0: float | None = None
-    for i, spec in enumerate(sorted(specs, key=lambda s: s.steps * s.width)):
-        go = workdir / f"go-seq-{i}"
-        (job,) = _start([spec], workdir, go)
-        t = _go(go)
-        t0 = t if t0 is None else t0
+def run_sequential(specs: Sequence[JobSpec], workdir: Path, tag: str) -> float:
+    """Shortest first; both processes start (and import torch) before the start line."""
+    order = sorted(specs, key=lambda s: s.steps * s.width)
+    gos = [workdir / f"go-{tag}-{i}" for i in range(len(order))]
+    jobs = [LiveJob(spec, workdir, go) for spec, go in zip(order, gos, strict=True)]
+    while not all(j.ready() for j in jobs):
+        time.sleep(0.02)
+    t0 = _go(gos[0])
+    finishes = []
+    for i, job in enumerate(jobs):
         finishes.append(job.finish_time() - t0)
+        if i + 1 < len(jobs):
+            gos[i + 1].touch()
     return statistics.fmean(finishes)
 
 
@@ -214,7 +218,7 @@ def live(repeats: int, quick: bool) -> dict:
     with tempfile.TemporaryDirectory() as d:
         workdir = Path(d)
         for r in range(repeats):
-            seq.append(run_sequential(specs, workdir))
+            seq.append(run_sequential(specs, workdir, f"seq-{r}"))
             free.append(run_together(specs, workdir, f"free-{r}", False, trial_s)[0])
             jct, info = run_together(specs, workdir, f"gimbal-{r}", True, trial_s)
             gim.append(jct)
