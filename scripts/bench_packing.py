@@ -212,7 +212,7 @@ def measure_shares(spec: JobSpec, workdir: Path, window_s: float) -> dict[int, f
 def live(repeats: int, quick: bool) -> dict:
     scale = 0.5 if quick else 1.0
     specs = [JobSpec("large", int(600 * scale), 384), JobSpec("small", int(400 * scale), 128)]
-    trial_s = 0.5 if quick else 1.0
+    trial_s = 0.5  # about 20-50 steps of these jobs (the paper: up to 60 s or 5 steps)
     seq, free, gim, searches = [], [], [], []
     errors: dict[int, list[float]] = {}
     with tempfile.TemporaryDirectory() as d:
