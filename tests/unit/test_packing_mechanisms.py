@@ -21,6 +21,7 @@ from shared.packing.governor import (
     write_share,
 )
 from shared.packing.liss import LissBalancer, LissBatchSampler, loss_scale, split_counts
+from shared.packing.mps import mps_client_env, sm_count_for
 
 
 class _Clock:
@@ -139,3 +140,11 @@ def test_loss_scale_makes_ddp_average_the_global_mean() -> None:
     full = grad(slice(0, 16), 1.0)
     ddp_mean = (grad(slice(0, 12), loss_scale(12, 16, 2)) + grad(slice(12, 16), loss_scale(4, 16, 2))) / 2
     torch.testing.assert_close(ddp_mean, full)
+
+
+def test_mps_client_env_and_sm_counts() -> None:
+    env = mps_client_env(30, base={"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30"}
+    with pytest.raises(ValueError):
+        mps_client_env(0)
+    assert [sm_count_for(p, 132) for p in (10, 50, 100)] == [14, 66, 132]  # H100 SXM: 132 SMs
