@@ -46,6 +46,7 @@ from shared.policies.packing import CoordinationSearch, JctObjective, JobInfo, J
 from shared.simulator.packing_sim import SLOWDOWN_SOURCE, TraceParams, model_pairs_gaining, run_all
 
 ROOT = Path(__file__).resolve().parents[1]
+CORES = os.cpu_count() or 1  # the "GPU" is all of this machine's cores
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,9 @@ def _coordinate(jobs: Sequence[LiveJob], trial_s: float) -> dict:
         for n in by_name:
             (s0, t0, c0), (s1, t1, c1) = before[n], after[n]
             dt = max(t1 - t0, 1e-6)
-            measured[n] = JobMeasurement(throughput=max((s1 - s0) / dt, 1e-9), utilization=(c1 - c0) / dt)
+            measured[n] = JobMeasurement(
+                throughput=max((s1 - s0) / dt, 1e-9), utilization=(c1 - c0) / dt / CORES
+            )
         search.observe(measured)
         trials.append(
             {

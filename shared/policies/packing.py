@@ -27,6 +27,7 @@ squeezes the jobs owning those workers.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -157,6 +158,7 @@ class JobInfo:
     gpus: tuple[str, ...]
     remaining_steps: float
     deadline_s: float | None = None  # seconds from now; only the deadline objective reads it
+    solo_throughput: float | None = None  # steps/s alone (profiled); only ``jct_sequenced`` reads it
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,8 +228,39 @@ class MakespanObjective:
         return _eta(job, measured)
 
 
+class SequencedJctObjective(JctObjective):
+    """Not in the paper: Eq. 1 prices every job at its current throughput to the end, so it never
+    sees that a squeezed job speeds up to its solo throughput once its partner finishes; squeezing
+    one side hard (close to running the pair one after the other) then always looks bad. This
+    variant plays the set out: jobs finish in ETA order; when one job is left it runs at
+    ``solo_throughput`` (others keep their measured throughput). Mean completion time."""
+
+    name = "jct_sequenced"
+
+    def value(self, jobs: Sequence[JobInfo], measured: Measurement) -> float:
+        left = {j.job_id: j.remaining_steps for j in jobs}
+        speed = {j.job_id: measured[j.job_id].throughput for j in jobs}
+        solo = {j.job_id: j.solo_throughput or measured[j.job_id].throughput for j in jobs}
+        now, total = 0.0, 0.0
+        while left:
+            if len(left) == 1:
+                (jid,) = left
+                speed[jid] = solo[jid]
+            jid = min(left, key=lambda k: left[k] / speed[k] if speed[k] > 0 else float("inf"))
+            if speed[jid] <= 0:
+                return float("inf")
+            dt = left[jid] / speed[jid]
+            now += dt
+            total += now
+            del left[jid]
+            for k in left:
+                left[k] -= speed[k] * dt
+        return total / len(jobs)
+
+
 OBJECTIVES: dict[str, Callable[[], Objective]] = {
     "jct": JctObjective,
+    "jct_sequenced": SequencedJctObjective,
     "deadline": DeadlineObjective,
     "makespan": MakespanObjective,
 }
@@ -308,6 +341,7 @@ class CoordinationSearch:
         *,
         start: PackingConfig | None = None,
         early_exit: int | None = EARLY_EXIT_TRIALS,
+        skip_slack: bool = True,
     ) -> None:
         if len(jobs) < 2:
             raise ValueError("a packing set has at least two jobs")
@@ -315,6 +349,7 @@ class CoordinationSearch:
         self._objective = objective
         self._jmax = _jmax(jobs)
         self._early_exit = early_exit
+        self._skip_slack = skip_slack  # False: the paper's literal 10% steps from 100%
         self._next: PackingConfig | None = start or PackingConfig({j.job_id: FULL for j in jobs})
         self._pending: PackingConfig | None = None
         self._trials: list[Trial] = []
@@ -394,21 +429,31 @@ class CoordinationSearch:
                 return nxt
         if slow and jmax not in self._low:
             owners = {j.job_id for j in self._jobs if j.job_id != jmax and set(j.gpus) & set(slow)}
-            nxt = _squeeze(config, owners)
+            nxt = _squeeze(config, owners, measured if self._skip_slack else None)
             if nxt is not None and nxt.key() not in self._seen:
                 return nxt
-        nxt = _squeeze(config, self._low)
+        nxt = _squeeze(config, self._low, measured if self._skip_slack else None)
         if nxt is None or nxt.key() in self._seen:
             return None  # every low-priority job is at the floor: the space is exhausted
         return nxt
 
 
-def _squeeze(config: PackingConfig, jobs: Iterable[str]) -> PackingConfig | None:
+def _squeeze(
+    config: PackingConfig, jobs: Iterable[str], measured: Measurement | None = None
+) -> PackingConfig | None:
+    """One 10% step down for each job; with ``measured``, a job whose cap lies above what it uses
+    first drops to its use (rounded up to a step): a cap above the use changes nothing, and three
+    such no-op trials would end the search before a cap ever bit (the early exit counts them)."""
     caps = dict(config.caps)
     moved = False
     for j in jobs:
-        if caps[j] - STEP >= MIN_CAP:
-            caps[j] -= STEP
+        target = caps[j] - STEP
+        if measured is not None and j in measured:
+            used = STEP * math.ceil(round(measured[j].utilization * FULL, 6) / STEP)
+            target = min(target, used)
+        target = max(MIN_CAP, target)
+        if target < caps[j]:
+            caps[j] = target
             moved = True
     return PackingConfig(caps, config.fractions) if moved else None
 

@@ -132,7 +132,7 @@ def _straggling(config: PackingConfig) -> dict[str, JobMeasurement]:
     step = {"g0": f0 * 2 / speed_g0, "g1": (1 - f0) * 2 / 1.0}
     return {
         "big": JobMeasurement(throughput=1 / max(step.values()), utilization=0.9, worker_step_s=step),
-        "small": JobMeasurement(throughput=c_small, utilization=0.2),
+        "small": JobMeasurement(throughput=c_small, utilization=0.8 * c_small),
     }
 
 
@@ -158,7 +158,8 @@ def test_stragglers_of_a_high_priority_jmax_squeeze_their_neighbours() -> None:
     search = CoordinationSearch(jobs, JctObjective())  # big now low utilization: high priority
     search.observe(measure(search.propose()))  # type: ignore[arg-type]
     nxt = search.propose()
-    assert nxt is not None and nxt.caps["small"] == FULL - 10 and nxt.caps["big"] == FULL
+    # small used 80%: its first squeeze goes to 80% (the slack above its use skipped)
+    assert nxt is not None and nxt.caps["small"] == 80 and nxt.caps["big"] == FULL
 
 
 def test_objectives_rank_as_their_text_says() -> None:
@@ -172,3 +173,23 @@ def test_objectives_rank_as_their_text_says() -> None:
     ms = MakespanObjective()
     assert ms.priority(b, m["b"]) > ms.priority(a, m["a"])  # the longer job is swelled
     assert ms.value([a, b], m) == pytest.approx(200.0)
+
+
+def test_a_squeeze_skips_the_slack_above_what_a_job_uses() -> None:
+    """A cap above a job's use is a no-op; three of them would trip the early exit before any cap
+    bites. The first squeeze of a job that uses 45% goes to 50%, not to 90%."""
+
+    def measure(config: PackingConfig) -> dict[str, JobMeasurement]:
+        c = min(config.caps["big"] / FULL, 0.45)
+        return {
+            "big": JobMeasurement(throughput=c / 0.45, utilization=c),
+            "small": JobMeasurement(throughput=1.0 - 0.8 * c, utilization=0.1),
+        }
+
+    jobs = [JobInfo("big", ("g0",), 100.0), JobInfo("small", ("g0",), 300.0)]
+    search = CoordinationSearch(jobs, JctObjective())
+    search.observe(measure(search.propose()))  # type: ignore[arg-type]
+    assert search.propose().caps["big"] == 50  # type: ignore[union-attr]
+    literal = CoordinationSearch(jobs, JctObjective(), skip_slack=False)
+    run_search(literal, measure)
+    assert [t.config.caps["big"] for t in literal.trials] == [100, 90, 80, 70]  # exits on the plateau
