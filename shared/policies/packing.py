@@ -327,7 +327,39 @@ def balanced_fractions(m: JobMeasurement, fractions: Mapping[str, float]) -> dic
     return {g: speed[g] / total for g in gpus}
 
 
-class CoordinationSearch:
+class _TrialLog:
+    """The bookkeeping both searches share: the pending trial, every measured trial, the best."""
+
+    def __init__(self, jobs: Sequence[JobInfo], objective: Objective) -> None:
+        self._jobs = list(jobs)
+        self._objective = objective
+        self._pending: PackingConfig | None = None
+        self._trials: list[Trial] = []
+        self._best: Trial | None = None
+
+    @property
+    def trials(self) -> Sequence[Trial]:
+        return self._trials
+
+    def best(self) -> PackingConfig:
+        if self._best is None:
+            raise RuntimeError("no trial observed yet")
+        return self._best.config
+
+    def _record(self, measured: Measurement) -> tuple[PackingConfig, bool]:
+        """Log the pending trial's outcome; True when it beat every earlier trial."""
+        if self._pending is None:
+            raise RuntimeError("observe() without a proposed trial")
+        config, self._pending = self._pending, None
+        trial = Trial(config, self._objective.value(self._jobs, measured))
+        self._trials.append(trial)
+        improved = self._best is None or trial.objective < self._best.objective * (1 - 1e-9)
+        if improved:
+            self._best = trial
+        return config, improved
+
+
+class CoordinationSearch(_TrialLog):
     """Algorithm 1 over one packing set. ``propose()`` returns None once the search is over.
 
     The first trial is the set as packed (every cap 100%: free competition) and measures the
@@ -345,23 +377,15 @@ class CoordinationSearch:
     ) -> None:
         if len(jobs) < 2:
             raise ValueError("a packing set has at least two jobs")
-        self._jobs = list(jobs)
-        self._objective = objective
+        super().__init__(jobs, objective)
         self._jmax = _jmax(jobs)
         self._early_exit = early_exit
         self._skip_slack = skip_slack  # False: the paper's literal 10% steps from 100%
         self._next: PackingConfig | None = start or PackingConfig({j.job_id: FULL for j in jobs})
-        self._pending: PackingConfig | None = None
-        self._trials: list[Trial] = []
-        self._best: Trial | None = None
         self._misses = 0
         self._low: set[str] | None = None  # subset1: the low-priority side, squeezed
         self._last: Measurement | None = None
         self._seen: set[tuple] = set()
-
-    @property
-    def trials(self) -> Sequence[Trial]:
-        return self._trials
 
     @property
     def low_priority(self) -> frozenset[str]:
@@ -373,17 +397,9 @@ class CoordinationSearch:
         return self._pending
 
     def observe(self, measured: Measurement) -> None:
-        if self._pending is None:
-            raise RuntimeError("observe() without a proposed trial")
-        config, self._pending = self._pending, None
-        value = self._objective.value(self._jobs, measured)
-        trial = Trial(config, value)
-        self._trials.append(trial)
+        config, improved = self._record(measured)
         self._seen.add(config.key())
-        if self._best is None or value < self._best.objective * (1 - 1e-9):
-            self._best, self._misses = trial, 0
-        else:
-            self._misses += 1
+        self._misses = 0 if improved else self._misses + 1
         self._last = measured
         if self._low is None:
             self._split(measured)
@@ -394,11 +410,6 @@ class CoordinationSearch:
             self._next = None
         else:
             self._next = self._generate(config, measured)
-
-    def best(self) -> PackingConfig:
-        if self._best is None:
-            raise RuntimeError("no trial observed yet")
-        return self._best.config
 
     # Lines 1-5
     def _split(self, measured: Measurement) -> None:
@@ -458,24 +469,16 @@ def _squeeze(
     return PackingConfig(caps, config.fractions) if moved else None
 
 
-class ExhaustiveSearch:
+class ExhaustiveSearch(_TrialLog):
     """Every cap vector Algorithm 1 can reach (each low-priority job in 10..100%, the high side at
     100%), each measured, and where J_max then straggles a second trial with its LISS split
     balanced. The low-priority side is taken from the first trial, as in Algorithm 1."""
 
     def __init__(self, jobs: Sequence[JobInfo], objective: Objective) -> None:
+        super().__init__(jobs, objective)
         self._inner = CoordinationSearch(jobs, objective, early_exit=None)
-        self._jobs = list(jobs)
-        self._objective = objective
         self._queue: Iterator[PackingConfig] | None = None
-        self._pending: PackingConfig | None = None
-        self._trials: list[Trial] = []
-        self._best: Trial | None = None
         self._balance_next: PackingConfig | None = None
-
-    @property
-    def trials(self) -> Sequence[Trial]:
-        return self._trials
 
     def propose(self) -> PackingConfig | None:
         if self._pending is not None:
@@ -490,14 +493,7 @@ class ExhaustiveSearch:
         return self._pending
 
     def observe(self, measured: Measurement) -> None:
-        if self._pending is None:
-            raise RuntimeError("observe() without a proposed trial")
-        config, self._pending = self._pending, None
-        value = self._objective.value(self._jobs, measured)
-        trial = Trial(config, value)
-        self._trials.append(trial)
-        if self._best is None or value < self._best.objective * (1 - 1e-9):
-            self._best = trial
+        config, _improved = self._record(measured)
         if self._queue is None:
             self._inner.observe(measured)
             low = sorted(self._inner.low_priority)
@@ -510,11 +506,6 @@ class ExhaustiveSearch:
         jmax = _jmax(self._jobs).job_id
         if not config.fractions and stragglers(measured[jmax])[0]:
             self._balance_next = PackingConfig(config.caps, balanced_fractions(measured[jmax], {}))
-
-    def best(self) -> PackingConfig:
-        if self._best is None:
-            raise RuntimeError("no trial observed yet")
-        return self._best.config
 
 
 def run_search(
