@@ -155,7 +155,9 @@ def _coordinate(jobs: Sequence[LiveJob], trial_s: float) -> dict:
     infos = [
         JobInfo(j.spec.name, (f"cpu/{j.spec.name}",), j.spec.steps - start[j.spec.name][0]) for j in jobs
     ]
-    search = CoordinationSearch(infos, JctObjective())
+    # The duty cycle caps a share of the job's own full speed: every cap below 100% binds, there is
+    # no slack above a use to skip (that is a GPU notion), so the literal 10% steps apply.
+    search = CoordinationSearch(infos, JctObjective(), skip_slack=False)
     trials: list[dict] = []
     while (config := search.propose()) is not None:
         if any(j.done() for j in jobs):
