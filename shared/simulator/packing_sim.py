@@ -270,6 +270,7 @@ class SimParams:
     trial_s: float = 30.0  # the paper's monitor period
     switch_s: float = 3.6  # §7.4: mean LGRR switch overhead
     noise: float = 0.02
+    skip_slack: bool = True  # False: Algorithm 1's literal 10% steps from 100%
 
 
 def simulate(
@@ -320,7 +321,7 @@ def simulate(
 
     def start_search(s: _Set) -> None:
         members = [by_id[m] for m in (s.jmax, *s.members)]
-        s.search = CoordinationSearch(_infos(members, t), obj)
+        s.search = CoordinationSearch(_infos(members, t), obj, skip_slack=params.skip_slack)
         s.record = len(result.searches)
         result.searches.append(SearchRecord(_infos(members, t), [_snapshot(m) for m in members], 0))
         apply(s, s.search.propose())  # type: ignore[arg-type]
