@@ -1,0 +1,195 @@
+"""The packing policy (``shared.policies.packing``): §5.1 constraints hold for every placement the
+policy offers (never a cell's GPU, at most two workers a GPU, a smaller job only with its set's
+largest), and Algorithm 1 finds the exhaustive optimum of a concave trade-off in fewer trials,
+stops after three trials without gain, and maps stragglers of J_max to LISS or to squeezing."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.policies.packing import (
+    EARLY_EXIT_TRIALS,
+    FULL,
+    CoordinationSearch,
+    DeadlineObjective,
+    ExhaustiveSearch,
+    JctObjective,
+    JobInfo,
+    JobMeasurement,
+    MakespanObjective,
+    PackingConfig,
+    Placement,
+    packable_gpus,
+    packing_sets,
+    run_search,
+    violations,
+)
+
+GPUS = [f"g{i}" for i in range(8)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    cells=st.sets(st.sampled_from(GPUS), max_size=3),
+    arrivals=st.lists(st.tuples(st.sampled_from([1, 2, 4]), st.integers(0, 5)), max_size=10),
+)
+def test_every_offered_placement_is_legal(cells: set[str], arrivals: list[tuple[int, int]]) -> None:
+    jobs: dict[str, tuple[str, ...]] = {}
+    for n, (size, pick) in enumerate(arrivals):
+        held = {g for gs in jobs.values() for g in gs}
+        free = [g for g in GPUS if g not in held]
+        options = packable_gpus(size, Placement(jobs), cells, free_gpus=free)
+        if not options:
+            continue
+        _partner, gpus = options[pick % len(options)]
+        jobs[f"j{n}"] = gpus
+        placement = Placement(jobs)
+        assert violations(placement, cells) == []
+        occupants = placement.occupants()
+        assert not set(occupants) & cells, "a BE worker on a GPU a cell holds"
+        assert all(len(js) <= 2 for js in occupants.values())
+        for jmax, members in packing_sets(placement):
+            for m in members:
+                assert placement.world_size(m) <= placement.world_size(jmax)
+                assert set(placement.jobs[m]) <= set(placement.jobs[jmax])
+
+
+def test_violations_name_each_broken_rule() -> None:
+    assert violations(Placement({"a": ("g0",)}), cell_gpus=["g0"])  # cell and BE worker
+    assert violations(Placement({"a": ("g0",), "b": ("g0",), "c": ("g0",)}))  # three on a GPU
+    chain = Placement({"a": ("g0", "g1", "g2", "g3"), "b": ("g3", "g4"), "c": ("g4",)})
+    assert any("only with its J_max" in v for v in violations(chain))  # b shares with a and c
+    skew = Placement({"a": ("g0", "g1"), "b": ("g1", "g2")})
+    assert any("one world size" in v for v in violations(skew))
+    star = Placement({"a": ("g0", "g1", "g2", "g3"), "b": ("g0", "g1"), "c": ("g2",)})
+    assert violations(star) == []
+    assert packing_sets(star) == [("a", ("b", "c"))]
+
+
+def test_members_of_a_set_and_cells_are_never_offered() -> None:
+    star = Placement({"a": ("g0", "g1", "g2", "g3"), "b": ("g0", "g1")})
+    offers = packable_gpus(1, star, cell_gpus=["g2"])
+    assert offers == [("a", ("g3",))]  # not b (a member), not g2 (a cell)
+    assert packable_gpus(4, star) == []  # a has partners, an equal-size job cannot share all of it
+
+
+# A synthetic pair on one device: squeezing "big" (high utilization: low JCT priority) speeds
+# "small" up; the mean-JCT curve over big's cap is concave with its optimum inside the range.
+def _pair(config: PackingConfig) -> dict[str, JobMeasurement]:
+    c = config.caps["big"] / FULL
+    return {
+        "big": JobMeasurement(throughput=c, utilization=0.9 * c),
+        "small": JobMeasurement(throughput=1.0 - 0.9 * c**2, utilization=0.3),
+    }
+
+
+PAIR = [JobInfo("big", ("g0",), 100.0), JobInfo("small", ("g0",), 100.0)]
+
+
+def test_algorithm1_reaches_the_exhaustive_optimum_in_fewer_trials() -> None:
+    alg = CoordinationSearch(PAIR, JctObjective())
+    exh = ExhaustiveSearch(PAIR, JctObjective())
+    best_alg, best_exh = run_search(alg, _pair), run_search(exh, _pair)
+    obj = JctObjective()
+    assert alg.low_priority == {"big"}  # lower priority = higher utilization under JCT
+    assert best_alg.caps["small"] == FULL  # the high-priority side stays swelled
+    assert obj.value(PAIR, _pair(best_alg)) <= 1.01 * obj.value(PAIR, _pair(best_exh))
+    assert len(exh.trials) == 10
+    assert len(alg.trials) < len(exh.trials)
+
+
+def test_search_stops_after_three_trials_without_gain() -> None:
+    search = CoordinationSearch(PAIR, JctObjective())
+    run_search(search, _pair)
+    values = [t.objective for t in search.trials]
+    best_at = values.index(min(values))
+    assert len(values) == best_at + 1 + EARLY_EXIT_TRIALS
+    caps = [t.config.caps["big"] for t in search.trials]
+    assert caps == sorted(caps, reverse=True) and caps[0] == FULL  # 10% squeezes from 100%
+    assert all(a - b == 10 for a, b in itertools.pairwise(caps))
+
+
+def test_propose_repeats_until_observed_and_ends_with_none() -> None:
+    search = CoordinationSearch(PAIR, JctObjective())
+    first = search.propose()
+    assert search.propose() is first
+    with pytest.raises(RuntimeError):
+        search.best()
+    run_search(search, _pair)
+    assert search.propose() is None
+
+
+def _straggling(config: PackingConfig) -> dict[str, JobMeasurement]:
+    """J_max "big" on g0,g1; "small" shares g0, so big's g0 worker straggles unless LISS moves
+    samples away from it; squeezing small speeds that worker up."""
+    c_small = config.caps["small"] / FULL
+    f0 = config.fractions.get("g0", 0.5)
+    speed_g0 = 1.0 - 0.5 * c_small
+    step = {"g0": f0 * 2 / speed_g0, "g1": (1 - f0) * 2 / 1.0}
+    return {
+        "big": JobMeasurement(throughput=1 / max(step.values()), utilization=0.9, worker_step_s=step),
+        "small": JobMeasurement(throughput=c_small, utilization=0.8 * c_small),
+    }
+
+
+def test_stragglers_of_a_low_priority_jmax_are_balanced_by_liss() -> None:
+    jobs = [JobInfo("big", ("g0", "g1"), 100.0), JobInfo("small", ("g0",), 100.0)]
+    search = CoordinationSearch(jobs, JctObjective())  # big: utilization 0.9 -> low priority
+    search.observe(_straggling(search.propose()))  # type: ignore[arg-type]
+    nxt = search.propose()
+    assert nxt is not None
+    assert nxt.caps == {"big": FULL, "small": FULL}  # LISS moves samples, LGRR stays put
+    assert nxt.fractions["g0"] < 0.5 < nxt.fractions["g1"]  # the slow worker gave samples away
+    search.observe(_straggling(nxt))
+    assert search.trials[1].objective < search.trials[0].objective
+
+
+def test_stragglers_of_a_high_priority_jmax_squeeze_their_neighbours() -> None:
+    jobs = [JobInfo("big", ("g0", "g1"), 100.0), JobInfo("small", ("g0",), 100.0)]
+
+    def measure(config: PackingConfig) -> dict[str, JobMeasurement]:
+        m = _straggling(config)
+        return {"big": JobMeasurement(m["big"].throughput, 0.1, m["big"].worker_step_s), "small": m["small"]}
+
+    search = CoordinationSearch(jobs, JctObjective())  # big now low utilization: high priority
+    search.observe(measure(search.propose()))  # type: ignore[arg-type]
+    nxt = search.propose()
+    # small used 80%: its first squeeze goes to 80% (the slack above its use skipped)
+    assert nxt is not None and nxt.caps["small"] == 80 and nxt.caps["big"] == FULL
+
+
+def test_objectives_rank_as_their_text_says() -> None:
+    a, b = JobInfo("a", ("g0",), 100.0, deadline_s=150.0), JobInfo("b", ("g0",), 100.0, deadline_s=500.0)
+    m = {"a": JobMeasurement(1.0, 0.5), "b": JobMeasurement(0.5, 0.5)}
+    dl = DeadlineObjective()
+    assert dl.priority(a, m["a"]) > dl.priority(b, m["b"])  # a has less headroom (50 s vs 300 s)
+    assert dl.value([a, b], m) == pytest.approx(0.0, abs=1e-3)  # nobody late
+    late = {"a": JobMeasurement(0.5, 0.5), "b": m["b"]}
+    assert dl.value([a, b], late) == pytest.approx(50.0, abs=1e-3)  # a finishes at 200 s, due 150 s
+    ms = MakespanObjective()
+    assert ms.priority(b, m["b"]) > ms.priority(a, m["a"])  # the longer job is swelled
+    assert ms.value([a, b], m) == pytest.approx(200.0)
+
+
+def test_a_squeeze_skips_the_slack_above_what_a_job_uses() -> None:
+    """A cap above a job's use is a no-op; three of them would trip the early exit before any cap
+    bites. The first squeeze of a job that uses 45% goes to 50%, not to 90%."""
+
+    def measure(config: PackingConfig) -> dict[str, JobMeasurement]:
+        c = min(config.caps["big"] / FULL, 0.45)
+        return {
+            "big": JobMeasurement(throughput=c / 0.45, utilization=c),
+            "small": JobMeasurement(throughput=1.0 - 0.8 * c, utilization=0.1),
+        }
+
+    jobs = [JobInfo("big", ("g0",), 100.0), JobInfo("small", ("g0",), 300.0)]
+    search = CoordinationSearch(jobs, JctObjective())
+    search.observe(measure(search.propose()))  # type: ignore[arg-type]
+    assert search.propose().caps["big"] == 50  # type: ignore[union-attr]
+    literal = CoordinationSearch(jobs, JctObjective(), skip_slack=False)
+    run_search(literal, measure)
+    assert [t.config.caps["big"] for t in literal.trials] == [100, 90, 80, 70]  # exits on the plateau
