@@ -40,7 +40,8 @@ from shared.arbiter.slots import GpuSlot, host_counts
 @dataclass(frozen=True)
 class AuctionOutcome:
     """A round's decisions: the leases to grant, every app's rho (visibility phase), who bid,
-    each winner's c_i, how many GPUs were leftovers, and the auction's own compute time."""
+    each winner's c_i and the GPUs it kept of its PF share (``kept_by_app``), all GPUs each app
+    got (``won_by_app``, leftovers included), how many GPUs were leftovers, the compute time."""
 
     leases: list[Lease]
     rho_by_app: dict[str, float]
@@ -48,6 +49,7 @@ class AuctionOutcome:
     bids: dict[str, Bid] = field(default_factory=dict)
     c_by_app: dict[str, float] = field(default_factory=dict)
     won_by_app: dict[str, int] = field(default_factory=dict)
+    kept_by_app: dict[str, int] = field(default_factory=dict)
     leftover_gpus: int = 0
     auction_ms: float = 0.0
 
@@ -147,6 +149,7 @@ class Arbiter:
             bids=bids,
             c_by_app=pa.c,
             won_by_app=won_count,
+            kept_by_app=pa.kept,
             leftover_gpus=leftover_gpus,
             auction_ms=(time.perf_counter() - start) * 1e3,
         )
