@@ -42,10 +42,16 @@ class GreedyPolicy:
     name = "greedy"
 
     def __init__(
-        self, key: Callable[[AppAgent, float], float], name: str, config: ArbiterConfig | None = None
+        self,
+        key: Callable[[AppAgent, float], float],
+        name: str,
+        config: ArbiterConfig | None = None,
+        *,
+        placement_aware: bool,
     ):
         self.key = key
         self.name = name
+        self.placement_aware = placement_aware
         self.config = config or ArbiterConfig()
         self._visibility = Arbiter(self.config)
 

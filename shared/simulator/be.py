@@ -199,19 +199,17 @@ class _Job:
     done: float = 0.0
     leases: list[Lease] = field(default_factory=list)
     ended: bool = False
+    gpus: int = 0
+    rate: float = 0.0
 
-    @property
-    def gpus(self) -> int:
-        return sum(len(lease.slots) for lease in self.leases)
-
-    def rate(self) -> float:
-        """Iterations per second on the GPUs it holds now."""
+    def set_leases(self, leases: list[Lease]) -> None:
+        """Replace the job's leases and recompute its GPU count and its iterations per second."""
+        self.leases = leases
+        slots = [s for lease in leases for s in lease.slots]
+        self.gpus = len(slots)
         g = min(self.gpus, self.spec.max_gpus)
-        if g == 0:
-            return 0.0
-        slots = [s for lease in self.leases for s in lease.slots]
         slow = self.spec.model.placement_sensitivity if spans_hosts(slots) else 1.0
-        return g / (self.spec.model.seconds_per_iteration * slow)
+        self.rate = g / (self.spec.model.seconds_per_iteration * slow) if g else 0.0
 
 
 @dataclass
@@ -275,7 +273,9 @@ def _hand_down(app: _App, leases: list[Lease], now: float) -> None:
             if room <= 0 or not slots:
                 continue
             give, slots = slots[:room], slots[room:]
-            sib.leases.append(Lease(app.spec.app_id, sib.spec.job_id, tuple(give), now, lease.expires_at))
+            sib.set_leases(
+                [*sib.leases, Lease(app.spec.app_id, sib.spec.job_id, tuple(give), now, lease.expires_at)]
+            )
 
 
 def _end_jobs(app: _App, now: float) -> None:
@@ -284,7 +284,8 @@ def _end_jobs(app: _App, now: float) -> None:
         for job in app.live:
             if job.done >= job.target:
                 job.ended = True
-                freed, job.leases = job.leases, []
+                freed = job.leases
+                job.set_leases([])
                 _hand_down(app, freed, now)
     else:
         h = app.halving
@@ -296,7 +297,7 @@ def _end_jobs(app: _App, now: float) -> None:
                 job = app.jobs[job_id]
                 job.ended = True
                 freed += job.leases
-                job.leases = []
+                job.set_leases([])
             for job in app.live:
                 job.target = float(h.target)
             _hand_down(app, freed, now)
@@ -343,7 +344,10 @@ def run_be(
                         kept.append(
                             Lease(lease.app_id, lease.job_id, slots, lease.granted_at, lease.expires_at)
                         )
-                job.leases = kept
+                if len(kept) != len(job.leases) or any(
+                    k is not o for k, o in zip(kept, job.leases, strict=False)
+                ):
+                    job.set_leases(kept)
                 leased.update(s for lease in kept for s in lease.slots)
         free = sorted(usable - leased)
         elapsed = now - start
@@ -355,7 +359,8 @@ def run_be(
             auction_ms.append(outcome.auction_ms)
             for lease in outcome.leases:
                 app = active[lease.app_id]
-                app.jobs[lease.job_id].leases.append(lease)
+                job = app.jobs[lease.job_id]
+                job.set_leases([*job.leases, lease])
                 if app.first_gpu_at is None:
                     app.first_gpu_at = now
             for app_id, r in outcome.rho_by_app.items():
@@ -367,7 +372,7 @@ def run_be(
             tl.next_change(now),
             p.max_time_s,
             *(lease.expires_at for a in active.values() for j in a.live for lease in j.leases),
-            *(now + (j.target - j.done) / r for a in active.values() for j in a.live if (r := j.rate()) > 0),
+            *(now + (j.target - j.done) / r for a in active.values() for j in a.live if (r := j.rate) > 0),
         )
         if math.isinf(nxt):
             break  # nothing can ever run again (no usable GPU)
@@ -379,7 +384,7 @@ def run_be(
             app.contention_area += dt * n_active
             app.capacity_area += dt * len(usable)
             for job in app.live:
-                r = job.rate()
+                r = job.rate
                 if r <= 0:
                     continue
                 run = min(dt, (job.target - job.done) / r)
