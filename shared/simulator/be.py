@@ -289,7 +289,7 @@ def _end_jobs(app: _App, now: float) -> None:
                 _hand_down(app, freed, now)
     else:
         h = app.halving
-        if h.phase_done({j.spec.job_id: math.ceil(j.done - 1e-9) for j in app.live}):
+        if h.phase_done({j.spec.job_id: math.floor(j.done + 1e-9) for j in app.live}):
             killed = h.advance({j.spec.job_id: j.spec.final_loss for j in app.jobs.values()})
             ended = killed if not h.finished else [j.spec.job_id for j in app.live]
             freed: list[Lease] = []
