@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.arbiter.baselines import BASELINES
-from shared.simulator.be import POLICIES, THEMIS_64, THEMIS_256, BeSimParams, run_all
+from shared.simulator.be import POLICIES, THEMIS_64, THEMIS_256, BeSimParams, json_stdout, run_all
 from shared.workload.themis_workload import (
     ThemisWorkloadParams,
     generate_themis_workload,
@@ -72,7 +72,8 @@ def main() -> int:
         round_s=args.round_s, lease_s=args.lease_s, fairness_knob=args.fairness_knob, seed=args.seed
     )
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    results = run_all(workload, policies, hosts, params)
+    with json_stdout() as real_stdout:
+        results = run_all(workload, policies, hosts, params)
     out: dict[str, object] = {}
     for name, r in results.items():
         out[f"max_rho_{name}"] = round(r.max_rho, 4)
@@ -110,7 +111,7 @@ def main() -> int:
         mode="full" if args.full else "quick" if args.quick else "default",
         wall_s=round(time.perf_counter() - start, 1),
     )
-    print(json.dumps(out), flush=True)
+    print(json.dumps(out), file=real_stdout, flush=True)
     return 0
 
 

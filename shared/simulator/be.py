@@ -26,15 +26,17 @@ app's life, the same formula for every policy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TextIO
 
 from shared.arbiter import AppReport, Arbiter, ArbiterConfig, AuctionOutcome, GpuSlot, JobReport, Lease
 from shared.arbiter.baselines import BASELINES
@@ -451,6 +453,31 @@ def run_all(
     return out
 
 
+@contextlib.contextmanager
+def json_stdout() -> Iterator[TextIO]:
+    """A stream to the real stdout while the process's fd 1 points at stderr: scipy 1.17's HiGHS
+    prints a debug line ("HighsMipSolverData::transformNewIntegerFeasibleSolution") on fd 1 for
+    some MIPs, which would break one-JSON-line output. Leaves a non-file stdout (pytest's capture)
+    alone."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield sys.stdout
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    os.dup2(sys.stderr.fileno(), fd)
+    stream = os.fdopen(os.dup(saved), "w")
+    try:
+        yield stream
+    finally:
+        stream.flush()
+        stream.close()
+        sys.stdout.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m shared.simulator.be``: BE apps under Themis and the baselines, one JSON line per
     policy (``--json``) or a table."""
@@ -490,19 +517,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         round_s=args.round_s, lease_s=args.lease_s, fairness_knob=args.fairness_knob, seed=args.seed
     )
 
-    def show(r: BeRunResult) -> None:
-        s = r.summary()
-        if args.json:
-            print(json.dumps(s), flush=True)
-        else:
-            print(
-                "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items()),
-                flush=True,
-            )
+    with json_stdout() as out:
 
-    run_all(
-        workload, [p.strip() for p in args.policies.split(",") if p.strip()], hosts, params, progress=show
-    )
+        def show(r: BeRunResult) -> None:
+            s = r.summary()
+            line = (
+                json.dumps(s)
+                if args.json
+                else "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items())
+            )
+            print(line, file=out, flush=True)
+
+        run_all(
+            workload, [p.strip() for p in args.policies.split(",") if p.strip()], hosts, params, progress=show
+        )
     return 0
 
 
