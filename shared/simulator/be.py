@@ -40,6 +40,7 @@ from typing import Protocol, TextIO
 
 from shared.arbiter import AppReport, Arbiter, ArbiterConfig, AuctionOutcome, GpuSlot, JobReport, Lease
 from shared.arbiter.baselines import BASELINES
+from shared.arbiter.estimate import FinishTimeModel
 from shared.arbiter.halving import SuccessiveHalving
 from shared.arbiter.reports import APP_SUCCESSIVE_HALVING
 from shared.arbiter.slots import spans_hosts
@@ -137,6 +138,14 @@ class AppResult:
     rho: float
     gpu_seconds: float
     n_avg: float
+    alone_s: float = 0.0
+
+    @property
+    def rho_floor(self) -> float:
+        """The rho this app would have had alone on min(R, demand) GPUs, perfectly placed: T_id
+        assumes its work parallelises perfectly, but its longest job (per phase) bounds how soon
+        it can finish, so no policy can bring its rho below this."""
+        return self.alone_s / self.t_id
 
     @property
     def queueing_s(self) -> float | None:
@@ -164,6 +173,10 @@ class BeRunResult:
         return max(a.rho for a in self.apps)
 
     @property
+    def max_rho_floor(self) -> float:
+        return max(a.rho_floor for a in self.apps)
+
+    @property
     def median_rho(self) -> float:
         return statistics.median(a.rho for a in self.apps)
 
@@ -182,6 +195,7 @@ class BeRunResult:
             "policy": self.policy,
             "max_rho": self.max_rho,
             "median_rho": self.median_rho,
+            "max_rho_floor": self.max_rho_floor,
             "gpu_hours": self.gpu_seconds_allocated / 3600.0,
             "utilization": self.utilization,
             "makespan_h": self.makespan_s / 3600.0,
@@ -433,6 +447,7 @@ def _result(app: _App, now: float) -> AppResult:
         (end - app.spec.submitted_at) / t_id,
         app.gpu_seconds,
         n_avg,
+        FinishTimeModel(_start(app.spec).report(), ArbiterConfig()).remaining(int(r), {"alone": int(r)}),
     )
 
 
