@@ -57,11 +57,12 @@ class AppAgent:
         now: float,
         capacity_gpus: float,
         n_avg: float,
+        model: FinishTimeModel | None = None,
     ) -> None:
         self.report = report
         self.config = config
         self.now = now
-        self.model = FinishTimeModel(report, config)
+        self.model = model or FinishTimeModel(report, config)
         self.t_id = self.model.t_id(capacity_gpus, n_avg)
         self.held = report.gpus_held
 

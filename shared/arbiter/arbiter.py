@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 
 from shared.arbiter.agent import AppAgent, Bid, pack
 from shared.arbiter.config import ArbiterConfig
+from shared.arbiter.estimate import FinishTimeModel
 from shared.arbiter.lease import Lease
 from shared.arbiter.partial_allocation import PartialAllocation, partial_allocation
-from shared.arbiter.reports import AppReport
+from shared.arbiter.reports import AppReport, JobReport
 from shared.arbiter.slots import GpuSlot, host_counts
 
 
@@ -88,14 +89,40 @@ class Arbiter:
     def __init__(self, config: ArbiterConfig | None = None) -> None:
         self.config = config or ArbiterConfig()
         self.contention = ContentionMeter()
+        self._models: dict[str, tuple[tuple[object, ...], tuple[JobReport, ...], FinishTimeModel]] = {}
 
     def agents(self, now: float, apps: Sequence[AppReport], be_capacity_gpus: float) -> list[AppAgent]:
         """The visibility phase's agents (also what a live service shows as per-app rho)."""
         n_avg = self.contention.observe(now, [a.app_id for a in apps])
+        for gone in self._models.keys() - n_avg.keys():
+            del self._models[gone]
         return [
-            AppAgent(a, self.config, now=now, capacity_gpus=be_capacity_gpus, n_avg=n_avg[a.app_id])
+            AppAgent(
+                a,
+                self.config,
+                now=now,
+                capacity_gpus=be_capacity_gpus,
+                n_avg=n_avg[a.app_id],
+                model=self._model(a),
+            )
             for a in apps
         ]
+
+    def _model(self, report: AppReport) -> FinishTimeModel:
+        """The app's work model, reused while its report holds the very same job reports (a
+        simulator reuses a queued job's report; a live service builds new ones, and rebuilds)."""
+        cached = self._models.get(report.app_id)
+        key = (report.app_type, report.phase, report.budget_gpu_s, report.demand_max_gpus)
+        if (
+            cached is not None
+            and cached[0] == key
+            and len(cached[1]) == len(report.jobs)
+            and all(a is b for a, b in zip(cached[1], report.jobs, strict=True))
+        ):
+            return cached[2]
+        model = FinishTimeModel(report, self.config)
+        self._models[report.app_id] = (key, tuple(report.jobs), model)
+        return model
 
     def auction(
         self, now: float, apps: Sequence[AppReport], available: Sequence[GpuSlot], be_capacity_gpus: float

@@ -217,6 +217,25 @@ class _Job:
     ended: bool = False
     gpus: int = 0
     rate: float = 0.0
+    _report: JobReport | None = None
+    _report_key: tuple[int, int, int] = (0, 0, 0)
+
+    def report(self) -> JobReport:
+        """The job's progress report, the same object while nothing in it changed (queued jobs)."""
+        key = (self.gpus, math.floor(self.done), math.ceil(self.target))
+        if self._report is None or self._report_key != key:
+            self._report_key = key
+            self._report = JobReport(
+                self.spec.job_id,
+                self.app_id,
+                self.gpus,
+                self.spec.max_gpus,
+                key[1],
+                key[2],
+                self.spec.model.seconds_per_iteration,
+                self.spec.model.placement_sensitivity,
+            )
+        return self._report
 
     def set_leases(self, leases: list[Lease]) -> None:
         """Replace the job's leases and recompute its GPU count and its iterations per second."""
@@ -239,29 +258,17 @@ class _App:
     contention_area: float = 0.0
     capacity_area: float = 0.0
     last_job_end: float = 0.0
+    live: list[_Job] = field(default_factory=list)
+    reached_target: bool = False
 
-    @property
-    def live(self) -> list[_Job]:
-        return [j for j in self.jobs.values() if not j.ended]
+    def __post_init__(self) -> None:
+        self.live = list(self.jobs.values())
 
     def report(self) -> AppReport:
-        jobs = [
-            JobReport(
-                j.spec.job_id,
-                self.spec.app_id,
-                j.gpus,
-                j.spec.max_gpus,
-                math.floor(j.done),
-                math.ceil(j.target),
-                j.spec.model.seconds_per_iteration,
-                j.spec.model.placement_sensitivity,
-            )
-            for j in self.live
-        ]
         return AppReport(
             self.spec.app_id,
             self.spec.submitted_at,
-            jobs,
+            [j.report() for j in self.live],
             self.spec.app_type,
             phase_iterations=self.spec.phase_iterations,
             phase=self.halving.phase if self.halving else 0,
@@ -284,7 +291,9 @@ def _hand_down(app: _App, leases: list[Lease], now: float) -> None:
     """GPUs of an ended job go to siblings that can use more (same expiry), most work left first."""
     for lease in leases:
         slots = list(lease.slots)
-        for sib in sorted(app.live, key=lambda j: (j.done - j.target, j.spec.job_id)):
+        for sib in sorted(
+            (j for j in app.live if not j.ended), key=lambda j: (j.done - j.target, j.spec.job_id)
+        ):
             room = sib.spec.max_gpus - sib.gpus
             if room <= 0 or not slots:
                 continue
@@ -317,6 +326,8 @@ def _end_jobs(app: _App, now: float) -> None:
             for job in app.live:
                 job.target = float(h.target)
             _hand_down(app, freed, now)
+    app.live = [j for j in app.live if not j.ended]
+    app.reached_target = False
     if not app.live:
         app.finished_at = app.last_job_end
 
@@ -351,6 +362,8 @@ def run_be(
         leased: set[GpuSlot] = set()
         for app in active.values():
             for job in app.live:
+                if not job.leases:
+                    continue
                 kept = []
                 for lease in job.leases:
                     if lease.expired(now):
@@ -383,12 +396,13 @@ def run_be(
                 s = series.setdefault(app_id, [])
                 if not s or now - s[-1][0] >= p.rho_sample_s:
                     s.append((now, r))
+        running = [j for a in active.values() for j in a.live if j.leases]
         nxt = min(
             pending[0].submitted_at if pending else math.inf,
             tl.next_change(now),
             p.max_time_s,
-            *(lease.expires_at for a in active.values() for j in a.live for lease in j.leases),
-            *(now + (j.target - j.done) / r for a in active.values() for j in a.live if (r := j.rate) > 0),
+            *(lease.expires_at for j in running for lease in j.leases),
+            *(now + (j.target - j.done) / j.rate for j in running if j.rate > 0),
         )
         if math.isinf(nxt):
             break  # nothing can ever run again (no usable GPU)
@@ -409,10 +423,12 @@ def run_be(
                 allocated += job.gpus * run
                 if job.done >= job.target:
                     app.last_job_end = max(app.last_job_end, now + run)
+                    app.reached_target = True
         now = nxt
         for app_id in list(active):
             app = active[app_id]
-            _end_jobs(app, now)
+            if app.reached_target:
+                _end_jobs(app, now)
             if app.finished_at is not None:
                 done.append(active.pop(app_id))
         if now >= p.max_time_s:
