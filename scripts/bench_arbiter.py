@@ -33,12 +33,22 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.arbiter.baselines import BASELINES
-from shared.simulator.be import POLICIES, THEMIS_64, THEMIS_256, BeSimParams, json_stdout, run_all
+from shared.simulator.be import (
+    POLICIES,
+    THEMIS_64,
+    THEMIS_256,
+    BeRunResult,
+    BeSimParams,
+    json_stdout,
+    run_all,
+)
+from shared.workload.be_model import BeWorkload
 from shared.workload.themis_workload import (
     ThemisWorkloadParams,
     generate_themis_workload,
@@ -77,6 +87,22 @@ def main() -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     with json_stdout() as real_stdout:
         results = run_all(workload, policies, hosts, params)
+        print(
+            json.dumps(_report(args, workload, hosts, work_scale, span_h, results, start)), file=real_stdout
+        )
+    return 0
+
+
+def _report(
+    args: argparse.Namespace,
+    workload: BeWorkload,
+    hosts: Sequence[int],
+    work_scale: float,
+    span_h: float,
+    results: dict[str, BeRunResult],
+    start: float,
+) -> dict[str, object]:
+    """The JSON line's keys (see the module docstring)."""
     out: dict[str, object] = {}
     for name, r in results.items():
         out[f"max_rho_{name}"] = round(r.max_rho, 4)
@@ -115,8 +141,7 @@ def main() -> int:
         mode="full" if args.full else "quick" if args.quick else "default",
         wall_s=round(time.perf_counter() - start, 1),
     )
-    print(json.dumps(out), file=real_stdout, flush=True)
-    return 0
+    return out
 
 
 if __name__ == "__main__":
