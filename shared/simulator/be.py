@@ -40,6 +40,7 @@ from typing import Protocol, TextIO
 
 from shared.arbiter import AppReport, Arbiter, ArbiterConfig, AuctionOutcome, GpuSlot, JobReport, Lease
 from shared.arbiter.baselines import BASELINES
+from shared.arbiter.capacity import CapacityMeter
 from shared.arbiter.estimate import FinishTimeModel
 from shared.arbiter.halving import SuccessiveHalving
 from shared.arbiter.reports import APP_SUCCESSIVE_HALVING
@@ -353,7 +354,8 @@ def run_be(
     rounds = 0
     now = pending[0].submitted_at if pending else 0.0
     start = now
-    allocated = usable_area = 0.0
+    allocated = 0.0
+    meter = CapacityMeter()
     while pending or active:
         while pending and pending[0].submitted_at <= now:
             spec = pending.popleft()
@@ -379,8 +381,7 @@ def run_be(
                     job.set_leases(kept)
                 leased.update(s for lease in kept for s in lease.slots)
         free = sorted(usable - leased)
-        elapsed = now - start
-        capacity = usable_area / elapsed if elapsed > 0 else float(len(usable))
+        capacity = meter.observe(now, len(usable))
         wanting = any(j.gpus < j.spec.max_gpus for a in active.values() for j in a.live)
         if free and wanting:
             outcome = pol.auction(now, [a.report() for a in active.values()], free, capacity)
@@ -408,7 +409,6 @@ def run_be(
             break  # nothing can ever run again (no usable GPU)
         nxt = max(now + p.round_s, math.ceil((nxt - start) / p.round_s - 1e-9) * p.round_s + start)
         dt = nxt - now
-        usable_area += dt * len(usable)
         n_active = len(active)
         for app in active.values():
             app.contention_area += dt * n_active
@@ -442,7 +442,7 @@ def run_be(
         rounds,
         now - start,
         allocated,
-        usable_area,
+        meter.area + meter.count * max(0.0, now - meter.last),
         time.perf_counter() - wall,
     )
 

@@ -12,6 +12,7 @@ from shared.arbiter import (
     AppReport,
     Arbiter,
     ArbiterConfig,
+    CapacityMeter,
     GpuSlot,
     JobReport,
 )
@@ -137,3 +138,11 @@ def test_job_reports_without_progress_get_crude_estimates() -> None:
     report = AppReport("u", 0.0, [JobReport("u1", "u", 0, 1, 50, None, None)])
     agent = AppAgent(report, ArbiterConfig(), now=10.0, capacity_gpus=4, n_avg=1)
     assert math.isfinite(agent.rho(1)) and agent.rho(1) > 0
+
+
+def test_capacity_meter_averages_be_usable_gpus_over_time() -> None:
+    meter = CapacityMeter()
+    assert meter.observe(0.0, 8) == 8  # no time passed yet: the current count
+    assert meter.observe(100.0, 2) == pytest.approx(8.0)  # 8 GPUs held for [0, 100)
+    assert meter.observe(300.0, 8) == pytest.approx((8 * 100 + 2 * 200) / 300)
+    assert meter.average(400.0) == pytest.approx((8 * 100 + 2 * 200 + 8 * 100) / 400)
