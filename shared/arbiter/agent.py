@@ -16,6 +16,10 @@ from shared.arbiter.estimate import FinishTimeModel, Work, job_shares
 from shared.arbiter.reports import AppReport
 from shared.arbiter.slots import GpuSlot
 
+#: rho_old of a starving app: T_sh is unbounded, and this stands for it in the PF objective's
+#: log(rho_old / rho_new) (any finite grant gains ~14 nats over it).
+STARVING_RHO = 1e6
+
 
 @dataclass(frozen=True, order=True)
 class Bundle:
@@ -63,6 +67,8 @@ class AppAgent:
         self.config = config
         self.now = now
         self.model = model or FinishTimeModel(report, config)
+        self.capacity_gpus = capacity_gpus
+        self.n_avg = n_avg
         self.t_id = self.model.t_id(capacity_gpus, n_avg)
         self.held = report.gpus_held
 
@@ -91,21 +97,36 @@ class AppAgent:
         return self.t_sh(gpus, layout) / self.t_id
 
     @property
+    def starving(self) -> bool:
+        """Holds no GPU but has work: its T_sh, hence its rho, is unbounded (Themis §3.3.2)."""
+        return self.held == 0 and self.wants > 0
+
+    @property
     def rho_current(self) -> float:
-        """The visibility phase's report: rho with what the app holds now. An app holding no GPU
-        would never finish (T_sh infinite); it reports the rho of waiting one more lease and then
-        running on one GPU, finite so that auctions can compare it, and worse than any grant."""
-        if self.held > 0:
+        """The visibility phase's report: rho with what the app holds now. A starving app's rho is
+        unbounded; it reports, finitely, the rho it would reach if it got its fair share
+        (BE capacity / N_avg GPUs) from now on: its waiting so far over T_id, plus its remaining
+        work at a fair rate. That ranks starving apps by how long they have waited for their work,
+        not by how bad one GPU would be for them (which would push sweeps with little work left
+        to the back of the queue forever)."""
+        if self.held > 0 or not self.starving:
             return self.rho(self.held)
-        if not any(w.seconds > 0 for p in self.model.phases for w in p):
-            return self.rho(0)
         if math.isinf(self.t_id):
             return 1.0
-        return (self.t_sh(1) + self.config.lease_s) / self.t_id
+        fair = max(1, min(self.wants, math.floor(self.capacity_gpus / max(1.0, self.n_avg))))
+        return self.rho(fair)
+
+    @property
+    def rho_old(self) -> float:
+        """The bid's valuation of getting nothing: the current rho, unbounded (``STARVING_RHO``)
+        for a starving app, so that a proportional-fair allocation serves every starving bidder
+        it can before it enlarges anyone's share ("any non-zero GPU allocation to that app will
+        lead to a huge improvement in the app's valuation", §3.3.2)."""
+        return STARVING_RHO if self.starving else self.rho_current
 
     def bid(self, free_by_host: Mapping[str, int]) -> Bid:
         """The bid table for an offer of ``free_by_host`` GPUs (the visibility phase, step 3)."""
-        rho_old = self.rho_current
+        rho_old = self.rho_old
         total = sum(free_by_host.values())
         table: list[tuple[Bundle, float]] = []
         sizes = offer_sizes(min(total, self.wants), self.config.max_bundle_sizes)

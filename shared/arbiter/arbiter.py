@@ -3,7 +3,8 @@
 A round, given the apps' reports and the GPUs free now:
 
 1. visibility phase: every app's agent reports its current rho; the ceil((1 - f) * N) apps with
-   the worst rho, among those that can use more GPUs, are offered all free GPUs and bid;
+   the worst rho, among those that can use more GPUs, are offered all free GPUs and bid (starving
+   apps, whose rho is unbounded, first; see ``AppAgent.rho_current``);
 2. allocation phase: partial allocation over the bids (``shared.arbiter.partial_allocation``);
    winners keep c_i of their proportional-fair bundle; the leftovers (GPUs no bundle took, plus
    the hidden payments) go to the non-bidders in a seeded random order, each up to what it can
@@ -138,7 +139,7 @@ class Arbiter:
             return AuctionOutcome([], rho, auction_ms=(time.perf_counter() - start) * 1e3)
         wanting = [a for a in agents if a.wants > 0]
         n_bid = math.ceil((1.0 - self.config.fairness_knob) * len(agents)) if agents else 0
-        bidders = sorted(wanting, key=lambda a: (-rho[a.app_id], a.app_id))[:n_bid]
+        bidders = sorted(wanting, key=lambda a: (not a.starving, -rho[a.app_id], a.app_id))[:n_bid]
         offer = host_counts(available)
         bids = {a.app_id: a.bid(offer) for a in bidders}
         pa = partial_allocation(list(bids.values()), offer)

@@ -16,7 +16,7 @@ from shared.arbiter import (
     GpuSlot,
     JobReport,
 )
-from shared.arbiter.agent import Bundle
+from shared.arbiter.agent import STARVING_RHO, Bundle
 from shared.arbiter.halving import SuccessiveHalving, jobs_per_phase, plan_iterations
 
 
@@ -86,10 +86,22 @@ def test_placement_sensitive_app_values_a_packed_bundle_above_a_spread_one() -> 
     assert Bundle(4, "h0") in dict(bid.table)
 
 
-def test_an_app_holding_no_gpu_reports_a_finite_rho_worse_than_any_grant() -> None:
-    agent = AppAgent(_one_job_app("x"), ArbiterConfig(), now=0.0, capacity_gpus=4, n_avg=1)
+def test_a_starving_app_reports_a_finite_rho_and_bids_as_unbounded() -> None:
+    agent = AppAgent(_one_job_app("x", max_gpus=4), ArbiterConfig(), now=0.0, capacity_gpus=8, n_avg=4)
+    assert agent.starving
     assert math.isfinite(agent.rho_current)
-    assert agent.rho_current > agent.rho(1)
+    assert agent.rho_current == pytest.approx(agent.rho(2))  # its fair share: 8 GPUs / 4 apps
+    bid = agent.bid({"h0": 4})
+    assert bid.rho_old == STARVING_RHO and all(r < bid.rho_old for _, r in bid.table)
+
+
+def test_a_starving_sweep_with_little_left_outranks_a_fed_one() -> None:
+    """Waiting counts: an app that has waited long for a little work bids before an app that
+    holds a GPU, however slow that GPU alone would make it."""
+    waited = AppReport("w", -5000.0, [JobReport("w1", "w", 0, 1, 90, 100, 10.0)])
+    fed = AppReport("f", 0.0, [JobReport("f1", "f", 1, 8, 0, 10_000, 10.0)])
+    out = Arbiter(ArbiterConfig(fairness_knob=0.5)).auction(0.0, [waited, fed], _slots(1, 2), 2)
+    assert out.bidders == ["w"]
 
 
 def _slots(hosts: int, per_host: int) -> list[GpuSlot]:
