@@ -136,7 +136,7 @@ class AppAgent:
                 table.append((Bundle(k), anywhere))
             if not self.placement_sensitive or k < 2:
                 continue
-            packed = self.rho(self.held + k, None if self.held else {"any": k})
+            packed = self.rho(self.held + k, None if self.held else {"one host": k})
             if packed >= min(anywhere, rho_old):
                 continue
             fits = sorted((free, host) for host, free in free_by_host.items() if free >= k)
