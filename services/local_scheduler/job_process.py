@@ -1,0 +1,191 @@
+"""One run of a best-effort training job on this host: a real OS process on leased GPUs.
+
+The job runs ``argv`` in the submitter's working directory with the submitter's environment,
+plus ``CUDA_VISIBLE_DEVICES`` / ``TANDEM_GPU_IDS`` (its leased device ids) and the variables of
+the job-side API (``tandem_job``: its directory, id, and the iteration to resume from). It runs at
+the lowest CPU priority (``nice 19`` and, where ``chrt`` exists, ``SCHED_IDLE``, both applied by
+exec wrappers so every thread it ever starts inherits them) so that cells stay interactive on a
+machine with few cores; in its own session, so stopping it signals its whole process group; and
+under ``setpriv --pdeathsig`` where available, so a local scheduler killed outright takes it along.
+
+Stopping is polite first: the control word ``stop`` (obeyed at the next step boundary by a job
+that uses the API), then SIGTERM, then SIGKILL to the group, a grace apart; nothing it started
+outlives it. Its stdout and stderr are appended to ``output.log`` in the job's directory (under the
+cluster's state dir), across runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from shared.private_files import open_private_file, private_dir
+from tandem_job import CONTROL_FILE, PROGRESS_FILE, STOP, write_atomically
+
+log = structlog.get_logger("job_process")
+
+LOG_FILE = "output.log"
+_LINUX = sys.platform.startswith("linux")
+SETPRIV = shutil.which("setpriv") if _LINUX else None
+CHRT = shutil.which("chrt") if _LINUX else None
+NICE = shutil.which("nice")
+KILL_GRACE_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What starting a job needs; it travels in ``lease.grant``."""
+
+    job_id: str
+    argv: list[str]
+    cwd: str
+    env: dict[str, str] = field(default_factory=dict)
+    start_iteration: int = 0
+
+    @classmethod
+    def from_wire(cls, raw: dict[str, Any]) -> JobSpec:
+        return cls(
+            job_id=str(raw["job_id"]),
+            argv=[str(a) for a in raw["argv"]],
+            cwd=str(raw["cwd"]),
+            env={str(k): str(v) for k, v in dict(raw.get("env") or {}).items()},
+            start_iteration=int(raw.get("start_iteration") or 0),
+        )
+
+
+def low_priority_prefix() -> list[str]:
+    """Exec wrappers that put the job at the bottom of the CPU scheduler."""
+    prefix: list[str] = []
+    if SETPRIV is not None:
+        prefix += [SETPRIV, "--pdeathsig", "TERM"]
+    if CHRT is not None:
+        prefix += [CHRT, "--idle", "0"]
+    if NICE is not None:
+        prefix += [NICE, "-n", "19"]
+    return prefix
+
+
+def job_dir(state_dir: Path, job_id: str) -> Path:
+    return state_dir / "jobs" / job_id
+
+
+class JobProcess:
+    """A started job; ``outcome`` says how it ended once ``exited`` is set."""
+
+    def __init__(self, spec: JobSpec, *, directory: Path, device_ids: list[int], host_id: str) -> None:
+        self.spec = spec
+        self.directory = directory
+        self.device_ids = list(device_ids)
+        self.host_id = host_id
+        self.process: asyncio.subprocess.Process | None = None
+        self.returncode: int | None = None
+        self.stop_requested = False
+        self.exited = asyncio.Event()
+        self._watcher: asyncio.Future[None] | None = None
+        self.log = log.bind(job=spec.job_id, host=host_id)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / LOG_FILE
+
+    def _env(self) -> dict[str, str]:
+        env = dict(self.spec.env)
+        devices = ",".join(str(d) for d in self.device_ids)
+        env.update(
+            CUDA_VISIBLE_DEVICES=devices,
+            TANDEM_GPU_IDS=devices,
+            TANDEM_JOB_ID=self.spec.job_id,
+            TANDEM_JOB_DIR=str(self.directory),
+            TANDEM_JOB_START=str(self.spec.start_iteration),
+            TANDEM_HOST_ID=self.host_id,
+            PYTHONUNBUFFERED="1",
+        )
+        return env
+
+    async def start(self) -> None:
+        """Spawn the process; OSError (no such program, no such directory) if it cannot start."""
+        private_dir(self.directory)
+        write_atomically(self.directory / CONTROL_FILE, "run")
+        (self.directory / PROGRESS_FILE).unlink(missing_ok=True)  # this run's progress only
+        with open_private_file(self.log_path, "ab") as out:
+            out.write(f"--- tandem: started on {self.host_id} GPUs {self.device_ids} at iteration "
+                      f"{self.spec.start_iteration}\n".encode())  # fmt: skip
+            out.flush()
+            self.process = await asyncio.create_subprocess_exec(
+                *low_priority_prefix(),
+                *self.spec.argv,
+                cwd=self.spec.cwd,
+                env=self._env(),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.log.info("job_started", pid=self.process.pid, device_ids=self.device_ids)
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        assert self.process is not None
+        self.returncode = await self.process.wait()
+        self._kill_group(signal.SIGKILL)  # anything the job started goes with it
+        self.log.info("job_exited", returncode=self.returncode, stop_requested=self.stop_requested)
+        self.exited.set()
+
+    def progress(self) -> dict[str, Any] | None:
+        """The job's last ``progress.json`` (None: it reports none, or not yet)."""
+        try:
+            raw = json.loads((self.directory / PROGRESS_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        return raw if isinstance(raw, dict) else None
+
+    def outcome(self) -> str:
+        """``finished`` | ``failed`` | ``stopped`` (resumable: it was asked to stop)."""
+        progress = self.progress() or {}
+        if progress.get("state") == "finished" and self.returncode == 0:
+            return "finished"
+        if self.stop_requested:
+            return "stopped"
+        return "finished" if self.returncode == 0 else "failed"
+
+    async def stop(self, grace_s: float) -> int | None:
+        """The control word ``stop``, then SIGTERM, then SIGKILL to the group, a grace apart."""
+        self.stop_requested = True
+        if self.process is None:
+            return None
+        if not self.exited.is_set():
+            with contextlib.suppress(OSError):
+                write_atomically(self.directory / CONTROL_FILE, STOP)
+            for sig, wait_s in (
+                (None, grace_s),
+                (signal.SIGTERM, KILL_GRACE_S),
+                (signal.SIGKILL, KILL_GRACE_S),
+            ):
+                if sig is not None:
+                    self.log.info("signalling_job", signal=sig.name)
+                    self._kill_group(sig)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.exited.wait(), wait_s)
+                if self.exited.is_set():
+                    break
+        return self.returncode
+
+    def _kill_group(self, sig: signal.Signals) -> None:
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, sig)
