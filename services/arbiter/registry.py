@@ -1,0 +1,263 @@
+"""The arbiter's record of apps, jobs and their leases: pure bookkeeping, no I/O, no policy.
+
+Every decision of who gets GPUs is the auction's (``shared/arbiter``); this records what was
+submitted, what each lease holder reports, and how much GPU time each job has held (the time a
+lease was held, times its GPUs), and says what the auction needs to know (``app_reports``). It is
+a plain dict for the shell to persist (``to_dict`` / ``from_dict``), so a restarted arbiter loses
+no job.
+
+A job that does not use the job-side API reports no iterations; its estimate is cruder: one
+"iteration" per second it has run, and a total of twice what it has run (at least
+``default_job_s``), the least-attained-service guess that its remaining time equals its age.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shlex
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from shared.messages import id_problem
+
+QUEUED, RUNNING, FINISHED, FAILED, CANCELLED = "queued", "running", "finished", "failed", "cancelled"
+ENDED = (FINISHED, FAILED, CANCELLED)
+DEFAULT_APP = "default"
+
+
+class RegistryError(ValueError):
+    """A request the registry refuses (unknown job, bad sizes); ``str`` says why."""
+
+
+@dataclass
+class JobRecord:
+    job_id: str
+    app_id: str
+    name: str
+    argv: list[str]
+    cwd: str
+    env: dict[str, str]
+    gpus: int
+    max_gpus: int
+    submitted_at: float
+    state: str = QUEUED
+    iterations_done: int = 0
+    iterations_total: int | None = None
+    seconds_per_iteration: float | None = None
+    uses_api: bool = False
+    run_seconds: float = 0.0  # process time on leases, over all runs
+    gpu_seconds: float = 0.0  # GPUs x seconds leased, over all leases
+    runs: int = 0
+    host: str | None = None
+    device_ids: list[int] = field(default_factory=list)
+    pid: int | None = None
+    lease_granted_at: float | None = None
+    lease_expires_at: float | None = None
+    accounted_at: float | None = None
+    ended_at: float | None = None
+    returncode: int | None = None
+    leases_held: int = 0
+
+    @property
+    def leased(self) -> bool:
+        return self.host is not None
+
+    def describe(self) -> dict[str, Any]:
+        """What ``tandem job show`` / ``list --json`` print (the environment left out)."""
+        out = asdict(self)
+        out.pop("env")
+        out["command"] = shlex.join(self.argv)
+        return out
+
+
+class Registry:
+    def __init__(self, *, default_job_s: float = 600.0) -> None:
+        self.jobs: dict[str, JobRecord] = {}
+        self.default_job_s = default_job_s
+        self._ids = itertools.count(1)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def submit(self, body: dict[str, Any], now: float) -> JobRecord:
+        argv = [str(a) for a in body["argv"]]
+        if not argv:
+            raise RegistryError("nothing to run: give the command after `--`, e.g. -- python train.py")
+        app_id = str(body.get("app") or DEFAULT_APP)
+        if (problem := id_problem("app", app_id)) is not None:
+            raise RegistryError(problem)
+        gpus = int(body.get("gpus", 1))
+        max_gpus = int(body.get("max_gpus", gpus))
+        if gpus < 1:
+            raise RegistryError(f"--gpus must be at least 1, got {gpus}")
+        if max_gpus < gpus:
+            raise RegistryError(f"--max-gpus ({max_gpus}) must be at least --gpus ({gpus})")
+        job_id = f"{app_id}.{next(self._ids)}"
+        while job_id in self.jobs:
+            job_id = f"{app_id}.{next(self._ids)}"
+        name = str(body.get("name") or argv[-1].rsplit("/", 1)[-1])
+        record = JobRecord(
+            job_id, app_id, name, argv, str(body["cwd"]), dict(body["env"]), gpus, max_gpus, now
+        )
+        self.jobs[job_id] = record
+        return record
+
+    def get(self, job_id: str) -> JobRecord:
+        record = self.jobs.get(job_id)
+        if record is None:
+            known = ", ".join(sorted(self.jobs)[-5:]) or "none"
+            raise RegistryError(f"no job {job_id!r} (recent jobs: {known}; see `tandem job list`)")
+        return record
+
+    def cancel(self, job_id: str, now: float) -> JobRecord:
+        """The job ends for good; the caller ends its lease (if ``host`` was set before)."""
+        record = self.get(job_id)
+        if record.state in ENDED:
+            raise RegistryError(f"job {job_id} has already ended ({record.state})")
+        self._close_lease(record, now)
+        record.state, record.ended_at = CANCELLED, now
+        return record
+
+    # ---- leases ---------------------------------------------------------------------------------
+
+    def lease_started(
+        self, job_id: str, *, host: str, device_ids: list[int], pid: int | None, now: float, expires_at: float
+    ) -> None:
+        record = self.get(job_id)
+        record.state, record.host, record.device_ids, record.pid = RUNNING, host, list(device_ids), pid
+        record.lease_granted_at, record.lease_expires_at, record.accounted_at = now, expires_at, now
+        record.runs += 1
+        record.leases_held += 1
+
+    def lease_renewed(self, job_id: str, *, now: float, expires_at: float) -> None:
+        record = self.get(job_id)
+        self.account(now)
+        record.lease_expires_at = expires_at
+        record.leases_held += 1
+
+    def lease_ended(self, job_id: str, now: float) -> None:
+        """The lease is over and its GPUs free; the job waits for the next (unless it ended)."""
+        record = self.get(job_id)
+        self._close_lease(record, now)
+        if record.state == RUNNING:
+            record.state = QUEUED
+
+    def _close_lease(self, record: JobRecord, now: float) -> None:
+        if record.host is None:
+            return
+        self._account(record, now)
+        record.host, record.device_ids, record.pid = None, [], None
+        record.lease_granted_at = record.lease_expires_at = record.accounted_at = None
+
+    def account(self, now: float) -> None:
+        """GPU time of every lease held, up to ``now``."""
+        for record in self.jobs.values():
+            self._account(record, now)
+
+    @staticmethod
+    def _account(record: JobRecord, now: float) -> None:
+        if record.accounted_at is None or now <= record.accounted_at:
+            return
+        seconds = now - record.accounted_at
+        record.gpu_seconds += seconds * len(record.device_ids)
+        record.run_seconds += seconds
+        record.accounted_at = now
+
+    def expired(self, now: float) -> list[JobRecord]:
+        return [r for r in self.jobs.values() if r.lease_expires_at is not None and r.lease_expires_at <= now]
+
+    def leased(self) -> list[JobRecord]:
+        return [r for r in self.jobs.values() if r.host is not None]
+
+    # ---- what hosts report ----------------------------------------------------------------------
+
+    def on_report(self, report: dict[str, Any], now: float) -> list[str]:
+        """A host's ``agent.report``: progress of its jobs, and runs that ended (acknowledged by
+        the returned ids). A job leased there but absent from the report lost its run."""
+        host = str(report["host_id"])
+        seen: set[str] = set()
+        ended: list[str] = []
+        for entry in report["jobs"]:
+            if not isinstance(entry, dict) or not isinstance(entry.get("job_id"), str):
+                continue
+            job_id = entry["job_id"]
+            seen.add(job_id)
+            record = self.jobs.get(job_id)
+            if record is None:
+                ended.append(job_id)  # not ours (any more): let the host forget it
+                continue
+            self._progress(record, entry.get("progress") or {})
+            if not entry.get("running"):
+                ended.append(job_id)
+                self.run_ended(host, entry, now)
+        for record in self.leased():
+            granted = record.lease_granted_at or now
+            if (
+                record.host == host
+                and record.job_id not in seen
+                and granted < float(report.get("at", now)) - 1.0
+            ):
+                self.lease_ended(record.job_id, now)
+        return ended
+
+    def run_ended(self, host: str, entry: dict[str, Any], now: float) -> None:
+        """A run of a job on ``host`` is over (its report entry says how): finished and failed
+        jobs end, a stopped one waits for its next lease."""
+        record = self.jobs.get(str(entry.get("job_id")))
+        if record is None:
+            return
+        self._progress(record, entry.get("progress") or {})
+        if record.host == host:
+            self._close_lease(record, now)
+        if record.state in ENDED or record.host is not None:  # over, or already running elsewhere
+            return
+        record.returncode = entry.get("returncode")
+        outcome = entry.get("outcome")
+        if outcome in (FINISHED, FAILED):
+            record.state, record.ended_at = outcome, now
+        else:
+            record.state = QUEUED
+
+    def _progress(self, record: JobRecord, progress: dict[str, Any]) -> None:
+        done = progress.get("iterations_done")
+        if not isinstance(done, int):
+            return
+        record.uses_api = True
+        record.iterations_done = done
+        total = progress.get("iterations_total")
+        record.iterations_total = total if isinstance(total, int) else None
+        spi = progress.get("seconds_per_iteration")
+        if isinstance(spi, int | float) and spi > 0:
+            record.seconds_per_iteration = float(spi)
+
+    # ---- what the auction needs -----------------------------------------------------------------
+
+    def active(self) -> list[JobRecord]:
+        """Jobs that want GPUs: waiting or running."""
+        return [r for r in self.jobs.values() if r.state in (QUEUED, RUNNING)]
+
+    def estimate(self, record: JobRecord) -> tuple[int, int, float]:
+        """(iterations done, iterations in all, seconds per iteration) for finish-time estimates."""
+        if record.uses_api and record.iterations_total and record.seconds_per_iteration:
+            return record.iterations_done, record.iterations_total, record.seconds_per_iteration
+        done = int(record.run_seconds)
+        return done, max(2 * done, int(self.default_job_s), done + 1), 1.0
+
+    def start_iteration(self, record: JobRecord) -> int:
+        """Where a new run of the job resumes (what it reported through the API)."""
+        return record.iterations_done if record.uses_api else 0
+
+    # ---- persistence ----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"jobs": [asdict(r) for r in self.jobs.values()]}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, default_job_s: float = 600.0) -> Registry:
+        """A restarted arbiter: leases it knew of are kept (their hosts report them or not)."""
+        registry = cls(default_job_s=default_job_s)
+        for item in raw.get("jobs", []):
+            record = JobRecord(**item)
+            registry.jobs[record.job_id] = record
+        numbers = [int(j.rsplit(".", 1)[-1]) for j in registry.jobs if j.rsplit(".", 1)[-1].isdigit()]
+        registry._ids = itertools.count(max(numbers, default=0) + 1)
+        return registry
