@@ -1,0 +1,160 @@
+"""The per-app AGENT (Themis §4.2.2): reports rho in the visibility phase, answers an offer with a
+bid table, and in the allocation phase splits what its app won between the app's jobs.
+
+Pure: built from an ``AppReport`` each round; the arbiter supplies time, the BE-usable capacity
+and the app's average contention.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from shared.arbiter.config import ArbiterConfig
+from shared.arbiter.estimate import FinishTimeModel, Work, job_shares
+from shared.arbiter.reports import AppReport
+from shared.arbiter.slots import GpuSlot
+
+
+@dataclass(frozen=True, order=True)
+class Bundle:
+    """A GPU subset of an offer, up to what the valuation depends on: ``gpus`` GPUs either all on
+    host ``host``, or anywhere (``host`` None, valued as if every multi-GPU job share spanned
+    hosts, so a placement-sensitive app prefers a packed bundle)."""
+
+    gpus: int
+    host: str | None = None
+
+
+@dataclass(frozen=True)
+class Bid:
+    """An app's bid table (Themis Table 2/3): ``rho_old`` for receiving nothing, and the new rho
+    for each bundle. Only bundles that improve on ``rho_old`` are listed."""
+
+    app_id: str
+    rho_old: float
+    table: tuple[tuple[Bundle, float], ...]
+
+
+def offer_sizes(limit: int, cap: int) -> list[int]:
+    """Bundle sizes an agent bids on: powers of two up to ``limit`` plus ``limit`` itself (Themis
+    bids on 1/2/4/8/16), at most ``cap`` of them (the largest kept)."""
+    if limit <= 0:
+        return []
+    sizes = sorted({1 << k for k in range(limit.bit_length()) if (1 << k) <= limit} | {limit})
+    return sizes[-cap:] if len(sizes) > cap else sizes
+
+
+class AppAgent:
+    """One app's agent for one round."""
+
+    def __init__(
+        self,
+        report: AppReport,
+        config: ArbiterConfig,
+        *,
+        now: float,
+        capacity_gpus: float,
+        n_avg: float,
+    ) -> None:
+        self.report = report
+        self.config = config
+        self.now = now
+        self.model = FinishTimeModel(report, config)
+        self.t_id = self.model.t_id(capacity_gpus, n_avg)
+        self.held = report.gpus_held
+
+    @property
+    def app_id(self) -> str:
+        return self.report.app_id
+
+    @property
+    def wants(self) -> int:
+        """GPUs beyond those held that the app could use now."""
+        current = self.model.phases[0] if self.model.phases else []
+        usable = sum(w.max_gpus for w in current if w.seconds > 0)
+        return max(0, usable - self.held)
+
+    @property
+    def placement_sensitive(self) -> bool:
+        return any(w.sensitivity > 1.0 for p in self.model.phases for w in p)
+
+    def t_sh(self, gpus: int, layout: Mapping[str, int] | None = None) -> float:
+        return self.model.t_sh(self.now, gpus, layout)
+
+    def rho(self, gpus: int, layout: Mapping[str, int] | None = None) -> float:
+        """rho = T_sh / T_id if the app held ``gpus`` GPUs (laid out as ``layout``) to the end."""
+        if math.isinf(self.t_id):
+            return 1.0
+        return self.t_sh(gpus, layout) / self.t_id
+
+    @property
+    def rho_current(self) -> float:
+        """The visibility phase's report: rho with what the app holds now. An app holding no GPU
+        would never finish (T_sh infinite); it reports the rho of waiting one more lease and then
+        running on one GPU, finite so that auctions can compare it, and worse than any grant."""
+        if self.held > 0:
+            return self.rho(self.held)
+        if not any(w.seconds > 0 for p in self.model.phases for w in p):
+            return self.rho(0)
+        if math.isinf(self.t_id):
+            return 1.0
+        return (self.t_sh(1) + self.config.lease_s) / self.t_id
+
+    def bid(self, free_by_host: Mapping[str, int]) -> Bid:
+        """The bid table for an offer of ``free_by_host`` GPUs (the visibility phase, step 3)."""
+        rho_old = self.rho_current
+        total = sum(free_by_host.values())
+        table: list[tuple[Bundle, float]] = []
+        sizes = offer_sizes(min(total, self.wants), self.config.max_bundle_sizes)
+        for k in sizes:
+            anywhere = self.rho(self.held + k)
+            if anywhere < rho_old:
+                table.append((Bundle(k), anywhere))
+            if not self.placement_sensitive or k < 2:
+                continue
+            for host, free in sorted(free_by_host.items()):
+                if free < k:
+                    continue
+                layout = None if self.held else {host: k}
+                packed = self.rho(self.held + k, layout)
+                if packed < min(anywhere, rho_old):
+                    table.append((Bundle(k, host), packed))
+        return Bid(self.app_id, rho_old, tuple(table))
+
+    def assign(self, slots: Sequence[GpuSlot]) -> dict[str, tuple[GpuSlot, ...]]:
+        """Allocation phase, step 5: split won GPUs between the app's unfinished jobs (shares by
+        water-filling, each job's share from as few hosts as possible)."""
+        jobs = list(self.report.jobs)
+        current = self.model.phases[0] if self.model.phases else []
+        works = [
+            Work(w.seconds, max(0, w.max_gpus - j.gpus), w.sensitivity)
+            for w, j in zip(current, jobs, strict=True)
+        ]
+        shares = job_shares(works, len(slots))
+        return pack(dict((j.job_id, s) for j, s in zip(jobs, shares, strict=True) if s > 0), slots)
+
+
+def pack(shares: Mapping[str, int], slots: Sequence[GpuSlot]) -> dict[str, tuple[GpuSlot, ...]]:
+    """Give each key ``shares[key]`` of ``slots``, largest share first, each from the host that
+    fits it most tightly (else from the fullest hosts), so few shares span hosts."""
+    by_host: dict[str, list[GpuSlot]] = {}
+    for s in sorted(slots):
+        by_host.setdefault(s.host_id, []).append(s)
+    out: dict[str, tuple[GpuSlot, ...]] = {}
+    for key, n in sorted(shares.items(), key=lambda kv: (-kv[1], kv[0])):
+        fits = [h for h, free in by_host.items() if len(free) >= n]
+        chosen: list[GpuSlot] = []
+        if fits:
+            h = min(fits, key=lambda h: (len(by_host[h]), h))
+            chosen, by_host[h] = by_host[h][:n], by_host[h][n:]
+        else:
+            for h in sorted(by_host, key=lambda h: (-len(by_host[h]), h)):
+                take = min(n - len(chosen), len(by_host[h]))
+                chosen += by_host[h][:take]
+                by_host[h] = by_host[h][take:]
+                if len(chosen) == n:
+                    break
+        out[key] = tuple(chosen)
+    return out

@@ -1,0 +1,34 @@
+"""Arbiter knobs (Themis §3.3.2 and §6.4's sensitivity analysis: f = 0.8, 10-minute leases)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ArbiterConfig:
+    """``fairness_knob`` is Themis's f in (0, 1): each round the ceil((1 - f) * N) apps with the
+    worst (highest) rho bid; see ``shared.arbiter.arbiter`` for why (1 - f) and not f.
+
+    ``unknown_seconds_per_iteration`` / ``unknown_remaining_fraction``: the crude estimates for a
+    job that does not report progress (it still runs; its rho is only roughly right).
+    ``leftovers_to_bidders``: after non-bidders have taken what they can use, give what is still
+    left to bidders with unmet demand, so a round never leaves a GPU idle that some app wants
+    (the paper's "work conserving"); off means strict PA hidden payments to non-bidders only.
+    ``seed``: leftovers go to non-bidders "at random" (Themis §3.3.2), drawn from this seed and
+    the round's time, so a round is reproducible.
+    """
+
+    fairness_knob: float = 0.8
+    lease_s: float = 600.0
+    leftovers_to_bidders: bool = True
+    unknown_seconds_per_iteration: float = 1.0
+    unknown_remaining_fraction: float = 0.5
+    max_bundle_sizes: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fairness_knob < 1.0:
+            raise ValueError(f"fairness_knob f must be in [0, 1), got {self.fairness_knob}")
+        if self.lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
