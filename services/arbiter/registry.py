@@ -6,9 +6,9 @@ lease was held, times its GPUs), and says what the auction needs to know (``app_
 a plain dict for the shell to persist (``to_dict`` / ``from_dict``), so a restarted arbiter loses
 no job.
 
-A job that does not use the job-side API reports no iterations; its estimate is cruder: one
-"iteration" per second it has run, and a total of twice what it has run (at least
-``default_job_s``), the least-attained-service guess that its remaining time equals its age.
+A job that does not use the job-side API reports no iterations: it is reported to the auction
+as one "iteration" per second it has run, with no known total or iteration time, and the core's
+crude estimates (``ArbiterConfig.unknown_*``) stand in for them.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shared.arbiter import AppReport, JobReport
 from shared.messages import id_problem
 
 QUEUED, RUNNING, FINISHED, FAILED, CANCELLED = "queued", "running", "finished", "failed", "cancelled"
@@ -57,6 +58,7 @@ class JobRecord:
     ended_at: float | None = None
     returncode: int | None = None
     leases_held: int = 0
+    last_host: str | None = None  # where its output log is
 
     @property
     def leased(self) -> bool:
@@ -71,9 +73,8 @@ class JobRecord:
 
 
 class Registry:
-    def __init__(self, *, default_job_s: float = 600.0) -> None:
+    def __init__(self) -> None:
         self.jobs: dict[str, JobRecord] = {}
-        self.default_job_s = default_job_s
         self._ids = itertools.count(1)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -123,7 +124,9 @@ class Registry:
         self, job_id: str, *, host: str, device_ids: list[int], pid: int | None, now: float, expires_at: float
     ) -> None:
         record = self.get(job_id)
+        self._close_lease(record, now)  # a resize: the GPU time of the old size is counted
         record.state, record.host, record.device_ids, record.pid = RUNNING, host, list(device_ids), pid
+        record.last_host = host
         record.lease_granted_at, record.lease_expires_at, record.accounted_at = now, expires_at, now
         record.runs += 1
         record.leases_held += 1
@@ -235,12 +238,49 @@ class Registry:
         """Jobs that want GPUs: waiting or running."""
         return [r for r in self.jobs.values() if r.state in (QUEUED, RUNNING)]
 
-    def estimate(self, record: JobRecord) -> tuple[int, int, float]:
-        """(iterations done, iterations in all, seconds per iteration) for finish-time estimates."""
-        if record.uses_api and record.iterations_total and record.seconds_per_iteration:
-            return record.iterations_done, record.iterations_total, record.seconds_per_iteration
-        done = int(record.run_seconds)
-        return done, max(2 * done, int(self.default_job_s), done + 1), 1.0
+    def app_reports(self, now: float, *, releasing: set[str]) -> list[AppReport]:
+        """The auction's input: every app with a job that wants GPUs. A job in ``releasing``
+        (its lease expired this round) holds nothing: its GPUs are in the offer."""
+        apps: dict[str, list[JobRecord]] = {}
+        for record in self.jobs.values():
+            apps.setdefault(record.app_id, []).append(record)
+        reports = []
+        for app_id, records in sorted(apps.items()):
+            live = [r for r in records if r.state in (QUEUED, RUNNING)]
+            if not live:
+                continue
+            jobs = [
+                JobReport(
+                    job_id=r.job_id,
+                    app_id=app_id,
+                    gpus=0 if r.job_id in releasing else len(r.device_ids),
+                    max_gpus=r.max_gpus,
+                    iterations_done=r.iterations_done if r.uses_api else int(r.run_seconds),
+                    iterations_total=r.iterations_total if r.uses_api else None,
+                    seconds_per_iteration=r.seconds_per_iteration if r.uses_api else None,
+                )
+                for r in live
+            ]
+            reports.append(
+                AppReport(
+                    app_id=app_id,
+                    submitted_at=min(r.submitted_at for r in records),
+                    jobs=jobs,
+                    demand_max_gpus=sum(r.max_gpus for r in records),
+                    gpu_seconds_used=sum(r.gpu_seconds for r in records),
+                )
+            )
+        return reports
+
+    def apps(self) -> dict[str, dict[str, Any]]:
+        """Per app: GPU time held, GPUs held now, jobs by state."""
+        out: dict[str, dict[str, Any]] = {}
+        for record in self.jobs.values():
+            app = out.setdefault(record.app_id, {"gpu_seconds": 0.0, "gpus_now": 0, "jobs": {}})
+            app["gpu_seconds"] += record.gpu_seconds
+            app["gpus_now"] += len(record.device_ids)
+            app["jobs"][record.state] = app["jobs"].get(record.state, 0) + 1
+        return out
 
     def start_iteration(self, record: JobRecord) -> int:
         """Where a new run of the job resumes (what it reported through the API)."""
@@ -252,9 +292,9 @@ class Registry:
         return {"jobs": [asdict(r) for r in self.jobs.values()]}
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], *, default_job_s: float = 600.0) -> Registry:
+    def from_dict(cls, raw: dict[str, Any]) -> Registry:
         """A restarted arbiter: leases it knew of are kept (their hosts report them or not)."""
-        registry = cls(default_job_s=default_job_s)
+        registry = cls()
         for item in raw.get("jobs", []):
             record = JobRecord(**item)
             registry.jobs[record.job_id] = record
