@@ -1,7 +1,8 @@
 """The embedded cluster behind ``tandem up``: every service as a real OS process on loopback.
 
-Start order: global scheduler, gateway, N local schedulers (virtual GPUs); then wait until every
-host has registered, write ``cluster.json`` and hand control back. Stop order is the reverse, and
+Start order: arbiter (best-effort jobs' leases), global scheduler, gateway, N local schedulers
+(virtual GPUs); then wait until every host has registered, write ``cluster.json`` and hand
+control back. Stop order is the reverse, and
 the "no orphans, ever" rule is enforced three ways, because each alone has a hole:
 
 1. every child gets ``PR_SET_PDEATHSIG`` (SIGTERM), so if ``tandem up`` is killed outright the
@@ -129,6 +130,7 @@ class EmbeddedCluster:
         self._gateway_restarts: list[float] = []
         self.scheduler_address = ""
         self.gateway_address = ""
+        self.arbiter_address = ""
         self.cluster_file = state_dir / CLUSTER_FILE
         self.keys_dir = cfg.keys_dir() if cfg.get("security.keys_dir") else state_dir / "keys"
 
@@ -155,8 +157,9 @@ class EmbeddedCluster:
             self.stop()
             raise
 
-    def _child_config(self) -> str:
+    def _child_config(self, arbiter_address: str = "") -> str:
         data = self.cfg.as_dict()
+        data["arbiter"]["address"] = arbiter_address
         if self.cfg.get("embedded.virtual_gpus"):
             data["host"]["use_nvml"] = False
         data["cluster"]["state_dir"] = str(self.state_dir)
@@ -166,13 +169,24 @@ class EmbeddedCluster:
         return json.dumps(data)
 
     def _start(self) -> dict[str, Any]:
-        config_json = self._child_config()
         # `tandem up` is the operator of its own cluster: it issues every key (shared/security)
         curve.ensure_cluster_keys(self.keys_dir)
         for index in range(self.hosts):
             curve.issue(self.keys_dir, curve.host_principal(f"host-{index}"))
         log_format = ["--log-format", self.cfg.get("log.format")]
         deadline = time.monotonic() + float(self.cfg.get("embedded.ready_timeout_s"))
+        # The arbiter first: every other service is told its address (hosts report to it). Like
+        # the scheduler, it binds a port the OS picks and announces it.
+        arbiter_log = self.log_dir / "arbiter.log"
+        offset = arbiter_log.stat().st_size if arbiter_log.exists() else 0
+        arbiter = self._spawn(
+            "arbiter",
+            ["-m", "services.arbiter", "--config-json", self._child_config(), *log_format,
+             "--bind", f"tcp://{self.ip}:0"],
+            critical=True,
+        )  # fmt: skip
+        self.arbiter_address = self._wait_for_announcement(arbiter, offset, deadline)
+        config_json = self._child_config(self.arbiter_address)
         # The scheduler binds a port the OS picks at bind time and announces it; a port chosen here
         # and bound there later could be taken in between (by any process, or as the ephemeral
         # source port of an outgoing connection).
@@ -206,6 +220,7 @@ class EmbeddedCluster:
         info = {
             "gateway": self.gateway_address,
             "scheduler": self.scheduler_address,
+            "arbiter": self.arbiter_address,
             "pid": os.getpid(),
             "hosts": hosts,
             "state_dir": str(self.state_dir),

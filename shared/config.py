@@ -225,7 +225,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # this time constant, so a busy notebook hour does not make every app look unfair
         "capacity_window_s": 300.0,
         "report_interval_s": 1.0,  # each host's agent.report (idle GPUs, its jobs' progress)
-        "stop_grace_s": 30.0,  # a job asked to stop gets this long to reach a step boundary
+        "stop_grace_s": 30.0,  # a job asked to stop (or pause) gets this long to reach a step boundary
+        # > 0: a job (using the job-side API) whose lease ends pauses in place this long, and a
+        # next lease of the same GPUs there resumes it without a new process; 0: it stops, which
+        # frees its GPU memory for cells (services/local_scheduler/batch_jobs.py says why)
+        "keep_paused_s": 0.0,
         "address": "",  # the arbiter's ROUTER; empty: none (`tandem up` starts one and sets it)
         "prometheus_port": 0,  # the arbiter's /metrics: 0 a free port, -1 off (on only with metrics)
     },

@@ -269,6 +269,9 @@ class ArbiterService:
             return
         if keeps:
             gpus += len(record.device_ids)
+        elif record.last_host not in (None, host):
+            # a job paused on another host (``arbiter.keep_paused_s``) stops there first
+            await self._ask_end(record.last_host, record.job_id, "moved")
         job = {
             "job_id": record.job_id,
             "argv": record.argv,

@@ -10,8 +10,10 @@ under ``setpriv --pdeathsig`` where available, so a local scheduler killed outri
 
 Stopping is polite first: the control word ``stop`` (obeyed at the next step boundary by a job
 that uses the API), then SIGTERM, then SIGKILL to the group, a grace apart; nothing it started
-outlives it. Its stdout and stderr are appended to ``output.log`` in the job's directory (under the
-cluster's state dir), across runs.
+outlives it. Pausing is the control word ``pause``, answered by the job's ``paused`` report at its
+next step boundary. Its stdout and stderr are appended to ``output.log`` in the job's directory
+(under the cluster's state dir), across runs and hosts; the control and progress files of a run
+are in a subdirectory per host, so two hosts never share them.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 import structlog
 
 from shared.private_files import open_private_file, private_dir
-from tandem_job import CONTROL_FILE, PROGRESS_FILE, STOP, write_atomically
+from tandem_job import CONTROL_FILE, PAUSE, PROGRESS_FILE, RUN, STOP, write_atomically
 
 log = structlog.get_logger("job_process")
 
@@ -40,6 +42,7 @@ SETPRIV = shutil.which("setpriv") if _LINUX else None
 CHRT = shutil.which("chrt") if _LINUX else None
 NICE = shutil.which("nice")
 KILL_GRACE_S = 2.0
+POLL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +86,10 @@ class JobProcess:
     """A started job; ``outcome`` says how it ended once ``exited`` is set."""
 
     def __init__(self, spec: JobSpec, *, directory: Path, device_ids: list[int], host_id: str) -> None:
+        """``directory``: the job's (``job_dir``); this host's run keeps its files below it."""
         self.spec = spec
-        self.directory = directory
+        self.job_directory = directory
+        self.directory = directory / host_id
         self.device_ids = list(device_ids)
         self.host_id = host_id
         self.process: asyncio.subprocess.Process | None = None
@@ -100,7 +105,7 @@ class JobProcess:
 
     @property
     def log_path(self) -> Path:
-        return self.directory / LOG_FILE
+        return self.job_directory / LOG_FILE
 
     def _env(self) -> dict[str, str]:
         env = dict(self.spec.env)
@@ -119,7 +124,7 @@ class JobProcess:
     async def start(self) -> None:
         """Spawn the process; OSError (no such program, no such directory) if it cannot start."""
         private_dir(self.directory)
-        write_atomically(self.directory / CONTROL_FILE, "run")
+        write_atomically(self.directory / CONTROL_FILE, RUN)
         (self.directory / PROGRESS_FILE).unlink(missing_ok=True)  # this run's progress only
         with open_private_file(self.log_path, "ab") as out:
             out.write(f"--- tandem: started on {self.host_id} GPUs {self.device_ids} at iteration "
@@ -152,6 +157,28 @@ class JobProcess:
         except (OSError, ValueError):
             return None
         return raw if isinstance(raw, dict) else None
+
+    @property
+    def uses_api(self) -> bool:
+        """Whether the job speaks the job-side API (it has reported progress)."""
+        return self.progress() is not None
+
+    async def pause(self, grace_s: float) -> bool:
+        """The control word ``pause``; True once the job says it is paused at a step boundary
+        (False: it did not within ``grace_s``, or it exited)."""
+        with contextlib.suppress(OSError):
+            write_atomically(self.directory / CONTROL_FILE, PAUSE)
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while not self.exited.is_set() and asyncio.get_running_loop().time() < deadline:
+            if (self.progress() or {}).get("state") == "paused":
+                self.log.info("job_paused")
+                return True
+            await asyncio.sleep(POLL_S)
+        return False
+
+    def resume(self) -> None:
+        write_atomically(self.directory / CONTROL_FILE, RUN)
+        self.log.info("job_resumed")
 
     def outcome(self) -> str:
         """``finished`` | ``failed`` | ``stopped`` (resumable: it was asked to stop)."""
