@@ -147,7 +147,7 @@ def add_job_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]
     submit.add_argument("--gpus", type=int, default=1, help="GPUs the job needs (default 1)")
     submit.add_argument("--max-gpus", type=int, help="the most GPUs it can use (default: --gpus)")
     submit.add_argument("--name", help="a name to show (default: the command's last word)")
-    submit.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="what to run")
+    submit.add_argument("job_argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="what to run")
     listing = job_sub.add_parser("list", help="every job: state, host, progress, GPU time")
     common(listing)
     listing.add_argument("--json", action="store_true", help="the jobs as JSON")
@@ -379,7 +379,7 @@ def cmd_host(args: argparse.Namespace, cfg: Config) -> int:
 
 def cmd_job(args: argparse.Namespace, cfg: Config) -> int:
     if args.job_command == "submit":
-        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        command = args.job_argv[1:] if args.job_argv[:1] == ["--"] else args.job_argv
         if not command:
             raise ConfigError(
                 "tandem job submit: give the command to run after `--`, e.g. -- python train.py"

@@ -230,6 +230,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # next lease of the same GPUs there resumes it without a new process; 0: it stops, which
         # frees its GPU memory for cells (services/local_scheduler/batch_jobs.py says why)
         "keep_paused_s": 0.0,
+        # idle GPUs per host never leased, kept for cells until leases are preempted for them
+        # (the FitGpp issue; services/local_scheduler/batch_jobs.py says why)
+        "cell_reserve_gpus": 1,
         "address": "",  # the arbiter's ROUTER; empty: none (`tandem up` starts one and sets it)
         "prometheus_port": 0,  # the arbiter's /metrics: 0 a free port, -1 off (on only with metrics)
     },

@@ -217,7 +217,8 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     AGENT_REPORT: {
         "host_id": (_str, True),
         "gpus": (_int, True),
-        "idle": (_list, True),  # device ids neither committed to a cell nor leased
+        "idle": (_list, True),  # device ids it may lease: neither committed, leased, nor reserved
+        "reserved": (_int, False),  # idle GPUs kept for cells (arbiter.cell_reserve_gpus)
         "committed": (_int, True),
         "jobs": (_list, True),  # per job: progress, devices, whether it runs, how it ended
         "at": (_num, False),

@@ -318,7 +318,7 @@ class ArbiterService:
         if record is not None:
             entry.update(app_id=record.app_id, device_ids=list(record.device_ids))
         self.lease_events.append(entry)
-        log.info("lease_" + event, **{k: v for k, v in entry.items() if k != "at"})
+        log.info("lease_" + event, **{k: v for k, v in entry.items() if k not in ("at", "event")})
 
     # ---- status ---------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 Each ``agent.report`` says how many of a host's GPUs are committed to cells, leased to best-effort
 jobs, or idle. This keeps the latest per host and integrates them over time into GPU-seconds per
 use (the cells / BE / idle split of provisioned GPU time), and an exponentially weighted average
-of the GPUs best-effort jobs could use (leased + idle): the capacity R against which an app's
+of the GPUs best-effort jobs could use (leased + leasable idle): the capacity R against which an app's
 T_id is computed (``shared.arbiter.estimate``), time-averaged so that notebook load, which BE
 apps cannot change, does not make every app look unfair.
 """
@@ -22,7 +22,8 @@ class HostUse:
     gpus: int
     committed: int
     leased: int
-    idle: list[int]
+    idle: list[int]  # leasable
+    reserved: int  # idle too, kept for cells
     at: float
 
 
@@ -41,7 +42,12 @@ class UsageMeter:
         jobs = [j for j in report["jobs"] if isinstance(j, dict) and j.get("running")]
         leased = sum(len(j.get("device_ids") or []) for j in jobs)
         self.hosts[str(report["host_id"])] = HostUse(
-            int(report["gpus"]), int(report["committed"]), leased, [int(d) for d in report["idle"]], now
+            int(report["gpus"]),
+            int(report["committed"]),
+            leased,
+            [int(d) for d in report["idle"]],
+            int(report.get("reserved", 0)),
+            now,
         )
 
     def live(self, now: float) -> dict[str, HostUse]:
@@ -53,7 +59,7 @@ class UsageMeter:
         out = {
             "cells": sum(u.committed for u in live),
             "be": sum(u.leased for u in live),
-            "idle": sum(len(u.idle) for u in live),
+            "idle": sum(len(u.idle) + u.reserved for u in live),
         }
         out["provisioned"] = sum(u.gpus for u in live)
         return out
@@ -68,7 +74,7 @@ class UsageMeter:
         split = self.split(now)
         for use in USES:
             self.gpu_seconds[use] += dt * split[use]
-        usable = float(split["be"] + split["idle"])
+        usable = self._usable(now)
         if self.be_capacity is None:
             self.be_capacity = usable
         else:
@@ -78,10 +84,10 @@ class UsageMeter:
     def capacity(self, now: float) -> float:
         """T_id's R: the time-averaged GPUs BE jobs could use (the current ones before any history)."""
         self.advance(now)
-        if self.be_capacity is None:
-            split = self.split(now)
-            return float(split["be"] + split["idle"])
-        return self.be_capacity
+        return self._usable(now) if self.be_capacity is None else self.be_capacity
+
+    def _usable(self, now: float) -> float:
+        return float(sum(u.leased + len(u.idle) for u in self.live(now).values()))
 
     def report(self, now: float) -> dict[str, Any]:
         """Now and over time: GPUs by use, and the share of provisioned GPU time each had."""

@@ -3,8 +3,12 @@
 The arbiter decides who runs where (``lease.grant`` / ``lease.end``); this module carries that out
 on the host's ``GpuLedger`` (a leased GPU is never committed to a cell, and a lease takes only
 GPUs no cell holds) and reports back what the jobs say about themselves (``agent.report``). It
-makes no choice of its own beyond one safety net: a lease the arbiter let run past its expiry by
-``overdue_s`` (the arbiter is gone) is ended here, so a GPU never stays leased for good.
+makes no choice of its own beyond two safety nets: a lease the arbiter let run past its expiry by
+``overdue_s`` (the arbiter is gone) is ended here, so a GPU never stays leased for good; and the
+host keeps ``cell_reserve`` idle GPUs out of every lease (they are not reported idle, and a grant
+that would take them is refused), so that until leases are preempted for cells (the FitGpp issue)
+a cell finds a GPU here without waiting for a lease to expire: an expired lease's GPUs are
+auctioned again in the same round, so a cell that waited for one could wait for ever.
 
 When a lease ends the job stops at a step boundary, or, with ``keep_paused_s`` > 0 and a job that
 speaks the job-side API, pauses there: its process waits, its GPUs go back to the ledger, and a
@@ -66,6 +70,7 @@ class BatchJobs:
         stop_grace_s: float,
         overdue_s: float,
         keep_paused_s: float,
+        cell_reserve: int,
         on_exit: Callable[[], None],
     ) -> None:
         self.ledger = ledger
@@ -74,6 +79,7 @@ class BatchJobs:
         self.stop_grace_s = stop_grace_s
         self.overdue_s = overdue_s
         self.keep_paused_s = keep_paused_s
+        self.cell_reserve = cell_reserve
         self._on_exit = on_exit
         self.runs: dict[str, Run] = {}
         # ended runs not yet acknowledged by the arbiter: job_id -> report entry
@@ -93,6 +99,7 @@ class BatchJobs:
                 run.expires_at = expires_at  # renewed: the job runs on
                 self.ledger.lease(spec.job_id, gpus, expires_at)
                 return self._granted(run, renewed=True)
+            self._check_reserve(gpus)
             if run is not None and not run.leased and len(run.process.device_ids) == gpus:
                 try:
                     self.ledger.lease(spec.job_id, gpus, expires_at, device_ids=run.process.device_ids)
@@ -126,6 +133,18 @@ class BatchJobs:
             self._reapers.add(reaper)
             reaper.add_done_callback(self._reapers.discard)
             return self._granted(run, renewed=False)
+
+    def _check_reserve(self, gpus: int) -> None:
+        idle = len(self.ledger.idle_device_ids())
+        if idle - gpus < self.cell_reserve:
+            raise RpcError(
+                f"host {self.host_id}: {gpus} GPUs asked, {idle} idle of which {self.cell_reserve} are kept for cells",
+                "no_gpus",
+            )
+
+    def leasable(self) -> list[int]:
+        """Idle GPUs beyond the cells' reserve (the lowest ids are kept: cells commit those first)."""
+        return list(self.ledger.idle_device_ids()[self.cell_reserve :])
 
     @staticmethod
     def _granted(run: Run, *, renewed: bool) -> dict[str, Any]:
@@ -194,12 +213,14 @@ class BatchJobs:
     # ---- to the arbiter -------------------------------------------------------------------------
 
     def report(self) -> dict[str, Any]:
-        """The body of ``agent.report``: this host's GPUs and its leased jobs' progress (paused
-        runs hold no GPU and are no lease: the arbiter has their last report)."""
+        """The body of ``agent.report``: this host's GPUs (``idle``: those it may lease) and its
+        leased jobs' progress (paused runs hold no GPU and no lease: the arbiter has their last
+        report)."""
         return {
             "host_id": self.host_id,
             "gpus": self.ledger.total,
-            "idle": list(self.ledger.idle_device_ids()),
+            "idle": self.leasable(),
+            "reserved": min(self.cell_reserve, len(self.ledger.idle_device_ids())),
             "committed": self.ledger.committed_count,
             "jobs": [self._describe(r) for r in self.runs.values() if r.leased] + list(self._ended.values()),
             "at": time.time(),

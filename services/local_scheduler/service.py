@@ -112,6 +112,7 @@ class LocalScheduler:
             stop_grace_s=float(arbiter["stop_grace_s"]),
             overdue_s=2 * float(arbiter["round_s"]) + float(arbiter["stop_grace_s"]),
             keep_paused_s=float(arbiter["keep_paused_s"]),
+            cell_reserve=int(arbiter["cell_reserve_gpus"]),
             on_exit=self._report_now.set,
         )
         self._arbiter: RpcClient | None = None

@@ -1,0 +1,158 @@
+"""Best-effort training jobs on the GPUs notebooks leave idle, leased by the arbiter (issue #16).
+
+One embedded cluster (3 hosts x 2 virtual GPUs, one kept per host for cells) runs two notebooks
+executing cells and two apps of two small CPU PyTorch jobs each (``_train_job.py``, on the
+job-side API), with 2.5 s leases auctioned every 0.5 s. Each job step and each cell records when
+it ran on which host's GPUs; the arbiter records its lease events and each app's GPU time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _cluster import ROOT, ClusterHandle, eventually, running_cluster
+from _kernels import run, tandem_kernel
+
+pytestmark = pytest.mark.integration
+
+CONFIG = (
+    "--hosts", "3", "--gpus-per-host", "2",
+    "--set", "arbiter.round_s=0.5",
+    "--set", "arbiter.lease_s=2.5",
+    "--set", "arbiter.report_interval_s=0.5",
+    "--set", "arbiter.stop_grace_s=3",
+    "--set", "arbiter.keep_paused_s=60",
+    "--set", "arbiter.cell_reserve_gpus=1",
+)  # fmt: skip
+TRAIN = Path(__file__).with_name("_train_job.py")
+RUN_S = 25.0
+CELL = (
+    "import json, time\n"
+    "from kernel_replica.helper import gpu_ids\n"
+    "t0 = time.time(); time.sleep(0.3)\n"
+    "print(json.dumps([t0, time.time(), gpu_ids()]))"
+)
+
+
+def tandem(cluster: ClusterHandle, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """The CLI with the cluster's state dir before any ``--`` (after it, words are the job's)."""
+    command, rest = (args[:2], args[2:]) if args[:1] == ("job",) else (args[:1], args[1:])
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *command, "--state-dir", str(cluster.state_dir), *rest],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )  # fmt: skip
+
+
+def job_pids(job_id: str) -> list[int]:
+    """Live processes that run (or ran under) the job: found by its id in their environment."""
+    marker = f"TANDEM_JOB_ID={job_id}\0".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if marker in Path(f"/proc/{entry}/environ").read_bytes():
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def arbiter_status(cluster: ClusterHandle) -> dict[str, Any]:
+    result = tandem(cluster, "status", "--json")
+    assert result.returncode == 0, result.stderr
+    return dict(json.loads(result.stdout)["batch"])
+
+
+def test_jobs_share_the_gpus_cells_leave_idle_fairly(tandem_kernelspec: Path, tmp_path: Path) -> None:
+    record = tmp_path / "steps.txt"
+    with running_cluster(tmp_path / "state", *CONFIG) as cluster:
+        bad = tandem(cluster, "job", "submit", "--gpus", "0", "--", sys.executable, str(TRAIN))
+        assert bad.returncode != 0 and "--gpus must be at least 1" in bad.stderr
+        assert "give the command" in tandem(cluster, "job", "submit", "--app", "a").stderr
+        assert "no job 'nope'" in tandem(cluster, "job", "show", "nope").stderr
+        jobs: dict[str, list[str]] = {"a": [], "b": []}
+        for _ in range(2):
+            for app in jobs:
+                submitted = tandem(
+                    cluster,
+                    "job",
+                    "submit",
+                    "--app",
+                    app,
+                    "--",
+                    sys.executable,
+                    str(TRAIN),
+                    "100000",
+                    str(record),
+                )
+                assert submitted.returncode == 0, submitted.stderr
+                jobs[app].append(submitted.stdout.strip())
+        cells: list[tuple[str, float, float, list[int]]] = []
+        with tandem_kernel() as (_, first), tandem_kernel() as (_, second):
+            started = time.monotonic()
+            while time.monotonic() - started < RUN_S:
+                for client in (first, second):
+                    cell = run(client, CELL)
+                    assert cell.status == "ok", cell.errors
+                    t0, t1, gpus = json.loads(cell.stdout)
+                    cells.append((cell.tandem["host_id"], t0, t1, gpus))
+            batch = arbiter_status(cluster)
+
+        # the jobs ran, each step on GPUs that no cell held at that moment
+        steps = [line.split() for line in record.read_text().splitlines()]
+        ran = {job for _, job, *_ in steps}
+        assert all(any(job in ran for job in app_jobs) for app_jobs in jobs.values()), ran
+        clashes = [
+            (t, job, host, devices, cell)
+            for t, job, host, devices, _n in steps
+            for cell in cells
+            if cell[0] == host
+            and set(map(int, devices.split(","))) & set(cell[3])
+            and cell[1] <= float(t) <= cell[2]
+        ]
+        assert not clashes, clashes[:5]
+        assert all(gpus for _, _, _, gpus in cells)  # every cell held a GPU of its own
+
+        # leases rotated between the apps, and both had (nearly) the same GPU time
+        granted = {app: 0 for app in jobs}
+        for event in batch["lease_events"]:
+            if event["event"] == "granted":
+                granted[event["app_id"]] += 1
+        assert all(count >= 2 for count in granted.values()), granted
+        gpu_time = {app: batch["apps"][app]["gpu_seconds"] for app in jobs}
+        assert min(gpu_time.values()) >= 0.8 * max(gpu_time.values()), gpu_time
+        assert batch["rounds"] > 0 and all(batch["apps"][app]["rho"] is not None for app in jobs)
+        usage = batch["usage"]
+        assert usage["gpu_seconds"]["be"] > 0 and usage["gpu_seconds"]["cells"] > 0
+        metrics = urllib.request.urlopen(batch["prometheus_url"], timeout=5).read().decode()
+        assert 'tandem_be_app_rho{app="a"}' in metrics and 'tandem_gpus_by_use{use="cells"}' in metrics
+
+        # the job commands
+        listed = json.loads(tandem(cluster, "job", "list", "--json").stdout)
+        assert sorted(j["job_id"] for j in listed) == sorted(jobs["a"] + jobs["b"])
+        assert "Tandem jobs" in tandem(cluster, "job", "list").stdout
+        victim = jobs["a"][0]
+        shown = json.loads(tandem(cluster, "job", "show", victim).stdout)
+        assert shown["app_id"] == "a" and shown["command"].endswith(f"100000 {record}")
+        logs = tandem(cluster, "job", "logs", victim)
+        assert logs.returncode == 0 and "--- tandem: started on host-" in logs.stdout
+        cancelled = tandem(cluster, "job", "cancel", victim)
+        assert cancelled.returncode == 0 and f"{victim}: cancelled" in cancelled.stdout, cancelled.stderr
+        assert eventually(lambda: not job_pids(victim), timeout=10.0), job_pids(victim)
+        assert json.loads(tandem(cluster, "job", "show", victim).stdout)["state"] == "cancelled"
+        assert tandem(cluster, "job", "logs", "-f", victim, timeout=30).returncode == 0
+        print(f"\nGPU time by app {gpu_time}, grants {granted}, cells {len(cells)}, job steps {len(steps)}")
+    for app_jobs in jobs.values():
+        for job_id in app_jobs:
+            assert not job_pids(job_id), f"{job_id} outlived the cluster"
