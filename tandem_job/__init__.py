@@ -155,4 +155,6 @@ def session(total: int | None = None) -> Iterator[Job]:
     start = int(os.environ.get("TANDEM_JOB_START", "0") or 0)
     if total is not None:
         start = min(start, total)
-    yield Job(total, job_dir=job_dir, start=start)
+    job = Job(total, job_dir=job_dir, start=start)
+    job._report("starting", force=True)  # the arbiter learns the total before the first step
+    yield job

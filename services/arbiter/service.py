@@ -235,6 +235,15 @@ class ArbiterService:
             "auction_ms": round(outcome.auction_ms, 3),
         }
         grants = {lease.job_id: lease for lease in outcome.leases}
+        if grants or expiring:
+            log.info(
+                "round",
+                rho={a: round(r, 4) for a, r in self.rho.items()},
+                offered=len(offer),
+                bidders=outcome.bidders,
+                won=outcome.won_by_app,
+                expiring=sorted(releasing),
+            )
         ending = []
         for record in expiring:
             lease = grants.get(record.job_id)

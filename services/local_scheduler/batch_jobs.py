@@ -10,8 +10,9 @@ that would take them is refused), so that until leases are preempted for cells (
 a cell finds a GPU here without waiting for a lease to expire: an expired lease's GPUs are
 auctioned again in the same round, so a cell that waited for one could wait for ever.
 
-When a lease ends the job stops at a step boundary, or, with ``keep_paused_s`` > 0 and a job that
-speaks the job-side API, pauses there: its process waits, its GPUs go back to the ledger, and a
+When a lease ends the job stops at a step boundary, or, with ``keep_paused_s`` > 0, pauses there
+(a job that cannot, not using the job-side API or still starting, is frozen by SIGSTOP): its
+process waits, its GPUs go back to the ledger, and a
 next lease of the same GPUs on this host resumes it in place (no new process, no re-import of its
 libraries). A next lease of other GPUs (``CUDA_VISIBLE_DEVICES`` is read once per process), the
 keep time running out, or a cancel stop it; it then resumes from the iterations it reported, in a
@@ -159,7 +160,7 @@ class BatchJobs:
                 return self._ended.get(job_id) or {"job_id": job_id, "outcome": "absent", "running": False}
             log.info("lease_ending", job=job_id, host=self.host_id, reason=reason)
             pausable = run.leased and reason in PAUSABLE_REASONS and self.keep_paused_s > 0
-            if pausable and run.process.uses_api and await run.process.pause(self.stop_grace_s):
+            if pausable and await run.process.pause(self.stop_grace_s):
                 self.ledger.end_lease(job_id)
                 run.expires_at, run.paused_at = None, time.time()
                 return {**self._describe(run), "running": False, "outcome": "paused"}

@@ -11,7 +11,7 @@ under ``setpriv --pdeathsig`` where available, so a local scheduler killed outri
 Stopping is polite first: the control word ``stop`` (obeyed at the next step boundary by a job
 that uses the API), then SIGTERM, then SIGKILL to the group, a grace apart; nothing it started
 outlives it. Pausing is the control word ``pause``, answered by the job's ``paused`` report at its
-next step boundary. Its stdout and stderr are appended to ``output.log`` in the job's directory
+next step boundary (or SIGSTOP for a job that cannot answer; SIGCONT resumes it). Its stdout and stderr are appended to ``output.log`` in the job's directory
 (under the cluster's state dir), across runs and hosts; the control and progress files of a run
 are in a subdirectory per host, so two hosts never share them.
 """
@@ -95,6 +95,7 @@ class JobProcess:
         self.process: asyncio.subprocess.Process | None = None
         self.returncode: int | None = None
         self.stop_requested = False
+        self.frozen = False  # paused by SIGSTOP (not at a step boundary)
         self.exited = asyncio.Event()
         self._watcher: asyncio.Future[None] | None = None
         self.log = log.bind(job=spec.job_id, host=host_id)
@@ -158,27 +159,38 @@ class JobProcess:
             return None
         return raw if isinstance(raw, dict) else None
 
-    @property
-    def uses_api(self) -> bool:
-        """Whether the job speaks the job-side API (it has reported progress)."""
-        return self.progress() is not None
-
     async def pause(self, grace_s: float) -> bool:
-        """The control word ``pause``; True once the job says it is paused at a step boundary
-        (False: it did not within ``grace_s``, or it exited)."""
+        """The control word ``pause``, answered at the job's next step boundary; a job that does
+        not answer within ``grace_s`` (it does not use the API, or has not reached its first step,
+        still importing its libraries) is frozen with SIGSTOP instead. False if it exited."""
         with contextlib.suppress(OSError):
             write_atomically(self.directory / CONTROL_FILE, PAUSE)
-        deadline = asyncio.get_running_loop().time() + grace_s
-        while not self.exited.is_set() and asyncio.get_running_loop().time() < deadline:
-            if (self.progress() or {}).get("state") == "paused":
-                self.log.info("job_paused")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while not self.exited.is_set() and loop.time() < deadline:
+            state = (self.progress() or {}).get("state")
+            if state == "paused":
+                self.log.info("job_paused", at="step boundary")
                 return True
+            if state != "running":  # no API, or not at its first step yet: it cannot answer
+                break
             await asyncio.sleep(POLL_S)
-        return False
+        if self.exited.is_set():
+            return False
+        self._kill_group(signal.SIGSTOP)
+        self.frozen = True
+        self.log.info("job_paused", at="SIGSTOP")
+        return True
 
     def resume(self) -> None:
         write_atomically(self.directory / CONTROL_FILE, RUN)
+        self._thaw()
         self.log.info("job_resumed")
+
+    def _thaw(self) -> None:
+        if self.frozen:
+            self._kill_group(signal.SIGCONT)
+            self.frozen = False
 
     def outcome(self) -> str:
         """``finished`` | ``failed`` | ``stopped`` (resumable: it was asked to stop)."""
@@ -197,6 +209,7 @@ class JobProcess:
         if not self.exited.is_set():
             with contextlib.suppress(OSError):
                 write_atomically(self.directory / CONTROL_FILE, STOP)
+            self._thaw()  # a frozen job reads the stop at its next step boundary
             for sig, wait_s in (
                 (None, grace_s),
                 (signal.SIGTERM, KILL_GRACE_S),

@@ -12,20 +12,25 @@ import os
 import sys
 import time
 
-import torch
-
 import tandem_job
 
 
 def main() -> None:
     steps, record = int(sys.argv[1]), sys.argv[2]
+    with tandem_job.session(total=steps) as job:  # first: the arbiter learns the total at once
+        train(job, record)
+
+
+def train(job: tandem_job.Job, record: str) -> None:
+    import torch
+
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = torch.nn.Linear(32, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(256, 32), torch.randn(256, 1)
     where = f"{os.environ.get('TANDEM_JOB_ID')} {os.environ.get('TANDEM_HOST_ID')} {os.environ.get('CUDA_VISIBLE_DEVICES')}"
-    with tandem_job.session(total=steps) as job, open(record, "a") as out:
+    with open(record, "a") as out:
         for step in job.steps():
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)
