@@ -35,16 +35,10 @@ import structlog
 
 from services.global_scheduler.cluster_state import DEAD, RUNNING, STOPPED, ClusterState
 from services.host_provider import HostProvider
+from shared.cluster_core.core import ClusterCore, CoreConfig
+from shared.cluster_core.idle import HostFacts
 from shared.config import Config
-from shared.policies.autoscale import (
-    AutoscaleConfig,
-    Autoscaler,
-    HostLoad,
-    ScaleIn,
-    ScaleOut,
-    feasible_hosts,
-    scale_in_idle_wanted,
-)
+from shared.policies.autoscale import HostLoad, ScaleIn, ScaleOut, feasible_hosts
 from shared.policies.kernel_placement import KernelPlacement
 from shared.policies.placement import HostView, PlacementDecision, PlacementRequest
 from shared.policies.placement_index import PlacementIndex
@@ -56,24 +50,6 @@ log = structlog.get_logger("autoscaling")
 DrainHost = Callable[[str], Awaitable[dict[str, Any]]]
 
 
-def autoscale_config(cfg: Config) -> AutoscaleConfig:
-    """The pure policy's knobs from ``[cluster]``, ``[host]``, ``[scheduler]`` and ``[autoscale]``."""
-    hosts = int(cfg.get("cluster.hosts"))
-    max_hosts = int(cfg.get("cluster.max_hosts")) or hosts
-    if max_hosts < hosts:
-        raise ValueError(f"cluster.max_hosts ({max_hosts}) must be at least cluster.hosts ({hosts})")
-    return AutoscaleConfig(
-        scaling_factor=float(cfg.get("autoscale.scaling_factor")),
-        gpus_per_host=max(int(cfg.get("host.gpus")), 1),
-        buffer_hosts=int(cfg.get("autoscale.buffer_hosts")),
-        min_hosts=hosts,
-        max_hosts=max_hosts,
-        max_release=int(cfg.get("autoscale.max_release")),
-        replicas_per_kernel=int(cfg.get("cluster.replicas_per_kernel")),
-        max_ratio_after_scale_in=float(cfg.get("scheduler.subscription_ratio_watermark")),
-    )
-
-
 class ClusterAutoscaler:
     def __init__(
         self,
@@ -81,16 +57,18 @@ class ClusterAutoscaler:
         state: ClusterState,
         provider: HostProvider,
         *,
+        core: ClusterCore | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.config = autoscale_config(cfg)
-        self.policy = Autoscaler(self.config)
+        # the scheduler's cluster core: autoscaler, idle judgement (shared with the simulator)
+        self.core = core if core is not None else ClusterCore(CoreConfig.from_config(cfg))
+        self.config = self.core.config.autoscale
+        self.policy = self.core.autoscaler
         self.state = state
         self.provider = provider
         self.enabled = provider.can_provision and self.config.max_hosts > self.config.min_hosts
         self._clock = clock
         self._interval = float(cfg.get("autoscale.interval_s"))
-        self._idle_needed = float(cfg.get("autoscale.scale_in_idle_s"))
         self._scale_out_timeout = float(cfg.get("autoscale.scale_out_timeout_s"))
         self.events: deque[dict[str, Any]] = deque(maxlen=int(cfg.get("autoscale.events_kept")))
         self.scale_outs = 0  # hosts asked for
@@ -99,16 +77,16 @@ class ClusterAutoscaler:
         self._reserved_on: dict[str, list[tuple[str, Resources]]] = {}  # registered host -> reservations
         self._waiters: dict[str, asyncio.Event] = {}  # kernel id -> set when its reserved hosts arrive
         self._abandoned: set[str] = set()  # kernels shut down while waiting for hosts
-        self._idle_since: dict[str, float] = {}
-        self._release_failures: dict[str, int] = {}  # host -> failed releases in a row
         self._releasing: set[str] = set()
         self._seen_min_hosts = False
         self._drain: DrainHost | None = None  # without one, only hosts holding no replica are released
+        self.core.idle.can_drain = False
         self._release_round: asyncio.Future[Any] | None = None
 
     def attach_drain(self, drain: DrainHost) -> None:
         """The scheduler's migrator moves a released host's replicas (the ``tandem host drain`` path)."""
         self._drain = drain
+        self.core.idle.can_drain = True
 
     def attach_provider(self, provider: HostProvider) -> None:
         """The provider needs the scheduler's bound address, known only once it runs."""
@@ -293,55 +271,41 @@ class ClusterAutoscaler:
                 active.update(r.host_id for r in placed)
         return replicas, active
 
-    def host_loads(self) -> list[HostLoad]:
-        now = self._clock()
+    def host_facts(self) -> list[HostFacts]:
+        """What the core's idle judgement needs of each live host not being released."""
         replicas, active = self._replicas_and_active_hosts()
-        loads = []
+        facts = []
         for host in self.state.hosts.values():
             if not host.alive or host.host_id in self._releasing:
                 continue
             subscribed, _ = self.state.subscribed_on(host.host_id)
-            held = replicas[host.host_id]
-            idle = (
-                host.host_id not in active
-                and host.committed_gpus == 0
-                and host.host_id not in self._reserved_on
-                and (held == 0 or self._drain is not None)
-            )
-            if idle:
-                since = self._idle_since.setdefault(host.host_id, now)
-            else:
-                self._idle_since.pop(host.host_id, None)
-                self._release_failures.pop(host.host_id, None)  # in use again: a fresh judgement
-            releasable = (
-                idle and self.provider.owns(host.host_id) and now - since >= self._idle_wanted(host.host_id)
-            )
-            loads.append(
-                HostLoad(
+            facts.append(
+                HostFacts(
                     host.host_id,
                     host.gpus,
                     host.committed_gpus,
                     subscribed,
-                    releasable=releasable,
-                    replicas=held,
+                    replicas=replicas[host.host_id],
+                    active=host.host_id in active,
+                    reserved=host.host_id in self._reserved_on,
+                    owned=self.provider.owns(host.host_id),
                 )
             )
-        return loads
+        return facts
 
-    def _idle_wanted(self, host_id: str) -> float:
-        """How long ``host_id`` must be idle before a release: ``scale_in_idle_s``, doubled for
-        each release of it that failed in a row (``scale_in_idle_wanted``)."""
-        return scale_in_idle_wanted(self._idle_needed, self._release_failures.get(host_id, 0))
+    def host_loads(self) -> list[HostLoad]:
+        """The hosts' loads as the core judges them now (idle timers advance)."""
+        return self.core.idle.loads(self.host_facts(), self._clock())
 
     async def evaluate_once(self) -> None:
         if not self.enabled:
             return
-        loads = self.host_loads()
+        facts = self.host_facts()
         if not self._seen_min_hosts:  # the initial hosts are still registering: nothing to judge yet
-            self._seen_min_hosts = len(loads) >= self.config.min_hosts
+            self._seen_min_hosts = len(facts) >= self.config.min_hosts
             if not self._seen_min_hosts:
                 return
-        decision = self.policy.evaluate(loads)
+        decision = self.core.tick(self._clock(), facts)
         if isinstance(decision, ScaleOut):
             self.policy.expect_hosts(decision.count)
             await self._scale_out(decision.count, decision.reason)
@@ -373,24 +337,22 @@ class ClusterAutoscaler:
                     raise RuntimeError(stuck)
             await self.provider.release(host_id)
         except Exception as exc:
-            failures = self._release_failures[host_id] = self._release_failures.get(host_id, 0) + 1
+            failures = self.core.release_failed(host_id)  # idle afresh, and longer, before the next try
             log.error(
                 "scale_in_failed",
                 host=host_id,
                 reason=str(exc),
                 migrations=len(moved),
                 failures_in_a_row=failures,
-                next_try_after_idle_s=self._idle_wanted(host_id),
+                next_try_after_idle_s=self.core.idle.wanted(host_id),
             )
             host.cordoned = was_cordoned
-            self._idle_since.pop(host_id, None)  # idle afresh, and longer, before the next try
             self._event("scale_in_failed", [host_id], str(exc), migrations=moved)
             return
         finally:
             self._releasing.discard(host_id)
         self.state.hosts.pop(host_id, None)
-        self._idle_since.pop(host_id, None)
-        self._release_failures.pop(host_id, None)
+        self.core.host_released(host_id)
         self.scale_ins += 1
         self._event("scale_in", [host_id], reason, migrations=moved)
         log.info("scale_in", host=host_id, reason=reason, migrations=len(moved))

@@ -1,10 +1,11 @@
 """The global scheduler's model of the cluster: hosts, their GPU ledgers as last reported, kernels
 and their replicas. Pure (time is passed in), so the rules live here and the service only does I/O.
 
-The local schedulers are the authority on committed GPUs; this view adds the scheduler's own
-tentative reservations (an executor candidate designated but not yet elected), keyed by
-``"<kernel_id>/<msg_id>"`` like the heartbeat's ``committed`` map, so a reservation and the commit
-that replaces it are never counted twice.
+The local schedulers are the authority on committed GPUs; each host's record keeps a mirror of
+its ledger (``shared.cluster_core.gpu_ledger.GpuLedger``, the one ledger model of the cluster)
+plus the scheduler's own tentative commits (an executor candidate designated but not yet
+elected), keyed by (kernel, msg_id) like the heartbeat's ``committed`` map, so a reservation and
+the commit that replaces it are never counted twice.
 """
 
 from __future__ import annotations
@@ -15,21 +16,15 @@ from typing import Any
 
 from services.global_scheduler.jupyter_router import KernelRouter
 from services.global_scheduler.live_index import LiveIndex, Placed, WatchedDict
+from shared.cluster_core.gpu_ledger import GpuLedger
+from shared.cluster_core.lifecycle import DEAD, RUNNING, STARTING, STOPPED, STOPPING  # noqa: F401 (re-exported)
 from shared.policies.executor_choice import HostLedgerView, ReplicaView
 from shared.policies.placement import HostView
 from shared.policies.placement_index import PlacementIndex
 from shared.resources import Resources
 
-STARTING, RUNNING, STOPPING, STOPPED, DEAD = "starting", "running", "stopping", "stopped", "dead"
-MIN_LIVE_REPLICAS = 2
-
-
-def commit_key(kernel_id: str, msg_id: str) -> str:
-    return f"{kernel_id}/{msg_id}"
-
-
 # Record fields that enter a HostView: writing one marks the host for re-indexing (live_index.py).
-_HOST_VIEW_FIELDS = frozenset({"capacity", "cordoned", "alive", "committed", "reservations"})
+_HOST_VIEW_FIELDS = frozenset({"capacity", "cordoned", "alive", "ledger"})
 _REPLICA_VIEW_FIELDS = frozenset({"host_id", "alive"})
 _KERNEL_VIEW_FIELDS = frozenset({"state", "resources"})
 
@@ -43,18 +38,19 @@ class HostRecord:
     cordoned: bool = False
     alive: bool = True
     last_seen: float = 0.0
-    committed: dict[str, int] = field(default_factory=dict)  # from heartbeats and elected events
-    reservations: dict[str, int] = field(default_factory=dict)  # tentative, by this scheduler
+    # the host's ledger as last reported (heartbeats, elected events) plus tentative commits
+    ledger: GpuLedger = field(init=False, repr=False, compare=False)
     _index: LiveIndex | None = field(default=None, init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        self.ledger = GpuLedger(range(self.capacity.gpus), on_change=self._view_changed)
+
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("committed", "reservations") and not isinstance(value, WatchedDict):
-            value = WatchedDict(value, self._view_changed)  # in-place edits re-index the host too
         object.__setattr__(self, name, value)
         if name in _HOST_VIEW_FIELDS:
-            self._view_changed(None, None)
+            self._view_changed()
 
-    def _view_changed(self, old: object, new: object) -> None:
+    def _view_changed(self) -> None:
         index = getattr(self, "_index", None)
         if index is not None:
             index.touch(self.host_id)
@@ -69,13 +65,7 @@ class HostRecord:
 
     @property
     def committed_gpus(self) -> int:
-        if not self.reservations:
-            return sum(self.committed.values())
-        return sum({**self.committed, **self.reservations}.values())
-
-    def forget(self, key: str) -> None:
-        self.committed.pop(key, None)
-        self.reservations.pop(key, None)
+        return self.ledger.committed_count
 
 
 @dataclass(slots=True)
@@ -160,7 +150,7 @@ class KernelRecord:
 
     @property
     def alive(self) -> bool:
-        return self.state in (STARTING, RUNNING) and len(self.live_replicas()) >= MIN_LIVE_REPLICAS
+        return self.state in (STARTING, RUNNING) and len(self.live_replicas()) >= self.router.quorum
 
     def next_replica_id(self) -> str:
         n = 1
@@ -221,7 +211,10 @@ class ClusterState:
         if host is None:
             host = self.hosts[host_id] = HostRecord(host_id, capacity, gpu_kind, address)
         else:  # a reconnecting host keeps its cordon: an operator's decision outlives a restart
+            resized = capacity.gpus != host.capacity.gpus
             host.capacity, host.gpu_kind, host.address = capacity, gpu_kind, address
+            if resized:  # its next heartbeat reports what is committed on the new devices
+                host.ledger = GpuLedger(range(capacity.gpus), on_change=host._view_changed)
         host.alive = True
         host.last_seen = now
         return host
@@ -232,7 +225,7 @@ class ClusterState:
             return None  # unknown (or declared dead): the host must register again
         host.last_seen = now
         if committed is not None:
-            host.committed = {k: len(v) if isinstance(v, list) else int(v) for k, v in committed.items()}
+            host.ledger.mirror({k: v if isinstance(v, list) else int(v) for k, v in committed.items()})
         return host
 
     def silent_hosts(self, now: float, timeout: float) -> list[HostRecord]:
@@ -280,25 +273,26 @@ class ClusterState:
     def reserve(self, kernel: KernelRecord, msg_id: str, host_id: str) -> None:
         host = self.hosts.get(host_id)
         if host is not None and kernel.resources.gpus > 0:
-            host.reservations[commit_key(kernel.kernel_id, msg_id)] = kernel.resources.gpus
+            host.ledger.reserve(kernel.kernel_id, msg_id, kernel.resources.gpus)
             kernel.reserved_on[msg_id] = host_id
 
-    def committed_by_election(self, kernel: KernelRecord, msg_id: str, host_id: str, gpus: int) -> None:
-        """The local scheduler bound ``gpus`` for ``msg_id``: the reservation becomes a commit."""
+    def committed_by_election(
+        self, kernel: KernelRecord, msg_id: str, host_id: str, device_ids: list[int], replica_id: str = ""
+    ) -> None:
+        """The local scheduler bound ``device_ids`` for ``msg_id``: the reservation becomes a commit."""
         self.release(kernel, msg_id)
         host = self.hosts.get(host_id)
-        if host is not None and gpus > 0:
-            host.committed[commit_key(kernel.kernel_id, msg_id)] = gpus
+        if host is not None and device_ids:
+            host.ledger.record(kernel.kernel_id, replica_id, msg_id, device_ids)
 
     def release(self, kernel: KernelRecord, msg_id: str) -> None:
         """The request finished (the replica released before its reply): forget its GPUs now
         rather than at the next heartbeat, so the next cell does not see a stale commit."""
-        key = commit_key(kernel.kernel_id, msg_id)
         kernel.reserved_on.pop(msg_id, None)
         for replica in kernel.replicas.values():
             host = self.hosts.get(replica.host_id)
             if host is not None:
-                host.forget(key)
+                host.ledger.forget(kernel.kernel_id, msg_id)
 
     # ---- kernels ----------------------------------------------------------------------------
 

@@ -20,24 +20,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import structlog
 
-from services.global_scheduler.cluster_state import RUNNING, KernelRecord, ReplicaRecord
+from services.global_scheduler.cluster_state import RUNNING, ClusterState, KernelRecord, ReplicaRecord
 from services.global_scheduler.held_journal import HeldJournal, HeldQueue
-from services.global_scheduler.reply_merger import Failed
+from services.global_scheduler.metrics import SchedulerMetrics
+from services.global_scheduler.reply_merger import Failed, Forward
 from shared import messages
+from shared.cluster_core.core import ClusterCore
 from shared.config import Config
 from shared.envelope import Envelope
 from shared.jupyter_wire import WireError, header_of
 from shared.policies.executor_choice import choose_executor
-from shared.policies.migration import GiveUp, MigrationPlan, NoTarget, RetrySchedule, plan_migration
+from shared.policies.migration import GiveUp, MigrationPlan, NoTarget, plan_migration
 from shared.rpc import RpcError, RpcTimeout
-
-if TYPE_CHECKING:
-    from services.global_scheduler.service import GlobalScheduler
 
 log = structlog.get_logger("global_scheduler.migration")
 
@@ -70,24 +70,45 @@ class HeldCell:
     settle_first: bool = False
 
 
+class SchedulerShell(Protocol):
+    """What the migrator needs of the global scheduler that runs it: its model, its core and
+    the I/O it carries out (the scheduler, not this module, talks to the hosts and the gateway)."""
+
+    state: ClusterState
+    core: ClusterCore
+    metrics: SchedulerMetrics
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None: ...
+
+    def route_from_gateway(self, kernel: KernelRecord, channel: str, frames: list[bytes]) -> None: ...
+
+    def to_gateway(self, kernel: KernelRecord, forwards: list[Forward]) -> None: ...
+
+    async def start_replica(
+        self, kernel: KernelRecord, replica: ReplicaRecord, *, join: bool = False
+    ) -> None: ...
+
+    async def configure_replica(
+        self, kernel: KernelRecord, replica: ReplicaRecord, peers: dict[str, str]
+    ) -> None: ...
+
+    async def stop_replica(self, kernel: KernelRecord, replica: ReplicaRecord) -> None: ...
+
+    async def ask_host(self, host_id: str, env: Envelope, timeout: float) -> Envelope: ...
+
+
 class Migrator:
     """Per global scheduler: held cells, moves in flight (one per kernel at a time), counters."""
 
-    def __init__(self, scheduler: GlobalScheduler, cfg: Config) -> None:
+    def __init__(self, scheduler: SchedulerShell, cfg: Config, *, clock: Callable[[], float]) -> None:
         sched = cfg["scheduler"]
         self._gs = scheduler
-        self.schedule = RetrySchedule(
-            base_s=float(sched["migration_retry_base_s"]),
-            max_delay_s=float(sched["migration_retry_max_s"]),
-            max_attempts=1_000_000,  # the deadline decides
-            deadline_s=float(sched["migration_deadline_s"]),
-        )
+        self._clock = clock
+        # when to retry a held cell or a replacement, when to give up, the first wait: the core's
+        self._core = scheduler.core
         self.catch_up_timeout = float(sched["migration_catch_up_timeout_s"])
         self.replace_dead = bool(sched["replace_dead_replicas"])
-        self.watermark = float(sched["subscription_ratio_watermark"])
-        # A commit released just now can come back for one heartbeat (the local scheduler's report
-        # sent before the replica's gpu.release reached it): look again after one before moving.
-        self.ledger_settle_s = float(sched["heartbeat_interval_s"])
+        self.watermark = scheduler.core.config.watermark
         self._held: dict[str, HeldCell] = {}  # kernel_id -> the cell waiting for a replica
         # held queues on disk, so a restarted scheduler still runs them (held_journal.py)
         self._journal = HeldJournal(cfg.state_dir() / "scheduler" / "held")
@@ -113,12 +134,12 @@ class Migrator:
         kernel.held = [frames]
         cell = self._held.get(kernel.kernel_id)
         if cell is None or cell.msg_id != msg_id:  # else held again: keep its attempts and deadline
-            self._held[kernel.kernel_id] = HeldCell(msg_id, header, self._gs._clock())
+            self._held[kernel.kernel_id] = HeldCell(msg_id, header, self._clock())
             log.info("cell_held", kernel=kernel.kernel_id, msg_id=msg_id, reason=REASON_ALL_YIELD)
         self.persist(kernel)
         if kernel.kernel_id not in self._resolving:
             self._resolving.add(kernel.kernel_id)
-            self._gs._spawn(self._resolve(kernel))
+            self._gs.spawn(self._resolve(kernel))
         return True
 
     def hold_failed_election(
@@ -135,7 +156,7 @@ class Migrator:
             header = {"msg_id": msg_id, "msg_type": "execute_request"}
         kernel.held = [frames, *(kernel.held or [])]
         # a later cell held meanwhile stays queued behind this one (held afresh when sent on)
-        cell = HeldCell(msg_id, header, self._gs._clock(), busy_sent=busy_sent, settle_first=True)
+        cell = HeldCell(msg_id, header, self._clock(), busy_sent=busy_sent, settle_first=True)
         self._held[kernel.kernel_id] = cell
         self.persist(kernel)
         if kernel.state != RUNNING:
@@ -152,7 +173,7 @@ class Migrator:
         log.info("cell_held", kernel=kernel.kernel_id, msg_id=msg_id, reason=REASON_ELECTION_FAILED)
         if kernel.kernel_id not in self._resolving:
             self._resolving.add(kernel.kernel_id)
-            self._gs._spawn(self._resolve(kernel))
+            self._gs.spawn(self._resolve(kernel))
 
     async def _resolve(self, kernel: KernelRecord) -> None:
         """Until the held cell is sent on or given up: an executor now? else migrate, else back off."""
@@ -167,14 +188,14 @@ class Migrator:
                 if self._holds_gpus(kernel):
                     await asyncio.sleep(OWN_GPUS_POLL_S)  # its previous cell still runs
                     continue
-                settle = cell.since + self.ledger_settle_s - self._gs._clock()
+                settle = self._core.first_migration_at(cell.since) - self._clock()
                 if cell.settle_first and settle > 0:
                     await asyncio.sleep(settle)
                     continue
                 if self._executor_now(kernel):
                     await self._dispatch_or_pause(kernel)
                     continue
-                settle = cell.since + self.ledger_settle_s - self._gs._clock()
+                settle = self._core.first_migration_at(cell.since) - self._clock()
                 if cell.attempts == 0 and settle > 0:
                     await asyncio.sleep(settle)
                     continue
@@ -183,8 +204,8 @@ class Migrator:
                     await self._dispatch_or_pause(kernel)
                     continue
                 cell.attempts += 1
-                now = self._gs._clock()
-                decision = self.schedule.after_failure(cell.attempts, cell.since, now, reason)
+                now = self._clock()
+                decision = self._core.migration_failed(cell.attempts, cell.since, now, reason)
                 if isinstance(decision, GiveUp):
                     self._give_up(kernel, cell, decision.reason)
                     continue
@@ -201,12 +222,9 @@ class Migrator:
             await asyncio.sleep(OWN_GPUS_POLL_S)
 
     def _holds_gpus(self, kernel: KernelRecord) -> bool:
-        prefix = kernel.kernel_id + "/"
         for replica in kernel.replicas.values():
             host = self._gs.state.hosts.get(replica.host_id)
-            if host is not None and any(
-                key.startswith(prefix) for key in (*host.committed, *host.reservations)
-            ):
+            if host is not None and host.ledger.holds_kernel(kernel.kernel_id):
                 return True
         return False
 
@@ -245,7 +263,7 @@ class Migrator:
                 kernel.reserved_on.pop(cell.msg_id, None)
                 target = self._gs.state.hosts.get(plan.target_host)
                 if target is not None:
-                    target.reservations.pop(f"{kernel.kernel_id}/{cell.msg_id}", None)
+                    target.ledger.forget(kernel.kernel_id, cell.msg_id)
         return None
 
     def _dispatch(self, kernel: KernelRecord) -> None:
@@ -291,7 +309,7 @@ class Migrator:
         if queue.round_ > 0:
             kernel.router.resume_round(queue.msg_id, queue.round_, queue.busy_sent)
         self._held[kernel.kernel_id] = HeldCell(
-            queue.msg_id, header, self._gs._clock(), busy_sent=queue.busy_sent, settle_first=True
+            queue.msg_id, header, self._clock(), busy_sent=queue.busy_sent, settle_first=True
         )
         self._restored.add(kernel.kernel_id)
         log.info("held_cells_restored", kernel=kernel.kernel_id, msg_id=queue.msg_id, requests=len(requests))
@@ -309,7 +327,7 @@ class Migrator:
             self._restored.discard(kernel_id)
             if kernel.held is not None and kernel_id not in self._resolving:
                 self._resolving.add(kernel_id)
-                self._gs._spawn(self._resolve(kernel))
+                self._gs.spawn(self._resolve(kernel))
 
     def interrupt(self, kernel: KernelRecord) -> bool:
         """An interrupt while a cell waits for a migration ends that cell, as it would end a
@@ -329,7 +347,7 @@ class Migrator:
         self._held.pop(kernel.kernel_id, None)
         self.persist(kernel)
         failed = Failed(cell.msg_id, cell.header, "shell", cell.busy_sent, False, False)
-        self._gs._to_gateway(kernel, kernel.router.synthesize_failure(failed, ename, reason))
+        self._gs.to_gateway(kernel, kernel.router.synthesize_failure(failed, ename, reason))
         if kernel.held is not None:
             self._dispatch(kernel)
 
@@ -340,7 +358,7 @@ class Migrator:
         key = (kernel.kernel_id, replica.replica_id)
         if not self.replace_dead or kernel.state != RUNNING or key in self._replacing:
             return
-        self._gs._spawn(self._replace_quietly(kernel, replica.replica_id, reason))
+        self._gs.spawn(self._replace_quietly(kernel, replica.replica_id, reason))
 
     async def _replace_quietly(self, kernel: KernelRecord, replica_id: str, reason: str) -> None:
         try:
@@ -382,7 +400,7 @@ class Migrator:
         (moving it would lose the cell)."""
         key = (kernel.kernel_id, replica_id)
         self._replacing.add(key)
-        started = self._gs._clock()
+        started = self._clock()
         attempts = 0
         try:
             while True:
@@ -414,8 +432,8 @@ class Migrator:
                         if not wait_for_target:
                             raise MigrationError(why)
                 attempts += 1
-                now = self._gs._clock()
-                decision = self.schedule.after_failure(attempts, started, now, why)
+                now = self._clock()
+                decision = self._core.migration_failed(attempts, started, now, why)
                 if isinstance(decision, GiveUp):
                     raise MigrationError(decision.reason)
                 log.info("replacement_retry", kernel=kernel.kernel_id, replica=replica_id, reason=why)
@@ -430,8 +448,7 @@ class Migrator:
 
     def _executing_on(self, kernel: KernelRecord, replica: ReplicaRecord) -> bool:
         host = self._gs.state.hosts.get(replica.host_id)
-        prefix = kernel.kernel_id + "/"
-        return host is not None and any(key.startswith(prefix) for key in host.committed)
+        return host is not None and host.ledger.holds_kernel(kernel.kernel_id, tentative=False)
 
     def retired(self, kernel_id: str, replica_id: str) -> bool:
         """Whether a move removed this replica from its kernel's Raft group: a host that comes
@@ -467,14 +484,14 @@ class Migrator:
         stage = "start"
         contact: ReplicaRecord | None = None
         try:
-            await gs._start_replica(kernel, new, join=True)
+            await gs.start_replica(kernel, new, join=True)
             members = {
                 r.replica_id: r.raft_address
                 for r in kernel.replicas.values()
                 if r.alive and r.replica_id != new.replica_id and r.raft_address
             }
             stage = "configure"
-            await gs._configure_replica(kernel, new, members | {new.replica_id: new.raft_address})
+            await gs.configure_replica(kernel, new, members | {new.replica_id: new.raft_address})
             contact = self._contact(kernel, exclude={old_id, new.replica_id})
             stage = "add_learner"
             view = await self._membership(kernel, contact, "add_learner", new.replica_id, new.raft_address)
@@ -496,7 +513,7 @@ class Migrator:
         if old is not None:
             was_alive, old.alive, old.role = old.alive, False, None
             if was_alive:
-                gs._spawn(gs._stop_replica(kernel, old))
+                gs.spawn(gs.stop_replica(kernel, old))
         seconds = round(time.monotonic() - started, 3)
         kernel.migrations += 1
         gs.metrics.record_migration()
@@ -527,8 +544,8 @@ class Migrator:
             body["member"] = member
         if address:
             body["address"] = address
-        answer = await self._gs._outbound.request(
-            via.host_id.encode(), Envelope(messages.REPLICA_MEMBERSHIP, body), timeout=MEMBERSHIP_TIMEOUT_S
+        answer = await self._gs.ask_host(
+            via.host_id, Envelope(messages.REPLICA_MEMBERSHIP, body), timeout=MEMBERSHIP_TIMEOUT_S
         )
         return dict(answer.body)
 
@@ -554,7 +571,7 @@ class Migrator:
             with contextlib.suppress(RpcError, RpcTimeout):
                 await self._membership(kernel, contact, "remove", new.replica_id)
         if new.started:
-            await self._gs._stop_replica(kernel, new)
+            await self._gs.stop_replica(kernel, new)
 
 
 def _explain(plan: NoTarget) -> str:

@@ -35,11 +35,12 @@ from services.global_scheduler.migration import REASON_SCALE_IN, Migrator
 from services.global_scheduler.reply_merger import Forward
 from services.host_provider import NoHostProvider, make_host_provider
 from shared import messages
+from shared.cluster_core.core import ClusterCore, CoreConfig
+from shared.cluster_core.lifecycle import ACTIVE, OVER, transition
 from shared.config import Config, ConfigError
 from shared.election_round import election_key, split_election_key
 from shared.envelope import Envelope
 from shared.policies.executor_choice import ExecutorChoice, choose_executor
-from shared.policies.kernel_placement import KernelPlacement
 from shared.policies.placement import PlacementRequest
 from shared.quorum import majority
 from shared.resources import Resources
@@ -85,14 +86,15 @@ class GlobalScheduler:
         self._replica_start_timeout = float(sched["replica_start_timeout_s"])
         self._replicas_per_kernel = int(cfg.get("cluster.replicas_per_kernel"))
         self._quorum = majority(self._replicas_per_kernel)  # live replicas a kernel needs to run
-        # The same placement class NotebookOsPolicy runs in the simulator (dynamic SR limit, index).
-        watermark = float(sched["subscription_ratio_watermark"])
-        self.placement = KernelPlacement(watermark, self._replicas_per_kernel)
+        # The decisions the simulator makes too (placement, autoscaling, idle judgement, held-cell
+        # retries, lifecycle): one ClusterCore, stepped with this scheduler's clock.
+        self.core = ClusterCore(CoreConfig.from_config(cfg))
+        self.placement = self.core.placement
         kernel_defaults = cfg["kernel"]
         self._default_request = {k: kernel_defaults[k] for k in ("millicpus", "memory_mb", "gpus", "vram_gb")}
         self.state = ClusterState(replicas_per_kernel=self._replicas_per_kernel)
         self.metrics = SchedulerMetrics(cells_kept=int(cfg.get("metrics.cells_kept")), clock=clock)
-        self.autoscaling = ClusterAutoscaler(cfg, self.state, NoHostProvider(), clock=clock)
+        self.autoscaling = ClusterAutoscaler(cfg, self.state, NoHostProvider(), core=self.core, clock=clock)
         self._exporter: PrometheusExporter | None = None
         require_live_policy(cfg)
         self._ctx = zmq.asyncio.Context()
@@ -111,7 +113,7 @@ class GlobalScheduler:
         self._gateway = GatewayOutbox(lambda env: self._server.send(GATEWAY_IDENTITY, env) is not False)
         self._outbound = OutboundRequests(self._server)
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._migrator = Migrator(self, cfg)
+        self._migrator = Migrator(self, cfg, clock=clock)
         # scale-in empties an idle host through the same drain as `tandem host drain`
         self.autoscaling.attach_drain(
             lambda host_id: self._migrator.drain(host_id, reason=REASON_SCALE_IN, wait_for_target=False)
@@ -221,7 +223,11 @@ class GlobalScheduler:
             return None
         return f"http://{self._cfg.get('metrics.prometheus_address')}:{self._exporter.port}/metrics"
 
-    def _spawn(self, coro: Any) -> None:
+    async def ask_host(self, host_id: str, env: Envelope, timeout: float) -> Envelope:
+        """One request to a host's local scheduler (or a replica through it); its answer."""
+        return await self._outbound.request(host_id.encode(), env, timeout=timeout)
+
+    def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -266,7 +272,7 @@ class GlobalScheduler:
             forwards, done = kernel.router.expire(now, self._request_timeout)
             if done:
                 log.warning("requests_timed_out", kernel=kernel.kernel_id, msg_ids=done)
-            self._to_gateway(kernel, forwards)
+            self.to_gateway(kernel, forwards)
             self._release(kernel, done)
 
     # ---- dispatch ---------------------------------------------------------------------------
@@ -365,7 +371,7 @@ class GlobalScheduler:
         if routed.problem is not None:
             log.warning("request_dropped", kernel=kernel.kernel_id, channel=channel, reason=routed.problem)
             if routed.to_client:  # a signed request a kernel could not answer: the error reply
-                self._to_gateway(kernel, routed.to_client)
+                self.to_gateway(kernel, routed.to_client)
             return None
         if routed.msg_type == "execute_request" and routed.to_replicas:
             log.debug(
@@ -387,13 +393,13 @@ class GlobalScheduler:
         ):
             return None  # no replica can run it now: migration (services/global_scheduler/migration.py)
         if routed.to_client:
-            self._to_gateway(kernel, routed.to_client)
+            self.to_gateway(kernel, routed.to_client)
         if routed.executor is not None:
             self.state.reserve(kernel, routed.msg_id, kernel.replicas[routed.executor].host_id)
         if kernel.held is not None and routed.msg_type == "interrupt_request":
             self._migrator.interrupt(kernel)
-        if routed.msg_type == "shutdown_request" and kernel.state in (STARTING, RUNNING):
-            kernel.state = STOPPING
+        if routed.msg_type == "shutdown_request" and kernel.state in ACTIVE:
+            transition(kernel, STOPPING)
             log.info("kernel_stopping", kernel=kernel.kernel_id, by="shutdown_request")
         for replica_id, out_channel, out_frames in routed.to_replicas:
             # The executor's local scheduler binds the GPUs as it forwards; designated, it may
@@ -446,12 +452,12 @@ class GlobalScheduler:
         for msg_id in merged.no_executor:  # its NoExecutorAvailable / GpuUnavailable is held back
             self._migrate_without_executor(kernel, msg_id, "its executor could not bind the GPUs")
         if merged.forwards:
-            self._to_gateway(kernel, merged.forwards)
+            self.to_gateway(kernel, merged.forwards)
         if merged.finished:
             self._release(kernel, merged.finished)
         return None
 
-    def _to_gateway(self, kernel: KernelRecord, forwards: list[Forward]) -> None:
+    def to_gateway(self, kernel: KernelRecord, forwards: list[Forward]) -> None:
         push = self._gateway.push
         kernel_id = kernel.kernel_id
         for channel, frames in forwards:
@@ -487,11 +493,11 @@ class GlobalScheduler:
                 return None
         if event == "elected" and msg_id:
             gpus = detail.get("gpus") or []
-            self.state.committed_by_election(kernel, msg_id, replica.host_id, len(gpus))
+            self.state.committed_by_election(kernel, msg_id, replica.host_id, list(gpus), replica.replica_id)
             self.metrics.cell_elected(kernel.kernel_id, msg_id, replica.replica_id, replica.host_id)
             merged = kernel.router.on_elected(replica.replica_id, msg_id)
             blog.debug("elected", msg_id=msg_id, gpus=gpus)
-            self._to_gateway(kernel, merged.forwards)
+            self.to_gateway(kernel, merged.forwards)
             self._release(kernel, merged.finished)
         elif event == "election_failed" and msg_id:
             blog.warning("election_failed", msg_id=msg_id)
@@ -500,7 +506,7 @@ class GlobalScheduler:
             self.metrics.cell_not_committed(kernel.kernel_id, msg_id)
             self.state.release(kernel, msg_id)
             merged = kernel.router.on_election_failed(msg_id)
-            self._to_gateway(kernel, merged.forwards)
+            self.to_gateway(kernel, merged.forwards)
             self._release(kernel, merged.finished)
         elif event == "cell_timings" and msg_id:
             self.metrics.cell_timings(kernel.kernel_id, msg_id, replica.replica_id, body.get("detail"))
@@ -575,7 +581,7 @@ class GlobalScheduler:
         forwards, done, resend, ask = kernel.router.on_replica_lost(
             replica.replica_id, reason, kernel.live_replicas()
         )
-        self._to_gateway(kernel, forwards)
+        self.to_gateway(kernel, forwards)
         self._release(kernel, done)
         for replica_id, channel, frames in ask:  # cells it was running: their outcome, from the log
             log.info("outcome_asked", kernel=kernel.kernel_id, replica=replica_id, lost=replica.replica_id)
@@ -619,29 +625,29 @@ class GlobalScheduler:
 
         for survivor in kernel.replicas.values():
             if survivor.alive and survivor.started and survivor.replica_id != lost:
-                self._spawn(tell(survivor))
+                self.spawn(tell(survivor))
 
     def _mark_stopped(self, kernel: KernelRecord) -> None:
-        kernel.state = STOPPED
+        transition(kernel, STOPPED)
         kernel.router.dead_reason = "kernel was shut down"
         forwards, done = kernel.router.fail_all("KernelShutdown", "kernel was shut down")
-        self._to_gateway(kernel, forwards)
+        self.to_gateway(kernel, forwards)
         self._release(kernel, done)
         log.info("kernel_stopped", kernel=kernel.kernel_id)
 
     def _mark_dead(self, kernel: KernelRecord, reason: str) -> None:
-        kernel.state = DEAD
+        transition(kernel, DEAD)
         kernel.dead_reason = reason
         kernel.router.dead_reason = reason
         forwards, done = kernel.router.fail_all("KernelDead", reason)
-        self._to_gateway(kernel, forwards)
+        self.to_gateway(kernel, forwards)
         self._release(kernel, done)
         log.error("kernel_dead", kernel=kernel.kernel_id, reason=reason, failed_requests=len(done))
         self._gateway.push(Envelope(messages.KERNEL_DEAD, {"kernel_id": kernel.kernel_id, "reason": reason}))
         # The survivors cannot form a quorum: stop them rather than leave processes behind.
         for replica in kernel.replicas.values():
             if replica.alive:
-                self._spawn(self._stop_replica(kernel, replica))
+                self.spawn(self.stop_replica(kernel, replica))
 
     # ---- hosts ------------------------------------------------------------------------------
 
@@ -685,12 +691,12 @@ class GlobalScheduler:
                 if kernel is None:
                     continue
             if self._migrator.retired(kernel_id, replica_id):  # moved away while its host was unreachable
-                self._spawn(self._stop_replica(kernel, ReplicaRecord(replica_id, host_id, alive=False)))
+                self.spawn(self.stop_replica(kernel, ReplicaRecord(replica_id, host_id, alive=False)))
                 continue
             if kernel.state in (STOPPED, DEAD, STOPPING):
                 replica = kernel.replicas.get(replica_id) or ReplicaRecord(replica_id, host_id)
                 kernel.replicas.setdefault(replica_id, replica)
-                self._spawn(self._stop_replica(kernel, replica))
+                self.spawn(self.stop_replica(kernel, replica))
                 continue
             replica = kernel.replicas.setdefault(replica_id, ReplicaRecord(replica_id, host_id))
             replica.host_id = host_id
@@ -722,7 +728,7 @@ class GlobalScheduler:
             KernelRouter(kernel_id, key.encode(), scheme, quorum=self._quorum),
         )
         kernel.router.migrate_without_executor = resources.gpus > 0  # see _migrate_without_executor
-        kernel.state = RUNNING
+        transition(kernel, RUNNING)
         kernel.router.merger.forward_unknown = True  # cells its predecessor routed still answer
         self.state.kernels[kernel_id] = kernel
         log.info("kernel_adopted", kernel=kernel_id)
@@ -840,30 +846,31 @@ class GlobalScheduler:
         started = time.monotonic()
         try:
             await _on_every_replica(
-                "replica start", kernel, lambda r: self._start_replica(kernel, r), with_host=True
+                "replica start", kernel, lambda r: self.start_replica(kernel, r), with_host=True
             )
             if kernel.state != STARTING:
                 raise RpcError(f"kernel became {kernel.state} while starting", "start_failed")
             peers = {r.replica_id: r.raft_address for r in kernel.replicas.values()}
             await _on_every_replica(
-                "replica configure", kernel, lambda r: self._configure_replica(kernel, r, peers)
+                "replica configure", kernel, lambda r: self.configure_replica(kernel, r, peers)
             )
             if kernel.state != STARTING or len(kernel.live_replicas()) < len(kernel.replicas):
                 raise RpcError(f"kernel became {kernel.state} while starting", "start_failed")
         except BaseException as exc:
             klog.error("kernel_start_failed", reason=str(exc))
-            kernel.state = DEAD
-            kernel.dead_reason = f"start failed: {exc}"
-            kernel.router.dead_reason = kernel.dead_reason
+            if kernel.state not in OVER:  # shut down meanwhile: it stays stopped
+                transition(kernel, DEAD)
+                kernel.dead_reason = f"start failed: {exc}"
+                kernel.router.dead_reason = kernel.dead_reason
             await asyncio.gather(
-                *(self._stop_replica(kernel, r) for r in kernel.replicas.values()), return_exceptions=True
+                *(self.stop_replica(kernel, r) for r in kernel.replicas.values()), return_exceptions=True
             )
             raise
-        kernel.state = RUNNING
+        transition(kernel, RUNNING)
         klog.info("kernel_started", seconds=round(time.monotonic() - started, 3))
         return env.reply(self.state.kernel_status(kernel))
 
-    async def _start_replica(
+    async def start_replica(
         self, kernel: KernelRecord, replica: ReplicaRecord, *, join: bool = False
     ) -> None:
         body = {
@@ -898,7 +905,7 @@ class GlobalScheduler:
             self._raft_ca = ClusterCA.load_or_create(self._cfg.keys_dir())
         return {"raft_identity": self._raft_ca.issue(kernel.kernel_id, replica.replica_id).to_wire()}
 
-    async def _configure_replica(
+    async def configure_replica(
         self, kernel: KernelRecord, replica: ReplicaRecord, peers: dict[str, str]
     ) -> None:
         await self._outbound.request(
@@ -910,7 +917,7 @@ class GlobalScheduler:
             timeout=self._replica_start_timeout,
         )
 
-    async def _stop_replica(self, kernel: KernelRecord, replica: ReplicaRecord) -> None:
+    async def stop_replica(self, kernel: KernelRecord, replica: ReplicaRecord) -> None:
         host = self.state.hosts.get(replica.host_id)
         if host is None or not host.alive:
             replica.alive = False
@@ -985,7 +992,7 @@ class GlobalScheduler:
             replica.pid = answer.body.get("pid")
             replica.raft_address = str(answer.body.get("raft_address") or replica.raft_address)
             peers = {r.replica_id: r.raft_address for r in kernel.replicas.values() if r.raft_address}
-            await self._configure_replica(kernel, replica, peers)
+            await self.configure_replica(kernel, replica, peers)
         finally:
             self._restarting.discard(key)
         if kernel.state == RUNNING and kernel.replicas.get(replica.replica_id) is replica:
@@ -998,11 +1005,11 @@ class GlobalScheduler:
         if kernel is None:
             self.autoscaling.abandon(env.body["kernel_id"])  # a start waiting for new hosts gives up
             return env.reply({"state": STOPPED})  # nothing to stop: shutdown is idempotent
-        if kernel.state in (STARTING, RUNNING):
-            kernel.state = STOPPING
+        if kernel.state in ACTIVE:
+            transition(kernel, STOPPING)
         log.info("kernel_shutdown", kernel=kernel.kernel_id, restart=env.body.get("restart", False))
         await asyncio.gather(
-            *(self._stop_replica(kernel, r) for r in kernel.replicas.values() if r.alive or not r.started),
+            *(self.stop_replica(kernel, r) for r in kernel.replicas.values() if r.alive or not r.started),
             return_exceptions=True,
         )
         if kernel.state == STOPPING:

@@ -33,8 +33,8 @@ from typing import Any
 
 import structlog
 
-from services.local_scheduler.gpu_ledger import GpuLedger, LedgerError
 from services.local_scheduler.job_process import LOG_FILE, JobProcess, JobSpec, job_dir
+from shared.cluster_core.gpu_ledger import GpuLedger, LedgerError
 from shared.rpc import RpcError
 
 log = structlog.get_logger("batch_jobs")
@@ -97,8 +97,9 @@ class BatchJobs:
         async with self._lock:
             run = self.runs.get(spec.job_id)
             if run is not None and run.leased and len(run.process.device_ids) == gpus:
-                run.expires_at = expires_at  # renewed: the job runs on
-                self.ledger.lease(spec.job_id, gpus, expires_at)
+                run.expires_at = expires_at  # renewed: the job runs on, on the same GPUs
+                held = self.ledger.end_lease(spec.job_id)
+                self.ledger.lease(spec.job_id, gpus, expires_at, device_ids=held)
                 return self._granted(run, renewed=True)
             self._check_reserve(gpus)
             if run is not None and not run.leased and len(run.process.device_ids) == gpus:

@@ -20,11 +20,11 @@ import zmq
 import zmq.asyncio
 
 from services.local_scheduler.batch_jobs import BatchJobs
-from services.local_scheduler.gpu_ledger import GpuLedger, LedgerError
 from services.local_scheduler.gpus import GpuInventory, detect_gpus
 from services.local_scheduler.replica_process import ReplicaProcess, raft_identity_json
 from services.local_scheduler.warm_pool import WarmPool
 from shared import messages
+from shared.cluster_core.gpu_ledger import GpuLedger, LedgerError
 from shared.config import Config
 from shared.election_round import election_key, round_of
 from shared.envelope import Envelope

@@ -9,7 +9,8 @@ of a notebook session's life, and carry out the returned actions in order:
     on_session_end(session_id)          -> actions
 
 plus cluster membership (``add_host``/``remove_host``) since hosts come and go with autoscaling.
-Each policy keeps its own GPU ledger of what it allocated: in every mode the policy is the authority
+Each policy keeps one ``GpuLedger`` per host (the cluster's one ledger model,
+``shared.cluster_core.gpu_ledger``) of what it allocated: in every mode the policy is the authority
 on which GPUs a session holds, so the driver never has to reconcile two books. Actions are plain
 data (start/stop a runtime, take/return a warm one, run a cell, queue, migrate, scale out, reject);
 "queued" cells are dispatched by a later event (a cell or session ending, a host arriving), never
@@ -29,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from shared.cluster_core.gpu_ledger import GpuLedger
 from shared.policies.autoscale import Autoscaler, ScaleOut, feasible_hosts
 from shared.policies.executor_choice import HostLedgerView, ReplicaView, choose_executor
 from shared.policies.kernel_placement import KernelPlacement
@@ -121,50 +123,43 @@ class SessionPolicy(Protocol):
     def on_session_end(self, session_id: str) -> list[Action]: ...
 
 
-# ---- a shared GPU ledger ---------------------------------------------------------------------
+# ---- the hosts' GPU ledgers ------------------------------------------------------------------
 
 
-class _Ledger:
-    """Total and committed GPUs per host, kept by the policy that allocates them."""
+# reservation binds a session's GPUs for its whole life: one commit under this cell id
+SESSION = "session"
 
-    def __init__(self, hosts: Mapping[str, int]) -> None:
-        self.gpus: dict[str, int] = dict(hosts)
-        self.committed: dict[str, int] = dict.fromkeys(hosts, 0)
 
-    def add(self, host_id: str, gpus: int) -> None:
-        self.gpus[host_id] = gpus
-        self.committed.setdefault(host_id, 0)
+def host_ledgers(hosts: Mapping[str, int] | None) -> dict[str, GpuLedger]:
+    """One ledger per host of ``{host_id: GPUs}``."""
+    return {h: GpuLedger(range(g)) for h, g in (hosts or {}).items()}
 
-    def remove(self, host_id: str) -> None:
-        self.gpus.pop(host_id, None)
-        self.committed.pop(host_id, None)
 
-    def free(self, host_id: str) -> int:
-        return self.gpus.get(host_id, 0) - self.committed.get(host_id, 0)
+def best_fit(
+    ledgers: Mapping[str, GpuLedger], gpus: int, among: Mapping[str, int] | None = None
+) -> str | None:
+    """The host with the fewest idle GPUs that still fits ``gpus`` (bin packing), else None.
 
-    def best_fit(self, gpus: int, among: Mapping[str, int] | None = None) -> str | None:
-        """The host with the fewest free GPUs that still fits ``gpus`` (bin packing), else None.
+    Packing, not spreading: these baselines own whole GPUs per runtime, so spreading only
+    fragments hosts (an 8-GPU request finds no host with 8 free) and keeps every host partly
+    busy, so an autoscaled cluster can never release one; the simulator measured ~2x the
+    servers' GPU-hours with spreading on the synthetic trace.
+    """
+    best: tuple[int, str] | None = None
+    for h, ledger in ledgers.items():
+        if among is not None and among.get(h, 0) <= 0:
+            continue
+        free = ledger.idle_count
+        if free >= gpus and (best is None or (free, h) < best):
+            best = (free, h)
+    return None if best is None else best[1]
 
-        Packing, not spreading: these baselines own whole GPUs per runtime, so spreading only
-        fragments hosts (an 8-GPU request finds no host with 8 free) and keeps every host partly
-        busy, so an autoscaled cluster can never release one; the simulator measured ~2x the
-        servers' GPU-hours with spreading on the synthetic trace.
-        """
-        best: tuple[int, str] | None = None
-        for h in self.gpus:
-            if among is not None and among.get(h, 0) <= 0:
-                continue
-            free = self.free(h)
-            if free >= gpus and (best is None or (free, h) < best):
-                best = (free, h)
-        return None if best is None else best[1]
 
-    def commit(self, host_id: str, gpus: int) -> None:
-        self.committed[host_id] += gpus
-
-    def release(self, host_id: str, gpus: int) -> None:
-        if host_id in self.committed:
-            self.committed[host_id] = max(self.committed[host_id] - gpus, 0)
+def release_on(ledgers: Mapping[str, GpuLedger], host_id: str, session_id: str, cell_id: str) -> None:
+    """Give back what ``(session, cell)`` holds on ``host_id`` (nothing if the host is gone)."""
+    ledger = ledgers.get(host_id)
+    if ledger is not None:
+        ledger.release(session_id, cell_id, cell_id)
 
 
 # ---- reservation -----------------------------------------------------------------------------
@@ -174,26 +169,26 @@ class ReservationPolicy:
     name = "reservation"
 
     def __init__(self, hosts: Mapping[str, int] | None = None) -> None:
-        self.ledger = _Ledger(hosts or {})
+        self.ledgers = host_ledgers(hosts)
         self.sessions: dict[str, tuple[Session, str]] = {}  # session -> (spec, host)
         self.waiting: deque[Session] = deque()
 
     def add_host(self, host_id: str, gpus: int) -> list[Action]:
-        self.ledger.add(host_id, gpus)
+        self.ledgers[host_id] = GpuLedger(range(gpus))
         return self._admit()
 
     def remove_host(self, host_id: str) -> None:
-        self.ledger.remove(host_id)
+        self.ledgers.pop(host_id, None)
 
     def _admit(self) -> list[Action]:
         actions: list[Action] = []
         while self.waiting:
             s = self.waiting[0]
-            host = self.ledger.best_fit(s.resources.gpus)
+            host = best_fit(self.ledgers, s.resources.gpus)
             if host is None:
                 break
             self.waiting.popleft()
-            self.ledger.commit(host, s.resources.gpus)
+            self.ledgers[host].commit(s.session_id, SESSION, SESSION, s.resources.gpus)
             self.sessions[s.session_id] = (s, host)
             actions.append(StartRuntime(s.session_id, host, bound_gpus=s.resources.gpus))
         return actions
@@ -220,8 +215,8 @@ class ReservationPolicy:
         entry = self.sessions.pop(session_id, None)
         if entry is None:
             return []
-        spec, host = entry
-        self.ledger.release(host, spec.resources.gpus)
+        _, host = entry
+        release_on(self.ledgers, host, session_id, SESSION)
         return [StopRuntime(session_id, host), *self._admit()]
 
 
@@ -232,17 +227,17 @@ class _CellQueuePolicy:
     """FCFS over cells with strict head-of-line order (no backfilling), as a batch scheduler."""
 
     def __init__(self, hosts: Mapping[str, int] | None) -> None:
-        self.ledger = _Ledger(hosts or {})
+        self.ledgers = host_ledgers(hosts)
         self.specs: dict[str, Session] = {}
         self.queue: deque[tuple[str, str]] = deque()
         self.running: dict[tuple[str, str], str] = {}  # (session, cell) -> host
 
     def add_host(self, host_id: str, gpus: int) -> list[Action]:
-        self.ledger.add(host_id, gpus)
+        self.ledgers[host_id] = GpuLedger(range(gpus))
         return self._dispatch()
 
     def remove_host(self, host_id: str) -> None:
-        self.ledger.remove(host_id)
+        self.ledgers.pop(host_id, None)
 
     def on_session_start(self, session: Session) -> list[Action]:
         self.specs[session.session_id] = session
@@ -280,7 +275,7 @@ class _CellQueuePolicy:
         if host is None:
             return []
         gpus = self.specs[session_id].resources.gpus
-        self.ledger.release(host, gpus)
+        release_on(self.ledgers, host, session_id, cell_id)
         return [*self._finish(session_id, host, gpus), *self._dispatch()]
 
     def on_session_end(self, session_id: str) -> list[Action]:
@@ -299,10 +294,10 @@ class BatchPolicy(_CellQueuePolicy):
         super().__init__(hosts)
 
     def _start(self, session_id: str, cell_id: str, gpus: int) -> list[Action] | None:
-        host = self.ledger.best_fit(gpus)
+        host = best_fit(self.ledgers, gpus)
         if host is None:
             return None
-        self.ledger.commit(host, gpus)
+        self.ledgers[host].commit(session_id, cell_id, cell_id, gpus)
         self.running[(session_id, cell_id)] = host
         return [StartRuntime(session_id, host, bound_gpus=gpus), RunCell(session_id, cell_id, host, gpus)]
 
@@ -318,7 +313,7 @@ class LcpPolicy(_CellQueuePolicy):
     def __init__(self, hosts: Mapping[str, int] | None = None, pool_per_host: int = 8) -> None:
         super().__init__(hosts)
         self.pool_per_host = pool_per_host
-        self.warm: dict[str, int] = dict.fromkeys(self.ledger.gpus, pool_per_host)
+        self.warm: dict[str, int] = dict.fromkeys(self.ledgers, pool_per_host)
         self.cold_starts = 0
 
     def add_host(self, host_id: str, gpus: int) -> list[Action]:
@@ -330,10 +325,10 @@ class LcpPolicy(_CellQueuePolicy):
         super().remove_host(host_id)
 
     def _start(self, session_id: str, cell_id: str, gpus: int) -> list[Action] | None:
-        host = self.ledger.best_fit(gpus, among=self.warm) or self.ledger.best_fit(gpus)
+        host = best_fit(self.ledgers, gpus, among=self.warm) or best_fit(self.ledgers, gpus)
         if host is None:
             return None
-        self.ledger.commit(host, gpus)
+        self.ledgers[host].commit(session_id, cell_id, cell_id, gpus)
         self.running[(session_id, cell_id)] = host
         if self.warm.get(host, 0) > 0:
             self.warm[host] -= 1
@@ -381,20 +376,23 @@ class NotebookOsPolicy:
         self.autoscaler = autoscaler
         self.prewarmed = prewarmed if prewarmed is not None else {}
         self.kernels: dict[str, _Kernel] = {}
+        self.ledgers = host_ledgers(hosts)  # GPUs committed to cells; subscriptions in ``index``
         self.waiting_sessions: deque[Session] = deque()
         self.waiting_cells: deque[tuple[str, str]] = deque()
         self.migrations = 0
         for h, g in (hosts or {}).items():
             self.index.upsert(HostView(h, g, replicas_per_kernel=replicas))
 
-    def _update(self, host_id: str, *, committed: int = 0, subscribed: int = 0) -> None:
+    def _update(self, host_id: str, *, subscribed: int = 0) -> None:
+        """Re-index ``host_id``: its committed GPUs as its ledger says, ``subscribed`` more GPUs."""
         v = self.index.get(host_id)
-        if v is not None:  # the constructor, not dataclasses.replace: this runs twice per cell
+        ledger = self.ledgers.get(host_id)
+        if v is not None and ledger is not None:  # the constructor, not replace: this runs twice per cell
             self.index.upsert(
                 HostView(
                     v.host_id,
                     v.gpus,
-                    max(v.committed_gpus + committed, 0),
+                    ledger.committed_count,
                     max(v.subscribed_gpus + subscribed, 0),
                     v.capacity,
                     v.subscribed,
@@ -405,6 +403,7 @@ class NotebookOsPolicy:
             )
 
     def add_host(self, host_id: str, gpus: int) -> list[Action]:
+        self.ledgers[host_id] = GpuLedger(range(gpus))
         self.index.upsert(HostView(host_id, gpus, replicas_per_kernel=self.replicas))
         if self.autoscaler is not None:
             self.autoscaler.on_host_registered(host_id)  # placement below re-finds the room
@@ -412,6 +411,7 @@ class NotebookOsPolicy:
 
     def remove_host(self, host_id: str) -> None:
         self.index.remove(host_id)
+        self.ledgers.pop(host_id, None)
 
     def drain_host(self, host_id: str) -> list[Action] | None:
         """Move every replica off ``host_id`` before a scale-in releases it; None (and no change) if one cannot move.
@@ -528,7 +528,8 @@ class NotebookOsPolicy:
 
     def _run(self, kernel: _Kernel, cell_id: str, i: int) -> list[Action]:
         g = kernel.session.resources.gpus
-        self._update(kernel.hosts[i], committed=g)
+        self.ledgers[kernel.hosts[i]].commit(kernel.session.session_id, str(i), cell_id, g)
+        self._update(kernel.hosts[i])
         kernel.last_executor = i
         kernel.running[cell_id] = i
         return [RunCell(kernel.session.session_id, cell_id, kernel.hosts[i], g)]
@@ -552,8 +553,14 @@ class NotebookOsPolicy:
         if kernel is None or cell_id not in kernel.running:
             return []
         i = kernel.running.pop(cell_id)
-        self._update(kernel.hosts[i], committed=-kernel.session.resources.gpus)
+        self._end_cell(kernel, cell_id, i)
         return self._retry_cells()
+
+    def _end_cell(self, kernel: _Kernel, cell_id: str, i: int) -> None:
+        ledger = self.ledgers.get(kernel.hosts[i])
+        if ledger is not None:
+            ledger.release(kernel.session.session_id, str(i), cell_id)
+            self._update(kernel.hosts[i])
 
     def on_session_end(self, session_id: str) -> list[Action]:
         self.waiting_sessions = deque(s for s in self.waiting_sessions if s.session_id != session_id)
@@ -562,8 +569,8 @@ class NotebookOsPolicy:
         if kernel is None:
             return []
         g = kernel.session.resources.gpus
-        for i in kernel.running.values():
-            self._update(kernel.hosts[i], committed=-g)
+        for cell_id, i in kernel.running.items():
+            self._end_cell(kernel, cell_id, i)
         for h in kernel.hosts:
             self._update(h, subscribed=-g)
         stops: list[Action] = [StopRuntime(session_id, h, replica=i) for i, h in enumerate(kernel.hosts)]

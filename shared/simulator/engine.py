@@ -556,11 +556,11 @@ class Simulator:
                 )
                 for v in policy.index.views()
             ]
-        ledger = policy.ledger  # type: ignore[attr-defined]
+        ledgers = policy.ledgers  # type: ignore[attr-defined]
         reserved = self.name == "reservation"
         return [
-            HostLoad(h, g, ledger.committed[h], ledger.committed[h] if reserved else 0)
-            for h, g in ledger.gpus.items()
+            HostLoad(h, led.total, led.committed_count, led.committed_count if reserved else 0)
+            for h, led in ledgers.items()
         ]
 
     def _tick(self, now: float) -> None:

@@ -136,8 +136,9 @@ def test_execute_reserves_the_executor_gpus_then_commit_then_release(h: Harness)
             "detail": {"gpus": [0, 1]},
         },
     )
-    assert h.gs.state.hosts[executor_host].committed == {f"k/{msg_id}": 2}
-    assert h.gs.state.hosts[executor_host].reservations == {}
+    ledger = h.gs.state.hosts[executor_host].ledger
+    assert ledger.snapshot() == {f"k/{msg_id}": [0, 1]}
+    assert ledger.tentative() == {}
     for replica in kernel.replicas.values():
         role = "executor" if replica is executor else "standby"
         for msg_type, content, channel in (

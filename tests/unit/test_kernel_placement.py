@@ -311,7 +311,7 @@ def _apply(state: ClusterState, event: str, a: int, b: int, c: int) -> None:
         elif event == "reserve":
             state.reserve(kernel, f"m{c}", replica.host_id)
         elif event == "commit":
-            state.committed_by_election(kernel, f"m{c}", replica.host_id, c % 3)
+            state.committed_by_election(kernel, f"m{c}", replica.host_id, list(range(c % 3)))
         elif event == "release":
             state.release(kernel, f"m{c}")
 

@@ -99,7 +99,8 @@ def test_notebookos_migration_then_queue_and_retry_on_release() -> None:
     p.on_session_start(s("s2", 4))  # d, + two of a/b/c
     hosts_s2 = list(p.kernels["s2"].hosts)
     for h in ("a", "b", "c"):  # every host of s1's replicas is busy (as if other kernels executed)
-        p._update(h, committed=4)
+        p.ledgers[h].commit("other", "r1", "busy", 4)
+        p._update(h)
     actions = p.on_cell_submit("s1", "c1")
     assert kinds(actions) == ["Migrate", "RunCell"]
     migrate = actions[0]

@@ -68,9 +68,9 @@ def test_each_failed_release_doubles_the_idle_time_before_the_next_try() -> None
         assert scaler.events[-1]["kind"] == "scale_in_failed"
         assert not state.hosts["h1"].cordoned  # put back as it was
     # used again: the next release is judged afresh, after one idle period
-    state.hosts["h1"].committed = {"k": 1}
+    state.hosts["h1"].ledger.mirror({"k/m": 1})
     assert not releasable(scaler, "h1")
-    state.hosts["h1"].committed = {}
+    state.hosts["h1"].ledger.mirror({})
     start = clock.now
     assert not releasable(scaler, "h1")
     clock.now = start + IDLE_S

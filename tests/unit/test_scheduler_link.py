@@ -15,8 +15,8 @@ from contextlib import asynccontextmanager
 import zmq.asyncio
 
 from kernel_replica.scheduler_link import SchedulerLink
-from services.local_scheduler.gpu_ledger import GpuLedger, LedgerError
 from shared import messages
+from shared.cluster_core.gpu_ledger import GpuLedger, LedgerError
 from shared.envelope import Envelope
 from shared.rpc import RpcServer
 

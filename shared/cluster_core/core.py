@@ -1,0 +1,147 @@
+"""``ClusterCore``: the decisions the live global scheduler and the simulator share, stepped by
+both with their own clock (ARCHITECTURE.md §3). Modelled on etcd-io/raft's RawNode: the driver
+feeds events (a placement failed, a host registered, a release failed, ``tick(now, hosts)``) and
+carries out what comes back (``ScaleOut``, ``ScaleIn``, ``RetryAt``/``GiveUp`` for a held cell,
+a lifecycle move); nothing here does I/O or reads a clock.
+
+It owns the autoscaler (what is pending and reserved), the idle-host judgement, the kernel
+placement, the held-cell retry policy, the drain plan and the kernel lifecycle table; the GPU
+ledger model is ``gpu_ledger.GpuLedger``, one per host in every driver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from shared.cluster_core import lifecycle
+from shared.cluster_core.drain import DrainPlan, ReplicaToMove, plan_drain
+from shared.cluster_core.idle import HostFacts, IdleJudge
+from shared.config import Config
+from shared.policies.autoscale import AutoscaleConfig, Autoscaler, ScaleDecision
+from shared.policies.kernel_placement import KernelPlacement
+from shared.policies.migration import GiveUp, RetryAt, RetrySchedule
+from shared.policies.placement import HostView, PlacementRequest
+from shared.resources import Resources
+
+
+def autoscale_config(cfg: Config) -> AutoscaleConfig:
+    """The autoscaler's knobs from ``[cluster]``, ``[host]``, ``[scheduler]`` and ``[autoscale]``."""
+    hosts = int(cfg.get("cluster.hosts"))
+    max_hosts = int(cfg.get("cluster.max_hosts")) or hosts
+    if max_hosts < hosts:
+        raise ValueError(f"cluster.max_hosts ({max_hosts}) must be at least cluster.hosts ({hosts})")
+    return AutoscaleConfig(
+        scaling_factor=float(cfg.get("autoscale.scaling_factor")),
+        gpus_per_host=max(int(cfg.get("host.gpus")), 1),
+        buffer_hosts=int(cfg.get("autoscale.buffer_hosts")),
+        min_hosts=hosts,
+        max_hosts=max_hosts,
+        max_release=int(cfg.get("autoscale.max_release")),
+        replicas_per_kernel=int(cfg.get("cluster.replicas_per_kernel")),
+        max_ratio_after_scale_in=float(cfg.get("scheduler.subscription_ratio_watermark")),
+    )
+
+
+def retry_schedule(base_s: float, max_delay_s: float, deadline_s: float) -> RetrySchedule:
+    """The held-cell (and replacement) retry policy: back off until the deadline decides."""
+    return RetrySchedule(
+        base_s=base_s, max_delay_s=max_delay_s, max_attempts=1_000_000, deadline_s=deadline_s
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CoreConfig:
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    scale_in_idle_s: float = 30.0
+    retry: RetrySchedule = field(default_factory=lambda: retry_schedule(0.5, 4.0, 30.0))
+    # A commit released just now can come back for one heartbeat: a held cell's first migration
+    # waits this long (the live ledger's staleness; the simulator models the same wait).
+    ledger_settle_s: float = 1.0
+    watermark: float = 3.0
+    replicas_per_kernel: int = 3
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> CoreConfig:
+        sched = cfg["scheduler"]
+        return cls(
+            autoscale=autoscale_config(cfg),
+            scale_in_idle_s=float(cfg.get("autoscale.scale_in_idle_s")),
+            retry=retry_schedule(
+                float(sched["migration_retry_base_s"]),
+                float(sched["migration_retry_max_s"]),
+                float(sched["migration_deadline_s"]),
+            ),
+            ledger_settle_s=float(sched["heartbeat_interval_s"]),
+            watermark=float(sched["subscription_ratio_watermark"]),
+            replicas_per_kernel=int(cfg.get("cluster.replicas_per_kernel")),
+        )
+
+
+class ClusterCore:
+    """One per driver: the live ``GlobalScheduler`` and the ``Simulator`` each build one."""
+
+    def __init__(self, config: CoreConfig | None = None, *, can_drain: bool = True) -> None:
+        self.config = config or CoreConfig()
+        self.autoscaler = Autoscaler(self.config.autoscale)
+        self.idle = IdleJudge(self.config.scale_in_idle_s, can_drain=can_drain)
+        self.placement = KernelPlacement(self.config.watermark, self.config.replicas_per_kernel)
+        self.retry = self.config.retry
+
+    # ---- the periodic check -----------------------------------------------------------------
+
+    def tick(self, now: float, hosts: Iterable[HostFacts]) -> ScaleDecision:
+        """Judge which hosts are idle at ``now`` and decide a scale-out or -in (or neither)."""
+        return self.autoscaler.evaluate(self.idle.loads(hosts, now))
+
+    # ---- hosts ------------------------------------------------------------------------------
+
+    def placement_failed(self, request: PlacementRequest, feasible: int, live_hosts: int) -> ScaleDecision:
+        """A kernel's replicas found no room: reserve them on hosts to be added (maybe ScaleOut)."""
+        return self.autoscaler.on_placement_failed(request, feasible, live_hosts)
+
+    def scale_out_asked(self, count: int) -> None:
+        """The driver asked its provider for ``count`` hosts after a periodic ScaleOut."""
+        self.autoscaler.expect_hosts(count)
+
+    def scale_out_failed(self, count: int) -> tuple[str, ...]:
+        """``count`` hosts asked for will never come: the kernels whose reservations are lost."""
+        return self.autoscaler.on_scale_out_failed(count)
+
+    def host_registered(self, host_id: str) -> tuple[tuple[str, Resources], ...]:
+        """A new host arrived: the replica slots reserved on it for kernels waiting to start."""
+        return self.autoscaler.on_host_registered(host_id)
+
+    def release_failed(self, host_id: str) -> int:
+        """A scale-in of ``host_id`` failed (a replica no host could take): back off; failures in a row."""
+        return self.idle.release_failed(host_id)
+
+    def host_released(self, host_id: str) -> None:
+        self.idle.released(host_id)
+
+    def plan_drain(
+        self,
+        host_id: str,
+        replicas: Sequence[ReplicaToMove],
+        hosts: Iterable[HostView],
+        prewarmed: Mapping[str, int] | None = None,
+    ) -> DrainPlan:
+        """Where each replica on ``host_id`` goes (per replica; those no host takes stay)."""
+        return plan_drain(host_id, replicas, hosts, prewarmed=prewarmed, watermark=self.config.watermark)
+
+    # ---- held cells -------------------------------------------------------------------------
+
+    def first_migration_at(self, held_since: float) -> float:
+        """When a cell no replica could run is first tried for a migration."""
+        return held_since + self.config.ledger_settle_s
+
+    def migration_failed(self, attempts: int, held_since: float, now: float, reason: str) -> RetryAt | GiveUp:
+        """``attempts`` migrations of a held cell failed: when to try again, or give the cell up."""
+        return self.retry.after_failure(attempts, held_since, now, reason)
+
+    # ---- kernels ----------------------------------------------------------------------------
+
+    @staticmethod
+    def transition(kernel: lifecycle.HasState, to: str) -> None:
+        """Move ``kernel`` through the lifecycle table (``IllegalTransition`` if it forbids it)."""
+        lifecycle.transition(kernel, to)

@@ -1,0 +1,56 @@
+"""A kernel's lifecycle as one explicit transition table, shared by the live scheduler and the
+simulator: a move the table does not list is refused with an error naming both states, instead of
+a raw assignment that silently revives a dead kernel.
+
+    starting -> running   its replicas started and were configured (or a restarted scheduler
+                          adopted it from its hosts' reports)
+    starting -> stopping  shut down while starting
+    starting -> dead      its start failed
+    running  -> stopping  shut down (kernel.shutdown, or a shutdown_request through the gateway)
+    running  -> dead      fewer live replicas than a Raft quorum
+    stopping -> stopped   its replicas stopped
+    stopping -> dead      its start failed while it was being shut down
+
+``stopped`` and ``dead`` are final: a new start of the same kernel id is a new kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+STARTING, RUNNING, STOPPING, STOPPED, DEAD = "starting", "running", "stopping", "stopped", "dead"
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    STARTING: frozenset({RUNNING, STOPPING, DEAD}),
+    RUNNING: frozenset({STOPPING, DEAD}),
+    STOPPING: frozenset({STOPPED, DEAD}),
+    STOPPED: frozenset(),
+    DEAD: frozenset(),
+}
+ACTIVE = frozenset({STARTING, RUNNING})  # a kernel that may still run cells
+OVER = frozenset({STOPPED, DEAD})
+
+
+class IllegalTransition(ValueError):
+    """A lifecycle move the table does not allow; ``str`` names the kernel and both states."""
+
+
+class HasState(Protocol):
+    kernel_id: str
+    state: str
+
+
+def check(kernel_id: str, current: str, to: str) -> None:
+    """Raise ``IllegalTransition`` unless ``current -> to`` is in the table."""
+    allowed = TRANSITIONS.get(current)
+    if allowed is None:
+        raise IllegalTransition(f"kernel {kernel_id} is in an unknown state {current!r}")
+    if to not in allowed:
+        options = ", ".join(sorted(allowed)) or "nothing (final)"
+        raise IllegalTransition(f"kernel {kernel_id} cannot go from {current} to {to} (allowed: {options})")
+
+
+def transition(kernel: HasState, to: str) -> None:
+    """Move ``kernel`` to ``to`` if the table allows it, else raise ``IllegalTransition``."""
+    check(kernel.kernel_id, kernel.state, to)
+    kernel.state = to

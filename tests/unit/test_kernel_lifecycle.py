@@ -1,0 +1,70 @@
+"""The kernel lifecycle table (shared/cluster_core/lifecycle.py): every listed move is allowed,
+every other one refused with an error naming the kernel and both states."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.cluster_core.lifecycle import (
+    DEAD,
+    RUNNING,
+    STARTING,
+    STOPPED,
+    STOPPING,
+    TRANSITIONS,
+    IllegalTransition,
+    transition,
+)
+
+STATES = (STARTING, RUNNING, STOPPING, STOPPED, DEAD)
+
+
+@dataclass
+class Kernel:
+    kernel_id: str
+    state: str
+
+
+def test_a_kernel_lives_through_start_run_stop() -> None:
+    kernel = Kernel("k", STARTING)
+    for to in (RUNNING, STOPPING, STOPPED):
+        transition(kernel, to)
+    assert kernel.state == STOPPED
+
+
+def test_a_dead_kernel_is_never_revived() -> None:
+    kernel = Kernel("k", DEAD)
+    with pytest.raises(IllegalTransition, match="kernel k cannot go from dead to running"):
+        transition(kernel, RUNNING)
+    assert kernel.state == DEAD
+
+
+def test_a_stopped_kernel_cannot_be_declared_dead() -> None:
+    with pytest.raises(IllegalTransition, match=r"from stopped to dead \(allowed: nothing \(final\)\)"):
+        transition(Kernel("k", STOPPED), DEAD)
+
+
+def test_a_running_kernel_cannot_go_back_to_starting() -> None:
+    with pytest.raises(IllegalTransition, match=r"allowed: dead, stopping"):
+        transition(Kernel("k", RUNNING), STARTING)
+
+
+def test_an_unknown_state_is_named() -> None:
+    with pytest.raises(IllegalTransition, match="unknown state 'zombie'"):
+        transition(Kernel("k", "zombie"), DEAD)
+
+
+@given(st.sampled_from(STATES), st.sampled_from(STATES))
+def test_the_table_decides_every_move(current: str, to: str) -> None:
+    kernel = Kernel("k", current)
+    if to in TRANSITIONS[current]:
+        transition(kernel, to)
+        assert kernel.state == to
+    else:
+        with pytest.raises(IllegalTransition):
+            transition(kernel, to)
+        assert kernel.state == current
