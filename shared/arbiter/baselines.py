@@ -1,0 +1,121 @@
+"""Baseline BE allocation policies, with the arbiter's interface (``auction(now, apps, available,
+be_capacity_gpus) -> AuctionOutcome``), as Themis §6.1 implements them: on each round every app
+reports one number and the free GPUs go to apps greedily in that order, each up to what it can
+use, each job's share packed on as few hosts as possible. Leases are the same as Themis's.
+
+* FIFO: earliest submitted app first.
+* SRTF: shortest remaining time (remaining work / app demand) first.
+* Tiresias: least attained service (GPU-seconds used) first (LAS).
+* Gandiva-like: highest placement preference (sensitivity) first, packing it (placement greedy).
+* SLAQ-like: largest loss decrease per GPU over one lease first, on a common convex loss curve
+  of training progress (SLAQ's "greedy highest loss reduction").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from shared.arbiter.agent import AppAgent, pack
+from shared.arbiter.arbiter import Arbiter, AuctionOutcome
+from shared.arbiter.config import ArbiterConfig
+from shared.arbiter.lease import Lease
+from shared.arbiter.reports import AppReport
+from shared.arbiter.slots import GpuSlot
+
+
+def loss_at(progress: float) -> float:
+    """Normalised training loss at a fraction of training done: 1 at start, convex, ~0.09 at the end
+    (the shape SLAQ fits: fast early improvement, diminishing returns)."""
+    p = min(1.0, max(0.0, progress))
+    return 1.0 / (1.0 + 10.0 * p)
+
+
+class GreedyPolicy:
+    """Free GPUs to apps in the order of ``key`` (lowest first), each up to what it can use."""
+
+    name = "greedy"
+
+    def __init__(
+        self, key: Callable[[AppAgent, float], float], name: str, config: ArbiterConfig | None = None
+    ):
+        self.key = key
+        self.name = name
+        self.config = config or ArbiterConfig()
+        self._visibility = Arbiter(self.config)
+
+    def auction(
+        self, now: float, apps: Sequence[AppReport], available: Sequence[GpuSlot], be_capacity_gpus: float
+    ) -> AuctionOutcome:
+        start = time.perf_counter()
+        agents = self._visibility.agents(now, apps, be_capacity_gpus)
+        rho = {a.app_id: a.rho_current for a in agents}
+        left = sorted(available)
+        leases: list[Lease] = []
+        won: dict[str, int] = {}
+        for agent in sorted(agents, key=lambda a: (self.key(a, self.config.lease_s), a.app_id)):
+            if not left:
+                break
+            need = min(agent.wants, len(left))
+            if need <= 0:
+                continue
+            got = pack({agent.app_id: need}, left)[agent.app_id]
+            taken = set(got)
+            left = [s for s in left if s not in taken]
+            won[agent.app_id] = len(got)
+            leases += [
+                Lease(agent.app_id, job_id, slots, now, now + self.config.lease_s)
+                for job_id, slots in sorted(agent.assign(got).items())
+            ]
+        return AuctionOutcome(leases, rho, won_by_app=won, auction_ms=(time.perf_counter() - start) * 1e3)
+
+
+def _remaining_time(agent: AppAgent, _lease_s: float) -> float:
+    demand = max(1, agent.model.demand_max_gpus)
+    return sum(w.seconds for p in agent.model.phases for w in p) / demand
+
+
+def _loss_decrease(agent: AppAgent, lease_s: float) -> float:
+    """Minus the loss decrease per GPU one more lease would bring the app (so lowest sorts first)."""
+    best = 0.0
+    for job in agent.report.jobs:
+        if job.iterations_total in (None, 0) or job.seconds_per_iteration is None:
+            continue
+        p = job.iterations_done / job.iterations_total
+        step = lease_s / (job.seconds_per_iteration * job.iterations_total)
+        best = max(best, loss_at(p) - loss_at(p + step))
+    return -best
+
+
+def _placement(agent: AppAgent, _lease_s: float) -> float:
+    sens = [w.sensitivity for p in agent.model.phases for w in p if w.max_gpus > 1]
+    return -max(sens, default=1.0)
+
+
+def fifo(config: ArbiterConfig | None = None) -> GreedyPolicy:
+    return GreedyPolicy(lambda a, _: a.report.submitted_at, "fifo", config)
+
+
+def srtf(config: ArbiterConfig | None = None) -> GreedyPolicy:
+    return GreedyPolicy(_remaining_time, "srtf", config)
+
+
+def tiresias(config: ArbiterConfig | None = None) -> GreedyPolicy:
+    return GreedyPolicy(lambda a, _: a.report.gpu_seconds_used, "tiresias", config)
+
+
+def gandiva(config: ArbiterConfig | None = None) -> GreedyPolicy:
+    return GreedyPolicy(_placement, "gandiva", config)
+
+
+def slaq(config: ArbiterConfig | None = None) -> GreedyPolicy:
+    return GreedyPolicy(_loss_decrease, "slaq", config)
+
+
+BASELINES: dict[str, Callable[[ArbiterConfig | None], GreedyPolicy]] = {
+    "gandiva": gandiva,
+    "tiresias": tiresias,
+    "slaq": slaq,
+    "srtf": srtf,
+    "fifo": fifo,
+}
