@@ -147,6 +147,11 @@ def add_job_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]
     submit.add_argument("--gpus", type=int, default=1, help="GPUs the job needs (default 1)")
     submit.add_argument("--max-gpus", type=int, help="the most GPUs it can use (default: --gpus)")
     submit.add_argument("--name", help="a name to show (default: the command's last word)")
+    submit.add_argument(
+        "--iterations",
+        type=int,
+        help="its total iterations, for the arbiter's estimates before it reports its own",
+    )
     submit.add_argument("job_argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="what to run")
     listing = job_sub.add_parser("list", help="every job: state, host, progress, GPU time")
     common(listing)
@@ -390,7 +395,7 @@ def cmd_job(args: argparse.Namespace, cfg: Config) -> int:
             "env": dict(os.environ),
             "gpus": args.gpus,
         }
-        for key in ("app", "name", "max_gpus"):
+        for key in ("app", "name", "max_gpus", "iterations"):
             if getattr(args, key) is not None:
                 body[key] = getattr(args, key)
         job = _ask_arbiter(args, cfg, messages.JOB_SUBMIT, body)

@@ -208,6 +208,7 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "name": (_str, False),
         "gpus": (_int, False),
         "max_gpus": (_int, False),
+        "iterations": (_int, False),  # the job's total, until it reports its own (job-side API)
     },
     JOB_LIST: {},
     JOB_SHOW: {"job_id": (_str, True)},

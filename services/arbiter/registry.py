@@ -6,9 +6,11 @@ lease was held, times its GPUs), and says what the auction needs to know (``app_
 a plain dict for the shell to persist (``to_dict`` / ``from_dict``), so a restarted arbiter loses
 no job.
 
-A job that does not use the job-side API reports no iterations: it is reported to the auction
-as one "iteration" per second it has run, with no known total or iteration time, and the core's
-crude estimates (``ArbiterConfig.unknown_*``) stand in for them.
+What the auction is told of a job's work (``app_reports``): what the job reports through the
+job-side API once it runs; before that, the total its submitter declared (``--iterations``, as
+Themis's apps declare their jobs); a job with neither is reported as one "iteration" per second
+it has run, with no known total or iteration time, and the core's crude estimates
+(``ArbiterConfig.unknown_*``) stand in for them.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class JobRecord:
     gpus: int
     max_gpus: int
     submitted_at: float
+    declared_iterations: int | None = None
     state: str = QUEUED
     iterations_done: int = 0
     iterations_total: int | None = None
@@ -95,10 +98,14 @@ class Registry:
         job_id = f"{app_id}.{next(self._ids)}"
         while job_id in self.jobs:
             job_id = f"{app_id}.{next(self._ids)}"
+        declared = body.get("iterations")
+        if declared is not None and int(declared) < 1:
+            raise RegistryError(f"--iterations must be at least 1, got {declared}")
         name = str(body.get("name") or argv[-1].rsplit("/", 1)[-1])
         record = JobRecord(
-            job_id, app_id, name, argv, str(body["cwd"]), dict(body["env"]), gpus, max_gpus, now
-        )
+            job_id, app_id, name, argv, str(body["cwd"]), dict(body["env"]), gpus, max_gpus, now,
+            declared_iterations=None if declared is None else int(declared),
+        )  # fmt: skip
         self.jobs[job_id] = record
         return record
 
@@ -249,18 +256,7 @@ class Registry:
             live = [r for r in records if r.state in (QUEUED, RUNNING)]
             if not live:
                 continue
-            jobs = [
-                JobReport(
-                    job_id=r.job_id,
-                    app_id=app_id,
-                    gpus=0 if r.job_id in releasing else len(r.device_ids),
-                    max_gpus=r.max_gpus,
-                    iterations_done=r.iterations_done if r.uses_api else int(r.run_seconds),
-                    iterations_total=r.iterations_total if r.uses_api else None,
-                    seconds_per_iteration=r.seconds_per_iteration if r.uses_api else None,
-                )
-                for r in live
-            ]
+            jobs = [self._job_report(r, gpus=0 if r.job_id in releasing else len(r.device_ids)) for r in live]
             reports.append(
                 AppReport(
                     app_id=app_id,
@@ -271,6 +267,24 @@ class Registry:
                 )
             )
         return reports
+
+    @staticmethod
+    def _job_report(r: JobRecord, *, gpus: int) -> JobReport:
+        if r.uses_api:
+            done, total, spi = r.iterations_done, r.iterations_total, r.seconds_per_iteration
+        elif r.declared_iterations is not None:
+            done, total, spi = 0, r.declared_iterations, None
+        else:
+            done, total, spi = int(r.run_seconds), None, None
+        return JobReport(
+            job_id=r.job_id,
+            app_id=r.app_id,
+            gpus=gpus,
+            max_gpus=r.max_gpus,
+            iterations_done=done,
+            iterations_total=total,
+            seconds_per_iteration=spi,
+        )
 
     def apps(self) -> dict[str, dict[str, Any]]:
         """Per app: GPU time held, GPUs held now, jobs by state."""

@@ -85,17 +85,9 @@ def test_jobs_share_the_gpus_cells_leave_idle_fairly(tandem_kernelspec: Path, tm
         for _ in range(2):
             for app in jobs:
                 submitted = tandem(
-                    cluster,
-                    "job",
-                    "submit",
-                    "--app",
-                    app,
-                    "--",
-                    sys.executable,
-                    str(TRAIN),
-                    "100000",
-                    str(record),
-                )
+                    cluster, "job", "submit", "--app", app, "--iterations", "100000",
+                    "--", sys.executable, str(TRAIN), "100000", str(record),
+                )  # fmt: skip
                 assert submitted.returncode == 0, submitted.stderr
                 jobs[app].append(submitted.stdout.strip())
         cells: list[tuple[str, float, float, list[int]]] = []
