@@ -34,6 +34,9 @@ CONFIG = (
 )  # fmt: skip
 TRAIN = Path(__file__).with_name("_train_job.py")
 RUN_S = 25.0
+# ~60 s of work per job (a step is ~0.06 s): no job ends within the test, and what each app has
+# done so far weighs in its finish-time estimate (with far longer jobs it would not, for minutes)
+STEPS = 1000
 CELL = (
     "import json, time\n"
     "from kernel_replica.helper import gpu_ids\n"
@@ -85,8 +88,8 @@ def test_jobs_share_the_gpus_cells_leave_idle_fairly(tandem_kernelspec: Path, tm
         for _ in range(2):
             for app in jobs:
                 submitted = tandem(
-                    cluster, "job", "submit", "--app", app, "--iterations", "100000",
-                    "--", sys.executable, str(TRAIN), "100000", str(record),
+                    cluster, "job", "submit", "--app", app, "--iterations", str(STEPS),
+                    "--", sys.executable, str(TRAIN), str(STEPS), str(record),
                 )  # fmt: skip
                 assert submitted.returncode == 0, submitted.stderr
                 jobs[app].append(submitted.stdout.strip())
@@ -136,7 +139,7 @@ def test_jobs_share_the_gpus_cells_leave_idle_fairly(tandem_kernelspec: Path, tm
         assert "Tandem jobs" in tandem(cluster, "job", "list").stdout
         victim = jobs["a"][0]
         shown = json.loads(tandem(cluster, "job", "show", victim).stdout)
-        assert shown["app_id"] == "a" and shown["command"].endswith(f"100000 {record}")
+        assert shown["app_id"] == "a" and shown["command"].endswith(f"{STEPS} {record}")
         logs = tandem(cluster, "job", "logs", victim)
         assert logs.returncode == 0 and "--- tandem: started on host-" in logs.stdout
         cancelled = tandem(cluster, "job", "cancel", victim)
