@@ -49,6 +49,8 @@ class UsageMeter:
             int(report.get("reserved", 0)),
             now,
         )
+        if self.be_capacity is None:  # the average starts from the first report
+            self.be_capacity = self._usable(now)
 
     def live(self, now: float) -> dict[str, HostUse]:
         return {h: u for h, u in self.hosts.items() if now - u.at <= self.stale_s}
@@ -74,12 +76,10 @@ class UsageMeter:
         split = self.split(now)
         for use in USES:
             self.gpu_seconds[use] += dt * split[use]
+        keep = math.exp(-dt / self.window_s)
         usable = self._usable(now)
-        if self.be_capacity is None:
-            self.be_capacity = usable
-        else:
-            keep = math.exp(-dt / self.window_s)
-            self.be_capacity = keep * self.be_capacity + (1 - keep) * usable
+        previous = usable if self.be_capacity is None else self.be_capacity
+        self.be_capacity = keep * previous + (1 - keep) * usable
 
     def capacity(self, now: float) -> float:
         """T_id's R: the time-averaged GPUs BE jobs could use (the current ones before any history)."""

@@ -114,7 +114,8 @@ class BatchJobs:
             if run is not None:
                 await self._stop(run, reason="replaced")
             try:
-                device_ids = list(self.ledger.lease(spec.job_id, gpus, expires_at))
+                leasable = self.leasable()[:gpus]  # cells commit the lowest ids: leases take others
+                device_ids = list(self.ledger.lease(spec.job_id, gpus, expires_at, device_ids=leasable))
             except LedgerError as exc:
                 raise RpcError(f"host {self.host_id}: {exc}", "no_gpus") from None
             process = JobProcess(

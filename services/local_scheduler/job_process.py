@@ -168,11 +168,10 @@ class JobProcess:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
         while not self.exited.is_set() and loop.time() < deadline:
-            state = (self.progress() or {}).get("state")
-            if state == "paused":
+            if (self.progress() or {}).get("state") == "paused":
                 self.log.info("job_paused", at="step boundary")
                 return True
-            if state != "running":  # no API, or not at its first step yet: it cannot answer
+            if not self.at_steps():  # no API, or not at its first step yet: it cannot answer
                 break
             await asyncio.sleep(POLL_S)
         if self.exited.is_set():
@@ -201,8 +200,13 @@ class JobProcess:
             return "stopped"
         return "finished" if self.returncode == 0 else "failed"
 
+    def at_steps(self) -> bool:
+        """Whether the job is in its step loop (it reads the control word at each boundary)."""
+        return (self.progress() or {}).get("state") in ("running", "paused")
+
     async def stop(self, grace_s: float) -> int | None:
-        """The control word ``stop``, then SIGTERM, then SIGKILL to the group, a grace apart."""
+        """The control word ``stop``, then SIGTERM, then SIGKILL to the group, a grace apart; a
+        job that cannot read the word (not in its step loop) gets SIGTERM at once."""
         self.stop_requested = True
         if self.process is None:
             return None
@@ -211,7 +215,7 @@ class JobProcess:
                 write_atomically(self.directory / CONTROL_FILE, STOP)
             self._thaw()  # a frozen job reads the stop at its next step boundary
             for sig, wait_s in (
-                (None, grace_s),
+                (None, grace_s if self.at_steps() else 0.0),
                 (signal.SIGTERM, KILL_GRACE_S),
                 (signal.SIGKILL, KILL_GRACE_S),
             ):
