@@ -126,6 +126,7 @@ class EmbeddedCluster:
         self.log_dir = Path(os.path.expanduser(log_dir)) if log_dir else state_dir / "logs"
         self.children: list[Child] = []
         self._scheduler_args: list[str] = []
+        self._arbiter_args: list[str] = []
         self._gateway_args: list[str] = []
         self._gateway_restarts: list[float] = []
         self.scheduler_address = ""
@@ -179,12 +180,8 @@ class EmbeddedCluster:
         # the scheduler, it binds a port the OS picks and announces it.
         arbiter_log = self.log_dir / "arbiter.log"
         offset = arbiter_log.stat().st_size if arbiter_log.exists() else 0
-        arbiter = self._spawn(
-            "arbiter",
-            ["-m", "services.arbiter", "--config-json", self._child_config(), *log_format,
-             "--bind", f"tcp://{self.ip}:0"],
-            critical=True,
-        )  # fmt: skip
+        self._arbiter_args = ["-m", "services.arbiter", "--config-json", self._child_config(), *log_format]
+        arbiter = self._spawn("arbiter", [*self._arbiter_args, "--bind", f"tcp://{self.ip}:0"], critical=True)
         self.arbiter_address = self._wait_for_announcement(arbiter, offset, deadline)
         config_json = self._child_config(self.arbiter_address)
         # The scheduler binds a port the OS picks at bind time and announces it; a port chosen here
@@ -329,21 +326,28 @@ class EmbeddedCluster:
         """The global scheduler died: start a new one on the same address. The local schedulers
         register again (with the replicas they run) and the gateway reconnects, so the new one
         rebuilds its view and no kernel is lost (NotebookOS §3.2.5)."""
-        old = next(c for c in self.children if c.name == "global-scheduler")
+        child = self._restart_announced(
+            "global-scheduler", self._scheduler_args, self.scheduler_address, timeout
+        )
+        log.warning("scheduler_restarted", pid=child.process.pid if child.process else None)
+
+    def restart_arbiter(self, timeout: float = 30.0) -> None:
+        """The arbiter died: start a new one on the same address. It reads the job registry it
+        persisted, and the hosts, whose links reconnect, report their jobs and GPUs again."""
+        child = self._restart_announced("arbiter", self._arbiter_args, self.arbiter_address, timeout)
+        log.warning("arbiter_restarted", pid=child.process.pid if child.process else None)
+
+    def _restart_announced(self, name: str, args: list[str], address: str, timeout: float) -> Child:
+        old = next(c for c in self.children if c.name == name)
         self.children.remove(old)
         if old.log_file is not None:
             old.log_file.close()
-        log_path = self.log_dir / "global-scheduler.log"
+        log_path = self.log_dir / f"{name}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
-        child = self._spawn(
-            "global-scheduler", [*self._scheduler_args, "--bind", self.scheduler_address], critical=True
-        )
+        child = self._spawn(name, [*args, "--bind", address], critical=True)
         self._wait_for_announcement(child, offset, time.monotonic() + timeout, only_this_child=True)
-        with contextlib.suppress(OSError, ValueError):
-            info = json.loads(self.cluster_file.read_text())
-            info["processes"]["global-scheduler"] = child.process.pid if child.process else None
-            self._write_cluster_file(info)
-        log.warning("scheduler_restarted", pid=child.process.pid if child.process else None)
+        self._record_pid(name, child)
+        return child
 
     def restart_gateway(self, timeout: float = 30.0) -> None:
         """The gateway died: start a new one on the same API address. It serves every kernel
@@ -496,6 +500,12 @@ def run_foreground(cluster: EmbeddedCluster, *, on_ready: Any = None) -> int:
                     continue
                 except ClusterStartError as exc:
                     print(f"tandem up: the global scheduler could not be restarted: {exc}", file=sys.stderr)
+            if failed is not None and failed.name == "arbiter":
+                try:
+                    cluster.restart_arbiter()
+                    continue
+                except ClusterStartError as exc:
+                    print(f"tandem up: the arbiter could not be restarted: {exc}", file=sys.stderr)
             if failed is not None and failed.name == "gateway":
                 try:
                     cluster.restart_gateway()

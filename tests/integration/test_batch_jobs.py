@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,13 +46,29 @@ CELL = (
 )
 
 
-def tandem(cluster: ClusterHandle, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+def _argv(cluster: ClusterHandle, args: tuple[str, ...]) -> list[str]:
     """The CLI with the cluster's state dir before any ``--`` (after it, words are the job's)."""
     command, rest = (args[:2], args[2:]) if args[:1] == ("job",) else (args[:1], args[1:])
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", *command, "--state-dir", str(cluster.state_dir), *rest],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-    )  # fmt: skip
+    return [sys.executable, "-m", "services.cli", *command, "--state-dir", str(cluster.state_dir), *rest]
+
+
+def tandem(cluster: ClusterHandle, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_argv(cluster, args), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def tandem_all(cluster: ClusterHandle, *commands: tuple[str, ...]) -> list[tuple[int, str, str]]:
+    """Several CLI commands at once (each one mostly waits for its imports): (code, out, err)."""
+    running = [
+        subprocess.Popen(
+            _argv(cluster, c), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+        )
+        for c in commands
+    ]
+    answers = []
+    for process in running:
+        out, err = process.communicate(timeout=60)
+        answers.append((process.returncode, out, err))
+    return answers
 
 
 def job_pids(job_id: str) -> list[int]:
@@ -80,19 +97,24 @@ def arbiter_status(cluster: ClusterHandle) -> dict[str, Any]:
 def test_jobs_share_the_gpus_cells_leave_idle_fairly(tandem_kernelspec: Path, tmp_path: Path) -> None:
     record = tmp_path / "steps.txt"
     with running_cluster(tmp_path / "state", *CONFIG) as cluster:
-        bad = tandem(cluster, "job", "submit", "--gpus", "0", "--", sys.executable, str(TRAIN))
-        assert bad.returncode != 0 and "--gpus must be at least 1" in bad.stderr
-        assert "give the command" in tandem(cluster, "job", "submit", "--app", "a").stderr
-        assert "no job 'nope'" in tandem(cluster, "job", "show", "nope").stderr
+        submits = [
+            ("job", "submit", "--app", app, "--iterations", str(STEPS),
+             "--", sys.executable, str(TRAIN), str(STEPS), str(record))
+            for _ in range(2) for app in ("a", "b")
+        ]  # fmt: skip
+        bad = [
+            ("job", "submit", "--gpus", "0", "--", sys.executable, str(TRAIN)),
+            ("job", "submit", "--app", "a"),
+            ("job", "show", "nope"),
+        ]
+        answers = tandem_all(cluster, *submits, *bad)
         jobs: dict[str, list[str]] = {"a": [], "b": []}
-        for _ in range(2):
-            for app in jobs:
-                submitted = tandem(
-                    cluster, "job", "submit", "--app", app, "--iterations", str(STEPS),
-                    "--", sys.executable, str(TRAIN), str(STEPS), str(record),
-                )  # fmt: skip
-                assert submitted.returncode == 0, submitted.stderr
-                jobs[app].append(submitted.stdout.strip())
+        for command, (code, out, err) in zip(submits, answers, strict=False):
+            assert code == 0, err
+            jobs[command[3]].append(out.strip())
+        (gpus_code, _, gpus_err), (_, _, no_command), (_, _, no_job) = answers[len(submits) :]
+        assert gpus_code != 0 and "--gpus must be at least 1" in gpus_err
+        assert "give the command" in no_command and "no job 'nope'" in no_job
         cells: list[tuple[str, float, float, list[int]]] = []
         with tandem_kernel() as (_, first), tandem_kernel() as (_, second):
             started = time.monotonic()
@@ -147,6 +169,11 @@ def test_jobs_share_the_gpus_cells_leave_idle_fairly(tandem_kernelspec: Path, tm
         assert eventually(lambda: not job_pids(victim), timeout=10.0), job_pids(victim)
         assert json.loads(tandem(cluster, "job", "show", victim).stdout)["state"] == "cancelled"
         assert tandem(cluster, "job", "logs", "-f", victim, timeout=30).returncode == 0
+        # a restarted arbiter knows every job (its registry is on disk) and hosts report to it again
+        os.kill(cluster.info["processes"]["arbiter"], signal.SIGKILL)
+        assert eventually(lambda: tandem(cluster, "job", "list", "--json").returncode == 0, timeout=30.0)
+        relisted = json.loads(tandem(cluster, "job", "list", "--json").stdout)
+        assert {j["job_id"]: j["state"] for j in relisted}[victim] == "cancelled" and len(relisted) == 4
         print(f"\nGPU time by app {gpu_time}, grants {granted}, cells {len(cells)}, job steps {len(steps)}")
     for app_jobs in jobs.values():
         for job_id in app_jobs:
