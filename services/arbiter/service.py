@@ -183,12 +183,12 @@ class ArbiterService:
         job_id = env.body["job_id"]
         async with self._round_lock:
             record = self.registry.get(job_id)
-            host = record.host
+            # where it runs, and where it last ran (a process paused there: arbiter.keep_paused_s)
+            hosts = sorted({h for h in (record.host, record.last_host) if h is not None})
             self.registry.cancel(job_id, time.time())
             self._save()
-            if host is not None:
-                await self._ask_end(host, job_id, "cancelled")
-        log.info("job_cancelled", job=job_id, host=host)
+            await asyncio.gather(*(self._ask_end(host, job_id, "cancelled") for host in hosts))
+        log.info("job_cancelled", job=job_id, hosts=hosts)
         return env.reply(self.registry.get(job_id).describe())
 
     async def _logs(self, env: Envelope) -> Envelope:
