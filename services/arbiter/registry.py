@@ -7,10 +7,10 @@ a plain dict for the shell to persist (``to_dict`` / ``from_dict``), so a restar
 no job.
 
 What the auction is told of a job's work (``app_reports``): what the job reports through the
-job-side API once it runs; before that, the total its submitter declared (``--iterations``, as
-Themis's apps declare their jobs); a job with neither is reported as one "iteration" per second
-it has run, with no known total or iteration time, and the core's crude estimates
-(``ArbiterConfig.unknown_*``) stand in for them.
+job-side API once it has timed its steps; the total it reports, else the one its submitter
+declared (``--iterations``, as Themis's apps declare their jobs); before its steps are timed it is
+reported as one "iteration" per second it has run, and the core's crude estimates
+(``ArbiterConfig.unknown_*``) stand in for what is unknown.
 """
 
 from __future__ import annotations
@@ -270,12 +270,17 @@ class Registry:
 
     @staticmethod
     def _job_report(r: JobRecord, *, gpus: int) -> JobReport:
-        if r.uses_api:
-            done, total, spi = r.iterations_done, r.iterations_total, r.seconds_per_iteration
-        elif r.declared_iterations is not None:
-            done, total, spi = 0, r.declared_iterations, None
+        """A job that has timed its steps reports iterations; one that has not (no API, or still
+        starting: importing its libraries) counts each second it ran as an iteration, the core's
+        crude estimate of an unknown iteration time (``ArbiterConfig.unknown_seconds_per_iteration``),
+        so that the app that ran longer is seen to have done more."""
+        total = r.iterations_total if r.uses_api and r.iterations_total else r.declared_iterations
+        if r.uses_api and r.seconds_per_iteration is not None:
+            done, spi = r.iterations_done, r.seconds_per_iteration
         else:
-            done, total, spi = int(r.run_seconds), None, None
+            done, spi = int(r.run_seconds), None
+            if total is not None:
+                done = min(done, total)
         return JobReport(
             job_id=r.job_id,
             app_id=r.app_id,
