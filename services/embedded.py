@@ -491,27 +491,23 @@ def run_foreground(cluster: EmbeddedCluster, *, on_ready: Any = None) -> int:
     if on_ready is not None:
         on_ready(info)
     exit_code = 0
+    # services a new process replaces on the same address (each rebuilds its state, see there)
+    restarts = {
+        "global-scheduler": cluster.restart_scheduler,
+        "arbiter": cluster.restart_arbiter,
+        "gateway": cluster.restart_gateway,
+    }
     try:
         while not stop_signal:
             failed = cluster.failed_critical()
-            if failed is not None and failed.name == "global-scheduler":
+            restart = restarts.get(failed.name) if failed is not None else None
+            if failed is not None and restart is not None:
                 try:
-                    cluster.restart_scheduler()
+                    restart()
                     continue
                 except ClusterStartError as exc:
-                    print(f"tandem up: the global scheduler could not be restarted: {exc}", file=sys.stderr)
-            if failed is not None and failed.name == "arbiter":
-                try:
-                    cluster.restart_arbiter()
-                    continue
-                except ClusterStartError as exc:
-                    print(f"tandem up: the arbiter could not be restarted: {exc}", file=sys.stderr)
-            if failed is not None and failed.name == "gateway":
-                try:
-                    cluster.restart_gateway()
-                    continue
-                except ClusterStartError as exc:
-                    print(f"tandem up: the gateway could not be restarted: {exc}", file=sys.stderr)
+                    what = failed.name.replace("-", " ")
+                    print(f"tandem up: the {what} could not be restarted: {exc}", file=sys.stderr)
             if failed is not None:
                 assert failed.process is not None
                 print(

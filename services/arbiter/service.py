@@ -25,7 +25,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from services.arbiter.metrics import ArbiterExporter
+from services.arbiter.metrics import arbiter_exporter
 from services.arbiter.registry import Registry, RegistryError
 from services.arbiter.usage import UsageMeter
 from shared import messages
@@ -37,6 +37,7 @@ from shared.private_files import private_dir, write_private
 from shared.rpc import OutboundRequests, RpcError, RpcServer, RpcTimeout
 from shared.security import curve
 from shared.security.authorization import arbiter_refusal
+from shared.snapshot_metrics import SnapshotExporter
 
 log = structlog.get_logger("arbiter")
 
@@ -78,7 +79,7 @@ class ArbiterService:
             authorize=self._authorize,
         )
         self._outbound = OutboundRequests(self._server)
-        self._exporter: ArbiterExporter | None = None
+        self._exporter: SnapshotExporter | None = None
         self._round_lock = asyncio.Lock()  # a cancel's lease.end and a round never interleave
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -132,7 +133,7 @@ class ArbiterService:
             or int(self.cfg.get("arbiter.prometheus_port")) < 0
         ):
             return
-        exporter = ArbiterExporter(self.status, asyncio.get_running_loop())
+        exporter = arbiter_exporter(self.status, asyncio.get_running_loop())
         try:
             exporter.start(
                 str(self.cfg.get("metrics.prometheus_address")), int(self.cfg.get("arbiter.prometheus_port"))
