@@ -6,7 +6,9 @@ submits, lists and cancels jobs. Every ``arbiter.round_s`` a round runs: leases 
 their GPUs back to the offer, the pure core (``shared.arbiter``) auctions the offer, and the shell
 carries out its leases: a lease for a job that keeps as many GPUs on the same host is a renewal
 (the job runs on), every other expired lease is ended (the job stops at a step boundary) before
-the new ones are granted (the host starts the job). The shell decides nothing itself.
+the new ones are granted (the host starts the job). The shell decides nothing itself: before
+that, equal leases are only traded between jobs so that each stays on the host its process is on
+(``services/arbiter/affinity.py``, pure; no count or layout changes).
 
 The job registry is a JSON file (0600) under ``<state_dir>/arbiter``, written after each change
 of a job and after each round: a restarted arbiter knows every job and lease it had.
@@ -25,6 +27,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from services.arbiter.affinity import keep_jobs_in_place
 from services.arbiter.metrics import arbiter_exporter
 from services.arbiter.registry import Registry, RegistryError
 from services.arbiter.usage import UsageMeter
@@ -235,7 +238,10 @@ class ArbiterService:
             "leftover_gpus": outcome.leftover_gpus,
             "auction_ms": round(outcome.auction_ms, 3),
         }
-        grants = {lease.job_id: lease for lease in outcome.leases}
+        # equal leases traded so that jobs stay on the hosts their processes are on
+        home = {r.job_id: r.host or r.last_host for r in self.registry.active() if r.host or r.last_host}
+        leases = keep_jobs_in_place(outcome.leases, home)
+        grants = {lease.job_id: lease for lease in leases}
         if grants or expiring:
             log.info(
                 "round",
