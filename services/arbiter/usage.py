@@ -49,8 +49,6 @@ class UsageMeter:
             int(report.get("reserved", 0)),
             now,
         )
-        if self.be_capacity is None:  # the average starts from the first report
-            self.be_capacity = self._usable(now)
 
     def live(self, now: float) -> dict[str, HostUse]:
         return {h: u for h, u in self.hosts.items() if now - u.at <= self.stale_s}
@@ -76,15 +74,17 @@ class UsageMeter:
         split = self.split(now)
         for use in USES:
             self.gpu_seconds[use] += dt * split[use]
-        keep = math.exp(-dt / self.window_s)
-        usable = self._usable(now)
-        previous = usable if self.be_capacity is None else self.be_capacity
-        self.be_capacity = keep * previous + (1 - keep) * usable
+        if self.be_capacity is not None:
+            keep = math.exp(-dt / self.window_s)
+            self.be_capacity = keep * self.be_capacity + (1 - keep) * self._usable(now)
 
     def capacity(self, now: float) -> float:
-        """T_id's R: the time-averaged GPUs BE jobs could use (the current ones before any history)."""
+        """T_id's R: the time-averaged GPUs BE jobs could use; the average starts at the first
+        auction (by then every host has reported, not just the first to come up)."""
         self.advance(now)
-        return self._usable(now) if self.be_capacity is None else self.be_capacity
+        if self.be_capacity is None:
+            self.be_capacity = self._usable(now)
+        return self.be_capacity
 
     def _usable(self, now: float) -> float:
         return float(sum(u.leased + len(u.idle) for u in self.live(now).values()))
@@ -97,5 +97,5 @@ class UsageMeter:
             "gpus_now": self.split(now),
             "gpu_seconds": {k: round(v, 3) for k, v in self.gpu_seconds.items()},
             "utilization": {k: round(v / total, 4) if total else 0.0 for k, v in self.gpu_seconds.items()},
-            "be_capacity_gpus": round(self.capacity(now), 3),
+            "be_capacity_gpus": round(self._usable(now) if self.be_capacity is None else self.be_capacity, 3),
         }
