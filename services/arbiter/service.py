@@ -226,6 +226,8 @@ class ArbiterService:
         idle = {GpuSlot(h, d) for h, use in self.usage.live(now).items() for d in use.idle}
         offer = (idle - leased) | {GpuSlot(r.host, d) for r in expiring if r.host for d in r.device_ids}
         apps = self.registry.app_reports(now, releasing=releasing)
+        if not apps:
+            return  # no job wants a GPU: nothing to auction
         outcome = self.core.auction(now, apps, sorted(offer), self.usage.capacity(now))
         self.rounds += 1
         self.rho = dict(outcome.rho_by_app)

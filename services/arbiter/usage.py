@@ -80,11 +80,12 @@ class UsageMeter:
 
     def capacity(self, now: float) -> float:
         """T_id's R: the time-averaged GPUs BE jobs could use; the average starts at the first
-        auction (by then every host has reported, not just the first to come up)."""
+        auction with hosts (the first with jobs: by then every host has reported, not just the
+        first to come up)."""
         self.advance(now)
-        if self.be_capacity is None:
+        if self.be_capacity is None and self.live(now):
             self.be_capacity = self._usable(now)
-        return self.be_capacity
+        return self.be_capacity or 0.0
 
     def _usable(self, now: float) -> float:
         return float(sum(u.leased + len(u.idle) for u in self.live(now).values()))
