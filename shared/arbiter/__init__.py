@@ -6,6 +6,7 @@ service (``services/arbiter``) and the BE simulator (``shared.simulator.be``) bo
 
 from shared.arbiter.agent import AppAgent, Bid, Bundle
 from shared.arbiter.arbiter import Arbiter, AuctionOutcome
+from shared.arbiter.capacity import CapacityMeter
 from shared.arbiter.config import ArbiterConfig
 from shared.arbiter.lease import Lease
 from shared.arbiter.reports import APP_JOBS, APP_SUCCESSIVE_HALVING, AppReport, JobReport
@@ -21,6 +22,7 @@ __all__ = [
     "AuctionOutcome",
     "Bid",
     "Bundle",
+    "CapacityMeter",
     "GpuSlot",
     "JobReport",
     "Lease",

@@ -57,11 +57,12 @@ class AppAgent:
         now: float,
         capacity_gpus: float,
         n_avg: float,
+        model: FinishTimeModel | None = None,
     ) -> None:
         self.report = report
         self.config = config
         self.now = now
-        self.model = FinishTimeModel(report, config)
+        self.model = model or FinishTimeModel(report, config)
         self.t_id = self.model.t_id(capacity_gpus, n_avg)
         self.held = report.gpus_held
 
@@ -114,13 +115,11 @@ class AppAgent:
                 table.append((Bundle(k), anywhere))
             if not self.placement_sensitive or k < 2:
                 continue
-            for host, free in sorted(free_by_host.items()):
-                if free < k:
-                    continue
-                layout = None if self.held else {host: k}
-                packed = self.rho(self.held + k, layout)
-                if packed < min(anywhere, rho_old):
-                    table.append((Bundle(k, host), packed))
+            packed = self.rho(self.held + k, None if self.held else {"any": k})
+            if packed >= min(anywhere, rho_old):
+                continue
+            fits = sorted((free, host) for host, free in free_by_host.items() if free >= k)
+            table += [(Bundle(k, host), packed) for _, host in fits[: self.config.packed_hosts_per_size]]
         return Bid(self.app_id, rho_old, tuple(table))
 
     def assign(self, slots: Sequence[GpuSlot]) -> dict[str, tuple[GpuSlot, ...]]:

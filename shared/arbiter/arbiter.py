@@ -31,16 +31,18 @@ from dataclasses import dataclass, field
 
 from shared.arbiter.agent import AppAgent, Bid, pack
 from shared.arbiter.config import ArbiterConfig
+from shared.arbiter.estimate import FinishTimeModel
 from shared.arbiter.lease import Lease
 from shared.arbiter.partial_allocation import PartialAllocation, partial_allocation
-from shared.arbiter.reports import AppReport
+from shared.arbiter.reports import AppReport, JobReport
 from shared.arbiter.slots import GpuSlot, host_counts
 
 
 @dataclass(frozen=True)
 class AuctionOutcome:
     """A round's decisions: the leases to grant, every app's rho (visibility phase), who bid,
-    each winner's c_i, how many GPUs were leftovers, and the auction's own compute time."""
+    each winner's c_i and the GPUs it kept of its PF share (``kept_by_app``), all GPUs each app
+    got (``won_by_app``, leftovers included), how many GPUs were leftovers, the compute time."""
 
     leases: list[Lease]
     rho_by_app: dict[str, float]
@@ -48,6 +50,7 @@ class AuctionOutcome:
     bids: dict[str, Bid] = field(default_factory=dict)
     c_by_app: dict[str, float] = field(default_factory=dict)
     won_by_app: dict[str, int] = field(default_factory=dict)
+    kept_by_app: dict[str, int] = field(default_factory=dict)
     leftover_gpus: int = 0
     auction_ms: float = 0.0
 
@@ -86,14 +89,40 @@ class Arbiter:
     def __init__(self, config: ArbiterConfig | None = None) -> None:
         self.config = config or ArbiterConfig()
         self.contention = ContentionMeter()
+        self._models: dict[str, tuple[tuple[object, ...], tuple[JobReport, ...], FinishTimeModel]] = {}
 
     def agents(self, now: float, apps: Sequence[AppReport], be_capacity_gpus: float) -> list[AppAgent]:
         """The visibility phase's agents (also what a live service shows as per-app rho)."""
         n_avg = self.contention.observe(now, [a.app_id for a in apps])
+        for gone in self._models.keys() - n_avg.keys():
+            del self._models[gone]
         return [
-            AppAgent(a, self.config, now=now, capacity_gpus=be_capacity_gpus, n_avg=n_avg[a.app_id])
+            AppAgent(
+                a,
+                self.config,
+                now=now,
+                capacity_gpus=be_capacity_gpus,
+                n_avg=n_avg[a.app_id],
+                model=self._model(a),
+            )
             for a in apps
         ]
+
+    def _model(self, report: AppReport) -> FinishTimeModel:
+        """The app's work model, reused while its report holds the very same job reports (a
+        simulator reuses a queued job's report; a live service builds new ones, and rebuilds)."""
+        cached = self._models.get(report.app_id)
+        key = (report.app_type, report.phase, report.budget_gpu_s, report.demand_max_gpus)
+        if (
+            cached is not None
+            and cached[0] == key
+            and len(cached[1]) == len(report.jobs)
+            and all(a is b for a, b in zip(cached[1], report.jobs, strict=True))
+        ):
+            return cached[2]
+        model = FinishTimeModel(report, self.config)
+        self._models[report.app_id] = (key, tuple(report.jobs), model)
+        return model
 
     def auction(
         self, now: float, apps: Sequence[AppReport], available: Sequence[GpuSlot], be_capacity_gpus: float
@@ -147,6 +176,7 @@ class Arbiter:
             bids=bids,
             c_by_app=pa.c,
             won_by_app=won_count,
+            kept_by_app=pa.kept,
             leftover_gpus=leftover_gpus,
             auction_ms=(time.perf_counter() - start) * 1e3,
         )

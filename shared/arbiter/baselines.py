@@ -1,7 +1,11 @@
 """Baseline BE allocation policies, with the arbiter's interface (``auction(now, apps, available,
 be_capacity_gpus) -> AuctionOutcome``), as Themis §6.1 implements them: on each round every app
 reports one number and the free GPUs go to apps greedily in that order, each up to what it can
-use, each job's share packed on as few hosts as possible. Leases are the same as Themis's.
+use. Leases are the same as Themis's. As in Themis (§3.1.2, Theorem 3.1), only the
+placement-aware baselines (Gandiva, and SRTF, whose remaining-time reports see the allocation)
+pick co-located GPUs (best fit); the others (LAS/Tiresias, SLAQ, FIFO) take whichever free GPUs
+come, drawn in a seeded random order. Within what an app gets, its own scheduler still packs
+each job's share on as few hosts as it can.
 
 * FIFO: earliest submitted app first.
 * SRTF: shortest remaining time (remaining work / app demand) first.
@@ -13,6 +17,7 @@ use, each job's share packed on as few hosts as possible. Leases are the same as
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Sequence
 
@@ -37,10 +42,16 @@ class GreedyPolicy:
     name = "greedy"
 
     def __init__(
-        self, key: Callable[[AppAgent, float], float], name: str, config: ArbiterConfig | None = None
+        self,
+        key: Callable[[AppAgent, float], float],
+        name: str,
+        config: ArbiterConfig | None = None,
+        *,
+        placement_aware: bool,
     ):
         self.key = key
         self.name = name
+        self.placement_aware = placement_aware
         self.config = config or ArbiterConfig()
         self._visibility = Arbiter(self.config)
 
@@ -51,6 +62,7 @@ class GreedyPolicy:
         agents = self._visibility.agents(now, apps, be_capacity_gpus)
         rho = {a.app_id: a.rho_current for a in agents}
         left = sorted(available)
+        rng = random.Random(f"{self.config.seed}:{now!r}")
         leases: list[Lease] = []
         won: dict[str, int] = {}
         for agent in sorted(agents, key=lambda a: (self.key(a, self.config.lease_s), a.app_id)):
@@ -59,7 +71,10 @@ class GreedyPolicy:
             need = min(agent.wants, len(left))
             if need <= 0:
                 continue
-            got = pack({agent.app_id: need}, left)[agent.app_id]
+            if self.placement_aware:
+                got = pack({agent.app_id: need}, left)[agent.app_id]
+            else:
+                got = tuple(rng.sample(left, need))
             taken = set(got)
             left = [s for s in left if s not in taken]
             won[agent.app_id] = len(got)
@@ -93,23 +108,23 @@ def _placement(agent: AppAgent, _lease_s: float) -> float:
 
 
 def fifo(config: ArbiterConfig | None = None) -> GreedyPolicy:
-    return GreedyPolicy(lambda a, _: a.report.submitted_at, "fifo", config)
+    return GreedyPolicy(lambda a, _: a.report.submitted_at, "fifo", config, placement_aware=False)
 
 
 def srtf(config: ArbiterConfig | None = None) -> GreedyPolicy:
-    return GreedyPolicy(_remaining_time, "srtf", config)
+    return GreedyPolicy(_remaining_time, "srtf", config, placement_aware=True)
 
 
 def tiresias(config: ArbiterConfig | None = None) -> GreedyPolicy:
-    return GreedyPolicy(lambda a, _: a.report.gpu_seconds_used, "tiresias", config)
+    return GreedyPolicy(lambda a, _: a.report.gpu_seconds_used, "tiresias", config, placement_aware=False)
 
 
 def gandiva(config: ArbiterConfig | None = None) -> GreedyPolicy:
-    return GreedyPolicy(_placement, "gandiva", config)
+    return GreedyPolicy(_placement, "gandiva", config, placement_aware=True)
 
 
 def slaq(config: ArbiterConfig | None = None) -> GreedyPolicy:
-    return GreedyPolicy(_loss_decrease, "slaq", config)
+    return GreedyPolicy(_loss_decrease, "slaq", config, placement_aware=False)
 
 
 BASELINES: dict[str, Callable[[ArbiterConfig | None], GreedyPolicy]] = {

@@ -15,6 +15,10 @@ class ArbiterConfig:
     ``leftovers_to_bidders``: after non-bidders have taken what they can use, give what is still
     left to bidders with unmet demand, so a round never leaves a GPU idle that some app wants
     (the paper's "work conserving"); off means strict PA hidden payments to non-bidders only.
+    ``max_bundle_sizes``: how many bundle sizes (powers of two up to what the app can use) a bid
+    lists; ``packed_hosts_per_size``: for a placement-sensitive app, on how many hosts (the
+    tightest fits) it bids for each packed size. Themis's agent values "all possible subsets";
+    that is exponential, so a bid lists these representatives and the MILP picks among them.
     ``seed``: leftovers go to non-bidders "at random" (Themis §3.3.2), drawn from this seed and
     the round's time, so a round is reproducible.
     """
@@ -25,6 +29,7 @@ class ArbiterConfig:
     unknown_seconds_per_iteration: float = 1.0
     unknown_remaining_fraction: float = 0.5
     max_bundle_sizes: int = 8
+    packed_hosts_per_size: int = 4
     seed: int = 0
 
     def __post_init__(self) -> None:

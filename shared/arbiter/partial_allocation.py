@@ -13,7 +13,8 @@ since each app gets exactly one row of its table (or nothing, valued rho_old), t
 This is an exact MILP, no linearisation of the log needed; it is solved by HiGHS through
 ``scipy.optimize.milp`` with a relative gap of 1e-9. c_i = prod_{j != i} 1/rho_j(G_pf) /
 prod_{j != i} 1/rho_j(G_pf^{-i}) = exp(sum_{j != i} gain_j(G_pf) - OPT^{-i}), from one more solve
-without app i per winner (a loser's c_i does not matter: its share is empty). Each winner keeps
+without app i per winner (a loser's c_i does not matter: its share is empty; a winner whose
+presence leaves every other bidder its best row has c_i = 1 with no solve). Each winner keeps
 round(c_i * |G_i|) GPUs of its bundle, at least one; the rest is the hidden payment, leftover.
 """
 
@@ -108,14 +109,21 @@ def partial_allocation(bids: Sequence[Bid], free_by_host: Mapping[str, int]) -> 
     c: dict[str, float] = {}
     kept: dict[str, int] = {}
     solves = 1
+    best = {bid.app_id: max((g for _, g in _gains(bid)), default=0.0) for bid in bids}
     for bid in bids:
         if bid.app_id not in pf.choice:
             continue
-        others = [b for b in bids if b.app_id != bid.app_id]
-        without = proportional_fair(others, free_by_host)
-        solves += 1
         with_i = pf.objective - gain_of[bid.app_id]
-        ci = min(1.0, math.exp(min(0.0, with_i - without.objective)))
+        bound = sum(g for a, g in best.items() if a != bid.app_id)
+        if with_i >= bound - 1e-12:
+            # The others already get their best rows with i present: OPT without i cannot beat
+            # that upper bound, so c_i = 1 exactly, no solve needed.
+            ci = 1.0
+        else:
+            others = [b for b in bids if b.app_id != bid.app_id]
+            without = proportional_fair(others, free_by_host)
+            solves += 1
+            ci = min(1.0, math.exp(min(0.0, with_i - without.objective)))
         c[bid.app_id] = ci
         n = pf.choice[bid.app_id].gpus
         kept[bid.app_id] = max(1, min(n, math.floor(ci * n + 0.5)))

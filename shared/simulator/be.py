@@ -26,18 +26,22 @@ app's life, the same formula for every policy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TextIO
 
 from shared.arbiter import AppReport, Arbiter, ArbiterConfig, AuctionOutcome, GpuSlot, JobReport, Lease
 from shared.arbiter.baselines import BASELINES
+from shared.arbiter.capacity import CapacityMeter
+from shared.arbiter.estimate import FinishTimeModel
 from shared.arbiter.halving import SuccessiveHalving
 from shared.arbiter.reports import APP_SUCCESSIVE_HALVING
 from shared.arbiter.slots import spans_hosts
@@ -135,6 +139,14 @@ class AppResult:
     rho: float
     gpu_seconds: float
     n_avg: float
+    alone_s: float = 0.0
+
+    @property
+    def rho_floor(self) -> float:
+        """The rho this app would have had alone on min(R, demand) GPUs, perfectly placed: T_id
+        assumes its work parallelises perfectly, but its longest job (per phase) bounds how soon
+        it can finish, so no policy can bring its rho below this."""
+        return self.alone_s / self.t_id
 
     @property
     def queueing_s(self) -> float | None:
@@ -162,6 +174,10 @@ class BeRunResult:
         return max(a.rho for a in self.apps)
 
     @property
+    def max_rho_floor(self) -> float:
+        return max(a.rho_floor for a in self.apps)
+
+    @property
     def median_rho(self) -> float:
         return statistics.median(a.rho for a in self.apps)
 
@@ -180,6 +196,7 @@ class BeRunResult:
             "policy": self.policy,
             "max_rho": self.max_rho,
             "median_rho": self.median_rho,
+            "max_rho_floor": self.max_rho_floor,
             "gpu_hours": self.gpu_seconds_allocated / 3600.0,
             "utilization": self.utilization,
             "makespan_h": self.makespan_s / 3600.0,
@@ -199,19 +216,36 @@ class _Job:
     done: float = 0.0
     leases: list[Lease] = field(default_factory=list)
     ended: bool = False
+    gpus: int = 0
+    rate: float = 0.0
+    _report: JobReport | None = None
+    _report_key: tuple[int, int, int] = (0, 0, 0)
 
-    @property
-    def gpus(self) -> int:
-        return sum(len(lease.slots) for lease in self.leases)
+    def report(self) -> JobReport:
+        """The job's progress report, the same object while nothing in it changed (queued jobs)."""
+        key = (self.gpus, math.floor(self.done), math.ceil(self.target))
+        if self._report is None or self._report_key != key:
+            self._report_key = key
+            self._report = JobReport(
+                self.spec.job_id,
+                self.app_id,
+                self.gpus,
+                self.spec.max_gpus,
+                key[1],
+                key[2],
+                self.spec.model.seconds_per_iteration,
+                self.spec.model.placement_sensitivity,
+            )
+        return self._report
 
-    def rate(self) -> float:
-        """Iterations per second on the GPUs it holds now."""
+    def set_leases(self, leases: list[Lease]) -> None:
+        """Replace the job's leases and recompute its GPU count and its iterations per second."""
+        self.leases = leases
+        slots = [s for lease in leases for s in lease.slots]
+        self.gpus = len(slots)
         g = min(self.gpus, self.spec.max_gpus)
-        if g == 0:
-            return 0.0
-        slots = [s for lease in self.leases for s in lease.slots]
         slow = self.spec.model.placement_sensitivity if spans_hosts(slots) else 1.0
-        return g / (self.spec.model.seconds_per_iteration * slow)
+        self.rate = g / (self.spec.model.seconds_per_iteration * slow) if g else 0.0
 
 
 @dataclass
@@ -225,29 +259,17 @@ class _App:
     contention_area: float = 0.0
     capacity_area: float = 0.0
     last_job_end: float = 0.0
+    live: list[_Job] = field(default_factory=list)
+    reached_target: bool = False
 
-    @property
-    def live(self) -> list[_Job]:
-        return [j for j in self.jobs.values() if not j.ended]
+    def __post_init__(self) -> None:
+        self.live = list(self.jobs.values())
 
     def report(self) -> AppReport:
-        jobs = [
-            JobReport(
-                j.spec.job_id,
-                self.spec.app_id,
-                j.gpus,
-                j.spec.max_gpus,
-                math.floor(j.done),
-                math.ceil(j.target),
-                j.spec.model.seconds_per_iteration,
-                j.spec.model.placement_sensitivity,
-            )
-            for j in self.live
-        ]
         return AppReport(
             self.spec.app_id,
             self.spec.submitted_at,
-            jobs,
+            [j.report() for j in self.live],
             self.spec.app_type,
             phase_iterations=self.spec.phase_iterations,
             phase=self.halving.phase if self.halving else 0,
@@ -270,12 +292,16 @@ def _hand_down(app: _App, leases: list[Lease], now: float) -> None:
     """GPUs of an ended job go to siblings that can use more (same expiry), most work left first."""
     for lease in leases:
         slots = list(lease.slots)
-        for sib in sorted(app.live, key=lambda j: (j.done - j.target, j.spec.job_id)):
+        for sib in sorted(
+            (j for j in app.live if not j.ended), key=lambda j: (j.done - j.target, j.spec.job_id)
+        ):
             room = sib.spec.max_gpus - sib.gpus
             if room <= 0 or not slots:
                 continue
             give, slots = slots[:room], slots[room:]
-            sib.leases.append(Lease(app.spec.app_id, sib.spec.job_id, tuple(give), now, lease.expires_at))
+            sib.set_leases(
+                [*sib.leases, Lease(app.spec.app_id, sib.spec.job_id, tuple(give), now, lease.expires_at)]
+            )
 
 
 def _end_jobs(app: _App, now: float) -> None:
@@ -284,11 +310,12 @@ def _end_jobs(app: _App, now: float) -> None:
         for job in app.live:
             if job.done >= job.target:
                 job.ended = True
-                freed, job.leases = job.leases, []
+                freed = job.leases
+                job.set_leases([])
                 _hand_down(app, freed, now)
     else:
         h = app.halving
-        if h.phase_done({j.spec.job_id: math.ceil(j.done - 1e-9) for j in app.live}):
+        if h.phase_done({j.spec.job_id: math.floor(j.done + 1e-9) for j in app.live}):
             killed = h.advance({j.spec.job_id: j.spec.final_loss for j in app.jobs.values()})
             ended = killed if not h.finished else [j.spec.job_id for j in app.live]
             freed: list[Lease] = []
@@ -296,10 +323,12 @@ def _end_jobs(app: _App, now: float) -> None:
                 job = app.jobs[job_id]
                 job.ended = True
                 freed += job.leases
-                job.leases = []
+                job.set_leases([])
             for job in app.live:
                 job.target = float(h.target)
             _hand_down(app, freed, now)
+    app.live = [j for j in app.live if not j.ended]
+    app.reached_target = False
     if not app.live:
         app.finished_at = app.last_job_end
 
@@ -325,7 +354,8 @@ def run_be(
     rounds = 0
     now = pending[0].submitted_at if pending else 0.0
     start = now
-    allocated = usable_area = 0.0
+    allocated = 0.0
+    meter = CapacityMeter()
     while pending or active:
         while pending and pending[0].submitted_at <= now:
             spec = pending.popleft()
@@ -334,6 +364,8 @@ def run_be(
         leased: set[GpuSlot] = set()
         for app in active.values():
             for job in app.live:
+                if not job.leases:
+                    continue
                 kept = []
                 for lease in job.leases:
                     if lease.expired(now):
@@ -343,11 +375,13 @@ def run_be(
                         kept.append(
                             Lease(lease.app_id, lease.job_id, slots, lease.granted_at, lease.expires_at)
                         )
-                job.leases = kept
+                if len(kept) != len(job.leases) or any(
+                    k is not o for k, o in zip(kept, job.leases, strict=False)
+                ):
+                    job.set_leases(kept)
                 leased.update(s for lease in kept for s in lease.slots)
         free = sorted(usable - leased)
-        elapsed = now - start
-        capacity = usable_area / elapsed if elapsed > 0 else float(len(usable))
+        capacity = meter.observe(now, len(usable))
         wanting = any(j.gpus < j.spec.max_gpus for a in active.values() for j in a.live)
         if free and wanting:
             outcome = pol.auction(now, [a.report() for a in active.values()], free, capacity)
@@ -355,31 +389,32 @@ def run_be(
             auction_ms.append(outcome.auction_ms)
             for lease in outcome.leases:
                 app = active[lease.app_id]
-                app.jobs[lease.job_id].leases.append(lease)
+                job = app.jobs[lease.job_id]
+                job.set_leases([*job.leases, lease])
                 if app.first_gpu_at is None:
                     app.first_gpu_at = now
             for app_id, r in outcome.rho_by_app.items():
                 s = series.setdefault(app_id, [])
                 if not s or now - s[-1][0] >= p.rho_sample_s:
                     s.append((now, r))
+        running = [j for a in active.values() for j in a.live if j.leases]
         nxt = min(
             pending[0].submitted_at if pending else math.inf,
             tl.next_change(now),
             p.max_time_s,
-            *(lease.expires_at for a in active.values() for j in a.live for lease in j.leases),
-            *(now + (j.target - j.done) / r for a in active.values() for j in a.live if (r := j.rate()) > 0),
+            *(lease.expires_at for j in running for lease in j.leases),
+            *(now + (j.target - j.done) / j.rate for j in running if j.rate > 0),
         )
         if math.isinf(nxt):
             break  # nothing can ever run again (no usable GPU)
         nxt = max(now + p.round_s, math.ceil((nxt - start) / p.round_s - 1e-9) * p.round_s + start)
         dt = nxt - now
-        usable_area += dt * len(usable)
         n_active = len(active)
         for app in active.values():
             app.contention_area += dt * n_active
             app.capacity_area += dt * len(usable)
             for job in app.live:
-                r = job.rate()
+                r = job.rate
                 if r <= 0:
                     continue
                 run = min(dt, (job.target - job.done) / r)
@@ -388,10 +423,12 @@ def run_be(
                 allocated += job.gpus * run
                 if job.done >= job.target:
                     app.last_job_end = max(app.last_job_end, now + run)
+                    app.reached_target = True
         now = nxt
         for app_id in list(active):
             app = active[app_id]
-            _end_jobs(app, now)
+            if app.reached_target:
+                _end_jobs(app, now)
             if app.finished_at is not None:
                 done.append(active.pop(app_id))
         if now >= p.max_time_s:
@@ -405,7 +442,7 @@ def run_be(
         rounds,
         now - start,
         allocated,
-        usable_area,
+        meter.area + meter.count * max(0.0, now - meter.last),
         time.perf_counter() - wall,
     )
 
@@ -426,6 +463,7 @@ def _result(app: _App, now: float) -> AppResult:
         (end - app.spec.submitted_at) / t_id,
         app.gpu_seconds,
         n_avg,
+        FinishTimeModel(_start(app.spec).report(), ArbiterConfig()).remaining(int(r), {"alone": int(r)}),
     )
 
 
@@ -444,6 +482,31 @@ def run_all(
         if progress:
             progress(out[name])
     return out
+
+
+@contextlib.contextmanager
+def json_stdout() -> Iterator[TextIO]:
+    """A stream to the real stdout while the process's fd 1 points at stderr: scipy 1.17's HiGHS
+    prints a debug line ("HighsMipSolverData::transformNewIntegerFeasibleSolution") on fd 1 for
+    some MIPs, which would break one-JSON-line output. Leaves a non-file stdout (pytest's capture)
+    alone."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield sys.stdout
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    os.dup2(sys.stderr.fileno(), fd)
+    stream = os.fdopen(os.dup(saved), "w")
+    try:
+        yield stream
+    finally:
+        stream.flush()
+        stream.close()
+        sys.stdout.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -485,19 +548,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         round_s=args.round_s, lease_s=args.lease_s, fairness_knob=args.fairness_knob, seed=args.seed
     )
 
-    def show(r: BeRunResult) -> None:
-        s = r.summary()
-        if args.json:
-            print(json.dumps(s), flush=True)
-        else:
-            print(
-                "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items()),
-                flush=True,
-            )
+    with json_stdout() as out:
 
-    run_all(
-        workload, [p.strip() for p in args.policies.split(",") if p.strip()], hosts, params, progress=show
-    )
+        def show(r: BeRunResult) -> None:
+            s = r.summary()
+            line = (
+                json.dumps(s)
+                if args.json
+                else "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items())
+            )
+            print(line, file=out, flush=True)
+
+        run_all(
+            workload, [p.strip() for p in args.policies.split(",") if p.strip()], hosts, params, progress=show
+        )
     return 0
 
 

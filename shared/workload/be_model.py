@@ -5,6 +5,7 @@ replayed by ``shared.simulator.be``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from shared.arbiter.halving import jobs_per_phase
 from shared.arbiter.reports import APP_JOBS, APP_SUCCESSIVE_HALVING, APP_TYPES
@@ -83,7 +84,7 @@ class BeApp:
         if self.app_type == APP_SUCCESSIVE_HALVING and not self.phase_iterations:
             raise ValueError(f"app {self.app_id}: successive halving needs phase_iterations")
 
-    @property
+    @cached_property
     def budget_gpu_s(self) -> float:
         """Themis's B: the app's total serial work (for successive halving, its planned budget)."""
         if self.app_type == APP_SUCCESSIVE_HALVING:
@@ -92,7 +93,7 @@ class BeApp:
             return sum(n * it * spi for n, it in zip(counts, self.phase_iterations, strict=True))
         return sum(j.work_gpu_s for j in self.jobs)
 
-    @property
+    @cached_property
     def demand_max_gpus(self) -> int:
         return sum(j.max_gpus for j in self.jobs)
 

@@ -19,13 +19,12 @@ silently dropped jobs would misstate every fairness figure built on it.
 
 from __future__ import annotations
 
-import csv
 from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
 from shared.workload.be_model import MODELS, UNKNOWN_MODEL, BeApp, BeJob, BeWorkload
-from shared.workload.trace_csv import TraceCsvError, _parse_float, _parse_int, _parse_time
+from shared.workload.trace_csv import TraceCsvError, _parse_float, _parse_int, _parse_time, checked_rows
 
 REQUIRED = ("app_id", "job_id", "submit_time", "gpus", "duration_s")
 OPTIONAL = ("model", "placement_sensitivity", "seconds_per_iteration")
@@ -38,23 +37,9 @@ def read_be_trace_csv(source: str | Path | TextIO, *, rebase: bool = True) -> Be
     if isinstance(source, str | Path):
         with open(source, newline="", encoding="utf-8") as fh:
             return read_be_trace_csv(fh, rebase=rebase)
-    reader = csv.DictReader(source)
-    header = [h.strip() for h in (reader.fieldnames or [])]
-    if not header:
-        raise TraceCsvError(1, None, "empty file: no header row")
-    reader.fieldnames = header
-    missing = [c for c in REQUIRED if c not in header]
-    if missing:
-        raise TraceCsvError(1, None, f"header lacks required column(s) {missing}; expected {list(COLUMNS)}")
-    unknown = [c for c in header if c not in COLUMNS]
-    if unknown:
-        raise TraceCsvError(1, None, f"unknown column(s) {unknown}; expected {list(COLUMNS)}")
     apps: dict[str, tuple[float, list[BeJob]]] = {}
     seen: set[str] = set()
-    for row in reader:
-        line = reader.line_num
-        if None in row or any(v is None for v in row.values()):
-            raise TraceCsvError(line, None, f"expected {len(header)} fields")
+    for line, row in checked_rows(source, REQUIRED, OPTIONAL):
         job_id = row["job_id"].strip()
         if not job_id:
             raise TraceCsvError(line, "job_id", "empty job id")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -80,6 +80,29 @@ def _parse_float(text: str, line: int, column: str) -> float:
     return value
 
 
+def checked_rows(
+    source: TextIO, required: Sequence[str], optional: Sequence[str]
+) -> Iterator[tuple[int, dict[str, str]]]:
+    """(line, row) for each row of a CSV stream whose header has every ``required`` column and no
+    column outside ``required`` + ``optional``, and whose rows have as many fields as the header."""
+    columns = [*required, *optional]
+    reader = csv.DictReader(source)
+    header = [h.strip() for h in (reader.fieldnames or [])]
+    if not header:
+        raise TraceCsvError(1, None, "empty file: no header row")
+    reader.fieldnames = header
+    missing = [c for c in required if c not in header]
+    if missing:
+        raise TraceCsvError(1, None, f"header lacks required column(s) {missing}; expected {columns}")
+    unknown = [c for c in header if c not in columns]
+    if unknown:
+        raise TraceCsvError(1, None, f"unknown column(s) {unknown}; expected {columns}")
+    for row in reader:
+        if None in row or any(v is None for v in row.values()):
+            raise TraceCsvError(reader.line_num, None, f"expected {len(header)} fields")
+        yield reader.line_num, row
+
+
 @dataclass
 class _SessionRow:
     line: int
@@ -94,24 +117,9 @@ def read_trace_csv(source: str | Path | TextIO, *, rebase: bool = True) -> Trace
     if isinstance(source, str | Path):
         with open(source, newline="", encoding="utf-8") as fh:
             return read_trace_csv(fh, rebase=rebase)
-    reader = csv.DictReader(source)
-    header = [h.strip() for h in (reader.fieldnames or [])]
-    if not header:
-        raise TraceCsvError(1, None, "empty file: no header row")
-    reader.fieldnames = header
-    missing = [c for c in REQUIRED if c not in header]
-    if missing:
-        raise TraceCsvError(1, None, f"header lacks required column(s) {missing}; expected {list(COLUMNS)}")
-    unknown = [c for c in header if c not in COLUMNS]
-    if unknown:
-        raise TraceCsvError(1, None, f"unknown column(s) {unknown}; expected {list(COLUMNS)}")
-
     sessions: dict[str, _SessionRow] = {}
     raw_tasks: list[tuple[int, str, float, float, int]] = []
-    for row in reader:
-        line = reader.line_num
-        if None in row or any(v is None for v in row.values()):
-            raise TraceCsvError(line, None, f"expected {len(header)} fields")
+    for line, row in checked_rows(source, REQUIRED, OPTIONAL):
         sid = row["session_id"].strip()
         if not sid:
             raise TraceCsvError(line, "session_id", "empty session id")

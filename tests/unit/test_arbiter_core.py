@@ -1,0 +1,148 @@
+"""The pure Themis arbiter: §4.3.3's worked example, the agent's bids, filtering, leases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shared.arbiter import (
+    APP_SUCCESSIVE_HALVING,
+    AppAgent,
+    AppReport,
+    Arbiter,
+    ArbiterConfig,
+    CapacityMeter,
+    GpuSlot,
+    JobReport,
+)
+from shared.arbiter.agent import Bundle
+from shared.arbiter.halving import SuccessiveHalving, jobs_per_phase, plan_iterations
+
+
+def _example_app(phase: int = 0, times: tuple[float, ...] = (80, 100, 100, 120), done: int = 0) -> AppReport:
+    """§4.3.3: 4 jobs, successive halving, 80/100/100/120 s per iteration, 8/16/36 iterations per
+    phase, job_demand_max 8, budget 10,000 GPU-seconds, S = 1."""
+    jobs = [JobReport(f"j{i}", "A", 0, 8, done, None, t) for i, t in enumerate(times)]
+    return AppReport("A", 0.0, jobs, APP_SUCCESSIVE_HALVING, (8, 16, 36), phase, budget_gpu_s=10_000)
+
+
+def _one_job_app(app_id: str, iterations: int = 100, max_gpus: int = 1, t: float = 10.0) -> AppReport:
+    return AppReport(app_id, 0.0, [JobReport(f"{app_id}-j", app_id, 0, max_gpus, 0, iterations, t)])
+
+
+def _example_agent() -> AppAgent:
+    # 16-GPU cluster, 3 other apps: N = 4.
+    return AppAgent(_example_app(), ArbiterConfig(), now=0.0, capacity_gpus=16, n_avg=4)
+
+
+def test_worked_example_t_id_is_budget_times_contention_over_cluster() -> None:
+    assert _example_agent().t_id == pytest.approx(2500.0)
+
+
+def test_worked_example_t_sh_on_two_gpus_is_5000_seconds_so_rho_is_2() -> None:
+    agent = _example_agent()
+    assert agent.t_sh(2) == pytest.approx(5000.0)  # 1600 + 1600 + 1800
+    assert agent.rho(2) == pytest.approx(2.0)
+
+
+def test_worked_example_bid_table_matches_table_3() -> None:
+    agent = _example_agent()
+    rhos = [agent.rho(g) for g in (1, 2, 4, 8, 16)]
+    assert rhos == pytest.approx([4.0, 2.0, 1.0, 0.5, 0.34])
+
+
+def test_worked_example_bid_for_a_16_gpu_offer_lists_table_3() -> None:
+    bid = _example_agent().bid({"h0": 4, "h1": 4, "h2": 4, "h3": 4})
+    table = {b.gpus: r for b, r in bid.table if b.host is None}
+    assert table == pytest.approx({1: 4.0, 2: 2.0, 4: 1.0, 8: 0.5, 16: 0.34})
+
+
+def test_worked_example_revised_when_slower_jobs_survive() -> None:
+    """§4.3.3: if the 120 s and 100 s jobs survive, T_sh(2) = 120 * 16 and T_sh(3) = 120 * 36 / 2."""
+    app = _example_app(phase=1, times=(120, 120), done=8)
+    agent = AppAgent(app, ArbiterConfig(), now=0.0, capacity_gpus=16, n_avg=4)
+    assert agent.t_sh(2) == pytest.approx(120 * 16 + 120 * 36 / 2)
+
+
+def test_successive_halving_plan_and_kills_the_worse_half() -> None:
+    assert jobs_per_phase(4) == [4, 2, 1]
+    assert plan_iterations(4, 10_000, 100) == (8, 16, 33)  # §4.3.3 says "about 8, 16, 36"
+    sh = SuccessiveHalving(["a", "b", "c", "d"], (8, 16, 36))
+    assert not sh.phase_done({"a": 8, "b": 8, "c": 8, "d": 7})
+    assert sh.phase_done({"a": 8, "b": 8, "c": 8, "d": 8})
+    assert sh.advance({"a": 0.3, "b": 0.1, "c": 0.4, "d": 0.2}) == ["a", "c"]
+    assert sh.live == ["b", "d"] and sh.target == 24
+    assert sh.advance({"b": 0.5, "d": 0.2}) == ["b"]
+    assert sh.advance({"d": 0.2}) == [] and sh.finished
+
+
+def test_placement_sensitive_app_values_a_packed_bundle_above_a_spread_one() -> None:
+    report = AppReport("V", 0.0, [JobReport("v", "V", 0, 4, 0, 1000, 1.0, placement_sensitivity=1.29)])
+    agent = AppAgent(report, ArbiterConfig(), now=0.0, capacity_gpus=8, n_avg=2)
+    assert agent.rho(4, {"h0": 4}) < agent.rho(4, {"h0": 2, "h1": 2})
+    assert agent.rho(4, {"h0": 2, "h1": 2}) == pytest.approx(agent.rho(4, {"h0": 4}) * 1.29, rel=1e-6)
+    bid = agent.bid({"h0": 4, "h1": 2, "h2": 2})
+    assert Bundle(4, "h0") in dict(bid.table)
+
+
+def test_an_app_holding_no_gpu_reports_a_finite_rho_worse_than_any_grant() -> None:
+    agent = AppAgent(_one_job_app("x"), ArbiterConfig(), now=0.0, capacity_gpus=4, n_avg=1)
+    assert math.isfinite(agent.rho_current)
+    assert agent.rho_current > agent.rho(1)
+
+
+def _slots(hosts: int, per_host: int) -> list[GpuSlot]:
+    return [GpuSlot(f"h{h}", d) for h in range(hosts) for d in range(per_host)]
+
+
+def test_only_the_worst_one_minus_f_apps_bid() -> None:
+    # a0 is furthest behind: it has waited longest for the same work.
+    apps = [
+        AppReport(f"a{i}", -100.0 * (10 - i), [JobReport("j", f"a{i}", 0, 2, 0, 100, 10.0)])
+        for i in range(10)
+    ]
+    out = Arbiter(ArbiterConfig(fairness_knob=0.8)).auction(1000.0, apps, _slots(2, 4), 8)
+    assert out.bidders == ["a0", "a1"]  # ceil(0.2 * 10)
+    assert max(out.rho_by_app, key=out.rho_by_app.get) == "a0"
+
+
+def test_auction_leases_each_gpu_once_for_lease_s() -> None:
+    apps = [_one_job_app(f"a{i}", max_gpus=4) for i in range(5)]
+    out = Arbiter(ArbiterConfig(fairness_knob=0.5, lease_s=300.0)).auction(10.0, apps, _slots(3, 4), 12)
+    granted = [s for lease in out.leases for s in lease.slots]
+    assert len(granted) == len(set(granted)) == 12  # work conserving: every app can use 4
+    assert all(lease.granted_at == 10.0 and lease.expires_at == 310.0 for lease in out.leases)
+    assert set(out.c_by_app) <= set(out.bidders)
+
+
+def test_winner_keeps_c_times_its_share_and_leftovers_go_to_non_bidders() -> None:
+    apps = [_one_job_app(f"a{i}", iterations=1000, max_gpus=8) for i in range(4)]
+    arb = Arbiter(ArbiterConfig(fairness_knob=0.5, leftovers_to_bidders=False))
+    out = arb.auction(0.0, apps, _slots(2, 4), 8)
+    for app_id in out.bidders:
+        c = out.c_by_app.get(app_id)
+        assert c is None or 0.0 < c <= 1.0
+    non_bidders = set(out.rho_by_app) - set(out.bidders)
+    won_by_bidders = sum(out.won_by_app.get(a, 0) for a in out.bidders)
+    assert won_by_bidders + out.leftover_gpus == 8
+    assert sum(out.won_by_app.get(a, 0) for a in non_bidders) == min(out.leftover_gpus, 16)
+
+
+def test_f_outside_range_is_rejected() -> None:
+    with pytest.raises(ValueError, match="fairness_knob"):
+        ArbiterConfig(fairness_knob=1.0)
+
+
+def test_job_reports_without_progress_get_crude_estimates() -> None:
+    report = AppReport("u", 0.0, [JobReport("u1", "u", 0, 1, 50, None, None)])
+    agent = AppAgent(report, ArbiterConfig(), now=10.0, capacity_gpus=4, n_avg=1)
+    assert math.isfinite(agent.rho(1)) and agent.rho(1) > 0
+
+
+def test_capacity_meter_averages_be_usable_gpus_over_time() -> None:
+    meter = CapacityMeter()
+    assert meter.observe(0.0, 8) == 8  # no time passed yet: the current count
+    assert meter.observe(100.0, 2) == pytest.approx(8.0)  # 8 GPUs held for [0, 100)
+    assert meter.observe(300.0, 8) == pytest.approx((8 * 100 + 2 * 200) / 300)
+    assert meter.average(400.0) == pytest.approx((8 * 100 + 2 * 200 + 8 * 100) / 400)
