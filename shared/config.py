@@ -221,9 +221,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "fairness_knob": 0.8,  # Themis f: the worst ceil((1 - f) * N) apps bid each round
         "leftovers_to_bidders": True,  # GPUs no non-bidder can use go to bidders still short
         "seed": 0,  # the seeded order in which leftovers go to non-bidders
-        # T_id's capacity R: GPUs BE jobs could use (neither committed to a cell), averaged with
-        # this time constant, so a busy notebook hour does not make every app look unfair
-        "capacity_window_s": 300.0,
         "report_interval_s": 1.0,  # each host's agent.report (idle GPUs, its jobs' progress)
         "stop_grace_s": 30.0,  # a job asked to stop (or pause) gets this long to reach a step boundary
         # > 0: a job (using the job-side API) whose lease ends pauses in place this long, and a

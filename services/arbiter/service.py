@@ -32,7 +32,7 @@ from services.arbiter.metrics import arbiter_exporter
 from services.arbiter.registry import Registry, RegistryError
 from services.arbiter.usage import UsageMeter
 from shared import messages
-from shared.arbiter import Arbiter, ArbiterConfig, GpuSlot, Lease
+from shared.arbiter import Arbiter, ArbiterConfig, CapacityMeter, GpuSlot, Lease
 from shared.arbiter.slots import host_counts
 from shared.config import Config
 from shared.envelope import Envelope
@@ -63,7 +63,8 @@ class ArbiterService:
             )
         )
         report_s = float(section["report_interval_s"])
-        self.usage = UsageMeter(window_s=float(section["capacity_window_s"]), stale_s=max(3 * report_s, 3.0))
+        self.usage = UsageMeter(stale_s=max(3 * report_s, 3.0))
+        self.capacity = CapacityMeter()  # T_id's R, fed at each auction
         self._path = cfg.state_dir() / "arbiter" / "registry.json"
         self.registry = self._load()
         self.rho: dict[str, float] = {}
@@ -228,7 +229,8 @@ class ArbiterService:
         apps = self.registry.app_reports(now, releasing=releasing)
         if not apps:
             return  # no job wants a GPU: nothing to auction
-        outcome = self.core.auction(now, apps, sorted(offer), self.usage.capacity(now))
+        capacity = self.capacity.observe(now, self.usage.usable(now))
+        outcome = self.core.auction(now, apps, sorted(offer), capacity)
         self.rounds += 1
         self.rho = dict(outcome.rho_by_app)
         self.last_round = {
@@ -350,7 +352,7 @@ class ArbiterService:
             app["gpu_seconds"] = round(app["gpu_seconds"], 3)
         return {
             "apps": apps,
-            "usage": self.usage.report(now),
+            "usage": {**self.usage.report(now), "be_capacity_gpus": round(self.capacity.average(now), 3)},
             "rounds": self.rounds,
             "last_round": self.last_round,
             "lease_events": list(self.lease_events)[-200:],

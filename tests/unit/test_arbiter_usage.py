@@ -1,10 +1,6 @@
-"""GPU use from hosts' reports (pure): cells / BE / idle now and over time, T_id's capacity."""
+"""GPU use from hosts' reports (pure): cells / BE / idle now and over time, what BE jobs could use."""
 
 from __future__ import annotations
-
-import math
-
-import pytest
 
 from services.arbiter.usage import UsageMeter
 
@@ -24,7 +20,7 @@ def report(
 
 
 def test_gpus_are_split_into_cells_be_and_idle_and_integrated_over_time() -> None:
-    meter = UsageMeter(window_s=100.0, stale_s=5.0)
+    meter = UsageMeter(stale_s=5.0)
     meter.observe(report("h0", gpus=4, committed=1, leased=[1, 2], idle=[], reserved=1), 0.0)
     assert meter.split(0.0) == {"cells": 1, "be": 2, "idle": 1, "provisioned": 4}
     out = meter.report(2.0)
@@ -33,15 +29,13 @@ def test_gpus_are_split_into_cells_be_and_idle_and_integrated_over_time() -> Non
 
 
 def test_a_silent_host_is_left_out() -> None:
-    meter = UsageMeter(window_s=100.0, stale_s=5.0)
+    meter = UsageMeter(stale_s=5.0)
     meter.observe(report("h0", gpus=2, committed=0, leased=[], idle=[1], reserved=1), 0.0)
     assert meter.split(10.0)["provisioned"] == 0 and meter.live(10.0) == {}
 
 
-def test_the_capacity_is_a_time_average_of_what_be_jobs_could_use() -> None:
-    meter = UsageMeter(window_s=10.0, stale_s=1000.0)
-    meter.observe(report("h0", gpus=4, committed=0, leased=[0, 1], idle=[2], reserved=1), 0.0)
-    assert meter.capacity(0.0) == 3.0  # leased + leasable idle, not the cells' reserve
-    meter.observe(report("h0", gpus=4, committed=3, leased=[], idle=[], reserved=1), 0.0)
-    assert meter.capacity(10.0) == pytest.approx(3.0 * math.exp(-1.0))
-    assert meter.capacity(1000.0) == pytest.approx(0.0, abs=1e-6)
+def test_be_jobs_could_use_the_leased_and_the_idle_gpus_beyond_the_cells_reserve() -> None:
+    meter = UsageMeter(stale_s=1000.0)
+    meter.observe(report("h0", gpus=4, committed=1, leased=[1], idle=[3], reserved=1), 0.0)
+    meter.observe(report("h1", gpus=2, committed=0, leased=[], idle=[1], reserved=1), 0.0)
+    assert meter.usable(0.0) == 3.0
