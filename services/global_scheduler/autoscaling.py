@@ -26,17 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 import structlog
 
-from services.global_scheduler.cluster_state import DEAD, RUNNING, STOPPED, ClusterState
+from services.global_scheduler.cluster_state import RUNNING, ClusterState
 from services.host_provider import HostProvider
 from shared.cluster_core.core import ClusterCore, CoreConfig
-from shared.cluster_core.idle import HostFacts
+from shared.cluster_core.idle import HostFacts, KernelFacts, replicas_and_active_hosts
+from shared.cluster_core.lifecycle import OVER
 from shared.config import Config
 from shared.policies.autoscale import HostLoad, ScaleIn, ScaleOut, feasible_hosts
 from shared.policies.kernel_placement import KernelPlacement
@@ -252,28 +253,23 @@ class ClusterAutoscaler:
                 self._release_round.cancel()  # the scheduler stops: a drain under way ends with it
                 await asyncio.gather(self._release_round, return_exceptions=True)
 
-    def _replicas_and_active_hosts(self) -> tuple[Counter[str], set[str]]:
-        """Replicas per host of the kernels that are not over (what a release has to move), and
-        the hosts that are not idle: they hold a replica of a kernel with work in flight."""
-        replicas: Counter[str] = Counter()
-        active: set[str] = set()
+    def _kernel_facts(self) -> Iterator[KernelFacts]:
+        """Each kernel that is not over: its placed replicas' hosts and whether it is busy."""
         for kernel in self.state.kernels.values():
-            if kernel.state in (STOPPED, DEAD):
+            if kernel.state in OVER:
                 continue
             placed = [r for r in kernel.replicas.values() if r.alive or not r.started]
-            replicas.update(r.host_id for r in placed)
-            if (
+            busy = (
                 kernel.state != RUNNING
                 or kernel.held is not None
-                or kernel.router.merger.pending_ids()
+                or bool(kernel.router.merger.pending_ids())
                 or any(not r.started for r in placed)
-            ):
-                active.update(r.host_id for r in placed)
-        return replicas, active
+            )
+            yield KernelFacts(tuple(r.host_id for r in placed), busy)
 
     def host_facts(self) -> list[HostFacts]:
         """What the core's idle judgement needs of each live host not being released."""
-        replicas, active = self._replicas_and_active_hosts()
+        replicas, active = replicas_and_active_hosts(self._kernel_facts())
         facts = []
         for host in self.state.hosts.values():
             if not host.alive or host.host_id in self._releasing:

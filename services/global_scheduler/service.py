@@ -36,7 +36,7 @@ from services.global_scheduler.reply_merger import Forward
 from services.host_provider import NoHostProvider, make_host_provider
 from shared import messages
 from shared.cluster_core.core import ClusterCore, CoreConfig
-from shared.cluster_core.lifecycle import ACTIVE, OVER, transition
+from shared.cluster_core.lifecycle import ACTIVE, OVER, REPLACE, after_replica_lost, transition
 from shared.config import Config, ConfigError
 from shared.election_round import election_key, split_election_key
 from shared.envelope import Envelope
@@ -587,11 +587,13 @@ class GlobalScheduler:
             log.info("outcome_asked", kernel=kernel.kernel_id, replica=replica_id, lost=replica.replica_id)
             self._to_replica(kernel, replica_id, channel, frames)
         live = kernel.live_replicas()
-        if kernel.state == STOPPING and not live:
+        restarting = (kernel.kernel_id, replica.replica_id) in self._restarting
+        verdict = after_replica_lost(kernel.state, len(live), self._quorum, restarting=restarting)
+        if verdict == STOPPED:
             self._mark_stopped(kernel)
-        elif kernel.state == RUNNING and len(live) < self._quorum:
+        elif verdict == DEAD:
             self._mark_dead(kernel, f"{len(live)} of {len(kernel.replicas)} replicas alive: {reason}")
-        elif kernel.state == RUNNING and (kernel.kernel_id, replica.replica_id) not in self._restarting:
+        elif verdict == REPLACE:
             self._migrator.on_replica_lost(kernel, replica, reason)
         for msg_id, frames in resend:  # cells it was designated for and had not started
             self.state.release(kernel, msg_id)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from shared.cluster_core import lifecycle
 from shared.cluster_core.drain import DrainPlan, ReplicaToMove, plan_drain
 from shared.cluster_core.idle import HostFacts, IdleJudge
+from shared.cluster_core.replicated import ReplicatedKernels
+from shared.cluster_core.sessions import Action, Session, SessionPolicy
 from shared.config import Config
 from shared.policies.autoscale import AutoscaleConfig, Autoscaler, ScaleDecision
 from shared.policies.kernel_placement import KernelPlacement
@@ -78,15 +80,88 @@ class CoreConfig:
         )
 
 
-class ClusterCore:
-    """One per driver: the live ``GlobalScheduler`` and the ``Simulator`` each build one."""
+POLICIES = ("notebookos", "reservation", "batch", "lcp")
 
-    def __init__(self, config: CoreConfig | None = None, *, can_drain: bool = True) -> None:
+
+class ClusterCore:
+    """One per driver: the live ``GlobalScheduler`` and the ``Simulator`` each build one.
+
+    ``policy`` picks the session plug-in: ``notebookos`` (replicated kernels, ``replicated.py``)
+    or a baseline (``shared.policies.baselines``); they share the core's ledgers model, autoscaler,
+    idle judgement and retry policy."""
+
+    def __init__(
+        self,
+        config: CoreConfig | None = None,
+        *,
+        policy: str = "notebookos",
+        autoscaler: Autoscaler | None = None,
+        hosts: Mapping[str, int] | None = None,
+        prewarmed: dict[str, int] | None = None,
+        lcp_pool_per_host: int = 8,
+    ) -> None:
         self.config = config or CoreConfig()
-        self.autoscaler = Autoscaler(self.config.autoscale)
-        self.idle = IdleJudge(self.config.scale_in_idle_s, can_drain=can_drain)
+        self.autoscaler = autoscaler if autoscaler is not None else Autoscaler(self.config.autoscale)
         self.placement = KernelPlacement(self.config.watermark, self.config.replicas_per_kernel)
         self.retry = self.config.retry
+        self.sessions = self._plugin(policy, hosts, prewarmed, lcp_pool_per_host)
+        # only replicated kernels leave replicas on a host that a drain must move first
+        self.idle = IdleJudge(self.config.scale_in_idle_s, can_drain=policy == "notebookos")
+
+    def _plugin(
+        self, name: str, hosts: Mapping[str, int] | None, prewarmed: dict[str, int] | None, pool: int
+    ) -> SessionPolicy:
+        from shared.policies import baselines  # the plug-ins import this package's interface
+
+        if name == "notebookos":
+            return ReplicatedKernels(
+                self.placement, self.autoscaler, hosts=dict(hosts or {}), prewarmed=prewarmed
+            )
+        if name == "lcp":
+            return baselines.LcpPolicy(hosts, pool_per_host=pool)
+        if name in POLICIES:
+            return baselines.make_policy(name, hosts)
+        raise ValueError(f"unknown scheduling policy {name!r}; known: {', '.join(POLICIES)}")
+
+    @property
+    def replicated(self) -> ReplicatedKernels | None:
+        """The replicated-kernel plug-in, if that is the policy."""
+        return self.sessions if isinstance(self.sessions, ReplicatedKernels) else None
+
+    # ---- sessions (the plug-in's events) ------------------------------------------------------
+
+    def session_started(self, session: Session) -> list[Action]:
+        return self.sessions.on_session_start(session)
+
+    def cell_submitted(self, session_id: str, cell_id: str) -> list[Action]:
+        return self.sessions.on_cell_submit(session_id, cell_id)
+
+    def cell_ended(self, session_id: str, cell_id: str) -> list[Action]:
+        return self.sessions.on_cell_end(session_id, cell_id)
+
+    def session_ended(self, session_id: str) -> list[Action]:
+        return self.sessions.on_session_end(session_id)
+
+    def host_added(self, host_id: str, gpus: int) -> list[Action]:
+        return self.sessions.add_host(host_id, gpus)
+
+    def host_removed(self, host_id: str) -> None:
+        self.sessions.remove_host(host_id)
+        self.idle.released(host_id)
+
+    def retry_held(self, session_id: str, cell_id: str) -> list[Action] | str:
+        """Look again at a held cell (at ``first_migration_at``, then at each ``RetryAt``): its
+        actions (run, or migrate and run), or why it still cannot run."""
+        replicated = self.replicated
+        if replicated is None:
+            return "only replicated kernels hold cells"
+        return replicated.retry_cell(session_id, cell_id)
+
+    def give_up_held(self, session_id: str, cell_id: str) -> None:
+        """``migration_failed`` said GiveUp: the held cell fails."""
+        replicated = self.replicated
+        if replicated is not None:
+            replicated.give_up(session_id, cell_id)
 
     # ---- the periodic check -----------------------------------------------------------------
 

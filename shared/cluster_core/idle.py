@@ -14,15 +14,16 @@ how many releases of it failed in a row.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from shared.policies.autoscale import HostLoad, scale_in_idle_wanted
 
 
-@dataclass(frozen=True, slots=True)
-class HostFacts:
-    """What the driver knows of one live host that is not being released already."""
+class HostFacts(NamedTuple):
+    """What the driver knows of one live host that is not being released already (a tuple: the
+    simulator builds one per host at every check)."""
 
     host_id: str
     gpus: int
@@ -32,6 +33,25 @@ class HostFacts:
     active: bool = False  # holds a replica of a kernel with work in flight
     reserved: bool = False  # a kernel waiting for new hosts has a replica slot reserved here
     owned: bool = True  # the provider started it: only those can be released
+
+
+class KernelFacts(NamedTuple):
+    """Where a kernel that is not over has replicas, and whether it has work in flight."""
+
+    hosts: Sequence[str]  # one entry per replica placed (alive, or being started)
+    busy: bool  # starting or stopping, a cell running or held, a request pending, a replica moving
+
+
+def replicas_and_active_hosts(kernels: Iterable[KernelFacts]) -> tuple[Counter[str], set[str]]:
+    """Replicas per host (what a release has to move), and the hosts that are not idle: they
+    hold a replica of a busy kernel."""
+    placed: list[str] = []
+    active: set[str] = set()
+    for hosts, busy in kernels:  # one Counter at the end: the simulator runs this at every check
+        placed.extend(hosts)
+        if busy:
+            active.update(hosts)
+    return Counter(placed), active
 
 
 class IdleJudge:

@@ -54,3 +54,19 @@ def transition(kernel: HasState, to: str) -> None:
     """Move ``kernel`` to ``to`` if the table allows it, else raise ``IllegalTransition``."""
     check(kernel.kernel_id, kernel.state, to)
     kernel.state = to
+
+
+REPLACE = "replace"  # a verdict of ``after_replica_lost``: move the lost replica to another host
+
+
+def after_replica_lost(state: str, live: int, quorum: int, *, restarting: bool) -> str | None:
+    """What losing a replica means for its kernel: ``STOPPED`` (a stopping kernel lost its last
+    one), ``DEAD`` (a running kernel is below a Raft quorum), ``REPLACE`` (a running kernel keeps
+    its quorum: replace the replica, unless it is being restarted in place), else None."""
+    if state == STOPPING and live == 0:
+        return STOPPED
+    if state == RUNNING and live < quorum:
+        return DEAD
+    if state == RUNNING and not restarting:
+        return REPLACE
+    return None

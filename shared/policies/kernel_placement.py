@@ -5,7 +5,7 @@ that one decision is the dynamic cluster-wide limit (``subscription.dynamic_limi
 after the new kernel, clamped between ``floor`` and the configured ``watermark``), and the hosts are
 the default filter-and-score policy's choice, found through the ``PlacementIndex`` rather than a
 scan of every host. The caller owns the index and keeps it current; this object holds only the
-knobs, so the live scheduler (index kept by ``ClusterState``) and ``NotebookOsPolicy`` (its own
+knobs, so the live scheduler (index kept by ``ClusterState``) and the simulator's replicated kernels (their own
 index) run exactly this code. A failed decision carries every host's veto (the index falls back to
 the full filter pass), so an error message can name why each host said no.
 """

@@ -33,41 +33,43 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
-from shared.policies.autoscale import Autoscaler, HostLoad, ScaleIn, ScaleOut
-from shared.policies.baselines import (
+from shared.cluster_core.core import POLICIES, ClusterCore
+from shared.cluster_core.idle import HostFacts, KernelFacts, replicas_and_active_hosts
+from shared.cluster_core.replicated import ReplicatedKernel
+from shared.cluster_core.sessions import (
     Action,
-    LcpPolicy,
+    Held,
     Migrate,
-    NotebookOsPolicy,
     Queued,
     Rejected,
     RunCell,
-    SessionPolicy,
     StartRuntime,
     StopRuntime,
     TakeWarm,
-    make_policy,
 )
-from shared.policies.baselines import Session as PolicySession
+from shared.cluster_core.sessions import Session as PolicySession
+from shared.policies.autoscale import ScaleIn, ScaleOut
+from shared.policies.migration import GiveUp
 from shared.policies.placement import PlacementRequest
 from shared.policies.prewarm import MinCapacity, PoolView, reconcile
 from shared.simulator.params import SimParams
 from shared.workload.model import Trace
 
-POLICY_NAMES = ("notebookos", "reservation", "batch", "lcp")
+POLICY_NAMES = POLICIES
 
 # heap event kinds
 _CELL_END = 0
 _HOST_READY = 1
 _WARM_READY = 2
 _TICK = 3
+_RETRY = 4  # a held cell's next look (ClusterCore.first_migration_at / migration_failed)
 
 # trace arrival kinds, in the order they are handled at equal times
 _SESSION_START = 0
@@ -79,21 +81,13 @@ _JITTER_BLOCK = 65_536
 _MAX_DRAIN_S = 365 * 86_400.0  # a run that has not drained a year after its last arrival is stuck
 
 
-def build_policy(name: str, params: SimParams) -> tuple[SessionPolicy, Autoscaler]:
-    """The policy object for ``name`` configured from ``params``, and the autoscaler it shares."""
-    autoscaler = Autoscaler(params.autoscale_config())
-    if name == "notebookos":
-        policy: SessionPolicy = NotebookOsPolicy(
-            replicas=params.replicas_per_kernel,
-            watermark=params.subscription_ratio_watermark,
-            autoscaler=autoscaler,
-            prewarmed={},
-        )
-    elif name == "lcp":
-        policy = LcpPolicy(pool_per_host=params.lcp_pool_per_host)
-    else:
-        policy = make_policy(name)  # raises with the known names on a typo
-    return policy, autoscaler
+def build_core(name: str, params: SimParams) -> ClusterCore:
+    """The cluster core for policy ``name``, configured from ``params`` (the live rules, these values)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {name!r}; known: {', '.join(POLICIES)}")
+    return ClusterCore(
+        params.core_config(), policy=name, prewarmed={}, lcp_pool_per_host=params.lcp_pool_per_host
+    )
 
 
 @dataclass
@@ -138,17 +132,16 @@ class Simulator:
         params: SimParams | None = None,
         *,
         seed: int = 0,
-        policy: SessionPolicy | None = None,
-        autoscaler: Autoscaler | None = None,
+        core: ClusterCore | None = None,
     ) -> None:
         self.params = params or SimParams()
         self.trace = trace
         self.name = policy_name
         self.seed = seed
-        if policy is None:
-            policy, autoscaler = build_policy(policy_name, self.params)
-        self.policy = policy
-        self.autoscaler = autoscaler or Autoscaler(self.params.autoscale_config())
+        # the same core class the live global scheduler steps, with simulated time and hosts
+        self.core = core if core is not None else build_core(policy_name, self.params)
+        self.policy = self.core.sessions
+        self.autoscaler = self.core.autoscaler
         too_big = next((s for s in trace.sessions if s.gpus > self.params.gpus_per_host), None)
         if too_big is not None:
             raise ValueError(
@@ -159,11 +152,12 @@ class Simulator:
         self._jitter: list[float] = []
         self._jitter_pos = 0
         self._per_cell_runtimes = policy_name in ("batch", "lcp")
-        self._replicated = isinstance(policy, NotebookOsPolicy)
-        self._election_s = self.params.election_s if isinstance(policy, NotebookOsPolicy) else 0.0
-        self._prewarmed: dict[str, int] | None = (
-            policy.prewarmed if isinstance(policy, NotebookOsPolicy) else None
-        )
+        replicated = self.core.replicated
+        self._replicated = replicated is not None
+        self._election_s = self.params.election_s if replicated is not None else 0.0
+        self._prewarmed: dict[str, int] | None = replicated.prewarmed if replicated is not None else None
+        self._owned: set[str] = set()  # hosts the simulated provider started (only those are released)
+        self._holding: dict[int, tuple[float, int]] = {}  # held cell -> (held since, failed tries)
         self._prewarm_policy = MinCapacity(self.params.prewarm_per_host)
         self._warming: dict[str, int] = {}
         self._heap: list[tuple[float, int, int, int | str]] = []
@@ -267,6 +261,8 @@ class Simulator:
                     self._host_ready(str(arg), now)
                 elif kind == _WARM_READY:
                     self._warm_ready(str(arg), now)
+                elif kind == _RETRY:
+                    self._retry_held(int(arg), now)
                 else:
                     if j >= n and self._open_sessions == 0 and self._in_flight_hosts == 0:
                         continue  # drained: stop the periodic check
@@ -330,7 +326,7 @@ class Simulator:
 
     def _session_start(self, s: int, now: float) -> None:
         self._open_sessions += 1
-        self._apply(self.policy.on_session_start(self._specs[s]), now)
+        self._apply(self.core.session_started(self._specs[s]), now)
 
     def _session_end_arrival(self, s: int, now: float) -> None:
         busy = self._busy[s]
@@ -347,7 +343,7 @@ class Simulator:
     def _end_session(self, s: int, now: float) -> None:
         self._open_sessions -= 1
         self._ending[s] = False
-        self._apply(self.policy.on_session_end(self._sid[s]), now)
+        self._apply(self.core.session_ended(self._sid[s]), now)
 
     def _submit(self, i: int, now: float) -> None:
         s = self._t_sess[i]
@@ -355,7 +351,7 @@ class Simulator:
         self._cur = i if self._held[s] != i else -1  # a resubmitted held cell was not committed at once
         self._held[s] = -1
         self._cur_migrated = False
-        self._apply(self.policy.on_cell_submit(self._sid[s], self._cid[i]), now)
+        self._apply(self.core.cell_submitted(self._sid[s], self._cid[i]), now)
         self._cur = -1
 
     def _run_cell(self, a: RunCell, now: float) -> None:
@@ -376,7 +372,11 @@ class Simulator:
     def _cell_end(self, i: int, now: float) -> None:
         s = self._t_sess[i]
         self._end[i] = now
-        self._apply(self.policy.on_cell_end(self._sid[s], self._cid[i]), now)
+        self._apply(self.core.cell_ended(self._sid[s], self._cid[i]), now)
+        self._next_cell(s, now)
+
+    def _next_cell(self, s: int, now: float) -> None:
+        """The session's cell is over (ended or given up): its next one, or its deferred end."""
         self._busy[s] = -1
         q = self._queue[s]
         if q:
@@ -432,6 +432,10 @@ class Simulator:
                 self._boot[s] += self._start_time(mean) + p.read_s
                 if a.plan.use_prewarmed:
                     self._prewarm((a.plan.target_host,), now)
+            elif t is Held:
+                i = int(a.cell_id)
+                self._holding[i] = (now, 0)
+                self._push(self.core.first_migration_at(now), _RETRY, i)
             elif t is Rejected:
                 if a.cell_id is not None:
                     self._held[self._index_of(a.session_id)] = int(a.cell_id)
@@ -445,6 +449,30 @@ class Simulator:
 
     def _index_of(self, session_id: str) -> int:
         return self._pos[session_id]
+
+    def _retry_held(self, i: int, now: float) -> None:
+        """A held cell's next look, as the live ``Migrator._resolve``: run it (migrating a
+        replica if need be), or back off per the core, or give it up at the deadline."""
+        held = self._holding.get(i)
+        if held is None:
+            return
+        since, attempts = held
+        s = self._t_sess[i]
+        outcome = self.core.retry_held(self._sid[s], self._cid[i])
+        if not isinstance(outcome, str):
+            del self._holding[i]
+            self._apply(outcome, now)
+            return
+        attempts += 1
+        decision = self.core.migration_failed(attempts, since, now, outcome)
+        if isinstance(decision, GiveUp):
+            del self._holding[i]
+            self.core.give_up_held(self._sid[s], self._cid[i])
+            self._cells_failed += 1
+            self._next_cell(s, now)
+            return
+        self._holding[i] = (since, attempts)
+        self._push(decision.at, _RETRY, i)
 
     def _placement_failed(self, a: Queued, now: float) -> None:
         """A baseline could not place a session's runtime or a cell's container: the autoscaler's
@@ -464,7 +492,7 @@ class Simulator:
 
     def _add_host(self, host_id: str, now: float) -> None:
         self._hosts_alive[host_id] = now
-        actions = self.policy.add_host(host_id, self.params.gpus_per_host)
+        actions = self.core.host_added(host_id, self.params.gpus_per_host)
         if self._prewarmed is not None:
             self._prewarm((host_id,), now)
         self._apply(actions, now)
@@ -479,6 +507,7 @@ class Simulator:
         for _ in range(count):
             self._in_flight_hosts += 1
             host_id = self._new_host_id()
+            self._owned.add(host_id)
             self._push(now + self.params.host_provision_s, _HOST_READY, host_id)
             self._paid_since[host_id] = now
         return count
@@ -492,19 +521,28 @@ class Simulator:
         self._hosts_alive[host_id] = paid_since
 
     def _release(self, host_id: str, now: float) -> bool:
-        policy = self.policy
-        if isinstance(policy, NotebookOsPolicy):
-            moves = policy.drain_host(host_id)
-            if moves is None:
+        """Drain ``host_id`` replica by replica (as live: the ones that can move do), then release
+        it; if a replica cannot move, the host stays and the core backs its idle judgement off."""
+        replicated = self.core.replicated
+        if replicated is not None:
+            warm = self._prewarmed or {}
+            plan = self.core.plan_drain(
+                host_id, replicated.replicas_on(host_id), replicated.index.views(), warm
+            )
+            targets = []
+            for r, move in plan.moves:
+                replicated.move_replica(r.kernel_id, move)
+                self._migration_s.append(now)
+                targets.append(move.target_host)
+            if not plan.complete:
+                self.core.release_failed(host_id)
+                self._prewarm(targets, now)
                 return False
-            for m in moves:
-                if isinstance(m, Migrate):
-                    self._migration_s.append(now)
             if self._prewarmed is not None:
                 self._prewarmed.pop(host_id, None)
                 self._warming.pop(host_id, None)
-                self._prewarm([m.plan.target_host for m in moves if isinstance(m, Migrate)], now)
-        policy.remove_host(host_id)
+                self._prewarm(targets, now)
+        self.core.host_removed(host_id)
         since = self._hosts_alive.pop(host_id)
         self._host_intervals.append((since, now, float(self.params.gpus_per_host)))
         return True
@@ -532,48 +570,57 @@ class Simulator:
 
     # ---- the periodic autoscaler check -------------------------------------------------------
 
-    def _loads(self) -> list[HostLoad]:
-        policy = self.policy
-        if isinstance(policy, NotebookOsPolicy):
-            # As live (services/global_scheduler/autoscaling.py): an idle host may hold replicas,
-            # which ``_release`` migrates away first; a host holding a replica of a session with a
-            # cell in flight is not idle.
-            replicas: Counter[str] = Counter()
-            active: set[str] = set()
-            for session_id, kernel in policy.kernels.items():
-                replicas.update(kernel.hosts)
-                s = self._pos.get(session_id, -1)
-                if kernel.running or (s >= 0 and (self._busy[s] >= 0 or self._held[s] >= 0)):
-                    active.update(kernel.hosts)
+    def _facts(self) -> list[HostFacts]:
+        """What the core's idle judgement needs, as the live autoscaler reports it
+        (services/global_scheduler/autoscaling.py): a host holding a replica of a session with a
+        cell in flight or held is active; only hosts the provider started are owned."""
+        replicated = self.core.replicated
+        if replicated is not None:
+            replicas, active = replicas_and_active_hosts(
+                KernelFacts(kernel.hosts, self._kernel_busy(session_id, kernel))
+                for session_id, kernel in replicated.kernels.items()
+            )
             return [
-                HostLoad(
+                HostFacts(
                     v.host_id,
                     v.gpus,
                     v.committed_gpus,
                     v.subscribed_gpus,
-                    releasable=v.host_id not in active,
                     replicas=replicas[v.host_id],
+                    active=v.host_id in active,
+                    owned=v.host_id in self._owned,
                 )
-                for v in policy.index.views()
+                for v in replicated.index.views()
             ]
-        ledgers = policy.ledgers  # type: ignore[attr-defined]
+        ledgers = self.policy.ledgers  # type: ignore[attr-defined]
         reserved = self.name == "reservation"
         return [
-            HostLoad(h, led.total, led.committed_count, led.committed_count if reserved else 0)
+            HostFacts(
+                h,
+                led.total,
+                led.committed_count,
+                led.committed_count if reserved else 0,
+                owned=h in self._owned,
+            )
             for h, led in ledgers.items()
         ]
 
+    def _kernel_busy(self, session_id: str, kernel: ReplicatedKernel) -> bool:
+        """A cell running or held, or one submitted and not ended (waiting client-side)."""
+        s = self._pos.get(session_id, -1)
+        return bool(kernel.running or kernel.held) or (s >= 0 and (self._busy[s] >= 0 or self._held[s] >= 0))
+
     def _tick(self, now: float) -> None:
-        policy = self.policy
-        if isinstance(policy, NotebookOsPolicy):
-            live = policy.index.live_gpus
+        replicated = self.core.replicated
+        if replicated is not None:
+            live = replicated.index.live_gpus
             self._sr.append(
-                (now, policy.index.live_subscribed_gpus / (live * policy.replicas) if live else 0.0)
+                (now, replicated.index.live_subscribed_gpus / (live * replicated.replicas) if live else 0.0)
             )
-        decision = self.autoscaler.evaluate(self._loads())
+        decision = self.core.tick(now, self._facts())
         if isinstance(decision, ScaleOut):
             asked = self._provision(decision.count, now)
-            self.autoscaler.expect_hosts(asked)  # so the next check does not ask for them again
+            self.core.scale_out_asked(asked)  # so the next check does not ask for them again
         elif isinstance(decision, ScaleIn):
             released = [h for h in decision.host_ids if self._release(h, now)]
             if released:

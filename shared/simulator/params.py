@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from shared.cluster_core.core import CoreConfig, retry_schedule
 from shared.config import Config, ConfigError, load_config
 from shared.policies.autoscale import AutoscaleConfig
 from shared.workload.billing import Rates
@@ -42,6 +43,13 @@ class SimParams:
     timeline_step_s: float = 60.0
     reclaim_after_h: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0)
     replicas_per_kernel: int = 3
+    # The live cluster's own keys (``autoscale.scale_in_idle_s``, ``scheduler.migration_*``,
+    # ``scheduler.heartbeat_interval_s``): the simulated cluster core decides with the same values.
+    scale_in_idle_s: float = 30.0
+    migration_retry_base_s: float = 0.5
+    migration_retry_max_s: float = 4.0
+    migration_deadline_s: float = 30.0
+    ledger_settle_s: float = 1.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -65,8 +73,16 @@ class SimParams:
     def from_config(cls, cfg: Config | None = None) -> SimParams:
         section: dict[str, Any] = dict((cfg or load_config())["simulator"])
         section["reclaim_after_h"] = tuple(float(x) for x in section.get("reclaim_after_h", ()))
-        replicas = (cfg or load_config()).get("cluster.replicas_per_kernel")
-        return cls(**section, replicas_per_kernel=replicas)
+        cfg = cfg or load_config()
+        return cls(
+            **section,
+            replicas_per_kernel=cfg.get("cluster.replicas_per_kernel"),
+            scale_in_idle_s=float(cfg.get("autoscale.scale_in_idle_s")),
+            migration_retry_base_s=float(cfg.get("scheduler.migration_retry_base_s")),
+            migration_retry_max_s=float(cfg.get("scheduler.migration_retry_max_s")),
+            migration_deadline_s=float(cfg.get("scheduler.migration_deadline_s")),
+            ledger_settle_s=float(cfg.get("scheduler.heartbeat_interval_s")),
+        )
 
     @property
     def read_s(self) -> float:
@@ -87,6 +103,19 @@ class SimParams:
             max_hosts=self.max_hosts,
             replicas_per_kernel=self.replicas_per_kernel,
             max_ratio_after_scale_in=self.max_ratio_after_scale_in,
+        )
+
+    def core_config(self) -> CoreConfig:
+        """The simulated cluster core's configuration: the live one's rules with these values."""
+        return CoreConfig(
+            autoscale=self.autoscale_config(),
+            scale_in_idle_s=self.scale_in_idle_s,
+            retry=retry_schedule(
+                self.migration_retry_base_s, self.migration_retry_max_s, self.migration_deadline_s
+            ),
+            ledger_settle_s=self.ledger_settle_s,
+            watermark=self.subscription_ratio_watermark,
+            replicas_per_kernel=self.replicas_per_kernel,
         )
 
     def rates(self) -> Rates:

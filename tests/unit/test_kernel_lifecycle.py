@@ -11,12 +11,14 @@ from hypothesis import strategies as st
 
 from shared.cluster_core.lifecycle import (
     DEAD,
+    REPLACE,
     RUNNING,
     STARTING,
     STOPPED,
     STOPPING,
     TRANSITIONS,
     IllegalTransition,
+    after_replica_lost,
     transition,
 )
 
@@ -68,3 +70,20 @@ def test_the_table_decides_every_move(current: str, to: str) -> None:
         with pytest.raises(IllegalTransition):
             transition(kernel, to)
         assert kernel.state == current
+
+
+@pytest.mark.parametrize(
+    ("state", "live", "restarting", "verdict"),
+    [
+        (STOPPING, 0, False, STOPPED),
+        (STOPPING, 1, False, None),
+        (RUNNING, 1, False, DEAD),  # below the quorum of 2 (3 replicas)
+        (RUNNING, 2, False, REPLACE),
+        (RUNNING, 2, True, None),  # restarted in place: no replacement
+        (STARTING, 0, False, None),  # the start itself fails
+    ],
+)
+def test_what_losing_a_replica_means_for_its_kernel(
+    state: str, live: int, restarting: bool, verdict: str | None
+) -> None:
+    assert after_replica_lost(state, live, 2, restarting=restarting) == verdict

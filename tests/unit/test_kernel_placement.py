@@ -1,4 +1,4 @@
-"""One placement policy, two drivers: the live global scheduler and the simulator's NotebookOsPolicy
+"""One placement policy, two drivers: the live global scheduler and the simulator's replicated kernels
 place kernels through the same ``KernelPlacement`` (dynamic subscription-ratio limit, placement
 index), and the scheduler's incrementally kept index always equals a rebuild from its host views."""
 
@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import services.global_scheduler.service as live
 from services.global_scheduler.cluster_state import (
     DEAD,
     RUNNING,
@@ -27,27 +25,16 @@ from services.global_scheduler.cluster_state import (
 from services.global_scheduler.jupyter_router import KernelRouter
 from services.global_scheduler.service import GlobalScheduler
 from shared import messages
-from shared.config import load_config
+from shared.cluster_core.core import ClusterCore
+from shared.cluster_core.replicated import ReplicatedKernels
+from shared.cluster_core.sessions import Session, StartRuntime
 from shared.envelope import Envelope
-from shared.policies import baselines, kernel_placement
 from shared.policies.autoscale import AutoscaleConfig, Autoscaler
-from shared.policies.baselines import NotebookOsPolicy, Session, StartRuntime
 from shared.policies.kernel_placement import KernelPlacement
 from shared.policies.placement import HostView, PlacementRequest, default_placement_policy
 from shared.policies.placement_index import PlacementIndex
 from shared.resources import Resources
 from shared.rpc import RpcError
-
-
-@pytest.fixture
-def gs() -> Iterator[GlobalScheduler]:
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    scheduler = GlobalScheduler(load_config())
-    yield scheduler
-    scheduler._server._sock.close(linger=0)
-    scheduler._ctx.destroy(linger=0)
-    loop.close()
 
 
 def _register(gs: GlobalScheduler, host_id: str, gpus: int) -> None:
@@ -69,10 +56,11 @@ def _start_kernel(gs: GlobalScheduler, kernel_id: str, gpus: int) -> Any:
     return asyncio.get_event_loop().run_until_complete(gs._on_kernel_start(b"gateway", env))
 
 
-def test_live_scheduler_and_notebookos_policy_hold_the_same_placement_class(gs: GlobalScheduler) -> None:
-    assert live.KernelPlacement is baselines.KernelPlacement is kernel_placement.KernelPlacement
-    simulated = NotebookOsPolicy({"h1": 8})
-    assert type(gs.placement) is type(simulated.placement) is KernelPlacement
+def test_live_scheduler_and_simulator_place_with_their_cores_placement(gs: GlobalScheduler) -> None:
+    simulated = ClusterCore(policy="notebookos", hosts={"h1": 8})
+    assert gs.placement is gs.core.placement
+    assert type(gs.core.placement) is type(simulated.placement) is KernelPlacement
+    assert simulated.replicated is not None and simulated.replicated.placement is simulated.placement
     assert gs.placement == KernelPlacement(3.0, 3)  # the configured watermark and replica count
     assert simulated.placement == KernelPlacement(3.0, 3)
 
@@ -88,7 +76,9 @@ def test_both_drivers_place_through_kernel_placement_place(
         return real(self, index, request, **kw)
 
     monkeypatch.setattr(KernelPlacement, "place", spy)
-    NotebookOsPolicy({"h1": 1, "h2": 1}).on_session_start(Session("sim", Resources(gpus=1)))
+    ReplicatedKernels(KernelPlacement(), hosts={"h1": 1, "h2": 1}).on_session_start(
+        Session("sim", Resources(gpus=1))
+    )
     _register(gs, "h1", 1)
     _register(gs, "h2", 1)
     with pytest.raises(RpcError, match="cannot place 3 replicas"):
@@ -102,7 +92,7 @@ def test_live_and_simulated_placement_choose_the_same_hosts(gs: GlobalScheduler,
     rng = random.Random(5)
     hosts = {f"h{i}": rng.choice((1, 2, 4, 8)) for i in range(12)}
     scaler = Autoscaler(AutoscaleConfig(min_hosts=1, max_hosts=100)) if growable else None
-    simulated = NotebookOsPolicy(hosts, autoscaler=scaler)
+    simulated = ReplicatedKernels(KernelPlacement(), scaler, hosts=hosts)
     for host_id, gpus in hosts.items():
         _register(gs, host_id, gpus)
     loop = asyncio.get_event_loop()

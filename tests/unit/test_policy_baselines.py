@@ -1,4 +1,5 @@
-"""The evaluation's four modes behind one interface: actions per session event, GPU invariants."""
+"""The evaluation's four modes, plug-ins of one cluster core: actions per session event, GPU
+invariants; a cell no replica can run is held and retried as live, never queued for a scale-out."""
 
 from __future__ import annotations
 
@@ -8,15 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.policies.autoscale import AutoscaleConfig, Autoscaler, ScaleOut
-from shared.policies.baselines import (
+from shared.cluster_core.core import ClusterCore
+from shared.cluster_core.replicated import ReplicatedKernels
+from shared.cluster_core.sessions import (
     Action,
-    BatchPolicy,
-    LcpPolicy,
+    Held,
     Migrate,
-    NotebookOsPolicy,
     Rejected,
-    ReservationPolicy,
     ReturnWarm,
     RunCell,
     Session,
@@ -24,8 +23,10 @@ from shared.policies.baselines import (
     StartRuntime,
     StopRuntime,
     TakeWarm,
-    make_policy,
 )
+from shared.policies.autoscale import AutoscaleConfig, Autoscaler, ScaleOut
+from shared.policies.baselines import BatchPolicy, LcpPolicy, ReservationPolicy, make_policy
+from shared.policies.kernel_placement import KernelPlacement
 from shared.resources import Resources
 
 HOSTS = {"a": 8, "b": 8, "c": 8}
@@ -37,6 +38,17 @@ def s(sid: str, gpus: int) -> Session:
 
 def kinds(actions: list[Action]) -> list[str]:
     return [type(a).__name__ for a in actions]
+
+
+def notebookos(
+    hosts: dict[str, int], *, autoscaler: Autoscaler | None = None, prewarmed: dict[str, int] | None = None
+) -> ReplicatedKernels:
+    """The core's replicated-kernel plug-in on ``hosts`` (no autoscaler unless given)."""
+    return ReplicatedKernels(KernelPlacement(3.0, 3), autoscaler, hosts=hosts, prewarmed=prewarmed)
+
+
+def plugin(name: str, hosts: dict[str, int]) -> SessionPolicy:
+    return ClusterCore(policy=name, hosts=hosts).sessions
 
 
 def test_reservation_binds_gpus_for_the_session_life() -> None:
@@ -81,7 +93,7 @@ def test_lcp_takes_and_returns_warm_runtimes_cold_start_when_pool_empty() -> Non
 
 
 def test_notebookos_places_three_replicas_and_binds_gpus_per_cell() -> None:
-    p = NotebookOsPolicy(HOSTS)
+    p = notebookos(HOSTS)
     started = p.on_session_start(s("s1", 8))
     assert [(a.host_id, a.replica) for a in started if isinstance(a, StartRuntime)] == [
         ("a", 0),
@@ -93,30 +105,35 @@ def test_notebookos_places_three_replicas_and_binds_gpus_per_cell() -> None:
     assert p.on_cell_submit("s1", "c2") == [RunCell("s1", "c2", "a", 8)]  # last executor reused
 
 
-def test_notebookos_migration_then_queue_and_retry_on_release() -> None:
-    p = NotebookOsPolicy({"a": 4, "b": 4, "c": 4, "d": 4}, prewarmed={"d": 1})
+def test_notebookos_holds_a_cell_no_replica_can_run_then_migrates_it_on_a_retry() -> None:
+    p = notebookos({"a": 4, "b": 4, "c": 4, "d": 4}, prewarmed={"d": 1})
     p.on_session_start(s("s1", 4))  # a, b, c
     p.on_session_start(s("s2", 4))  # d, + two of a/b/c
     hosts_s2 = list(p.kernels["s2"].hosts)
     for h in ("a", "b", "c"):  # every host of s1's replicas is busy (as if other kernels executed)
         p.ledgers[h].commit("other", "r1", "busy", 4)
         p._update(h)
-    actions = p.on_cell_submit("s1", "c1")
-    assert kinds(actions) == ["Migrate", "RunCell"]
+    held = p.on_cell_submit("s1", "c1")
+    assert held == [Held("s1", "c1", "every replica yielded and no host can bind the GPUs now")]
+    actions = p.retry_cell("s1", "c1")  # the core's first look, a heartbeat later
+    assert isinstance(actions, list) and kinds(actions) == ["Migrate", "RunCell"]
     migrate = actions[0]
     assert isinstance(migrate, Migrate) and migrate.plan.target_host == "d" and migrate.plan.use_prewarmed
     assert "d" in p.kernels["s1"].hosts and p.migrations == 1
     assert p.kernels["s2"].hosts == hosts_s2  # only the migrating kernel moves
-    # nothing left anywhere: the next cell is queued, then runs when GPUs come back
-    queued = p.on_cell_submit("s2", "c1")
-    assert kinds(queued) == ["Queued"]
-    released = p.on_cell_end("s1", "c1")
-    assert kinds(released) == ["RunCell"] and released[0].host_id == "d"  # type: ignore[union-attr]
+    # nothing left anywhere: the next cell is held (no scale-out), its retries find nothing...
+    assert kinds(p.on_cell_submit("s2", "c1")) == ["Held"]
+    assert p.retry_cell("s2", "c1") == "no host can bind 4 GPUs now"
+    # ...until the GPUs come back: the cell end itself runs nothing, the next retry does
+    assert p.on_cell_end("s1", "c1") == []
+    released = p.retry_cell("s2", "c1")
+    assert isinstance(released, list) and kinds(released) == ["RunCell"]
+    assert released[0].host_id == "d"  # type: ignore[union-attr]
 
 
 def test_notebookos_failed_placement_scales_out_then_places_on_arrival() -> None:
     scaler = Autoscaler(AutoscaleConfig(min_hosts=1))
-    p = NotebookOsPolicy({"a": 8}, autoscaler=scaler)
+    p = notebookos({"a": 8}, autoscaler=scaler)
     out = p.on_session_start(s("s1", 1))
     assert kinds(out) == ["Queued", "ScaleOut"]
     assert isinstance(out[1], ScaleOut) and out[1].count == 2
@@ -126,11 +143,28 @@ def test_notebookos_failed_placement_scales_out_then_places_on_arrival() -> None
     assert scaler.pending_hosts == 0
 
 
+def test_notebookos_waiting_session_asks_for_hosts_again_once_its_reserved_hosts_arrived() -> None:
+    scaler = Autoscaler(AutoscaleConfig(min_hosts=1))
+    p = notebookos({"a": 8}, autoscaler=scaler)
+    out = p.on_session_start(s("s1", 1))
+    assert isinstance(out[1], ScaleOut) and out[1].count == 2
+    assert p.add_host("n1", 8) == []  # one reserved host still coming: no second request
+    p.remove_host("a")  # a host lost while the start waits
+    retried = p.add_host("n2", 8)
+    assert [a.count for a in retried if isinstance(a, ScaleOut)] == [1]
+    assert p.add_host("n3", 8) != []
+    assert "s1" in p.kernels
+
+
 def test_make_policy_names() -> None:
-    for name in ("reservation", "batch", "lcp", "notebookos"):
+    for name in ("reservation", "batch", "lcp"):
         assert make_policy(name, HOSTS).name == name
-    with pytest.raises(ValueError, match="unknown scheduling policy"):
-        make_policy("fifo")
+    for name in ("reservation", "batch", "lcp", "notebookos"):
+        assert plugin(name, HOSTS).name == name
+    with pytest.raises(ValueError, match="unknown baseline"):
+        make_policy("notebookos")
+    with pytest.raises(ValueError, match="unknown scheduling policy 'fifo'"):
+        plugin("fifo", HOSTS)
 
 
 def _gpu_invariant(policy: SessionPolicy, capacity: dict[str, int], bound: dict[str, int]) -> None:
@@ -145,7 +179,7 @@ def test_random_sessions_never_oversubscribe_bound_gpus_and_every_cell_runs_once
 ) -> None:
     rng = random.Random(seed)
     capacity = {f"h{i}": rng.choice([4, 8]) for i in range(4)}
-    policy = make_policy(name, capacity)
+    policy = plugin(name, capacity)
     bound: dict[str, int] = dict.fromkeys(capacity, 0)
     gpus: dict[str, int] = {}
     started_sessions: set[str] = set()

@@ -16,8 +16,8 @@ from services.global_scheduler.metrics import (
     parse_cell_timings,
     percentiles,
 )
+from shared.cluster_core.core import ClusterCore
 from shared.config import CHOICES, ConfigError, load_config
-from shared.policies.baselines import make_policy
 
 
 class Clock:
@@ -67,9 +67,9 @@ def test_percentiles_of_nothing_is_empty_and_of_values_is_ordered() -> None:
     assert report["count"] == 3 and report["p50"] == 3.0 and report["p99"] == 5.0
 
 
-def test_every_configurable_scheduling_policy_is_one_the_baselines_know() -> None:
+def test_every_configurable_scheduling_policy_is_a_plug_in_of_the_cluster_core() -> None:
     for name in CHOICES["scheduler.policy"]:
-        assert make_policy(name).name == name
+        assert ClusterCore(policy=name).sessions.name == name
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,481 @@
+"""FitGpp's synthetic experiment (§4.1-4.2) on Tandem's preemption policy objects, in simulated time.
+
+One cluster, one workload, four policies (``shared.policies.preemption``): vanilla FIFO, LRTP,
+RAND and FitGpp, each stepping the same ``decide(demand, hosts)`` the live scheduler calls (here
+every node is a candidate host, as in the paper, whose TE jobs may run anywhere).
+
+The model, following the paper's words:
+- "the job scheduler decides resource allocation at every simulated minute": time is whole
+  minutes; arrivals, runtimes and grace periods are rounded up to minutes (GP to the nearest).
+- "Suspended BE jobs are placed back on the top of the job queue": a victim keeps its resources
+  during its GP (its "suspension processing"), makes no progress from the signal on, then goes to
+  the head of the BE queue with the work it had left.
+- The preemptive policies serve TE jobs first: a TE job starts where there is room, else the
+  policy preempts; the TE job holds the room it was promised and starts when its victims' GPs
+  end. BE jobs start in strict FIFO order (no backfill: the head-of-line blocking §3.1 describes).
+- FIFO puts TE and BE jobs in one strict FIFO queue and never preempts.
+- Slowdown = (completion - arrival) / execution time, the paper's 1 + WaitingTime/ExecutionTime.
+
+The parameters the paper leaves open are pinned in ``Workload`` and documented there.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from shared.policies.preemption import (
+    BEJob,
+    CandidateHost,
+    PreemptionDecision,
+    PreemptionPolicy,
+    make_policy,
+)
+from shared.resources import Resources
+
+TE, BE = 0, 1
+
+
+@dataclass(frozen=True, slots=True)
+class TruncNormal:
+    """A normal distribution N(mean, sd) kept to [low, high] by rejection (the paper fitted
+    "separate normal distributions" and drew from "their truncated versions")."""
+
+    mean: float
+    sd: float
+    low: float
+    high: float
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        out = np.empty(0)
+        while out.size < n:
+            draw = rng.normal(self.mean, self.sd, size=max(2 * (n - out.size), 64))
+            out = np.concatenate([out, draw[(draw >= self.low) & (draw <= self.high)]])
+        return out[:n]
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The §4.2 synthetic workload. Stated by the paper: 84 nodes of 32 CPUs, 256 GB RAM and 8 GPUs;
+    2^16 jobs, 30% TE; execution-time normals with means 5 min (TE) and 30 min (BE) "truncated at
+    30 min and 24 hours"; GP normal with mean 3 min "truncated at 20 min"; P = 1; s = 4.0; load
+    2.0 under FIFO; decisions every simulated minute.
+
+    Left open by the paper, pinned here (our choices, not fitted to its results):
+    - standard deviations: equal to the mean (coefficient of variation 1) for every normal;
+    - lower truncations: 3 min for execution times (the paper's trace kept "jobs that lasted more
+      than 180 s"), 0 for GPs, 1 unit for CPU, RAM and GPU demands;
+    - demands (Fig. 2 is not in the text): separate normals per job type, drawn independently and
+      rounded to whole units: GPUs TE N(1, 1) and BE N(2, 2) in [1, 8]; CPUs N(4, 4) in [1, 32];
+      RAM N(32 GB, 32 GB) in [1, 256] for both types;
+    - arrival process: "submitted at such a rate that the cluster load (the ratio of the total
+      resource demand relative to the capacity) would be kept at 2.0 if they were scheduled by
+      FIFO" read as a closed loop: a FIFO run of the workload submits the next job whenever the
+      load, max over CPU, RAM and GPU of (demand of every job in the system, queued or running)
+      / (cluster capacity), is below ``load``; the minutes it submitted at are the arrival times
+      every policy then sees. (An open Poisson process cannot do this: at the rate giving FIFO a
+      mean load of 2.0 the queue is past saturation and the load grows with the job count, 2.1
+      at 2^16 jobs and 1.3-1.7 at 2^14 for the same rate.) The first submissions come at minute
+      0 until the load reaches 2.0: a warm-up burst, kept in the statistics;
+    - non-preemptive placement: best fit on free GPUs (the fullest node that fits; ties by node).
+    """
+
+    nodes: int = 84
+    node_cpus: int = 32
+    node_ram_gb: int = 256
+    node_gpus: int = 8
+    jobs: int = 2**16
+    te_fraction: float = 0.3
+    te_runtime_min: TruncNormal = TruncNormal(5.0, 5.0, 3.0, 30.0)
+    be_runtime_min: TruncNormal = TruncNormal(30.0, 30.0, 3.0, 24 * 60.0)
+    grace_period_min: TruncNormal = TruncNormal(3.0, 3.0, 0.0, 20.0)
+    te_gpus: TruncNormal = TruncNormal(1.0, 1.0, 1.0, 8.0)
+    be_gpus: TruncNormal = TruncNormal(2.0, 2.0, 1.0, 8.0)
+    cpus: TruncNormal = TruncNormal(4.0, 4.0, 1.0, 32.0)
+    ram_gb: TruncNormal = TruncNormal(32.0, 32.0, 1.0, 256.0)
+    load: float = 2.0  # kept under FIFO by the closed-loop submitter
+    max_preemptions: int = 1  # P
+    s: float = 4.0
+
+    def scaled(self, jobs: int) -> Workload:
+        return replace(self, jobs=jobs)
+
+
+# Sensitivity variants of the open parameters, for diagnosis only (``bench_preemption.py
+# --variant``): the defaults above are the pinned workload, chosen before any result was seen.
+VARIANTS: dict[str, Workload] = {
+    "default": Workload(),
+    "te_gpus_like_be": Workload(te_gpus=TruncNormal(2.0, 2.0, 1.0, 8.0)),
+    "te_gpus_4": Workload(te_gpus=TruncNormal(4.0, 4.0, 1.0, 8.0)),
+    "cpu_ram_x2": Workload(cpus=TruncNormal(8.0, 8.0, 1.0, 32.0), ram_gb=TruncNormal(64.0, 64.0, 1.0, 256.0)),
+}
+
+
+@dataclass(slots=True)
+class Jobs:
+    """The generated workload as columns (the same for every policy)."""
+
+    kind: np.ndarray
+    arrival: np.ndarray
+    runtime: np.ndarray
+    grace: np.ndarray
+    gpus: np.ndarray
+    cpus: np.ndarray
+    ram: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.kind.size)
+
+
+def generate(w: Workload, seed: int) -> Jobs:
+    rng = np.random.default_rng(seed)
+    n = w.jobs
+    kind = np.where(rng.random(n) < w.te_fraction, TE, BE)
+    is_te = kind == TE
+
+    def per_type(te: TruncNormal, be: TruncNormal) -> np.ndarray:
+        return np.where(is_te, te.sample(rng, n), be.sample(rng, n))
+
+    runtime = np.ceil(per_type(w.te_runtime_min, w.be_runtime_min)).astype(np.int64)
+    grace = np.rint(w.grace_period_min.sample(rng, n)).astype(np.int64)
+    gpus = np.clip(np.rint(per_type(w.te_gpus, w.be_gpus)), 1, w.node_gpus).astype(np.int64)
+    cpus = np.clip(np.rint(w.cpus.sample(rng, n)), 1, w.node_cpus).astype(np.int64)
+    ram = np.clip(np.rint(w.ram_gb.sample(rng, n)), 1, w.node_ram_gb).astype(np.int64)
+    jobs = Jobs(kind, np.zeros(n, dtype=np.int64), runtime, grace, gpus, cpus, ram)
+    fifo = _Cluster(w, jobs, make_policy("fifo"), keep_load=w.load)
+    fifo.run()
+    jobs.arrival = np.asarray(fifo.arrival, dtype=np.int64)
+    return jobs
+
+
+@dataclass(slots=True)
+class PolicyResult:
+    policy: str
+    te_slowdown: np.ndarray
+    be_slowdown: np.ndarray
+    preempted_jobs: int
+    preemptions: int
+    over_budget_preemptions: int
+    blocked_decisions: int
+    load: float  # time average over the arrival window of max-axis (demand in system / capacity)
+    rescheduling_min: np.ndarray  # preemption signal -> restart, per preemption (the paper's Table 2)
+    wall_s: float
+    jobs: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def preempted_fraction(self) -> float:
+        return self.preempted_jobs / self.jobs if self.jobs else 0.0
+
+
+class _Cluster:
+    """Mutable simulation state for one policy run (the policy object itself stays pure)."""
+
+    def __init__(
+        self, w: Workload, jobs: Jobs, policy: PreemptionPolicy, keep_load: float | None = None
+    ) -> None:
+        self.w = w
+        self.j = jobs
+        self.policy = policy
+        n = len(jobs)
+        self.free_gpu = [w.node_gpus] * w.nodes
+        self.free_cpu = [w.node_cpus] * w.nodes
+        self.free_ram = [w.node_ram_gb] * w.nodes
+        self.capacity = Resources(
+            millicpus=w.node_cpus * 1000, memory_mb=w.node_ram_gb * 1024, gpus=w.node_gpus
+        )
+        self.node_jobs: list[set[int]] = [set() for _ in range(w.nodes)]  # running BE jobs
+        self.used = [[0, 0, 0] for _ in range(w.nodes)]  # GPU, CPU, RAM held by running/releasing jobs
+        self.kind = jobs.kind.tolist()
+        self.arrival = jobs.arrival.tolist()
+        self.grace = jobs.grace.tolist()
+        self.gpus = jobs.gpus.tolist()
+        self.cpus = jobs.cpus.tolist()
+        self.ram = jobs.ram.tolist()
+        self.remaining = jobs.runtime.tolist()
+        self.demand = [
+            Resources(millicpus=c * 1000, memory_mb=r * 1024, gpus=g)
+            for c, r, g in zip(self.cpus, self.ram, self.gpus, strict=True)
+        ]
+        self.node = [-1] * n
+        self.started = [0] * n  # start of the current run segment
+        self.epoch = [0] * n  # invalidates a completion event when the job is preempted
+        self.preempted = [0] * n
+        self.signaled_at = [0] * n
+        self.completion = [-1] * n
+        self.events: list[tuple[int, int, int, int]] = []  # (time, order, job, epoch)
+        self.te_queue: deque[int] = deque()
+        self.be_queue: deque[int] = deque()  # FIFO: every job queues here
+        self.pending: dict[int, tuple[int, set[int]]] = {}  # TE job -> (node, victims still releasing)
+        self.waiting_for: dict[int, int] = {}  # releasing victim -> the TE job waiting on it
+        self.preemptions = 0
+        self.over_budget = 0
+        self.blocked = 0
+        self.resched: list[int] = []
+        self.keep_load = keep_load  # closed-loop submission (arrivals written into self.arrival)
+        self.in_system = [0, 0, 0]  # GPU, CPU, RAM demand of jobs arrived and not completed
+        self.total = (w.nodes * w.node_gpus, w.nodes * w.node_cpus, w.nodes * w.node_ram_gb)
+        self.load_area = 0.0
+        self.load_span = 0
+
+    # --- resources -----------------------------------------------------------------------
+    def _take(self, node: int, job: int) -> None:
+        self.free_gpu[node] -= self.gpus[job]
+        self.free_cpu[node] -= self.cpus[job]
+        self.free_ram[node] -= self.ram[job]
+
+    def _give(self, node: int, job: int) -> None:
+        """The job's resources are back on the node (completion, or a victim's GP end)."""
+        used = self.used[node]
+        used[0] -= self.gpus[job]
+        used[1] -= self.cpus[job]
+        used[2] -= self.ram[job]
+        self.free_gpu[node] += self.gpus[job]
+        self.free_cpu[node] += self.cpus[job]
+        self.free_ram[node] += self.ram[job]
+
+    def _best_fit(self, job: int) -> int:
+        g, c, r = self.gpus[job], self.cpus[job], self.ram[job]
+        best, best_free = -1, 1 << 30
+        for node in range(self.w.nodes):
+            fg = self.free_gpu[node]
+            if g <= fg < best_free and c <= self.free_cpu[node] and r <= self.free_ram[node]:
+                best, best_free = node, fg
+        return best
+
+    # --- job lifecycle -------------------------------------------------------------------
+    def _start(self, job: int, node: int, now: int, *, taken: bool = False) -> None:
+        if not taken:
+            self._take(node, job)
+        self.node[job] = node
+        self.started[job] = now
+        used = self.used[node]
+        used[0] += self.gpus[job]
+        used[1] += self.cpus[job]
+        used[2] += self.ram[job]
+        if used[0] > self.w.node_gpus or used[1] > self.w.node_cpus or used[2] > self.w.node_ram_gb:
+            raise RuntimeError(f"minute {now}: job {job} overcommits node {node}: {used}")
+        if self.preempted[job] and self.kind[job] == BE:
+            self.resched.append(now - self.signaled_at[job])
+        if self.kind[job] == BE:
+            self.node_jobs[node].add(job)
+        heapq.heappush(self.events, (now + self.remaining[job], 0, job, self.epoch[job]))
+
+    def _complete(self, job: int, now: int) -> None:
+        node = self.node[job]
+        self._give(node, job)
+        self.node_jobs[node].discard(job)
+        self.completion[job] = now
+        self.in_system[0] -= self.gpus[job]
+        self.in_system[1] -= self.cpus[job]
+        self.in_system[2] -= self.ram[job]
+
+    def _signal(self, job: int, now: int) -> None:
+        """Preemption signal: the job stops progressing and releases after its GP."""
+        self.node_jobs[self.node[job]].discard(job)
+        self.remaining[job] -= now - self.started[job]
+        self.epoch[job] += 1
+        self.signaled_at[job] = now
+        self.preempted[job] += 1
+        self.preemptions += 1
+        heapq.heappush(self.events, (now + self.grace[job], 1, job, self.epoch[job]))
+
+    def _release(self, job: int, now: int) -> list[int]:
+        """A victim's GP ended: its resources are back; it heads the BE queue. Returns the TE jobs
+        that can start now."""
+        self._give(self.node[job], job)
+        self.node[job] = -1
+        ready = []
+        te = self.waiting_for.pop(job, None)
+        if te is not None:
+            _, left = self.pending[te]
+            left.discard(job)
+            if not left:
+                del self.pending[te]
+                ready.append(te)
+        return ready
+
+    # --- decisions -----------------------------------------------------------------------
+    def _views(self) -> list[CandidateHost]:
+        lrtp = self.policy.name == "lrtp"
+        now = self.now
+        hosts = []
+        for node in range(self.w.nodes):
+            jobs = tuple(
+                BEJob(
+                    str(j),
+                    self.demand[j],
+                    grace_period_s=self.grace[j] * 60.0,
+                    preemptions=self.preempted[j],
+                    remaining_s=(self.remaining[j] - (now - self.started[j])) * 60.0 if lrtp else None,
+                )
+                for j in sorted(self.node_jobs[node])
+            )
+            free = Resources(
+                millicpus=self.free_cpu[node] * 1000,
+                memory_mb=self.free_ram[node] * 1024,
+                gpus=self.free_gpu[node],
+            )
+            hosts.append(CandidateHost(str(node), self.capacity, free, jobs))
+        return hosts
+
+    def _apply(self, te: int, decision: PreemptionDecision, now: int) -> None:
+        assert decision.host_id is not None
+        node = int(decision.host_id)
+        self.over_budget += decision.over_budget
+        self._take(node, te)  # promised now; victims' resources return at their GP end
+        self.node[te] = node
+        left: set[int] = set()
+        for v in decision.victims:
+            victim = int(v.job_id)
+            self._signal(victim, now)
+            if int(v.host_id) == node:
+                left.add(victim)
+                self.waiting_for[victim] = te
+        if left:
+            self.pending[te] = (node, left)
+        else:
+            self._start(te, node, now, taken=True)
+
+    def _schedule(self, now: int) -> None:
+        if self.policy.preemptive:
+            still: deque[int] = deque()
+            while self.te_queue:
+                te = self.te_queue.popleft()
+                node = self._best_fit(te)
+                if node >= 0:
+                    self._start(te, node, now)
+                    continue
+                decision = self.policy.decide(self.demand[te], self._views())
+                if decision.blocked:
+                    self.blocked += 1
+                    still.append(te)
+                else:
+                    self._apply(te, decision, now)
+            self.te_queue = still
+        while self.be_queue:
+            node = self._best_fit(self.be_queue[0])
+            if node < 0:
+                break
+            self._start(self.be_queue.popleft(), node, now)
+
+    def _load(self) -> float:
+        return max(d / t for d, t in zip(self.in_system, self.total, strict=True))
+
+    def _arrive(self, job: int) -> None:
+        self.in_system[0] += self.gpus[job]
+        self.in_system[1] += self.cpus[job]
+        self.in_system[2] += self.ram[job]
+        if self.kind[job] == TE and self.policy.preemptive:
+            self.te_queue.append(job)
+        else:
+            self.be_queue.append(job)
+
+    def run(self) -> None:
+        n = len(self.j)
+        closed = self.keep_load is not None
+        arrival = self.arrival
+        next_arrival = 0
+        prev = 0
+        self.now = 0
+        while True:
+            times = [self.events[0][0]] if self.events else []
+            if next_arrival < n and not closed:
+                times.append(arrival[next_arrival])
+            elif closed and next_arrival == 0:
+                times.append(0)  # the closed loop's first submissions
+            if not times:
+                break
+            now = int(min(times))
+            if next_arrival < n:  # the arrival window, over which the load is averaged
+                self.load_area += self._load() * (now - prev)
+                self.load_span = now
+            prev = now
+            self.now = now
+            released: list[int] = []
+            while self.events and self.events[0][0] == now:
+                _, what, job, epoch = heapq.heappop(self.events)
+                if epoch != self.epoch[job]:
+                    continue
+                if what == 0:
+                    self._complete(job, now)
+                else:
+                    for te in self._release(job, now):
+                        self._start(te, self.node[te], now, taken=True)
+                    released.append(job)
+            # preempted jobs go back on top of the queue, earliest arrival first
+            for job in sorted(released, key=lambda j: self.arrival[j], reverse=True):
+                self.be_queue.appendleft(job)
+            if closed:
+                assert self.keep_load is not None
+                while next_arrival < n and self._load() < self.keep_load:
+                    arrival[next_arrival] = now
+                    self._arrive(next_arrival)
+                    next_arrival += 1
+            else:
+                while next_arrival < n and arrival[next_arrival] == now:
+                    self._arrive(next_arrival)
+                    next_arrival += 1
+            self._schedule(now)
+        if next_arrival < n or self.te_queue or self.be_queue or self.pending:
+            raise RuntimeError(f"{self.policy.name}: simulation stalled with jobs left at minute {self.now}")
+        w = self.w
+        if self.free_gpu != [w.node_gpus] * w.nodes or self.free_cpu != [w.node_cpus] * w.nodes:
+            raise RuntimeError(f"{self.policy.name}: resources leaked: nodes not all free at the end")
+
+
+def run_policy(w: Workload, jobs: Jobs, policy: PreemptionPolicy) -> PolicyResult:
+    started = time.perf_counter()
+    cluster = _Cluster(w, jobs, policy)
+    cluster.run()
+    completion = np.asarray(cluster.completion, dtype=np.float64)
+    slowdown = (completion - jobs.arrival) / jobs.runtime
+    return PolicyResult(
+        policy=policy.name,
+        te_slowdown=slowdown[jobs.kind == TE],
+        be_slowdown=slowdown[jobs.kind == BE],
+        preempted_jobs=sum(1 for p in cluster.preempted if p),
+        preemptions=cluster.preemptions,
+        over_budget_preemptions=cluster.over_budget,
+        blocked_decisions=cluster.blocked,
+        load=cluster.load_area / max(cluster.load_span, 1),
+        rescheduling_min=np.asarray(cluster.resched, dtype=np.float64),
+        wall_s=time.perf_counter() - started,
+        jobs=len(jobs),
+    )
+
+
+def run_all(
+    w: Workload, seed: int = 1, policies: Sequence[str] = ("fifo", "lrtp", "rand", "fitgpp")
+) -> dict[str, PolicyResult]:
+    """One workload (``seed``), every policy on it; RAND draws from a generator seeded the same."""
+    jobs = generate(w, seed)
+    return {
+        name: run_policy(w, jobs, make_policy(name, s=w.s, max_preemptions=w.max_preemptions, seed=seed))
+        for name in policies
+    }
+
+
+def percentiles(values: np.ndarray, qs: Sequence[int] = (50, 95, 99)) -> list[float]:
+    if values.size == 0:
+        return [math.nan for _ in qs]
+    return [float(v) for v in np.percentile(values, qs)]
+
+
+__all__ = [
+    "VARIANTS",
+    "Jobs",
+    "PolicyResult",
+    "TruncNormal",
+    "Workload",
+    "generate",
+    "percentiles",
+    "run_all",
+    "run_policy",
+]
