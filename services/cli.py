@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     restart.add_argument("replica_id", metavar="REPLICA", help="e.g. r2 (see `tandem status`)")
     restart.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the restart")
 
+    add_job_commands(sub, common)
+
     run = sub.add_parser("run", help="execute a notebook on the tandem kernel")
     common(run)
     run.add_argument("notebook")
@@ -123,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     for name, text in (
-        ("init", "create the scheduler's, gateway's and operator's keys (idempotent)"),
+        ("init", "create the scheduler's, gateway's, operator's and arbiter's keys (idempotent)"),
         ("host", "issue the key of each HOST (copy host.HOST.key_secret and scheduler.key to it)"),
         (
             "rotate",
@@ -148,6 +150,42 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--prefix", help="under this prefix")
     add_sim_command(sub)
     return parser
+
+
+def add_job_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    """``tandem job submit|list|show|logs|cancel``: best-effort training jobs (issue #16)."""
+    job = sub.add_parser("job", help="best-effort training jobs on the GPUs notebooks leave idle")
+    job_sub = job.add_subparsers(dest="job_command", required=True)
+    submit = job_sub.add_parser(
+        "submit",
+        help="run COMMAND (e.g. -- python train.py ARGS) from this directory, with this environment",
+        description="The job runs as a real process under a local scheduler, on GPUs no cell holds, "
+        "for as long as the arbiter leases them; it resumes at its next lease after each one ends.",
+    )
+    common(submit)
+    submit.add_argument(
+        "--app", help="the app (a sweep, an experiment) the job belongs to; default 'default'"
+    )
+    submit.add_argument("--gpus", type=int, default=1, help="GPUs the job needs (default 1)")
+    submit.add_argument("--max-gpus", type=int, help="the most GPUs it can use (default: --gpus)")
+    submit.add_argument("--name", help="a name to show (default: the command's last word)")
+    submit.add_argument(
+        "--iterations",
+        type=int,
+        help="its total iterations, for the arbiter's estimates before it reports its own",
+    )
+    submit.add_argument("job_argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="what to run")
+    listing = job_sub.add_parser("list", help="every job: state, host, progress, GPU time")
+    common(listing)
+    listing.add_argument("--json", action="store_true", help="the jobs as JSON")
+    for name, text in (("show", "one job in full"), ("cancel", "stop a job for good")):
+        p = job_sub.add_parser(name, help=text)
+        common(p)
+        p.add_argument("job_id", metavar="ID")
+    logs = job_sub.add_parser("logs", help="a job's output (stdout and stderr, all its runs)")
+    common(logs)
+    logs.add_argument("job_id", metavar="ID")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -240,8 +278,25 @@ def _ask(
     return ask_sync(address, msg_type, body, credentials=cluster.operator_curve(service), timeout=timeout)
 
 
+def _ask_arbiter(
+    args: argparse.Namespace, cfg: Config, msg_type: str, body: dict[str, Any], *, timeout: float = 10.0
+) -> dict[str, Any]:
+    cluster = read_cluster(state_dir_of(args, cfg))
+    address = cluster.raw.get("arbiter")
+    if not address:
+        raise ClusterNotRunning(
+            f"the cluster in {cluster.path} runs no arbiter (it was started by a Tandem without "
+            "batch jobs): restart it with `tandem up`"
+        )
+    return ask_sync(
+        str(address), msg_type, body, credentials=cluster.operator_curve(curve.ARBITER), timeout=timeout
+    )
+
+
 def cmd_status(args: argparse.Namespace, cfg: Config) -> int:
     status = _ask_scheduler(args, cfg, messages.CLUSTER_STATUS, {"all": args.all}, timeout=5.0)
+    if read_cluster(state_dir_of(args, cfg)).raw.get("arbiter"):
+        status["batch"] = _ask_arbiter(args, cfg, messages.ARBITER_STATUS, {}, timeout=5.0)
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True, default=str))
         return 0
@@ -275,6 +330,7 @@ def render_status(status: dict[str, Any]) -> None:
         )
     out.print(table)
     render_scaling(out, status)
+    render_batch(out, status.get("batch"))
     kernels = status.get("kernels", [])
     if not kernels:
         out.print("no kernels")
@@ -438,6 +494,26 @@ def render_scaling(console: Any, status: dict[str, Any]) -> None:
             console.print(f"  {event.get('kind')} {','.join(event.get('hosts', []))}: {event.get('reason')}")
 
 
+def render_batch(console: Any, batch: dict[str, Any] | None) -> None:
+    """GPUs by use (cells / BE / idle) and each app's rho and GPU time."""
+    if not batch:
+        return
+    usage = batch.get("usage", {})
+    now, share = usage.get("gpus_now", {}), usage.get("utilization", {})
+    console.print(
+        f"GPUs now: cells {now.get('cells', 0)}, best-effort {now.get('be', 0)}, idle {now.get('idle', 0)} "
+        f"(of provisioned GPU time: cells {share.get('cells', 0):.0%}, best-effort {share.get('be', 0):.0%}, "
+        f"idle {share.get('idle', 0):.0%})"
+    )
+    for app_id, app in sorted(batch.get("apps", {}).items()):
+        rho = app.get("rho")
+        jobs = ", ".join(f"{n} {state}" for state, n in sorted(app.get("jobs", {}).items()))
+        console.print(
+            f"  app {app_id}: rho {'-' if rho is None else f'{rho:.2f}'}, GPU time {app.get('gpu_seconds', 0):.0f} s, "
+            f"{app.get('gpus_now', 0)} GPUs now; jobs: {jobs}"
+        )
+
+
 def _migrations(kernel: dict[str, Any]) -> str:
     """``2 (last: r1 host-0 -> host-3, host drained)``, or empty when none."""
     count, last = kernel.get("migrations") or 0, kernel.get("last_migration")
@@ -464,6 +540,84 @@ def cmd_host(args: argparse.Namespace, cfg: Config) -> int:
     _ask_scheduler(args, cfg, msg_type, {"host_id": args.host_id}, timeout=5.0)
     print(f"{args.host_id}: {args.host_command}ed")
     return 0
+
+
+def cmd_job(args: argparse.Namespace, cfg: Config) -> int:
+    if args.job_command == "submit":
+        command = args.job_argv[1:] if args.job_argv[:1] == ["--"] else args.job_argv
+        if not command:
+            raise ConfigError(
+                "tandem job submit: give the command to run after `--`, e.g. -- python train.py"
+            )
+        body: dict[str, Any] = {
+            "argv": command,
+            "cwd": os.getcwd(),
+            "env": dict(os.environ),
+            "gpus": args.gpus,
+        }
+        for key in ("app", "name", "max_gpus", "iterations"):
+            if getattr(args, key) is not None:
+                body[key] = getattr(args, key)
+        job = _ask_arbiter(args, cfg, messages.JOB_SUBMIT, body)
+        print(job["job_id"])
+        return 0
+    if args.job_command == "list":
+        jobs = _ask_arbiter(args, cfg, messages.JOB_LIST, {})["jobs"]
+        if args.json:
+            print(json.dumps(jobs, indent=2, sort_keys=True))
+        else:
+            render_jobs(jobs)
+        return 0
+    if args.job_command == "show":
+        print(
+            json.dumps(
+                _ask_arbiter(args, cfg, messages.JOB_SHOW, {"job_id": args.job_id}), indent=2, sort_keys=True
+            )
+        )
+        return 0
+    if args.job_command == "cancel":
+        job = _ask_arbiter(args, cfg, messages.JOB_CANCEL, {"job_id": args.job_id}, timeout=60.0)
+        print(f"{job['job_id']}: {job['state']}")
+        return 0
+    return follow_logs(args, cfg)
+
+
+def follow_logs(args: argparse.Namespace, cfg: Config) -> int:
+    """Print the job's output from the start; with ``-f``, until the job has ended."""
+    offset = 0
+    try:
+        while True:
+            chunk = _ask_arbiter(args, cfg, messages.JOB_LOGS, {"job_id": args.job_id, "offset": offset})
+            sys.stdout.buffer.write(chunk["data"])
+            sys.stdout.flush()
+            offset = int(chunk["offset"])
+            if chunk["data"]:
+                continue
+            if not args.follow:
+                return 0
+            state = _ask_arbiter(args, cfg, messages.JOB_SHOW, {"job_id": args.job_id})["state"]
+            if state in ("finished", "failed", "cancelled"):
+                return 0
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return 0
+
+
+def render_jobs(jobs: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    table = Table(title="Tandem jobs")
+    for column in ("job", "app", "name", "state", "host GPUs", "progress", "GPU time s", "runs"):
+        table.add_column(column, no_wrap=True)
+    for job in jobs:
+        total = job.get("iterations_total")
+        progress = (
+            f"{job.get('iterations_done', 0)}/{total}" if total else f"{job.get('run_seconds', 0):.0f} s run"
+        )
+        where = f"{job['host']} {job['device_ids']}" if job.get("host") else ""
+        table.add_row(job["job_id"], job["app_id"], job["name"], job["state"], where, progress,
+                      f"{job.get('gpu_seconds', 0):.1f}", str(job.get("runs", 0)))  # fmt: skip
+    console().print(table)
 
 
 def cmd_run(args: argparse.Namespace, cfg: Config) -> int:
@@ -612,6 +766,7 @@ COMMANDS = {
     "run": cmd_run,
     "kernelspec": cmd_kernelspec,
     "keys": cmd_keys,
+    "job": cmd_job,
     "sim": cmd_sim,
 }
 

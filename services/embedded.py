@@ -1,9 +1,9 @@
 """The embedded cluster behind ``tandem up``: every service as a real OS process on loopback.
 
-Start order: global scheduler, gateway, N local schedulers (virtual GPUs), the Kernel Gateway
-HTTP API (``http.enabled``); then wait until every host has registered and the API serves, write
-``cluster.json`` and hand control back. Stop order is the reverse (the API first, while the
-gateway still stops its kernels), and
+Start order: arbiter (best-effort jobs' leases), global scheduler, gateway, N local schedulers
+(virtual GPUs), the Kernel Gateway HTTP API (``http.enabled``); then wait until every host has
+registered and the API serves, write ``cluster.json`` and hand control back. Stop order is the
+reverse (the API first, while the gateway still stops its kernels), and
 the "no orphans, ever" rule is enforced three ways, because each alone has a hole:
 
 1. every child gets ``PR_SET_PDEATHSIG`` (SIGTERM), so if ``tandem up`` is killed outright the
@@ -130,6 +130,7 @@ class EmbeddedCluster:
         self.log_dir = Path(os.path.expanduser(log_dir)) if log_dir else state_dir / "logs"
         self.children: list[Child] = []
         self._scheduler_args: list[str] = []
+        self._arbiter_args: list[str] = []
         self._gateway_args: list[str] = []
         self._gateway_restarts: list[float] = []
         self._http_args: list[str] = []
@@ -137,6 +138,7 @@ class EmbeddedCluster:
         self.http_url = ""
         self.scheduler_address = ""
         self.gateway_address = ""
+        self.arbiter_address = ""
         self.cluster_file = state_dir / CLUSTER_FILE
         self.keys_dir = cfg.keys_dir() if cfg.get("security.keys_dir") else state_dir / "keys"
 
@@ -163,8 +165,9 @@ class EmbeddedCluster:
             self.stop()
             raise
 
-    def _child_config(self) -> str:
+    def _child_config(self, arbiter_address: str = "") -> str:
         data = self.cfg.as_dict()
+        data["arbiter"]["address"] = arbiter_address
         if self.cfg.get("embedded.virtual_gpus"):
             data["host"]["use_nvml"] = False
         data["cluster"]["state_dir"] = str(self.state_dir)
@@ -174,13 +177,20 @@ class EmbeddedCluster:
         return json.dumps(data)
 
     def _start(self) -> dict[str, Any]:
-        config_json = self._child_config()
         # `tandem up` is the operator of its own cluster: it issues every key (shared/security)
         curve.ensure_cluster_keys(self.keys_dir)
         for index in range(self.hosts):
             curve.issue(self.keys_dir, curve.host_principal(f"host-{index}"))
         log_format = ["--log-format", self.cfg.get("log.format")]
         deadline = time.monotonic() + float(self.cfg.get("embedded.ready_timeout_s"))
+        # The arbiter first: every other service is told its address (hosts report to it). Like
+        # the scheduler, it binds a port the OS picks and announces it.
+        arbiter_log = self.log_dir / "arbiter.log"
+        offset = arbiter_log.stat().st_size if arbiter_log.exists() else 0
+        self._arbiter_args = ["-m", "services.arbiter", "--config-json", self._child_config(), *log_format]
+        arbiter = self._spawn("arbiter", [*self._arbiter_args, "--bind", f"tcp://{self.ip}:0"], critical=True)
+        self.arbiter_address = self._wait_for_announcement(arbiter, offset, deadline)
+        config_json = self._child_config(self.arbiter_address)
         # The scheduler binds a port the OS picks at bind time and announces it; a port chosen here
         # and bound there later could be taken in between (by any process, or as the ephemeral
         # source port of an outgoing connection).
@@ -220,6 +230,7 @@ class EmbeddedCluster:
             "gateway": self.gateway_address,
             "scheduler": self.scheduler_address,
             **({"http": self.http_url} if self.http_url else {}),
+            "arbiter": self.arbiter_address,
             "pid": os.getpid(),
             "hosts": hosts,
             "state_dir": str(self.state_dir),
@@ -336,21 +347,28 @@ class EmbeddedCluster:
         """The global scheduler died: start a new one on the same address. The local schedulers
         register again (with the replicas they run) and the gateway reconnects, so the new one
         rebuilds its view and no kernel is lost (NotebookOS §3.2.5)."""
-        old = next(c for c in self.children if c.name == "global-scheduler")
+        child = self._restart_announced(
+            "global-scheduler", self._scheduler_args, self.scheduler_address, timeout
+        )
+        log.warning("scheduler_restarted", pid=child.process.pid if child.process else None)
+
+    def restart_arbiter(self, timeout: float = 30.0) -> None:
+        """The arbiter died: start a new one on the same address. It reads the job registry it
+        persisted, and the hosts, whose links reconnect, report their jobs and GPUs again."""
+        child = self._restart_announced("arbiter", self._arbiter_args, self.arbiter_address, timeout)
+        log.warning("arbiter_restarted", pid=child.process.pid if child.process else None)
+
+    def _restart_announced(self, name: str, args: list[str], address: str, timeout: float) -> Child:
+        old = next(c for c in self.children if c.name == name)
         self.children.remove(old)
         if old.log_file is not None:
             old.log_file.close()
-        log_path = self.log_dir / "global-scheduler.log"
+        log_path = self.log_dir / f"{name}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
-        child = self._spawn(
-            "global-scheduler", [*self._scheduler_args, "--bind", self.scheduler_address], critical=True
-        )
+        child = self._spawn(name, [*args, "--bind", address], critical=True)
         self._wait_for_announcement(child, offset, time.monotonic() + timeout, only_this_child=True)
-        with contextlib.suppress(OSError, ValueError):
-            info = json.loads(self.cluster_file.read_text())
-            info["processes"]["global-scheduler"] = child.process.pid if child.process else None
-            self._write_cluster_file(info)
-        log.warning("scheduler_restarted", pid=child.process.pid if child.process else None)
+        self._record_pid(name, child)
+        return child
 
     def restart_gateway(self, timeout: float = 30.0) -> None:
         """The gateway died: start a new one on the same API address. It serves every kernel
@@ -531,27 +549,24 @@ def run_foreground(cluster: EmbeddedCluster, *, on_ready: Any = None) -> int:
     if on_ready is not None:
         on_ready(info)
     exit_code = 0
+    # services a new process replaces on the same address (each rebuilds its state, see there)
+    restarts = {
+        "global-scheduler": cluster.restart_scheduler,
+        "arbiter": cluster.restart_arbiter,
+        "gateway": cluster.restart_gateway,
+        HTTP_SERVICE: cluster.restart_http,
+    }
     try:
         while not stop_signal:
             failed = cluster.failed_critical()
-            if failed is not None and failed.name == "global-scheduler":
+            restart = restarts.get(failed.name) if failed is not None else None
+            if failed is not None and restart is not None:
                 try:
-                    cluster.restart_scheduler()
+                    restart()
                     continue
                 except ClusterStartError as exc:
-                    print(f"tandem up: the global scheduler could not be restarted: {exc}", file=sys.stderr)
-            if failed is not None and failed.name == HTTP_SERVICE:
-                try:
-                    cluster.restart_http()
-                    continue
-                except ClusterStartError as exc:
-                    print(f"tandem up: the Kernel Gateway API could not be restarted: {exc}", file=sys.stderr)
-            if failed is not None and failed.name == "gateway":
-                try:
-                    cluster.restart_gateway()
-                    continue
-                except ClusterStartError as exc:
-                    print(f"tandem up: the gateway could not be restarted: {exc}", file=sys.stderr)
+                    what = failed.name.replace("-", " ")
+                    print(f"tandem up: the {what} could not be restarted: {exc}", file=sys.stderr)
             if failed is not None:
                 assert failed.process is not None
                 print(

@@ -239,6 +239,26 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "timeline_step_s": 60.0,  # sampling step of the GPU and subscription-ratio timelines
         "reclaim_after_h": [0.5, 1.0, 2.0, 4.0, 8.0],  # idle-reclamation intervals of Figure 13
     },
+    "arbiter": {
+        # Best-effort training jobs on the GPUs no cell holds, leased by finish-time-fair auctions
+        # (Themis; services/arbiter over the pure core shared/arbiter).
+        "round_s": 5.0,  # an auction round this often (leases that expired are re-auctioned)
+        "lease_s": 600.0,  # a lease's length (Themis §6.4: 10 minutes)
+        "fairness_knob": 0.8,  # Themis f: the worst ceil((1 - f) * N) apps bid each round
+        "leftovers_to_bidders": True,  # GPUs no non-bidder can use go to bidders still short
+        "seed": 0,  # the seeded order in which leftovers go to non-bidders
+        "report_interval_s": 1.0,  # each host's agent.report (idle GPUs, its jobs' progress)
+        "stop_grace_s": 30.0,  # a job asked to stop (or pause) gets this long to reach a step boundary
+        # > 0: a job (using the job-side API) whose lease ends pauses in place this long, and a
+        # next lease of the same GPUs there resumes it without a new process; 0: it stops, which
+        # frees its GPU memory for cells (services/local_scheduler/batch_jobs.py says why)
+        "keep_paused_s": 0.0,
+        # idle GPUs per host never leased, kept for cells until leases are preempted for them
+        # (the FitGpp issue; services/local_scheduler/batch_jobs.py says why)
+        "cell_reserve_gpus": 1,
+        "address": "",  # the arbiter's ROUTER; empty: none (`tandem up` starts one and sets it)
+        "prometheus_port": 0,  # the arbiter's /metrics: 0 a free port, -1 off (on only with metrics)
+    },
     "log": {
         "format": "console",  # "console" for development, "json" for production
         "level": "info",

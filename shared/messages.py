@@ -17,6 +17,12 @@ C = CLI / provisioner):
              jupyter.request
     R -> L   replica.register, gpu.commit, gpu.release, replica.event
     L -> R   replica.configure, replica.stop, replica.membership
+
+Best-effort batch jobs (A = arbiter; issue #16):
+
+    C -> A   job.submit, job.list, job.show, job.logs, job.cancel, arbiter.status
+    L -> A   agent.report
+    A -> L   lease.grant, lease.end, job.logs
 """
 
 from __future__ import annotations
@@ -66,6 +72,17 @@ GPU_RELEASE = "gpu.release"
 # so the designated replica's gpu.commit needs no round trip on the critical path
 GPU_BOUND = "gpu.bound"
 
+# ---- best-effort jobs and the arbiter ------------------------------------------------------------
+JOB_SUBMIT = "job.submit"
+JOB_LIST = "job.list"
+JOB_SHOW = "job.show"
+JOB_LOGS = "job.logs"
+JOB_CANCEL = "job.cancel"
+ARBITER_STATUS = "arbiter.status"
+AGENT_REPORT = "agent.report"  # a host's idle GPUs and its jobs' progress (the Themis agent's report)
+LEASE_GRANT = "lease.grant"  # run (or keep running) a job on this many GPUs until expires_at
+LEASE_END = "lease.end"  # stop the job at a step boundary and free its GPUs
+
 CHANNELS = ("shell", "control", "stdin", "iopub")
 # cell_timings: the executor's per-cell step times (ms), sent after its reply (metrics only)
 REPLICA_EVENTS = ("elected", "election_failed", "done", "raft_role", "exited", "ready", "cell_timings")
@@ -77,6 +94,7 @@ _list = (list,)
 _map = (dict,)
 _num = (int, float)
 _opt_str = (str, type(None))
+_opt_int = (int, type(None))
 
 # type -> {key: (allowed types, required)}
 _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
@@ -190,6 +208,38 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "device_ids": (_list, False),  # absent: none bound yet (the replica asks with gpu.commit)
         "designated": (_bool, False),  # the scheduler sent the others yield_request
     },
+    JOB_SUBMIT: {
+        "argv": (_list, True),
+        "cwd": (_str, True),
+        "env": (_map, True),
+        "app": (_str, False),
+        "name": (_str, False),
+        "gpus": (_int, False),
+        "max_gpus": (_int, False),
+        "iterations": (_int, False),  # the job's total, until it reports its own (job-side API)
+    },
+    JOB_LIST: {},
+    JOB_SHOW: {"job_id": (_str, True)},
+    JOB_LOGS: {"job_id": (_str, True), "offset": (_int, False)},  # negative: from the end
+    JOB_CANCEL: {"job_id": (_str, True)},
+    ARBITER_STATUS: {},
+    AGENT_REPORT: {
+        "host_id": (_str, True),
+        "gpus": (_int, True),
+        "idle": (_list, True),  # device ids it may lease: neither committed, leased, nor reserved
+        "reserved": (_int, False),  # idle GPUs kept for cells (arbiter.cell_reserve_gpus)
+        "committed": (_int, True),
+        "jobs": (_list, True),  # per job: progress, devices, whether it runs, how it ended
+        "at": (_num, False),
+    },
+    LEASE_GRANT: {
+        "job_id": (_str, True),
+        "app_id": (_str, True),
+        "gpus": (_int, True),
+        "expires_at": (_num, True),  # wall-clock seconds
+        "job": (_map, True),  # argv, cwd, env, start_iteration
+    },
+    LEASE_END: {"job_id": (_str, True), "reason": (_str, True)},
 }
 
 _CHECKED_CHANNEL = {JUPYTER_REQUEST, JUPYTER_REPLY}
@@ -198,7 +248,7 @@ _CHECKED_CHANNEL = {JUPYTER_REQUEST, JUPYTER_REPLY}
 # path component of safe characters, checked on arrival so no handler ever sees ``/etc`` or ``..``.
 # Jupyter's own kernel ids (UUIDs) pass.
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-_ID_FIELDS = ("kernel_id", "replica_id")
+_ID_FIELDS = ("kernel_id", "replica_id", "job_id")
 
 
 def id_problem(field: str, value: str) -> str | None:

@@ -34,6 +34,7 @@ import structlog
 
 from services.global_scheduler.cluster_state import RUNNING, STARTING
 from shared.policies.placement import cluster_subscription_ratio
+from shared.snapshot_metrics import SnapshotExporter
 
 if TYPE_CHECKING:
     from services.global_scheduler.autoscaling import ClusterAutoscaler
@@ -294,7 +295,7 @@ class SchedulerMetrics:
         return [c.report() for c in list(self.cells)[-limit:]] if limit > 0 else []
 
 
-class PrometheusExporter:
+class PrometheusExporter(SnapshotExporter):
     """``/metrics`` over HTTP (prometheus_client's server thread). Gauges are read from a snapshot
     taken on the scheduler's event loop at scrape time; per-cell histograms are observed as cells
     complete (prometheus_client's metrics are thread-safe)."""
@@ -305,14 +306,9 @@ class PrometheusExporter:
         loop: asyncio.AbstractEventLoop,
         metrics: SchedulerMetrics,
     ) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram, Summary
+        from prometheus_client import Counter, Histogram, Summary
 
-        self.registry = CollectorRegistry()
-        self._snapshot = snapshot
-        self._loop = loop
-        self._server: Any = None
-        self.port = 0
-        self.registry.register(_SnapshotCollector(self._take_snapshot))
+        super().__init__(snapshot, loop, _cluster_families)
         self._delay = Histogram(
             "tandem_cell_interactivity_delay_seconds",
             "Arrival of an execute_request at the scheduler to its executor's election",
@@ -367,69 +363,36 @@ class PrometheusExporter:
             else:
                 self._replica_steps.labels(step=step.removesuffix("_ms")).observe(value / 1000)
 
-    def _take_snapshot(self) -> dict[str, Any]:
-        async def take() -> dict[str, Any]:
-            return self._snapshot()
 
-        return asyncio.run_coroutine_threadsafe(take(), self._loop).result(timeout=5.0)
+def _cluster_families(snap: dict[str, Any]) -> Iterable[Any]:
+    """Cluster gauges and counters from one scheduler snapshot."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    def start(self, address: str, port: int) -> int:
-        """Serve on ``port`` (-1 or 0 here: a free port the OS picks); the port bound."""
-        from prometheus_client import start_http_server
-
-        self._server, _thread = start_http_server(max(port, 0), addr=address, registry=self.registry)
-        self.port = int(self._server.server_port)
-        return self.port
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-
-class _SnapshotCollector:
-    """Cluster gauges and counters from one scheduler snapshot per scrape."""
-
-    def __init__(self, take: Callable[[], dict[str, Any]]) -> None:
-        self._take = take
-
-    def describe(self) -> list[Any]:
-        return []  # collected at scrape time only
-
-    def collect(self) -> Iterable[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        try:
-            snap = self._take()
-        except Exception as exc:  # the loop is stopping: serve nothing rather than fail the scrape
-            log.warning("metrics_snapshot_failed", reason=repr(exc))
-            return
-        cluster = snap["cluster"]
-        for name, help_text in (
-            ("hosts", "Live hosts"),
-            ("provisioned_gpus", "GPUs of the live hosts"),
-            ("committed_gpus", "GPUs bound to executing replicas (or reserved for one)"),
-            ("subscribed_gpus", "GPUs requested by the replicas placed on live hosts"),
-            ("subscription_ratio", "Cluster subscription ratio sum(S) / (sum(G) * R)"),
-            ("kernels", "Kernels starting or running"),
-            ("pending_hosts", "Hosts asked of the provider, not registered yet"),
-            ("warm_runtimes", "Pre-warmed replica processes ready on all hosts"),
-        ):
-            yield GaugeMetricFamily(f"tandem_{name}", help_text, value=float(cluster[name]))
-        for name, help_text in (
-            ("migrations", "Replica migrations"),
-            ("scale_out_hosts", "Hosts added by the autoscaler"),
-            ("scale_in_hosts", "Hosts released by the autoscaler"),
-        ):
-            yield CounterMetricFamily(f"tandem_{name}", help_text, value=float(cluster[name]))
-        per_host = GaugeMetricFamily("tandem_host_committed_gpus", "GPUs committed per host", labels=["host"])
-        ratio = GaugeMetricFamily("tandem_host_subscription_ratio", "S / (G * R) per host", labels=["host"])
-        for host in snap["hosts"]:
-            per_host.add_metric([host["id"]], float(host["committed"]))
-            ratio.add_metric([host["id"]], float(host["subscription_ratio"]))
-        yield per_host
-        yield ratio
+    cluster = snap["cluster"]
+    for name, help_text in (
+        ("hosts", "Live hosts"),
+        ("provisioned_gpus", "GPUs of the live hosts"),
+        ("committed_gpus", "GPUs bound to executing replicas (or reserved for one)"),
+        ("subscribed_gpus", "GPUs requested by the replicas placed on live hosts"),
+        ("subscription_ratio", "Cluster subscription ratio sum(S) / (sum(G) * R)"),
+        ("kernels", "Kernels starting or running"),
+        ("pending_hosts", "Hosts asked of the provider, not registered yet"),
+        ("warm_runtimes", "Pre-warmed replica processes ready on all hosts"),
+    ):
+        yield GaugeMetricFamily(f"tandem_{name}", help_text, value=float(cluster[name]))
+    for name, help_text in (
+        ("migrations", "Replica migrations"),
+        ("scale_out_hosts", "Hosts added by the autoscaler"),
+        ("scale_in_hosts", "Hosts released by the autoscaler"),
+    ):
+        yield CounterMetricFamily(f"tandem_{name}", help_text, value=float(cluster[name]))
+    per_host = GaugeMetricFamily("tandem_host_committed_gpus", "GPUs committed per host", labels=["host"])
+    ratio = GaugeMetricFamily("tandem_host_subscription_ratio", "S / (G * R) per host", labels=["host"])
+    for host in snap["hosts"]:
+        per_host.add_metric([host["id"]], float(host["committed"]))
+        ratio.add_metric([host["id"]], float(host["subscription_ratio"]))
+    yield per_host
+    yield ratio
 
 
 def cluster_report(

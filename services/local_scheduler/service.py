@@ -19,6 +19,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from services.local_scheduler.batch_jobs import BatchJobs
 from services.local_scheduler.gpus import GpuInventory, detect_gpus
 from services.local_scheduler.replica_process import ReplicaProcess, raft_identity_json
 from services.local_scheduler.warm_pool import WarmPool
@@ -102,6 +103,29 @@ class LocalScheduler:
         self.warm_pool = WarmPool(
             cfg, host_id=host_id, directory=self._data_root / "warm", idle_gpus=lambda: self.ledger.free_count
         )
+        # best-effort jobs on leased GPUs (issue #16): the arbiter grants, this host carries out
+        arbiter = cfg["arbiter"]
+        self._report_interval = float(arbiter["report_interval_s"])
+        self._report_now = asyncio.Event()
+        self.jobs = BatchJobs(
+            self.ledger,
+            host_id=host_id,
+            state_dir=cfg.state_dir(),
+            stop_grace_s=float(arbiter["stop_grace_s"]),
+            overdue_s=2 * float(arbiter["round_s"]) + float(arbiter["stop_grace_s"]),
+            keep_paused_s=float(arbiter["keep_paused_s"]),
+            cell_reserve=int(arbiter["cell_reserve_gpus"]),
+            on_exit=self._report_now.set,
+        )
+        self._arbiter: RpcClient | None = None
+        if arbiter["address"]:
+            self._arbiter = RpcClient(
+                self._ctx,
+                identity=host_id.encode(),
+                on_message=self._on_arbiter,
+                name="arbiter",
+                curve=curve.ClientCurve(self._host_keys, curve.load(keys_dir, curve.ARBITER).public),
+            )
 
     @property
     def address(self) -> str:
@@ -137,14 +161,20 @@ class LocalScheduler:
         self._upstream.connect(self.scheduler_address)
         heartbeat = asyncio.ensure_future(self._heartbeat_loop())
         prewarm = asyncio.ensure_future(self.warm_pool.run())
+        loops = [heartbeat, prewarm]
+        if self._arbiter is not None:
+            self._arbiter.connect(str(self.cfg.get("arbiter.address")))
+            loops.append(asyncio.ensure_future(self._agent_loop()))
         self.log.info("started", address=self.address, scheduler=self.scheduler_address, gpus=self.gpus.count)
         try:
             await stop.wait()
         finally:
-            heartbeat.cancel()
-            prewarm.cancel()
-            await asyncio.gather(heartbeat, prewarm, return_exceptions=True)
-            await asyncio.gather(self.stop_all_replicas(), self.warm_pool.close())
+            for loop in loops:
+                loop.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            await asyncio.gather(self.stop_all_replicas(), self.warm_pool.close(), self.jobs.close())
+            if self._arbiter is not None:
+                await self._arbiter.close()
             for replica in list(self.replicas.values()):
                 # a replica whose exit watcher has not run yet (or that outlived SIGKILL) still
                 # has its client sockets open; term() would wait for them forever
@@ -205,6 +235,41 @@ class LocalScheduler:
                 self.log.warning("scheduler_unreachable", scheduler=self.scheduler_address)
                 self._registered.clear()
             await asyncio.sleep(self._heartbeat_interval)
+
+    # ---- best-effort jobs: this host as the arbiter's agent ---------------------------------
+
+    async def _agent_loop(self) -> None:
+        """``agent.report`` every interval, and at once when a job exits; the safety net for
+        leases the arbiter left running past their expiry."""
+        assert self._arbiter is not None
+        while True:
+            self._report_now.clear()
+            try:
+                answer = await self._arbiter.request(
+                    Envelope(messages.AGENT_REPORT, self.jobs.report()),
+                    timeout=max(2 * self._report_interval, 1.0),
+                )
+                self.jobs.acknowledged([str(j) for j in answer.body.get("ack", [])])
+            except (RpcError, RpcTimeout) as exc:
+                self.log.warning("arbiter_report_failed", reason=str(exc))
+            await self.jobs.expire(time.time())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._report_now.wait(), self._report_interval)
+
+    def _on_arbiter(self, env: Envelope) -> Any:
+        if env.type == messages.LEASE_GRANT:
+            return self._answer(env, self.jobs.grant(env.body))
+        if env.type == messages.LEASE_END:
+            return self._answer(env, self.jobs.end(env.body["job_id"], reason=env.body["reason"]))
+        if env.type == messages.JOB_LOGS:
+            return self._answer(env, self.jobs.logs(env.body["job_id"], int(env.body.get("offset", 0))))
+        return env.error(
+            f"a local scheduler does not handle {env.type!r} from the arbiter", code="unsupported"
+        )
+
+    @staticmethod
+    async def _answer(env: Envelope, pending: Any) -> Envelope:
+        return env.reply(await pending)
 
     # ---- from the global scheduler ----------------------------------------------------------
 

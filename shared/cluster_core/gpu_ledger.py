@@ -213,16 +213,22 @@ class GpuLedger:
 
     # ---- leases to best-effort jobs ----------------------------------------------------------
 
-    def lease(self, job_id: str, gpus: int, expires_at: float) -> tuple[int, ...]:
-        """Lease ``gpus`` idle devices (lowest first) to ``job_id`` until ``expires_at``; a second
-        lease of the same job is refused (end it first)."""
+    def lease(
+        self, job_id: str, gpus: int, expires_at: float, device_ids: Iterable[int] = ()
+    ) -> tuple[int, ...]:
+        """Lease ``gpus`` idle devices (lowest first; exactly ``device_ids`` when given, as for a
+        paused job resuming on the GPUs its process sees) to ``job_id`` until ``expires_at``; a
+        second lease of the same job is refused (end it first)."""
         if gpus <= 0:
             raise LedgerError(f"cannot lease {gpus} GPUs")
         if job_id in self._leases:
             raise LedgerError(f"job {job_id} already holds a lease")
         if gpus > len(self._idle):
             raise LedgerError(f"needs {gpus} GPUs, {len(self._idle)} of {len(self._all)} idle")
-        chosen = tuple(sorted(self._idle)[:gpus])
+        wanted = tuple(sorted(set(device_ids)))
+        if wanted and (len(wanted) != gpus or not self._idle.issuperset(wanted)):
+            raise LedgerError(f"GPUs {list(wanted)} are not all idle (idle: {sorted(self._idle)})")
+        chosen = wanted or tuple(sorted(self._idle)[:gpus])
         self._idle.difference_update(chosen)
         self._leases[job_id] = Lease(job_id, chosen, expires_at)
         self._leased += gpus

@@ -50,6 +50,19 @@ LOCAL_SCHEDULER_ACCEPTS: dict[str, frozenset[str]] = {
     ),
 }
 
+_JOB_OPERATIONS = {
+    messages.JOB_SUBMIT,
+    messages.JOB_LIST,
+    messages.JOB_SHOW,
+    messages.JOB_LOGS,
+    messages.JOB_CANCEL,
+    messages.ARBITER_STATUS,
+}
+ARBITER_ACCEPTS: dict[str, frozenset[str]] = {
+    OPERATOR: frozenset(_JOB_OPERATIONS),
+    HOST: frozenset(_ANSWERS | {messages.AGENT_REPORT}),
+}
+
 # (kernel_id, replica_id) -> the host it runs on, or None if the scheduler knows no such replica
 ReplicaHost = Callable[[str, str], str | None]
 
@@ -113,4 +126,15 @@ def local_scheduler_refusal(principal: str, env_type: str, body: dict[str, Any])
     claimed = f"{body.get('kernel_id')}/{body.get('replica_id')}"
     if claimed != own:
         return f"{principal} may not speak for replica {claimed}"
+    return None
+
+
+def arbiter_refusal(principal: str, env_type: str, body: dict[str, Any]) -> str | None:
+    """A host reports only for itself; only the operator submits and cancels jobs."""
+    refusal = _type_refusal(ARBITER_ACCEPTS, principal, env_type)
+    if refusal is not None:
+        return refusal
+    host = host_of(principal)
+    if env_type == messages.AGENT_REPORT and body.get("host_id") != host:
+        return f"{principal} may not report for host {body.get('host_id')!r}"
     return None

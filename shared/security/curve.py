@@ -10,6 +10,7 @@ mode 0700, every file 0600), one pair per principal in pyzmq's certificate forma
 - ``scheduler``: the global scheduler's server key;
 - ``gateway``: the gateway (server of the lifecycle API, client of the scheduler);
 - ``operator``: the CLI and the Jupyter provisioner (client of the gateway and the scheduler);
+- ``arbiter``: the arbiter's server key (best-effort jobs' leases; hosts and the operator are its clients);
 - ``host.<host_id>``: one local scheduler; a host registers only with the key issued for its id.
 
 A server learns who a peer is from the key it proved, never from what the peer says: the ZAP
@@ -42,8 +43,9 @@ log = structlog.get_logger("security")
 SCHEDULER = "scheduler"
 GATEWAY = "gateway"
 OPERATOR = "operator"
+ARBITER = "arbiter"
 HOST_PREFIX = "host."
-CLUSTER_PRINCIPALS = (SCHEDULER, GATEWAY, OPERATOR)
+CLUSTER_PRINCIPALS = (SCHEDULER, GATEWAY, OPERATOR, ARBITER)
 
 
 class KeyError_(RuntimeError):
@@ -156,7 +158,7 @@ def principals(keys_dir: Path) -> list[tuple[str, bool]]:
 
 
 def ensure_cluster_keys(keys_dir: Path) -> None:
-    """The scheduler's, gateway's and operator's keys (idempotent)."""
+    """The scheduler's, gateway's, operator's and arbiter's keys (idempotent)."""
     for name in CLUSTER_PRINCIPALS:
         issue(keys_dir, name)
 

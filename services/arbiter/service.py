@@ -1,0 +1,369 @@
+"""The arbiter's asyncio shell: best-effort jobs on the GPUs no cell holds (issue #16).
+
+Hosts (their local schedulers, Themis's agents) connect with their host keys and report every
+``arbiter.report_interval_s``: their idle GPUs, and their jobs' progress. The operator (CLI)
+submits, lists and cancels jobs. Every ``arbiter.round_s`` a round runs: leases that expired give
+their GPUs back to the offer, the pure core (``shared.arbiter``) auctions the offer, and the shell
+carries out its leases: a lease for a job that keeps as many GPUs on the same host is a renewal
+(the job runs on), every other expired lease is ended (the job stops at a step boundary) before
+the new ones are granted (the host starts the job). The shell decides nothing itself: before
+that, equal leases are only traded between jobs so that each stays on the host its process is on
+(``services/arbiter/affinity.py``, pure; no count or layout changes).
+
+The job registry is a JSON file (0600) under ``<state_dir>/arbiter``, written after each change
+of a job and after each round: a restarted arbiter knows every job and lease it had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import time
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from services.arbiter.affinity import keep_jobs_in_place
+from services.arbiter.metrics import arbiter_exporter
+from services.arbiter.registry import Registry, RegistryError
+from services.arbiter.usage import UsageMeter
+from shared import messages
+from shared.arbiter import Arbiter, ArbiterConfig, CapacityMeter, GpuSlot, Lease
+from shared.arbiter.slots import host_counts
+from shared.config import Config
+from shared.envelope import Envelope
+from shared.private_files import private_dir, write_private
+from shared.rpc import OutboundRequests, RpcError, RpcServer, RpcTimeout
+from shared.security import curve
+from shared.security.authorization import arbiter_refusal
+from shared.snapshot_metrics import SnapshotExporter
+
+log = structlog.get_logger("arbiter")
+
+LEASE_EVENTS_KEPT = 1000
+REQUEST_SLACK_S = 10.0  # beyond a job's stop grace, for a host's answer to lease.end/grant
+
+
+class ArbiterService:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        section = cfg["arbiter"]
+        self.round_s = float(section["round_s"])
+        self.stop_grace_s = float(section["stop_grace_s"])
+        self.core = Arbiter(
+            ArbiterConfig(
+                fairness_knob=float(section["fairness_knob"]),
+                lease_s=float(section["lease_s"]),
+                leftovers_to_bidders=bool(section["leftovers_to_bidders"]),
+                seed=int(section["seed"]),
+            )
+        )
+        report_s = float(section["report_interval_s"])
+        self.usage = UsageMeter(stale_s=max(3 * report_s, 3.0))
+        self.capacity = CapacityMeter()  # T_id's R, fed at each auction
+        self._path = cfg.state_dir() / "arbiter" / "registry.json"
+        self.registry = self._load()
+        self.rho: dict[str, float] = {}
+        self.rounds = 0
+        self.last_round: dict[str, Any] = {}
+        self.lease_events: collections.deque[dict[str, Any]] = collections.deque(maxlen=LEASE_EVENTS_KEPT)
+        self._keys_dir = cfg.keys_dir()
+        self._ctx = zmq.asyncio.Context()
+        self._authority: curve.CurveAuthority | None = None
+        self._server = RpcServer(
+            self._ctx,
+            self._handle,
+            name="arbiter",
+            mandatory=True,
+            curve=curve.server_curve(self._keys_dir, curve.ARBITER),
+            authorize=self._authorize,
+        )
+        self._outbound = OutboundRequests(self._server)
+        self._exporter: SnapshotExporter | None = None
+        self._round_lock = asyncio.Lock()  # a cancel's lease.end and a round never interleave
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def _load(self) -> Registry:
+        try:
+            return Registry.from_dict(json.loads(self._path.read_text()))
+        except FileNotFoundError:
+            return Registry()
+
+    def _save(self) -> None:
+        private_dir(self._path.parent)
+        tmp = self._path.with_suffix(".tmp")
+        write_private(tmp, json.dumps(self.registry.to_dict()))
+        os.replace(tmp, self._path)
+
+    def bind(self, address: str) -> str:
+        if self._authority is None:
+            self._authority = curve.CurveAuthority.acquire(self._ctx)
+            directory = curve.PeerDirectory(self._keys_dir, exclude=(curve.ARBITER,))
+            self._authority.serve(curve.ARBITER, directory)
+        return self._server.bind(address)
+
+    @property
+    def address(self) -> str:
+        return self._server.address
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._server.start()
+        self._start_exporter()
+        rounds = asyncio.ensure_future(self._rounds())
+        log.info("started", address=self.address, jobs=len(self.registry.jobs), round_s=self.round_s)
+        try:
+            await stop.wait()
+        finally:
+            rounds.cancel()
+            await asyncio.gather(rounds, return_exceptions=True)
+            if self._exporter is not None:
+                self._exporter.stop()
+            self._outbound.cancel_all()
+            self._save()
+            await self._server.close()
+            if self._authority is not None:
+                self._authority.release()
+            self._ctx.destroy(linger=0)
+            log.info("stopped")
+
+    def _start_exporter(self) -> None:
+        if (
+            int(self.cfg.get("metrics.prometheus_port")) == 0
+            or int(self.cfg.get("arbiter.prometheus_port")) < 0
+        ):
+            return
+        exporter = arbiter_exporter(self.status, asyncio.get_running_loop())
+        try:
+            exporter.start(
+                str(self.cfg.get("metrics.prometheus_address")), int(self.cfg.get("arbiter.prometheus_port"))
+            )
+        except OSError as exc:
+            log.error("metrics_unavailable", reason=str(exc))
+            return
+        self._exporter = exporter
+        log.info("metrics_listening", url=exporter.url)
+
+    # ---- messages -------------------------------------------------------------------------------
+
+    def _authorize(self, principal: str, identity: bytes, env: Envelope) -> str | None:
+        host = curve.host_of(principal)
+        if host is not None and identity != host.encode():
+            return f"{principal} may not use the routing identity {identity!r}"
+        return arbiter_refusal(principal, env.type, env.body)
+
+    def _handle(self, identity: bytes, env: Envelope) -> Any:
+        body, now = env.body, time.time()
+        if env.type in (messages.REPLY, messages.ERROR):
+            self._outbound.on_answer(env, identity)
+            return None
+        try:
+            if env.type == messages.AGENT_REPORT:
+                self.usage.observe(body, now)
+                return env.reply({"ack": self.registry.on_report(body, now)})
+            if env.type == messages.JOB_SUBMIT:
+                record = self.registry.submit(body, now)
+                self._save()
+                log.info("job_submitted", job=record.job_id, app=record.app_id, argv=record.argv)
+                return env.reply(record.describe())
+            if env.type == messages.JOB_LIST:
+                return env.reply({"jobs": [r.describe() for r in self.registry.jobs.values()]})
+            if env.type == messages.JOB_SHOW:
+                return env.reply(self.registry.get(body["job_id"]).describe())
+            if env.type == messages.JOB_CANCEL:
+                return self._cancel(env)
+            if env.type == messages.JOB_LOGS:
+                return self._logs(env)
+            if env.type == messages.ARBITER_STATUS:
+                return env.reply(self.status())
+        except RegistryError as exc:
+            return env.error(str(exc), code="bad_request")
+        return env.error(f"the arbiter does not handle {env.type!r}", code="unsupported")
+
+    async def _cancel(self, env: Envelope) -> Envelope:
+        job_id = env.body["job_id"]
+        async with self._round_lock:
+            record = self.registry.get(job_id)
+            # where it runs, and where it last ran (a process paused there: arbiter.keep_paused_s)
+            hosts = sorted({h for h in (record.host, record.last_host) if h is not None})
+            self.registry.cancel(job_id, time.time())
+            self._save()
+            await asyncio.gather(*(self._ask_end(host, job_id, "cancelled") for host in hosts))
+        log.info("job_cancelled", job=job_id, hosts=hosts)
+        return env.reply(self.registry.get(job_id).describe())
+
+    async def _logs(self, env: Envelope) -> Envelope:
+        record = self.registry.get(env.body["job_id"])
+        host = record.host or record.last_host
+        if host is None:
+            raise RpcError(f"job {record.job_id} has not run yet: no output", "not_found")
+        body = {"job_id": record.job_id, "offset": int(env.body.get("offset", 0))}
+        answer = await self._outbound.request(host.encode(), Envelope(messages.JOB_LOGS, body), timeout=10.0)
+        return env.reply(answer.body)
+
+    # ---- rounds ---------------------------------------------------------------------------------
+
+    async def _rounds(self) -> None:
+        while True:
+            await asyncio.sleep(self.round_s)
+            try:
+                async with self._round_lock:
+                    await self.run_round(time.time())
+            except Exception:
+                log.exception("round_failed")
+
+    async def run_round(self, now: float) -> None:
+        """One auction over the idle GPUs and those of expired leases; its leases carried out."""
+        self.registry.account(now)
+        expiring = self.registry.expired(now)
+        releasing = {r.job_id for r in expiring}
+        leased = {
+            GpuSlot(r.host, d) for r in self.registry.leased() if r.host is not None for d in r.device_ids
+        }
+        idle = {GpuSlot(h, d) for h, use in self.usage.live(now).items() for d in use.idle}
+        offer = (idle - leased) | {GpuSlot(r.host, d) for r in expiring if r.host for d in r.device_ids}
+        apps = self.registry.app_reports(now, releasing=releasing)
+        if not apps:
+            return  # no job wants a GPU: nothing to auction
+        capacity = self.capacity.observe(now, self.usage.usable(now))
+        outcome = self.core.auction(now, apps, sorted(offer), capacity)
+        self.rounds += 1
+        self.rho = dict(outcome.rho_by_app)
+        self.last_round = {
+            "at": now,
+            "offered_gpus": len(offer),
+            "bidders": outcome.bidders,
+            "won_by_app": outcome.won_by_app,
+            "c_by_app": outcome.c_by_app,
+            "leftover_gpus": outcome.leftover_gpus,
+            "auction_ms": round(outcome.auction_ms, 3),
+        }
+        # equal leases traded so that jobs stay on the hosts their processes are on
+        home = {r.job_id: r.host or r.last_host for r in self.registry.active() if r.host or r.last_host}
+        leases = keep_jobs_in_place(outcome.leases, home)
+        grants = {lease.job_id: lease for lease in leases}
+        if grants or expiring:
+            log.info(
+                "round",
+                rho={a: round(r, 4) for a, r in self.rho.items()},
+                offered=len(offer),
+                bidders=outcome.bidders,
+                won=outcome.won_by_app,
+                expiring=sorted(releasing),
+            )
+        ending = []
+        for record in expiring:
+            lease = grants.get(record.job_id)
+            if lease is not None and _placement(lease) == (record.host, len(record.device_ids)):
+                continue  # renewed below: the job runs on
+            ending.append(record)
+        await asyncio.gather(*(self._ask_end(r.host, r.job_id, "expired") for r in ending if r.host))
+        await asyncio.gather(*(self._grant(lease, releasing) for lease in grants.values()))
+        self._save()
+
+    async def _ask_end(self, host: str, job_id: str, reason: str) -> None:
+        body = {"job_id": job_id, "reason": reason}
+        try:
+            answer = await self._outbound.request(
+                host.encode(), Envelope(messages.LEASE_END, body), timeout=self.stop_grace_s + REQUEST_SLACK_S
+            )
+            self.registry.run_ended(host, {**answer.body, "job_id": job_id}, time.time())
+        except (RpcError, RpcTimeout) as exc:  # the host is gone: its own safety net ends the run
+            log.warning("lease_end_failed", job=job_id, host=host, reason=str(exc))
+            self.registry.lease_ended(job_id, time.time())
+        self._event("ended", job_id, host, reason=reason)
+
+    async def _grant(self, lease: Lease, releasing: set[str]) -> None:
+        """Carry out one lease: its GPUs are added to what the job holds on to (a renewal, or a
+        larger share of the same host), else the job starts there."""
+        host, gpus = _placement(lease)
+        record = self.registry.get(lease.job_id)
+        keeps = record.host is not None and record.job_id not in releasing
+        if host is None or (keeps and record.host != host):
+            # a job is one process on one host: its GPUs cannot span hosts
+            log.warning("lease_spans_hosts", job=lease.job_id, slots=[list(s) for s in lease.slots])
+            return
+        if keeps:
+            gpus += len(record.device_ids)
+        elif record.last_host not in (None, host):
+            # a job paused on another host (``arbiter.keep_paused_s``) stops there first
+            await self._ask_end(record.last_host, record.job_id, "moved")
+        job = {
+            "job_id": record.job_id,
+            "argv": record.argv,
+            "cwd": record.cwd,
+            "env": record.env,
+            "start_iteration": self.registry.start_iteration(record),
+        }
+        body = {
+            "job_id": record.job_id,
+            "app_id": record.app_id,
+            "gpus": gpus,
+            "expires_at": lease.expires_at,
+            "job": job,
+        }
+        try:
+            answer = await self._outbound.request(
+                host.encode(),
+                Envelope(messages.LEASE_GRANT, body),
+                timeout=self.stop_grace_s + REQUEST_SLACK_S,
+            )
+        except (RpcError, RpcTimeout) as exc:
+            log.warning("lease_grant_failed", job=record.job_id, host=host, reason=str(exc))
+            if record.host is not None:  # a renewal the host refused: the run is over
+                await self._ask_end(record.host, record.job_id, "renewal_failed")
+            return
+        now = time.time()
+        if answer.body.get("renewed") and record.host == host:
+            self.registry.lease_renewed(record.job_id, now=now, expires_at=lease.expires_at)
+            self._event("renewed", record.job_id, host, gpus=gpus)
+            return
+        self.registry.lease_started(
+            record.job_id,
+            host=host,
+            device_ids=[int(d) for d in answer.body.get("device_ids", [])],
+            pid=answer.body.get("pid"),
+            now=now,
+            expires_at=lease.expires_at,
+        )
+        self._event("granted", record.job_id, host, gpus=gpus)
+
+    def _event(self, event: str, job_id: str, host: str, **detail: Any) -> None:
+        record = self.registry.jobs.get(job_id)
+        entry = {"at": time.time(), "event": event, "job_id": job_id, "host": host, **detail}
+        if record is not None:
+            entry.update(app_id=record.app_id, device_ids=list(record.device_ids))
+        self.lease_events.append(entry)
+        log.info("lease_" + event, **{k: v for k, v in entry.items() if k not in ("at", "event")})
+
+    # ---- status ---------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """``arbiter.status``: per app rho and GPU time, GPUs by use, the last round, lease events."""
+        now = time.time()
+        self.registry.account(now)
+        apps = self.registry.apps()
+        for app_id, app in apps.items():
+            app["rho"] = self.rho.get(app_id)
+            app["gpu_seconds"] = round(app["gpu_seconds"], 3)
+        return {
+            "apps": apps,
+            "usage": {**self.usage.report(now), "be_capacity_gpus": round(self.capacity.average(now), 3)},
+            "rounds": self.rounds,
+            "last_round": self.last_round,
+            "lease_events": list(self.lease_events)[-200:],
+            "prometheus_url": self._exporter.url if self._exporter is not None else None,
+        }
+
+
+def _placement(lease: Lease) -> tuple[str | None, int]:
+    """(host, GPUs) of a lease; host None when its GPUs span hosts (a job is one process)."""
+    counts = host_counts(lease.slots)
+    if len(counts) != 1:
+        return None, len(lease.slots)
+    ((host, gpus),) = counts.items()
+    return host, gpus

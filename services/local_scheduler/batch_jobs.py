@@ -1,0 +1,262 @@
+"""This host's best-effort jobs: the leases the arbiter granted here and the processes on them.
+
+The arbiter decides who runs where (``lease.grant`` / ``lease.end``); this module carries that out
+on the host's ``GpuLedger`` (a leased GPU is never committed to a cell, and a lease takes only
+GPUs no cell holds) and reports back what the jobs say about themselves (``agent.report``). It
+makes no choice of its own beyond two safety nets: a lease the arbiter let run past its expiry by
+``overdue_s`` (the arbiter is gone) is ended here, so a GPU never stays leased for good; and the
+host keeps ``cell_reserve`` idle GPUs out of every lease (they are not reported idle, and a grant
+that would take them is refused), so that until leases are preempted for cells (the FitGpp issue)
+a cell finds a GPU here without waiting for a lease to expire: an expired lease's GPUs are
+auctioned again in the same round, so a cell that waited for one could wait for ever.
+
+When a lease ends the job stops at a step boundary, or, with ``keep_paused_s`` > 0, pauses there
+(a job that cannot, not using the job-side API or still starting, is frozen by SIGSTOP): its
+process waits, its GPUs go back to the ledger, and a
+next lease of the same GPUs on this host resumes it in place (no new process, no re-import of its
+libraries). A next lease of other GPUs (``CUDA_VISIBLE_DEVICES`` is read once per process), the
+keep time running out, or a cancel stop it; it then resumes from the iterations it reported, in a
+new process. Why stopping is the default: a paused process keeps its GPU memory, which a cell
+committed to that GPU may need (on virtual GPUs, or once checkpoints move that memory aside, a
+paused job costs nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from services.local_scheduler.job_process import LOG_FILE, JobProcess, JobSpec, job_dir
+from shared.cluster_core.gpu_ledger import GpuLedger, LedgerError
+from shared.rpc import RpcError
+
+log = structlog.get_logger("batch_jobs")
+
+LOG_CHUNK_BYTES = 65_536
+# at service shutdown a job gets at most this long to reach a step boundary (then SIGTERM,
+# SIGKILL): the whole stop must fit in the service's own shutdown grace (shared/runner.py)
+SHUTDOWN_STOP_GRACE_S = 3.0
+PAUSABLE_REASONS = ("expired",)  # a cancel, a move to another host, a shutdown stop the job
+
+
+@dataclass
+class Run:
+    """A job's process on this host, with its lease (None while it is paused)."""
+
+    job_id: str
+    app_id: str
+    process: JobProcess
+    expires_at: float | None
+    paused_at: float | None = None
+
+    @property
+    def leased(self) -> bool:
+        return self.expires_at is not None
+
+
+class BatchJobs:
+    def __init__(
+        self,
+        ledger: GpuLedger,
+        *,
+        host_id: str,
+        state_dir: Path,
+        stop_grace_s: float,
+        overdue_s: float,
+        keep_paused_s: float,
+        cell_reserve: int,
+        on_exit: Callable[[], None],
+    ) -> None:
+        self.ledger = ledger
+        self.host_id = host_id
+        self.state_dir = state_dir
+        self.stop_grace_s = stop_grace_s
+        self.overdue_s = overdue_s
+        self.keep_paused_s = keep_paused_s
+        self.cell_reserve = cell_reserve
+        self._on_exit = on_exit
+        self.runs: dict[str, Run] = {}
+        # ended runs not yet acknowledged by the arbiter: job_id -> report entry
+        self._ended: dict[str, dict[str, Any]] = {}
+        self._lock = asyncio.Lock()  # grants and ends change the ledger one at a time
+        self._reapers: set[asyncio.Future[None]] = set()
+
+    # ---- from the arbiter ----------------------------------------------------------------------
+
+    async def grant(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Run a job on ``gpus`` leased GPUs: renew its lease, resume it, or start it."""
+        spec = JobSpec.from_wire(body["job"])
+        gpus, expires_at = int(body["gpus"]), float(body["expires_at"])
+        async with self._lock:
+            run = self.runs.get(spec.job_id)
+            if run is not None and run.leased and len(run.process.device_ids) == gpus:
+                run.expires_at = expires_at  # renewed: the job runs on, on the same GPUs
+                held = self.ledger.end_lease(spec.job_id)
+                self.ledger.lease(spec.job_id, gpus, expires_at, device_ids=held)
+                return self._granted(run, renewed=True)
+            self._check_reserve(gpus)
+            if run is not None and not run.leased and len(run.process.device_ids) == gpus:
+                try:
+                    self.ledger.lease(spec.job_id, gpus, expires_at, device_ids=run.process.device_ids)
+                except LedgerError:
+                    pass  # its GPUs are taken: a new process on others
+                else:
+                    run.expires_at, run.paused_at = expires_at, None
+                    run.process.resume()
+                    return self._granted(run, renewed=False)
+            if run is not None:
+                await self._stop(run, reason="replaced")
+            try:
+                leasable = self.leasable()[:gpus]  # cells commit the lowest ids: leases take others
+                device_ids = list(self.ledger.lease(spec.job_id, gpus, expires_at, device_ids=leasable))
+            except LedgerError as exc:
+                raise RpcError(f"host {self.host_id}: {exc}", "no_gpus") from None
+            process = JobProcess(
+                spec,
+                directory=job_dir(self.state_dir, spec.job_id),
+                device_ids=device_ids,
+                host_id=self.host_id,
+            )
+            try:
+                await process.start()
+            except OSError as exc:
+                self.ledger.end_lease(spec.job_id)
+                raise RpcError(f"job {spec.job_id} could not start: {exc}", "start_failed") from None
+            run = Run(spec.job_id, str(body.get("app_id", "")), process, expires_at)
+            self.runs[spec.job_id] = run
+            self._ended.pop(spec.job_id, None)
+            reaper = asyncio.ensure_future(self._reap(run))
+            self._reapers.add(reaper)
+            reaper.add_done_callback(self._reapers.discard)
+            return self._granted(run, renewed=False)
+
+    def _check_reserve(self, gpus: int) -> None:
+        idle = len(self.ledger.idle_device_ids())
+        if idle - gpus < self.cell_reserve:
+            raise RpcError(
+                f"host {self.host_id}: {gpus} GPUs asked, {idle} idle of which {self.cell_reserve} are kept for cells",
+                "no_gpus",
+            )
+
+    def leasable(self) -> list[int]:
+        """Idle GPUs beyond the cells' reserve (the lowest ids are kept: cells commit those first)."""
+        return list(self.ledger.idle_device_ids()[self.cell_reserve :])
+
+    @staticmethod
+    def _granted(run: Run, *, renewed: bool) -> dict[str, Any]:
+        return {"device_ids": run.process.device_ids, "pid": run.process.pid, "renewed": renewed}
+
+    async def end(self, job_id: str, *, reason: str) -> dict[str, Any]:
+        """The lease is over: the job pauses (see the module docstring) or stops at a step
+        boundary, and its GPUs are free; its last report."""
+        async with self._lock:
+            run = self.runs.get(job_id)
+            if run is None:
+                return self._ended.get(job_id) or {"job_id": job_id, "outcome": "absent", "running": False}
+            log.info("lease_ending", job=job_id, host=self.host_id, reason=reason)
+            pausable = run.leased and reason in PAUSABLE_REASONS and self.keep_paused_s > 0
+            if pausable and await run.process.pause(self.stop_grace_s):
+                self.ledger.end_lease(job_id)
+                run.expires_at, run.paused_at = None, time.time()
+                return {**self._describe(run), "running": False, "outcome": "paused"}
+            return await self._stop(run, reason=reason)
+
+    async def _stop(self, run: Run, *, reason: str) -> dict[str, Any]:
+        log.info("job_stopping", job=run.job_id, host=self.host_id, reason=reason)
+        await run.process.stop(self.stop_grace_s)
+        return self._release(run)
+
+    async def _reap(self, run: Run) -> None:
+        """A job that exits on its own (finished, failed) gives its GPUs back at once."""
+        await run.process.exited.wait()
+        if self.runs.get(run.job_id) is run:
+            self._release(run)
+            self._on_exit()
+
+    def _release(self, run: Run) -> dict[str, Any]:
+        if self.runs.get(run.job_id) is run:
+            del self.runs[run.job_id]
+            if run.leased:
+                self.ledger.end_lease(run.job_id)
+        entry = self._describe(run)
+        self._ended[run.job_id] = entry
+        return entry
+
+    async def expire(self, now: float) -> None:
+        """Leases the arbiter left running ``overdue_s`` past their expiry (the safety net), and
+        paused jobs kept ``keep_paused_s``, are stopped."""
+        for run in list(self.runs.values()):
+            if run.leased and now > (run.expires_at or now) + self.overdue_s:
+                await self.end(run.job_id, reason="overdue")
+            elif run.paused_at is not None and now > run.paused_at + self.keep_paused_s:
+                async with self._lock:
+                    if self.runs.get(run.job_id) is run and not run.leased:
+                        await self._stop(run, reason="paused_too_long")
+
+    async def logs(self, job_id: str, offset: int, limit: int = LOG_CHUNK_BYTES) -> dict[str, Any]:
+        """Bytes of the job's output from ``offset`` (negative: from the end); kept across runs."""
+        path = job_dir(self.state_dir, job_id) / LOG_FILE
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                start = max(size + offset, 0) if offset < 0 else min(offset, size)
+                f.seek(start)
+                data = f.read(min(limit, LOG_CHUNK_BYTES))
+        except FileNotFoundError:
+            raise RpcError(f"job {job_id} has no output on host {self.host_id}", "not_found") from None
+        return {"data": data, "offset": start + len(data), "size": size}
+
+    # ---- to the arbiter -------------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        """The body of ``agent.report``: this host's GPUs (``idle``: those it may lease) and its
+        leased jobs' progress (paused runs hold no GPU and no lease: the arbiter has their last
+        report)."""
+        return {
+            "host_id": self.host_id,
+            "gpus": self.ledger.total,
+            "idle": self.leasable(),
+            "reserved": min(self.cell_reserve, len(self.ledger.idle_device_ids())),
+            "committed": self.ledger.committed_count,
+            "jobs": [self._describe(r) for r in self.runs.values() if r.leased] + list(self._ended.values()),
+            "at": time.time(),
+        }
+
+    def acknowledged(self, job_ids: list[str]) -> None:
+        """The arbiter has recorded these ended runs: no need to report them again."""
+        for job_id in job_ids:
+            self._ended.pop(job_id, None)
+
+    def _describe(self, run: Run) -> dict[str, Any]:
+        process = run.process
+        running = not process.exited.is_set()
+        return {
+            "job_id": run.job_id,
+            "app_id": run.app_id,
+            "device_ids": process.device_ids,
+            "expires_at": run.expires_at,
+            "pid": process.pid,
+            "running": running,
+            "outcome": None if running else process.outcome(),
+            "returncode": process.returncode,
+            "progress": process.progress() or {},
+        }
+
+    async def close(self) -> None:
+        """Service shutdown: every job stops (at a step boundary if it can); no orphans."""
+        runs = list(self.runs.values())
+        if runs:
+            log.info("stopping_jobs", host=self.host_id, count=len(runs))
+        grace = min(self.stop_grace_s, SHUTDOWN_STOP_GRACE_S)
+        await asyncio.gather(*(r.process.stop(grace) for r in runs), return_exceptions=True)
+        for run in runs:
+            self._release(run)
+        for reaper in list(self._reapers):
+            reaper.cancel()

@@ -1,0 +1,144 @@
+"""The arbiter's job registry (pure): submissions, leases and GPU time, hosts' reports, what the
+auction is told, persistence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.arbiter.registry import CANCELLED, FAILED, FINISHED, QUEUED, RUNNING, Registry, RegistryError
+
+BODY = {"argv": ["python", "train.py"], "cwd": "/work", "env": {"A": "1"}}
+
+
+def running(
+    registry: Registry, job_id: str, *, host: str = "host-0", devices: tuple[int, ...] = (0,)
+) -> None:
+    registry.lease_started(job_id, host=host, device_ids=list(devices), pid=42, now=100.0, expires_at=110.0)
+
+
+def test_submit_names_the_problem_with_bad_sizes_and_apps() -> None:
+    registry = Registry()
+    with pytest.raises(RegistryError, match="--gpus must be at least 1"):
+        registry.submit({**BODY, "gpus": 0}, 0.0)
+    with pytest.raises(RegistryError, match=r"--max-gpus \(1\) must be at least --gpus \(2\)"):
+        registry.submit({**BODY, "gpus": 2, "max_gpus": 1}, 0.0)
+    with pytest.raises(RegistryError, match="nothing to run"):
+        registry.submit({**BODY, "argv": []}, 0.0)
+    with pytest.raises(RegistryError, match="'app'"):
+        registry.submit({**BODY, "app": "../etc"}, 0.0)
+    with pytest.raises(RegistryError, match=r"no job 'x\.9'"):
+        registry.get("x.9")
+
+
+def test_jobs_get_ids_of_their_app_and_a_name_from_the_command() -> None:
+    registry = Registry()
+    first = registry.submit({**BODY, "app": "sweep"}, 0.0)
+    second = registry.submit(BODY, 0.0)
+    assert (first.job_id, second.job_id) == ("sweep.1", "default.2")
+    assert first.name == "train.py" and first.state == QUEUED
+    assert "env" not in first.describe() and first.describe()["command"] == "python train.py"
+
+
+def test_gpu_time_is_the_leased_gpus_times_the_lease_held() -> None:
+    registry = Registry()
+    job = registry.submit({**BODY, "gpus": 2}, 0.0)
+    running(registry, job.job_id, devices=(0, 1))
+    registry.account(103.0)
+    registry.lease_renewed(job.job_id, now=105.0, expires_at=120.0)
+    registry.lease_ended(job.job_id, 106.0)
+    registry.account(200.0)  # no lease, no time
+    assert job.gpu_seconds == pytest.approx(12.0) and job.run_seconds == pytest.approx(6.0)
+    assert job.state == QUEUED and job.host is None and job.last_host == "host-0"
+    assert registry.apps()["default"]["gpu_seconds"] == pytest.approx(12.0)
+
+
+def test_runs_that_end_finish_fail_or_wait_for_the_next_lease() -> None:
+    registry = Registry()
+    jobs = [registry.submit(BODY, 0.0) for _ in range(4)]
+    for job in jobs:
+        running(registry, job.job_id)
+    outcomes = ["finished", "failed", "stopped", "paused"]
+    report = {
+        "host_id": "host-0",
+        "jobs": [
+            {"job_id": j.job_id, "running": False, "outcome": o} for j, o in zip(jobs, outcomes, strict=True)
+        ],
+        "at": 101.0,
+    }
+    assert registry.on_report(report, 101.0) == [j.job_id for j in jobs]
+    assert [j.state for j in jobs] == [FINISHED, FAILED, QUEUED, QUEUED]
+    assert all(j.host is None for j in jobs)
+
+
+def test_progress_reports_replace_the_crude_estimate() -> None:
+    registry = Registry()
+    job = registry.submit({**BODY, "iterations": 500}, 0.0)
+    declared = registry.app_reports(1.0, releasing=set())[0].jobs[0]
+    assert (declared.iterations_done, declared.iterations_total, declared.seconds_per_iteration) == (
+        0,
+        500,
+        None,
+    )
+    running(registry, job.job_id)
+    progress = {
+        "state": "running",
+        "iterations_done": 40,
+        "iterations_total": 400,
+        "seconds_per_iteration": 0.5,
+    }
+    report = {"host_id": "host-0", "jobs": [{"job_id": job.job_id, "running": True, "progress": progress}]}
+    registry.on_report(report, 101.0)
+    (reported,) = registry.app_reports(101.0, releasing=set())[0].jobs
+    assert (reported.iterations_done, reported.iterations_total, reported.seconds_per_iteration) == (
+        40,
+        400,
+        0.5,
+    )
+    assert reported.gpus == 1
+    assert registry.app_reports(101.0, releasing={job.job_id})[0].jobs[0].gpus == 0
+    assert registry.start_iteration(job) == 40
+
+
+def test_a_job_without_the_api_is_reported_by_the_time_it_ran() -> None:
+    registry = Registry()
+    job = registry.submit(BODY, 0.0)
+    running(registry, job.job_id)
+    registry.account(130.0)
+    (reported,) = registry.app_reports(130.0, releasing=set())[0].jobs
+    assert (reported.iterations_done, reported.iterations_total, reported.seconds_per_iteration) == (
+        30,
+        None,
+        None,
+    )
+
+
+def test_a_job_missing_from_its_hosts_report_lost_its_run() -> None:
+    registry = Registry()
+    job = registry.submit(BODY, 0.0)
+    running(registry, job.job_id)
+    registry.on_report({"host_id": "host-1", "jobs": [], "at": 110.0}, 110.0)
+    assert job.state == RUNNING  # another host says nothing about it
+    registry.on_report({"host_id": "host-0", "jobs": [], "at": 110.0}, 110.0)
+    assert job.state == QUEUED and job.host is None
+
+
+def test_cancelled_and_ended_jobs_ask_for_no_gpu() -> None:
+    registry = Registry()
+    job = registry.submit(BODY, 0.0)
+    running(registry, job.job_id)
+    assert registry.cancel(job.job_id, 105.0).state == CANCELLED
+    assert job.host is None and job.gpu_seconds == pytest.approx(5.0)
+    with pytest.raises(RegistryError, match="already ended"):
+        registry.cancel(job.job_id, 106.0)
+    assert registry.app_reports(106.0, releasing=set()) == []
+
+
+def test_a_restarted_arbiter_has_every_job_and_lease() -> None:
+    registry = Registry()
+    job = registry.submit({**BODY, "app": "a"}, 0.0)
+    running(registry, job.job_id)
+    restored = Registry.from_dict(json.loads(json.dumps(registry.to_dict())))
+    assert restored.jobs[job.job_id] == job
+    assert restored.submit({**BODY, "app": "a"}, 1.0).job_id == "a.2"
