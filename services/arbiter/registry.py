@@ -264,6 +264,7 @@ class Registry:
                     jobs=jobs,
                     demand_max_gpus=sum(r.max_gpus for r in records),
                     gpu_seconds_used=sum(r.gpu_seconds for r in records),
+                    gpus_releasing=sum(len(r.device_ids) for r in live if r.job_id in releasing),
                 )
             )
         return reports

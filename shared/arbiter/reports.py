@@ -57,7 +57,8 @@ class AppReport:
         B, the app's total GPU time budget, which sets its T_id). For plain apps B is the jobs' total
         work and ``budget_gpu_s`` may be left ``None``. ``demand_max_gpus`` (app_demand_max) defaults to
     the most GPUs the reported jobs can use at once; give it when jobs that finished are no longer
-    reported, so T_id stays the app's, not its tail's.
+    reported, so T_id stays the app's, not its tail's. ``gpus_releasing`` counts GPUs whose lease
+    ended this round and are in the offer again: an app renewing its leases is not starving.
     """
 
     app_id: str
@@ -68,6 +69,7 @@ class AppReport:
     phase: int = 0
     budget_gpu_s: float | None = None
     demand_max_gpus: int | None = None
+    gpus_releasing: int = 0
     gpu_seconds_used: float = field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:

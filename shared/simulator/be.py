@@ -265,7 +265,8 @@ class _App:
     def __post_init__(self) -> None:
         self.live = list(self.jobs.values())
 
-    def report(self) -> AppReport:
+    def report(self, releasing: int = 0) -> AppReport:
+        """``releasing``: GPUs of leases that ended this round (see ``AppReport.gpus_releasing``)."""
         return AppReport(
             self.spec.app_id,
             self.spec.submitted_at,
@@ -276,6 +277,7 @@ class _App:
             budget_gpu_s=self.spec.budget_gpu_s,
             demand_max_gpus=self.spec.demand_max_gpus,
             gpu_seconds_used=self.gpu_seconds,
+            gpus_releasing=releasing,
         )
 
 
@@ -362,6 +364,7 @@ def run_be(
             active[spec.app_id] = _start(spec)
         usable = tl.at(now)
         leased: set[GpuSlot] = set()
+        releasing: dict[str, int] = {}
         for app in active.values():
             for job in app.live:
                 if not job.leases:
@@ -369,6 +372,7 @@ def run_be(
                 kept = []
                 for lease in job.leases:
                     if lease.expired(now):
+                        releasing[lease.app_id] = releasing.get(lease.app_id, 0) + len(lease.slots)
                         continue
                     slots = tuple(s for s in lease.slots if s in usable)
                     if slots:
@@ -384,7 +388,9 @@ def run_be(
         capacity = meter.observe(now, len(usable))
         wanting = any(j.gpus < j.spec.max_gpus for a in active.values() for j in a.live)
         if free and wanting:
-            outcome = pol.auction(now, [a.report() for a in active.values()], free, capacity)
+            outcome = pol.auction(
+                now, [a.report(releasing.get(i, 0)) for i, a in active.items()], free, capacity
+            )
             rounds += 1
             auction_ms.append(outcome.auction_ms)
             for lease in outcome.leases:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -93,6 +94,16 @@ def test_a_starving_app_reports_a_finite_rho_and_bids_as_unbounded() -> None:
     assert agent.rho_current == pytest.approx(agent.rho(2))  # its fair share: 8 GPUs / 4 apps
     bid = agent.bid({"h0": 4})
     assert bid.rho_old == STARVING_RHO and all(r < bid.rho_old for _, r in bid.table)
+
+
+def test_an_app_renewing_its_ended_leases_is_not_starving() -> None:
+    """Leases that end this round are offered again; their app holds nothing at that instant but
+    is renewing: it must not jump the queue as a starving app would (it did, and kept winning)."""
+    ended = dataclasses.replace(_one_job_app("x", max_gpus=4), gpus_releasing=2)
+    agent = AppAgent(ended, ArbiterConfig(), now=0.0, capacity_gpus=8, n_avg=4)
+    assert not agent.starving
+    assert agent.rho_current == pytest.approx(agent.rho(2))
+    assert agent.bid({"h0": 4}).rho_old == pytest.approx(agent.rho(2))
 
 
 def test_a_starving_sweep_with_little_left_outranks_a_fed_one() -> None:
