@@ -1,0 +1,197 @@
+"""The in-process checkpoint agent a job runner (or a kernel replica) drives at step boundaries.
+
+    agent = CheckpointAgent(TrainingState(model, opt, sched, loader=sampler), link, job="job-7")
+    for step, batch in enumerate(loader, start=1):
+        train_step(batch)
+        result = agent.step_boundary(step)      # commits a finished checkpoint; retakes a torn one
+        if want_checkpoint: agent.begin()       # e.g. on the service's "begin" message
+    agent.checkpoint()                          # checkpoint-and-stop: begin (if needed) and wait
+
+``begin`` costs the training thread microseconds per tensor; copying happens on a background
+thread; the training thread pays only for copy-on-write of pieces it writes before the copier
+reaches them. A result names a manifest in the data store; the service records it (commit) and
+garbage-collects packs no live manifest references (``manifest.collectable``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from shared.checkpoint.capture import Capture, CaptureStats, Known
+from shared.checkpoint.cow import UNDECLARED_WRITES, WriteGuard, WriteRule
+from shared.checkpoint.manifest import Manifest
+from shared.checkpoint.pusher import StoreLink
+from shared.checkpoint.state import TrainingState
+from shared.datastore import ObjectRef
+
+DEFAULT_PIECE_BYTES = 64 * 1024
+DEFAULT_PACK_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """A committed image. ``step`` is its instant: the requested boundary, or a later one if an
+    attempt was found torn and retaken (``torn`` names what validation caught)."""
+
+    manifest: Manifest
+    manifest_ref: ObjectRef
+    step: int
+    attempts: int
+    torn: tuple[str, ...]
+    stall_s: float
+    stats: CaptureStats
+    written: tuple[str, ...]  # digests of packs stored during this checkpoint, failed attempts included
+
+
+class CheckpointAgent:
+    """Begins, tracks and commits concurrent checkpoints of one ``TrainingState``.
+
+    All methods are called on the training thread (the dispatch mode is that thread's).
+    """
+
+    def __init__(
+        self,
+        state: TrainingState,
+        link: StoreLink,
+        *,
+        job: str,
+        piece_bytes: int = DEFAULT_PIECE_BYTES,
+        pack_bytes: int = DEFAULT_PACK_BYTES,
+        strict: bool = False,
+        rules: dict[Any, WriteRule] | None = None,
+        max_retakes: int = 2,
+        pacer: Callable[[], None] | None = None,
+        last: Manifest | None = None,
+        last_ref: ObjectRef | None = None,
+    ) -> None:
+        self.state = state
+        self.link = link
+        self.job = job
+        self.piece_bytes = piece_bytes
+        self.pack_bytes = pack_bytes
+        self.strict = strict
+        self.rules = UNDECLARED_WRITES if rules is None else rules
+        self.max_retakes = max_retakes
+        self.pacer = pacer
+        self.last = last
+        self.last_ref = last_ref
+        self.unsafe: set[str] = set()  # tensors caught written behind the dispatcher: cloned at begin
+        self.capture: Capture | None = None
+        self._guard: WriteGuard | None = None
+        self._known: dict[str, Known] = _known_pieces(last)
+        self._attempts = 0
+        self._torn: list[str] = []
+        self._stall_s = 0.0
+        self._written: set[str] = set()
+
+    @property
+    def in_flight(self) -> bool:
+        return self.capture is not None
+
+    def begin(self) -> None:
+        """Take the image of this instant (call at a step boundary, training thread)."""
+        if self.capture is not None:
+            raise RuntimeError("a checkpoint is already in flight")
+        started = time.perf_counter()
+        self._attempts += 1
+        eager = (
+            {name for name, _ in self.state.tensors()}
+            if self._attempts > self.max_retakes + 1
+            else self.unsafe
+        )
+        self.capture = Capture(
+            job=self.job,
+            step=self.state.step,
+            tensors=self.state.tensors(),
+            meta=self.state.meta(),
+            link=self.link,
+            known=self._known,
+            eager=eager,
+            piece_bytes=self.piece_bytes,
+            pack_bytes=self.pack_bytes,
+            strict=self.strict,
+            parent=self.last_ref.digest if self.last_ref is not None else None,
+            pacer=self.pacer,
+        )
+        self._guard = WriteGuard(self.capture.before_write, self.rules)
+        self._guard.__enter__()
+        self.capture.start()
+        self._stall_s += time.perf_counter() - started
+
+    def step_boundary(self, step: int) -> CommitResult | None:
+        """Record the step count; commit a finished checkpoint (or retake a torn one now)."""
+        self.state.step = step
+        capture = self.capture
+        if capture is None:
+            return None
+        started = time.perf_counter()
+        capture.boundary()
+        result = self._finish() if capture.done() else None
+        self._stall_s += time.perf_counter() - started
+        return result
+
+    def wait(self) -> CommitResult:
+        """Training is paused: finish the checkpoint in flight (retaking at once if torn), or take one."""
+        if self.capture is None:
+            self.begin()
+        while True:
+            assert self.capture is not None
+            self.capture.quiesce()
+            started = time.perf_counter()
+            self.capture.future.result()
+            self._stall_s += time.perf_counter() - started
+            result = self._finish()
+            if result is not None:
+                return result
+
+    checkpoint = wait
+
+    def _finish(self) -> CommitResult | None:
+        capture = self.capture
+        assert capture is not None and self._guard is not None
+        self._guard.__exit__(None, None, None)
+        self._guard = None
+        self.capture = None
+        self._stall_s += capture.stall_s
+        outcome = capture.future.result()  # re-raises a copier failure on the training thread
+        self._written |= {
+            ref.digest for ref, _, _ in outcome.known.values() if ref.digest not in self._known_digests()
+        }
+        if outcome.manifest is None or outcome.manifest_ref is None:
+            # Torn: those tensors are written where the dispatcher cannot see; clone them at begin.
+            self.unsafe |= set(outcome.torn)
+            self._torn.extend(outcome.torn)
+            self._known = {**self._known, **outcome.known}
+            self.begin()
+            return None
+        result = CommitResult(
+            manifest=outcome.manifest,
+            manifest_ref=outcome.manifest_ref,
+            step=outcome.step,
+            attempts=self._attempts,
+            torn=tuple(self._torn),
+            stall_s=self._stall_s,
+            stats=outcome.stats,
+            written=tuple(sorted(self._written)),
+        )
+        self.last, self.last_ref = outcome.manifest, outcome.manifest_ref
+        self._known = _known_pieces(outcome.manifest)
+        self._attempts, self._torn, self._stall_s, self._written = 0, [], 0.0, set()
+        return result
+
+    def _known_digests(self) -> set[str]:
+        return {ref.digest for ref, _, _ in self._known.values() if isinstance(ref, ObjectRef)}
+
+
+def _known_pieces(manifest: Manifest | None) -> dict[str, Known]:
+    """Pieces the store holds for this job (fingerprint -> pack, offset, length): not written again."""
+    if manifest is None:
+        return {}
+    known: dict[str, Known] = {}
+    for record in manifest.tensors:
+        for fp, piece in zip(record.fingerprints, record.pieces, strict=True):
+            known[fp] = (manifest.packs[piece.pack], piece.offset, piece.length)
+    return known
