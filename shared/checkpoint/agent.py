@@ -5,7 +5,7 @@
         train_step(batch)
         result = agent.step_boundary(step)      # commits a finished checkpoint; retakes a torn one
         if want_checkpoint: agent.begin()       # e.g. on the service's "begin" message
-    agent.checkpoint()                          # checkpoint-and-stop: begin (if needed) and wait
+    agent.checkpoint()                          # checkpoint-and-stop: the image of now
 
 ``begin`` costs the training thread microseconds per tensor; copying happens on a background
 thread; the training thread pays only for copy-on-write of pieces it writes before the copier
@@ -133,6 +133,26 @@ class CheckpointAgent:
         self._stall_s += time.perf_counter() - started
         return result
 
+    def checkpoint(self) -> CommitResult:
+        """Checkpoint-and-stop: the image of this instant (training is paused). A checkpoint in
+        flight from an earlier boundary is committed first, so it is not wasted."""
+        if self.capture is not None:
+            self.wait()
+        self.begin()
+        return self.wait()
+
+    def abandon(self) -> None:
+        """Drop the checkpoint in flight (the job is stopping without needing it); its copier ends
+        at once and what it stored is left to the service's garbage collection."""
+        capture, guard = self.capture, self._guard
+        if capture is None or guard is None:
+            return
+        guard.__exit__(None, None, None)
+        self.capture, self._guard = None, None
+        capture.cancel()
+        capture.future.exception()
+        self._attempts, self._torn, self._stall_s, self._written = 0, [], 0.0, set()
+
     def wait(self) -> CommitResult:
         """Training is paused: finish the checkpoint in flight (retaking at once if torn), or take one."""
         if self.capture is None:
@@ -146,8 +166,6 @@ class CheckpointAgent:
             result = self._finish()
             if result is not None:
                 return result
-
-    checkpoint = wait
 
     def _finish(self) -> CommitResult | None:
         capture = self.capture

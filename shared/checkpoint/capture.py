@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,6 +190,7 @@ class Capture:
         self.stall_s = 0.0
         self._boundaries = 0
         self._quiesced = False
+        self._cancelled = False
         self._progress = threading.Condition()
         self.captured = threading.Event()  # every piece captured (tests inject writes after it)
         self.future: Future[CaptureResult] = Future()
@@ -238,6 +239,12 @@ class Capture:
             self._quiesced = True
             self._progress.notify_all()
 
+    def cancel(self) -> None:
+        """Stop the copier at its next piece; the attempt ends in ``CancelledError``."""
+        with self._progress:
+            self._cancelled = self._quiesced = True
+            self._progress.notify_all()
+
     def done(self) -> bool:
         return self.future.done()
 
@@ -264,6 +271,8 @@ class Capture:
             self.packer.align(entry.live.numel())
             array = entry.live.numpy() if not entry.eager else None
             for i, (a, b) in enumerate(entry.ranges):
+                if self._cancelled:
+                    raise CancelledError(f"checkpoint of {self.job} at step {self.step} abandoned")
                 if self.pacer is not None:
                     self.pacer()
                 with entry.lock:
@@ -285,6 +294,8 @@ class Capture:
                     self._store_piece(entry, i, fingerprint(data), data)
         self.captured.set()
         torn = self._validate()
+        if self._cancelled:
+            raise CancelledError(f"checkpoint of {self.job} at step {self.step} abandoned")
         self.packer.flush()
         packs = [f.result() for f in self.packer.futures]
         stored = {
@@ -298,9 +309,11 @@ class Capture:
         return CaptureResult(self.step, manifest, ref, (), self.stats, stored)
 
     def _validate(self) -> set[str]:
+        # Two boundaries after the capture ended: one whole step ran after it (the first may be
+        # the boundary of a step that was already running when the capture ended).
         with self._progress:
             seen = self._boundaries
-            self._progress.wait_for(lambda: self._quiesced or self._boundaries > seen)
+            self._progress.wait_for(lambda: self._quiesced or self._boundaries >= seen + 2)
         torn: set[str] = set()
         for entry in self.entries:
             if entry.eager:

@@ -3,6 +3,8 @@
 ``torch.utils.data.DataLoader`` has no position of its own; a sampler that knows its epoch and
 offset gives one, so a restored job reads exactly the batches the uninterrupted job would have
 read next (for map-style datasets; workers' prefetched batches are dropped, not replayed).
+Give the DataLoader a ``generator=`` of its own: each new iterator draws a base seed, from the
+global torch RNG otherwise, and a restored process starts one more iterator than the original.
 """
 
 from __future__ import annotations
