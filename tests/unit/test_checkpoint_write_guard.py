@@ -4,6 +4,8 @@ resumes mid-epoch exactly where it stopped."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -67,16 +69,21 @@ def test_strided_view_extent_covers_every_element() -> None:
     assert start == (10 + 3) * 4 and end == (50 + 3 + 1) * 4
 
 
+def _epochs(sampler: ResumableSampler) -> Iterator[int]:
+    while True:
+        yield from sampler
+
+
 @settings(max_examples=50)
 @given(st.integers(1, 40), st.integers(0, 100), st.integers(0, 5))
 def test_a_resumed_sampler_hands_out_what_the_original_would_have(length: int, taken: int, seed: int) -> None:
     original = ResumableSampler(length, seed=seed)
-    stream = (i for _ in range(3) for i in original)
+    stream = _epochs(original)
     head = [next(stream) for _ in range(taken)]
     saved = original.state_dict()
     rest = [next(stream) for _ in range(length)]
     resumed = ResumableSampler(length, seed=seed)
     resumed.load_state_dict(saved)
-    again = (i for _ in range(3) for i in resumed)
+    again = _epochs(resumed)
     assert [next(again) for _ in range(length)] == rest
     assert len(head) == taken
