@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from shared.checkpoint.capture import Capture, CaptureStats, Known
+from shared.checkpoint.capture import Capture, CaptureStats, Known, Layout, known_pieces
 from shared.checkpoint.cow import UNDECLARED_WRITES, WriteGuard, WriteRule
 from shared.checkpoint.manifest import Manifest
 from shared.checkpoint.pusher import StoreLink
@@ -81,7 +82,11 @@ class CheckpointAgent:
         self.unsafe: set[str] = set()  # tensors caught written behind the dispatcher: cloned at begin
         self.capture: Capture | None = None
         self._guard: WriteGuard | None = None
-        self._known: dict[str, Known] = _known_pieces(last)
+        self._known: dict[str, Known] = known_pieces(last)
+        self._layouts: dict[int, Layout] = {}
+        # One long-lived copier thread: starting a thread per checkpoint costs the training thread
+        # a scheduler round trip (tens of ms on a loaded machine).
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"checkpoint-{job}")
         self._attempts = 0
         self._torn: list[str] = []
         self._stall_s = 0.0
@@ -115,10 +120,12 @@ class CheckpointAgent:
             strict=self.strict,
             parent=self.last_ref.digest if self.last_ref is not None else None,
             pacer=self.pacer,
+            layouts=self._layouts,
         )
+        self._layouts = self.capture.layouts
         self._guard = WriteGuard(self.capture.before_write, self.rules)
         self._guard.__enter__()
-        self.capture.start()
+        self._copier.submit(self.capture.run)
         self._stall_s += time.perf_counter() - started
 
     def step_boundary(self, step: int) -> CommitResult | None:
@@ -140,6 +147,11 @@ class CheckpointAgent:
             self.wait()
         self.begin()
         return self.wait()
+
+    def close(self) -> None:
+        """Abandon what is in flight and stop the copier thread."""
+        self.abandon()
+        self._copier.shutdown(wait=True)
 
     def abandon(self) -> None:
         """Drop the checkpoint in flight (the job is stopping without needing it); its copier ends
@@ -175,14 +187,12 @@ class CheckpointAgent:
         self.capture = None
         self._stall_s += capture.stall_s
         outcome = capture.future.result()  # re-raises a copier failure on the training thread
-        self._written |= {
-            ref.digest for ref, _, _ in outcome.known.values() if ref.digest not in self._known_digests()
-        }
+        self._written |= outcome.written
         if outcome.manifest is None or outcome.manifest_ref is None:
             # Torn: those tensors are written where the dispatcher cannot see; clone them at begin.
             self.unsafe |= set(outcome.torn)
             self._torn.extend(outcome.torn)
-            self._known = {**self._known, **outcome.known}
+            self._known = outcome.known
             self.begin()
             return None
         result = CommitResult(
@@ -196,20 +206,6 @@ class CheckpointAgent:
             written=tuple(sorted(self._written)),
         )
         self.last, self.last_ref = outcome.manifest, outcome.manifest_ref
-        self._known = _known_pieces(outcome.manifest)
+        self._known = outcome.known
         self._attempts, self._torn, self._stall_s, self._written = 0, [], 0.0, set()
         return result
-
-    def _known_digests(self) -> set[str]:
-        return {ref.digest for ref, _, _ in self._known.values() if isinstance(ref, ObjectRef)}
-
-
-def _known_pieces(manifest: Manifest | None) -> dict[str, Known]:
-    """Pieces the store holds for this job (fingerprint -> pack, offset, length): not written again."""
-    if manifest is None:
-        return {}
-    known: dict[str, Known] = {}
-    for record in manifest.tensors:
-        for fp, piece in zip(record.fingerprints, record.pieces, strict=True):
-            known[fp] = (manifest.packs[piece.pack], piece.offset, piece.length)
-    return known

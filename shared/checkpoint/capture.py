@@ -33,18 +33,44 @@ from typing import Any
 import torch
 
 from shared.checkpoint.manifest import Manifest, PieceLocation, TensorRecord
-from shared.checkpoint.pieces import byte_extent, byte_view, fingerprint, piece_ranges, storage_key
+from shared.checkpoint.pieces import byte_extent, byte_view, fingerprint, storage_key
 from shared.checkpoint.pusher import StoreLink
 from shared.checkpoint.state import encode_meta
 from shared.datastore import ObjectRef
+
+_POLL_S = 0.002  # how often a copier waiting for a step boundary looks
 
 # Where a piece's bytes are: in a stored pack, or at an offset of a pack this checkpoint is writing.
 Known = tuple[ObjectRef | int, int, int]
 
 
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where a tracked tensor's bytes are. Cached across checkpoints by the agent: building it
+    costs a few torch calls, and begin builds one per tensor on the training thread."""
+
+    tensor: torch.Tensor
+    data_ptr: int
+    live: torch.Tensor
+    storage: int | None
+    extent: tuple[int, int]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, cache: dict[int, Layout] | None = None) -> Layout:
+        """The tensor's layout, reused from ``cache`` while it is the same object over the same memory."""
+        cached = cache.get(id(tensor)) if cache is not None else None
+        if cached is not None and cached.tensor is tensor and cached.data_ptr == tensor.data_ptr():
+            return cached
+        layout = cls(tensor, tensor.data_ptr(), byte_view(tensor), storage_key(tensor), byte_extent(tensor))
+        if cache is not None:
+            cache[id(tensor)] = layout
+        return layout
+
+
 class Entry:
     """A tracked tensor: its live bytes, per-piece capture state, and the lock that orders the
-    copier against copy-on-write."""
+    copier against copy-on-write. Per-piece state is flat (bytearrays, a dict of copies): begin
+    creates one of these per tensor on the training thread, so it must cost microseconds."""
 
     __slots__ = (
         "begin_fps",
@@ -56,40 +82,60 @@ class Entry:
         "live",
         "lock",
         "name",
-        "ranges",
+        "nbytes",
+        "piece_bytes",
+        "pieces",
         "snaps",
         "storage",
         "tensor",
         "version0",
     )
 
-    def __init__(self, name: str, tensor: torch.Tensor, piece_bytes: int, *, eager: bool) -> None:
+    def __init__(self, name: str, layout: Layout, piece_bytes: int, *, eager: bool) -> None:
+        tensor = layout.tensor
         self.name = name
         self.tensor = tensor
-        self.live = byte_view(tensor)
-        self.storage = storage_key(tensor)
-        self.extent = byte_extent(tensor)
-        self.ranges = piece_ranges(self.live.numel(), piece_bytes)
+        self.live = layout.live
+        self.nbytes = self.live.numel()
+        self.piece_bytes = piece_bytes
+        self.pieces = max(1, -(-self.nbytes // piece_bytes))
+        self.storage = layout.storage
+        self.extent = layout.extent
         self.lock = threading.Lock()
-        n = len(self.ranges)
-        self.snaps: list[torch.Tensor | None] = [None] * n
-        self.captured = [False] * n
-        self.dirty = [False] * n  # a declared write touched the piece during the checkpoint
-        self.fps: list[str | None] = [None] * n
+        self.snaps: dict[int, torch.Tensor] = {}  # pieces copied by copy-on-write or at begin
+        self.captured = bytearray(self.pieces)
+        self.dirty = bytearray(self.pieces)  # a declared write touched the piece during the checkpoint
+        self.fps: list[str | None] = [None] * self.pieces
         self.begin_fps: list[str] | None = None
         self.version0 = tensor._version
         self.eager = eager or tensor.device.type != "cpu"
         if self.eager:
             # Cloned now, at the instant: known undeclared writers, and device memory (a device
             # clone is ordered on the stream before later kernels; the copier moves it to host).
-            whole = self.live.clone()
-            self.snaps = [whole[a:b] for a, b in self.ranges]
-            self.captured = [True] * n
+            self.take(0, self.pieces)
+
+    def span(self, i: int) -> tuple[int, int]:
+        """Piece ``i``'s ``[start, end)`` bytes within the tensor."""
+        start = i * self.piece_bytes
+        return start, min(start + self.piece_bytes, self.nbytes)
+
+    def take(self, first: int, last: int) -> int:
+        """Copy pieces ``first..last-1`` not yet captured, in one clone; the bytes copied.
+        Caller holds the lock (or owns the entry, at begin)."""
+        todo = [i for i in range(first, last) if not self.captured[i]]
+        if not todo:
+            return 0
+        lo, hi = self.span(todo[0])[0], self.span(todo[-1])[1]
+        copy = self.live[lo:hi].clone()
+        for i in todo:
+            a, b = self.span(i)
+            self.snaps[i] = copy[a - lo : b - lo]
+            self.captured[i] = 1
+        return hi - lo
 
     def host(self, i: int) -> Any:
-        """Piece ``i``'s captured bytes as a host buffer."""
+        """Piece ``i``'s copied bytes as a host buffer."""
         snap = self.snaps[i]
-        assert snap is not None
         return snap.cpu().numpy() if snap.device.type != "cpu" else snap.numpy()
 
 
@@ -112,7 +158,8 @@ class CaptureResult:
     manifest_ref: ObjectRef | None
     torn: tuple[str, ...]
     stats: CaptureStats
-    known: dict[str, Known] = field(default_factory=dict)  # pieces stored by this attempt
+    known: dict[str, Known] = field(default_factory=dict)  # pieces the next attempt need not store
+    written: frozenset[str] = frozenset()  # digests of the packs this attempt stored
 
 
 class Packer:
@@ -164,9 +211,11 @@ class Capture:
         eager: set[str],
         piece_bytes: int,
         pack_bytes: int,
+        group_bytes: int = 1024 * 1024,
         strict: bool,
         parent: str | None,
         pacer: Callable[[], None] | None = None,
+        layouts: dict[int, Layout] | None = None,
     ) -> None:
         self.job = job
         self.step = step
@@ -174,30 +223,37 @@ class Capture:
         self.link = link
         self.known = dict(known)
         self.piece_bytes = piece_bytes
+        self.group_bytes = group_bytes
         self.strict = strict
         self.parent = parent
         self.pacer = pacer
         self.stats = CaptureStats()
         self.packer = Packer(link, pack_bytes)
-        self.entries = [Entry(name, t, piece_bytes, eager=name in eager) for name, t in tensors]
+        # The layouts of this checkpoint's tensors only, so replaced tensors are not kept alive.
+        self.layouts = {id(t): Layout.of(t, layouts) for _, t in tensors}
+        self.entries = [
+            Entry(name, self.layouts[id(t)], piece_bytes, eager=name in eager) for name, t in tensors
+        ]
         self.by_storage: dict[int, list[Entry]] = {}
         for entry in self.entries:
             if entry.storage is not None:
                 self.by_storage.setdefault(entry.storage, []).append(entry)
             if strict and not entry.eager:
                 array = entry.live.numpy()
-                entry.begin_fps = [fingerprint(array[a:b]) for a, b in entry.ranges]
+                entry.begin_fps = [fingerprint(array[slice(*entry.span(i))]) for i in range(entry.pieces)]
         self.stall_s = 0.0
         self._boundaries = 0
         self._quiesced = False
         self._cancelled = False
-        self._progress = threading.Condition()
         self.captured = threading.Event()  # every piece captured (tests inject writes after it)
         self.future: Future[CaptureResult] = Future()
-        self._thread = threading.Thread(target=self._run, name=f"checkpoint-{job}-{step}", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
+    def run(self) -> None:
+        """The copier's work, on the agent's copier thread; the outcome lands in ``future``."""
+        try:
+            self.future.set_result(self._capture_validate_commit())
+        except BaseException as exc:
+            self.future.set_exception(exc)
 
     # ----- training thread --------------------------------------------------------------------
 
@@ -213,48 +269,33 @@ class Capture:
                 lo, hi = entry.extent
                 if start >= hi or end <= lo:
                     continue
-                first, last = max(start, lo) - lo, min(end, hi) - lo
+                first = (max(start, lo) - lo) // entry.piece_bytes
+                last = min(entry.pieces, -(-(min(end, hi) - lo) // entry.piece_bytes))
                 with entry.lock:
-                    for i, (a, b) in enumerate(entry.ranges):
-                        if b <= first or a >= last:
-                            continue
-                        entry.dirty[i] = True
-                        if not entry.captured[i]:
-                            entry.snaps[i] = entry.live[a:b].clone()
-                            entry.captured[i] = True
-                            self.stats.cow_pieces += 1
-                            self.stats.cow_bytes += b - a
+                    entry.dirty[first:last] = b"\x01" * (last - first)
+                    copied = entry.take(first, last)
+                if copied:
+                    self.stats.cow_pieces += -(-copied // entry.piece_bytes)
+                    self.stats.cow_bytes += copied
         self.stall_s += time.perf_counter() - started
 
     def boundary(self) -> None:
         """A step boundary passed (validation waits for one after the capture, so a per-step
         undeclared writer has run at least once in between)."""
-        with self._progress:
-            self._boundaries += 1
-            self._progress.notify_all()
+        self._boundaries += 1  # polled by the copier: waking it here would hand it the GIL mid-step
 
     def quiesce(self) -> None:
         """Training is paused (checkpoint-and-stop): validate at once."""
-        with self._progress:
-            self._quiesced = True
-            self._progress.notify_all()
+        self._quiesced = True
 
     def cancel(self) -> None:
         """Stop the copier at its next piece; the attempt ends in ``CancelledError``."""
-        with self._progress:
-            self._cancelled = self._quiesced = True
-            self._progress.notify_all()
+        self._cancelled = self._quiesced = True
 
     def done(self) -> bool:
         return self.future.done()
 
     # ----- copier thread ----------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            self.future.set_result(self._capture_validate_commit())
-        except BaseException as exc:
-            self.future.set_exception(exc)
 
     def _store_piece(self, entry: Entry, i: int, fp: str, data: Any) -> None:
         if fp not in self.known:
@@ -263,35 +304,58 @@ class Capture:
             self.stats.new_pieces += 1
             self.stats.new_bytes += data.nbytes
         entry.fps[i] = fp
-        entry.snaps[i] = None
+
+    def _capture_order(self) -> list[Entry]:
+        """Optimizer state first: an optimizer step writes its moments before the parameters, and
+        the forward and backward passes before it write neither, so the copier races ahead of the
+        writes it would otherwise force onto the training thread."""
+        optim = [e for e in self.entries if e.name.startswith("optim.")]
+        return optim + [e for e in self.entries if not e.name.startswith("optim.")]
+
+    def _capture_group(self, entry: Entry, first: int, last: int, array: Any) -> None:
+        """Fingerprint pieces ``first..last-1`` as they are now; copy (one clone) those the store
+        does not hold yet. Under the entry's lock: a write waits at most for one group."""
+        with entry.lock:
+            new: list[int] = []
+            for i in range(first, last):
+                if entry.captured[i]:
+                    continue
+                a, b = entry.span(i)
+                fp = fingerprint(array[a:b])
+                entry.captured[i] = 1
+                entry.fps[i] = fp
+                if fp not in self.known:
+                    new.append(i)
+            if not new:
+                return
+            lo, hi = entry.span(new[0])[0], entry.span(new[-1])[1]
+            copy = entry.live[lo:hi].clone()
+        data = copy.numpy()
+        for i in new:
+            a, b = entry.span(i)
+            self._store_piece(entry, i, entry.fps[i] or "", data[a - lo : b - lo])
 
     def _capture_validate_commit(self) -> CaptureResult:
         # Capture: live pieces not yet copied by copy-on-write or at begin.
-        for entry in self.entries:
-            self.packer.align(entry.live.numel())
-            array = entry.live.numpy() if not entry.eager else None
-            for i, (a, b) in enumerate(entry.ranges):
+        group = 1 if self.pacer is not None else max(1, self.group_bytes // self.piece_bytes)
+        for entry in self._capture_order():
+            self.packer.align(entry.nbytes)
+            if entry.eager:
+                continue
+            array = entry.live.numpy()
+            for first in range(0, entry.pieces, group):
                 if self._cancelled:
                     raise CancelledError(f"checkpoint of {self.job} at step {self.step} abandoned")
                 if self.pacer is not None:
                     self.pacer()
-                with entry.lock:
-                    if entry.captured[i]:
-                        continue
-                    assert array is not None
-                    fp = fingerprint(array[a:b])
-                    entry.captured[i] = True
-                    entry.fps[i] = fp
-                    if fp in self.known:
-                        continue
-                    snap = entry.live[a:b].clone()
-                self._store_piece(entry, i, fp, snap.numpy())
-        # Pieces copied by copy-on-write or eagerly: fingerprint and pack them now.
+                self._capture_group(entry, first, min(first + group, entry.pieces), array)
+        # Pieces copied by copy-on-write or at begin: fingerprint and pack them now (no write
+        # can add any: every piece is captured).
         for entry in self.entries:
-            for i in range(len(entry.ranges)):
-                if entry.snaps[i] is not None:
-                    data = entry.host(i)
-                    self._store_piece(entry, i, fingerprint(data), data)
+            for i in sorted(entry.snaps):
+                data = entry.host(i)
+                self._store_piece(entry, i, fingerprint(data), data)
+            entry.snaps.clear()
         self.captured.set()
         torn = self._validate()
         if self._cancelled:
@@ -302,18 +366,20 @@ class Capture:
             fp: (packs[loc[0]] if isinstance(loc[0], int) else loc[0], loc[1], loc[2])
             for fp, loc in self.known.items()
         }
+        written = frozenset(ref.digest for ref in packs)
         if torn:
-            return CaptureResult(self.step, None, None, tuple(sorted(torn)), self.stats, stored)
+            # Its pieces stay useful to the retake (those not torn are what the store now holds).
+            return CaptureResult(self.step, None, None, tuple(sorted(torn)), self.stats, stored, written)
         manifest = self._manifest(stored)
         ref = self.link.put_many([manifest.to_json()]).result()
-        return CaptureResult(self.step, manifest, ref, (), self.stats, stored)
+        return CaptureResult(self.step, manifest, ref, (), self.stats, known_pieces(manifest), written)
 
     def _validate(self) -> set[str]:
         # Two boundaries after the capture ended: one whole step ran after it (the first may be
         # the boundary of a step that was already running when the capture ended).
-        with self._progress:
-            seen = self._boundaries
-            self._progress.wait_for(lambda: self._quiesced or self._boundaries >= seen + 2)
+        seen = self._boundaries
+        while not (self._quiesced or self._boundaries >= seen + 2):
+            time.sleep(_POLL_S)
         torn: set[str] = set()
         for entry in self.entries:
             if entry.eager:
@@ -322,10 +388,11 @@ class Capture:
                 torn.add(entry.name)
                 continue
             array = entry.live.numpy()
-            for i, (a, b) in enumerate(entry.ranges):
+            for i in range(entry.pieces):
                 with entry.lock:
                     if entry.dirty[i]:
                         continue
+                    a, b = entry.span(i)
                     if fingerprint(array[a:b]) != entry.fps[i]:
                         torn.add(entry.name)
                         break
@@ -356,14 +423,25 @@ class Capture:
                     entry.name,
                     str(t.dtype).removeprefix("torch."),
                     tuple(t.shape),
-                    entry.live.numel(),
+                    entry.nbytes,
                     tuple(fps),
                     tuple(pieces),
                 )
             )
             self.stats.pieces += len(fps)
-            self.stats.image_bytes += entry.live.numel()
+            self.stats.image_bytes += entry.nbytes
         stats = {k: int(v) for k, v in vars(self.stats).items()}
         return Manifest(
             self.job, self.step, self.piece_bytes, tuple(packs), meta_ref, tuple(records), self.parent, stats
         )
+
+
+def known_pieces(manifest: Manifest | None) -> dict[str, Known]:
+    """Pieces the store holds for this job (fingerprint -> pack, offset, length): not written again."""
+    if manifest is None:
+        return {}
+    known: dict[str, Known] = {}
+    for record in manifest.tensors:
+        for fp, piece in zip(record.fingerprints, record.pieces, strict=True):
+            known[fp] = (manifest.packs[piece.pack], piece.offset, piece.length)
+    return known
