@@ -20,7 +20,12 @@ Then, on the first size:
 - ``restore_first_step_ratio``: time to the first forward output after an on-demand restore /
   after a full restore, reading through a store throttled to ``--restore-mb-s``.
 
-Prints one JSON line. ``--quick``: ~5 and ~20 MB, fewer steps (a smoke run, not a measurement).
+``stall_cpu_ms`` / ``stop_world_stall_cpu_ms`` give the training thread's CPU time for the same
+events: on a shared machine wall time also counts waiting for a core. ``cow_mb_median`` is what
+copy-on-write copied on the training thread (the copier had not reached it before the optimizer
+step wrote it).
+
+Prints one JSON line. ``--quick``: ~16 and ~32 MB, fewer steps (a smoke run, not a measurement).
 """
 
 from __future__ import annotations
@@ -99,8 +104,9 @@ class Trainer:
         self.opt.step()
         self.state.step += 1
 
-    def save_stop_world(self, path: Path) -> float:
-        started = time.perf_counter()
+    def save_stop_world(self, path: Path) -> tuple[float, float]:
+        """torch.save of the same state on the training thread: (wall, CPU) seconds."""
+        started, cpu = time.perf_counter(), time.thread_time()
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.opt.state_dict(),
@@ -108,7 +114,7 @@ class Trainer:
             "step": self.state.step,
         }
         torch.save(state, path)
-        return time.perf_counter() - started
+        return time.perf_counter() - started, time.thread_time() - cpu
 
 
 def open_link(root: Path, store: Callable[[Path], LocalStore] | None = None) -> StoreLink:
@@ -137,10 +143,10 @@ def stalls(megabytes: float, args: argparse.Namespace, tmp: Path) -> dict[str, A
     for _ in range(2):
         trainer.step()
     run_until_commit(trainer, agent)  # the first image: everything is new
-    agent_stalls: list[float] = []
-    world_stalls: list[float] = []
+    agent_stalls: list[CommitResult] = []
+    world_stalls: list[tuple[float, float]] = []
     for _ in range(args.checkpoints):
-        agent_stalls.append(run_until_commit(trainer, agent).stall_s)
+        agent_stalls.append(run_until_commit(trainer, agent))
         world_stalls.append(trainer.save_stop_world(tmp / "stop-world.pt"))
         trainer.step()
     # Every 3 steps: none / agent / torch.save, interleaved round by round.
@@ -161,12 +167,16 @@ def stalls(megabytes: float, args: argparse.Namespace, tmp: Path) -> dict[str, A
             times[mode].append((time.perf_counter() - started) / args.steps)
     link.close()
     base = statistics.median(times["none"])
+    wall = [r.stall_s for r in agent_stalls]
     return {
         "model_mb": round(model_bytes(model) / MB, 1),
         "step_ms": round(base * 1000, 1),
-        "stall_ms": round(statistics.median(agent_stalls) * 1000, 2),
-        "stall_ms_max": round(max(agent_stalls) * 1000, 2),
-        "stop_world_stall_ms": round(statistics.median(world_stalls) * 1000, 1),
+        "stall_ms": round(statistics.median(wall) * 1000, 2),
+        "stall_ms_max": round(max(wall) * 1000, 2),
+        "stall_cpu_ms": round(statistics.median(r.stall_cpu_s for r in agent_stalls) * 1000, 2),
+        "cow_mb_median": round(statistics.median(r.stats.cow_bytes for r in agent_stalls) / MB, 1),
+        "stop_world_stall_ms": round(statistics.median(w for w, _ in world_stalls) * 1000, 1),
+        "stop_world_stall_cpu_ms": round(statistics.median(c for _, c in world_stalls) * 1000, 1),
         "every3_step_slowdown": round(statistics.median(times["agent"]) / base, 3),
         "stop_world_every3_step_slowdown": round(statistics.median(times["save"]) / base, 3),
     }
@@ -273,11 +283,13 @@ def main() -> None:
     parser.add_argument("--checkpoints", type=int, help="checkpoints timed per size (default 5)")
     parser.add_argument("--rounds", type=int, help="interleaved every-3-steps rounds (default 3)")
     parser.add_argument("--steps", type=int, default=9, help="steps per round (a multiple of 3)")
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument(
+        "--batch", type=int, default=64, help="rows per step (the copier races forward+backward)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for training")
     parser.add_argument("--restore-mb-s", type=float, default=200.0, help="throttled store read bandwidth")
     args = parser.parse_args()
-    sizes = args.sizes or ([5.0, 20.0] if args.quick else [50.0, 200.0])
+    sizes = args.sizes or ([16.0, 32.0] if args.quick else [50.0, 200.0])
     args.checkpoints = args.checkpoints or (2 if args.quick else 5)
     args.rounds = args.rounds or (1 if args.quick else 3)
     torch.set_num_threads(args.threads)
@@ -286,6 +298,7 @@ def main() -> None:
         "torch_threads": args.threads,
         "cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
+        "batch": args.batch,
     }
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as tmp_name:
         tmp = Path(tmp_name)

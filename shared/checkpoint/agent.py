@@ -15,16 +15,17 @@ garbage-collects packs no live manifest references (``manifest.collectable``).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from shared.checkpoint.capture import Capture, CaptureStats, Known, Layout, known_pieces
+from shared.checkpoint.clock import StallClock
 from shared.checkpoint.cow import UNDECLARED_WRITES, WriteGuard, WriteRule
 from shared.checkpoint.manifest import Manifest
 from shared.checkpoint.pusher import StoreLink
+from shared.checkpoint.staging import Staging
 from shared.checkpoint.state import TrainingState
 from shared.datastore import ObjectRef
 
@@ -42,7 +43,8 @@ class CommitResult:
     step: int
     attempts: int
     torn: tuple[str, ...]
-    stall_s: float
+    stall_s: float  # training-thread wall time spent on this checkpoint (retakes included)
+    stall_cpu_s: float  # and its CPU time
     stats: CaptureStats
     written: tuple[str, ...]  # digests of packs stored during this checkpoint, failed attempts included
 
@@ -84,12 +86,13 @@ class CheckpointAgent:
         self._guard: WriteGuard | None = None
         self._known: dict[str, Known] = known_pieces(last)
         self._layouts: dict[int, Layout] = {}
+        self._staging = Staging(max(pack_bytes, piece_bytes))
         # One long-lived copier thread: starting a thread per checkpoint costs the training thread
         # a scheduler round trip (tens of ms on a loaded machine).
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"checkpoint-{job}")
         self._attempts = 0
         self._torn: list[str] = []
-        self._stall_s = 0.0
+        self._clock = StallClock()
         self._written: set[str] = set()
 
     @property
@@ -100,7 +103,7 @@ class CheckpointAgent:
         """Take the image of this instant (call at a step boundary, training thread)."""
         if self.capture is not None:
             raise RuntimeError("a checkpoint is already in flight")
-        started = time.perf_counter()
+        started = self._clock.start()
         self._attempts += 1
         eager = (
             {name for name, _ in self.state.tensors()}
@@ -116,7 +119,7 @@ class CheckpointAgent:
             known=self._known,
             eager=eager,
             piece_bytes=self.piece_bytes,
-            pack_bytes=self.pack_bytes,
+            staging=self._staging,
             strict=self.strict,
             parent=self.last_ref.digest if self.last_ref is not None else None,
             pacer=self.pacer,
@@ -126,7 +129,7 @@ class CheckpointAgent:
         self._guard = WriteGuard(self.capture.before_write, self.rules)
         self._guard.__enter__()
         self._copier.submit(self.capture.run)
-        self._stall_s += time.perf_counter() - started
+        self._clock.stop(started)
 
     def step_boundary(self, step: int) -> CommitResult | None:
         """Record the step count; commit a finished checkpoint (or retake a torn one now)."""
@@ -134,10 +137,10 @@ class CheckpointAgent:
         capture = self.capture
         if capture is None:
             return None
-        started = time.perf_counter()
+        started = self._clock.start()
         capture.boundary()
         result = self._finish() if capture.done() else None
-        self._stall_s += time.perf_counter() - started
+        self._clock.stop(started)
         return result
 
     def checkpoint(self) -> CommitResult:
@@ -163,7 +166,7 @@ class CheckpointAgent:
         self.capture, self._guard = None, None
         capture.cancel()
         capture.future.exception()
-        self._attempts, self._torn, self._stall_s, self._written = 0, [], 0.0, set()
+        self._attempts, self._torn, self._clock, self._written = 0, [], StallClock(), set()
 
     def wait(self) -> CommitResult:
         """Training is paused: finish the checkpoint in flight (retaking at once if torn), or take one."""
@@ -172,9 +175,9 @@ class CheckpointAgent:
         while True:
             assert self.capture is not None
             self.capture.quiesce()
-            started = time.perf_counter()
+            started = self._clock.start()
             self.capture.future.result()
-            self._stall_s += time.perf_counter() - started
+            self._clock.stop(started)
             result = self._finish()
             if result is not None:
                 return result
@@ -185,7 +188,7 @@ class CheckpointAgent:
         self._guard.__exit__(None, None, None)
         self._guard = None
         self.capture = None
-        self._stall_s += capture.stall_s
+        self._clock.add(capture.clock)
         outcome = capture.future.result()  # re-raises a copier failure on the training thread
         self._written |= outcome.written
         if outcome.manifest is None or outcome.manifest_ref is None:
@@ -201,11 +204,12 @@ class CheckpointAgent:
             step=outcome.step,
             attempts=self._attempts,
             torn=tuple(self._torn),
-            stall_s=self._stall_s,
+            stall_s=self._clock.wall_s,
+            stall_cpu_s=self._clock.cpu_s,
             stats=outcome.stats,
             written=tuple(sorted(self._written)),
         )
         self.last, self.last_ref = outcome.manifest, outcome.manifest_ref
         self._known = outcome.known
-        self._attempts, self._torn, self._stall_s, self._written = 0, [], 0.0, set()
+        self._attempts, self._torn, self._clock, self._written = 0, [], StallClock(), set()
         return result

@@ -32,9 +32,11 @@ from typing import Any
 
 import torch
 
+from shared.checkpoint.clock import StallClock
 from shared.checkpoint.manifest import Manifest, PieceLocation, TensorRecord
 from shared.checkpoint.pieces import byte_extent, byte_view, fingerprint, storage_key
 from shared.checkpoint.pusher import StoreLink
+from shared.checkpoint.staging import Arena, Staging
 from shared.checkpoint.state import encode_meta
 from shared.datastore import ObjectRef
 
@@ -52,6 +54,7 @@ class Layout:
     tensor: torch.Tensor
     data_ptr: int
     live: torch.Tensor
+    array: Any  # the live bytes as a numpy array (host tensors), None on a device
     storage: int | None
     extent: tuple[int, int]
 
@@ -61,7 +64,9 @@ class Layout:
         cached = cache.get(id(tensor)) if cache is not None else None
         if cached is not None and cached.tensor is tensor and cached.data_ptr == tensor.data_ptr():
             return cached
-        layout = cls(tensor, tensor.data_ptr(), byte_view(tensor), storage_key(tensor), byte_extent(tensor))
+        live = byte_view(tensor)
+        array = live.numpy() if live.device.type == "cpu" else None
+        layout = cls(tensor, tensor.data_ptr(), live, array, storage_key(tensor), byte_extent(tensor))
         if cache is not None:
             cache[id(tensor)] = layout
         return layout
@@ -73,6 +78,7 @@ class Entry:
     creates one of these per tensor on the training thread, so it must cost microseconds."""
 
     __slots__ = (
+        "array",
         "begin_fps",
         "captured",
         "dirty",
@@ -91,11 +97,12 @@ class Entry:
         "version0",
     )
 
-    def __init__(self, name: str, layout: Layout, piece_bytes: int, *, eager: bool) -> None:
+    def __init__(self, name: str, layout: Layout, piece_bytes: int, arena: Arena, *, eager: bool) -> None:
         tensor = layout.tensor
         self.name = name
         self.tensor = tensor
         self.live = layout.live
+        self.array = layout.array
         self.nbytes = self.live.numel()
         self.piece_bytes = piece_bytes
         self.pieces = max(1, -(-self.nbytes // piece_bytes))
@@ -112,26 +119,36 @@ class Entry:
         if self.eager:
             # Cloned now, at the instant: known undeclared writers, and device memory (a device
             # clone is ordered on the stream before later kernels; the copier moves it to host).
-            self.take(0, self.pieces)
+            self.take(0, self.pieces, arena)
 
     def span(self, i: int) -> tuple[int, int]:
         """Piece ``i``'s ``[start, end)`` bytes within the tensor."""
         start = i * self.piece_bytes
         return start, min(start + self.piece_bytes, self.nbytes)
 
-    def take(self, first: int, last: int) -> int:
-        """Copy pieces ``first..last-1`` not yet captured, in one clone; the bytes copied.
-        Caller holds the lock (or owns the entry, at begin)."""
+    def take(self, first: int, last: int, arena: Arena) -> int:
+        """Copy pieces ``first..last-1`` not yet captured, a run of adjacent pieces at a time, into
+        pooled memory (a device clone on a device); the bytes copied. Caller holds the lock (or
+        owns the entry, at begin)."""
         todo = [i for i in range(first, last) if not self.captured[i]]
-        if not todo:
-            return 0
-        lo, hi = self.span(todo[0])[0], self.span(todo[-1])[1]
-        copy = self.live[lo:hi].clone()
-        for i in todo:
-            a, b = self.span(i)
-            self.snaps[i] = copy[a - lo : b - lo]
-            self.captured[i] = 1
-        return hi - lo
+        copied = 0
+        run: list[int] = []
+        for i in [*todo, -1]:
+            if run and (i != run[-1] + 1 or (len(run) + 1) * self.piece_bytes > arena.limit):
+                lo, hi = self.span(run[0])[0], self.span(run[-1])[1]
+                if self.array is not None:
+                    copy = arena.alloc(hi - lo)
+                    copy.numpy()[:] = self.array[lo:hi]
+                else:
+                    copy = self.live[lo:hi].clone()
+                for j in run:
+                    a, b = self.span(j)
+                    self.snaps[j] = copy[a - lo : b - lo]
+                    self.captured[j] = 1
+                copied += hi - lo
+                run = []
+            run.append(i)
+        return copied
 
     def host(self, i: int) -> Any:
         """Piece ``i``'s copied bytes as a host buffer."""
@@ -163,37 +180,50 @@ class CaptureResult:
 
 
 class Packer:
-    """Groups new pieces into packs of about ``pack_bytes`` and stores each pack once full.
+    """Copies new pieces into packs of ``slab_bytes`` (one pooled slab each) and stores each pack
+    once full; the slab returns to the pool when the store has it.
 
     A tensor at least a pack large starts a pack of its own, so identical large tensors (the same
     pretrained weights in two jobs) produce identical packs, which the store keeps once.
     """
 
-    def __init__(self, link: StoreLink, pack_bytes: int) -> None:
+    def __init__(self, link: StoreLink, staging: Staging) -> None:
         self._link = link
-        self._pack_bytes = pack_bytes
-        self._buffers: list[Any] = []
+        self._staging = staging
+        self._slab: Any = None
         self._size = 0
         self.futures: list[Future[ObjectRef]] = []
 
     def align(self, nbytes: int) -> None:
-        if nbytes >= self._pack_bytes and self._size:
+        if nbytes >= self._staging.slab_bytes and self._size:
+            self.flush()
+
+    def reserve(self, nbytes: int) -> None:
+        """Store the current pack now unless ``nbytes`` more fit in it."""
+        if self._size + nbytes > self._staging.slab_bytes:
             self.flush()
 
     def add(self, data: Any) -> tuple[int, int]:
-        """Append ``data`` (kept alive until stored); returns (pack number, offset)."""
+        """Copy ``data`` (a host byte array) into the current pack; returns (pack number, offset)."""
+        n = data.nbytes
+        if self._slab is None or self._size + n > self._staging.slab_bytes:
+            self.flush()
+            self._slab = self._staging.slab().numpy()
         location = (len(self.futures), self._size)
-        self._buffers.append(data)
-        self._size += data.nbytes
-        if self._size >= self._pack_bytes:
+        self._slab[self._size : self._size + n] = data
+        self._size += n
+        if self._size >= self._staging.slab_bytes:
             self.flush()
         return location
 
     def flush(self) -> None:
-        if not self._buffers:
+        if not self._size:
             return
-        buffers, self._buffers, self._size = self._buffers, [], 0
-        self.futures.append(self._link.put_many(buffers))
+        slab, size = self._slab, self._size
+        self._slab, self._size = None, 0
+        future = self._link.put_many([slab[:size]])
+        future.add_done_callback(lambda _: self._staging.release(torch.from_numpy(slab)))
+        self.futures.append(future)
 
 
 class Capture:
@@ -210,7 +240,7 @@ class Capture:
         known: dict[str, Known],
         eager: set[str],
         piece_bytes: int,
-        pack_bytes: int,
+        staging: Staging,
         group_bytes: int = 1024 * 1024,
         strict: bool,
         parent: str | None,
@@ -228,20 +258,22 @@ class Capture:
         self.parent = parent
         self.pacer = pacer
         self.stats = CaptureStats()
-        self.packer = Packer(link, pack_bytes)
+        self.packer = Packer(link, staging)
+        self.arena = Arena(staging)
         # The layouts of this checkpoint's tensors only, so replaced tensors are not kept alive.
         self.layouts = {id(t): Layout.of(t, layouts) for _, t in tensors}
         self.entries = [
-            Entry(name, self.layouts[id(t)], piece_bytes, eager=name in eager) for name, t in tensors
+            Entry(name, self.layouts[id(t)], piece_bytes, self.arena, eager=name in eager)
+            for name, t in tensors
         ]
         self.by_storage: dict[int, list[Entry]] = {}
         for entry in self.entries:
             if entry.storage is not None:
                 self.by_storage.setdefault(entry.storage, []).append(entry)
-            if strict and not entry.eager:
-                array = entry.live.numpy()
+            if strict and not entry.eager and entry.array is not None:
+                array = entry.array
                 entry.begin_fps = [fingerprint(array[slice(*entry.span(i))]) for i in range(entry.pieces)]
-        self.stall_s = 0.0
+        self.clock = StallClock()  # training-thread time in copy-on-write
         self._boundaries = 0
         self._quiesced = False
         self._cancelled = False
@@ -260,7 +292,7 @@ class Capture:
     def before_write(self, tensor: torch.Tensor) -> None:
         """Soft copy-on-write: clone the pieces of tracked tensors that ``tensor``'s bytes overlap
         and the copier has not captured yet; mark them written."""
-        started = time.perf_counter()
+        started = self.clock.start()
         key = storage_key(tensor)
         entries = self.by_storage.get(key) if key is not None else None
         if entries:
@@ -273,11 +305,11 @@ class Capture:
                 last = min(entry.pieces, -(-(min(end, hi) - lo) // entry.piece_bytes))
                 with entry.lock:
                     entry.dirty[first:last] = b"\x01" * (last - first)
-                    copied = entry.take(first, last)
+                    copied = entry.take(first, last, self.arena)
                 if copied:
                     self.stats.cow_pieces += -(-copied // entry.piece_bytes)
                     self.stats.cow_bytes += copied
-        self.stall_s += time.perf_counter() - started
+        self.clock.stop(started)
 
     def boundary(self) -> None:
         """A step boundary passed (validation waits for one after the capture, so a per-step
@@ -313,27 +345,18 @@ class Capture:
         return optim + [e for e in self.entries if not e.name.startswith("optim.")]
 
     def _capture_group(self, entry: Entry, first: int, last: int, array: Any) -> None:
-        """Fingerprint pieces ``first..last-1`` as they are now; copy (one clone) those the store
-        does not hold yet. Under the entry's lock: a write waits at most for one group."""
+        """Fingerprint pieces ``first..last-1`` as they are now and copy those the store does not
+        hold yet straight into the current pack. Under the entry's lock, so a write waits for at
+        most one group; the pack has room for the whole group, so nothing waits for the store."""
+        self.packer.reserve((last - first) * self.piece_bytes)
         with entry.lock:
-            new: list[int] = []
             for i in range(first, last):
                 if entry.captured[i]:
                     continue
                 a, b = entry.span(i)
-                fp = fingerprint(array[a:b])
+                data = array[a:b]
                 entry.captured[i] = 1
-                entry.fps[i] = fp
-                if fp not in self.known:
-                    new.append(i)
-            if not new:
-                return
-            lo, hi = entry.span(new[0])[0], entry.span(new[-1])[1]
-            copy = entry.live[lo:hi].clone()
-        data = copy.numpy()
-        for i in new:
-            a, b = entry.span(i)
-            self._store_piece(entry, i, entry.fps[i] or "", data[a - lo : b - lo])
+                self._store_piece(entry, i, fingerprint(data), data)
 
     def _capture_validate_commit(self) -> CaptureResult:
         # Capture: live pieces not yet copied by copy-on-write or at begin.
@@ -342,7 +365,7 @@ class Capture:
             self.packer.align(entry.nbytes)
             if entry.eager:
                 continue
-            array = entry.live.numpy()
+            array = entry.array
             for first in range(0, entry.pieces, group):
                 if self._cancelled:
                     raise CancelledError(f"checkpoint of {self.job} at step {self.step} abandoned")
@@ -356,6 +379,7 @@ class Capture:
                 data = entry.host(i)
                 self._store_piece(entry, i, fingerprint(data), data)
             entry.snaps.clear()
+        self.arena.release()
         self.captured.set()
         torn = self._validate()
         if self._cancelled:
