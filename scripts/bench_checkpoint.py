@@ -55,16 +55,18 @@ MB = 1024 * 1024
 
 
 class ThrottledStore(LocalStore):
-    """A local store whose reads take at least size / ``mb_s``: a remote store's bandwidth."""
+    """A local store whose reads share one link of ``mb_s``: a remote store's bandwidth. Reads in
+    flight together queue for it, as they would on a network link."""
 
     def __init__(self, root: Path, mb_s: float) -> None:
         super().__init__(root, fsync=False, cache_bytes=0)
         self.bytes_per_s = mb_s * MB
+        self._link_free_at = 0.0
 
     async def _read_into(self, ref: ObjectRef, view: memoryview, verifier: ChecksumVerifier) -> int:
-        started = time.perf_counter()
+        done_at = self._link_free_at = max(time.perf_counter(), self._link_free_at) + ref.size / self.bytes_per_s
         filled = await super()._read_into(ref, view, verifier)
-        await asyncio.sleep(max(0.0, filled / self.bytes_per_s - (time.perf_counter() - started)))
+        await asyncio.sleep(max(0.0, done_at - time.perf_counter()))
         return filled
 
 

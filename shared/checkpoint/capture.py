@@ -274,6 +274,7 @@ class Capture:
                 array = entry.array
                 entry.begin_fps = [fingerprint(array[slice(*entry.span(i))]) for i in range(entry.pieces)]
         self.clock = StallClock()  # training-thread time in copy-on-write
+        self._settled: set[int] = set()
         self._boundaries = 0
         self._quiesced = False
         self._cancelled = False
@@ -292,6 +293,11 @@ class Capture:
     def before_write(self, tensor: torch.Tensor) -> None:
         """Soft copy-on-write: clone the pieces of tracked tensors that ``tensor``'s bytes overlap
         and the copier has not captured yet; mark them written."""
+        try:
+            if tensor.data_ptr() in self._settled:
+                return  # the common case once a step has run: nothing left to copy or mark
+        except RuntimeError:  # sparse and other storage-less tensors
+            return
         started = self.clock.start()
         key = storage_key(tensor)
         entries = self.by_storage.get(key) if key is not None else None
@@ -306,9 +312,14 @@ class Capture:
                 with entry.lock:
                     entry.dirty[first:last] = b"\x01" * (last - first)
                     copied = entry.take(first, last, self.arena)
+                    settled = len(entries) == 1 and 0 not in entry.dirty and 0 not in entry.captured
                 if copied:
                     self.stats.cow_pieces += -(-copied // entry.piece_bytes)
                     self.stats.cow_bytes += copied
+                if settled:
+                    # Alone in its storage, every piece copied and marked written: later writes
+                    # through the tensor itself need nothing (views elsewhere take the slow path).
+                    self._settled.add(entry.tensor.data_ptr())
         self.clock.stop(started)
 
     def boundary(self) -> None:
