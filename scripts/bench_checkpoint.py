@@ -64,7 +64,9 @@ class ThrottledStore(LocalStore):
         self._link_free_at = 0.0
 
     async def _read_into(self, ref: ObjectRef, view: memoryview, verifier: ChecksumVerifier) -> int:
-        done_at = self._link_free_at = max(time.perf_counter(), self._link_free_at) + ref.size / self.bytes_per_s
+        done_at = self._link_free_at = (
+            max(time.perf_counter(), self._link_free_at) + ref.size / self.bytes_per_s
+        )
         filled = await super()._read_into(ref, view, verifier)
         await asyncio.sleep(max(0.0, done_at - time.perf_counter()))
         return filled
@@ -184,8 +186,17 @@ def stalls(megabytes: float, args: argparse.Namespace, tmp: Path) -> dict[str, A
     }
 
 
-def increment_ratio(result: CommitResult, link: StoreLink) -> tuple[int, int]:
-    """Bytes the checkpoint stored (new packs + small state + manifest) and the image's size."""
+def increment(state: TrainingState, step: Callable[[], None], root: Path) -> tuple[int, int]:
+    """Bytes a checkpoint stores (new packs + small state + manifest) three steps after a first
+    one, and the image's size."""
+    link = open_link(root)
+    agent = CheckpointAgent(state, link, job=root.name)
+    step()
+    agent.checkpoint()
+    for _ in range(3):
+        step()
+    result = agent.checkpoint()
+    link.close()
     written = result.stats.new_bytes + result.manifest.meta.size + len(result.manifest.to_json())
     return written, result.manifest.image_bytes()
 
@@ -206,14 +217,7 @@ def frozen_backbone(megabytes: float, tmp: Path) -> float:
         loss.backward()
         opt.step()
 
-    link = open_link(tmp / "frozen")
-    agent = CheckpointAgent(state, link, job="frozen")
-    step()
-    agent.checkpoint()
-    for _ in range(3):
-        step()
-    written, image = increment_ratio(agent.checkpoint(), link)
-    link.close()
+    written, image = increment(state, step, tmp / "frozen")
     return written / image
 
 
@@ -234,14 +238,7 @@ def sparse_embedding(megabytes: float, tmp: Path) -> tuple[float, float]:
         loss.backward()
         opt.step()
 
-    link = open_link(tmp / "sparse")
-    agent = CheckpointAgent(state, link, job="sparse")
-    step()
-    agent.checkpoint()
-    for _ in range(3):
-        step()
-    written, image = increment_ratio(agent.checkpoint(), link)
-    link.close()
+    written, image = increment(state, step, tmp / "sparse")
     return written / image, written / table.weight.nbytes
 
 

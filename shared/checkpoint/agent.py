@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from shared.checkpoint.capture import Capture, CaptureStats, Known, Layout, known_pieces
+from shared.checkpoint.capture import Capture, CaptureStats, Known, Layout, known_pieces, piece_sizes
 from shared.checkpoint.clock import StallClock
 from shared.checkpoint.cow import UNDECLARED_WRITES, WriteGuard, WriteRule
 from shared.checkpoint.manifest import Manifest
@@ -87,6 +87,7 @@ class CheckpointAgent:
         self._known: dict[str, Known] = known_pieces(last)
         self._layouts: dict[int, Layout] = {}
         self._staging = Staging(max(pack_bytes, piece_bytes))
+        self._dense: frozenset[str] = frozenset()  # tensors whose every piece changed last time
         # One long-lived copier thread: starting a thread per checkpoint costs the training thread
         # a scheduler round trip (tens of ms on a loaded machine).
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"checkpoint-{job}")
@@ -120,6 +121,8 @@ class CheckpointAgent:
             eager=eager,
             piece_bytes=self.piece_bytes,
             staging=self._staging,
+            dense=self._dense,
+            previous=piece_sizes(self.last),
             strict=self.strict,
             parent=self.last_ref.digest if self.last_ref is not None else None,
             pacer=self.pacer,
@@ -191,6 +194,7 @@ class CheckpointAgent:
         self._clock.add(capture.clock)
         outcome = capture.future.result()  # re-raises a copier failure on the training thread
         self._written |= outcome.written
+        self._dense = outcome.dense
         if outcome.manifest is None or outcome.manifest_ref is None:
             # Torn: those tensors are written where the dispatcher cannot see; clone them at begin.
             self.unsafe |= set(outcome.torn)

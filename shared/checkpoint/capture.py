@@ -78,6 +78,7 @@ class Entry:
     creates one of these per tensor on the training thread, so it must cost microseconds."""
 
     __slots__ = (
+        "alone",
         "array",
         "begin_fps",
         "captured",
@@ -89,6 +90,7 @@ class Entry:
         "lock",
         "name",
         "nbytes",
+        "new",
         "piece_bytes",
         "pieces",
         "snaps",
@@ -115,6 +117,8 @@ class Entry:
         self.fps: list[str | None] = [None] * self.pieces
         self.begin_fps: list[str] | None = None
         self.version0 = tensor._version
+        self.new = 0  # pieces the store did not hold
+        self.alone = True  # no other tracked tensor shares its storage
         self.eager = eager or tensor.device.type != "cpu"
         if self.eager:
             # Cloned now, at the instant: known undeclared writers, and device memory (a device
@@ -130,6 +134,8 @@ class Entry:
         """Copy pieces ``first..last-1`` not yet captured, a run of adjacent pieces at a time, into
         pooled memory (a device clone on a device); the bytes copied. Caller holds the lock (or
         owns the entry, at begin)."""
+        if 0 not in self.captured[first:last]:
+            return 0
         todo = [i for i in range(first, last) if not self.captured[i]]
         copied = 0
         run: list[int] = []
@@ -177,6 +183,7 @@ class CaptureResult:
     stats: CaptureStats
     known: dict[str, Known] = field(default_factory=dict)  # pieces the next attempt need not store
     written: frozenset[str] = frozenset()  # digests of the packs this attempt stored
+    dense: frozenset[str] = frozenset()  # tensors of several pieces that all changed
 
 
 class Packer:
@@ -241,6 +248,9 @@ class Capture:
         eager: set[str],
         piece_bytes: int,
         staging: Staging,
+        dense: frozenset[str] = frozenset(),
+        dense_piece_bytes: int = 1024 * 1024,
+        previous: dict[str, int] | None = None,
         group_bytes: int = 1024 * 1024,
         strict: bool,
         parent: str | None,
@@ -257,19 +267,34 @@ class Capture:
         self.strict = strict
         self.parent = parent
         self.pacer = pacer
+        self.dense = dense
+        self.previous = previous or {}  # piece size of each tensor cut in pieces in the last image
         self.stats = CaptureStats()
         self.packer = Packer(link, staging)
         self.arena = Arena(staging)
         # The layouts of this checkpoint's tensors only, so replaced tensors are not kept alive.
         self.layouts = {id(t): Layout.of(t, layouts) for _, t in tensors}
         self.entries = [
-            Entry(name, self.layouts[id(t)], piece_bytes, self.arena, eager=name in eager)
+            Entry(
+                name,
+                self.layouts[id(t)],
+                dense_piece_bytes if name in dense else piece_bytes,
+                self.arena,
+                eager=name in eager,
+            )
             for name, t in tensors
         ]
         self.by_storage: dict[int, list[Entry]] = {}
         for entry in self.entries:
             if entry.storage is not None:
                 self.by_storage.setdefault(entry.storage, []).append(entry)
+        for shared in self.by_storage.values():
+            if len(shared) > 1:
+                for entry in shared:
+                    entry.alone = False
+        # Writes through the tracked tensor itself (the usual case) skip the storage lookup.
+        self.by_ptr = {e.tensor.data_ptr(): e for e in self.entries if e.alone and e.storage is not None}
+        for entry in self.entries:
             if strict and not entry.eager and entry.array is not None:
                 array = entry.array
                 entry.begin_fps = [fingerprint(array[slice(*entry.span(i))]) for i in range(entry.pieces)]
@@ -299,10 +324,15 @@ class Capture:
         except RuntimeError:  # sparse and other storage-less tensors
             return
         started = self.clock.start()
-        key = storage_key(tensor)
-        entries = self.by_storage.get(key) if key is not None else None
+        whole = self.by_ptr.get(tensor.data_ptr())
+        if whole is not None and tensor.is_contiguous() and tensor.nbytes == whole.nbytes:
+            entries: list[Entry] | None = [whole]  # the tracked tensor itself (or an alias of it)
+            start, end = whole.extent
+        else:
+            key = storage_key(tensor)
+            entries = self.by_storage.get(key) if key is not None else None
+            start, end = byte_extent(tensor) if entries else (0, 0)
         if entries:
-            start, end = byte_extent(tensor)
             for entry in entries:
                 lo, hi = entry.extent
                 if start >= hi or end <= lo:
@@ -312,7 +342,7 @@ class Capture:
                 with entry.lock:
                     entry.dirty[first:last] = b"\x01" * (last - first)
                     copied = entry.take(first, last, self.arena)
-                    settled = len(entries) == 1 and 0 not in entry.dirty and 0 not in entry.captured
+                    settled = entry.alone and 0 not in entry.dirty and 0 not in entry.captured
                 if copied:
                     self.stats.cow_pieces += -(-copied // entry.piece_bytes)
                     self.stats.cow_bytes += copied
@@ -346,6 +376,7 @@ class Capture:
             self.known[fp] = (pack, offset, data.nbytes)
             self.stats.new_pieces += 1
             self.stats.new_bytes += data.nbytes
+            entry.new += 1
         entry.fps[i] = fp
 
     def _capture_order(self) -> list[Entry]:
@@ -402,12 +433,23 @@ class Capture:
             for fp, loc in self.known.items()
         }
         written = frozenset(ref.digest for ref in packs)
+        # Tensors that changed everywhere (parameters and moments under a dense optimizer) are
+        # cut into large pieces next time: fewer fingerprints and manifest rows, same bytes.
+        # Judged only where this image was cut like the last one (a tensor just re-cut has all
+        # new pieces whatever happened to it); a dense tensor that stops changing goes back.
+        dense = frozenset(
+            e.name
+            for e in self.entries
+            if (e.name in self.dense if self.previous.get(e.name) != e.piece_bytes else e.new == e.pieces > 1)
+        )
         if torn:
             # Its pieces stay useful to the retake (those not torn are what the store now holds).
-            return CaptureResult(self.step, None, None, tuple(sorted(torn)), self.stats, stored, written)
+            return CaptureResult(
+                self.step, None, None, tuple(sorted(torn)), self.stats, stored, written, dense
+            )
         manifest = self._manifest(stored)
         ref = self.link.put_many([manifest.to_json()]).result()
-        return CaptureResult(self.step, manifest, ref, (), self.stats, known_pieces(manifest), written)
+        return CaptureResult(self.step, manifest, ref, (), self.stats, known_pieces(manifest), written, dense)
 
     def _validate(self) -> set[str]:
         # Two boundaries after the capture ended: one whole step ran after it (the first may be
@@ -480,3 +522,10 @@ def known_pieces(manifest: Manifest | None) -> dict[str, Known]:
         for fp, piece in zip(record.fingerprints, record.pieces, strict=True):
             known[fp] = (manifest.packs[piece.pack], piece.offset, piece.length)
     return known
+
+
+def piece_sizes(manifest: Manifest | None) -> dict[str, int]:
+    """The piece size each tensor of several pieces was cut into in ``manifest``."""
+    if manifest is None:
+        return {}
+    return {r.name: r.pieces[0].length for r in manifest.tensors if len(r.pieces) > 1}

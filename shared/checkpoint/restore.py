@@ -22,6 +22,7 @@ from shared.checkpoint.manifest import Manifest, TensorRecord
 from shared.checkpoint.pieces import byte_view, storage_key
 from shared.checkpoint.pusher import StoreLink
 from shared.checkpoint.state import TrainingState, decode_meta
+from shared.datastore import ObjectRef
 
 
 class Restore:
@@ -45,6 +46,12 @@ class Restore:
         self._error: BaseException | None = None
         self._guard: AccessGuard | None = None
         self._thread = threading.Thread(target=self._run, name="checkpoint-restore", daemon=True)
+
+    @classmethod
+    def from_ref(cls, state: TrainingState, link: StoreLink, ref: ObjectRef) -> Restore:
+        """A restore of the manifest stored under ``ref`` (what the service recorded at commit);
+        the manifest is checked before anything is loaded."""
+        return cls(state, link, Manifest.from_json(link.get(ref).result()))
 
     def start(self, *, on_demand: bool = True) -> None:
         meta = decode_meta(self.link.get(self.manifest.meta).result())

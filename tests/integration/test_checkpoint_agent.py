@@ -299,11 +299,39 @@ def test_writes_through_data_and_views_are_copied_before_they_land(link: StoreLi
     assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()})
 
 
+def test_identical_weights_are_stored_once_and_an_unchanged_image_writes_nothing(link: StoreLink) -> None:
+    torch.manual_seed(6)
+    a, b = nn.Linear(64, 64), nn.Linear(64, 64)
+    b.load_state_dict(a.state_dict())
+    frozen = nn.Linear(64, 8)
+    model = nn.Sequential(a, b, frozen)
+    frozen.requires_grad_(False)
+    state = TrainingState(model)
+    agent = CheckpointAgent(state, link, job="dedup", piece_bytes=1024)
+    first = agent.checkpoint()
+    weights = a.weight.nbytes + a.bias.nbytes
+    assert first.stats.new_bytes == first.manifest.image_bytes() - weights
+    assert agent.checkpoint().stats.new_bytes == 0
+    with torch.no_grad():
+        a.weight[0, :4] += 1.0  # one 1 KiB piece changes
+    third = agent.checkpoint()
+    assert third.stats.new_bytes == 1024
+    image = Restore(
+        TrainingState(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8))),
+        link,
+        third.manifest,
+    )
+    image.start(on_demand=False)
+    image.wait()
+    assert_same(snapshot(state)[0], snapshot(image.state)[0])
+
+
 # ----- preempted N times == never preempted --------------------------------------------------
 
 
 class ResumableJob:
-    """A data-loader-driven job with dropout, an LR schedule and numpy/python randomness."""
+    """A data-loader-driven job with dropout, an LR schedule, an AMP grad scaler and numpy/python
+    randomness: everything a restore must put back besides the tensors."""
 
     def __init__(self) -> None:
         torch.manual_seed(11)
@@ -317,7 +345,8 @@ class ResumableJob:
         )
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.8)
-        self.state = TrainingState(model, opt, sched, loader=self.sampler)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
+        self.state = TrainingState(model, opt, sched, scaler=self.scaler, loader=self.sampler)
 
     def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
@@ -330,8 +359,9 @@ class ResumableJob:
         assert opt is not None and sched is not None
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
-        loss.backward()
-        opt.step()
+        self.scaler.scale(loss).backward()
+        self.scaler.step(opt)
+        self.scaler.update()  # its scale grows every 4 steps: part of the image
         sched.step()  # type: ignore[attr-defined]
 
 
@@ -383,7 +413,7 @@ def test_a_job_preempted_many_times_ends_bitwise_equal_to_an_uninterrupted_run(l
         # A fresh process: build the job from code, restore on demand, go on from the image's step.
         _seed_all()  # whatever the new process's seeds, the image's RNG states win
         job = ResumableJob()
-        loading = Restore(job.state, link, last.manifest)
+        loading = Restore.from_ref(job.state, link, last.manifest_ref)
         loading.start()
         batches = job.batches()
         step = job.state.step
