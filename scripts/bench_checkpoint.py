@@ -155,9 +155,11 @@ def stalls(megabytes: float, args: argparse.Namespace, tmp: Path) -> dict[str, A
         trainer.step()
     # Every 3 steps: none / agent / torch.save, interleaved round by round.
     times: dict[str, list[float]] = {"none": [], "agent": [], "save": []}
+    thread_cpu: dict[str, list[float]] = {"none": [], "agent": [], "save": []}
+    process_cpu: dict[str, list[float]] = {"none": [], "agent": [], "save": []}
     for _ in range(args.rounds):
         for mode in ("none", "agent", "save"):
-            started = time.perf_counter()
+            started, cpu, proc = time.perf_counter(), time.thread_time(), time.process_time()
             for i in range(args.steps):
                 trainer.step()
                 if mode == "agent":
@@ -169,6 +171,8 @@ def stalls(megabytes: float, args: argparse.Namespace, tmp: Path) -> dict[str, A
             if mode == "agent" and agent.in_flight:
                 agent.wait()
             times[mode].append((time.perf_counter() - started) / args.steps)
+            thread_cpu[mode].append((time.thread_time() - cpu) / args.steps)
+            process_cpu[mode].append((time.process_time() - proc) / args.steps)
     link.close()
     base = statistics.median(times["none"])
     wall = [r.stall_s for r in agent_stalls]
@@ -183,6 +187,20 @@ def stalls(megabytes: float, args: argparse.Namespace, tmp: Path) -> dict[str, A
         "stop_world_stall_cpu_ms": round(statistics.median(c for _, c in world_stalls) * 1000, 1),
         "every3_step_slowdown": round(statistics.median(times["agent"]) / base, 3),
         "stop_world_every3_step_slowdown": round(statistics.median(times["save"]) / base, 3),
+        # Where the time goes: the training thread's CPU per step, and the whole process's
+        # (copier and store threads included), each against the run without checkpoints.
+        "every3_train_cpu_ratio": round(
+            statistics.median(thread_cpu["agent"]) / statistics.median(thread_cpu["none"]), 3
+        ),
+        "stop_world_every3_train_cpu_ratio": round(
+            statistics.median(thread_cpu["save"]) / statistics.median(thread_cpu["none"]), 3
+        ),
+        "every3_process_cpu_ratio": round(
+            statistics.median(process_cpu["agent"]) / statistics.median(process_cpu["none"]), 3
+        ),
+        "stop_world_every3_process_cpu_ratio": round(
+            statistics.median(process_cpu["save"]) / statistics.median(process_cpu["none"]), 3
+        ),
     }
 
 

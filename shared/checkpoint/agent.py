@@ -16,6 +16,7 @@ garbage-collects packs no live manifest references (``manifest.collectable``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -92,9 +93,13 @@ class CheckpointAgent:
         # a scheduler round trip (tens of ms on a loaded machine).
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"checkpoint-{job}")
         self._attempts = 0
-        self._torn: list[str] = []
-        self._clock = StallClock()
-        self._written: set[str] = set()
+        self._torn: list[str] = []  # tensors found torn by this checkpoint's attempts so far
+        self._clock = StallClock()  # its cost to the training thread, attempts included
+        self._written: set[str] = set()  # packs its attempts stored
+
+    def _reset(self) -> None:
+        """Forget the attempts of the checkpoint just ended (committed, failed or abandoned)."""
+        self._attempts, self._torn, self._clock, self._written = 0, [], StallClock(), set()
 
     @property
     def in_flight(self) -> bool:
@@ -169,7 +174,7 @@ class CheckpointAgent:
         self.capture, self._guard = None, None
         capture.cancel()
         capture.future.exception()
-        self._attempts, self._torn, self._clock, self._written = 0, [], StallClock(), set()
+        self._reset()
 
     def wait(self) -> CommitResult:
         """Training is paused: finish the checkpoint in flight (retaking at once if torn), or take one."""
@@ -179,7 +184,7 @@ class CheckpointAgent:
             assert self.capture is not None
             self.capture.quiesce()
             started = self._clock.start()
-            self.capture.future.result()
+            futures.wait([self.capture.future])  # _finish raises a copier failure, after cleanup
             self._clock.stop(started)
             result = self._finish()
             if result is not None:
@@ -192,7 +197,11 @@ class CheckpointAgent:
         self._guard = None
         self.capture = None
         self._clock.add(capture.clock)
-        outcome = capture.future.result()  # re-raises a copier failure on the training thread
+        try:
+            outcome = capture.future.result()  # re-raises a copier failure on the training thread
+        except BaseException:
+            self._reset()
+            raise
         self._written |= outcome.written
         self._dense = outcome.dense
         if outcome.manifest is None or outcome.manifest_ref is None:
@@ -215,5 +224,5 @@ class CheckpointAgent:
         )
         self.last, self.last_ref = outcome.manifest, outcome.manifest_ref
         self._known = outcome.known
-        self._attempts, self._torn, self._clock, self._written = 0, [], StallClock(), set()
+        self._reset()
         return result
