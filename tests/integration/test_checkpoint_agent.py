@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from datastore_fixtures import open_store, redis_url, s3_endpoint, s3_env  # noqa: F401 - fixtures
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -27,6 +28,8 @@ from shared.checkpoint import (
     ResumableSampler,
     StoreLink,
     TrainingState,
+    collectable,
+    referenced_digests,
 )
 from shared.checkpoint.pieces import byte_view
 from shared.datastore.local_backend import LocalStore
@@ -324,6 +327,36 @@ def test_identical_weights_are_stored_once_and_an_unchanged_image_writes_nothing
     image.start(on_demand=False)
     image.wait()
     assert_same(snapshot(state)[0], snapshot(image.state)[0])
+
+
+@pytest.mark.parametrize("backend", ["local", "redis", "s3"])
+def test_images_live_in_every_data_store_backend_and_collection_keeps_what_live_images_need(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    for fixture in {"local": ["tmp_path"], "redis": ["redis_url"], "s3": ["s3_env", "s3_endpoint"]}[backend]:
+        request.getfixturevalue(fixture)  # servers start here, on the test's thread
+    store_link = StoreLink.start(lambda: open_store(backend, request, chunk_bytes=1 << 20, cache_bytes=0))
+    try:
+        torch.manual_seed(7)
+        job = JOBS["adam_foreach"]()
+        job.state.model[0].weight.requires_grad_(False)  # unchanged pieces: later images share packs
+        agent = CheckpointAgent(job.state, store_link, job=backend, piece_bytes=1024, pack_bytes=16384)
+        results = []
+        for step in range(1, 4):
+            job.step_fn()
+            agent.step_boundary(step)
+            results.append(agent.checkpoint())
+        expected = snapshot(job.state)
+        refs = {ref.digest: ref for r in results for ref in (*r.manifest.packs, r.manifest.meta)}
+        doomed = collectable(refs, [results[-1].manifest])
+        assert doomed and not doomed & referenced_digests(results[-1].manifest)
+        assert results[0].manifest.packs[0].digest in referenced_digests(results[-1].manifest)  # shared
+        for digest in doomed:
+            assert store_link.delete(refs[digest]).result()
+        image = restored(JOBS["adam_foreach"], store_link, results[-1])
+        assert_same(expected, snapshot(image))
+    finally:
+        store_link.close()
 
 
 # ----- preempted N times == never preempted --------------------------------------------------
