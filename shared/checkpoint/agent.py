@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from shared.checkpoint.capture import Capture, CaptureStats, Known, Layout, known_pieces, piece_sizes
+from shared.checkpoint.capture import Capture, CaptureStats, Known, Layout, known_pieces
 from shared.checkpoint.clock import StallClock
 from shared.checkpoint.cow import UNDECLARED_WRITES, WriteGuard, WriteRule
 from shared.checkpoint.manifest import Manifest
@@ -127,7 +127,7 @@ class CheckpointAgent:
             piece_bytes=self.piece_bytes,
             staging=self._staging,
             dense=self._dense,
-            previous=piece_sizes(self.last),
+            last=self.last,
             strict=self.strict,
             parent=self.last_ref.digest if self.last_ref is not None else None,
             pacer=self.pacer,

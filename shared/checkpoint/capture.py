@@ -250,7 +250,7 @@ class Capture:
         staging: Staging,
         dense: frozenset[str] = frozenset(),
         dense_piece_bytes: int = 1024 * 1024,
-        previous: dict[str, int] | None = None,
+        last: Manifest | None = None,
         group_bytes: int = 1024 * 1024,
         strict: bool,
         parent: str | None,
@@ -261,14 +261,16 @@ class Capture:
         self.step = step
         self.meta = meta
         self.link = link
-        self.known = dict(known)
+        self._known_before = known  # copied on the copier thread: begin must stay cheap
+        self.known: dict[str, Known] = {}
         self.piece_bytes = piece_bytes
         self.group_bytes = group_bytes
         self.strict = strict
         self.parent = parent
         self.pacer = pacer
         self.dense = dense
-        self.previous = previous or {}  # piece size of each tensor cut in pieces in the last image
+        self._last = last
+        self.previous: dict[str, int] = {}  # piece size of each tensor cut in pieces in the last image
         self.stats = CaptureStats()
         self.packer = Packer(link, staging)
         self.arena = Arena(staging)
@@ -401,6 +403,8 @@ class Capture:
                 self._store_piece(entry, i, fingerprint(data), data)
 
     def _capture_validate_commit(self) -> CaptureResult:
+        self.known = dict(self._known_before)
+        self.previous = piece_sizes(self._last)
         # Capture: live pieces not yet copied by copy-on-write or at begin.
         group = 1 if self.pacer is not None else max(1, self.group_bytes // self.piece_bytes)
         for entry in self._capture_order():
