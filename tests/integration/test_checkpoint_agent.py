@@ -1,0 +1,459 @@
+"""The checkpoint agent on real torch training (CPU, deterministic seeds, a local data store).
+
+Each trial gates the copier on the training loop's step count, spreading the capture over 6-9
+training steps at a random pace, so pieces are taken sometimes by the copier and sometimes by
+copy-on-write just before an optimizer or BatchNorm write.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from datastore_fixtures import open_store, redis_url, s3_endpoint, s3_env  # noqa: F401 - fixtures
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from shared.checkpoint import (
+    CheckpointAgent,
+    CommitResult,
+    Restore,
+    ResumableSampler,
+    StoreLink,
+    TrainingState,
+    collectable,
+    referenced_digests,
+)
+from shared.checkpoint.pieces import byte_view
+from shared.datastore.local_backend import LocalStore
+
+TRIALS = 20
+
+
+@pytest.fixture
+def link(tmp_path: Path) -> Iterator[StoreLink]:
+    async def open_store() -> LocalStore:
+        return LocalStore(tmp_path / "store", fsync=False)
+
+    store_link = StoreLink.start(open_store)
+    yield store_link
+    store_link.close()
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@dataclass
+class Job:
+    state: TrainingState
+    step_fn: Callable[[], None]
+
+
+def _mlp_job(
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *, batch_norm: bool = False
+) -> Job:
+    layers: list[nn.Module] = [nn.Linear(16, 32)]
+    if batch_norm:
+        layers.append(nn.BatchNorm1d(32))
+    layers += [nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4)]
+    model = nn.Sequential(*layers)
+    opt = optimizer(list(model.parameters()))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
+
+    def step() -> None:
+        x = torch.randn(8, 16)
+        y = torch.randint(0, 4, (8,))
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+
+    return Job(TrainingState(model, opt, sched), step)
+
+
+def _sparse_job() -> Job:
+    model = nn.Embedding(300, 8, sparse=True)
+    opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.01)
+    readout = torch.randn(8)
+
+    def step() -> None:
+        rows = torch.randint(0, 300, (6,))
+        loss = ((model(rows) @ readout) - 1.0).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return Job(TrainingState(model, opt), step)
+
+
+JOBS: dict[str, Callable[[], Job]] = {
+    "adam_foreach": lambda: _mlp_job(lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True)),
+    "adam_fused": lambda: _mlp_job(lambda p: torch.optim.Adam(p, lr=1e-2, fused=True)),
+    "sgd_momentum": lambda: _mlp_job(lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+    "batch_norm": lambda: _mlp_job(lambda p: torch.optim.AdamW(p, lr=1e-2), batch_norm=True),
+    "sparse_adam": _sparse_job,
+}
+
+
+class StepGate:
+    """Lets the copier take piece j only once training reached step ``j * span / pieces``."""
+
+    def __init__(self, rng: random.Random, span: int, pieces: int) -> None:
+        self.rng = rng
+        self.span = span
+        self.pieces = pieces
+        self.taken = 0
+        self.steps = 0
+        self.cond = threading.Condition()
+
+    def pace(self) -> None:
+        due = self.taken * self.span // max(self.pieces, 1)
+        self.taken += 1
+        with self.cond:
+            self.cond.wait_for(lambda: self.steps >= due, timeout=10)
+
+    def stepped(self) -> None:
+        with self.cond:
+            self.steps += 1
+            self.cond.notify_all()
+
+
+def snapshot(state: TrainingState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    return {name: byte_view(t).clone() for name, t in state.tensors()}, state.meta()
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(byte_view(a.contiguous()), byte_view(b.contiguous())), f"{where} differs"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def restored(make: Callable[[], Job], link: StoreLink, result: CommitResult) -> TrainingState:
+    fresh = make().state
+    restore = Restore(fresh, link, result.manifest)
+    restore.start(on_demand=False)
+    restore.wait()
+    return fresh
+
+
+def checkpoint_while_training(
+    job: Job, agent: CheckpointAgent, gate: StepGate, inject: Callable[[int], None] | None = None
+) -> tuple[CommitResult, dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]], int]:
+    """Begin at this boundary, train until the image commits; the state at every boundary on the way."""
+    references = {job.state.step: snapshot(job.state)}
+    agent.begin()
+    ran = 0
+    while True:
+        job.step_fn()
+        ran += 1
+        if inject is not None:
+            inject(ran)
+        step = job.state.step = job.state.step + 1
+        references[step] = snapshot(job.state)
+        gate.stepped()
+        result = agent.step_boundary(step)
+        if result is not None:
+            return result, references, ran
+        assert ran < 60, "the checkpoint never committed"
+
+
+@pytest.mark.parametrize("kind", sorted(JOBS))
+def test_checkpoint_taken_while_training_equals_the_state_at_its_instant(kind: str, link: StoreLink) -> None:
+    torch.manual_seed(1)
+    job = JOBS[kind]()
+    for step in range(1, 4):
+        job.step_fn()
+        job.state.step = step
+    rng = random.Random(kind)
+    pieces = _pieces(job.state, 512)
+    for trial in range(TRIALS):
+        gate = StepGate(rng, span=rng.randint(6, 9), pieces=pieces)
+        agent = CheckpointAgent(job.state, link, job=kind, piece_bytes=512, pack_bytes=8192, pacer=gate.pace)
+        result, references, ran = checkpoint_while_training(job, agent, gate)
+        assert ran >= 6, f"trial {trial}: only {ran} steps overlapped the checkpoint"
+        assert result.attempts == 1 and result.torn == ()
+        tensors, meta = references[result.step]
+        image = restored(JOBS[kind], link, result)
+        assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()}, f"trial {trial}")
+        assert_same(meta, image.meta(), f"trial {trial} meta")
+
+
+def test_batch_norm_statistics_written_behind_the_op_schema_are_caught_and_retaken(link: StoreLink) -> None:
+    """Without the rule table, native_batch_norm's running-statistics update is an undeclared write:
+    validation catches it, the torn attempt is dropped, and the retake (those buffers cloned at
+    begin) equals the state at its own instant."""
+    torch.manual_seed(2)
+    job = JOBS["batch_norm"]()
+    rng = random.Random(2)
+    for trial in range(5):
+        gate = StepGate(rng, span=3, pieces=40)
+        agent = CheckpointAgent(job.state, link, job="bn", piece_bytes=512, rules={}, pacer=gate.pace)
+        result, references, _ = checkpoint_while_training(job, agent, gate)
+        assert {"model.1.running_mean", "model.1.running_var"} <= set(result.torn), trial
+        assert result.attempts >= 2
+        tensors, meta = references[result.step]
+        image = restored(JOBS["batch_norm"], link, result)
+        assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()}, f"trial {trial}")
+        assert_same(meta, image.meta())
+
+
+def _pieces(state: TrainingState, piece_bytes: int) -> int:
+    return sum(max(1, -(-t.nbytes // piece_bytes)) for _, t in state.tensors())
+
+
+@pytest.mark.parametrize("when", ["before_capture", "during_capture"])
+def test_numpy_writes_are_caught_by_begin_fingerprints_in_strict_mode(when: str, link: StoreLink) -> None:
+    """An undeclared write (through a numpy view: no dispatch, no version bump) before the copier
+    reaches the piece, or at a random moment of the capture from another thread, is caught."""
+    torch.manual_seed(3)
+    job = JOBS["adam_foreach"]()
+    frozen = job.state.model[0].bias  # a tensor the optimizer never writes
+    frozen.requires_grad_(False)
+    rng = random.Random(when)
+    pieces = _pieces(job.state, 512)
+    for trial in range(5):
+        gate = StepGate(rng, span=6, pieces=pieces)
+        chosen = rng.randrange(pieces)
+
+        def write() -> None:
+            frozen.detach().numpy()[rng.randrange(frozen.numel())] += 1.0
+
+        def pace(chosen: int = chosen, gate: StepGate = gate) -> None:
+            if when == "during_capture" and gate.taken == chosen:
+                write()
+            gate.pace()
+
+        def inject(ran: int) -> None:
+            if when == "before_capture" and ran == 1:
+                write()
+
+        agent = CheckpointAgent(job.state, link, job="np", piece_bytes=512, strict=True, pacer=pace)
+        result, references, _ = checkpoint_while_training(job, agent, gate, inject)
+        assert "model.0.bias" in result.torn, trial
+        tensors, _ = references[result.step]
+        image = restored(JOBS["adam_foreach"], link, result)
+        assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()}, f"trial {trial}")
+
+
+def test_numpy_write_after_capture_is_caught_by_validation_fingerprints(link: StoreLink) -> None:
+    torch.manual_seed(4)
+    job = JOBS["sgd_momentum"]()
+    frozen = job.state.model[3].weight
+    frozen.requires_grad_(False)
+    gate = StepGate(random.Random(4), span=2, pieces=30)
+    agent = CheckpointAgent(job.state, link, job="np2", piece_bytes=512, pacer=gate.pace)
+
+    injected: list[int] = []
+
+    def inject(ran: int) -> None:
+        capture = agent.capture
+        if not injected and capture is not None and capture.captured.is_set():
+            frozen.detach().numpy()[0, 0] += 1.0  # after its piece was captured, before validation
+            injected.append(ran)
+
+    result, references, _ = checkpoint_while_training(job, agent, gate, inject)
+    assert injected and result.torn == ("model.3.weight",)
+    tensors, _ = references[result.step]
+    image = restored(JOBS["sgd_momentum"], link, result)
+    assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()})
+
+
+def test_writes_through_data_and_views_are_copied_before_they_land(link: StoreLink) -> None:
+    """``p.data`` and views are other tensor objects over the tracked storage: the dispatch mode
+    sees their writes by storage address and byte range, so no fallback is needed."""
+    torch.manual_seed(5)
+    job = JOBS["sgd_momentum"]()
+    weight = job.state.model[0].weight
+    gate = StepGate(random.Random(5), span=6, pieces=80)
+    agent = CheckpointAgent(job.state, link, job="views", piece_bytes=512, pacer=gate.pace)
+
+    def inject(ran: int) -> None:
+        if ran == 1:
+            weight.data.mul_(0.5)
+            weight.detach().view(-1)[100:300].zero_()
+
+    result, references, _ = checkpoint_while_training(job, agent, gate, inject)
+    assert result.attempts == 1 and result.torn == ()
+    tensors, _ = references[result.step]
+    image = restored(JOBS["sgd_momentum"], link, result)
+    assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()})
+
+
+def test_identical_weights_are_stored_once_and_an_unchanged_image_writes_nothing(link: StoreLink) -> None:
+    torch.manual_seed(6)
+    a, b = nn.Linear(64, 64), nn.Linear(64, 64)
+    b.load_state_dict(a.state_dict())
+    frozen = nn.Linear(64, 8)
+    model = nn.Sequential(a, b, frozen)
+    frozen.requires_grad_(False)
+    state = TrainingState(model)
+    agent = CheckpointAgent(state, link, job="dedup", piece_bytes=1024)
+    first = agent.checkpoint()
+    weights = a.weight.nbytes + a.bias.nbytes
+    assert first.stats.new_bytes == first.manifest.image_bytes() - weights
+    assert agent.checkpoint().stats.new_bytes == 0
+    with torch.no_grad():
+        a.weight[0, :4] += 1.0  # one 1 KiB piece changes
+    third = agent.checkpoint()
+    assert third.stats.new_bytes == 1024
+    image = Restore(
+        TrainingState(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8))),
+        link,
+        third.manifest,
+    )
+    image.start(on_demand=False)
+    image.wait()
+    assert_same(snapshot(state)[0], snapshot(image.state)[0])
+
+
+@pytest.mark.parametrize("backend", ["local", "redis", "s3"])
+def test_images_live_in_every_data_store_backend_and_collection_keeps_what_live_images_need(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    for fixture in {"local": ["tmp_path"], "redis": ["redis_url"], "s3": ["s3_env", "s3_endpoint"]}[backend]:
+        request.getfixturevalue(fixture)  # servers start here, on the test's thread
+    store_link = StoreLink.start(lambda: open_store(backend, request, chunk_bytes=1 << 20, cache_bytes=0))
+    try:
+        torch.manual_seed(7)
+        job = JOBS["adam_foreach"]()
+        job.state.model[0].weight.requires_grad_(False)  # unchanged pieces: later images share packs
+        agent = CheckpointAgent(job.state, store_link, job=backend, piece_bytes=1024, pack_bytes=16384)
+        results = []
+        for step in range(1, 4):
+            job.step_fn()
+            agent.step_boundary(step)
+            results.append(agent.checkpoint())
+        expected = snapshot(job.state)
+        refs = {ref.digest: ref for r in results for ref in (*r.manifest.packs, r.manifest.meta)}
+        doomed = collectable(refs, [results[-1].manifest])
+        assert doomed and not doomed & referenced_digests(results[-1].manifest)
+        assert results[0].manifest.packs[0].digest in referenced_digests(results[-1].manifest)  # shared
+        for digest in doomed:
+            assert store_link.delete(refs[digest]).result()
+        image = restored(JOBS["adam_foreach"], store_link, results[-1])
+        assert_same(expected, snapshot(image))
+    finally:
+        store_link.close()
+
+
+# ----- preempted N times == never preempted --------------------------------------------------
+
+
+class ResumableJob:
+    """A data-loader-driven job with dropout, an LR schedule, an AMP grad scaler and numpy/python
+    randomness: everything a restore must put back besides the tensors."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(11)
+        data = TensorDataset(torch.randn(48, 12), torch.randint(0, 3, (48,)))
+        self.sampler = ResumableSampler(len(data), seed=7)
+        # Its own generator: a DataLoader draws a base seed when an iterator starts, which would
+        # otherwise advance the global RNG once more in a restored process than in the original.
+        self.loader = DataLoader(data, batch_size=8, sampler=self.sampler, generator=torch.Generator())
+        model = nn.Sequential(
+            nn.Linear(12, 24), nn.BatchNorm1d(24), nn.ReLU(), nn.Dropout(0.2), nn.Linear(24, 3)
+        )
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.8)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
+        self.state = TrainingState(model, opt, sched, scaler=self.scaler, loader=self.sampler)
+
+    def batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield from self.loader
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x, y = batch
+        x = x + torch.from_numpy(np.random.normal(0, 0.01, x.shape).astype(np.float32)) * random.random()
+        model, opt, sched = self.state.model, self.state.optimizer, self.state.scheduler
+        assert opt is not None and sched is not None
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        self.scaler.scale(loss).backward()
+        self.scaler.step(opt)
+        self.scaler.update()  # its scale grows every 4 steps: part of the image
+        sched.step()  # type: ignore[attr-defined]
+
+
+def _seed_all() -> None:
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+
+
+def test_a_job_preempted_many_times_ends_bitwise_equal_to_an_uninterrupted_run(link: StoreLink) -> None:
+    total = 30
+    _seed_all()
+    plain = ResumableJob()
+    batches = plain.batches()
+    for step in range(1, total + 1):
+        plain.step(next(batches))
+        plain.state.step = step
+    expected = snapshot(plain.state)
+
+    _seed_all()
+    job = ResumableJob()
+    agent = CheckpointAgent(job.state, link, job="preempted", piece_bytes=256)
+    batches = job.batches()
+    last: CommitResult | None = None
+    # At these steps the job is preempted: checkpoint-and-stop (pause) or killed without warning
+    # (rewind to the last periodic checkpoint, losing the steps since).
+    preemptions = {7: "pause", 11: "kill", 16: "pause", 22: "kill", 23: "pause", 27: "kill"}
+    step = 0
+    resumed = 0
+    loading: Restore | None = None
+    while step < total:
+        job.step(next(batches))  # after a restore: runs while the optimizer state is still loading
+        if loading is not None:
+            loading.wait()
+            loading = None
+        step += 1
+        last = agent.step_boundary(step) or last
+        if step % 4 == 0 and not agent.in_flight:
+            agent.begin()
+        how = preemptions.pop(step, None)
+        if how is None:
+            continue
+        if how == "pause":
+            last = agent.checkpoint()
+            assert last.step == step
+        else:
+            agent.abandon()  # the process died: its checkpoint in flight is lost with it
+        assert last is not None
+        # A fresh process: build the job from code, restore on demand, go on from the image's step.
+        _seed_all()  # whatever the new process's seeds, the image's RNG states win
+        job = ResumableJob()
+        loading = Restore.from_ref(job.state, link, last.manifest_ref)
+        loading.start()
+        batches = job.batches()
+        step = job.state.step
+        agent = CheckpointAgent(
+            job.state, link, job="preempted", piece_bytes=256, last=last.manifest, last_ref=last.manifest_ref
+        )
+        resumed += 1
+    assert resumed == 6
+    assert_same(expected[0], snapshot(job.state)[0], "tensors")
+    assert_same(expected[1], snapshot(job.state)[1], "meta")
