@@ -13,7 +13,9 @@ alike.
 
 Prints one JSON line: per revision ``p50_ms``, ``p99_ms``, ``ratio_p50`` (to the stock kernel's
 p50) and ``cpu_ms_per_cell`` (the client plus that cluster's processes, all threads, per cell;
-steadier than latency on a loaded machine); ``paired`` holds, per round of blocks, B's p50 and CPU
+steadier than latency on a loaded machine) and ``cpu_ms_per_cell_by_role``, the same split per
+process role (client, gateway, global_scheduler, local_scheduler, replica), ZMQ's I/O threads
+(``<role>/zmq_io``, where CURVE does its cryptography) apart; ``paired`` holds, per round of blocks, B's p50 and CPU
 minus A's, and their medians (``p50_change_ms``, ``cpu_change_ms``; negative: B is cheaper).
 
 Usage: ``python scripts/bench_ab.py REV_A REV_B [--rounds 8] [--block 50] [--set KEY=VALUE]``
@@ -41,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import psutil  # noqa: E402
-from bench_latency import cpu_seconds, one_cell, percentile, start  # noqa: E402
+from bench_latency import cpu_by_role, cpu_seconds, one_cell, percentile, role_of, start  # noqa: E402
 
 from services.kernelspec import install  # noqa: E402
 
@@ -124,20 +126,29 @@ def measure(
     kernels["ipykernel"] = start("python3")
     samples: dict[str, list[list[float]]] = {name: [] for name in kernels}
     cpu: dict[str, list[float]] = {side: [] for side in SIDES}
+    by_role: dict[str, dict[str, float]] = {side: {} for side in SIDES}
     me = psutil.Process()
     try:
         for _, kc in kernels.values():
             for _ in range(warmup):
                 one_cell(kc)
         processes = {side: [me, *tree_of(ups[side])] for side in SIDES}  # after warm-up: replicas up
+        roles = {
+            side: {p.pid: "client" if p.pid == me.pid else role_of(p) for p in processes[side]}
+            for side in SIDES
+        }
         for round_ in range(rounds):
             order = ("a", "b", "ipykernel") if round_ % 2 == 0 else ("b", "a", "ipykernel")
             for name in order:  # A and B take turns going first: no side gains from the order
                 kc = kernels[name][1]
                 before = cpu_seconds(processes[name]) if name in cpu else 0.0
+                roles_before = cpu_by_role(roles[name]) if name in cpu else {}
                 samples[name].append([one_cell(kc) for _ in range(block)])
                 if name in cpu:
                     cpu[name].append((cpu_seconds(processes[name]) - before) * 1000.0 / block)
+                    for role, seconds in cpu_by_role(roles[name]).items():
+                        spent = seconds - roles_before.get(role, 0.0)
+                        by_role[name][role] = by_role[name].get(role, 0.0) + spent
     finally:
         for km, kc in kernels.values():
             kc.stop_channels()
@@ -152,6 +163,11 @@ def measure(
             "p99_ms": round(percentile(everything[side], 99), 3),
             "ratio_p50": round(p50 / stock_p50, 3),
             "cpu_ms_per_cell": round(statistics.fmean(cpu[side]), 3),
+            # per process role (``/zmq_io``: its ZMQ I/O threads), over every block of this side
+            "cpu_ms_per_cell_by_role": {
+                role: round(seconds * 1000.0 / (rounds * block), 3)
+                for role, seconds in sorted(by_role[side].items())
+            },
         }
     p50_change = [
         round(statistics.median(b) - statistics.median(a), 3)
