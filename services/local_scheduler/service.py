@@ -95,6 +95,8 @@ class LocalScheduler:
             authorize=self._authorize_replica,
         )
         self._outbound = OutboundRequests(self._server)
+        # replicas' Jupyter messages of this loop turn, for _flush_upstream: ((kernel, replica), channel, frames)
+        self._outgoing: list[tuple[tuple[str, str], str, list[bytes]]] = []
         self._registered = asyncio.Event()
         self._data_root = cfg.state_dir() / "hosts" / host_id
         self.warm_pool = WarmPool(
@@ -296,24 +298,32 @@ class LocalScheduler:
             raise LaunchFailed(str(exc) or f"no replica.register within {self._start_timeout:g}s") from None
 
     def _sink_for(self, replica: ReplicaProcess) -> Any:
-        """Forwarding closure: one envelope per Jupyter message, sent upstream immediately. A
-        replica's ``execute_reply`` also ends the GPU commitment it held for that cell."""
-        send = self._upstream.send
+        """Forwarding closure: the replica's Jupyter messages go upstream at the end of the loop
+        turn they arrived in (``_flush_upstream``). A replica's ``execute_reply`` also ends the
+        GPU commitment it held for that cell."""
         kernel_id, replica_id = replica.kernel_id, replica.replica_id
-        reply_type = messages.JUPYTER_REPLY
         ledger = self.ledger
+        outgoing = self._outgoing
+        key = (kernel_id, replica_id)
 
         def sink(channel: str, frames: list[bytes]) -> None:
-            send(
-                Envelope(
-                    reply_type,
-                    {"kernel_id": kernel_id, "replica_id": replica_id, "channel": channel, "frames": frames},
-                )
-            )
+            if not outgoing:
+                asyncio.get_running_loop().call_soon(self._flush_upstream)
+            outgoing.append((key, channel, frames))
             if channel == "shell" and ledger.holds(kernel_id, replica_id):
                 self._release_on_reply(kernel_id, replica_id, frames)
 
         return sink
+
+    def _flush_upstream(self) -> None:
+        """Send what the replicas said in this loop turn: one ``jupyter.reply`` per run of one
+        replica's messages, in arrival order. A cell's messages come in pairs (busy and its
+        input, the reply and idle, on two sockets that wake in the same turn), and every envelope
+        costs each hop a CURVE box each way and a decode."""
+        outgoing = self._outgoing.copy()  # the sinks hold this list: emptied in place
+        self._outgoing.clear()
+        for body in messages.jupyter_replies(outgoing):
+            self._upstream.send(Envelope(messages.JUPYTER_REPLY, body))
 
     def _release_on_reply(self, kernel_id: str, replica_id: str, frames: list[bytes]) -> None:
         """The cell is over on this replica once it replies (its tensors went to host memory
