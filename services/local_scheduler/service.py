@@ -213,12 +213,15 @@ class LocalScheduler:
             body = env.body
             replica = self.replicas.get((body["kernel_id"], body.get("replica_id", "")))
             frames = body["frames"]
+            bound = None
+            if replica is not None and len(frames) > 1 and b'"execute_request"' in frames[1]:
+                bound = self._bind_ahead(replica, frames[1], designated=body.get("designated") is True)
             if replica is None or not replica.send(body["channel"], frames):
                 self.log.warning(
                     "request_for_absent_replica", kernel=body["kernel_id"], replica=body.get("replica_id")
                 )
-            elif len(frames) > 1 and b'"execute_request"' in frames[1]:
-                self._bind_ahead(replica, frames[1], designated=body.get("designated") is True)
+                if replica is not None and bound is not None:
+                    self._release_gpus(replica.kernel_id, replica.replica_id, bound, on="request_not_sent")
             return None
         if env.type == messages.REPLICA_START:
             return self._replica_start(env)
@@ -508,22 +511,23 @@ class LocalScheduler:
             return env.error(str(exc), code="no_gpus")
         return env.reply({"device_ids": device_ids})
 
-    def _bind_ahead(self, replica: ReplicaProcess, header: bytes, *, designated: bool) -> None:
+    def _bind_ahead(self, replica: ReplicaProcess, header: bytes, *, designated: bool) -> str | None:
         """The scheduler designated this replica to execute: bind its GPUs now and push them to it
-        right behind the request (which this bookkeeping must not hold up; the push still reaches
-        the replica's Raft thread before its kernel thread has parsed the request, most of the
-        time), so it needs no gpu.commit round trip (that request stays the authority: it is
-        idempotent, and covers a push that arrives late or bound nothing)."""
+        ahead of the request, so it needs no gpu.commit round trip (that request stays the
+        authority: it is idempotent, and covers a push that arrives late or bound nothing).
+        Pushed right behind the request, the push lost the race to the replica's kernel thread
+        in 40-70% of trivial cells (bench_latency, 2 cores), each loss a round trip more on the
+        cell's path. The msg_id bound under, or None when nothing was bound."""
         try:
             parsed = json.loads(header)
             msg_id = parsed["msg_id"]
             if parsed.get("msg_type") != "execute_request" or not isinstance(msg_id, str):
-                return
+                return None
             msg_id = election_key(msg_id, round_of(parsed))  # what the replica binds under
         except (ValueError, KeyError, TypeError, AttributeError):
-            return  # the replica's ipykernel reports the malformed message
+            return None  # the replica's ipykernel reports the malformed message
         if replica.identity is None:
-            return
+            return None
         body: dict[str, Any] = {
             "kernel_id": replica.kernel_id,
             "replica_id": replica.replica_id,
@@ -541,6 +545,7 @@ class LocalScheduler:
                 announce=False,
             )
         self._server.send(replica.identity, Envelope(messages.GPU_BOUND, body))
+        return msg_id if "device_ids" in body else None
 
     def _bind(
         self, kernel_id: str, replica_id: str, msg_id: str, gpus: int, *, announce: bool = True
