@@ -318,6 +318,13 @@ class LocalScheduler:
 
         return sink
 
+    def _send_upstream(self, env: Envelope) -> None:
+        """Send ``env`` behind the replicas' Jupyter messages not flushed yet: the scheduler
+        reads the link in order (an ``exited`` event must not overtake the replica's reply)."""
+        if self._outgoing:
+            self._flush_upstream()
+        self._upstream.send(env)
+
     def _flush_upstream(self) -> None:
         """Send what the replicas said in this loop turn: one ``jupyter.reply`` per run of one
         replica's messages, in arrival order. A cell's messages come in pairs (busy and its
@@ -450,7 +457,7 @@ class LocalScheduler:
             released_gpus=list(released),
         )
         if replica.registered.done() and not replica.registered.exception():
-            self._upstream.send(
+            self._send_upstream(
                 Envelope(
                     messages.REPLICA_EVENT,
                     {
@@ -478,7 +485,7 @@ class LocalScheduler:
             if replica is not None and body["event"] == "raft_role":
                 role = (body.get("detail") or {}).get("role")
                 replica.role = role.lower() if isinstance(role, str) else replica.role
-            self._upstream.send(Envelope(messages.REPLICA_EVENT, dict(body)))
+            self._send_upstream(Envelope(messages.REPLICA_EVENT, dict(body)))
             return None  # a push: the replica awaits no answer (one would cost it a wake-up)
         if env.type == messages.REPLICA_REGISTER:
             return self._replica_register(identity, env)
@@ -573,7 +580,7 @@ class LocalScheduler:
         )
         if not announce:
             return device_ids
-        self._upstream.send(
+        self._send_upstream(
             Envelope(
                 messages.REPLICA_EVENT,
                 {
