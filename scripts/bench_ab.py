@@ -13,10 +13,17 @@ alike.
 
 Prints one JSON line: per revision ``p50_ms``, ``p99_ms``, ``ratio_p50`` (to the stock kernel's
 p50) and ``cpu_ms_per_cell`` (the client plus that cluster's processes, all threads, per cell;
-steadier than latency on a loaded machine); ``paired`` holds, per round of blocks, B's p50 and CPU
+steadier than latency on a loaded machine) and ``cpu_ms_per_cell_by_role``, the same split per
+process role (client, gateway, global_scheduler, local_scheduler, replica), ZMQ's I/O threads
+(``<role>/zmq_io``, where CURVE does its cryptography) apart; ``paired`` holds, per round of blocks, B's p50 and CPU
 minus A's, and their medians (``p50_change_ms``, ``cpu_change_ms``; negative: B is cheaper).
 
-Usage: ``python scripts/bench_ab.py REV_A REV_B [--rounds 8] [--block 50] [--set KEY=VALUE]``
+``--without-security a`` runs side A without its encryption and authentication (CURVE and the
+message authorisation on the service links, TLS on the Raft links; edited in A's temporary
+worktree only), so ``bench_ab.py REV REV --without-security a`` measures what they cost REV.
+
+Usage: ``python scripts/bench_ab.py REV_A REV_B [--rounds 8] [--block 50] [--set KEY=VALUE]
+[--without-security a|b]``
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import psutil  # noqa: E402
-from bench_latency import cpu_seconds, one_cell, percentile, start  # noqa: E402
+from bench_latency import cpu_by_role, cpu_seconds, one_cell, percentile, role_of, start  # noqa: E402
 
 from services.kernelspec import install  # noqa: E402
 
@@ -49,14 +56,44 @@ SIDES = ("a", "b")
 READY_TIMEOUT_S = 120.0
 
 
+# What --without-security changes in that side's temporary worktree (never in a commit): no CURVE
+# and no authorisation on the service links but the gateway's lifecycle API (this process's
+# provisioner keeps its operator key), no TLS on the Raft links. (file, anchor, replacement)
+_STRIP_SECURITY = (
+    (
+        "shared/rpc.py",
+        "        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)\n",
+        "        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)\n"
+        '        if name != "gateway-api":\n            curve = authorize = None\n',
+    ),
+    (
+        "shared/rpc.py",
+        "        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)\n",
+        "        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)\n"
+        "        curve = None\n",
+    ),
+    ("shared/config.py", '        "tls": True,\n', '        "tls": False,\n'),
+)
+
+
+def strip_security(tree: Path) -> None:
+    """The same code without its encryption and authentication, to measure what they cost."""
+    for name, anchor, replacement in _STRIP_SECURITY:
+        path = tree / name
+        text = path.read_text()
+        if text.count(anchor) != 1:
+            raise SystemExit(f"--without-security: {name} of this revision has no single {anchor.strip()!r}")
+        path.write_text(text.replace(anchor, replacement))
+
+
 @contextlib.contextmanager
-def checkout(rev: str, parent: Path) -> Iterator[Path]:
+def checkout(rev: str, parent: Path, side: str) -> Iterator[Path]:
     """A worktree of ``rev`` (for ``.``, of this checkout's tracked files as they are, through
     ``git stash create``), removed afterwards. Both sides run from worktrees alike: a cluster
     run from this checkout measured ~0.1 ms slower than the same commit from a worktree."""
-    name = rev.replace("/", "_")
+    name = f"{side}-{rev.replace('/', '_')}"  # the side too: both may check out one revision
     if rev == ".":
-        name = "checkout"
+        name = f"{side}-checkout"
         rev = (
             subprocess.run(
                 ["git", "-C", str(ROOT), "stash", "create"], check=True, capture_output=True, text=True
@@ -124,20 +161,29 @@ def measure(
     kernels["ipykernel"] = start("python3")
     samples: dict[str, list[list[float]]] = {name: [] for name in kernels}
     cpu: dict[str, list[float]] = {side: [] for side in SIDES}
+    by_role: dict[str, dict[str, float]] = {side: {} for side in SIDES}
     me = psutil.Process()
     try:
         for _, kc in kernels.values():
             for _ in range(warmup):
                 one_cell(kc)
         processes = {side: [me, *tree_of(ups[side])] for side in SIDES}  # after warm-up: replicas up
+        roles = {
+            side: {p.pid: "client" if p.pid == me.pid else role_of(p) for p in processes[side]}
+            for side in SIDES
+        }
         for round_ in range(rounds):
             order = ("a", "b", "ipykernel") if round_ % 2 == 0 else ("b", "a", "ipykernel")
             for name in order:  # A and B take turns going first: no side gains from the order
                 kc = kernels[name][1]
                 before = cpu_seconds(processes[name]) if name in cpu else 0.0
+                roles_before = cpu_by_role(roles[name]) if name in cpu else {}
                 samples[name].append([one_cell(kc) for _ in range(block)])
                 if name in cpu:
                     cpu[name].append((cpu_seconds(processes[name]) - before) * 1000.0 / block)
+                    for role, seconds in cpu_by_role(roles[name]).items():
+                        spent = seconds - roles_before.get(role, 0.0)
+                        by_role[name][role] = by_role[name].get(role, 0.0) + spent
     finally:
         for km, kc in kernels.values():
             kc.stop_channels()
@@ -152,6 +198,11 @@ def measure(
             "p99_ms": round(percentile(everything[side], 99), 3),
             "ratio_p50": round(p50 / stock_p50, 3),
             "cpu_ms_per_cell": round(statistics.fmean(cpu[side]), 3),
+            # per process role (``/zmq_io``: its ZMQ I/O threads), over every block of this side
+            "cpu_ms_per_cell_by_role": {
+                role: round(seconds * 1000.0 / (rounds * block), 3)
+                for role, seconds in sorted(by_role[side].items())
+            },
         }
     p50_change = [
         round(statistics.median(b) - statistics.median(a), 3)
@@ -178,8 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--hosts", type=int, default=3)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for both sides")
+    parser.add_argument(
+        "--without-security",
+        choices=SIDES,
+        help="run that side without CURVE, authorisation and Raft TLS (what they cost; REV_A may equal REV_B)",
+    )
     args = parser.parse_args(argv)
-    if args.rev_a == args.rev_b:
+    if args.rev_a == args.rev_b and args.without_security is None:
         parser.error("give two different revisions")
     logging.getLogger("traitlets").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="tandem-ab-") as tmp, contextlib.ExitStack() as stack:
@@ -190,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         ups: dict[str, psutil.Process] = {}
         state_dirs = {side: Path(tmp) / f"{side}-run" / "state" for side in SIDES}
         for side, rev in zip(SIDES, (args.rev_a, args.rev_b), strict=True):
-            tree = stack.enter_context(checkout(rev, Path(tmp)))
+            tree = stack.enter_context(checkout(rev, Path(tmp), side))
+            if args.without_security == side:
+                strip_security(tree)
             state_dirs[side].mkdir(parents=True)
             ups[side] = stack.enter_context(cluster(tree, state_dirs[side], args.hosts, args.set))
         result = measure(ups, state_dirs, args.rounds, args.block, args.warmup)
@@ -200,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         "block": args.block,
         "rev_a": args.rev_a,
         "rev_b": args.rev_b,
+        "without_security": args.without_security,
         **result,
     }
     print(json.dumps(result))

@@ -108,6 +108,48 @@ def cpu_seconds(processes: list[psutil.Process]) -> float:
     return total
 
 
+_ROLES = (
+    ("services.gateway", "gateway"),
+    ("services.global_scheduler", "global_scheduler"),
+    ("services.local_scheduler", "local_scheduler"),
+    ("kernel_replica", "replica"),
+)
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def role_of(process: psutil.Process) -> str:
+    """What a cluster process is, from its command line (``other``: ``tandem up`` and the rest)."""
+    try:
+        command = " ".join(process.cmdline())
+    except psutil.Error:
+        return "other"
+    return next((role for module, role in _ROLES if module in command), "other")
+
+
+def cpu_by_role(processes: dict[int, str]) -> dict[str, float]:
+    """CPU seconds so far per role (pid -> role), each split into ``<role>/zmq_io`` (ZMQ's I/O
+    threads, where CURVE encrypts and decrypts) and ``<role>`` (every other thread), read from
+    /proc per thread (clock-tick resolution: meaningful summed over many cells)."""
+    totals: dict[str, float] = {}
+    for pid, role in processes.items():
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            name = stat[stat.index(b"(") + 1 : stat.rindex(b")")]
+            fields = stat[stat.rindex(b")") + 2 :].split()
+            seconds = (int(fields[11]) + int(fields[12])) * _TICK_S  # utime + stime
+            where = f"{role}/zmq_io" if name.startswith(b"ZMQbg/IO") else role
+            totals[where] = totals.get(where, 0.0) + seconds
+    return totals
+
+
 def side_processes(stock_kernel_pid: int | None) -> dict[str, list[psutil.Process]]:
     """Whose CPU each side's cells cost: the client (this process) and the stock kernel, or the
     client and every other process under it (the embedded cluster's services and replicas)."""

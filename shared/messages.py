@@ -126,6 +126,9 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "channel": (_str, True),
         "frames": (_list, True),
         "replica_id": (_str, False),
+        # [channel, frames] of the same kernel's (and replica's) next messages, in order: what one
+        # turn of the sender's loop had for that peer goes in one envelope (``jupyter_messages``)
+        "more": (_list, False),
     },
     KERNEL_LIST: {},
     CLUSTER_STATUS: {"all": (_bool, False)},  # all: stopped kernels too
@@ -261,6 +264,47 @@ def id_problem(field: str, value: str) -> str | None:
     return None
 
 
+def _jupyter_problem(channel: Any, frames: list[Any]) -> str | None:
+    if channel not in CHANNELS:
+        return f"unknown channel {channel!r}"
+    if len(frames) < 5 or not all(isinstance(f, bytes) for f in frames):
+        return "frames must be at least 5 byte strings (signature, header, parent, metadata, content)"
+    return None
+
+
+def jupyter_messages(body: dict[str, Any]) -> list[tuple[str, list[bytes]]]:
+    """The (channel, frames) a validated ``jupyter.reply`` body carries, in order."""
+    first = (body["channel"], body["frames"])
+    more = body.get("more")
+    return [first, *((channel, frames) for channel, frames in more)] if more else [first]
+
+
+def jupyter_reply(kernel_id: str, items: list[tuple[str, list[bytes]]], **fields: Any) -> dict[str, Any]:
+    """A ``jupyter.reply`` body carrying ``items`` ((channel, frames), at least one), in order."""
+    (channel, frames), rest = items[0], items[1:]
+    body = {"kernel_id": kernel_id, **fields, "channel": channel, "frames": frames}
+    if rest:
+        body["more"] = [[c, f] for c, f in rest]
+    return body
+
+
+def jupyter_replies(
+    outgoing: list[tuple[tuple[str, str], str, list[bytes]]],
+) -> list[dict[str, Any]]:
+    """``jupyter.reply`` bodies for ((kernel, replica), channel, frames) in arrival order: one
+    per run of the same replica's messages, so the order across replicas holds too."""
+    bodies = []
+    start = 0
+    for end in range(1, len(outgoing) + 1):
+        if end < len(outgoing) and outgoing[end][0] == outgoing[start][0]:
+            continue
+        kernel_id, replica_id = outgoing[start][0]
+        items = [(channel, frames) for _, channel, frames in outgoing[start:end]]
+        bodies.append(jupyter_reply(kernel_id, items, replica_id=replica_id))
+        start = end
+    return bodies
+
+
 def validate(msg_type: str, body: dict[str, Any]) -> str | None:
     """Return why ``body`` is not a valid ``msg_type`` body, or None if it is."""
     schema = _SCHEMAS.get(msg_type)
@@ -280,11 +324,14 @@ def validate(msg_type: str, body: dict[str, Any]) -> str | None:
         if isinstance(value, str) and (problem := id_problem(key, value)) is not None:
             return problem
     if msg_type in _CHECKED_CHANNEL:
-        if body["channel"] not in CHANNELS:
-            return f"unknown channel {body['channel']!r}"
-        frames = body["frames"]
-        if len(frames) < 5 or not all(isinstance(f, bytes) for f in frames):
-            return "frames must be at least 5 byte strings (signature, header, parent, metadata, content)"
+        problem = _jupyter_problem(body["channel"], body["frames"])
+        if problem is not None:
+            return problem
+        for item in body.get("more", ()):
+            if type(item) is not list or len(item) != 2 or not isinstance(item[1], list):
+                return "each of 'more' must be [channel, frames]"
+            if (problem := _jupyter_problem(item[0], item[1])) is not None:
+                return f"in 'more': {problem}"
     if msg_type == REPLICA_MEMBERSHIP and body["action"] not in MEMBERSHIP_ACTIONS:
         return f"unknown membership action {body['action']!r}"
     if msg_type == REPLICA_MEMBERSHIP and body["action"] != "status" and not body.get("member"):

@@ -38,6 +38,7 @@ DEFAULT_MAX_BATCH = 1_024
 _POLLIN = int(zmq.POLLIN)  # a plain int: enum arithmetic per send is what this module avoids
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+_RCVMORE = int(zmq.RCVMORE)
 
 log = structlog.get_logger("zmq_drain")
 
@@ -54,6 +55,23 @@ def send_multipart_nowait(sock: zmq.Socket[bytes], frames: Sequence[bytes]) -> N
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         send(frame, _SNDMORE_NOBLOCK if i < last else _NOBLOCK)
+
+
+def _recv_authenticated(sock: zmq.Socket[bytes]) -> tuple[list[bytes], str]:
+    """One message and the ZAP User-Id its connection proved. Only the frames after the first
+    are taken as ``zmq.Frame`` (the first of a ROUTER's is the routing id, which ZMQ makes
+    without the connection's metadata): ``recv_multipart(copy=False)`` made a Frame of every
+    part, 3.3 µs of the receiving thread's CPU per message against 2.1 here (a scheduler
+    receives about five per trivial cell)."""
+    frames = [sock.recv(_NOBLOCK)]
+    user = ""
+    more = sock.getsockopt(_RCVMORE)
+    while more:  # the rest of a multipart message is already here: ZMQ delivers it whole
+        part = sock.recv(_NOBLOCK, copy=False)
+        user = part.get("User-Id") or ""
+        frames.append(part.bytes)
+        more = part.more
+    return frames, user
 
 
 class DrainingSocket:
@@ -82,6 +100,8 @@ class DrainingSocket:
             raise TypeError(f"{name}: DrainingSocket needs a plain zmq.Socket, not a zmq.asyncio one")
         if (on_message is None) == (on_authenticated is None):
             raise ValueError(f"{name}: give exactly one of on_message and on_authenticated")
+        if on_authenticated is not None and sock.type != zmq.ROUTER:  # see _recv_authenticated
+            raise ValueError(f"{name}: on_authenticated needs a ROUTER socket")
         if max_batch < 1:
             raise ValueError(f"{name}: max_batch must be at least 1, got {max_batch}")
         self._sock = sock
@@ -186,9 +206,7 @@ class DrainingSocket:
                     if on_authenticated is None:
                         frames = sock.recv_multipart(_NOBLOCK)
                     else:
-                        parts = sock.recv_multipart(_NOBLOCK, copy=False)
-                        user = parts[-1].get("User-Id") or ""
-                        frames = [part.bytes for part in parts]
+                        frames, user = _recv_authenticated(sock)
                 except zmq.Again:
                     break
                 except zmq.ZMQError as exc:

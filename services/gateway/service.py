@@ -433,7 +433,8 @@ class Gateway:
             if endpoint is None:
                 log.warning("reply_for_unknown_kernel", kernel=kernel_id)
                 return
-            endpoint.deliver(env.body["channel"], env.body["frames"])
+            for channel, frames in messages.jupyter_messages(env.body):
+                endpoint.deliver(channel, frames)
         elif env.type == messages.KERNEL_DEAD:
             reason = env.body["reason"]
             log.warning("kernel_dead", kernel=kernel_id, reason=reason)

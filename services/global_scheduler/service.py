@@ -450,23 +450,27 @@ class GlobalScheduler:
         replica_id = body.get("replica_id")
         if kernel is None or replica_id is None:
             return None
-        merged = kernel.router.on_replica_message(replica_id, body["channel"], body["frames"])
-        for msg_id in merged.no_executor:  # its NoExecutorAvailable / GpuUnavailable is held back
-            self._migrate_without_executor(kernel, msg_id, "its executor could not bind the GPUs")
-        if merged.forwards:
-            self.to_gateway(kernel, merged.forwards)
-        if merged.finished:
-            self._release(kernel, merged.finished)
+        forwards: list[Forward] = []  # what this envelope's messages give the client: one push
+        for channel, frames in messages.jupyter_messages(body):
+            merged = kernel.router.on_replica_message(replica_id, channel, frames)
+            for msg_id in merged.no_executor:  # its NoExecutorAvailable / GpuUnavailable is held back
+                if forwards:  # a migration may tell the client something: after what came first
+                    self.to_gateway(kernel, forwards)
+                    forwards = []
+                self._migrate_without_executor(kernel, msg_id, "its executor could not bind the GPUs")
+            forwards += merged.forwards
+            if merged.finished:
+                self._release(kernel, merged.finished)
+        if forwards:
+            self.to_gateway(kernel, forwards)
         return None
 
     def to_gateway(self, kernel: KernelRecord, forwards: list[Forward]) -> None:
-        push = self._gateway.push
-        kernel_id = kernel.kernel_id
-        for channel, frames in forwards:
-            push(
-                Envelope(
-                    messages.JUPYTER_REPLY, {"kernel_id": kernel_id, "channel": channel, "frames": frames}
-                )
+        """One push for all of ``forwards``: every envelope costs each hop a CURVE box and a
+        decode, and a cell's messages come in pairs (busy and its input, the reply and idle)."""
+        if forwards:
+            self._gateway.push(
+                Envelope(messages.JUPYTER_REPLY, messages.jupyter_reply(kernel.kernel_id, forwards))
             )
 
     def _release(self, kernel: KernelRecord, msg_ids: list[str]) -> None:

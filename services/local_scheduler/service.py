@@ -97,6 +97,8 @@ class LocalScheduler:
             authorize=self._authorize_replica,
         )
         self._outbound = OutboundRequests(self._server)
+        # replicas' Jupyter messages of this loop turn, for _flush_upstream: ((kernel, replica), channel, frames)
+        self._outgoing: list[tuple[tuple[str, str], str, list[bytes]]] = []
         self._registered = asyncio.Event()
         # absolute: a replica starts in its kernel's working directory (shared/kernel_launch.py)
         self._data_root = cfg.state_dir().absolute() / "hosts" / host_id
@@ -278,12 +280,15 @@ class LocalScheduler:
             body = env.body
             replica = self.replicas.get((body["kernel_id"], body.get("replica_id", "")))
             frames = body["frames"]
+            bound = None
+            if replica is not None and len(frames) > 1 and b'"execute_request"' in frames[1]:
+                bound = self._bind_ahead(replica, frames[1], designated=body.get("designated") is True)
             if replica is None or not replica.send(body["channel"], frames):
                 self.log.warning(
                     "request_for_absent_replica", kernel=body["kernel_id"], replica=body.get("replica_id")
                 )
-            elif len(frames) > 1 and b'"execute_request"' in frames[1]:
-                self._bind_ahead(replica, frames[1], designated=body.get("designated") is True)
+                if replica is not None and bound is not None:
+                    self._release_gpus(replica.kernel_id, replica.replica_id, bound, on="request_not_sent")
             return None
         if env.type == messages.REPLICA_START:
             return self._replica_start(env)
@@ -363,24 +368,39 @@ class LocalScheduler:
             raise LaunchFailed(str(exc) or f"no replica.register within {self._start_timeout:g}s") from None
 
     def _sink_for(self, replica: ReplicaProcess) -> Any:
-        """Forwarding closure: one envelope per Jupyter message, sent upstream immediately. A
-        replica's ``execute_reply`` also ends the GPU commitment it held for that cell."""
-        send = self._upstream.send
+        """Forwarding closure: the replica's Jupyter messages go upstream at the end of the loop
+        turn they arrived in (``_flush_upstream``). A replica's ``execute_reply`` also ends the
+        GPU commitment it held for that cell."""
         kernel_id, replica_id = replica.kernel_id, replica.replica_id
-        reply_type = messages.JUPYTER_REPLY
         ledger = self.ledger
+        outgoing = self._outgoing
+        key = (kernel_id, replica_id)
 
         def sink(channel: str, frames: list[bytes]) -> None:
-            send(
-                Envelope(
-                    reply_type,
-                    {"kernel_id": kernel_id, "replica_id": replica_id, "channel": channel, "frames": frames},
-                )
-            )
+            if not outgoing:
+                asyncio.get_running_loop().call_soon(self._flush_upstream)
+            outgoing.append((key, channel, frames))
             if channel == "shell" and ledger.holds(kernel_id, replica_id):
                 self._release_on_reply(kernel_id, replica_id, frames)
 
         return sink
+
+    def _send_upstream(self, env: Envelope) -> None:
+        """Send ``env`` behind the replicas' Jupyter messages not flushed yet: the scheduler
+        reads the link in order (an ``exited`` event must not overtake the replica's reply)."""
+        if self._outgoing:
+            self._flush_upstream()
+        self._upstream.send(env)
+
+    def _flush_upstream(self) -> None:
+        """Send what the replicas said in this loop turn: one ``jupyter.reply`` per run of one
+        replica's messages, in arrival order. A cell's messages come in pairs (busy and its
+        input, the reply and idle, on two sockets that wake in the same turn), and every envelope
+        costs each hop a CURVE box each way and a decode."""
+        outgoing = self._outgoing.copy()  # the sinks hold this list: emptied in place
+        self._outgoing.clear()
+        for body in messages.jupyter_replies(outgoing):
+            self._upstream.send(Envelope(messages.JUPYTER_REPLY, body))
 
     def _release_on_reply(self, kernel_id: str, replica_id: str, frames: list[bytes]) -> None:
         """The cell is over on this replica once it replies (its tensors went to host memory
@@ -513,7 +533,7 @@ class LocalScheduler:
             released_gpus=list(released),
         )
         if replica.registered.done() and not replica.registered.exception():
-            self._upstream.send(
+            self._send_upstream(
                 Envelope(
                     messages.REPLICA_EVENT,
                     {
@@ -541,7 +561,7 @@ class LocalScheduler:
             if replica is not None and body["event"] == "raft_role":
                 role = (body.get("detail") or {}).get("role")
                 replica.role = role.lower() if isinstance(role, str) else replica.role
-            self._upstream.send(Envelope(messages.REPLICA_EVENT, dict(body)))
+            self._send_upstream(Envelope(messages.REPLICA_EVENT, dict(body)))
             return None  # a push: the replica awaits no answer (one would cost it a wake-up)
         if env.type == messages.REPLICA_REGISTER:
             return self._replica_register(identity, env)
@@ -574,22 +594,23 @@ class LocalScheduler:
             return env.error(str(exc), code="no_gpus")
         return env.reply({"device_ids": device_ids})
 
-    def _bind_ahead(self, replica: ReplicaProcess, header: bytes, *, designated: bool) -> None:
+    def _bind_ahead(self, replica: ReplicaProcess, header: bytes, *, designated: bool) -> str | None:
         """The scheduler designated this replica to execute: bind its GPUs now and push them to it
-        right behind the request (which this bookkeeping must not hold up; the push still reaches
-        the replica's Raft thread before its kernel thread has parsed the request, most of the
-        time), so it needs no gpu.commit round trip (that request stays the authority: it is
-        idempotent, and covers a push that arrives late or bound nothing)."""
+        ahead of the request, so it needs no gpu.commit round trip (that request stays the
+        authority: it is idempotent, and covers a push that arrives late or bound nothing).
+        Pushed right behind the request, the push lost the race to the replica's kernel thread
+        in 40-70% of trivial cells (bench_latency, 2 cores), each loss a round trip more on the
+        cell's path. The msg_id bound under, or None when nothing was bound."""
         try:
             parsed = json.loads(header)
             msg_id = parsed["msg_id"]
             if parsed.get("msg_type") != "execute_request" or not isinstance(msg_id, str):
-                return
+                return None
             msg_id = election_key(msg_id, round_of(parsed))  # what the replica binds under
         except (ValueError, KeyError, TypeError, AttributeError):
-            return  # the replica's ipykernel reports the malformed message
+            return None  # the replica's ipykernel reports the malformed message
         if replica.identity is None:
-            return
+            return None
         body: dict[str, Any] = {
             "kernel_id": replica.kernel_id,
             "replica_id": replica.replica_id,
@@ -607,6 +628,7 @@ class LocalScheduler:
                 announce=False,
             )
         self._server.send(replica.identity, Envelope(messages.GPU_BOUND, body))
+        return msg_id if "device_ids" in body else None
 
     def _bind(
         self, kernel_id: str, replica_id: str, msg_id: str, gpus: int, *, announce: bool = True
@@ -634,7 +656,7 @@ class LocalScheduler:
         )
         if not announce:
             return device_ids
-        self._upstream.send(
+        self._send_upstream(
             Envelope(
                 messages.REPLICA_EVENT,
                 {

@@ -211,7 +211,7 @@ class TlsFailure(Exception):
     """The TLS session failed (handshake refused, certificate not trusted, corrupt record)."""
 
 
-READ_CHUNK = 16_384  # one TLS record's plaintext at most: a larger read buffer is only allocated
+READ_CHUNK = 16_384  # one TLS record's plaintext at most (2**14): a larger read buffer is only allocated
 
 
 class TlsSession:
@@ -248,7 +248,12 @@ class TlsSession:
             return b""
         chunks = []
         incoming, tls = self._incoming, self.ssl_object
-        while incoming.pending or tls.pending():
+        # Every call into the SSL object releases the GIL, which the replica's busy kernel thread
+        # then takes for up to a switch interval: so no ``tls.pending()`` after each record (a
+        # read of READ_CHUNK takes a whole record, so OpenSSL keeps plaintext back only after a
+        # read that filled the chunk), only the BIO's own count, which holds the GIL.
+        more = incoming.pending > 0
+        while more:
             try:
                 chunk = tls.read(READ_CHUNK)
             except ssl.SSLWantReadError:
@@ -261,6 +266,7 @@ class TlsSession:
             if not chunk:
                 break
             chunks.append(chunk)
+            more = incoming.pending > 0 or (len(chunk) == READ_CHUNK and tls.pending() > 0)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def encrypt(self, *parts: bytes) -> bytes:

@@ -148,7 +148,7 @@ class Gateway:
 
     def __init__(self, address: str, keys_dir: Path) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.inbox: asyncio.Queue[Envelope] = asyncio.Queue()
+        self.inbox: asyncio.Queue[tuple[str, list[bytes]]] = asyncio.Queue()
         self.dead: list[dict[str, Any]] = []
         self.client = RpcClient(
             self.ctx,
@@ -170,8 +170,9 @@ class Gateway:
     def _on_message(self, env: Envelope) -> None:
         if env.type == messages.KERNEL_DEAD:
             self.dead.append(env.body)
-        else:
-            self.inbox.put_nowait(env)
+        elif env.type == messages.JUPYTER_REPLY:  # one queue item per Jupyter message it carries
+            for channel, frames in messages.jupyter_messages(env.body):
+                self.inbox.put_nowait((channel, frames))
 
     async def call(self, msg_type: str, body: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
         return (await self.admin.request(Envelope(msg_type, body), timeout=timeout)).body
@@ -225,11 +226,10 @@ class Gateway:
         have_reply = have_idle = False
         deadline = time.monotonic() + timeout
         while not (have_reply and have_idle):
-            env = await asyncio.wait_for(self.inbox.get(), max(deadline - time.monotonic(), 0.01))
-            msg = session.deserialize(env.body["frames"])  # verifies the signature
+            channel, frames = await asyncio.wait_for(self.inbox.get(), max(deadline - time.monotonic(), 0.01))
+            msg = session.deserialize(frames)  # verifies the signature
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
-            channel = env.body["channel"]
             got.append((channel, msg))
             have_reply |= channel in ("shell", "control")
             have_idle |= msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle"

@@ -100,11 +100,12 @@ class Harness:
             if env.type == messages.KERNEL_DEAD:
                 out.append(("kernel.dead", env.body["reason"]))
                 continue
-            msg = Session(key=self.key.encode()).deserialize(env.body["frames"])
-            kind = msg["msg_type"]
-            if kind == "status":
-                kind = msg["content"]["execution_state"]
-            out.append((env.body["channel"], kind))
+            for channel, frames in messages.jupyter_messages(env.body):
+                msg = Session(key=self.key.encode()).deserialize(frames)
+                kind = msg["msg_type"]
+                if kind == "status":
+                    kind = msg["content"]["execution_state"]
+                out.append((channel, kind))
         self.sent.clear()
         return out
 

@@ -199,7 +199,12 @@ def test_a_cell_whose_elections_keep_failing_is_answered_with_one_clear_error() 
             kernel.held = None
             kernel.router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r2"))
             failed_election(gs, election_key(msg_id, round_))
-        replies = [e.body["frames"] for e in sent if e.type == messages.JUPYTER_REPLY]
+        replies = [
+            frames
+            for e in sent
+            if e.type == messages.JUPYTER_REPLY
+            for _, frames in messages.jupyter_messages(e.body)
+        ]
         kinds = [parse(f)["header"]["msg_type"] for f in replies]
         assert kinds == ["status", "error", "execute_reply", "status"]
         evalue = parse(replies[2])["content"]["evalue"]
