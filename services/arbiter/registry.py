@@ -286,6 +286,8 @@ class Registry:
             app_id=r.app_id,
             gpus=gpus,
             max_gpus=r.max_gpus,
+            min_gpus=r.gpus,  # --gpus N is a lower bound
+            host=r.host if gpus else None,
             iterations_done=done,
             iterations_total=total,
             seconds_per_iteration=spi,
