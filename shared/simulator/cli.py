@@ -24,6 +24,8 @@ SYNTHETIC_EXCERPT = "synthetic-idlt-excerpt"
 DEFAULT_POLICIES = "notebookos,reservation,batch,lcp"
 #: notebookos with best-effort training apps on the GPUs its cells leave idle (a mixed run)
 MIXED_POLICY = "notebookos+be"
+#: shared.simulator.be.POLICIES, spelled out so that parsing the CLI does not import scipy
+BE_POLICIES = ("themis", "gandiva", "tiresias", "slaq", "srtf", "fifo")
 JSON_KEYS = (
     "gpu_hours",
     "gpu_hours_saved_vs_reservation",
@@ -69,7 +71,12 @@ def add_sim_command(subparsers: Any) -> argparse.ArgumentParser:
         help=f"trace length for {SYNTHETIC} (default 1); for a CSV: cut after D days",
     )
     p.add_argument(
-        "--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})"
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help=(
+            f"comma-separated (default {DEFAULT_POLICIES}); {MIXED_POLICY} is notebookos with "
+            "best-effort training apps on the GPUs its cells leave idle (cells always win)"
+        ),
     )
     p.add_argument("--seed", type=int, default=1, help="seeds the generator and the simulator")
     p.add_argument("--out", type=Path, default=Path("sim-out"), help="directory for the PNG figures")
@@ -87,7 +94,8 @@ def add_sim_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--be-policy",
         default="themis",
-        help=f"for {MIXED_POLICY}: the BE allocation policy (themis, or a baseline: gandiva, tiresias, slaq, srtf, fifo)",
+        choices=BE_POLICIES,
+        help=f"for {MIXED_POLICY}: the BE allocation policy (default themis; the others are baselines)",
     )
     return p
 

@@ -8,11 +8,13 @@ import bisect
 import pytest
 
 from shared.arbiter import GpuSlot
-from shared.simulator.cli import MIXED_POLICY, load_trace, run_sim
+from shared.simulator.be import POLICIES, BeSimParams, StepTimeline, run_be
+from shared.simulator.cli import BE_POLICIES, MIXED_POLICY, load_trace, run_sim
 from shared.simulator.engine import Simulator
 from shared.simulator.mixed import CommittedRecorder, MixedResult, run_be_on_cells
 from shared.simulator.params import SimParams
 from shared.simulator.results import summarize_run
+from shared.workload.be_model import MODELS, BeApp, BeJob, BeWorkload
 
 DAYS = 0.3
 SEED = 1
@@ -85,3 +87,31 @@ def test_be_changes_no_notebook_figure_and_the_json_has_the_mixed_keys() -> None
     assert mixed["gpu_hours"] == alone["gpu_hours"]
     assert mixed["provisioned_gpu_utilization"] > alone["provisioned_gpu_utilization"]
     assert mixed["be_gpu_hours"] > 0 and mixed["be_max_rho_by_app"]
+
+
+def test_a_cell_ends_a_lease_at_once_within_the_round_and_the_job_loses_its_partial_step() -> None:
+    model = MODELS["resnet50"]
+    app = BeApp("solo", 0.0, (BeJob("solo-j", model, round(7200 / model.seconds_per_iteration), 1),))
+    gpu = GpuSlot("h000", 0)
+    # the GPU is BE-usable until a cell takes it mid-round (rounds every 60 s) and mid-step, back at 200 s
+    cut = 90.0 + model.seconds_per_iteration / 2
+    timeline = StepTimeline(((0.0, frozenset({gpu})), (cut, frozenset()), (200.0, frozenset({gpu}))))
+    seen: list[tuple[float, frozenset[GpuSlot]]] = []
+    result = run_be(
+        BeWorkload((app,), "t"),
+        "themis",
+        params=BeSimParams(round_s=60.0),
+        timeline=timeline,
+        observer=lambda t, s: seen.append((t, s)),
+    )
+    assert (cut, frozenset()) in seen  # at the cell's instant, not at the next round (120 s)
+    assert result.cuts == 1
+    assert 0 < result.lost_gpu_seconds <= model.seconds_per_iteration
+    # the lost half step is redone: BE GPU-time is the work plus what was lost
+    (solo,) = result.apps
+    assert solo.gpu_seconds == pytest.approx(result.gpu_seconds_allocated)
+    assert result.gpu_seconds_allocated == pytest.approx(7200 + result.lost_gpu_seconds, rel=1e-3)
+
+
+def test_the_cli_lists_the_be_simulators_policies() -> None:
+    assert BE_POLICIES == POLICIES
