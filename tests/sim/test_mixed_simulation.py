@@ -78,7 +78,7 @@ def test_recorded_cell_gpu_time_matches_the_notebook_runs_allocated_hours() -> N
 
 
 def test_be_changes_no_notebook_figure_and_the_json_has_the_mixed_keys() -> None:
-    trace, window = load_trace("synthetic-idlt", DAYS, SEED)
+    trace, window = load_trace("synthetic-idlt", 0.1, SEED)
     _, summaries = run_sim(
         trace, ["notebookos", MIXED_POLICY], seed=SEED, window_end_s=window, progress=False, be_load=1.0
     )
