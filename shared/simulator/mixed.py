@@ -166,6 +166,7 @@ class MixedResult:
             "be_work_gpu_hours": round(self.workload.work_gpu_hours, 2),
             "be_max_rho": max(per_app.values()) if per_app else None,
             "be_max_rho_by_app": per_app,
+            "be_rho_by_app": {a.app_id: round(a.rho, 4) for a in self.be.apps},
             "be_auction_p50_ms": round(self.be.auction_percentile_ms(0.5), 2),
             "be_wall_s": round(self.be.wall_s, 2),
         }
