@@ -145,10 +145,10 @@ class MixedResult:
 
     def numbers(self, provisioned_gpu_h: float) -> dict[str, Any]:
         be_gpu_s = self.be.gpu_seconds_allocated
-        per_app: dict[str, float] = {}
+        peak: dict[str, float] = {}
         for app in self.be.apps:
             series = self.be.rho_series.get(app.app_id, [])
-            per_app[app.app_id] = round(max([app.rho, *(r for _, r in series)]), 4)
+            peak[app.app_id] = round(max([app.rho, *(r for _, r in series)]), 4)
         provisioned_s = provisioned_gpu_h * 3600.0
         return {
             "provisioned_gpu_utilization": round((self.cell_gpu_s + be_gpu_s) / provisioned_s, 4)
@@ -164,9 +164,9 @@ class MixedResult:
             "be_jobs": self.workload.n_jobs,
             "be_apps_finished": sum(1 for a in self.be.apps if a.finished_at is not None),
             "be_work_gpu_hours": round(self.workload.work_gpu_hours, 2),
-            "be_max_rho": max(per_app.values()) if per_app else None,
-            "be_max_rho_by_app": per_app,
+            "be_max_rho": round(self.be.max_rho, 4) if self.be.apps else None,
             "be_rho_by_app": {a.app_id: round(a.rho, 4) for a in self.be.apps},
+            "be_peak_estimated_rho_by_app": peak,
             "be_auction_p50_ms": round(self.be.auction_percentile_ms(0.5), 2),
             "be_wall_s": round(self.be.wall_s, 2),
         }

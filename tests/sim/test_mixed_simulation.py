@@ -86,7 +86,8 @@ def test_be_changes_no_notebook_figure_and_the_json_has_the_mixed_keys() -> None
     assert mixed["interactivity_delay_p99_s"] == alone["interactivity_delay_p99_s"]
     assert mixed["gpu_hours"] == alone["gpu_hours"]
     assert mixed["provisioned_gpu_utilization"] > alone["provisioned_gpu_utilization"]
-    assert mixed["be_gpu_hours"] > 0 and mixed["be_max_rho_by_app"]
+    assert mixed["be_gpu_hours"] > 0 and mixed["be_rho_by_app"]
+    assert mixed["be_max_rho"] == max(mixed["be_rho_by_app"].values())
 
 
 def test_a_cell_ends_a_lease_at_once_within_the_round_and_the_job_loses_its_partial_step() -> None:
