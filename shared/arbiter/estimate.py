@@ -104,10 +104,14 @@ class FinishTimeModel:
     def __init__(self, report: AppReport, config: ArbiterConfig) -> None:
         self.report = report
         jobs = report.jobs
-        measured = [j.seconds_per_iteration for j in jobs if j.seconds_per_iteration is not None]
-        totals = [j.iterations_total for j in jobs if j.iterations_total is not None]
-        self._spi_prior = statistics.median(measured) if measured else config.unknown_seconds_per_iteration
-        self._total_prior = statistics.median(totals) if totals else None
+        self._spi_prior = config.unknown_seconds_per_iteration
+        self._total_prior: float | None = None
+        if any(j.seconds_per_iteration is None or j.iterations_total is None for j in jobs):
+            # some job is unknown: it takes its app's medians (jobs of one sweep are alike)
+            measured = [j.seconds_per_iteration for j in jobs if j.seconds_per_iteration is not None]
+            totals = [j.iterations_total for j in jobs if j.iterations_total is not None]
+            self._spi_prior = statistics.median(measured) if measured else self._spi_prior
+            self._total_prior = statistics.median(totals) if totals else None
         self._spi = [j.seconds_per_iteration or self._spi_prior for j in jobs]
         if report.app_type == APP_SUCCESSIVE_HALVING:
             self.phases = self._halving_phases(report, self._spi)
