@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import shlex
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -256,7 +257,14 @@ class Registry:
             live = [r for r in records if r.state in (QUEUED, RUNNING)]
             if not live:
                 continue
-            jobs = [self._job_report(r, gpus=0 if r.job_id in releasing else len(r.device_ids)) for r in live]
+            measured = [r.seconds_per_iteration for r in records if r.uses_api and r.seconds_per_iteration]
+            spi_guess = statistics.median(measured) if measured else 1.0
+            jobs = [
+                self._job_report(
+                    r, gpus=0 if r.job_id in releasing else len(r.device_ids), spi_guess=spi_guess
+                )
+                for r in live
+            ]
             reports.append(
                 AppReport(
                     app_id=app_id,
@@ -270,16 +278,17 @@ class Registry:
         return reports
 
     @staticmethod
-    def _job_report(r: JobRecord, *, gpus: int) -> JobReport:
+    def _job_report(r: JobRecord, *, gpus: int, spi_guess: float = 1.0) -> JobReport:
         """A job that has timed its steps reports iterations; one that has not (no API, or still
-        starting: importing its libraries) counts each second it ran as an iteration, the core's
-        crude estimate of an unknown iteration time (``ArbiterConfig.unknown_seconds_per_iteration``),
-        so that the app that ran longer is seen to have done more."""
+        starting: importing its libraries) reports the seconds it ran as iterations of
+        ``spi_guess``: its app's median measured iteration time, which the core also assumes
+        for it, else 1 s (``ArbiterConfig.unknown_seconds_per_iteration``), so that the app that
+        ran longer is seen to have done more."""
         total = r.iterations_total if r.uses_api and r.iterations_total else r.declared_iterations
         if r.uses_api and r.seconds_per_iteration is not None:
             done, spi = r.iterations_done, r.seconds_per_iteration
         else:
-            done, spi = int(r.run_seconds), None
+            done, spi = int(r.run_seconds / spi_guess), None
             if total is not None:
                 done = min(done, total)
         return JobReport(
@@ -287,6 +296,8 @@ class Registry:
             app_id=r.app_id,
             gpus=gpus,
             max_gpus=r.max_gpus,
+            min_gpus=r.gpus,  # --gpus N is a lower bound
+            host=r.host if gpus else None,
             iterations_done=done,
             iterations_total=total,
             seconds_per_iteration=spi,

@@ -60,6 +60,7 @@ class ArbiterService:
                 lease_s=float(section["lease_s"]),
                 leftovers_to_bidders=bool(section["leftovers_to_bidders"]),
                 seed=int(section["seed"]),
+                single_host_jobs=True,  # a live job is one process: its GPUs on one host
             )
         )
         report_s = float(section["report_interval_s"])

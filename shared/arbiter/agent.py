@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from shared.arbiter.config import ArbiterConfig
 from shared.arbiter.estimate import FinishTimeModel, Work, job_shares
-from shared.arbiter.reports import AppReport
+from shared.arbiter.reports import AppReport, JobReport
 from shared.arbiter.slots import GpuSlot
 
 #: rho_old of a starving app: T_sh is unbounded, and this stands for it in the PF objective's
@@ -137,7 +137,7 @@ class AppAgent:
         total = sum(free_by_host.values())
         table: list[tuple[Bundle, float]] = []
         sizes = offer_sizes(min(total, self.wants), self.config.max_bundle_sizes)
-        for k in sizes:
+        for k in (k for k in sizes if k >= self.smallest_start):
             anywhere = self.rho(self.held + k)
             if anywhere < rho_old:
                 table.append((Bundle(k), anywhere))
@@ -159,8 +159,74 @@ class AppAgent:
             Work(w.seconds, max(0, w.max_gpus - j.gpus), w.sensitivity)
             for w, j in zip(current, jobs, strict=True)
         ]
-        shares = job_shares(works, len(slots))
-        return pack(dict((j.job_id, s) for j, s in zip(jobs, shares, strict=True) if s > 0), slots)
+        if not self.config.single_host_jobs and all(j.min_gpus == 1 or j.gpus > 0 for j in jobs):
+            shares = job_shares(works, len(slots))
+            return pack(dict((j.job_id, s) for j, s in zip(jobs, shares, strict=True) if s > 0), slots)
+        return place_jobs(jobs, works, slots, single_host=self.config.single_host_jobs)
+
+    @property
+    def smallest_start(self) -> int:
+        """The fewest GPUs that let one more job run or grow: 1 if some job already runs, else
+        the smallest ``min_gpus`` of its waiting jobs (a bid below it could not be used)."""
+        current = self.model.phases[0] if self.model.phases else []
+        open_jobs = [
+            j for j, w in zip(self.report.jobs, current, strict=True) if w.seconds > 0 and j.gpus < j.max_gpus
+        ]
+        if any(j.gpus > 0 for j in open_jobs):
+            return 1
+        return min((j.min_gpus for j in open_jobs), default=1)
+
+
+def place_jobs(
+    jobs: Sequence[JobReport], works: Sequence[Work], slots: Sequence[GpuSlot], *, single_host: bool
+) -> dict[str, tuple[GpuSlot, ...]]:
+    """Split ``slots`` between jobs honouring each job's lower bound (a waiting job gets at least
+    ``min_gpus`` or nothing) and, with ``single_host``, one host per job (a running job grows only
+    on its own host). Most work first: each job first gets its minimum on the host that fits it
+    most tightly, then jobs grow one GPU at a time up to ``works[i].max_gpus`` (their room). GPUs
+    no job can use are left out (the caller keeps them free)."""
+    by_host: dict[str, list[GpuSlot]] = {}
+    for s in sorted(slots):
+        by_host.setdefault(s.host_id, []).append(s)
+    order = sorted(
+        (i for i, w in enumerate(works) if w.seconds > 0 and w.max_gpus > 0), key=lambda i: -works[i].seconds
+    )
+    got: dict[int, list[GpuSlot]] = {}
+
+    def take(i: int, n: int, hosts: list[str]) -> bool:
+        if single_host:
+            fits = [h for h in hosts if len(by_host.get(h, ())) >= n]
+            if not fits:
+                return False
+            h = got[i][0].host_id if got.get(i) else min(fits, key=lambda h: (len(by_host[h]), h))
+            picked, by_host[h] = by_host[h][:n], by_host[h][n:]
+        else:
+            if sum(len(by_host[h]) for h in hosts) < n:
+                return False
+            picked = []
+            for h in sorted(hosts, key=lambda h: (-len(by_host[h]), h)):
+                k = min(n - len(picked), len(by_host[h]))
+                picked, by_host[h] = picked + by_host[h][:k], by_host[h][k:]
+        got.setdefault(i, []).extend(picked)
+        return True
+
+    def hosts_of(i: int) -> list[str]:
+        job = jobs[i]
+        if single_host and got.get(i):
+            return [got[i][0].host_id]
+        if single_host and job.gpus > 0 and job.host is not None:
+            return [job.host] if job.host in by_host else []
+        return list(by_host)
+
+    for i in order:
+        take(i, 1 if jobs[i].gpus > 0 else jobs[i].min_gpus, hosts_of(i))
+    growing = True
+    while growing:
+        growing = False
+        for i in order:
+            if i in got and len(got[i]) < works[i].max_gpus and take(i, 1, hosts_of(i)):
+                growing = True
+    return {jobs[i].job_id: tuple(g) for i, g in got.items()}
 
 
 def pack(shares: Mapping[str, int], slots: Sequence[GpuSlot]) -> dict[str, tuple[GpuSlot, ...]]:

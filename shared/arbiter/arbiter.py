@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shared.arbiter.agent import AppAgent, Bid, pack
@@ -139,7 +139,7 @@ class Arbiter:
             return AuctionOutcome([], rho, auction_ms=(time.perf_counter() - start) * 1e3)
         wanting = [a for a in agents if a.wants > 0]
         n_bid = math.ceil((1.0 - self.config.fairness_knob) * len(agents)) if agents else 0
-        bidders = sorted(wanting, key=lambda a: (not a.starving, -rho[a.app_id], a.app_id))[:n_bid]
+        bidders = sorted(wanting, key=self._bid_order(now, rho))[:n_bid]
         offer = host_counts(available)
         bids = {a.app_id: a.bid(offer) for a in bidders}
         pa = partial_allocation(list(bids.values()), offer)
@@ -181,6 +181,20 @@ class Arbiter:
             leftover_gpus=leftover_gpus,
             auction_ms=(time.perf_counter() - start) * 1e3,
         )
+
+    def _bid_order(self, now: float, rho: dict[str, float]) -> Callable[[AppAgent], tuple[object, ...]]:
+        """Worst rho first (starving apps before all); a tie (rho equal to 1e-9) goes to the app
+        that has received the least GPU time, then to a seeded random order, never to the app id
+        (which let the alphabetically first app win every tie)."""
+        rng = random.Random(f"{self.config.seed}:{now!r}:ties")
+
+        def key(a: AppAgent) -> tuple[object, ...]:
+            return (not a.starving, -round(rho[a.app_id], 9), a.report.gpu_seconds_used, rng_rank[a.app_id])
+
+        rng_rank: dict[str, float] = {}
+        for app_id in sorted(rho):
+            rng_rank[app_id] = rng.random()
+        return key
 
     @staticmethod
     def _settle(

@@ -10,8 +10,14 @@ class ArbiterConfig:
     """``fairness_knob`` is Themis's f in (0, 1): each round the ceil((1 - f) * N) apps with the
     worst (highest) rho bid; see ``shared.arbiter.arbiter`` for why (1 - f) and not f.
 
-    ``unknown_seconds_per_iteration`` / ``unknown_remaining_fraction``: the crude estimates for a
-    job that does not report progress (it still runs; its rho is only roughly right).
+    Unknown jobs (no measured iteration time or no total): such a job takes its app's median
+    measured seconds-per-iteration and median known total (siblings are alike: one sweep); with no
+    measured sibling, the priors ``unknown_seconds_per_iteration`` and ``unknown_job_gpu_s`` (one
+    GPU-hour of work, the order of a short training run: not "nearly done", which would make its
+    rho ~1 and keep it out of every auction). A job already past its estimated total is assumed
+    ``unknown_remaining_fraction`` from its end.
+    ``single_host_jobs``: each job's GPUs on one host (a live job is one process); the simulator
+    keeps the multi-host model (placement sensitivity) with False.
     ``leftovers_to_bidders``: after non-bidders have taken what they can use, give what is still
     left to bidders with unmet demand, so a round never leaves a GPU idle that some app wants
     (the paper's "work conserving"); off means strict PA hidden payments to non-bidders only.
@@ -28,6 +34,8 @@ class ArbiterConfig:
     leftovers_to_bidders: bool = True
     unknown_seconds_per_iteration: float = 1.0
     unknown_remaining_fraction: float = 0.5
+    unknown_job_gpu_s: float = 3600.0
+    single_host_jobs: bool = False
     max_bundle_sizes: int = 8
     packed_hosts_per_size: int = 4
     seed: int = 0

@@ -104,13 +104,21 @@ class FinishTimeModel:
     def __init__(self, report: AppReport, config: ArbiterConfig) -> None:
         self.report = report
         jobs = report.jobs
-        self._spi = [self._seconds_per_iteration(j, config) for j in jobs]
+        self._spi_prior = config.unknown_seconds_per_iteration
+        self._total_prior: float | None = None
+        if any(j.seconds_per_iteration is None or j.iterations_total is None for j in jobs):
+            # some job is unknown: it takes its app's medians (jobs of one sweep are alike)
+            measured = [j.seconds_per_iteration for j in jobs if j.seconds_per_iteration is not None]
+            totals = [j.iterations_total for j in jobs if j.iterations_total is not None]
+            self._spi_prior = statistics.median(measured) if measured else self._spi_prior
+            self._total_prior = statistics.median(totals) if totals else None
+        self._spi = [j.seconds_per_iteration or self._spi_prior for j in jobs]
         if report.app_type == APP_SUCCESSIVE_HALVING:
             self.phases = self._halving_phases(report, self._spi)
         else:
             self.phases = [
                 [
-                    Work(self._remaining(j, config) * spi, j.max_gpus, j.placement_sensitivity)
+                    Work(self._remaining(j, spi, config) * spi, j.max_gpus, j.placement_sensitivity)
                     for j, spi in zip(jobs, self._spi, strict=True)
                 ]
             ]
@@ -119,17 +127,20 @@ class FinishTimeModel:
             report.demand_max_gpus or 0, max((sum(w.max_gpus for w in p) for p in self.phases), default=0)
         )
 
-    @staticmethod
-    def _seconds_per_iteration(job: JobReport, config: ArbiterConfig) -> float:
-        return job.seconds_per_iteration or config.unknown_seconds_per_iteration
-
-    @staticmethod
-    def _remaining(job: JobReport, config: ArbiterConfig) -> float:
+    def _total(self, job: JobReport, spi: float, config: ArbiterConfig) -> float:
+        """The job's total iterations: its own, else its app's median known total, else the prior
+        ``unknown_job_gpu_s`` of work; a job already past that is ``unknown_remaining_fraction``
+        from its end."""
         if job.iterations_total is not None:
-            return max(0, job.iterations_total - job.iterations_done)
-        # Unknown total: assume the job is unknown_remaining_fraction from its end.
+            return float(job.iterations_total)
+        guess = self._total_prior if self._total_prior is not None else config.unknown_job_gpu_s / spi
+        if job.iterations_done < guess:
+            return float(guess)
         f = config.unknown_remaining_fraction
-        return max(1.0, job.iterations_done * f / (1.0 - f))
+        return job.iterations_done + max(1.0, job.iterations_done * f / (1.0 - f))
+
+    def _remaining(self, job: JobReport, spi: float, config: ArbiterConfig) -> float:
+        return max(0.0, self._total(job, spi, config) - job.iterations_done)
 
     @staticmethod
     def _halving_phases(report: AppReport, spi: Sequence[float]) -> list[list[Work]]:
@@ -156,13 +167,7 @@ class FinishTimeModel:
         if self.report.app_type == APP_SUCCESSIVE_HALVING:
             return sum(sum(w.seconds for w in p) for p in self.phases)
         return sum(
-            (
-                j.iterations_total
-                if j.iterations_total is not None
-                else j.iterations_done + self._remaining(j, config)
-            )
-            * spi
-            for j, spi in zip(self.report.jobs, self._spi, strict=True)
+            self._total(j, spi, config) * spi for j, spi in zip(self.report.jobs, self._spi, strict=True)
         )
 
     def remaining(self, gpus: int, layout: Mapping[str, int] | None = None) -> float:

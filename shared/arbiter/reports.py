@@ -25,6 +25,9 @@ class JobReport:
     penalty (Themis's iter_serial_time); ``placement_sensitivity`` is the multiplicative slowdown
     S >= 1 the job suffers when its GPUs span more than one host (1.0: insensitive, e.g.
     Inception-v3; VGG16 in Themis Table 1 is ~1.29). ``gpus`` is what it holds now (leases).
+    ``min_gpus`` is the least it can start on (``tandem job submit --gpus N``: a lower bound, the
+    arbiter never leases it fewer); ``host`` is where the GPUs it holds are, so that a
+    single-host arbiter (``ArbiterConfig.single_host_jobs``) extends it only there.
     """
 
     job_id: str
@@ -35,10 +38,14 @@ class JobReport:
     iterations_total: int | None
     seconds_per_iteration: float | None
     placement_sensitivity: float = 1.0
+    min_gpus: int = 1
+    host: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_gpus < 1:
             raise ValueError(f"job {self.job_id}: max_gpus must be >= 1, got {self.max_gpus}")
+        if not 1 <= self.min_gpus <= self.max_gpus:
+            raise ValueError(f"job {self.job_id}: min_gpus must be in [1, max_gpus], got {self.min_gpus}")
         if self.gpus < 0 or self.iterations_done < 0:
             raise ValueError(f"job {self.job_id}: gpus and iterations_done must be >= 0")
         if self.placement_sensitivity < 1.0:

@@ -164,6 +164,8 @@ class BeRunResult:
     gpu_seconds_allocated: float
     usable_gpu_seconds: float
     wall_s: float
+    lost_gpu_seconds: float = 0.0  # progress lost when a cell took a leased GPU (since the last step)
+    cuts: int = 0  # leases a cell ended at once
 
     @property
     def finished(self) -> bool:
@@ -218,6 +220,7 @@ class _Job:
     ended: bool = False
     gpus: int = 0
     rate: float = 0.0
+    advanced_to: float = -math.inf  # progress already counted up to here within the round
     _report: JobReport | None = None
     _report_key: tuple[int, int, int] = (0, 0, 0)
 
@@ -342,8 +345,15 @@ def run_be(
     params: BeSimParams | None = None,
     timeline: GpuTimeline | None = None,
     policy: AllocationPolicy | None = None,
+    observer: Callable[[float, frozenset[GpuSlot]], None] | None = None,
 ) -> BeRunResult:
-    """Replay ``workload`` under one policy on ``hosts`` (or a ``timeline`` of BE-usable GPUs)."""
+    """Replay ``workload`` under one policy on ``hosts`` (or a ``timeline`` of BE-usable GPUs).
+
+    Within a round, a change of the timeline that removes leased GPUs (a cell took them) ends
+    those leases at that instant, not at the next round: cells always win. The job loses its
+    progress since its last completed step (the partial iteration in flight; no checkpoint
+    model yet) and goes on with the GPUs it still holds. ``observer(t, leased)`` sees the set of
+    leased GPUs each time it changes (for invariant checks)."""
     wall = time.perf_counter()
     p = params or BeSimParams()
     tl: GpuTimeline = timeline or StaticCluster(cluster(hosts or THEMIS_256))
@@ -357,7 +367,26 @@ def run_be(
     now = pending[0].submitted_at if pending else 0.0
     start = now
     allocated = 0.0
+    lost = 0.0
+    cuts = 0
     meter = CapacityMeter()
+
+    def advance(app: _App, job: _Job, until: float) -> None:
+        """Progress ``job`` from where it was counted (this round's start or a cut) to ``until``."""
+        nonlocal allocated
+        since = max(now, job.advanced_to)
+        job.advanced_to = until
+        r = job.rate
+        if r <= 0 or until <= since:
+            return
+        run = min(until - since, (job.target - job.done) / r)
+        job.done = min(job.target, job.done + r * run)
+        app.gpu_seconds += job.gpus * run
+        allocated += job.gpus * run
+        if job.done >= job.target:
+            app.last_job_end = max(app.last_job_end, since + run)
+            app.reached_target = True
+
     while pending or active:
         while pending and pending[0].submitted_at <= now:
             spec = pending.popleft()
@@ -403,6 +432,8 @@ def run_be(
                 s = series.setdefault(app_id, [])
                 if not s or now - s[-1][0] >= p.rho_sample_s:
                     s.append((now, r))
+        if observer is not None:
+            observer(now, _leased(active))
         running = [j for a in active.values() for j in a.live if j.leases]
         nxt = min(
             pending[0].submitted_at if pending else math.inf,
@@ -416,20 +447,15 @@ def run_be(
         nxt = max(now + p.round_s, math.ceil((nxt - start) / p.round_s - 1e-9) * p.round_s + start)
         dt = nxt - now
         n_active = len(active)
+        c_lost, c_cuts = _cut_within_round(tl, now, nxt, usable, active, advance, observer)
+        lost += c_lost
+        cuts += c_cuts
         for app in active.values():
             app.contention_area += dt * n_active
             app.capacity_area += dt * len(usable)
             for job in app.live:
-                r = job.rate
-                if r <= 0:
-                    continue
-                run = min(dt, (job.target - job.done) / r)
-                job.done = min(job.target, job.done + r * run)
-                app.gpu_seconds += job.gpus * run
-                allocated += job.gpus * run
-                if job.done >= job.target:
-                    app.last_job_end = max(app.last_job_end, now + run)
-                    app.reached_target = True
+                advance(app, job, nxt)
+                job.advanced_to = -math.inf
         now = nxt
         for app_id in list(active):
             app = active[app_id]
@@ -450,7 +476,58 @@ def run_be(
         allocated,
         meter.area + meter.count * max(0.0, now - meter.last),
         time.perf_counter() - wall,
+        lost,
+        cuts,
     )
+
+
+def _leased(active: dict[str, _App]) -> frozenset[GpuSlot]:
+    return frozenset(s for a in active.values() for j in a.live for lease in j.leases for s in lease.slots)
+
+
+def _cut_within_round(
+    tl: GpuTimeline,
+    start: float,
+    end: float,
+    usable: frozenset[GpuSlot],
+    active: dict[str, _App],
+    advance: Callable[[_App, _Job, float], None],
+    observer: Callable[[float, frozenset[GpuSlot]], None] | None,
+) -> tuple[float, int]:
+    """End, at the instant a cell takes them, the leases on GPUs the timeline removes in
+    (start, end); GPUs it adds wait for the next round. Returns (GPU-seconds of progress lost,
+    leases cut)."""
+    lost, cuts = 0.0, 0
+    t = tl.next_change(start)
+    while t < end:
+        now_usable = tl.at(t)
+        gone = usable - now_usable
+        usable = now_usable
+        if gone:
+            changed = False
+            for app in active.values():
+                for job in app.live:
+                    if not any(s in gone for lease in job.leases for s in lease.slots):
+                        continue
+                    advance(app, job, t)
+                    partial = job.done - math.floor(job.done + 1e-9)
+                    if partial > 0 and job.done < job.target:
+                        job.done -= partial
+                        lost += partial * job.spec.model.seconds_per_iteration
+                    kept = []
+                    for lease in job.leases:
+                        slots = tuple(s for s in lease.slots if s not in gone)
+                        cuts += len(slots) != len(lease.slots)
+                        if slots:
+                            kept.append(
+                                Lease(lease.app_id, lease.job_id, slots, lease.granted_at, lease.expires_at)
+                            )
+                    job.set_leases(kept)
+                    changed = True
+            if changed and observer is not None:
+                observer(t, _leased(active))
+        t = tl.next_change(t)
+    return lost, cuts
 
 
 def _result(app: _App, now: float) -> AppResult:

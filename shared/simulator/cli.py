@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 SYNTHETIC = "synthetic-idlt"
 SYNTHETIC_EXCERPT = "synthetic-idlt-excerpt"
 DEFAULT_POLICIES = "notebookos,reservation,batch,lcp"
+#: notebookos with best-effort training apps on the GPUs its cells leave idle (a mixed run)
+MIXED_POLICY = "notebookos+be"
+#: shared.simulator.be.POLICIES, spelled out so that parsing the CLI does not import scipy
+BE_POLICIES = ("themis", "gandiva", "tiresias", "slaq", "srtf", "fifo")
 JSON_KEYS = (
     "gpu_hours",
     "gpu_hours_saved_vs_reservation",
@@ -67,12 +71,32 @@ def add_sim_command(subparsers: Any) -> argparse.ArgumentParser:
         help=f"trace length for {SYNTHETIC} (default 1); for a CSV: cut after D days",
     )
     p.add_argument(
-        "--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})"
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help=(
+            f"comma-separated (default {DEFAULT_POLICIES}); {MIXED_POLICY} is notebookos with "
+            "best-effort training apps on the GPUs its cells leave idle (cells always win)"
+        ),
     )
     p.add_argument("--seed", type=int, default=1, help="seeds the generator and the simulator")
     p.add_argument("--out", type=Path, default=Path("sim-out"), help="directory for the PNG figures")
     p.add_argument("--json", action="store_true", help="one JSON object keyed by policy on the last line")
     p.add_argument("--no-plots", action="store_true", help="skip the figures")
+    p.add_argument(
+        "--be-load",
+        type=float,
+        default=1.5,
+        help=(
+            f"for {MIXED_POLICY}: BE work as a multiple of the GPU-time cells leave idle "
+            "(Themis Workload-1-like apps scaled to the cluster; default 1.5)"
+        ),
+    )
+    p.add_argument(
+        "--be-policy",
+        default="themis",
+        choices=BE_POLICIES,
+        help=f"for {MIXED_POLICY}: the BE allocation policy (default themis; the others are baselines)",
+    )
     return p
 
 
@@ -86,9 +110,10 @@ def parse_policies(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise SimUsageError("--policies is empty")
-    unknown = [n for n in names if n not in POLICY_NAMES]
+    unknown = [n for n in names if n not in (*POLICY_NAMES, MIXED_POLICY)]
     if unknown:
-        raise SimUsageError(f"unknown policy {unknown[0]!r} in --policies; known: {', '.join(POLICY_NAMES)}")
+        known = ", ".join((*POLICY_NAMES, MIXED_POLICY))
+        raise SimUsageError(f"unknown policy {unknown[0]!r} in --policies; known: {known}")
     return list(dict.fromkeys(names))
 
 
@@ -139,6 +164,8 @@ def run_sim(
     seed: int = 1,
     window_end_s: float | None = None,
     progress: bool = True,
+    be_load: float = 1.5,
+    be_policy: str = "themis",
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Simulate each policy; returns ({policy: SimResult}, {policy: Summary}).
 
@@ -148,12 +175,14 @@ def run_sim(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from shared.simulator.engine import Simulator
+    from shared.simulator.mixed import CommittedRecorder, run_be_on_cells
     from shared.simulator.params import SimParams
     from shared.simulator.results import summarize_run
 
     params = SimParams.from_config(cfg)
     order = ["reservation", *[p for p in policies if p != "reservation"]]
     results: dict[str, Any] = {}
+    mixed: dict[str, Any] = {}
     with Progress(
         TextColumn("{task.description:<12}"),
         BarColumn(),
@@ -166,10 +195,26 @@ def run_sim(
         tasks = {name: bar.add_task(name, total=1.0) for name in order}
         for name in order:
             task = tasks[name]
-            sim = Simulator(trace, name, params, seed=seed)
+            recorder = CommittedRecorder() if name == MIXED_POLICY else None
+            sim = Simulator(trace, _notebook_policy(name), params, seed=seed, gpu_recorder=recorder)
             results[name] = sim.run(progress=lambda f, task=task: bar.update(task, completed=f))
+            if recorder is not None:
+                window = window_end_s if window_end_s is not None else results[name].end_s
+                mixed[name] = run_be_on_cells(recorder, window, load=be_load, policy=be_policy, seed=seed)
     summaries = {name: summarize_run(results[name], results["reservation"], window_end_s) for name in order}
+    for name, summary in summaries.items():
+        n = summary.numbers
+        cells = n["allocated_gpu_hours"] / n["gpu_hours"] if n["gpu_hours"] else None
+        n["provisioned_gpu_utilization"] = round(cells, 4) if cells is not None else None
+        if name in mixed:
+            n.update(mixed[name].numbers(n["gpu_hours"]))
     return results, summaries
+
+
+def _notebook_policy(name: str) -> str:
+    """The notebook policy a run simulates: a mixed run's notebooks are notebookos's (cells always
+    win and BE never delays a cell, so BE changes no notebook decision)."""
+    return "notebookos" if name == MIXED_POLICY else name
 
 
 def _stderr_console() -> Any:
@@ -240,7 +285,15 @@ def cmd_sim(args: argparse.Namespace, cfg: Config) -> int:
             f"{window / 3600:.1f} h window, policies {','.join(policies)}, seed {args.seed}",
             file=sys.stderr,
         )
-        results, summaries = run_sim(trace, policies, cfg=cfg, seed=args.seed, window_end_s=window)
+        results, summaries = run_sim(
+            trace,
+            policies,
+            cfg=cfg,
+            seed=args.seed,
+            window_end_s=window,
+            be_load=args.be_load,
+            be_policy=args.be_policy,
+        )
     except (SimUsageError, TraceCsvError, ValueError) as exc:
         print(f"tandem sim: {exc}", file=sys.stderr)
         return 2

@@ -133,6 +133,7 @@ class Simulator:
         *,
         seed: int = 0,
         core: ClusterCore | None = None,
+        gpu_recorder: Callable[[float, str, int, int], None] | None = None,
     ) -> None:
         self.params = params or SimParams()
         self.trace = trace
@@ -171,6 +172,10 @@ class Simulator:
         self._scale_in_s: list[float] = []
         self._migration_s: list[float] = []
         self._sr: list[tuple[float, float]] = []
+        # mixed runs: (now, host, GPUs, committed) whenever a live host's committed count changes,
+        # GPUs 0 when it leaves; read from the core's ledgers, never deciding anything
+        self._gpu_recorder = gpu_recorder
+        self._recorded: dict[str, tuple[int, int]] = {}
 
     # ---- randomness --------------------------------------------------------------------------
 
@@ -386,7 +391,31 @@ class Simulator:
 
     # ---- actions -----------------------------------------------------------------------------
 
+    def _record_gpus(self, now: float) -> None:
+        """Tell ``gpu_recorder`` which live hosts' committed GPU counts changed (a recording
+        hook for mixed runs: the BE simulator replays it; it reads the core, decides nothing)."""
+        if self._gpu_recorder is None:
+            return
+        replicated = self.core.replicated
+        if replicated is not None:
+            counts = {v.host_id: (v.gpus, v.committed_gpus) for v in replicated.index.views()}
+        else:
+            ledgers = self.policy.ledgers  # type: ignore[attr-defined]
+            counts = {h: (led.total, led.committed_count) for h, led in ledgers.items()}
+        counts = {h: c for h, c in counts.items() if h in self._hosts_alive}
+        for h in self._recorded.keys() - counts.keys():
+            del self._recorded[h]
+            self._gpu_recorder(now, h, 0, 0)
+        for h, c in counts.items():
+            if self._recorded.get(h) != c:
+                self._recorded[h] = c
+                self._gpu_recorder(now, h, c[0], c[1])
+
     def _apply(self, actions: Sequence[Action], now: float) -> None:
+        self._apply_actions(actions, now)
+        self._record_gpus(now)
+
+    def _apply_actions(self, actions: Sequence[Action], now: float) -> None:
         if not actions:
             return
         p = self.params
@@ -545,6 +574,7 @@ class Simulator:
         self.core.host_removed(host_id)
         since = self._hosts_alive.pop(host_id)
         self._host_intervals.append((since, now, float(self.params.gpus_per_host)))
+        self._record_gpus(now)
         return True
 
     def _prewarm(self, host_ids: tuple[str, ...] | list[str], now: float) -> None:

@@ -142,3 +142,25 @@ def test_a_restarted_arbiter_has_every_job_and_lease() -> None:
     restored = Registry.from_dict(json.loads(json.dumps(registry.to_dict())))
     assert restored.jobs[job.job_id] == job
     assert restored.submit({**BODY, "app": "a"}, 1.0).job_id == "a.2"
+
+
+def test_a_job_without_the_api_counts_its_time_in_its_siblings_iterations() -> None:
+    registry = Registry()
+    timed = registry.submit({**BODY, "app": "sweep"}, 0.0)
+    silent = registry.submit({**BODY, "app": "sweep"}, 0.0)
+    running(registry, timed.job_id)
+    running(registry, silent.job_id, devices=(1,))
+    progress = {
+        "state": "running",
+        "iterations_done": 10,
+        "iterations_total": 400,
+        "seconds_per_iteration": 0.5,
+    }
+    registry.on_report(
+        {"host_id": "host-0", "jobs": [{"job_id": timed.job_id, "running": True, "progress": progress}]},
+        101.0,
+    )
+    registry.account(130.0)
+    reports = {j.job_id: j for j in registry.app_reports(130.0, releasing=set())[0].jobs}
+    assert reports[silent.job_id].iterations_done == 60  # 30 s at the sibling's 0.5 s per iteration
+    assert reports[silent.job_id].min_gpus == 1 and reports[silent.job_id].host == "host-0"
