@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -116,6 +117,9 @@ class LocalScheduler:
             keep_paused_s=float(arbiter["keep_paused_s"]),
             cell_reserve=int(arbiter["cell_reserve_gpus"]),
             on_exit=self._report_now.set,
+            fitgpp_s=float(arbiter["fitgpp_s"]),
+            max_preemptions=int(arbiter["max_preemptions"]),
+            pause_grace_s=float(arbiter["preempt_pause_grace_s"]),
         )
         self._arbiter: RpcClient | None = None
         if arbiter["address"]:
@@ -220,6 +224,7 @@ class LocalScheduler:
                             {
                                 "host_id": self.host_id,
                                 "committed": self.ledger.snapshot(),
+                                "leased": [j.to_wire() for j in self.jobs.leased_jobs()],
                                 **({"pool": self.warm_pool.report()} if self.warm_pool.enabled else {}),
                             },
                         ),
@@ -283,7 +288,12 @@ class LocalScheduler:
                     "request_for_absent_replica", kernel=body["kernel_id"], replica=body.get("replica_id")
                 )
             elif len(frames) > 1 and b'"execute_request"' in frames[1]:
-                self._bind_ahead(replica, frames[1], designated=body.get("designated") is True)
+                self._bind_ahead(
+                    replica,
+                    frames[1],
+                    designated=body.get("designated") is True,
+                    revoke=body.get("revoke") or (),
+                )
             return None
         if env.type == messages.REPLICA_START:
             return self._replica_start(env)
@@ -399,6 +409,8 @@ class LocalScheduler:
 
     def _release_gpus(self, kernel_id: str, replica_id: str, msg_id: str, *, on: str) -> list[int]:
         released = list(self.ledger.release(kernel_id, replica_id, msg_id))
+        if released:
+            self.jobs.cells_released()  # suspended jobs get their GPUs back
         self.log.debug(
             "gpu_released", kernel=kernel_id, replica=replica_id, msg_id=msg_id, device_ids=released, on=on
         )
@@ -574,7 +586,9 @@ class LocalScheduler:
             return env.error(str(exc), code="no_gpus")
         return env.reply({"device_ids": device_ids})
 
-    def _bind_ahead(self, replica: ReplicaProcess, header: bytes, *, designated: bool) -> None:
+    def _bind_ahead(
+        self, replica: ReplicaProcess, header: bytes, *, designated: bool, revoke: Sequence[str] = ()
+    ) -> None:
         """The scheduler designated this replica to execute: bind its GPUs now and push them to it
         right behind the request (which this bookkeeping must not hold up; the push still reaches
         the replica's Raft thread before its kernel thread has parsed the request, most of the
@@ -605,11 +619,19 @@ class LocalScheduler:
                 msg_id,
                 int(replica.resources.get("gpus", 0)),
                 announce=False,
+                revoke=revoke,
             )
         self._server.send(replica.identity, Envelope(messages.GPU_BOUND, body))
 
     def _bind(
-        self, kernel_id: str, replica_id: str, msg_id: str, gpus: int, *, announce: bool = True
+        self,
+        kernel_id: str,
+        replica_id: str,
+        msg_id: str,
+        gpus: int,
+        *,
+        announce: bool = True,
+        revoke: Sequence[str] = (),
     ) -> list[int]:
         """Bind device ids (idempotent per cell). Announcing tells the global scheduler who was
         elected BEFORE the replica hears back, so it knows the executor before any of its output
@@ -617,7 +639,12 @@ class LocalScheduler:
         replica announces it when it starts the cell, so a replica that never does (stopped,
         dead) still lets the scheduler's deadline fail the request."""
         try:
-            commit = self.ledger.commit(kernel_id, replica_id, msg_id, gpus)
+            try:
+                commit = self.ledger.commit(kernel_id, replica_id, msg_id, gpus)
+            except LedgerError:
+                if not self.ledger.leased_count:
+                    raise
+                commit = self.jobs.revoke_for_cell(kernel_id, replica_id, msg_id, gpus, victims=revoke)
         except LedgerError as exc:
             self.log.warning(
                 "gpu_commit_refused", kernel=kernel_id, replica=replica_id, msg_id=msg_id, reason=str(exc)
