@@ -219,9 +219,13 @@ class BatchJobs:
         for run in list(self.runs.values()):
             if run.leased and now > (run.expires_at or now) + self.overdue_s:
                 await self.end(run.job_id, reason="overdue")
-            elif run.paused_at is not None and now > run.paused_at + self.keep_paused_s:
+            elif (
+                run.suspension is None
+                and run.paused_at is not None
+                and now > run.paused_at + self.keep_paused_s
+            ):
                 async with self._lock:
-                    if self.runs.get(run.job_id) is run and not run.leased:
+                    if self.runs.get(run.job_id) is run and not run.leased and run.suspension is None:
                         await self._stop(run, reason="paused_too_long")
 
     async def logs(self, job_id: str, offset: int, limit: int = LOG_CHUNK_BYTES) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 import structlog
 
 from shared.private_files import open_private_file, private_dir
-from tandem_job import CONTROL_FILE, PAUSE, PROGRESS_FILE, RUN, STOP, write_atomically
+from tandem_job import CONTROL_FILE, PAUSE, PAUSE_POLL_S, PROGRESS_FILE, RUN, STOP, write_atomically
 
 log = structlog.get_logger("job_process")
 
@@ -96,6 +97,7 @@ class JobProcess:
         self.returncode: int | None = None
         self.stop_requested = False
         self.frozen = False  # paused by SIGSTOP (not at a step boundary)
+        self._resumed_at: float | None = None  # wall clock of the last resume
         self.exited = asyncio.Event()
         self._watcher: asyncio.Future[None] | None = None
         self.log = log.bind(job=spec.job_id, host=host_id)
@@ -163,12 +165,21 @@ class JobProcess:
         """The control word ``pause``, answered at the job's next step boundary; a job that does
         not answer within ``grace_s`` (it does not use the API, or has not reached its first step,
         still importing its libraries) is frozen with SIGSTOP instead. False if it exited."""
+        asked = time.time()  # a "paused" report older than this is a previous pause's
         with contextlib.suppress(OSError):
             write_atomically(self.directory / CONTROL_FILE, PAUSE)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
+        started = loop.time()
+        deadline = started + grace_s
         while not self.exited.is_set() and loop.time() < deadline:
-            if (self.progress() or {}).get("state") == "paused":
+            progress = self.progress() or {}
+            reported = float(progress.get("updated_at") or 0)
+            # paused again before it saw the resume: it would have reported "running" within a
+            # poll of reading it; no report since the resume means it never left its pause
+            still = self._resumed_at is not None and reported < self._resumed_at
+            if progress.get("state") == "paused" and (
+                reported >= asked or (still and loop.time() - started > 2 * PAUSE_POLL_S + POLL_S)
+            ):
                 self.log.info("job_paused", at="step boundary")
                 return True
             if not self.at_steps():  # no API, or not at its first step yet: it cannot answer
@@ -182,6 +193,7 @@ class JobProcess:
         return True
 
     def resume(self) -> None:
+        self._resumed_at = time.time()
         write_atomically(self.directory / CONTROL_FILE, RUN)
         self._thaw()
         self.log.info("job_resumed")
