@@ -1,14 +1,17 @@
 """This host's best-effort jobs: the leases the arbiter granted here and the processes on them.
 
 The arbiter decides who runs where (``lease.grant`` / ``lease.end``); this module carries that out
-on the host's ``GpuLedger`` (a leased GPU is never committed to a cell, and a lease takes only
-GPUs no cell holds) and reports back what the jobs say about themselves (``agent.report``). It
-makes no choice of its own beyond two safety nets: a lease the arbiter let run past its expiry by
-``overdue_s`` (the arbiter is gone) is ended here, so a GPU never stays leased for good; and the
-host keeps ``cell_reserve`` idle GPUs out of every lease (they are not reported idle, and a grant
-that would take them is refused), so that until leases are preempted for cells (the FitGpp issue)
-a cell finds a GPU here without waiting for a lease to expire: an expired lease's GPUs are
-auctioned again in the same round, so a cell that waited for one could wait for ever.
+on the host's ``GpuLedger`` and reports back what the jobs say about themselves (``agent.report``).
+A cell is never blocked by a job: a cell that finds too few idle GPUs *revokes* leases
+(``revoke_for_cell``; the victims are the global scheduler's FitGpp choice, made with the
+executor, or this host's when that is stale): the leases are suspended and the GPUs bound to the
+cell in one ledger step, the lease clock stops (``RevocableLease``), and the job pauses at its
+next step boundary (SIGSTOP if it cannot) while the cell already runs; its measured time to pause
+is the grace period FitGpp scores it by. When the cell releases the GPUs the job gets the same
+devices back and resumes, if its lease has not expired. Two safety nets: a lease the arbiter let
+run past its expiry by ``overdue_s`` (the arbiter is gone) is ended here, so a GPU never stays
+leased for good; and ``cell_reserve`` idle GPUs (default 0 since cells revoke) can still be kept
+out of every lease.
 
 When a lease ends the job stops at a step boundary, or, with ``keep_paused_s`` > 0, pauses there
 (a job that cannot, not using the job-side API or still starting, is frozen by SIGSTOP): its
