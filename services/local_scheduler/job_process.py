@@ -98,6 +98,7 @@ class JobProcess:
         self.stop_requested = False
         self.frozen = False  # paused by SIGSTOP (not at a step boundary)
         self._resumed_at: float | None = None  # wall clock of the last resume
+        self._confirmed_pause: float | None = None  # updated_at of the last "paused" report seen
         self.exited = asyncio.Event()
         self._watcher: asyncio.Future[None] | None = None
         self.log = log.bind(job=spec.job_id, host=host_id)
@@ -174,12 +175,10 @@ class JobProcess:
         while not self.exited.is_set() and loop.time() < deadline:
             progress = self.progress() or {}
             reported = float(progress.get("updated_at") or 0)
-            # paused again before it saw the resume: it would have reported "running" within a
-            # poll of reading it; no report since the resume means it never left its pause
-            still = self._resumed_at is not None and reported < self._resumed_at
             if progress.get("state") == "paused" and (
-                reported >= asked or (still and loop.time() - started > 2 * PAUSE_POLL_S + POLL_S)
+                reported >= asked or self._still_paused(reported, loop.time() - started)
             ):
+                self._confirmed_pause = reported
                 self.log.info("job_paused", at="step boundary")
                 return True
             if not self.at_steps():  # no API, or not at its first step yet: it cannot answer
@@ -191,6 +190,15 @@ class JobProcess:
         self.frozen = True
         self.log.info("job_paused", at="SIGSTOP")
         return True
+
+    def _still_paused(self, reported: float, waited_s: float) -> bool:
+        """Paused again before it left the last pause: its report is the one last confirmed, and
+        either no resume was written since, or it has not answered one (it reports "running"
+        within a poll of reading it)."""
+        if self._confirmed_pause is None or reported != self._confirmed_pause:
+            return False
+        resumed_since = self._resumed_at is not None and self._resumed_at > reported
+        return not resumed_since or waited_s > 2 * PAUSE_POLL_S + POLL_S
 
     def resume(self) -> None:
         self._resumed_at = time.time()

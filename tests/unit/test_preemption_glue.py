@@ -16,7 +16,7 @@ from services.local_scheduler.batch_jobs import BatchJobs
 from shared.cluster_core.gpu_ledger import GpuLedger, LedgerError, LedgerInvariantError
 from shared.policies.executor_choice import HostLedgerView, ReplicaView, choose_executor
 from shared.policies.preemption import DEFAULT_GRACE_PERIOD_S, LeasedJob, gpu_candidate
-from tests.unit.test_batch_jobs_host import grant, until
+from tests.unit.test_batch_jobs_host import grant, stat_fields, until
 
 # ---- the ledger ------------------------------------------------------------------------------
 
@@ -221,5 +221,64 @@ def test_without_leased_jobs_a_host_refuses_a_revocation(tmp_path: Path) -> None
         with pytest.raises(LedgerError):
             jobs.revoke_for_cell("k", "r", "m", 2)
         await jobs.close()
+
+    asyncio.run(main())
+
+
+def _host(tmp_path: Path, gpus: int = 1) -> tuple[BatchJobs, GpuLedger]:
+    ledger = GpuLedger(range(gpus))
+    jobs = BatchJobs(ledger, host_id="h0", state_dir=tmp_path / "state", on_exit=lambda: None,
+                     stop_grace_s=5.0, overdue_s=30.0, keep_paused_s=0.0, cell_reserve=0, pause_grace_s=1.0)  # fmt: skip
+    return jobs, ledger
+
+
+def test_a_job_without_the_api_is_frozen_for_the_cell_and_thawed_after(tmp_path: Path) -> None:
+    async def main() -> None:
+        jobs, ledger = _host(tmp_path)
+        try:
+            await jobs.grant(grant("a.1", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path))
+            run = jobs.runs["a.1"]
+            pid = run.process.pid
+            assert pid is not None
+            jobs.revoke_for_cell("k", "r", "m", 1)
+            assert run.pausing is not None
+            await asyncio.wait_for(run.pausing, 5.0)
+            assert run.process.frozen and stat_fields(pid)[0] == "T"
+            ledger.release("k", "r", "m")
+            jobs.cells_released()
+            await until(lambda: stat_fields(pid)[0] != "T", timeout=5.0)
+            assert ledger.leased_snapshot() == {"a.1": [0]} and not run.process.frozen
+        finally:
+            await jobs.close()
+
+    asyncio.run(main())
+
+
+def test_a_job_revoked_again_before_it_ran_a_step_counts_as_paused_without_sigstop(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import time, tandem_job\n"
+        "with tandem_job.session(total=100000) as job:\n"
+        "    for step in job.steps():\n"
+        "        time.sleep(0.02)\n"
+    )
+
+    async def main() -> None:
+        jobs, ledger = _host(tmp_path)
+        try:
+            await jobs.grant(grant("a.1", [sys.executable, str(script)], tmp_path))
+            run = jobs.runs["a.1"]
+            await until(lambda: (run.process.progress() or {}).get("state") == "running")
+            for cell in ("m1", "m2", "m3"):  # back-to-back cells: resumed and revoked at once
+                jobs.revoke_for_cell("k", "r", cell, 1)
+                assert run.pausing is not None
+                await asyncio.wait_for(run.pausing, 5.0)
+                assert run.grace_period_s is not None and run.grace_period_s < 0.9, run.grace_period_s
+                assert not run.process.frozen
+                ledger.release("k", "r", cell)
+                jobs.cells_released()
+            assert run.preemptions == 3
+        finally:
+            await jobs.close()
 
     asyncio.run(main())
