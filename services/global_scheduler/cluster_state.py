@@ -234,11 +234,12 @@ class ClusterState:
         if host is None or not host.alive:
             return None  # unknown (or declared dead): the host must register again
         host.last_seen = now
-        jobs = None
+        jobs: list[LeasedJob] | None = None
         if leased is not None:
+            jobs = []  # malformed: none shown (the host still revokes, choosing its victims itself)
             with contextlib.suppress(ValueError, TypeError, IndexError):
                 jobs = [LeasedJob.from_wire(raw) for raw in leased]
-            host.leased_jobs = jobs or []
+            host.leased_jobs = jobs
         if committed is not None:
             host.ledger.mirror(
                 {k: v if isinstance(v, list) else int(v) for k, v in committed.items()},

@@ -282,3 +282,27 @@ def test_a_job_revoked_again_before_it_ran_a_step_counts_as_paused_without_sigst
             await jobs.close()
 
     asyncio.run(main())
+
+
+def test_the_global_view_shows_reported_leases_as_revocable_not_idle() -> None:
+    from services.global_scheduler.cluster_state import ClusterState
+    from shared.resources import Resources
+
+    state = ClusterState()
+    state.register_host("h", Resources(gpus=2), "virtual", "", 0.0)
+    state.heartbeat("h", {"k/m": [0]}, 1.0, leased=[LeasedJob("j", (1,), 0.2).to_wire()])
+    view = state.ledger_views({"h"})["h"]
+    assert view.idle_gpus == 0 and view.leased == (LeasedJob("j", (1,), 0.2),)
+    state.heartbeat("h", {}, 2.0, leased=[])
+    assert state.ledger_views({"h"})["h"].idle_gpus == 2
+
+
+def test_a_malformed_lease_report_shows_the_gpus_idle_rather_than_stale_leases() -> None:
+    from services.global_scheduler.cluster_state import ClusterState
+    from shared.resources import Resources
+
+    state = ClusterState()
+    state.register_host("h", Resources(gpus=2), "virtual", "", 0.0)
+    state.heartbeat("h", {}, 1.0, leased=[LeasedJob("j", (0, 1)).to_wire()])
+    state.heartbeat("h", {}, 2.0, leased=[["bad"]])
+    assert state.ledger_views({"h"})["h"].idle_gpus == 2
