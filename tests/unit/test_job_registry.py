@@ -142,3 +142,16 @@ def test_a_restarted_arbiter_has_every_job_and_lease() -> None:
     restored = Registry.from_dict(json.loads(json.dumps(registry.to_dict())))
     assert restored.jobs[job.job_id] == job
     assert restored.submit({**BODY, "app": "a"}, 1.0).job_id == "a.2"
+
+
+def test_a_lease_a_cell_revoked_is_not_charged_and_its_clock_stops() -> None:
+    registry = Registry()
+    job = registry.submit(BODY, 0.0)
+    running(registry, job.job_id)  # at 100, expires at 110
+    entry = {"job_id": job.job_id, "running": True, "progress": {}}
+    registry.on_report({"host_id": "host-0", "jobs": [{**entry, "suspended": True}], "at": 102.0}, 102.0)
+    registry.account(105.0)
+    registry.on_report({"host_id": "host-0", "jobs": [{**entry, "suspended": False}], "at": 106.0}, 106.0)
+    registry.account(107.0)
+    assert job.gpu_seconds == pytest.approx(3.0)  # 100-102 and 106-107
+    assert job.lease_expires_at == pytest.approx(114.0)  # 4 s suspended
