@@ -218,7 +218,9 @@ class BatchJobs:
 
     async def expire(self, now: float) -> None:
         """Leases the arbiter left running ``overdue_s`` past their expiry (the safety net), and
-        paused jobs kept ``keep_paused_s``, are stopped."""
+        paused jobs kept ``keep_paused_s``, are stopped; suspended jobs whose cell is gone by a
+        path that did not say so resume."""
+        self.cells_released()
         for run in list(self.runs.values()):
             if run.leased and now > (run.expires_at or now) + self.overdue_s:
                 await self.end(run.job_id, reason="overdue")

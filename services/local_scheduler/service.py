@@ -517,6 +517,8 @@ class LocalScheduler:
         if self.replicas.get(key) is replica:
             del self.replicas[key]
         released = self.ledger.release_replica(replica.kernel_id, replica.replica_id)
+        if released:
+            self.jobs.cells_released()
         replica.log.log(
             20 if replica.stopping else 30,
             "replica_exited",
