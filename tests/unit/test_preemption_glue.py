@@ -243,7 +243,8 @@ def test_a_job_without_the_api_is_frozen_for_the_cell_and_thawed_after(tmp_path:
             jobs.revoke_for_cell("k", "r", "m", 1)
             assert run.pausing is not None
             await asyncio.wait_for(run.pausing, 5.0)
-            assert run.process.frozen and stat_fields(pid)[0] == "T"
+            assert run.process.frozen
+            await until(lambda: stat_fields(pid)[0] == "T", timeout=5.0)  # the signal lands
             ledger.release("k", "r", "m")
             jobs.cells_released()
             await until(lambda: stat_fields(pid)[0] != "T", timeout=5.0)
