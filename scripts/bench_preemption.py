@@ -10,7 +10,8 @@ and fitgpp, the sim scale, the load FIFO kept, and ``wall_s``. Slowdowns pool ev
 
 Live half (``--live``, about a minute): an embedded cluster of 3 hosts x 1 virtual GPU and a
 one-GPU kernel (tests/integration/_preempt_live.py). ``--cells`` cells run first with no job
-(``cell_delay_*_without_be``), then with 3 best-effort jobs leasing every GPU, so each cell
+(``cell_delay_*_without_be``), then with 3 best-effort jobs leasing every GPU, ``--gap`` seconds
+apart (think time: the victim resumes and steps between cells), so each cell
 revokes a lease (``revoke_p50_ms`` / ``revoke_p99_ms``, the same delay with BE:
 ``cell_delay_*_with_be``). A cell's delay is its client's send time to its first statement's
 ``time.time()`` (same machine, same clock): gateway, scheduler, election, GPU binding and, with
@@ -60,13 +61,14 @@ def main() -> None:
     )
     parser.add_argument("--live", action="store_true", help="also measure revocation on an embedded cluster")
     parser.add_argument("--cells", type=int, default=30, help="live cells with and without BE jobs each")
+    parser.add_argument("--gap", type=float, default=0.5, help="live: seconds between cells (think time)")
     parser.add_argument("--no-sim", action="store_true", help="skip the simulation (with --live)")
     args = parser.parse_args()
     out: dict[str, object] = {}
     if not args.no_sim:
         out.update(simulate(args))
     if args.live:
-        out.update(live(args.cells))
+        out.update(live(args.cells, args.gap))
     print(json.dumps(out))
 
 
@@ -132,7 +134,13 @@ def _ms(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)) * 1000, 1) if values else None
 
 
-def live(cells: int) -> dict[str, object]:
+def spaced(value: float, gap_s: float) -> float:
+    """``value``, after ``gap_s`` of think time (the victims step again between cells)."""
+    time.sleep(gap_s)
+    return value
+
+
+def live(cells: int, gap_s: float) -> dict[str, object]:
     """Cells on an embedded cluster without, then with, every GPU leased to BE jobs."""
     import os
     import tempfile
@@ -165,11 +173,11 @@ def live(cells: int) -> dict[str, object]:
             with tandem_kernel() as (_, client):
                 for _ in range(3):
                     timed_cell(client)  # warm: imports, first elections
-                alone = [timed_cell(client).delay_s for _ in range(cells)]
+                alone = [spaced(timed_cell(client).delay_s, gap_s) for _ in range(cells)]
                 job_ids, record = submit_jobs(cluster, work, HOSTS)
                 wait_all_stepping(cluster, record, job_ids, timeout=120.0)
                 before = revocations(cluster)
-                with_be = [timed_cell(client).delay_s for _ in range(cells)]
+                with_be = [spaced(timed_cell(client).delay_s, gap_s) for _ in range(cells)]
                 revoked = revocations(cluster) - before
                 time.sleep(1.0)
             logs = "".join(p.read_text(errors="replace") for p in cluster.log_dir.glob("host-*.log"))
@@ -186,6 +194,7 @@ def live(cells: int) -> dict[str, object]:
         "live_hosts": HOSTS,
         "live_gpus_per_host": 1,
         "live_cells": cells,
+        "live_gap_s": gap_s,
         "revocations": revoked,
         "revoke_p50_ms": _ms(with_be, 50),
         "revoke_p99_ms": _ms(with_be, 99),
