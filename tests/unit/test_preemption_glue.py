@@ -307,3 +307,22 @@ def test_a_malformed_lease_report_shows_the_gpus_idle_rather_than_stale_leases()
     state.heartbeat("h", {}, 1.0, leased=[LeasedJob("j", (0, 1)).to_wire()])
     state.heartbeat("h", {}, 2.0, leased=[["bad"]])
     assert state.ledger_views({"h"})["h"].idle_gpus == 2
+
+
+def test_a_lease_ending_while_a_cell_holds_its_gpus_leaves_the_job_paused_not_resumed(tmp_path: Path) -> None:
+    async def main() -> None:
+        jobs, ledger = _host(tmp_path)
+        jobs.keep_paused_s = 60.0
+        try:
+            await jobs.grant(grant("a.1", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path))
+            run = jobs.runs["a.1"]
+            jobs.revoke_for_cell("k", "r", "m", 1)
+            answer = await jobs.end("a.1", reason="expired")
+            assert answer["outcome"] == "paused" and run.suspension is None and not ledger.suspended()
+            ledger.release("k", "r", "m")
+            jobs.cells_released()
+            assert not ledger.leases() and ledger.idle_count == 1  # its lease is over: no resume
+        finally:
+            await jobs.close()
+
+    asyncio.run(main())
