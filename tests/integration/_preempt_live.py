@@ -158,6 +158,14 @@ def revocations(cluster: ClusterHandle) -> int:
     )
 
 
+def global_choices(cluster: ClusterHandle) -> int:
+    """Revocations whose victims the global scheduler chose with the executor (one decision)."""
+    return sum(
+        path.read_text(errors="replace").count("the global scheduler's FitGpp choice")
+        for path in cluster.log_dir.glob("host-*.log")
+    )
+
+
 def invariant_violations(cluster: ClusterHandle) -> int:
     return sum(
         path.read_text(errors="replace").count("LedgerInvariantError")

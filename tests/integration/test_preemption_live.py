@@ -15,6 +15,7 @@ from _preempt_live import (
     CONFIG,
     HOSTS,
     STEP_S,
+    global_choices,
     invariant_violations,
     revocations,
     steps_by_job,
@@ -26,6 +27,7 @@ from _preempt_live import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 CELLS = 4
+GAP_S = 1.2  # think time: a heartbeat shows the resumed leases to the scheduler again
 PROMPT_S = 2.0  # request sent -> user code running, with every GPU leased (target 0.5 s at p99)
 
 
@@ -36,11 +38,15 @@ def test_a_cell_revokes_a_leased_gpu_and_the_job_resumes_without_loss(
         timed_cell(client)  # warm: imports, first election
         job_ids, record = submit_jobs(cluster, tmp_path, HOSTS)
         wait_all_stepping(cluster, record, job_ids, timeout=90.0)
-        cells = [timed_cell(client) for _ in range(CELLS)]
+        cells = []
+        for _ in range(CELLS):
+            cells.append(timed_cell(client))
+            time.sleep(GAP_S)
         after = max(c.ended for c in cells)
         time.sleep(1.0)  # the jobs step on after the last cell
         assert revocations(cluster) >= CELLS, revocations(cluster)
         assert invariant_violations(cluster) == 0
+        assert global_choices(cluster) >= 1  # the scheduler saw the leases and chose the victim
 
     steps = steps_by_job(record)
     for cell in cells:

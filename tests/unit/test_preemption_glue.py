@@ -326,3 +326,23 @@ def test_a_lease_ending_while_a_cell_holds_its_gpus_leaves_the_job_paused_not_re
             await jobs.close()
 
     asyncio.run(main())
+
+
+def test_a_two_gpu_cell_revokes_two_one_gpu_jobs_and_both_resume(tmp_path: Path) -> None:
+    async def main() -> None:
+        jobs, ledger = _host(tmp_path, gpus=2)
+        try:
+            for job_id in ("a.1", "a.2"):
+                await jobs.grant(
+                    grant(job_id, [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path)
+                )
+            commit = jobs.revoke_for_cell("k", "r", "m", 2)
+            assert commit.device_ids == (0, 1) and not ledger.leases()
+            assert all(run.suspension is not None for run in jobs.runs.values())
+            ledger.release("k", "r", "m")
+            jobs.cells_released()
+            assert ledger.leased_snapshot() == {"a.1": [0], "a.2": [1]}
+        finally:
+            await jobs.close()
+
+    asyncio.run(main())
