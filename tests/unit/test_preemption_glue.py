@@ -171,9 +171,8 @@ def test_cordoned_hosts_and_hosts_without_leases_give_no_executor() -> None:
 # ---- a host revokes a real job's lease -------------------------------------------------------------
 
 
-def test_a_cell_revokes_a_running_job_which_pauses_at_its_step_and_resumes_after_the_cell(
-    tmp_path: Path,
-) -> None:
+def stepping_job(tmp_path: Path) -> Path:
+    """A job on the job-side API with 20 ms steps."""
     script = tmp_path / "train.py"
     script.write_text(
         "import time, tandem_job\n"
@@ -181,6 +180,13 @@ def test_a_cell_revokes_a_running_job_which_pauses_at_its_step_and_resumes_after
         "    for step in job.steps():\n"
         "        time.sleep(0.02)\n"
     )
+    return script
+
+
+def test_a_cell_revokes_a_running_job_which_pauses_at_its_step_and_resumes_after_the_cell(
+    tmp_path: Path,
+) -> None:
+    script = stepping_job(tmp_path)
 
     async def main() -> None:
         ledger = GpuLedger([0, 1])
@@ -256,13 +262,7 @@ def test_a_job_without_the_api_is_frozen_for_the_cell_and_thawed_after(tmp_path:
 
 
 def test_a_job_revoked_again_before_it_ran_a_step_counts_as_paused_without_sigstop(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(
-        "import time, tandem_job\n"
-        "with tandem_job.session(total=100000) as job:\n"
-        "    for step in job.steps():\n"
-        "        time.sleep(0.02)\n"
-    )
+    script = stepping_job(tmp_path)
 
     async def main() -> None:
         jobs, ledger = _host(tmp_path)
