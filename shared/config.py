@@ -253,9 +253,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # next lease of the same GPUs there resumes it without a new process; 0: it stops, which
         # frees its GPU memory for cells (services/local_scheduler/batch_jobs.py says why)
         "keep_paused_s": 0.0,
-        # idle GPUs per host never leased, kept for cells until leases are preempted for them
-        # (the FitGpp issue; services/local_scheduler/batch_jobs.py says why)
-        "cell_reserve_gpus": 1,
+        # idle GPUs per host never leased, kept for cells; 0 since cells revoke leases (FitGpp,
+        # services/local_scheduler/batch_jobs.py): a cell finding only leased GPUs takes them
+        "cell_reserve_gpus": 0,
+        # a job whose lease a cell revokes gets this long to pause at a step boundary, then SIGSTOP
+        # (the cell runs at once either way; this bounds how long the two share the GPU)
+        "preempt_pause_grace_s": 2.0,
+        "fitgpp_s": 4.0,  # FitGpp's weight s of the grace period in the victim score (Eq. 3)
+        "max_preemptions": 1,  # FitGpp's P: preempt a job at most this often while others qualify
         "address": "",  # the arbiter's ROUTER; empty: none (`tandem up` starts one and sets it)
         "prometheus_port": 0,  # the arbiter's /metrics: 0 a free port, -1 off (on only with metrics)
     },

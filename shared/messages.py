@@ -120,6 +120,7 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "frames": (_list, True),  # [signature, header, parent, metadata, content, *buffers] as bytes
         "replica_id": (_str, False),  # set by the global scheduler when addressing one replica
         "designated": (_bool, False),  # the one replica sent execute_request; the others yield
+        "revoke": (_list, False),  # job ids whose leases the designated executor's host suspends
     },
     JUPYTER_REPLY: {
         "kernel_id": (_str, True),
@@ -144,6 +145,8 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "committed": (_map, False),
         "replicas": (_list, False),
         "pool": (_map, False),  # the host's pre-warmed runtimes: warm, starting, target, taken, misses
+        # jobs on leased GPUs: [job_id, device ids, measured grace period s or None, preemptions]
+        "leased": (_list, False),
     },
     HOST_CORDON: {"host_id": (_str, True)},
     HOST_UNCORDON: {"host_id": (_str, True)},

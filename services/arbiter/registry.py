@@ -63,6 +63,7 @@ class JobRecord:
     returncode: int | None = None
     leases_held: int = 0
     last_host: str | None = None  # where its output log is
+    suspended: bool = False  # a cell revoked its lease: not charged, and its lease clock stopped
 
     @property
     def leased(self) -> bool:
@@ -158,6 +159,7 @@ class Registry:
         self._account(record, now)
         record.host, record.device_ids, record.pid = None, [], None
         record.lease_granted_at = record.lease_expires_at = record.accounted_at = None
+        record.suspended = False
 
     def account(self, now: float) -> None:
         """GPU time of every lease held, up to ``now``."""
@@ -169,6 +171,11 @@ class Registry:
         if record.accounted_at is None or now <= record.accounted_at:
             return
         seconds = now - record.accounted_at
+        if record.suspended:  # a cell holds its GPUs: the lease clock stops (as on the host)
+            if record.lease_expires_at is not None:
+                record.lease_expires_at += seconds
+            record.accounted_at = now
+            return
         record.gpu_seconds += seconds * len(record.device_ids)
         record.run_seconds += seconds
         record.accounted_at = now
@@ -197,6 +204,9 @@ class Registry:
                 ended.append(job_id)  # not ours (any more): let the host forget it
                 continue
             self._progress(record, entry.get("progress") or {})
+            if record.host == host and bool(entry.get("suspended")) != record.suspended:
+                self._account(record, now)  # charged up to now at the old rate
+                record.suspended = bool(entry.get("suspended"))
             if not entry.get("running"):
                 ended.append(job_id)
                 self.run_ended(host, entry, now)

@@ -10,6 +10,7 @@ the commit that replaces it are never counted twice.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ from shared.kernel_launch import KernelLaunch
 from shared.policies.executor_choice import HostLedgerView, ReplicaView
 from shared.policies.placement import HostView
 from shared.policies.placement_index import PlacementIndex
+from shared.policies.preemption import LeasedJob
 from shared.resources import Resources
 
 # Record fields that enter a HostView: writing one marks the host for re-indexing (live_index.py).
@@ -39,6 +41,7 @@ class HostRecord:
     cordoned: bool = False
     alive: bool = True
     last_seen: float = 0.0
+    leased_jobs: list[LeasedJob] = field(default_factory=list)  # as last reported: cells may revoke them
     # the host's ledger as last reported (heartbeats, elected events) plus tentative commits
     ledger: GpuLedger = field(init=False, repr=False, compare=False)
     _index: LiveIndex | None = field(default=None, init=False, repr=False, compare=False)
@@ -222,13 +225,26 @@ class ClusterState:
         host.last_seen = now
         return host
 
-    def heartbeat(self, host_id: str, committed: dict[str, Any] | None, now: float) -> HostRecord | None:
+    def heartbeat(
+        self, host_id: str, committed: dict[str, Any] | None, now: float, *, leased: list[Any] | None = None
+    ) -> HostRecord | None:
+        """``leased``: the host's jobs on leased GPUs (``LeasedJob`` wire form); the mirror marks
+        their devices leased, and executor choice sees them as revocable, not idle."""
         host = self.hosts.get(host_id)
         if host is None or not host.alive:
             return None  # unknown (or declared dead): the host must register again
         host.last_seen = now
+        jobs: list[LeasedJob] | None = None
+        if leased is not None:
+            jobs = []  # malformed: none shown (the host still revokes, choosing its victims itself)
+            with contextlib.suppress(ValueError, TypeError, IndexError):
+                jobs = [LeasedJob.from_wire(raw) for raw in leased]
+            host.leased_jobs = jobs
         if committed is not None:
-            host.ledger.mirror({k: v if isinstance(v, list) else int(v) for k, v in committed.items()})
+            host.ledger.mirror(
+                {k: v if isinstance(v, list) else int(v) for k, v in committed.items()},
+                None if jobs is None else {j.job_id: j.device_ids for j in jobs},
+            )
         return host
 
     def silent_hosts(self, now: float, timeout: float) -> list[HostRecord]:
@@ -267,7 +283,12 @@ class ClusterState:
             host = self.hosts.get(host_id)
             if host is not None:
                 views[host_id] = HostLedgerView(
-                    host_id, max(host.gpus - host.committed_gpus, 0), host.cordoned, host.alive
+                    host_id,
+                    max(host.gpus - host.committed_gpus - host.ledger.leased_count, 0),
+                    host.cordoned,
+                    host.alive,
+                    total_gpus=host.gpus,
+                    leased=tuple(host.leased_jobs),
                 )
         return views
 

@@ -358,14 +358,17 @@ class GlobalScheduler:
             self._migrator.persist(kernel)
             return None
         router = kernel.router
+        chosen: list[ExecutorChoice] = []  # the victims travel with the designation (one decision)
 
         def choose() -> ExecutorChoice:
-            return choose_executor(
+            choice = choose_executor(
                 self.state.replica_views(kernel),
                 self.state.ledger_views({r.host_id for r in kernel.replicas.values()}),
                 kernel.resources.gpus,
                 router.last_executor,
             )
+            chosen.append(choice)
+            return choice
 
         arrived = self._clock() if channel == "shell" else 0.0
         live = kernel.live_replicas()
@@ -408,7 +411,10 @@ class GlobalScheduler:
             # start the cell before its LEAD commits. Not a rerouted cell: the dead candidate's
             # LEAD may still be on its way into the log, so the new one waits for the outcome.
             designated = not rerouted if replica_id == routed.executor else None
-            self._to_replica(kernel, replica_id, out_channel, out_frames, designated=designated)
+            victims = [v.job_id for v in chosen[-1].victims] if chosen and designated is not None else []
+            self._to_replica(
+                kernel, replica_id, out_channel, out_frames, designated=designated, revoke=victims
+            )
         return None
 
     def _to_replica(
@@ -419,8 +425,10 @@ class GlobalScheduler:
         frames: list[bytes],
         *,
         designated: bool | None = None,
+        revoke: list[str] | None = None,
     ) -> None:
-        """One Jupyter message to a replica, through its host's local scheduler."""
+        """One Jupyter message to a replica, through its host's local scheduler; ``revoke``: the
+        jobs whose leases the designated executor's host suspends for the cell (FitGpp's victims)."""
         body: dict[str, Any] = {
             "kernel_id": kernel.kernel_id,
             "replica_id": replica_id,
@@ -429,6 +437,8 @@ class GlobalScheduler:
         }
         if designated is not None:
             body["designated"] = designated
+        if revoke:
+            body["revoke"] = revoke
         self._server.send(
             kernel.replicas[replica_id].host_id.encode(), Envelope(messages.JUPYTER_REQUEST, body)
         )
@@ -757,7 +767,9 @@ class GlobalScheduler:
         return kernel
 
     def _on_host_heartbeat(self, identity: bytes, env: Envelope) -> Envelope:
-        host = self.state.heartbeat(env.body["host_id"], env.body.get("committed"), self._clock())
+        host = self.state.heartbeat(
+            env.body["host_id"], env.body.get("committed"), self._clock(), leased=env.body.get("leased")
+        )
         if host is None:
             return env.error("unknown host: register first", code="unknown_host")
         if "pool" in env.body:

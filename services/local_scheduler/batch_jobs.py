@@ -1,14 +1,17 @@
 """This host's best-effort jobs: the leases the arbiter granted here and the processes on them.
 
 The arbiter decides who runs where (``lease.grant`` / ``lease.end``); this module carries that out
-on the host's ``GpuLedger`` (a leased GPU is never committed to a cell, and a lease takes only
-GPUs no cell holds) and reports back what the jobs say about themselves (``agent.report``). It
-makes no choice of its own beyond two safety nets: a lease the arbiter let run past its expiry by
-``overdue_s`` (the arbiter is gone) is ended here, so a GPU never stays leased for good; and the
-host keeps ``cell_reserve`` idle GPUs out of every lease (they are not reported idle, and a grant
-that would take them is refused), so that until leases are preempted for cells (the FitGpp issue)
-a cell finds a GPU here without waiting for a lease to expire: an expired lease's GPUs are
-auctioned again in the same round, so a cell that waited for one could wait for ever.
+on the host's ``GpuLedger`` and reports back what the jobs say about themselves (``agent.report``).
+A cell is never blocked by a job: a cell that finds too few idle GPUs *revokes* leases
+(``revoke_for_cell``; the victims are the global scheduler's FitGpp choice, made with the
+executor, or this host's when that is stale): the leases are suspended and the GPUs bound to the
+cell in one ledger step, the lease clock stops (``RevocableLease``), and the job pauses at its
+next step boundary (SIGSTOP if it cannot) while the cell already runs; its measured time to pause
+is the grace period FitGpp scores it by. When the cell releases the GPUs the job gets the same
+devices back and resumes, if its lease has not expired. Two safety nets: a lease the arbiter let
+run past its expiry by ``overdue_s`` (the arbiter is gone) is ended here, so a GPU never stays
+leased for good; and ``cell_reserve`` idle GPUs (default 0 since cells revoke) can still be kept
+out of every lease.
 
 When a lease ends the job stops at a step boundary, or, with ``keep_paused_s`` > 0, pauses there
 (a job that cannot, not using the job-side API or still starting, is frozen by SIGSTOP): its
@@ -26,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,9 @@ from typing import Any
 import structlog
 
 from services.local_scheduler.job_process import LOG_FILE, JobProcess, JobSpec, job_dir
-from shared.cluster_core.gpu_ledger import GpuLedger, LedgerError
+from shared.cluster_core.gpu_ledger import Commit, GpuLedger, LedgerError
+from shared.policies.preemption import FitGpp, LeasedJob, RevocableLease, gpu_candidate
+from shared.resources import Resources
 from shared.rpc import RpcError
 
 log = structlog.get_logger("batch_jobs")
@@ -55,10 +60,18 @@ class Run:
     process: JobProcess
     expires_at: float | None
     paused_at: float | None = None
+    # revoked by a cell: the lease clock (monotonic) stopped, and the key of the cell holding its GPUs
+    suspension: tuple[RevocableLease, tuple[str, str, str]] | None = None
+    pausing: asyncio.Future[None] | None = None
+    grace_period_s: float | None = None  # measured: pause asked -> paused (FitGpp's GP)
+    preemptions: int = 0
 
     @property
     def leased(self) -> bool:
         return self.expires_at is not None
+
+    def as_leased_job(self) -> LeasedJob:
+        return LeasedJob(self.job_id, tuple(self.process.device_ids), self.grace_period_s, self.preemptions)
 
 
 class BatchJobs:
@@ -73,6 +86,9 @@ class BatchJobs:
         keep_paused_s: float,
         cell_reserve: int,
         on_exit: Callable[[], None],
+        fitgpp_s: float = 4.0,
+        max_preemptions: int = 1,
+        pause_grace_s: float = 2.0,
     ) -> None:
         self.ledger = ledger
         self.host_id = host_id
@@ -81,6 +97,8 @@ class BatchJobs:
         self.overdue_s = overdue_s
         self.keep_paused_s = keep_paused_s
         self.cell_reserve = cell_reserve
+        self.policy = FitGpp(s=fitgpp_s, max_preemptions=max_preemptions)
+        self.pause_grace_s = pause_grace_s
         self._on_exit = on_exit
         self.runs: dict[str, Run] = {}
         # ended runs not yet acknowledged by the arbiter: job_id -> report entry
@@ -96,6 +114,9 @@ class BatchJobs:
         gpus, expires_at = int(body["gpus"]), float(body["expires_at"])
         async with self._lock:
             run = self.runs.get(spec.job_id)
+            if run is not None and run.suspension is not None and len(run.process.device_ids) == gpus:
+                self._suspend(run, run.suspension[1], expires_at)  # renewed while a cell holds its GPUs
+                return self._granted(run, renewed=True)
             if run is not None and run.leased and len(run.process.device_ids) == gpus:
                 run.expires_at = expires_at  # renewed: the job runs on, on the same GPUs
                 held = self.ledger.end_lease(spec.job_id)
@@ -161,6 +182,10 @@ class BatchJobs:
             if run is None:
                 return self._ended.get(job_id) or {"job_id": job_id, "outcome": "absent", "running": False}
             log.info("lease_ending", job=job_id, host=self.host_id, reason=reason)
+            if run.suspension is not None and reason in PAUSABLE_REASONS and self.keep_paused_s > 0:
+                self.ledger.drop_suspended(job_id)  # a cell holds its GPUs: it stays paused
+                run.suspension = None
+                return {**self._describe(run), "running": False, "outcome": "paused"}
             pausable = run.leased and reason in PAUSABLE_REASONS and self.keep_paused_s > 0
             if pausable and await run.process.pause(self.stop_grace_s):
                 self.ledger.end_lease(job_id)
@@ -185,19 +210,27 @@ class BatchJobs:
             del self.runs[run.job_id]
             if run.leased:
                 self.ledger.end_lease(run.job_id)
+            self.ledger.drop_suspended(run.job_id)
+            run.suspension = None
         entry = self._describe(run)
         self._ended[run.job_id] = entry
         return entry
 
     async def expire(self, now: float) -> None:
         """Leases the arbiter left running ``overdue_s`` past their expiry (the safety net), and
-        paused jobs kept ``keep_paused_s``, are stopped."""
+        paused jobs kept ``keep_paused_s``, are stopped; suspended jobs whose cell is gone by a
+        path that did not say so resume."""
+        self.cells_released()
         for run in list(self.runs.values()):
             if run.leased and now > (run.expires_at or now) + self.overdue_s:
                 await self.end(run.job_id, reason="overdue")
-            elif run.paused_at is not None and now > run.paused_at + self.keep_paused_s:
+            elif (
+                run.suspension is None
+                and run.paused_at is not None
+                and now > run.paused_at + self.keep_paused_s
+            ):
                 async with self._lock:
-                    if self.runs.get(run.job_id) is run and not run.leased:
+                    if self.runs.get(run.job_id) is run and not run.leased and run.suspension is None:
                         await self._stop(run, reason="paused_too_long")
 
     async def logs(self, job_id: str, offset: int, limit: int = LOG_CHUNK_BYTES) -> dict[str, Any]:
@@ -213,6 +246,90 @@ class BatchJobs:
             raise RpcError(f"job {job_id} has no output on host {self.host_id}", "not_found") from None
         return {"data": data, "offset": start + len(data), "size": size}
 
+    # ---- revocation: a cell takes leased GPUs (FitGpp on this host) ---------------------------
+
+    def leased_jobs(self) -> list[LeasedJob]:
+        """The jobs a cell may revoke here (with their measured GP): what the heartbeat reports."""
+        return [r.as_leased_job() for r in self.runs.values() if r.leased]
+
+    def revoke_for_cell(
+        self, kernel_id: str, replica_id: str, msg_id: str, gpus: int, *, victims: Sequence[str] = ()
+    ) -> Commit:
+        """Too few idle GPUs for a cell: the leases of ``victims`` (the global scheduler's FitGpp
+        choice, made with the executor) are suspended and the GPUs committed to the cell in one
+        ledger step (so the cell starts now); each victim pauses in the background (step
+        boundary, else SIGSTOP). Without victims, or when they no longer free enough (this host's
+        jobs changed since its last heartbeat), FitGpp chooses here, among this host's jobs.
+        LedgerError when even every job's GPUs would not do."""
+        leased = {j.job_id: j for j in self.leased_jobs()}
+        idle = len(self.ledger.idle_device_ids())
+        chosen = [j for j in dict.fromkeys(victims) if j in leased]
+        reason = "the global scheduler's FitGpp choice"
+        if not chosen or idle + sum(leased[j].gpus for j in chosen) < gpus:
+            decision = self.policy.decide(
+                Resources(gpus=gpus), [gpu_candidate(self.host_id, self.ledger.total, idle, leased.values())]
+            )
+            if decision.blocked or not decision.victims:
+                raise LedgerError(f"needs {gpus} GPUs and no leased job here frees them ({decision.reason})")
+            chosen, reason = [v.job_id for v in decision.victims], decision.reason
+        commit, _ = self.ledger.revoke(kernel_id, replica_id, msg_id, gpus, chosen)
+        log.info(
+            "lease_revoked", host=self.host_id, kernel=kernel_id, msg_id=msg_id, victims=chosen, reason=reason
+        )
+        victims = chosen
+        for job_id in victims:
+            run = self.runs[job_id]
+            run.preemptions += 1
+            self._suspend(run, (kernel_id, replica_id, msg_id), run.expires_at or time.time())
+            run.expires_at, run.paused_at = None, time.time()
+            run.pausing = asyncio.ensure_future(self._pause_measured(run))
+        return commit
+
+    def _suspend(self, run: Run, cell: tuple[str, str, str], expires_at: float) -> None:
+        """Stop ``run``'s lease clock with ``expires_at - now`` of its term left."""
+        now = time.monotonic()
+        lease = RevocableLease(run.job_id, run.app_id, max(expires_at - time.time(), 1e-3), now)
+        lease.suspend("/".join(cell), now)
+        run.suspension = (lease, cell)
+
+    async def _pause_measured(self, run: Run) -> None:
+        started = time.monotonic()
+        if await run.process.pause(self.pause_grace_s):
+            run.grace_period_s = time.monotonic() - started
+            log.info("job_preempted", job=run.job_id, host=self.host_id, grace_period_s=run.grace_period_s,
+                     frozen=run.process.frozen)  # fmt: skip
+
+    def cells_released(self) -> None:
+        """A cell gave GPUs back: each suspended job whose cell no longer holds them gets its own
+        devices back and resumes, if its lease (clock stopped meanwhile) has not expired."""
+        held = {(c.kernel_id, c.replica_id, c.msg_id) for c in self.ledger.commits()}
+        for run in list(self.runs.values()):
+            if run.suspension is None or run.suspension[1] in held:
+                continue
+            lease, cell = run.suspension
+            now = time.monotonic()
+            if not lease.resume("/".join(cell), now):
+                self.ledger.drop_suspended(run.job_id)  # expired: it stays paused, the arbiter ends it
+                run.suspension = None
+                continue
+            expires_at = time.time() + lease.remaining_s(now)
+            try:
+                self.ledger.resume_lease(run.job_id, expires_at)
+            except LedgerError:  # a device went to the replica's next cell: wait for that one
+                lease.suspend("/".join(cell), now)
+                continue
+            run.suspension, run.expires_at, run.paused_at = None, expires_at, None
+            resumer = asyncio.ensure_future(self._resume_after_pause(run))
+            self._reapers.add(resumer)
+            resumer.add_done_callback(self._reapers.discard)
+
+    async def _resume_after_pause(self, run: Run) -> None:
+        """A pause still on its way would freeze the job again: resume only once it is done."""
+        if run.pausing is not None:
+            await asyncio.shield(run.pausing)
+        if self.runs.get(run.job_id) is run and run.leased:
+            run.process.resume()
+
     # ---- to the arbiter -------------------------------------------------------------------------
 
     def report(self) -> dict[str, Any]:
@@ -225,7 +342,8 @@ class BatchJobs:
             "idle": self.leasable(),
             "reserved": min(self.cell_reserve, len(self.ledger.idle_device_ids())),
             "committed": self.ledger.committed_count,
-            "jobs": [self._describe(r) for r in self.runs.values() if r.leased] + list(self._ended.values()),
+            "jobs": [self._describe(r) for r in self.runs.values() if r.leased or r.suspension is not None]
+            + list(self._ended.values()),
             "at": time.time(),
         }
 
@@ -247,6 +365,9 @@ class BatchJobs:
             "outcome": None if running else process.outcome(),
             "returncode": process.returncode,
             "progress": process.progress() or {},
+            "suspended": run.suspension is not None,
+            "preemptions": run.preemptions,
+            "grace_period_s": run.grace_period_s,
         }
 
     async def close(self) -> None:

@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 import structlog
 
 from shared.private_files import open_private_file, private_dir
-from tandem_job import CONTROL_FILE, PAUSE, PROGRESS_FILE, RUN, STOP, write_atomically
+from tandem_job import CONTROL_FILE, PAUSE, PAUSE_POLL_S, PROGRESS_FILE, RUN, STOP, write_atomically
 
 log = structlog.get_logger("job_process")
 
@@ -96,6 +97,8 @@ class JobProcess:
         self.returncode: int | None = None
         self.stop_requested = False
         self.frozen = False  # paused by SIGSTOP (not at a step boundary)
+        self._resumed_at: float | None = None  # wall clock of the last resume
+        self._confirmed_pause: float | None = None  # updated_at of the last "paused" report seen
         self.exited = asyncio.Event()
         self._watcher: asyncio.Future[None] | None = None
         self.log = log.bind(job=spec.job_id, host=host_id)
@@ -163,12 +166,19 @@ class JobProcess:
         """The control word ``pause``, answered at the job's next step boundary; a job that does
         not answer within ``grace_s`` (it does not use the API, or has not reached its first step,
         still importing its libraries) is frozen with SIGSTOP instead. False if it exited."""
+        asked = time.time()  # a "paused" report older than this is a previous pause's
         with contextlib.suppress(OSError):
             write_atomically(self.directory / CONTROL_FILE, PAUSE)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
+        started = loop.time()
+        deadline = started + grace_s
         while not self.exited.is_set() and loop.time() < deadline:
-            if (self.progress() or {}).get("state") == "paused":
+            progress = self.progress() or {}
+            reported = float(progress.get("updated_at") or 0)
+            if progress.get("state") == "paused" and (
+                reported >= asked or self._still_paused(reported, loop.time() - started)
+            ):
+                self._confirmed_pause = reported
                 self.log.info("job_paused", at="step boundary")
                 return True
             if not self.at_steps():  # no API, or not at its first step yet: it cannot answer
@@ -181,7 +191,17 @@ class JobProcess:
         self.log.info("job_paused", at="SIGSTOP")
         return True
 
+    def _still_paused(self, reported: float, waited_s: float) -> bool:
+        """Paused again before it left the last pause: its report is the one last confirmed, and
+        either no resume was written since, or it has not answered one (it reports "running"
+        within a poll of reading it)."""
+        if self._confirmed_pause is None or reported != self._confirmed_pause:
+            return False
+        resumed_since = self._resumed_at is not None and self._resumed_at > reported
+        return not resumed_since or waited_s > 2 * PAUSE_POLL_S + POLL_S
+
     def resume(self) -> None:
+        self._resumed_at = time.time()
         write_atomically(self.directory / CONTROL_FILE, RUN)
         self._thaw()
         self.log.info("job_resumed")

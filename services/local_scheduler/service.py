@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -118,6 +119,9 @@ class LocalScheduler:
             keep_paused_s=float(arbiter["keep_paused_s"]),
             cell_reserve=int(arbiter["cell_reserve_gpus"]),
             on_exit=self._report_now.set,
+            fitgpp_s=float(arbiter["fitgpp_s"]),
+            max_preemptions=int(arbiter["max_preemptions"]),
+            pause_grace_s=float(arbiter["preempt_pause_grace_s"]),
         )
         self._arbiter: RpcClient | None = None
         if arbiter["address"]:
@@ -222,6 +226,7 @@ class LocalScheduler:
                             {
                                 "host_id": self.host_id,
                                 "committed": self.ledger.snapshot(),
+                                "leased": [j.to_wire() for j in self.jobs.leased_jobs()],
                                 **({"pool": self.warm_pool.report()} if self.warm_pool.enabled else {}),
                             },
                         ),
@@ -282,7 +287,12 @@ class LocalScheduler:
             frames = body["frames"]
             bound = None
             if replica is not None and len(frames) > 1 and b'"execute_request"' in frames[1]:
-                bound = self._bind_ahead(replica, frames[1], designated=body.get("designated") is True)
+                bound = self._bind_ahead(
+                    replica,
+                    frames[1],
+                    designated=body.get("designated") is True,
+                    revoke=body.get("revoke") or (),
+                )
             if replica is None or not replica.send(body["channel"], frames):
                 self.log.warning(
                     "request_for_absent_replica", kernel=body["kernel_id"], replica=body.get("replica_id")
@@ -419,6 +429,8 @@ class LocalScheduler:
 
     def _release_gpus(self, kernel_id: str, replica_id: str, msg_id: str, *, on: str) -> list[int]:
         released = list(self.ledger.release(kernel_id, replica_id, msg_id))
+        if released:
+            self.jobs.cells_released()  # suspended jobs get their GPUs back
         self.log.debug(
             "gpu_released", kernel=kernel_id, replica=replica_id, msg_id=msg_id, device_ids=released, on=on
         )
@@ -525,6 +537,8 @@ class LocalScheduler:
         if self.replicas.get(key) is replica:
             del self.replicas[key]
         released = self.ledger.release_replica(replica.kernel_id, replica.replica_id)
+        if released:
+            self.jobs.cells_released()
         replica.log.log(
             20 if replica.stopping else 30,
             "replica_exited",
@@ -594,7 +608,9 @@ class LocalScheduler:
             return env.error(str(exc), code="no_gpus")
         return env.reply({"device_ids": device_ids})
 
-    def _bind_ahead(self, replica: ReplicaProcess, header: bytes, *, designated: bool) -> str | None:
+    def _bind_ahead(
+        self, replica: ReplicaProcess, header: bytes, *, designated: bool, revoke: Sequence[str] = ()
+    ) -> str | None:
         """The scheduler designated this replica to execute: bind its GPUs now and push them to it
         ahead of the request, so it needs no gpu.commit round trip (that request stays the
         authority: it is idempotent, and covers a push that arrives late or bound nothing).
@@ -626,12 +642,20 @@ class LocalScheduler:
                 msg_id,
                 int(replica.resources.get("gpus", 0)),
                 announce=False,
+                revoke=revoke,
             )
         self._server.send(replica.identity, Envelope(messages.GPU_BOUND, body))
         return msg_id if "device_ids" in body else None
 
     def _bind(
-        self, kernel_id: str, replica_id: str, msg_id: str, gpus: int, *, announce: bool = True
+        self,
+        kernel_id: str,
+        replica_id: str,
+        msg_id: str,
+        gpus: int,
+        *,
+        announce: bool = True,
+        revoke: Sequence[str] = (),
     ) -> list[int]:
         """Bind device ids (idempotent per cell). Announcing tells the global scheduler who was
         elected BEFORE the replica hears back, so it knows the executor before any of its output
@@ -639,7 +663,12 @@ class LocalScheduler:
         replica announces it when it starts the cell, so a replica that never does (stopped,
         dead) still lets the scheduler's deadline fail the request."""
         try:
-            commit = self.ledger.commit(kernel_id, replica_id, msg_id, gpus)
+            try:
+                commit = self.ledger.commit(kernel_id, replica_id, msg_id, gpus)
+            except LedgerError:
+                if not self.ledger.leased_count:
+                    raise
+                commit = self.jobs.revoke_for_cell(kernel_id, replica_id, msg_id, gpus, victims=revoke)
         except LedgerError as exc:
             self.log.warning(
                 "gpu_commit_refused", kernel=kernel_id, replica=replica_id, msg_id=msg_id, reason=str(exc)

@@ -11,8 +11,11 @@ Pure (no I/O, time passed in). Three drivers keep one each, with the same counts
   not yet elected; its devices are the host's to choose), so placement reads one book;
 * the simulator: one per simulated host, committed and released as cells run.
 
-A commit only takes idle GPUs: a leased GPU is never committed (a cell finding only leased GPUs
-behaves as when none is free: the migration path).
+A commit only takes idle GPUs. A cell that finds too few takes leased ones only through
+``revoke``: the victims' leases are *suspended* (their devices leave the lease in the same step
+that binds them to the cell) and come back with ``resume_lease`` once the cell has released them.
+Every change checks the invariant that a device is in exactly one of idle / committed / leased, so
+no view ever shows a GPU bound to a cell and a job at once.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from dataclasses import dataclass
 
 class LedgerError(RuntimeError):
     """A commit or lease that cannot be granted (not enough idle GPUs); ``str`` says why."""
+
+
+class LedgerInvariantError(AssertionError):
+    """A device found in two of idle / committed / leased (or in none): a bug, never a refusal."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +61,28 @@ class GpuLedger:
         self._leases: dict[str, Lease] = {}
         self._leased = 0
         self._tentative: dict[tuple[str, str], int] = {}  # (kernel_id, msg_id) -> GPUs, no devices yet
+        self._suspended: dict[str, tuple[Lease, tuple[str, str, str]]] = {}  # job -> (lease, cell key)
         self._on_change = on_change
 
     def _changed(self) -> None:
+        self.check_invariant()
         if self._on_change is not None:
             self._on_change()
+
+    def check_invariant(self) -> None:
+        """Each device is idle, committed to one cell, or leased to one job: exactly one of them."""
+        seen: dict[int, str] = {d: "idle" for d in self._idle}
+        owners = [(f"cell {c.kernel_id}/{c.msg_id}", c.device_ids) for c in self._commits.values()]
+        owners += [(f"job {lease.job_id}", lease.device_ids) for lease in self._leases.values()]
+        for owner, device_ids in owners:
+            for d in device_ids:
+                if d in seen:
+                    raise LedgerInvariantError(f"GPU {d} bound to {owner} while {seen[d]}")
+                seen[d] = owner
+        if set(seen) != set(self._all) or self._leased != sum(
+            len(x.device_ids) for x in self._leases.values()
+        ):
+            raise LedgerInvariantError(f"devices {sorted(set(self._all) ^ set(seen))} lost or invented")
 
     # ---- counts -----------------------------------------------------------------------------
 
@@ -201,11 +225,21 @@ class GpuLedger:
             self._leased -= len(lease.device_ids) - len(kept)
             self._leases[lease.job_id] = Lease(lease.job_id, kept, lease.expires_at)
 
-    def mirror(self, committed: Mapping[str, Sequence[int] | int]) -> None:
-        """Replace every commit by a host's report (a heartbeat's ``committed`` map); tentative
-        commits stay until ``forget`` (the report may predate the election)."""
+    def mirror(
+        self, committed: Mapping[str, Sequence[int] | int], leased: Mapping[str, Sequence[int]] | None = None
+    ) -> None:
+        """Replace every commit by a host's report (a heartbeat's ``committed`` map) and, when the
+        host reports them (``leased``: job id -> device ids), every lease; tentative commits stay
+        until ``forget`` (the report may predate the election)."""
         for key in list(self._commits):
             self._idle.update(self._commits.pop(key).device_ids)
+        if leased is not None:
+            for job_id in list(self._leases):
+                self.end_lease(job_id)
+            for job_id, devices in leased.items():
+                known = tuple(sorted(d for d in set(devices) if d in self._idle))
+                if known:
+                    self.lease(job_id, len(known), float("inf"), device_ids=known)
         for cell, devices in committed.items():
             kernel_id, msg_id = split_commit_key(cell)
             self.record(kernel_id, "", msg_id, devices)
@@ -247,6 +281,53 @@ class GpuLedger:
 
     def leases(self) -> list[Lease]:
         return list(self._leases.values())
+
+    def leased_snapshot(self) -> dict[str, list[int]]:
+        """``{job_id: [device ids]}``: the ``leased`` map of ``host.heartbeat``."""
+        return {lease.job_id: list(lease.device_ids) for lease in self._leases.values()}
+
+    # ---- revocation: a cell takes leased GPUs ------------------------------------------------
+
+    def revoke(
+        self, kernel_id: str, replica_id: str, msg_id: str, gpus: int, victims: Sequence[str]
+    ) -> tuple[Commit, list[Lease]]:
+        """Suspend the ``victims``' leases and commit ``gpus`` devices to the cell in one step
+        (idle ones first, then the victims' freed ones). Nothing changes if even that is too few.
+        The suspended leases are kept (``suspended``) until ``resume_lease``."""
+        key = (kernel_id, replica_id, msg_id)
+        existing = self._commits.get(key)
+        if existing is not None:
+            return existing, []
+        leases = [self._leases[j] for j in dict.fromkeys(victims) if j in self._leases]
+        freed = [d for lease in leases for d in lease.device_ids]
+        held = [d for k, c in self._commits.items() if k[:2] == key[:2] for d in c.device_ids]
+        if gpus > len(self._idle) + len(freed) + len(held):
+            raise LedgerError(
+                f"needs {gpus} GPUs: {len(self._idle)} idle, {len(freed)} leased to {list(victims)}"
+            )
+        self.release_replica(kernel_id, replica_id)
+        for lease in leases:
+            del self._leases[lease.job_id]
+            self._leased -= len(lease.device_ids)
+            self._suspended[lease.job_id] = (lease, key)
+        idle_first = sorted(self._idle - set(freed)) + sorted(freed)
+        self._idle.update(freed)
+        return self._bind(key, tuple(sorted(idle_first[:gpus]))), leases
+
+    def suspended(self) -> dict[str, tuple[Lease, tuple[str, str, str]]]:
+        """Suspended leases: job id -> (the lease as it was, the key of the cell that took it)."""
+        return dict(self._suspended)
+
+    def resume_lease(self, job_id: str, expires_at: float) -> tuple[int, ...]:
+        """Give a suspended job its own devices back (LedgerError while any is still bound)."""
+        lease, _ = self._suspended[job_id]
+        chosen = self.lease(job_id, len(lease.device_ids), expires_at, device_ids=lease.device_ids)
+        del self._suspended[job_id]
+        return chosen
+
+    def drop_suspended(self, job_id: str) -> None:
+        """The suspended job will not come back (stopped, or its lease expired)."""
+        self._suspended.pop(job_id, None)
 
     def expire_leases(self, now: float) -> list[Lease]:
         """End every lease whose ``expires_at`` is not after ``now``; returns them."""

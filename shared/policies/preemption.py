@@ -22,7 +22,7 @@ import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from shared.resources import Resources
 
@@ -368,3 +368,56 @@ class RevocableLease:
             return False
         self._since = now
         return not self.expired(now)
+
+
+DEFAULT_GRACE_PERIOD_S = 1.0  # a job's GP until its first measured pause (one step of a typical job)
+
+
+@dataclass(frozen=True, slots=True)
+class LeasedJob:
+    """What a host reports of a job on leased GPUs (``host.heartbeat``'s ``leased``): enough for
+    the global mirror to mark its devices leased and for FitGpp to score it (GPU axis only)."""
+
+    job_id: str
+    device_ids: tuple[int, ...]
+    grace_period_s: float | None = None  # measured time to pause; None: not measured yet
+    preemptions: int = 0
+
+    @property
+    def gpus(self) -> int:
+        return len(self.device_ids)
+
+    def to_wire(self) -> list[Any]:
+        return [self.job_id, list(self.device_ids), self.grace_period_s, self.preemptions]
+
+    @classmethod
+    def from_wire(cls, raw: Sequence[Any]) -> LeasedJob:
+        """Raises (ValueError, TypeError, IndexError) on a malformed entry."""
+        gp = raw[2] if len(raw) > 2 else None
+        return cls(
+            str(raw[0]),
+            tuple(int(d) for d in raw[1]),
+            None if gp is None else float(gp),
+            int(raw[3]) if len(raw) > 3 else 0,
+        )
+
+
+def gpu_candidate(host_id: str, total_gpus: int, idle_gpus: int, jobs: Iterable[LeasedJob]) -> CandidateHost:
+    """A replica host as FitGpp sees it when cells ask for GPUs only (their CPU and memory are
+    the replica's, already subscribed): capacity and room in GPUs, one BEJob per leased job, GP
+    the job's measured time to pause or ``DEFAULT_GRACE_PERIOD_S`` until measured."""
+    return CandidateHost(
+        host_id,
+        Resources(gpus=total_gpus),
+        Resources(gpus=idle_gpus),
+        tuple(
+            BEJob(
+                j.job_id,
+                Resources(gpus=j.gpus),
+                DEFAULT_GRACE_PERIOD_S if j.grace_period_s is None else j.grace_period_s,
+                j.preemptions,
+            )
+            for j in jobs
+            if j.gpus > 0
+        ),
+    )

@@ -164,3 +164,16 @@ def test_a_job_without_the_api_counts_its_time_in_its_siblings_iterations() -> N
     reports = {j.job_id: j for j in registry.app_reports(130.0, releasing=set())[0].jobs}
     assert reports[silent.job_id].iterations_done == 60  # 30 s at the sibling's 0.5 s per iteration
     assert reports[silent.job_id].min_gpus == 1 and reports[silent.job_id].host == "host-0"
+
+
+def test_a_lease_a_cell_revoked_is_not_charged_and_its_clock_stops() -> None:
+    registry = Registry()
+    job = registry.submit(BODY, 0.0)
+    running(registry, job.job_id)  # at 100, expires at 110
+    entry = {"job_id": job.job_id, "running": True, "progress": {}}
+    registry.on_report({"host_id": "host-0", "jobs": [{**entry, "suspended": True}], "at": 102.0}, 102.0)
+    registry.account(105.0)
+    registry.on_report({"host_id": "host-0", "jobs": [{**entry, "suspended": False}], "at": 106.0}, 106.0)
+    registry.account(107.0)
+    assert job.gpu_seconds == pytest.approx(3.0)  # 100-102 and 106-107
+    assert job.lease_expires_at == pytest.approx(114.0)  # 4 s suspended
