@@ -101,6 +101,7 @@ class Autoscaler:
         self.config = config or AutoscaleConfig()
         self._pending: list[_PendingHost] = []
         self._next_slot = 0
+        self._exclusive: set[str] = set()  # keys whose reservations bind GPUs on arrival
 
     @property
     def pending_hosts(self) -> int:
@@ -119,11 +120,15 @@ class Autoscaler:
     def _room(self, live_hosts: int) -> int:
         return max(self.config.max_hosts - live_hosts - len(self._pending), 0)
 
-    def on_placement_failed(self, request: PlacementRequest, feasible: int, live_hosts: int) -> ScaleDecision:
+    def on_placement_failed(
+        self, request: PlacementRequest, feasible: int, live_hosts: int, *, exclusive: bool = False
+    ) -> ScaleDecision:
         """Reserve the missing replicas of ``request`` on hosts being added, requesting new ones as needed.
 
         ``feasible``: hosts that could take a replica now (``feasible_hosts(decision)``); those get
         the other replicas once the new hosts arrive, since placement is retried then.
+        ``exclusive``: the replica binds its GPUs on arrival (a held cell's migration), so a pending
+        host is shared only while the exclusive reservations on it fit its GPUs.
         """
         cfg = self.config
         missing = max(request.replicas - feasible, 0)
@@ -137,6 +142,11 @@ class Autoscaler:
             for p in self._pending
             if all(k != request.kernel_id for k, _ in p.reservations)
             and sum(r.gpus for _, r in p.reservations) + request.resources.gpus <= limit
+            and (
+                not exclusive
+                or sum(r.gpus for k, r in p.reservations if k in self._exclusive) + request.resources.gpus
+                <= cfg.gpus_per_host
+            )
         ][:missing]
         new = missing - len(reusable)
         if new > self._room(live_hosts):
@@ -146,6 +156,8 @@ class Autoscaler:
             )
         for p in [*reusable, *self._add_pending(new)]:
             p.reservations.append((request.kernel_id, request.resources))
+        if exclusive:
+            self._exclusive.add(request.kernel_id)
         if new == 0:
             return NoScale(
                 f"reserved {missing} replica(s) of {request.kernel_id} on hosts already being added"
@@ -167,6 +179,7 @@ class Autoscaler:
         reservations; the hosts being added stay pending and serve whoever comes next."""
         for p in self._pending:
             p.reservations = [(k, r) for k, r in p.reservations if k != kernel_id]
+        self._exclusive.discard(kernel_id)
 
     def expect_hosts(self, count: int) -> None:
         """The caller asked its provider for ``count`` hosts after an ``evaluate`` ScaleOut: count them
