@@ -25,6 +25,7 @@ event lists the migrations it made.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -36,6 +37,7 @@ import structlog
 from services.global_scheduler.cluster_state import RUNNING, ClusterState
 from services.host_provider import HostProvider
 from shared.cluster_core.core import ClusterCore, CoreConfig
+from shared.cluster_core.held import held_key
 from shared.cluster_core.idle import HostFacts, KernelFacts, replicas_and_active_hosts
 from shared.cluster_core.lifecycle import OVER
 from shared.config import Config
@@ -70,7 +72,6 @@ class ClusterAutoscaler:
         self.enabled = provider.can_provision and self.config.max_hosts > self.config.min_hosts
         self._clock = clock
         self._interval = float(cfg.get("autoscale.interval_s"))
-        self._scale_out_timeout = float(cfg.get("autoscale.scale_out_timeout_s"))
         self.events: deque[dict[str, Any]] = deque(maxlen=int(cfg.get("autoscale.events_kept")))
         self.scale_outs = 0  # hosts asked for
         self.scale_ins = 0  # hosts released
@@ -124,7 +125,7 @@ class ClusterAutoscaler:
     ) -> PlacementDecision:
         """One decision of the shared policy, with other kernels' reserved hosts overlaid."""
         reserved = [v for host_id in self._reserved_on if (v := index.get(host_id)) is not None]
-        room = self.config.max_hosts - self._live_hosts() - self.policy.pending_hosts
+        room = self.config.max_hosts - self.live_hosts() - self.policy.pending_hosts
         can_add_hosts = self.enabled and room > 0  # else the watermark alone rules (KernelPlacement)
         with index.overlaid(self.views_for(request.kernel_id, reserved)):
             return placement.place(index, request, can_add_hosts=can_add_hosts)
@@ -138,12 +139,12 @@ class ClusterAutoscaler:
         if decision.ok or not self.enabled:
             return decision, ""
         kernel_id = request.kernel_id
-        deadline = self._clock() + self._scale_out_timeout
+        deadline = self.core.start_deadline(self._clock())
         self._waiters.setdefault(kernel_id, asyncio.Event())  # from now on ``abandon`` can reach it
         try:
             while not decision.ok:
                 outcome = self.policy.on_placement_failed(
-                    request, feasible_hosts(decision), self._live_hosts()
+                    request, feasible_hosts(decision), self.live_hosts()
                 )
                 why = outcome.reason
                 if isinstance(outcome, ScaleOut):
@@ -154,7 +155,8 @@ class ClusterAutoscaler:
                     return decision, why  # nothing is coming for this kernel
                 log.info("placement_waits_for_hosts", kernel=kernel_id, reason=why)
                 if not await self._reserved_hosts_arrived(kernel_id, deadline):
-                    why = f"new hosts did not register within {self._scale_out_timeout:g}s ({why})"
+                    timeout = self.core.config.scale_out_timeout_s
+                    why = f"new hosts did not register within {timeout:g}s ({why})"
                     return self._place_once(placement, request, index()), why
                 if kernel_id in self._abandoned:
                     return PlacementDecision((), decision.rejected), "the kernel was shut down while waiting"
@@ -192,7 +194,27 @@ class ClusterAutoscaler:
             else:
                 del self._reserved_on[host_id]
 
-    def _live_hosts(self) -> int:
+    # ---- a held cell's host (the core's rule: shared.cluster_core.held) ----------------------
+
+    async def scale_out_for_held(self, kernel_id: str, outcome: ScaleOut) -> None:
+        """Ask the provider for the host the core reserved for ``kernel_id``'s held cell."""
+        self._waiters.setdefault(held_key(kernel_id), asyncio.Event())
+        await self._scale_out(outcome.count, outcome.reason, kernel_id=held_key(kernel_id))
+
+    async def wait_for_held_host(self, kernel_id: str, timeout: float) -> None:
+        """Sleep ``timeout`` seconds, or less if a host reserved for the held cell registers (or
+        its scale-out fails) meanwhile: the held cell is looked at again either way."""
+        waiter = self._waiters.setdefault(held_key(kernel_id), asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(waiter.wait(), timeout)
+        waiter.clear()
+
+    def held_over(self, kernel_id: str) -> None:
+        """The kernel's held cell no longer waits: free the host reserved for it, in the core too."""
+        self.core.held_over(kernel_id)
+        self._done_waiting(held_key(kernel_id))
+
+    def live_hosts(self) -> int:
         return sum(1 for h in self.state.hosts.values() if h.alive and h.host_id not in self._releasing)
 
     async def _scale_out(self, count: int, reason: str, *, kernel_id: str | None = None) -> None:
@@ -200,7 +222,7 @@ class ClusterAutoscaler:
         try:
             host_ids = await self.provider.provision(count)
         except Exception as exc:
-            lost = self.policy.on_scale_out_failed(count)
+            lost = self.core.scale_out_failed(count, str(exc))
             self._event("scale_out_failed", [], f"{reason}: provider failed: {exc}", kernel=kernel_id)
             log.error("scale_out_failed", count=count, reason=str(exc), kernels=list(lost))
             self._wake(lost)
@@ -232,7 +254,7 @@ class ClusterAutoscaler:
         """A provisioned host's process ended on its own; before registering, its scale-out failed."""
         if host_id in self._expected:
             self._expected.discard(host_id)
-            lost = self.policy.on_scale_out_failed(1)
+            lost = self.core.scale_out_failed(1, f"host process exited with {returncode} before registering")
             self._event(
                 "scale_out_failed", [host_id], f"host process exited with {returncode} before registering"
             )

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from shared.cluster_core.drain import ReplicaToMove
 from shared.cluster_core.gpu_ledger import GpuLedger
+from shared.cluster_core.held import held_kernel
 from shared.cluster_core.sessions import (
     Action,
     Held,
@@ -33,7 +34,6 @@ from shared.cluster_core.sessions import (
     StopRuntime,
     WakeHeld,
 )
-from shared.cluster_core.held import held_kernel
 from shared.policies.autoscale import Autoscaler, ScaleOut, feasible_hosts
 from shared.policies.executor_choice import HostLedgerView, ReplicaView, choose_executor
 from shared.policies.kernel_placement import KernelPlacement

@@ -102,6 +102,7 @@ class Autoscaler:
         self._pending: list[_PendingHost] = []
         self._next_slot = 0
         self._exclusive: set[str] = set()  # keys whose reservations bind GPUs on arrival
+        self._asked: set[str] = set()  # kernels that asked before (until ``cancel``)
 
     @property
     def pending_hosts(self) -> int:
@@ -131,6 +132,13 @@ class Autoscaler:
         host is shared only while the exclusive reservations on it fit its GPUs.
         """
         cfg = self.config
+        if request.kernel_id in self._asked and self.reserved_for(request.kernel_id) == 0:
+            # Its hosts came and it still does not fit: the subscription watermark is the cluster's
+            # mean ratio, so the empty hosts that arrived lowered it and pushed hosts that were
+            # feasible over it. Asking again for the same few would repeat that until the start's
+            # deadline: this time every replica gets a new host.
+            feasible = 0
+        self._asked.add(request.kernel_id)
         missing = max(request.replicas - feasible, 0)
         if missing == 0:
             return NoScale("placement can succeed without new hosts")
@@ -180,6 +188,7 @@ class Autoscaler:
         for p in self._pending:
             p.reservations = [(k, r) for k, r in p.reservations if k != kernel_id]
         self._exclusive.discard(kernel_id)
+        self._asked.discard(kernel_id)
 
     def expect_hosts(self, count: int) -> None:
         """The caller asked its provider for ``count`` hosts after an ``evaluate`` ScaleOut: count them
