@@ -35,6 +35,7 @@ from services.global_scheduler.metrics import SchedulerMetrics
 from services.global_scheduler.reply_merger import Failed, Forward
 from shared import messages
 from shared.cluster_core.core import ClusterCore
+from shared.cluster_core.held import HeldFailure
 from shared.config import Config
 from shared.envelope import Envelope
 from shared.jupyter_wire import WireError, header_of
@@ -214,16 +215,11 @@ class Migrator:
                 cell.attempts += 1
                 now = self._clock()
                 scaling = self._gs.autoscaling
+                failure = HeldFailure(
+                    kernel_id, kernel.resources, cell.attempts, cell.since, now, reason, no_host
+                )
                 held = self._core.held_migration_failed(
-                    kernel_id,
-                    kernel.resources,
-                    cell.attempts,
-                    cell.since,
-                    now,
-                    reason,
-                    live_hosts=scaling.live_hosts(),
-                    no_host=no_host,
-                    can_add_hosts=scaling.enabled,
+                    failure, live_hosts=scaling.live_hosts(), can_add_hosts=scaling.enabled
                 )
                 if held.scale_out is not None:
                     clog.info("held_cell_scale_out", msg_id=cell.msg_id, reason=held.scale_out.reason)

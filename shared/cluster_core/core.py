@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from shared.cluster_core import lifecycle
 from shared.cluster_core.drain import DrainPlan, ReplicaToMove, plan_drain
-from shared.cluster_core.held import HeldDecision, HeldScaleOut
+from shared.cluster_core.held import HeldDecision, HeldFailure, HeldScaleOut
 from shared.cluster_core.idle import HostFacts, IdleJudge
 from shared.cluster_core.replicated import ReplicatedKernels
 from shared.cluster_core.sessions import Action, Session, SessionPolicy
@@ -242,32 +242,12 @@ class ClusterCore:
         return self.retry.after_failure(attempts, held_since, now, reason)
 
     def held_migration_failed(
-        self,
-        kernel_id: str,
-        resources: Resources,
-        attempts: int,
-        held_since: float,
-        now: float,
-        reason: str,
-        *,
-        live_hosts: int,
-        no_host: bool = True,
-        can_add_hosts: bool = True,
+        self, failure: HeldFailure, *, live_hosts: int, can_add_hosts: bool = True
     ) -> HeldDecision:
-        """``attempts`` migrations of ``kernel_id``'s held cell failed (``no_host``: no host could
-        take it): scale out for it as for a failed replica placement (NotebookOS §3.4.2), and wait
-        for that host up to ``scale_out_timeout_s``; else retry until the migration deadline."""
-        return self.held.after_failure(
-            kernel_id,
-            resources,
-            attempts,
-            held_since,
-            now,
-            reason,
-            live_hosts=live_hosts,
-            no_host=no_host,
-            can_add_hosts=can_add_hosts,
-        )
+        """A migration of a held cell failed (no host could take it, or the move broke): scale out
+        for it as for a failed replica placement (NotebookOS §3.4.2) and wait for that host up to
+        ``scale_out_timeout_s``; with no host coming, retry until the migration deadline."""
+        return self.held.after_failure(failure, live_hosts=live_hosts, can_add_hosts=can_add_hosts)
 
     def held_over(self, kernel_id: str) -> None:
         """The kernel's held cell was sent on, failed, or the kernel stopped: free its host's reservation."""

@@ -39,6 +39,19 @@ def held_kernel(key: str) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
+class HeldFailure:
+    """A held cell's failed migration: its kernel, what it needs, its retry history and why."""
+
+    kernel_id: str
+    resources: Resources
+    attempts: int  # failed migrations of this hold, this one included
+    held_since: float
+    now: float
+    reason: str
+    no_host: bool = True  # no host could take the replica (not a move that broke on the way)
+
+
+@dataclass(frozen=True, slots=True)
 class HeldDecision:
     """What to do after a held cell's failed migration: ``decision`` (look again at, or give up),
     and a ``scale_out`` the driver asks its provider for first (None: no new host to ask for)."""
@@ -62,29 +75,19 @@ class HeldScaleOut:
         return self.autoscaler.reserved_for(held_key(kernel_id)) > 0
 
     def after_failure(
-        self,
-        kernel_id: str,
-        resources: Resources,
-        attempts: int,
-        held_since: float,
-        now: float,
-        reason: str,
-        *,
-        live_hosts: int,
-        no_host: bool = True,
-        can_add_hosts: bool = True,
+        self, failure: HeldFailure, *, live_hosts: int, can_add_hosts: bool = True
     ) -> HeldDecision:
-        """``attempts`` migrations failed, the last for ``reason`` (``no_host``: no host could take
-        the replica, not a move that broke): ask for a host if none is coming, then decide."""
+        """A migration of the held cell failed: ask for a host if none is coming, then decide."""
+        kernel_id, attempts, now, reason = failure.kernel_id, failure.attempts, failure.now, failure.reason
         key = held_key(kernel_id)
         scale_out: ScaleOut | None = None
         why_none = ""
-        if no_host and not self.waiting_for_host(kernel_id):
+        if failure.no_host and not self.waiting_for_host(kernel_id):
             if key in self._failed:  # the provider failed for this hold: do not ask it again
                 why_none = self._failed[key]
             elif can_add_hosts:
                 outcome = self.autoscaler.on_placement_failed(
-                    PlacementRequest(key, resources, replicas=1), 0, live_hosts, exclusive=True
+                    PlacementRequest(key, failure.resources, replicas=1), 0, live_hosts, exclusive=True
                 )
                 why_none = outcome.reason
                 if isinstance(outcome, ScaleOut):
@@ -108,7 +111,7 @@ class HeldScaleOut:
                 )
             at = min(now + self.retry.delay(attempts), deadline)
             return HeldDecision(RetryAt(at, attempts), scale_out)
-        decision = self.retry.after_failure(attempts, held_since, now, reason)
+        decision = self.retry.after_failure(attempts, failure.held_since, now, reason)
         if isinstance(decision, GiveUp):
             if why_none:
                 decision = GiveUp(f"{decision.reason}; no host is coming: {why_none}")

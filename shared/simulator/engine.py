@@ -41,6 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.cluster_core.core import POLICIES, ClusterCore
+from shared.cluster_core.held import HeldFailure
 from shared.cluster_core.idle import HostFacts, KernelFacts, replicas_and_active_hosts
 from shared.cluster_core.replicated import ReplicatedKernel
 from shared.cluster_core.sessions import (
@@ -492,15 +493,8 @@ class Simulator:
             self._apply(outcome, now)
             return
         attempts += 1
-        held_decision = self.core.held_migration_failed(
-            self._sid[s],
-            self._specs[s].resources,
-            attempts,
-            since,
-            now,
-            outcome,
-            live_hosts=len(self._hosts_alive),
-        )
+        failure = HeldFailure(self._sid[s], self._specs[s].resources, attempts, since, now, outcome)
+        held_decision = self.core.held_migration_failed(failure, live_hosts=len(self._hosts_alive))
         if held_decision.scale_out is not None:
             self._provision(held_decision.scale_out.count, now)
         decision = held_decision.decision

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from shared.cluster_core.core import ClusterCore, CoreConfig, retry_schedule
-from shared.cluster_core.held import held_key
+from shared.cluster_core.held import HeldDecision, HeldFailure, held_key
 from shared.cluster_core.sessions import Held, Migrate, RunCell, Session, StartFailed, WakeHeld
 from shared.policies.autoscale import AutoscaleConfig, ScaleOut
 from shared.policies.migration import GiveUp, RetryAt
@@ -38,10 +38,9 @@ def contended_core(max_hosts: int) -> tuple[ClusterCore, str]:
     return core, "s3"
 
 
-def fail_once(core: ClusterCore, kernel: str, attempts: int, now: float, live_hosts: int = 3):  # type: ignore[no-untyped-def]
-    return core.held_migration_failed(
-        kernel, ONE_GPU, attempts, 0.0, now, "no host can bind 1 GPU", live_hosts=live_hosts
-    )
+def fail_once(core: ClusterCore, kernel: str, attempts: int, now: float, live_hosts: int = 3) -> HeldDecision:
+    failure = HeldFailure(kernel, ONE_GPU, attempts, 0.0, now, "no host can bind 1 GPU")
+    return core.held_migration_failed(failure, live_hosts=live_hosts)
 
 
 def test_a_held_cell_scales_out_and_runs_on_the_host_when_it_registers() -> None:
