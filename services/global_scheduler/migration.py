@@ -35,7 +35,7 @@ from services.global_scheduler.metrics import SchedulerMetrics
 from services.global_scheduler.reply_merger import Failed, Forward
 from shared import messages
 from shared.cluster_core.core import ClusterCore
-from shared.cluster_core.held import HeldFailure
+from shared.cluster_core.held import HeldFailure, HeldLook, SendOn, WaitUntil
 from shared.config import Config
 from shared.envelope import Envelope
 from shared.jupyter_wire import WireError, header_of
@@ -193,19 +193,20 @@ class Migrator:
                 if kernel.state != RUNNING or self._gs.state.kernels.get(kernel_id) is not kernel:
                     self._dispatch(kernel)  # the router answers for a dead or stopping kernel
                     continue
-                if self._holds_gpus(kernel):
-                    await asyncio.sleep(OWN_GPUS_POLL_S)  # its previous cell still runs
+                look = HeldLook(
+                    cell.since,
+                    cell.attempts,
+                    self._holds_gpus(kernel),
+                    cell.settle_first,
+                    self._executor_now(kernel),
+                )
+                now = self._clock()
+                step = self._core.held_step(look, now, OWN_GPUS_POLL_S)
+                if isinstance(step, WaitUntil):
+                    await asyncio.sleep(max(step.at - now, 0.0))
                     continue
-                settle = self._core.first_migration_at(cell.since) - self._clock()
-                if cell.settle_first and settle > 0:
-                    await asyncio.sleep(settle)
-                    continue
-                if self._executor_now(kernel):
+                if isinstance(step, SendOn):
                     await self._dispatch_or_pause(kernel)
-                    continue
-                settle = self._core.first_migration_at(cell.since) - self._clock()
-                if cell.attempts == 0 and settle > 0:
-                    await asyncio.sleep(settle)
                     continue
                 failure = await self._try_migration(kernel, cell, clog)
                 if failure is None:

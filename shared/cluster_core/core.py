@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from shared.cluster_core import lifecycle
 from shared.cluster_core.drain import DrainPlan, ReplicaToMove, plan_drain
-from shared.cluster_core.held import HeldDecision, HeldFailure, HeldScaleOut
+from shared.cluster_core.held import HeldDecision, HeldFailure, HeldLook, HeldScaleOut, HeldStep, held_step
 from shared.cluster_core.idle import HostFacts, IdleJudge
 from shared.cluster_core.replicated import ReplicatedKernels
 from shared.cluster_core.sessions import Action, Session, SessionPolicy
@@ -235,6 +235,12 @@ class ClusterCore:
     def first_migration_at(self, held_since: float) -> float:
         """When a cell no replica could run is first tried for a migration."""
         return held_since + self.config.ledger_settle_s
+
+    def held_step(self, look: HeldLook, now: float, poll_s: float) -> HeldStep:
+        """What to do with a held cell now (wait, send it on, or migrate): the live ``Migrator``'s
+        loop; the simulator's held cells take the same steps (first look at ``first_migration_at``,
+        then ``ReplicatedKernels.retry_cell``: an executor, else a migration)."""
+        return held_step(look, now, self.first_migration_at(look.since), poll_s)
 
     def migration_failed(self, attempts: int, held_since: float, now: float, reason: str) -> RetryAt | GiveUp:
         """``attempts`` moves of a replica (a dead one's replacement) failed: when to try again, or

@@ -39,6 +39,51 @@ def held_kernel(key: str) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
+class HeldLook:
+    """What the driver sees of a held cell when it looks at it (``ClusterCore.held_step``)."""
+
+    since: float
+    attempts: int  # failed migrations so far
+    own_cell_running: bool  # the kernel's previous cell still holds its GPUs
+    settle_first: bool  # its election failed: the ledger was wrong, trust it only after a heartbeat
+    executor_now: bool  # a replica's host can bind the GPUs now (``choose_executor``)
+
+
+@dataclass(frozen=True, slots=True)
+class WaitUntil:
+    """Look again at ``at`` (same clock as ``now``)."""
+
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class SendOn:
+    """A replica can run the cell: send the held requests on."""
+
+
+@dataclass(frozen=True, slots=True)
+class TryMigration:
+    """No replica can: move one to a host that can bind the GPUs (``plan_migration``)."""
+
+
+HeldStep = WaitUntil | SendOn | TryMigration
+
+
+def held_step(look: HeldLook, now: float, settle_at: float, poll_s: float) -> HeldStep:
+    """The next step for a held cell: wait while its own previous cell runs or the ledger settles,
+    send it on when a replica can run it, else migrate (not before the first settle)."""
+    if look.own_cell_running:
+        return WaitUntil(now + poll_s)
+    if look.settle_first and now < settle_at:
+        return WaitUntil(settle_at)
+    if look.executor_now:
+        return SendOn()
+    if look.attempts == 0 and now < settle_at:
+        return WaitUntil(settle_at)
+    return TryMigration()
+
+
+@dataclass(frozen=True, slots=True)
 class HeldFailure:
     """A held cell's failed migration: its kernel, what it needs, its retry history and why."""
 

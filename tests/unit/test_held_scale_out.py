@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 
 from shared.cluster_core.core import ClusterCore, CoreConfig, retry_schedule
-from shared.cluster_core.held import HeldDecision, HeldFailure, held_key
+from shared.cluster_core.held import (
+    HeldDecision,
+    HeldFailure,
+    HeldLook,
+    SendOn,
+    TryMigration,
+    WaitUntil,
+    held_key,
+)
 from shared.cluster_core.sessions import Held, Migrate, RunCell, Session, StartFailed, WakeHeld
 from shared.policies.autoscale import AutoscaleConfig, ScaleOut
 from shared.policies.migration import GiveUp, RetryAt
@@ -157,3 +165,22 @@ def test_a_kernel_whose_hosts_came_and_still_does_not_fit_asks_a_host_for_every_
     scaler.cancel("k")  # placed: a later start of the same id asks afresh
     scaler.on_placement_failed(request, feasible=2, live_hosts=12)
     assert scaler.reserved_for("k") == 1
+
+
+@pytest.mark.parametrize(
+    ("look", "now", "expected"),
+    [
+        (HeldLook(0.0, 0, True, False, True), 5.0, WaitUntil(5.2)),  # its own previous cell runs
+        (HeldLook(0.0, 0, False, True, True), 0.5, WaitUntil(1.0)),  # failed election: ledger settles
+        (HeldLook(0.0, 0, False, False, True), 0.5, SendOn()),
+        (HeldLook(0.0, 0, False, False, False), 0.5, WaitUntil(1.0)),  # first migration after a heartbeat
+        (HeldLook(0.0, 0, False, False, False), 1.0, TryMigration()),
+        (HeldLook(0.0, 3, False, False, False), 0.5, TryMigration()),
+    ],
+    ids=["own_cell", "settle_first", "executor", "first_settle", "migrate", "retry"],
+)
+def test_the_core_steps_a_held_cell_as_the_live_migrator_loop_did(
+    look: HeldLook, now: float, expected: object
+) -> None:
+    core = ClusterCore(CoreConfig(ledger_settle_s=1.0))
+    assert core.held_step(look, now, poll_s=0.2) == expected
