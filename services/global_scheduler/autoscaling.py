@@ -29,7 +29,6 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -45,7 +44,6 @@ from shared.policies.autoscale import HostLoad, ScaleIn, ScaleOut, feasible_host
 from shared.policies.kernel_placement import KernelPlacement
 from shared.policies.placement import HostView, PlacementDecision, PlacementRequest
 from shared.policies.placement_index import PlacementIndex
-from shared.resources import Resources
 
 log = structlog.get_logger("autoscaling")
 
@@ -76,7 +74,6 @@ class ClusterAutoscaler:
         self.scale_outs = 0  # hosts asked for
         self.scale_ins = 0  # hosts released
         self._expected: set[str] = set()  # asked of the provider, not registered yet
-        self._reserved_on: dict[str, list[tuple[str, Resources]]] = {}  # registered host -> reservations
         self._waiters: dict[str, asyncio.Event] = {}  # kernel id -> set when its reserved hosts arrive
         self._abandoned: set[str] = set()  # kernels shut down while waiting for hosts
         self._releasing: set[str] = set()
@@ -106,29 +103,15 @@ class ClusterAutoscaler:
 
     def views_for(self, kernel_id: str, views: Sequence[HostView]) -> list[HostView]:
         """Hosts that arrived with another kernel's reservations look already subscribed by it."""
-        if not self._reserved_on:
-            return list(views)
-        out = []
-        for view in views:
-            others = [r for k, r in self._reserved_on.get(view.host_id, ()) if k != kernel_id]
-            for resources in others:
-                view = replace(
-                    view,
-                    subscribed_gpus=view.subscribed_gpus + resources.gpus,
-                    subscribed=view.subscribed + resources,
-                )
-            out.append(view)
-        return out
+        return self.core.arrived.views_for(kernel_id, views)
 
     def _place_once(
         self, placement: KernelPlacement, request: PlacementRequest, index: PlacementIndex
     ) -> PlacementDecision:
         """One decision of the shared policy, with other kernels' reserved hosts overlaid."""
-        reserved = [v for host_id in self._reserved_on if (v := index.get(host_id)) is not None]
         room = self.config.max_hosts - self.live_hosts() - self.policy.pending_hosts
         can_add_hosts = self.enabled and room > 0  # else the watermark alone rules (KernelPlacement)
-        with index.overlaid(self.views_for(request.kernel_id, reserved)):
-            return placement.place(index, request, can_add_hosts=can_add_hosts)
+        return self.core.arrived.place(placement, index, request, can_add_hosts=can_add_hosts)
 
     async def place(
         self, placement: KernelPlacement, request: PlacementRequest, index: Callable[[], PlacementIndex]
@@ -187,12 +170,7 @@ class ClusterAutoscaler:
         self.policy.cancel(kernel_id)
         self._waiters.pop(kernel_id, None)
         self._abandoned.discard(kernel_id)
-        for host_id in list(self._reserved_on):
-            kept = [(k, r) for k, r in self._reserved_on[host_id] if k != kernel_id]
-            if kept:
-                self._reserved_on[host_id] = kept
-            else:
-                del self._reserved_on[host_id]
+        self.core.arrived.done(kernel_id)
 
     # ---- a held cell's host (the core's rule: shared.cluster_core.held) ----------------------
 
@@ -245,8 +223,7 @@ class ClusterAutoscaler:
             return
         self._expected.discard(host_id)
         reservations = self.policy.on_host_registered(host_id)
-        if reservations:
-            self._reserved_on[host_id] = list(reservations)
+        self.core.arrived.arrived(host_id, reservations)
         self._event("host_added", [host_id], f"registered; reserved for {[k for k, _ in reservations]}")
         self._wake(list(dict.fromkeys(k for k, _ in reservations)))
 
@@ -305,7 +282,7 @@ class ClusterAutoscaler:
                     subscribed,
                     replicas=replicas[host.host_id],
                     active=host.host_id in active,
-                    reserved=host.host_id in self._reserved_on,
+                    reserved=host.host_id in self.core.arrived,
                     owned=self.provider.owns(host.host_id),
                 )
             )

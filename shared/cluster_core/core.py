@@ -19,6 +19,7 @@ from shared.cluster_core.drain import DrainPlan, ReplicaToMove, plan_drain
 from shared.cluster_core.held import HeldDecision, HeldFailure, HeldLook, HeldScaleOut, HeldStep, held_step
 from shared.cluster_core.idle import HostFacts, IdleJudge
 from shared.cluster_core.replicated import ReplicatedKernels
+from shared.cluster_core.reservations import ArrivedReservations
 from shared.cluster_core.sessions import Action, Session, SessionPolicy
 from shared.config import Config
 from shared.policies.autoscale import AutoscaleConfig, Autoscaler, ScaleDecision
@@ -108,7 +109,9 @@ class ClusterCore:
         self.autoscaler = autoscaler if autoscaler is not None else Autoscaler(self.config.autoscale)
         self.placement = KernelPlacement(self.config.watermark, self.config.replicas_per_kernel)
         self.retry = self.config.retry
-        self.held = HeldScaleOut(self.autoscaler, self.retry, self.config.scale_out_timeout_s)
+        # hosts that registered with reservations for kernels still waiting (both drivers place past them)
+        self.arrived = ArrivedReservations()
+        self.held = HeldScaleOut(self.autoscaler, self.retry, self.config.scale_out_timeout_s, self.arrived)
         self.sessions = self._plugin(policy, hosts, prewarmed, lcp_pool_per_host)
         # only replicated kernels leave replicas on a host that a drain must move first
         self.idle = IdleJudge(self.config.scale_in_idle_s, can_drain=policy == "notebookos")
@@ -120,7 +123,11 @@ class ClusterCore:
 
         if name == "notebookos":
             return ReplicatedKernels(
-                self.placement, self.autoscaler, hosts=dict(hosts or {}), prewarmed=prewarmed
+                self.placement,
+                self.autoscaler,
+                hosts=dict(hosts or {}),
+                prewarmed=prewarmed,
+                arrived=self.arrived,
             )
         if name == "lcp":
             return baselines.LcpPolicy(hosts, pool_per_host=pool)

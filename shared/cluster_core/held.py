@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.cluster_core.reservations import ArrivedReservations
 from shared.policies.autoscale import Autoscaler, ScaleOut
 from shared.policies.migration import GiveUp, RetryAt, RetrySchedule
 from shared.policies.placement import PlacementRequest
@@ -108,8 +109,15 @@ class HeldDecision:
 class HeldScaleOut:
     """Per core: when each held cell's host was asked for (the start of its wait)."""
 
-    def __init__(self, autoscaler: Autoscaler, retry: RetrySchedule, scale_out_timeout_s: float) -> None:
+    def __init__(
+        self,
+        autoscaler: Autoscaler,
+        retry: RetrySchedule,
+        scale_out_timeout_s: float,
+        arrived: ArrivedReservations | None = None,
+    ) -> None:
         self.autoscaler = autoscaler
+        self.arrived = arrived if arrived is not None else ArrivedReservations()
         self.retry = retry
         self.timeout_s = scale_out_timeout_s
         self._asked_at: dict[str, float] = {}  # held key -> when its first host was asked for
@@ -175,3 +183,4 @@ class HeldScaleOut:
         self._asked_at.pop(key, None)
         self._failed.pop(key, None)
         self.autoscaler.cancel(key)
+        self.arrived.done(key)

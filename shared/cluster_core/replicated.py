@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from shared.cluster_core.drain import ReplicaToMove
 from shared.cluster_core.gpu_ledger import GpuLedger
 from shared.cluster_core.held import held_kernel
+from shared.cluster_core.reservations import ArrivedReservations
 from shared.cluster_core.sessions import (
     Action,
     Held,
@@ -65,12 +66,15 @@ class ReplicatedKernels:
         *,
         hosts: dict[str, int] | None = None,
         prewarmed: dict[str, int] | None = None,
+        arrived: ArrivedReservations | None = None,
     ) -> None:
         self.placement = placement  # the core's: the very object the live scheduler places with
         self.replicas = placement.replicas_per_kernel
         self.watermark = placement.watermark
         self.index = PlacementIndex(self.watermark)
         self.autoscaler = autoscaler
+        # the core's: hosts that came with reservations look subscribed to the kernels not waiting
+        self.arrived = arrived if arrived is not None else ArrivedReservations()
         self.prewarmed = prewarmed if prewarmed is not None else {}
         self.kernels: dict[str, ReplicatedKernel] = {}
         self.ledgers: dict[str, GpuLedger] = {}  # GPUs committed to cells; subscriptions in ``index``
@@ -106,7 +110,9 @@ class ReplicatedKernels:
         self.index.upsert(HostView(host_id, gpus, replicas_per_kernel=self.replicas))
         wakes: list[Action] = []
         if self.autoscaler is not None:  # sessions' placement below re-finds the room
-            for key, _ in self.autoscaler.on_host_registered(host_id):
+            reservations = self.autoscaler.on_host_registered(host_id)
+            self.arrived.arrived(host_id, reservations)
+            for key, _ in reservations:
                 kernel = self.kernels.get(held_kernel(key) or "")
                 if kernel is not None and kernel.held:
                     wakes.extend(WakeHeld(kernel.session.session_id, c) for c in sorted(kernel.held))
@@ -151,7 +157,9 @@ class ReplicatedKernels:
         """Place the R replicas, or queue the session (asking for hosts only the first time)."""
         g = session.resources.gpus
         request = PlacementRequest(session.session_id, session.resources, self.replicas)
-        decision = self.placement.place(self.index, request, can_add_hosts=self._can_add_hosts())
+        decision = self.arrived.place(
+            self.placement, self.index, request, can_add_hosts=self._can_add_hosts()
+        )
         if not decision.ok:
             actions: list[Action] = [Queued(session.session_id, None, decision.explain())]
             if scale and self.autoscaler is not None:
@@ -168,8 +176,7 @@ class ReplicatedKernels:
             return actions
         for host in decision.hosts:
             self._update(host, subscribed=g)
-        if self.autoscaler is not None:
-            self.autoscaler.cancel(session.session_id)  # placed: hosts still coming serve others
+        self._done_waiting(session.session_id)  # placed: hosts still coming serve others
         self.kernels[session.session_id] = ReplicatedKernel(session, list(decision.hosts))
         return [StartRuntime(session.session_id, h, replica=i) for i, h in enumerate(decision.hosts)]
 
@@ -195,14 +202,18 @@ class ReplicatedKernels:
         if all(s.session_id != session_id for s in self.waiting_sessions):
             return []
         self.waiting_sessions = deque(s for s in self.waiting_sessions if s.session_id != session_id)
+        self._done_waiting(session_id)
+        return [StartFailed(session_id, reason)]
+
+    def _done_waiting(self, session_id: str) -> None:
+        """The session no longer waits for hosts: its reservations, pending or arrived, go."""
+        self.arrived.done(session_id)
         if self.autoscaler is not None:
             self.autoscaler.cancel(session_id)
-        return [StartFailed(session_id, reason)]
 
     def on_session_end(self, session_id: str) -> list[Action]:
         self.waiting_sessions = deque(s for s in self.waiting_sessions if s.session_id != session_id)
-        if self.autoscaler is not None:
-            self.autoscaler.cancel(session_id)
+        self._done_waiting(session_id)
         kernel = self.kernels.pop(session_id, None)
         if kernel is None:
             return []
