@@ -108,7 +108,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "max_release": 2,  # idle hosts released per evaluation
         "interval_s": 5.0,  # how often the periodic check runs
         "scale_in_idle_s": 30.0,  # a host must be idle this long before release (its standby replicas move)
-        "scale_out_timeout_s": 60.0,  # a kernel start waiting for new hosts fails after this
+        # A kernel start, or a held cell's migration (NotebookOS §3.4.2), waiting for the hosts a
+        # scale-out asked for fails after this. It covers a cloud GPU server's provisioning (minutes;
+        # `tandem sim` models simulator.host_provision_s = 120 s and refuses a timeout not above it);
+        # an embedded cluster's local schedulers register in seconds, any value above that works.
+        "scale_out_timeout_s": 300.0,
         "events_kept": 200,  # scale events listed by `tandem status --json`
     },
     "prewarm": {

@@ -25,10 +25,10 @@ event lists the migrations it made.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -36,6 +36,7 @@ import structlog
 from services.global_scheduler.cluster_state import RUNNING, ClusterState
 from services.host_provider import HostProvider
 from shared.cluster_core.core import ClusterCore, CoreConfig
+from shared.cluster_core.held import held_key
 from shared.cluster_core.idle import HostFacts, KernelFacts, replicas_and_active_hosts
 from shared.cluster_core.lifecycle import OVER
 from shared.config import Config
@@ -43,7 +44,6 @@ from shared.policies.autoscale import HostLoad, ScaleIn, ScaleOut, feasible_host
 from shared.policies.kernel_placement import KernelPlacement
 from shared.policies.placement import HostView, PlacementDecision, PlacementRequest
 from shared.policies.placement_index import PlacementIndex
-from shared.resources import Resources
 
 log = structlog.get_logger("autoscaling")
 
@@ -70,12 +70,10 @@ class ClusterAutoscaler:
         self.enabled = provider.can_provision and self.config.max_hosts > self.config.min_hosts
         self._clock = clock
         self._interval = float(cfg.get("autoscale.interval_s"))
-        self._scale_out_timeout = float(cfg.get("autoscale.scale_out_timeout_s"))
         self.events: deque[dict[str, Any]] = deque(maxlen=int(cfg.get("autoscale.events_kept")))
         self.scale_outs = 0  # hosts asked for
         self.scale_ins = 0  # hosts released
         self._expected: set[str] = set()  # asked of the provider, not registered yet
-        self._reserved_on: dict[str, list[tuple[str, Resources]]] = {}  # registered host -> reservations
         self._waiters: dict[str, asyncio.Event] = {}  # kernel id -> set when its reserved hosts arrive
         self._abandoned: set[str] = set()  # kernels shut down while waiting for hosts
         self._releasing: set[str] = set()
@@ -105,29 +103,15 @@ class ClusterAutoscaler:
 
     def views_for(self, kernel_id: str, views: Sequence[HostView]) -> list[HostView]:
         """Hosts that arrived with another kernel's reservations look already subscribed by it."""
-        if not self._reserved_on:
-            return list(views)
-        out = []
-        for view in views:
-            others = [r for k, r in self._reserved_on.get(view.host_id, ()) if k != kernel_id]
-            for resources in others:
-                view = replace(
-                    view,
-                    subscribed_gpus=view.subscribed_gpus + resources.gpus,
-                    subscribed=view.subscribed + resources,
-                )
-            out.append(view)
-        return out
+        return self.core.arrived.views_for(kernel_id, views)
 
     def _place_once(
         self, placement: KernelPlacement, request: PlacementRequest, index: PlacementIndex
     ) -> PlacementDecision:
         """One decision of the shared policy, with other kernels' reserved hosts overlaid."""
-        reserved = [v for host_id in self._reserved_on if (v := index.get(host_id)) is not None]
-        room = self.config.max_hosts - self._live_hosts() - self.policy.pending_hosts
+        room = self.config.max_hosts - self.live_hosts() - self.policy.pending_hosts
         can_add_hosts = self.enabled and room > 0  # else the watermark alone rules (KernelPlacement)
-        with index.overlaid(self.views_for(request.kernel_id, reserved)):
-            return placement.place(index, request, can_add_hosts=can_add_hosts)
+        return self.core.arrived.place(placement, index, request, can_add_hosts=can_add_hosts)
 
     async def place(
         self, placement: KernelPlacement, request: PlacementRequest, index: Callable[[], PlacementIndex]
@@ -138,12 +122,12 @@ class ClusterAutoscaler:
         if decision.ok or not self.enabled:
             return decision, ""
         kernel_id = request.kernel_id
-        deadline = self._clock() + self._scale_out_timeout
+        deadline = self.core.start_deadline(self._clock())
         self._waiters.setdefault(kernel_id, asyncio.Event())  # from now on ``abandon`` can reach it
         try:
             while not decision.ok:
                 outcome = self.policy.on_placement_failed(
-                    request, feasible_hosts(decision), self._live_hosts()
+                    request, feasible_hosts(decision), self.live_hosts()
                 )
                 why = outcome.reason
                 if isinstance(outcome, ScaleOut):
@@ -154,7 +138,8 @@ class ClusterAutoscaler:
                     return decision, why  # nothing is coming for this kernel
                 log.info("placement_waits_for_hosts", kernel=kernel_id, reason=why)
                 if not await self._reserved_hosts_arrived(kernel_id, deadline):
-                    why = f"new hosts did not register within {self._scale_out_timeout:g}s ({why})"
+                    timeout = self.core.config.scale_out_timeout_s
+                    why = f"new hosts did not register within {timeout:g}s ({why})"
                     return self._place_once(placement, request, index()), why
                 if kernel_id in self._abandoned:
                     return PlacementDecision((), decision.rejected), "the kernel was shut down while waiting"
@@ -185,14 +170,29 @@ class ClusterAutoscaler:
         self.policy.cancel(kernel_id)
         self._waiters.pop(kernel_id, None)
         self._abandoned.discard(kernel_id)
-        for host_id in list(self._reserved_on):
-            kept = [(k, r) for k, r in self._reserved_on[host_id] if k != kernel_id]
-            if kept:
-                self._reserved_on[host_id] = kept
-            else:
-                del self._reserved_on[host_id]
+        self.core.arrived.done(kernel_id)
 
-    def _live_hosts(self) -> int:
+    # ---- a held cell's host (the core's rule: shared.cluster_core.held) ----------------------
+
+    async def scale_out_for_held(self, kernel_id: str, outcome: ScaleOut) -> None:
+        """Ask the provider for the host the core reserved for ``kernel_id``'s held cell."""
+        self._waiters.setdefault(held_key(kernel_id), asyncio.Event())
+        await self._scale_out(outcome.count, outcome.reason, kernel_id=held_key(kernel_id))
+
+    async def wait_for_held_host(self, kernel_id: str, timeout: float) -> None:
+        """Sleep ``timeout`` seconds, or less if a host reserved for the held cell registers (or
+        its scale-out fails) meanwhile: the held cell is looked at again either way."""
+        waiter = self._waiters.setdefault(held_key(kernel_id), asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(waiter.wait(), timeout)
+        waiter.clear()
+
+    def held_over(self, kernel_id: str) -> None:
+        """The kernel's held cell no longer waits: free the host reserved for it, in the core too."""
+        self.core.held_over(kernel_id)
+        self._done_waiting(held_key(kernel_id))
+
+    def live_hosts(self) -> int:
         return sum(1 for h in self.state.hosts.values() if h.alive and h.host_id not in self._releasing)
 
     async def _scale_out(self, count: int, reason: str, *, kernel_id: str | None = None) -> None:
@@ -200,7 +200,7 @@ class ClusterAutoscaler:
         try:
             host_ids = await self.provider.provision(count)
         except Exception as exc:
-            lost = self.policy.on_scale_out_failed(count)
+            lost = self.core.scale_out_failed(count, str(exc))
             self._event("scale_out_failed", [], f"{reason}: provider failed: {exc}", kernel=kernel_id)
             log.error("scale_out_failed", count=count, reason=str(exc), kernels=list(lost))
             self._wake(lost)
@@ -223,8 +223,7 @@ class ClusterAutoscaler:
             return
         self._expected.discard(host_id)
         reservations = self.policy.on_host_registered(host_id)
-        if reservations:
-            self._reserved_on[host_id] = list(reservations)
+        self.core.arrived.arrived(host_id, reservations)
         self._event("host_added", [host_id], f"registered; reserved for {[k for k, _ in reservations]}")
         self._wake(list(dict.fromkeys(k for k, _ in reservations)))
 
@@ -232,7 +231,7 @@ class ClusterAutoscaler:
         """A provisioned host's process ended on its own; before registering, its scale-out failed."""
         if host_id in self._expected:
             self._expected.discard(host_id)
-            lost = self.policy.on_scale_out_failed(1)
+            lost = self.core.scale_out_failed(1, f"host process exited with {returncode} before registering")
             self._event(
                 "scale_out_failed", [host_id], f"host process exited with {returncode} before registering"
             )
@@ -283,7 +282,7 @@ class ClusterAutoscaler:
                     subscribed,
                     replicas=replicas[host.host_id],
                     active=host.host_id in active,
-                    reserved=host.host_id in self._reserved_on,
+                    reserved=host.host_id in self.core.arrived,
                     owned=self.provider.owns(host.host_id),
                 )
             )

@@ -11,7 +11,10 @@ member -> stop the old process. A failed step rolls the new member back out.
 The decisions are the pure policies' (``choose_executor``, ``plan_migration``, ``RetrySchedule``);
 this module only sequences them. A cell that no replica can run is held here, with every later
 shell request of its kernel behind it (Jupyter runs a kernel's shell requests in order), until a
-replica can run it (sent on as usual), or the retry deadline passes (an error ``execute_reply``).
+replica can run it (sent on as usual), or the core gives it up (an error ``execute_reply``): a
+migration that finds no host asks for one (``ClusterCore.held_migration_failed``, NotebookOS
+§3.4.2) and the hold waits for it up to ``autoscale.scale_out_timeout_s``, looked at again when
+it registers; with no host coming, ``scheduler.migration_deadline_s`` ends it.
 Nothing here runs for a cell that has an executor: the service's hooks are two attribute checks.
 """
 
@@ -22,7 +25,7 @@ import contextlib
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
@@ -32,12 +35,16 @@ from services.global_scheduler.metrics import SchedulerMetrics
 from services.global_scheduler.reply_merger import Failed, Forward
 from shared import messages
 from shared.cluster_core.core import ClusterCore
+from shared.cluster_core.held import HeldFailure, HeldLook, SendOn, WaitUntil
 from shared.config import Config
 from shared.envelope import Envelope
 from shared.jupyter_wire import WireError, header_of
 from shared.policies.executor_choice import choose_executor
 from shared.policies.migration import GiveUp, MigrationPlan, NoTarget, plan_migration
 from shared.rpc import RpcError, RpcTimeout
+
+if TYPE_CHECKING:
+    from services.global_scheduler.autoscaling import ClusterAutoscaler
 
 log = structlog.get_logger("global_scheduler.migration")
 
@@ -77,6 +84,7 @@ class SchedulerShell(Protocol):
     state: ClusterState
     core: ClusterCore
     metrics: SchedulerMetrics
+    autoscaling: ClusterAutoscaler
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None: ...
 
@@ -185,32 +193,44 @@ class Migrator:
                 if kernel.state != RUNNING or self._gs.state.kernels.get(kernel_id) is not kernel:
                     self._dispatch(kernel)  # the router answers for a dead or stopping kernel
                     continue
-                if self._holds_gpus(kernel):
-                    await asyncio.sleep(OWN_GPUS_POLL_S)  # its previous cell still runs
+                look = HeldLook(
+                    cell.since,
+                    cell.attempts,
+                    self._holds_gpus(kernel),
+                    cell.settle_first,
+                    self._executor_now(kernel),
+                )
+                now = self._clock()
+                step = self._core.held_step(look, now, OWN_GPUS_POLL_S)
+                if isinstance(step, WaitUntil):
+                    await asyncio.sleep(max(step.at - now, 0.0))
                     continue
-                settle = self._core.first_migration_at(cell.since) - self._clock()
-                if cell.settle_first and settle > 0:
-                    await asyncio.sleep(settle)
-                    continue
-                if self._executor_now(kernel):
+                if isinstance(step, SendOn):
                     await self._dispatch_or_pause(kernel)
                     continue
-                settle = self._core.first_migration_at(cell.since) - self._clock()
-                if cell.attempts == 0 and settle > 0:
-                    await asyncio.sleep(settle)
-                    continue
-                reason = await self._try_migration(kernel, cell, clog)
-                if reason is None:
+                failure = await self._try_migration(kernel, cell, clog)
+                if failure is None:
                     await self._dispatch_or_pause(kernel)
                     continue
+                reason, no_host = failure
                 cell.attempts += 1
                 now = self._clock()
-                decision = self._core.migration_failed(cell.attempts, cell.since, now, reason)
+                scaling = self._gs.autoscaling
+                failure = HeldFailure(
+                    kernel_id, kernel.resources, cell.attempts, cell.since, now, reason, no_host
+                )
+                held = self._core.held_migration_failed(
+                    failure, live_hosts=scaling.live_hosts(), can_add_hosts=scaling.enabled
+                )
+                if held.scale_out is not None:
+                    clog.info("held_cell_scale_out", msg_id=cell.msg_id, reason=held.scale_out.reason)
+                    await scaling.scale_out_for_held(kernel_id, held.scale_out)
+                decision = held.decision
                 if isinstance(decision, GiveUp):
                     self._give_up(kernel, cell, decision.reason)
                     continue
                 clog.info("migration_retry", msg_id=cell.msg_id, attempt=cell.attempts, reason=reason)
-                await asyncio.sleep(max(decision.at - now, 0.0))
+                await scaling.wait_for_held_host(kernel_id, max(decision.at - self._clock(), 0.0))
         finally:
             self._resolving.discard(kernel_id)
 
@@ -238,8 +258,11 @@ class Migrator:
         )
         return choice.executor is not None
 
-    async def _try_migration(self, kernel: KernelRecord, cell: HeldCell, clog: Any) -> str | None:
-        """One attempt; None when a replica now sits on a host that can bind the GPUs."""
+    async def _try_migration(
+        self, kernel: KernelRecord, cell: HeldCell, clog: Any
+    ) -> tuple[str, bool] | None:
+        """One attempt; None when a replica now sits on a host that can bind the GPUs, else why
+        not and whether it was for want of a host (not a move that broke)."""
         async with self._lock(kernel.kernel_id):
             if self._executor_now(kernel):
                 return None
@@ -250,14 +273,14 @@ class Migrator:
                 prewarmed=self._warm_runtimes(),
             )
             if isinstance(plan, NoTarget):
-                return _explain(plan)
+                return _explain(plan), True
             # Keep the target's GPUs for this cell while the replica moves there.
             self._gs.state.reserve(kernel, cell.msg_id, plan.target_host)
             try:
                 await self._move(kernel, plan, REASON_ALL_YIELD)
             except MigrationError as exc:
                 clog.warning("migration_failed", msg_id=cell.msg_id, reason=str(exc))
-                return str(exc)
+                return str(exc), False
             finally:
                 self._gs.state.release(kernel, cell.msg_id)
                 kernel.reserved_on.pop(cell.msg_id, None)
@@ -272,8 +295,8 @@ class Migrator:
         self.persist(kernel)  # before they go: a crash in between must not send them twice
         for frames in held:
             self._gs.route_from_gateway(kernel, "shell", frames)
-        if kernel.held is None:
-            self._held.pop(kernel.kernel_id, None)
+        if kernel.held is None and self._held.pop(kernel.kernel_id, None) is not None:
+            self._gs.autoscaling.held_over(kernel.kernel_id)
 
     # ---- held queues across a scheduler restart (held_journal.py) ------------------------------
 
@@ -345,6 +368,7 @@ class Migrator:
         held = kernel.held or []
         kernel.held = held[1:] or None
         self._held.pop(kernel.kernel_id, None)
+        self._gs.autoscaling.held_over(kernel.kernel_id)
         self.persist(kernel)
         failed = Failed(cell.msg_id, cell.header, "shell", cell.busy_sent, False, False)
         self._gs.to_gateway(kernel, kernel.router.synthesize_failure(failed, ename, reason))

@@ -1,8 +1,8 @@
 """``ClusterCore``: the decisions the live global scheduler and the simulator share, stepped by
 both with their own clock (ARCHITECTURE.md §3). Modelled on etcd-io/raft's RawNode: the driver
 feeds events (a placement failed, a host registered, a release failed, ``tick(now, hosts)``) and
-carries out what comes back (``ScaleOut``, ``ScaleIn``, ``RetryAt``/``GiveUp`` for a held cell,
-a lifecycle move); nothing here does I/O or reads a clock.
+carries out what comes back (``ScaleOut``, ``ScaleIn``, ``RetryAt``/``GiveUp`` and maybe a
+``ScaleOut`` for a held cell (``held.py``), a lifecycle move); nothing here does I/O or reads a clock.
 
 It owns the autoscaler (what is pending and reserved), the idle-host judgement, the kernel
 placement, the held-cell retry policy, the drain plan and the kernel lifecycle table; the GPU
@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 
 from shared.cluster_core import lifecycle
 from shared.cluster_core.drain import DrainPlan, ReplicaToMove, plan_drain
+from shared.cluster_core.held import HeldDecision, HeldFailure, HeldLook, HeldScaleOut, HeldStep, held_step
 from shared.cluster_core.idle import HostFacts, IdleJudge
 from shared.cluster_core.replicated import ReplicatedKernels
+from shared.cluster_core.reservations import ArrivedReservations
 from shared.cluster_core.sessions import Action, Session, SessionPolicy
 from shared.config import Config
 from shared.policies.autoscale import AutoscaleConfig, Autoscaler, ScaleDecision
@@ -62,6 +64,8 @@ class CoreConfig:
     ledger_settle_s: float = 1.0
     watermark: float = 3.0
     replicas_per_kernel: int = 3
+    # how long a kernel start, or a held cell, waits for the hosts a scale-out asked for
+    scale_out_timeout_s: float = 300.0
 
     @classmethod
     def from_config(cls, cfg: Config) -> CoreConfig:
@@ -77,6 +81,7 @@ class CoreConfig:
             ledger_settle_s=float(sched["heartbeat_interval_s"]),
             watermark=float(sched["subscription_ratio_watermark"]),
             replicas_per_kernel=int(cfg.get("cluster.replicas_per_kernel")),
+            scale_out_timeout_s=float(cfg.get("autoscale.scale_out_timeout_s")),
         )
 
 
@@ -104,6 +109,9 @@ class ClusterCore:
         self.autoscaler = autoscaler if autoscaler is not None else Autoscaler(self.config.autoscale)
         self.placement = KernelPlacement(self.config.watermark, self.config.replicas_per_kernel)
         self.retry = self.config.retry
+        # hosts that registered with reservations for kernels still waiting (both drivers place past them)
+        self.arrived = ArrivedReservations()
+        self.held = HeldScaleOut(self.autoscaler, self.retry, self.config.scale_out_timeout_s, self.arrived)
         self.sessions = self._plugin(policy, hosts, prewarmed, lcp_pool_per_host)
         # only replicated kernels leave replicas on a host that a drain must move first
         self.idle = IdleJudge(self.config.scale_in_idle_s, can_drain=policy == "notebookos")
@@ -115,7 +123,11 @@ class ClusterCore:
 
         if name == "notebookos":
             return ReplicatedKernels(
-                self.placement, self.autoscaler, hosts=dict(hosts or {}), prewarmed=prewarmed
+                self.placement,
+                self.autoscaler,
+                hosts=dict(hosts or {}),
+                prewarmed=prewarmed,
+                arrived=self.arrived,
             )
         if name == "lcp":
             return baselines.LcpPolicy(hosts, pool_per_host=pool)
@@ -140,6 +152,7 @@ class ClusterCore:
         return self.sessions.on_cell_end(session_id, cell_id)
 
     def session_ended(self, session_id: str) -> list[Action]:
+        self.held.over(session_id)
         return self.sessions.on_session_end(session_id)
 
     def host_added(self, host_id: str, gpus: int) -> list[Action]:
@@ -155,13 +168,26 @@ class ClusterCore:
         replicated = self.replicated
         if replicated is None:
             return "only replicated kernels hold cells"
-        return replicated.retry_cell(session_id, cell_id)
+        outcome = replicated.retry_cell(session_id, cell_id)
+        if not isinstance(outcome, str):
+            self.held.over(session_id)
+        return outcome
 
     def give_up_held(self, session_id: str, cell_id: str) -> None:
-        """``migration_failed`` said GiveUp: the held cell fails."""
+        """``held_migration_failed`` said GiveUp: the held cell fails."""
+        self.held.over(session_id)
         replicated = self.replicated
         if replicated is not None:
             replicated.give_up(session_id, cell_id)
+
+    def start_timed_out(self, session_id: str) -> list[Action]:
+        """``start_deadline`` passed for a session still waiting for hosts: its start fails."""
+        replicated = self.replicated
+        if replicated is None:
+            return []
+        return replicated.fail_start(
+            session_id, f"new hosts did not register within {self.config.scale_out_timeout_s:g}s"
+        )
 
     # ---- the periodic check -----------------------------------------------------------------
 
@@ -179,9 +205,16 @@ class ClusterCore:
         """The driver asked its provider for ``count`` hosts after a periodic ScaleOut."""
         self.autoscaler.expect_hosts(count)
 
-    def scale_out_failed(self, count: int) -> tuple[str, ...]:
-        """``count`` hosts asked for will never come: the kernels whose reservations are lost."""
-        return self.autoscaler.on_scale_out_failed(count)
+    def scale_out_failed(self, count: int, why: str = "") -> tuple[str, ...]:
+        """``count`` hosts asked for will never come: the kernels whose reservations are lost (a
+        held cell among them is not asked for again: it fails at its migration deadline)."""
+        lost = self.autoscaler.on_scale_out_failed(count)
+        self.held.provider_failed(lost, why)
+        return lost
+
+    def start_deadline(self, asked_at: float) -> float:
+        """When a kernel start that first asked for hosts at ``asked_at`` fails if still unplaced."""
+        return asked_at + self.config.scale_out_timeout_s
 
     def host_registered(self, host_id: str) -> tuple[tuple[str, Resources], ...]:
         """A new host arrived: the replica slots reserved on it for kernels waiting to start."""
@@ -210,9 +243,28 @@ class ClusterCore:
         """When a cell no replica could run is first tried for a migration."""
         return held_since + self.config.ledger_settle_s
 
+    def held_step(self, look: HeldLook, now: float, poll_s: float) -> HeldStep:
+        """What to do with a held cell now (wait, send it on, or migrate): the live ``Migrator``'s
+        loop; the simulator's held cells take the same steps (first look at ``first_migration_at``,
+        then ``ReplicatedKernels.retry_cell``: an executor, else a migration)."""
+        return held_step(look, now, self.first_migration_at(look.since), poll_s)
+
     def migration_failed(self, attempts: int, held_since: float, now: float, reason: str) -> RetryAt | GiveUp:
-        """``attempts`` migrations of a held cell failed: when to try again, or give the cell up."""
+        """``attempts`` moves of a replica (a dead one's replacement) failed: when to try again, or
+        give up. Held cells use ``held_migration_failed``."""
         return self.retry.after_failure(attempts, held_since, now, reason)
+
+    def held_migration_failed(
+        self, failure: HeldFailure, *, live_hosts: int, can_add_hosts: bool = True
+    ) -> HeldDecision:
+        """A migration of a held cell failed (no host could take it, or the move broke): scale out
+        for it as for a failed replica placement (NotebookOS §3.4.2) and wait for that host up to
+        ``scale_out_timeout_s``; with no host coming, retry until the migration deadline."""
+        return self.held.after_failure(failure, live_hosts=live_hosts, can_add_hosts=can_add_hosts)
+
+    def held_over(self, kernel_id: str) -> None:
+        """The kernel's held cell was sent on, failed, or the kernel stopped: free its host's reservation."""
+        self.held.over(kernel_id)
 
     # ---- kernels ----------------------------------------------------------------------------
 

@@ -1,10 +1,11 @@
 """Replicated kernels (``notebookos``), the cluster core's own scheduling plug-in: R replicas per
 kernel placed by ``KernelPlacement`` under the subscription watermark, GPUs committed to one
 replica per cell (``choose_executor``), and when no replica's host can commit them the cell is
-*held* and the core retries a migration (``plan_migration``) on the live retry schedule until its
-deadline, then gives the cell up: exactly the global scheduler's rule (``Migrator._resolve``),
-which never scales out for a held cell. A kernel whose placement fails asks the autoscaler for
-hosts (scale-out) and waits for them, as a live kernel start does.
+*held* and the core retries a migration (``plan_migration``); one that finds no host scales out
+for it (``held.py``, NotebookOS §3.4.2), and a host reserved for it wakes it here on arrival
+(``WakeHeld``): the global scheduler's rule (``Migrator._resolve``) through the same core. A kernel
+whose placement fails asks the autoscaler for hosts (scale-out) and waits for them up to the
+core's ``start_deadline``, or fails at once when no host is coming, as a live kernel start does.
 
 The driver (the simulator) owns the clock: it keeps when each cell was held and asks the core
 (``ClusterCore.first_migration_at``, ``migration_failed``) when to call ``retry_cell`` again.
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 
 from shared.cluster_core.drain import ReplicaToMove
 from shared.cluster_core.gpu_ledger import GpuLedger
+from shared.cluster_core.held import held_kernel
+from shared.cluster_core.reservations import ArrivedReservations
 from shared.cluster_core.sessions import (
     Action,
     Held,
@@ -27,8 +30,10 @@ from shared.cluster_core.sessions import (
     Rejected,
     RunCell,
     Session,
+    StartFailed,
     StartRuntime,
     StopRuntime,
+    WakeHeld,
 )
 from shared.policies.autoscale import Autoscaler, ScaleOut, feasible_hosts
 from shared.policies.executor_choice import HostLedgerView, ReplicaView, choose_executor
@@ -61,12 +66,15 @@ class ReplicatedKernels:
         *,
         hosts: dict[str, int] | None = None,
         prewarmed: dict[str, int] | None = None,
+        arrived: ArrivedReservations | None = None,
     ) -> None:
         self.placement = placement  # the core's: the very object the live scheduler places with
         self.replicas = placement.replicas_per_kernel
         self.watermark = placement.watermark
         self.index = PlacementIndex(self.watermark)
         self.autoscaler = autoscaler
+        # the core's: hosts that came with reservations look subscribed to the kernels not waiting
+        self.arrived = arrived if arrived is not None else ArrivedReservations()
         self.prewarmed = prewarmed if prewarmed is not None else {}
         self.kernels: dict[str, ReplicatedKernel] = {}
         self.ledgers: dict[str, GpuLedger] = {}  # GPUs committed to cells; subscriptions in ``index``
@@ -100,9 +108,15 @@ class ReplicatedKernels:
     def add_host(self, host_id: str, gpus: int) -> list[Action]:
         self.ledgers[host_id] = GpuLedger(range(gpus))
         self.index.upsert(HostView(host_id, gpus, replicas_per_kernel=self.replicas))
-        if self.autoscaler is not None:
-            self.autoscaler.on_host_registered(host_id)  # placement below re-finds the room
-        return self._retry_sessions()
+        wakes: list[Action] = []
+        if self.autoscaler is not None:  # sessions' placement below re-finds the room
+            reservations = self.autoscaler.on_host_registered(host_id)
+            self.arrived.arrived(host_id, reservations)
+            for key, _ in reservations:
+                kernel = self.kernels.get(held_kernel(key) or "")
+                if kernel is not None and kernel.held:
+                    wakes.extend(WakeHeld(kernel.session.session_id, c) for c in sorted(kernel.held))
+        return [*wakes, *self._retry_sessions()]
 
     def remove_host(self, host_id: str) -> None:
         self.index.remove(host_id)
@@ -143,9 +157,10 @@ class ReplicatedKernels:
         """Place the R replicas, or queue the session (asking for hosts only the first time)."""
         g = session.resources.gpus
         request = PlacementRequest(session.session_id, session.resources, self.replicas)
-        decision = self.placement.place(self.index, request, can_add_hosts=self._can_add_hosts())
+        decision = self.arrived.place(
+            self.placement, self.index, request, can_add_hosts=self._can_add_hosts()
+        )
         if not decision.ok:
-            self.waiting_sessions.append(session)
             actions: list[Action] = [Queued(session.session_id, None, decision.explain())]
             if scale and self.autoscaler is not None:
                 decision_out = self.autoscaler.on_placement_failed(
@@ -153,9 +168,15 @@ class ReplicatedKernels:
                 )
                 if isinstance(decision_out, ScaleOut):
                     actions.append(decision_out)
+                elif self.autoscaler.reserved_for(session.session_id) == 0:
+                    # nothing is coming for it: the live start fails here (``autoscaling.place``)
+                    why = f"{decision.explain()}; no host is coming: {decision_out.reason}"
+                    return [StartFailed(session.session_id, why)]
+            self.waiting_sessions.append(session)
             return actions
         for host in decision.hosts:
             self._update(host, subscribed=g)
+        self._done_waiting(session.session_id)  # placed: hosts still coming serve others
         self.kernels[session.session_id] = ReplicatedKernel(session, list(decision.hosts))
         return [StartRuntime(session.session_id, h, replica=i) for i, h in enumerate(decision.hosts)]
 
@@ -176,8 +197,23 @@ class ReplicatedKernels:
             actions.extend(a for a in self._place(s, scale=rescale) if not isinstance(a, Queued))
         return actions
 
+    def fail_start(self, session_id: str, reason: str) -> list[Action]:
+        """The session's start deadline passed while it waits for hosts: it fails (if still waiting)."""
+        if all(s.session_id != session_id for s in self.waiting_sessions):
+            return []
+        self.waiting_sessions = deque(s for s in self.waiting_sessions if s.session_id != session_id)
+        self._done_waiting(session_id)
+        return [StartFailed(session_id, reason)]
+
+    def _done_waiting(self, session_id: str) -> None:
+        """The session no longer waits for hosts: its reservations, pending or arrived, go."""
+        self.arrived.done(session_id)
+        if self.autoscaler is not None:
+            self.autoscaler.cancel(session_id)
+
     def on_session_end(self, session_id: str) -> list[Action]:
         self.waiting_sessions = deque(s for s in self.waiting_sessions if s.session_id != session_id)
+        self._done_waiting(session_id)
         kernel = self.kernels.pop(session_id, None)
         if kernel is None:
             return []

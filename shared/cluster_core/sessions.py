@@ -89,6 +89,23 @@ class Held:
 
 
 @dataclass(frozen=True, slots=True)
+class WakeHeld:
+    """A host reserved for this held cell registered: look at it now (not at its next retry)."""
+
+    session_id: str
+    cell_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartFailed:
+    """The session's kernel could not be placed and no host is coming for it (or they did not
+    come within ``autoscale.scale_out_timeout_s``): its start fails, as live, and so do its cells."""
+
+    session_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Rejected:
     session_id: str
     cell_id: str | None
@@ -104,6 +121,8 @@ Action = (
     | Queued
     | Migrate
     | Held
+    | WakeHeld
+    | StartFailed
     | Rejected
     | ScaleOut
 )

@@ -101,6 +101,8 @@ class Autoscaler:
         self.config = config or AutoscaleConfig()
         self._pending: list[_PendingHost] = []
         self._next_slot = 0
+        self._exclusive: set[str] = set()  # keys whose reservations bind GPUs on arrival
+        self._asked: set[str] = set()  # kernels that asked before (until ``cancel``)
 
     @property
     def pending_hosts(self) -> int:
@@ -119,13 +121,24 @@ class Autoscaler:
     def _room(self, live_hosts: int) -> int:
         return max(self.config.max_hosts - live_hosts - len(self._pending), 0)
 
-    def on_placement_failed(self, request: PlacementRequest, feasible: int, live_hosts: int) -> ScaleDecision:
+    def on_placement_failed(
+        self, request: PlacementRequest, feasible: int, live_hosts: int, *, exclusive: bool = False
+    ) -> ScaleDecision:
         """Reserve the missing replicas of ``request`` on hosts being added, requesting new ones as needed.
 
         ``feasible``: hosts that could take a replica now (``feasible_hosts(decision)``); those get
         the other replicas once the new hosts arrive, since placement is retried then.
+        ``exclusive``: the replica binds its GPUs on arrival (a held cell's migration), so a pending
+        host is shared only while the exclusive reservations on it fit its GPUs.
         """
         cfg = self.config
+        if request.kernel_id in self._asked and self.reserved_for(request.kernel_id) == 0:
+            # Its hosts came and it still does not fit: the subscription watermark is the cluster's
+            # mean ratio, so the empty hosts that arrived lowered it and pushed hosts that were
+            # feasible over it. Asking again for the same few would repeat that until the start's
+            # deadline: this time every replica gets a new host.
+            feasible = 0
+        self._asked.add(request.kernel_id)
         missing = max(request.replicas - feasible, 0)
         if missing == 0:
             return NoScale("placement can succeed without new hosts")
@@ -137,6 +150,11 @@ class Autoscaler:
             for p in self._pending
             if all(k != request.kernel_id for k, _ in p.reservations)
             and sum(r.gpus for _, r in p.reservations) + request.resources.gpus <= limit
+            and (
+                not exclusive
+                or sum(r.gpus for k, r in p.reservations if k in self._exclusive) + request.resources.gpus
+                <= cfg.gpus_per_host
+            )
         ][:missing]
         new = missing - len(reusable)
         if new > self._room(live_hosts):
@@ -146,6 +164,8 @@ class Autoscaler:
             )
         for p in [*reusable, *self._add_pending(new)]:
             p.reservations.append((request.kernel_id, request.resources))
+        if exclusive:
+            self._exclusive.add(request.kernel_id)
         if new == 0:
             return NoScale(
                 f"reserved {missing} replica(s) of {request.kernel_id} on hosts already being added"
@@ -167,6 +187,8 @@ class Autoscaler:
         reservations; the hosts being added stay pending and serve whoever comes next."""
         for p in self._pending:
             p.reservations = [(k, r) for k, r in p.reservations if k != kernel_id]
+        self._exclusive.discard(kernel_id)
+        self._asked.discard(kernel_id)
 
     def expect_hosts(self, count: int) -> None:
         """The caller asked its provider for ``count`` hosts after an ``evaluate`` ScaleOut: count them

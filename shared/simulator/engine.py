@@ -41,6 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.cluster_core.core import POLICIES, ClusterCore
+from shared.cluster_core.held import HeldFailure
 from shared.cluster_core.idle import HostFacts, KernelFacts, replicas_and_active_hosts
 from shared.cluster_core.replicated import ReplicatedKernel
 from shared.cluster_core.sessions import (
@@ -50,9 +51,11 @@ from shared.cluster_core.sessions import (
     Queued,
     Rejected,
     RunCell,
+    StartFailed,
     StartRuntime,
     StopRuntime,
     TakeWarm,
+    WakeHeld,
 )
 from shared.cluster_core.sessions import Session as PolicySession
 from shared.policies.autoscale import ScaleIn, ScaleOut
@@ -69,7 +72,8 @@ _CELL_END = 0
 _HOST_READY = 1
 _WARM_READY = 2
 _TICK = 3
-_RETRY = 4  # a held cell's next look (ClusterCore.first_migration_at / migration_failed)
+_RETRY = 4  # a held cell's next look (ClusterCore.first_migration_at / held_migration_failed)
+_START_DEADLINE = 5  # a session waiting for hosts fails if still unplaced (ClusterCore.start_deadline)
 
 # trace arrival kinds, in the order they are handled at equal times
 _SESSION_START = 0
@@ -158,7 +162,9 @@ class Simulator:
         self._election_s = self.params.election_s if replicated is not None else 0.0
         self._prewarmed: dict[str, int] | None = replicated.prewarmed if replicated is not None else None
         self._owned: set[str] = set()  # hosts the simulated provider started (only those are released)
-        self._holding: dict[int, tuple[float, int]] = {}  # held cell -> (held since, failed tries)
+        # held cell -> (held since, failed tries, when its next look is due: a woken look makes
+        # the retry already queued stale)
+        self._holding: dict[int, tuple[float, int, float]] = {}
         self._prewarm_policy = MinCapacity(self.params.prewarm_per_host)
         self._warming: dict[str, int] = {}
         self._heap: list[tuple[float, int, int, int | str]] = []
@@ -227,6 +233,7 @@ class Simulator:
         self._replicas = [0] * n_s
         self._open_sessions = 0
         self._started = [False] * n_s
+        self._start_failed = [False] * n_s  # its kernel start failed: its cells fail as they come
         self._cells_failed = 0
         self._cur = -1
         self._cur_migrated = False
@@ -268,6 +275,8 @@ class Simulator:
                     self._warm_ready(str(arg), now)
                 elif kind == _RETRY:
                     self._retry_held(int(arg), now)
+                elif kind == _START_DEADLINE:
+                    self._apply(self.core.start_timed_out(self._sid[int(arg)]), now)
                 else:
                     if j >= n and self._open_sessions == 0 and self._in_flight_hosts == 0:
                         continue  # drained: stop the periodic check
@@ -352,6 +361,9 @@ class Simulator:
 
     def _submit(self, i: int, now: float) -> None:
         s = self._t_sess[i]
+        if self._start_failed[s]:  # the client gets an error for each cell of a failed kernel
+            self._cells_failed += 1
+            return
         self._busy[s] = i
         self._cur = i if self._held[s] != i else -1  # a resubmitted held cell was not committed at once
         self._held[s] = -1
@@ -463,8 +475,13 @@ class Simulator:
                     self._prewarm((a.plan.target_host,), now)
             elif t is Held:
                 i = int(a.cell_id)
-                self._holding[i] = (now, 0)
-                self._push(self.core.first_migration_at(now), _RETRY, i)
+                at = self.core.first_migration_at(now)
+                self._holding[i] = (now, 0, at)
+                self._push(at, _RETRY, i)
+            elif t is WakeHeld:
+                self._retry_held(int(a.cell_id), now, woken=True)
+            elif t is StartFailed:
+                self._start_failed_for(self._index_of(a.session_id))
             elif t is Rejected:
                 if a.cell_id is not None:
                     self._held[self._index_of(a.session_id)] = int(a.cell_id)
@@ -472,6 +489,8 @@ class Simulator:
                 self._provision(a.count, now)
             elif t is Queued and not self._replicated:
                 self._placement_failed(a, now)
+            elif t is Queued and a.cell_id is None:  # the kernel start waits for hosts, as live
+                self._push(self.core.start_deadline(now), _START_DEADLINE, self._index_of(a.session_id))
             # Queued, ReturnWarm: nothing to model (the work waits for a later event)
         for i in resubmit:
             self._submit(i, now)
@@ -479,13 +498,23 @@ class Simulator:
     def _index_of(self, session_id: str) -> int:
         return self._pos[session_id]
 
-    def _retry_held(self, i: int, now: float) -> None:
+    def _start_failed_for(self, s: int) -> None:
+        """The session's kernel start failed: the cell waiting for it and those queued behind fail."""
+        self._start_failed[s] = True
+        if self._held[s] >= 0:
+            self._cells_failed += 1 + len(self._queue[s])
+            self._queue[s].clear()
+            self._held[s] = -1
+            self._busy[s] = -1
+
+    def _retry_held(self, i: int, now: float, *, woken: bool = False) -> None:
         """A held cell's next look, as the live ``Migrator._resolve``: run it (migrating a
-        replica if need be), or back off per the core, or give it up at the deadline."""
+        replica if need be), or scale out for it and wait, or back off per the core, or give it up.
+        ``woken``: a host reserved for it registered (else a look not due now is a stale one)."""
         held = self._holding.get(i)
-        if held is None:
+        if held is None or (not woken and now != held[2]):
             return
-        since, attempts = held
+        since, attempts, _ = held
         s = self._t_sess[i]
         outcome = self.core.retry_held(self._sid[s], self._cid[i])
         if not isinstance(outcome, str):
@@ -493,14 +522,18 @@ class Simulator:
             self._apply(outcome, now)
             return
         attempts += 1
-        decision = self.core.migration_failed(attempts, since, now, outcome)
+        failure = HeldFailure(self._sid[s], self._specs[s].resources, attempts, since, now, outcome)
+        held_decision = self.core.held_migration_failed(failure, live_hosts=len(self._hosts_alive))
+        if held_decision.scale_out is not None:
+            self._provision(held_decision.scale_out.count, now)
+        decision = held_decision.decision
         if isinstance(decision, GiveUp):
             del self._holding[i]
             self.core.give_up_held(self._sid[s], self._cid[i])
             self._cells_failed += 1
             self._next_cell(s, now)
             return
-        self._holding[i] = (since, attempts)
+        self._holding[i] = (since, attempts, decision.at)
         self._push(decision.at, _RETRY, i)
 
     def _placement_failed(self, a: Queued, now: float) -> None:

@@ -50,6 +50,9 @@ class SimParams:
     migration_retry_max_s: float = 4.0
     migration_deadline_s: float = 30.0
     ledger_settle_s: float = 1.0
+    # ``autoscale.scale_out_timeout_s``: a kernel start, or a held cell's migration, waiting for
+    # hosts a scale-out asked for gives up after this; it must exceed ``host_provision_s``.
+    scale_out_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -63,6 +66,12 @@ class SimParams:
         if self.gpus_per_host < 1 or self.autoscale_interval_s <= 0 or self.timeline_step_s <= 0:
             raise ConfigError(
                 "simulator: gpus_per_host, autoscale_interval_s and timeline_step_s must be > 0"
+            )
+        if self.scale_out_timeout_s <= self.host_provision_s:
+            raise ConfigError(
+                f"autoscale.scale_out_timeout_s ({self.scale_out_timeout_s:g}) must exceed "
+                f"simulator.host_provision_s ({self.host_provision_s:g}): every scale-out would miss "
+                "its deadline and each start or held cell waiting for a host would fail"
             )
         if self.initial_hosts > self.max_hosts:
             raise ConfigError(
@@ -82,6 +91,7 @@ class SimParams:
             migration_retry_max_s=float(cfg.get("scheduler.migration_retry_max_s")),
             migration_deadline_s=float(cfg.get("scheduler.migration_deadline_s")),
             ledger_settle_s=float(cfg.get("scheduler.heartbeat_interval_s")),
+            scale_out_timeout_s=float(cfg.get("autoscale.scale_out_timeout_s")),
         )
 
     @property
@@ -116,6 +126,7 @@ class SimParams:
             ledger_settle_s=self.ledger_settle_s,
             watermark=self.subscription_ratio_watermark,
             replicas_per_kernel=self.replicas_per_kernel,
+            scale_out_timeout_s=self.scale_out_timeout_s,
         )
 
     def rates(self) -> Rates:
