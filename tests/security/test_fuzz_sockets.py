@@ -1,5 +1,6 @@
 """Malformed frames, bounded and seeded, to every socket a running cluster listens on: the
-gateway's API and its kernels' Jupyter ports, the global scheduler, each local scheduler, every
+gateway's API and its kernels' Jupyter ports, the global scheduler, the arbiter, the Kernel Gateway
+HTTP API, each local scheduler, every
 replica (Raft port, ipykernel ports) and the metrics endpoint. Found by asking the OS what the
 cluster's processes listen on, so a socket added later is fuzzed without touching this test.
 Afterwards every process is alive, a normal cell runs and sees its variables, and no GPU stays
@@ -173,6 +174,9 @@ def test_malformed_frames_on_every_listening_socket_leave_the_cluster_working(
         ):
             _zmq_frames(service, rng, _envelope_junk, curve.client_curve(keys, curve.OPERATOR, server))
         host = next(iter(_committed(tandem_cluster)))
+        arbiter = str(tandem_cluster.info["arbiter"])
+        for principal in (curve.OPERATOR, curve.host_principal(host)):  # job.* and agent.report
+            _zmq_frames(arbiter, rng, _envelope_junk, curve.client_curve(keys, principal, curve.ARBITER))
         _zmq_frames(
             tandem_cluster.scheduler,
             rng,
