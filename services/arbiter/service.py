@@ -27,12 +27,12 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from services.arbiter.affinity import keep_jobs_in_place
 from services.arbiter.metrics import arbiter_exporter
 from services.arbiter.registry import Registry, RegistryError
 from services.arbiter.usage import UsageMeter
 from shared import messages
 from shared.arbiter import Arbiter, ArbiterConfig, CapacityMeter, GpuSlot, Lease
+from shared.arbiter.affinity import keep_jobs_in_place
 from shared.arbiter.slots import host_counts
 from shared.config import Config
 from shared.envelope import Envelope

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.arbiter.affinity import keep_jobs_in_place
 from shared.arbiter import GpuSlot, Lease
+from shared.arbiter.affinity import keep_jobs_in_place
 
 
 def lease(job: str, *slots: tuple[str, int], app: str = "a") -> Lease:
