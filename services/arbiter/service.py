@@ -8,7 +8,7 @@ carries out its leases: a lease for a job that keeps as many GPUs on the same ho
 (the job runs on), every other expired lease is ended (the job stops at a step boundary) before
 the new ones are granted (the host starts the job). The shell decides nothing itself: before
 that, equal leases are only traded between jobs so that each stays on the host its process is on
-(``services/arbiter/affinity.py``, pure; no count or layout changes).
+(``shared/arbiter/affinity.py``, pure; no count or layout changes).
 
 The job registry is a JSON file (0600) under ``<state_dir>/arbiter``, written after each change
 of a job and after each round: a restarted arbiter knows every job and lease it had.
