@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 import zmq
 from jupyter_client import BlockingKernelClient
-from jupyter_client.connect import write_connection_file
 
 from shared import messages
 from shared.envelope import Envelope, decode
@@ -93,13 +92,13 @@ class FakeLocalScheduler:
             self._answers[env.id] = env
             return None
 
-    def wait_for(self, predicate: Any, timeout: float = 20.0) -> None:
+    def wait_for(self, predicate: Any, timeout: float = 20.0, poll_s: float | None = None) -> None:
         deadline = time.monotonic() + timeout
         with self._changed:
             while not predicate():
                 remaining = deadline - time.monotonic()
                 assert remaining > 0, "timed out waiting for the replicas"
-                self._changed.wait(remaining)
+                self._changed.wait(remaining if poll_s is None else min(remaining, poll_s))
 
     def configure(self, replicas: tuple[str, ...] = REPLICAS) -> None:
         sent = []
@@ -144,15 +143,44 @@ class Cluster:
         self.raft_ca = ClusterCA.create()  # the global scheduler's role: each start gets a certificate
         key = os.urandom(16).hex()
         for rid in REPLICAS:
-            cf = str(tmp / f"{rid}.json")
-            write_connection_file(cf, ip="127.0.0.1", key=key.encode())
+            # every port 0, as the local scheduler writes it: the replica binds and writes the
+            # ports back before it registers (ports chosen here could be taken before its bind)
+            ports = {f"{channel}_port": 0 for channel in ("shell", "iopub", "stdin", "control", "hb")}
+            info = {"ip": "127.0.0.1", "transport": "tcp", "key": key, "signature_scheme": "hmac-sha256"}
+            (tmp / f"{rid}.json").write_text(json.dumps(info | ports))
             self.launch(rid)
-            kc = BlockingKernelClient(connection_file=cf)
+        self._wait_registered(REPLICAS)
+        for rid in REPLICAS:
+            kc = BlockingKernelClient(connection_file=str(tmp / f"{rid}.json"))
             kc.load_connection_file()
             kc.start_channels()
             self.clients[rid] = kc
-        self.scheduler.wait_for(lambda: len(self.scheduler.identities) == 3, timeout=30)
         self.scheduler.configure()
+
+    def _wait_registered(self, replicas: tuple[str, ...], timeout: float = 60) -> None:
+        """Until every replica registered; a replica that exited first fails at once, with its log."""
+
+        def registered() -> bool:
+            dead = [
+                r for r in replicas if r not in self.scheduler.identities and self.procs[r].poll() is not None
+            ]
+            if dead:
+                raise AssertionError(
+                    "; ".join(f"{r} exited ({self.procs[r].returncode}): {self.log_tail(r)}" for r in dead)
+                )
+            return all(r in self.scheduler.identities for r in replicas)
+
+        try:
+            self.scheduler.wait_for(registered, timeout=timeout, poll_s=0.5)
+        except AssertionError as exc:
+            if "timed out" in str(exc):
+                tails = {r: self.log_tail(r) for r in replicas if r not in self.scheduler.identities}
+                raise AssertionError(f"replicas did not register in {timeout:.0f} s: {tails}") from None
+            raise
+
+    def log_tail(self, rid: str, chars: int = 1500) -> str:
+        path = self.tmp / f"{rid}.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
 
     def launch(self, rid: str) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO), TANDEM_KERNEL_GPUS="1")
