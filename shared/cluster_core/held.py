@@ -27,6 +27,9 @@ from shared.policies.placement import PlacementRequest
 from shared.resources import Resources
 
 HELD_SUFFIX = "/held"
+# while a held cell's kernel still runs its previous cell (which holds the GPUs), look again this
+# often rather than migrate
+HELD_POLL_S = 0.2
 
 
 def held_key(kernel_id: str) -> str:

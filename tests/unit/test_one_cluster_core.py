@@ -90,12 +90,13 @@ def test_both_drivers_step_the_core_through_tick(monkeypatch: pytest.MonkeyPatch
 def test_a_held_cell_is_retried_and_given_up_by_the_core_in_the_simulator_as_live(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    calls = record_calls(monkeypatch, "first_migration_at", "held_migration_failed")
+    calls = record_calls(monkeypatch, "held_step", "held_migration_failed")
     params = SimParams(gpus_per_host=1, initial_hosts=3, max_hosts=3, migration_deadline_s=30.0)
     result = Simulator(contended_trace(), "notebookos", params).run()
     assert result.cells_failed == 1  # at max_hosts no host can come: an error after 30 s
     assert result.scale_out_s == []
-    assert [name for name, _ in calls][:2] == ["first_migration_at", "held_migration_failed"]
+    # each look goes through the live Migrator's step function, then its failure rule
+    assert [name for name, _ in calls][:2] == ["held_step", "held_migration_failed"]
     live_core = ClusterCore(CoreConfig.from_config(load_config()))
     assert live_core.first_migration_at(5.0) == 6.0  # one heartbeat interval, as the live Migrator waits
     assert isinstance(live_core.migration_failed(1, 0.0, 6.0, "no host"), RetryAt)
