@@ -41,7 +41,7 @@ from shared.config import Config, ConfigError
 from shared.election_round import election_key, split_election_key
 from shared.envelope import Envelope
 from shared.kernel_launch import KernelLaunch
-from shared.policies.executor_choice import ExecutorChoice, choose_executor
+from shared.policies.executor_choice import ExecutorChoice
 from shared.policies.placement import PlacementRequest
 from shared.quorum import majority
 from shared.resources import Resources
@@ -353,7 +353,7 @@ class GlobalScheduler:
     ) -> None:
         """Route one client message of ``kernel`` (also what a held request is sent on through).
         ``rerouted``: a cell sent again because its designated executor died before starting it."""
-        if kernel.held is not None and channel == "shell":  # behind a cell waiting for a migration
+        if self.core.queues_behind_held(channel, kernel.held is not None):  # behind a migrating cell
             kernel.held.append(frames)
             self._migrator.persist(kernel)
             return None
@@ -361,7 +361,7 @@ class GlobalScheduler:
         chosen: list[ExecutorChoice] = []  # the victims travel with the designation (one decision)
 
         def choose() -> ExecutorChoice:
-            choice = choose_executor(
+            choice = self.core.executor_for(
                 self.state.replica_views(kernel),
                 self.state.ledger_views({r.host_id for r in kernel.replicas.values()}),
                 kernel.resources.gpus,
@@ -390,12 +390,10 @@ class GlobalScheduler:
             self.metrics.cell_submitted(
                 kernel.kernel_id, routed.msg_id, arrived, routed.executor, kernel.resources.gpus > 0
             )
-        if (
-            routed.executor is None
-            and routed.to_replicas
-            and routed.msg_type == "execute_request"
-            and self._migrator.hold(kernel, routed.msg_id, frames)
-        ):
+        holds = self.core.holds_cell(
+            routed.msg_type, routed.executor is not None, bool(routed.to_replicas), kernel.state
+        )
+        if holds and self._migrator.hold(kernel, routed.msg_id, frames):
             return None  # no replica can run it now: migration (services/global_scheduler/migration.py)
         if routed.to_client:
             self.to_gateway(kernel, routed.to_client)
@@ -571,7 +569,7 @@ class GlobalScheduler:
         refused to bind: its ledger disagreed) goes through migration and is sent again as a new
         election round, instead of its NoExecutorAvailable / GpuUnavailable reaching the client.
         False when it is not such a cell (0 GPUs: the error goes through; no longer pending)."""
-        if kernel.resources.gpus <= 0:
+        if not self.core.migrates_after_failed_election(kernel.resources.gpus):
             return False
         refused_on = kernel.reserved_on.get(msg_id)
         retry = kernel.router.retry(msg_id)

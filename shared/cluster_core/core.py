@@ -300,6 +300,21 @@ class ClusterCore:
         return moves.executor_for(replicas, ledgers, gpus, last)
 
     @staticmethod
+    def queues_behind_held(channel: str, holding: bool) -> bool:
+        """Whether a request waits behind the kernel's held cell (``moves.queues_behind_held``)."""
+        return moves.queues_behind_held(channel, holding)
+
+    @staticmethod
+    def holds_cell(msg_type: str, has_executor: bool, to_replicas: bool, kernel_state: str) -> bool:
+        """Whether a routed request is held for a migration (``moves.holds_cell``)."""
+        return moves.holds_cell(msg_type, has_executor, to_replicas, kernel_state)
+
+    @staticmethod
+    def migrates_after_failed_election(gpus: int) -> bool:
+        """Whether a cell whose executor could not bind its GPUs is migrated and sent again."""
+        return moves.migrates_after_failed_election(gpus)
+
+    @staticmethod
     def plan_held_migration(
         replicas: Sequence[ReplicaView],
         need: Resources,
@@ -321,6 +336,11 @@ class ClusterCore:
         return moves.plan_replacement(
             replica_id, replicas, need, hosts, prewarmed=prewarmed, watermark=self.config.watermark
         )
+
+    @staticmethod
+    def replaces_lost_replica(enabled: bool, kernel_state: str, replacing: bool) -> bool:
+        """Whether a replica that died for good is replaced now (``moves.replaces_lost_replica``)."""
+        return moves.replaces_lost_replica(enabled, kernel_state, replacing)
 
     @staticmethod
     def replacement_step(look: moves.ReplacementLook, now: float, poll_s: float) -> moves.ReplacementStep:

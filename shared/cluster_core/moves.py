@@ -128,6 +128,12 @@ def replacement_failed(
     return retry.after_failure(attempts, started, now, why)
 
 
+def replaces_lost_replica(enabled: bool, kernel_state: str, replacing: bool) -> bool:
+    """A replica that died for good is replaced on another host (``scheduler.replace_dead_replicas``)
+    while its kernel runs, once (not while a replacement of it is under way)."""
+    return enabled and kernel_state == RUNNING and not replacing
+
+
 # ---- drains -----------------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shared.cluster_core.idle import KernelFacts
+from shared.cluster_core.lifecycle import OVER, RUNNING
 from shared.policies.autoscale import Autoscaler, ScaleDecision, feasible_hosts
 from shared.policies.placement import PlacementDecision, PlacementRequest
 
@@ -45,12 +46,15 @@ def start_waits(autoscaler: Autoscaler | None, kernel_id: str) -> bool:
 def kernel_facts(
     hosts: Sequence[str],
     *,
-    changing: bool = False,
+    kernel_state: str = RUNNING,
     cell_in_flight: bool = False,
     held: bool = False,
     replica_starting: bool = False,
 ) -> KernelFacts:
     """A kernel's replicas' hosts and whether it is busy (its hosts are not idle): it is starting
-    or stopping (``changing``), has a cell or request in flight or held, or a replica being
+    or stopping (not running), has a cell or request in flight or held, or a replica being
     started (a move under way)."""
-    return KernelFacts(tuple(hosts), changing or cell_in_flight or held or replica_starting)
+    if kernel_state in OVER:  # stopped or dead: its replicas are gone, or going with it
+        return KernelFacts((), False)
+    busy = kernel_state != RUNNING or cell_in_flight or held or replica_starting
+    return KernelFacts(tuple(hosts), busy)
