@@ -36,7 +36,19 @@ from services.global_scheduler.reply_merger import Forward
 from services.host_provider import NoHostProvider, make_host_provider
 from shared import messages
 from shared.cluster_core.core import ClusterCore, CoreConfig
-from shared.cluster_core.lifecycle import ACTIVE, OVER, REPLACE, after_replica_lost, transition
+from shared.cluster_core.lifecycle import (
+    ACTIVE,
+    OVER,
+    REPLACE,
+    RETRIED,
+    RestartLook,
+    after_replica_lost,
+    keeps_reported_replica,
+    restart_refusal,
+    start_verdict,
+    tells_members_lost,
+    transition,
+)
 from shared.config import Config, ConfigError
 from shared.election_round import election_key, split_election_key
 from shared.envelope import Envelope
@@ -442,15 +454,8 @@ class GlobalScheduler:
         )
 
     def _single(self, kernel: KernelRecord) -> str | None:
-        """The replica for requests answered by one: the last executor (freshest namespace), else
-        the Raft leader, else the first live one."""
-        last = kernel.router.last_executor
-        if last is not None and kernel.replicas.get(last, None) is not None and kernel.replicas[last].alive:
-            return last
-        for replica in kernel.replicas.values():
-            if replica.alive and replica.role == "leader":
-                return replica.replica_id
-        return None
+        """The replica for requests answered by one (the core's ``single_replica``)."""
+        return self.core.single_replica(self.state.replica_views(kernel), kernel.router.last_executor)
 
     def _on_jupyter_reply(self, identity: bytes, env: Envelope) -> None:
         body = env.body
@@ -557,7 +562,8 @@ class GlobalScheduler:
                     for m in kernel.router.merger.executing_on(replica.replica_id)
                 ]
                 self._replica_lost(kernel, replica, f"replica {replica.replica_id} exited ({returncode})")
-                if kernel.state == RUNNING and (kernel.kernel_id, replica.replica_id) not in self._restarting:
+                restarting = (kernel.kernel_id, replica.replica_id) in self._restarting
+                if tells_members_lost(kernel.state, restarting=restarting):
                     self._tell_members_lost(kernel, replica.replica_id, started)
         else:
             blog.debug("replica_event", replica_event=event, msg_id=msg_id)
@@ -717,7 +723,7 @@ class GlobalScheduler:
             if self._migrator.retired(kernel_id, replica_id):  # moved away while its host was unreachable
                 self.spawn(self.stop_replica(kernel, ReplicaRecord(replica_id, host_id, alive=False)))
                 continue
-            if kernel.state in (STOPPED, DEAD, STOPPING):
+            if not keeps_reported_replica(kernel.state):
                 replica = kernel.replicas.get(replica_id) or ReplicaRecord(replica_id, host_id)
                 kernel.replicas.setdefault(replica_id, replica)
                 self.spawn(self.stop_replica(kernel, replica))
@@ -844,11 +850,15 @@ class GlobalScheduler:
         except ValueError as exc:  # LaunchError is one
             raise RpcError(str(exc), "bad_request") from None
         existing = self.state.kernels.get(kernel_id)
-        if existing is not None:
-            if existing.state == RUNNING and existing.key == body["key"]:
-                return env.reply(self.state.kernel_status(existing))  # a retried start
-            if existing.state in (STARTING, RUNNING, STOPPING):
-                raise RpcError(f"kernel {kernel_id} is {existing.state}", "conflict")
+        verdict = start_verdict(
+            kernel_id,
+            None if existing is None else existing.state,
+            same_key=existing is not None and existing.key == body["key"],
+        )
+        if existing is not None and verdict == RETRIED:
+            return env.reply(self.state.kernel_status(existing))
+        if verdict is not None:
+            raise RpcError(verdict, "conflict")
         decision, scaling = await self.autoscaling.place(
             self.placement,
             PlacementRequest(kernel_id, resources, self._replicas_per_kernel),
@@ -862,8 +872,9 @@ class GlobalScheduler:
                 "no_capacity",
             )
         existing = self.state.kernels.get(kernel_id)
-        if existing is not None and existing.state in (STARTING, RUNNING, STOPPING):
-            raise RpcError(f"kernel {kernel_id} is {existing.state}", "conflict")  # started while we waited
+        verdict = start_verdict(kernel_id, None if existing is None else existing.state, same_key=False)
+        if verdict is not None:
+            raise RpcError(verdict, "conflict")  # started while we waited
         scheme = str(body.get("signature_scheme") or "hmac-sha256")
         key: str = body["key"]
         kernel = KernelRecord(
@@ -989,19 +1000,20 @@ class GlobalScheduler:
                 f"(it has {', '.join(sorted(kernel.replicas))})",
                 "not_found",
             )
-        if kernel.state != RUNNING:
-            raise RpcError(f"kernel {kernel.kernel_id} is {kernel.state}, not running", "conflict")
         host = self.state.hosts.get(replica.host_id)
-        if host is None or not host.alive:
-            raise RpcError(
-                f"host {replica.host_id} of replica {replica.replica_id} is not alive", "unavailable"
-            )
-        if replica.alive and len(kernel.live_replicas()) - 1 < self._quorum:
-            raise RpcError(
-                f"restarting {replica.replica_id} now would leave kernel {kernel.kernel_id} without a "
-                f"Raft quorum (live: {', '.join(kernel.live_replicas())}); restart the dead replicas first",
-                "conflict",
-            )
+        look = RestartLook(
+            kernel.kernel_id,
+            kernel.state,
+            replica.replica_id,
+            replica.alive,
+            replica.host_id,
+            host is not None and host.alive,
+            tuple(kernel.live_replicas()),
+        )
+        refusal = restart_refusal(look, self._quorum)
+        if refusal is not None:
+            raise RpcError(*refusal)
+        assert host is not None  # restart_refusal refused a missing host
         rlog = log.bind(kernel=kernel.kernel_id, replica=replica.replica_id, host=replica.host_id)
         rlog.info("replica_restarting")
         key = (kernel.kernel_id, replica.replica_id)

@@ -300,6 +300,11 @@ class ClusterCore:
         return moves.executor_for(replicas, ledgers, gpus, last)
 
     @staticmethod
+    def single_replica(replicas: Sequence[ReplicaView], last_executor: str | None) -> str | None:
+        """The replica that answers a request answered by one (``moves.single_replica``)."""
+        return moves.single_replica(replicas, last_executor)
+
+    @staticmethod
     def queues_behind_held(channel: str, holding: bool) -> bool:
         """Whether a request waits behind the kernel's held cell (``moves.queues_behind_held``)."""
         return moves.queues_behind_held(channel, holding)

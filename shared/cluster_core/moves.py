@@ -35,6 +35,15 @@ def executor_for(
     return choose_executor(replicas, ledgers, gpus, last_executor)
 
 
+def single_replica(replicas: Sequence[ReplicaView], last_executor: str | None) -> str | None:
+    """The replica that answers requests answered by one: the last executor (freshest namespace)
+    if alive, else the Raft leader, else None (the router picks the first live one)."""
+    alive = {r.replica_id for r in replicas if r.alive}
+    if last_executor is not None and last_executor in alive:
+        return last_executor
+    return next((r.replica_id for r in replicas if r.alive and r.raft_role == "leader"), None)
+
+
 def plan_held_migration(
     replicas: Sequence[ReplicaView],
     need: Resources,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.cluster_core import moves, starts
+from shared.cluster_core import lifecycle, moves, starts
 from shared.cluster_core.core import ClusterCore, CoreConfig
 from shared.cluster_core.held import HeldLook, SendOn, TryMigration, WaitUntil, held_step
 from shared.cluster_core.lifecycle import DEAD, OVER, RUNNING, STARTING, STOPPED, STOPPING
@@ -184,3 +184,67 @@ def test_a_kernel_is_busy_while_not_running_or_with_work_in_flight_and_an_over_o
     else:
         assert facts.hosts == ("a", "b")
         assert facts.busy == (state != RUNNING or in_flight or held or starting)
+
+
+# ---- which replica answers, kernel starts and restarts (lifecycle rules) -----------------------
+
+
+@given(
+    alive=st.lists(st.booleans(), min_size=1, max_size=4),
+    leader=st.integers(0, 3),
+    last=st.one_of(st.none(), st.integers(0, 3)),
+)
+def test_a_single_reply_comes_from_the_live_last_executor_else_the_live_leader(
+    alive: list[bool], leader: int, last: int | None
+) -> None:
+    replicas = [
+        ReplicaView(f"r{i}", f"h{i}", a, "leader" if i == leader else "follower") for i, a in enumerate(alive)
+    ]
+    chosen = moves.single_replica(replicas, None if last is None else f"r{last}")
+    if last is not None and last < len(alive) and alive[last]:
+        assert chosen == f"r{last}"
+    elif leader < len(alive) and alive[leader]:
+        assert chosen == f"r{leader}"
+    else:
+        assert chosen is None
+
+
+@given(state=st.one_of(st.none(), STATES), same_key=st.booleans())
+def test_a_start_request_is_new_a_retry_or_a_conflict_by_the_kernel_there(
+    state: str | None, same_key: bool
+) -> None:
+    verdict = lifecycle.start_verdict("k", state, same_key=same_key)
+    if state is None or state in OVER:
+        assert verdict is None
+    elif state == RUNNING and same_key:
+        assert verdict == lifecycle.RETRIED
+    else:
+        assert verdict == f"kernel k is {state}"
+
+
+@given(
+    state=STATES,
+    replica_alive=st.booleans(),
+    host_alive=st.booleans(),
+    live=st.integers(0, 3),
+)
+def test_a_restart_in_place_never_leaves_a_running_kernel_below_its_quorum(
+    state: str, replica_alive: bool, host_alive: bool, live: int
+) -> None:
+    live_ids = tuple(f"r{i}" for i in range(live))
+    look = lifecycle.RestartLook("k", state, "r0", replica_alive, "h0", host_alive, live_ids)
+    refusal = lifecycle.restart_refusal(look, quorum=2)
+    ok = state == RUNNING and host_alive and not (replica_alive and live - 1 < 2)
+    assert (refusal is None) == ok
+    if state != RUNNING:
+        assert refusal is not None and refusal[1] == "conflict"
+    elif not host_alive:
+        assert refusal is not None and refusal[1] == "unavailable"
+
+
+@given(state=STATES, restarting=st.booleans())
+def test_a_reported_replica_is_kept_only_for_a_kernel_that_may_run_and_its_loss_is_told_if_it_runs(
+    state: str, restarting: bool
+) -> None:
+    assert lifecycle.keeps_reported_replica(state) == (state in (STARTING, RUNNING))
+    assert lifecycle.tells_members_lost(state, restarting=restarting) == (state == RUNNING and not restarting)

@@ -204,6 +204,7 @@ SHELL_CALLS: dict[str, set[str]] = {
         "queues_behind_held",
         "holds_cell",
         "migrates_after_failed_election",
+        "single_replica",
     },
     "services/global_scheduler/migration.py": {
         "executor_for",
@@ -252,6 +253,14 @@ POLICY_LEAVES = {
 PRIVATE_COPIES = {"_why_not_drained", "_explain", "_kernel_busy", "_can_add_hosts", "_place_once_room"}
 # pure rules the shells call as functions of the core package
 CORE_FUNCTIONS: dict[str, set[str]] = {
+    "services/global_scheduler/service.py": {
+        "after_replica_lost",
+        "start_verdict",
+        "restart_refusal",
+        "keeps_reported_replica",
+        "tells_members_lost",
+        "transition",
+    },
     "services/global_scheduler/migration.py": {"failed_election_verdict", "replicas_to_drain", "explain"},
     "services/global_scheduler/autoscaling.py": {"kernel_facts"},
     "shared/simulator/engine.py": {"kernel_facts"},
