@@ -343,7 +343,7 @@ class Migrator:
             if kernel is None:
                 self._restored.discard(kernel_id)
                 continue
-            if rebuilding and len(kernel.live_replicas()) < replicas:
+            if not self._core.resumes_restored(rebuilding, len(kernel.live_replicas()), replicas):
                 continue
             self._restored.discard(kernel_id)
             if kernel.held is not None and kernel_id not in self._resolving:

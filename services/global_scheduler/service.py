@@ -46,6 +46,7 @@ from shared.cluster_core.lifecycle import (
     keeps_reported_replica,
     restart_refusal,
     start_verdict,
+    stops_on_request,
     tells_members_lost,
     transition,
 )
@@ -411,9 +412,9 @@ class GlobalScheduler:
             self.to_gateway(kernel, routed.to_client)
         if routed.executor is not None:
             self.state.reserve(kernel, routed.msg_id, kernel.replicas[routed.executor].host_id)
-        if kernel.held is not None and routed.msg_type == "interrupt_request":
+        if self.core.interrupt_ends_held(routed.msg_type, kernel.held is not None):
             self._migrator.interrupt(kernel)
-        if routed.msg_type == "shutdown_request" and kernel.state in ACTIVE:
+        if stops_on_request(routed.msg_type, kernel.state):
             transition(kernel, STOPPING)
             log.info("kernel_stopping", kernel=kernel.kernel_id, by="shutdown_request")
         for replica_id, out_channel, out_frames in routed.to_replicas:

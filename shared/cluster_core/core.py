@@ -315,6 +315,16 @@ class ClusterCore:
         return moves.holds_cell(msg_type, has_executor, to_replicas, kernel_state)
 
     @staticmethod
+    def interrupt_ends_held(msg_type: str, holding: bool) -> bool:
+        """Whether a request ends the kernel's held cell (``moves.interrupt_ends_held``)."""
+        return moves.interrupt_ends_held(msg_type, holding)
+
+    @staticmethod
+    def resumes_restored(rebuilding: bool, live_replicas: int, replicas: int) -> bool:
+        """Whether a restored held queue is resolved now (``moves.resumes_restored``)."""
+        return moves.resumes_restored(rebuilding, live_replicas, replicas)
+
+    @staticmethod
     def migrates_after_failed_election(gpus: int) -> bool:
         """Whether a cell whose executor could not bind its GPUs is migrated and sent again."""
         return moves.migrates_after_failed_election(gpus)

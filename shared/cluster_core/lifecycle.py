@@ -117,6 +117,11 @@ def restart_refusal(look: RestartLook, quorum: int) -> tuple[str, str] | None:
     return None
 
 
+def stops_on_request(msg_type: str, state: str) -> bool:
+    """A client's ``shutdown_request`` starts stopping a kernel that may still run cells."""
+    return msg_type == "shutdown_request" and state in ACTIVE
+
+
 def keeps_reported_replica(state: str) -> bool:
     """A replica a (re)registering host reports: kept if its kernel may still run, else stopped."""
     return state in ACTIVE

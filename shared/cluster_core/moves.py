@@ -198,6 +198,18 @@ def queues_behind_held(channel: str, holding: bool) -> bool:
     return holding and channel == "shell"
 
 
+def interrupt_ends_held(msg_type: str, holding: bool) -> bool:
+    """An interrupt while a cell waits for a migration ends that cell, as it would end a running
+    one (the move itself goes on)."""
+    return holding and msg_type == "interrupt_request"
+
+
+def resumes_restored(rebuilding: bool, live_replicas: int, replicas: int) -> bool:
+    """A held queue a restarted scheduler restored is resolved once its kernel's replicas are
+    all back, or once the rebuilding window is over (not from the first host that returns)."""
+    return not rebuilding or live_replicas >= replicas
+
+
 def holds_cell(msg_type: str, has_executor: bool, to_replicas: bool, kernel_state: str) -> bool:
     """An execute request that no replica can run now is held for a migration (rather than every
     replica yielding), while its kernel runs."""

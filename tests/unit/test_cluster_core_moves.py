@@ -248,3 +248,20 @@ def test_a_reported_replica_is_kept_only_for_a_kernel_that_may_run_and_its_loss_
 ) -> None:
     assert lifecycle.keeps_reported_replica(state) == (state in (STARTING, RUNNING))
     assert lifecycle.tells_members_lost(state, restarting=restarting) == (state == RUNNING and not restarting)
+
+
+@given(msg_type=MSG_TYPES, holding=st.booleans(), state=STATES)
+def test_an_interrupt_ends_a_held_cell_and_a_shutdown_request_stops_a_kernel_that_may_run(
+    msg_type: str, holding: bool, state: str
+) -> None:
+    assert moves.interrupt_ends_held(msg_type, holding) == (holding and msg_type == "interrupt_request")
+    assert lifecycle.stops_on_request(msg_type, state) == (
+        msg_type == "shutdown_request" and state in (STARTING, RUNNING)
+    )
+
+
+@given(rebuilding=st.booleans(), live=st.integers(0, 3))
+def test_a_restored_held_queue_waits_for_its_replicas_only_while_the_scheduler_rebuilds(
+    rebuilding: bool, live: int
+) -> None:
+    assert moves.resumes_restored(rebuilding, live, 3) == (not rebuilding or live == 3)

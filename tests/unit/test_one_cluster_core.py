@@ -205,6 +205,7 @@ SHELL_CALLS: dict[str, set[str]] = {
         "holds_cell",
         "migrates_after_failed_election",
         "single_replica",
+        "interrupt_ends_held",
     },
     "services/global_scheduler/migration.py": {
         "executor_for",
@@ -215,6 +216,7 @@ SHELL_CALLS: dict[str, set[str]] = {
         "replacement_step",
         "replacement_failed",
         "replaces_lost_replica",
+        "resumes_restored",
     },
     "services/global_scheduler/autoscaling.py": {
         "can_add_hosts",
@@ -259,6 +261,7 @@ CORE_FUNCTIONS: dict[str, set[str]] = {
         "restart_refusal",
         "keeps_reported_replica",
         "tells_members_lost",
+        "stops_on_request",
         "transition",
     },
     "services/global_scheduler/migration.py": {"failed_election_verdict", "replicas_to_drain", "explain"},
