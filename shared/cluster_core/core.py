@@ -11,7 +11,7 @@ ledger model is ``gpu_ledger.GpuLedger``, one per host in every driver.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shared.cluster_core import lifecycle, moves, starts
@@ -23,7 +23,7 @@ from shared.cluster_core.reservations import ArrivedReservations
 from shared.cluster_core.sessions import Action, Session, SessionPolicy
 from shared.config import Config
 from shared.policies.autoscale import AutoscaleConfig, Autoscaler, ScaleDecision
-from shared.policies.executor_choice import ExecutorChoice, HostLedgerView, ReplicaView
+from shared.policies.executor_choice import ReplicaView
 from shared.policies.kernel_placement import KernelPlacement
 from shared.policies.migration import GiveUp, MigrationPlan, NoTarget, RetryAt, RetrySchedule
 from shared.policies.placement import HostView, PlacementDecision, PlacementRequest
@@ -166,13 +166,7 @@ class ClusterCore:
     def retry_held(self, session_id: str, cell_id: str) -> list[Action] | str:
         """Look again at a held cell at once (an executor, else a migration): its actions, or why
         it still cannot run. The simulator steps held cells through ``look_at_held`` instead."""
-        replicated = self.replicated
-        if replicated is None:
-            return "only replicated kernels hold cells"
-        outcome = replicated.retry_cell(session_id, cell_id)
-        if not isinstance(outcome, str):
-            self.held.over(session_id)
-        return outcome
+        return self._held_outcome(session_id, lambda plugin: plugin.retry_cell(session_id, cell_id))
 
     def look_at_held(
         self, session_id: str, cell_id: str, since: float, attempts: int, now: float, poll_s: float
@@ -198,10 +192,16 @@ class ClusterCore:
     def migrate_held(self, session_id: str, cell_id: str) -> list[Action] | str:
         """``TryMigration``: move a replica and run the cell there, or why no host can take it
         (then ``held_migration_failed`` decides)."""
+        return self._held_outcome(session_id, lambda plugin: plugin.migrate_held(session_id, cell_id))
+
+    def _held_outcome(
+        self, session_id: str, step: Callable[[ReplicatedKernels], list[Action] | str]
+    ) -> list[Action] | str:
+        """Carry out ``step`` on the replicated plug-in; a cell that runs ends its hold."""
         replicated = self.replicated
         if replicated is None:
             return "only replicated kernels hold cells"
-        outcome = replicated.migrate_held(session_id, cell_id)
+        outcome = step(replicated)
         if not isinstance(outcome, str):
             self.held.over(session_id)
         return outcome
@@ -270,10 +270,7 @@ class ClusterCore:
         """Where each replica on ``host_id`` goes (per replica; those no host takes stay)."""
         return plan_drain(host_id, replicas, hosts, prewarmed=prewarmed, watermark=self.config.watermark)
 
-    @staticmethod
-    def why_not_drained(failed: Sequence[tuple[str, str, str]], replicas_left: int) -> str:
-        """Why a drain leaves its host unreleasable ("": it is empty, release it)."""
-        return moves.why_not_drained(failed, replicas_left)
+    why_not_drained = staticmethod(moves.why_not_drained)
 
     # ---- starts and moves (moves.py, starts.py): the rules both drivers ask ------------------
 
@@ -292,52 +289,15 @@ class ClusterCore:
         asks again)."""
         return starts.start_waits(self.autoscaler, kernel_id)
 
-    @staticmethod
-    def executor_for(
-        replicas: Sequence[ReplicaView], ledgers: Mapping[str, HostLedgerView], gpus: int, last: str | None
-    ) -> ExecutorChoice:
-        """The replica that runs a cell now, or none (``moves.executor_for``)."""
-        return moves.executor_for(replicas, ledgers, gpus, last)
-
-    @staticmethod
-    def single_replica(replicas: Sequence[ReplicaView], last_executor: str | None) -> str | None:
-        """The replica that answers a request answered by one (``moves.single_replica``)."""
-        return moves.single_replica(replicas, last_executor)
-
-    @staticmethod
-    def queues_behind_held(channel: str, holding: bool) -> bool:
-        """Whether a request waits behind the kernel's held cell (``moves.queues_behind_held``)."""
-        return moves.queues_behind_held(channel, holding)
-
-    @staticmethod
-    def holds_cell(msg_type: str, has_executor: bool, to_replicas: bool, kernel_state: str) -> bool:
-        """Whether a routed request is held for a migration (``moves.holds_cell``)."""
-        return moves.holds_cell(msg_type, has_executor, to_replicas, kernel_state)
-
-    @staticmethod
-    def interrupt_ends_held(msg_type: str, holding: bool) -> bool:
-        """Whether a request ends the kernel's held cell (``moves.interrupt_ends_held``)."""
-        return moves.interrupt_ends_held(msg_type, holding)
-
-    @staticmethod
-    def resumes_restored(rebuilding: bool, live_replicas: int, replicas: int) -> bool:
-        """Whether a restored held queue is resolved now (``moves.resumes_restored``)."""
-        return moves.resumes_restored(rebuilding, live_replicas, replicas)
-
-    @staticmethod
-    def migrates_after_failed_election(gpus: int) -> bool:
-        """Whether a cell whose executor could not bind its GPUs is migrated and sent again."""
-        return moves.migrates_after_failed_election(gpus)
-
-    @staticmethod
-    def plan_held_migration(
-        replicas: Sequence[ReplicaView],
-        need: Resources,
-        hosts: Iterable[HostView],
-        prewarmed: Mapping[str, int] | None = None,
-    ) -> MigrationPlan | NoTarget:
-        """A held cell's move to a host that can bind its GPUs now."""
-        return moves.plan_held_migration(replicas, need, hosts, prewarmed)
+    # the pure rules of moves.py, as the core's entry points (the shells name the core, not the leaves)
+    executor_for = staticmethod(moves.executor_for)
+    single_replica = staticmethod(moves.single_replica)
+    queues_behind_held = staticmethod(moves.queues_behind_held)
+    holds_cell = staticmethod(moves.holds_cell)
+    interrupt_ends_held = staticmethod(moves.interrupt_ends_held)
+    resumes_restored = staticmethod(moves.resumes_restored)
+    migrates_after_failed_election = staticmethod(moves.migrates_after_failed_election)
+    plan_held_migration = staticmethod(moves.plan_held_migration)
 
     def plan_replacement(
         self,
@@ -352,15 +312,8 @@ class ClusterCore:
             replica_id, replicas, need, hosts, prewarmed=prewarmed, watermark=self.config.watermark
         )
 
-    @staticmethod
-    def replaces_lost_replica(enabled: bool, kernel_state: str, replacing: bool) -> bool:
-        """Whether a replica that died for good is replaced now (``moves.replaces_lost_replica``)."""
-        return moves.replaces_lost_replica(enabled, kernel_state, replacing)
-
-    @staticmethod
-    def replacement_step(look: moves.ReplacementLook, now: float, poll_s: float) -> moves.ReplacementStep:
-        """The next step of a replacement (``moves.replacement_step``)."""
-        return moves.replacement_step(look, now, poll_s)
+    replaces_lost_replica = staticmethod(moves.replaces_lost_replica)
+    replacement_step = staticmethod(moves.replacement_step)
 
     def replacement_failed(
         self, attempts: int, started: float, now: float, why: str, *, no_target: bool, wait_for_target: bool
