@@ -7,8 +7,9 @@ for it (``held.py``, NotebookOS §3.4.2), and a host reserved for it wakes it he
 whose placement fails asks the autoscaler for hosts (scale-out) and waits for them up to the
 core's ``start_deadline``, or fails at once when no host is coming, as a live kernel start does.
 
-The driver (the simulator) owns the clock: it keeps when each cell was held and asks the core
-(``ClusterCore.first_migration_at``, ``migration_failed``) when to call ``retry_cell`` again.
+The driver (the simulator) owns the clock: it keeps when each cell was held and steps it through
+``ClusterCore.look_at_held`` (the live ``Migrator``'s ``held_step``), then ``send_held`` or
+``migrate_held``, and ``held_migration_failed`` decides when to look again.
 Drains for a scale-in are planned per replica by ``ClusterCore.plan_drain`` and applied here with
 ``move_replica``.
 """

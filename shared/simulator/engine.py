@@ -509,8 +509,9 @@ class Simulator:
             self._busy[s] = -1
 
     def _retry_held(self, i: int, now: float, *, woken: bool = False) -> None:
-        """A held cell's next look, as the live ``Migrator._resolve``: run it (migrating a
-        replica if need be), or scale out for it and wait, or back off per the core, or give it up.
+        """A held cell's next look, stepped as the live ``Migrator._resolve`` steps its own
+        (``ClusterCore.held_step``): wait, run it, or migrate a replica and run it; a failed
+        migration scales out for it and waits, backs off per the core, or gives it up.
         ``woken``: a host reserved for it registered (else a look not due now is a stale one)."""
         held = self._holding.get(i)
         if held is None or (not woken and now != held[2]):
@@ -525,7 +526,7 @@ class Simulator:
             return
         outcome: list[Action] | str = f"cell {cid} of {sid} is not held"
         if isinstance(step, SendOn):
-            outcome = self.core.send_held(sid, cid)
+            outcome = self.core.send_held(sid, cid) or outcome  # [] only if it could not run after all
         elif step is not None:
             outcome = self.core.migrate_held(sid, cid)
         if not isinstance(outcome, str):
