@@ -38,6 +38,7 @@ from pathlib import Path
 import pytest
 from _cluster import ROOT, ClusterHandle, eventually
 from _kernels import run, tandem_kernel
+from datastore_fixtures import REDIS_INSTALL
 
 from shared import messages
 
@@ -122,10 +123,16 @@ class Machine:
 
     def start(self, unit: str) -> None:
         argv, env, cwd = unit_command(unit, self.replace, self.name)
-        with open(self.root / f"{unit}.log", "ab") as out:
-            self.processes[unit] = subprocess.Popen(
+        self.start_command(unit, argv, env, cwd)
+
+    def start_command(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd: str = "/"
+    ) -> None:
+        """``argv`` in this machine's namespace, its output in ``<name>.log``."""
+        with open(self.root / f"{name}.log", "ab") as out:
+            self.processes[name] = subprocess.Popen(
                 ["ip", "netns", "exec", self.ns, *argv],
-                env={**os.environ, **env}, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})}, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
 
@@ -229,6 +236,18 @@ def keys_for(machine: str, every: list[str]) -> list[str]:
     return [f"host.{machine}.key", f"host.{machine}.key_secret", "scheduler.key", "arbiter.key"]
 
 
+def _redis_argv(machine: Machine) -> list[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail(f"redis-server is not installed; CI installs it with: {REDIS_INSTALL}")
+    data = machine.path("/var/lib/redis")
+    data.mkdir(parents=True, exist_ok=True)
+    return [
+        *(binary, "--port", "6379", "--bind", machine.ip, "--save", "", "--appendonly", "no"),
+        *("--dir", str(data), "--protected-mode", "no", "--loglevel", "warning"),
+    ]
+
+
 def _cli(*args: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
@@ -246,6 +265,7 @@ def _deploy(net: Network) -> ClusterHandle:
     for name, machine in net.machines.items():
         machine.install(master, keys_for(name, every))
     sched, gw = net.machines["sched"], net.machines["gw"]
+    sched.start_command("redis-server", _redis_argv(sched))  # node.toml's datastore.internal
     sched.start("tandem-global-scheduler.service")
     sched.start("tandem-arbiter.service")
     gw.start("tandem-gateway.service")
@@ -290,7 +310,7 @@ def netns_cluster(
     try:
         net.build(
             {"sched": 3, "gw": 2, **{h: 11 + i for i, h in enumerate(HOSTS)}},
-            {"scheduler.internal": "sched", "arbiter.internal": "sched"},
+            {"scheduler.internal": "sched", "arbiter.internal": "sched", "datastore.internal": "sched"},
         )
         handle = _deploy(net)
         with pytest.MonkeyPatch.context() as patch:
@@ -314,12 +334,13 @@ def test_kernel_spans_machines_moves_its_executor_and_outlives_a_cut_link(
 
         other = next(h for h in HOSTS if h != first.tandem["host_id"])
         with cluster.only_host_open(other):
-            moved = run(kc, "x += 1\nprint(x)", timeout=60)
+            # 2 MiB, over datastore.large_object_bytes: the others get it through Redis
+            moved = run(kc, "x += 1\nblob = bytes(range(256)) * 8192\nprint(x)", timeout=60)
             settled = run(kc, "pass", timeout=60)  # waits for the previous cell's state
         assert moved.tandem["host_id"] == other and moved.stdout.strip() == "2", moved.reply
         assert settled.status == "ok", settled.reply
 
         net.cut(other)
-        after = run(kc, "x += 1\nprint(x)", timeout=60)
+        after = run(kc, "x += 1\nprint(x, len(blob), blob[-1])", timeout=60)
         assert after.status == "ok", (after.reply, net.logs())
-        assert after.stdout.strip() == "3" and after.tandem["host_id"] != other, after.reply
+        assert after.stdout.strip() == "3 2097152 255" and after.tandem["host_id"] != other, after.reply
