@@ -31,6 +31,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +43,7 @@ from _kernels import run, tandem_kernel
 from datastore_fixtures import REDIS_INSTALL
 
 from shared import messages
+from shared.private_files import write_private
 
 pytestmark = pytest.mark.integration
 
@@ -286,6 +289,13 @@ def _deploy(net: Network) -> ClusterHandle:
         "keys_dir": str(client / "keys"),
     }
     (client / "cluster.json").write_text(json.dumps(info))
+    # beside the gateway, the Kernel Gateway API finds it through a cluster.json of its own and
+    # the operator's key (tandem-gateway.service's comment says how an operator writes them)
+    shutil.copy2(master / "operator.key_secret", gw.path("/etc/tandem/keys") / "operator.key_secret")
+    shutil.copy2(master / "gateway.key", gw.path("/etc/tandem/keys") / "gateway.key")
+    gw_info = {**info, "keys_dir": str(gw.path("/etc/tandem/keys"))}
+    write_private(gw.path("/var/lib/tandem/cluster.json"), json.dumps(gw_info))
+    gw.start("tandem-http.service")
     handle = ClusterHandle(client, net.tmp, gw.processes["tandem-gateway.service"], info)
 
     def all_registered() -> bool:
@@ -318,6 +328,49 @@ def netns_cluster(
             yield handle, net
     finally:
         net.teardown()
+
+
+def _http(url: str, method: str = "GET", token: str | None = None, body: object = None) -> tuple[int, object]:
+    request = urllib.request.Request(
+        url, method=method, data=None if body is None else json.dumps(body).encode()
+    )
+    if token is not None:
+        request.add_header("Authorization", f"token {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            raw = response.read()
+            return response.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+
+
+def test_a_remote_client_starts_a_kernel_through_the_http_api_of_the_gateway_machine(
+    netns_cluster: tuple[ClusterHandle, Network],
+) -> None:
+    """tandem-http.service with node.toml's [http]: reached from another machine with its token."""
+    cluster, net = netns_cluster
+    gw = net.machines["gw"]
+    base = f"http://{gw.ip}:8888/api"
+    token_file = gw.path("/etc/tandem/keys/http.token")
+    net.wait(
+        lambda: token_file.exists() and _reachable(f"{base}/kernelspecs"), "the HTTP API did not come up"
+    )
+    token = token_file.read_text().strip()
+    assert _http(f"{base}/kernels")[0] in (401, 403)
+    status, started = _http(f"{base}/kernels", "POST", token, {"name": "tandem"})
+    assert status == 201 and isinstance(started, dict), (status, started, net.logs())
+    try:
+        hosts = cluster.ask_scheduler(messages.KERNEL_STATUS, {"kernel_id": started["id"]})["replicas"]
+        assert sorted(r["host"] for r in hosts) == list(HOSTS), hosts
+    finally:
+        assert _http(f"{base}/kernels/{started['id']}", "DELETE", token)[0] == 204
+
+
+def _reachable(url: str) -> bool:
+    try:
+        return _http(url)[0] in (200, 401, 403)
+    except OSError:
+        return False
 
 
 def test_kernel_spans_machines_moves_its_executor_and_outlives_a_cut_link(
