@@ -153,7 +153,7 @@ class Network:
     def __init__(self, tmp: Path) -> None:
         pid = os.getpid()
         self.tag = str(pid % 100000)
-        self.subnet = f"10.{200 + pid % 50}.{pid % 250}"
+        self.subnet = f"198.18.{pid % 250}"  # RFC 2544 benchmarking range: no real network uses it
         self.bridge = f"tdmbr{self.tag}"
         self.tmp = tmp
         self.machines: dict[str, Machine] = {}
@@ -167,6 +167,10 @@ class Network:
         hosts_file = "127.0.0.1 localhost\n" + "".join(
             f"{self.subnet}.{addresses[machine]} {name}\n" for name, machine in names.items()
         )
+        # a run killed before its teardown, under the same process id, left these behind
+        _ip("link", "del", self.bridge, check=False)
+        for name in addresses:
+            _ip("netns", "del", f"tdm{self.tag}{name}", check=False)
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
