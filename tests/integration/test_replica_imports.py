@@ -23,9 +23,15 @@ def _on_each_replica(cluster: ClusterHandle, kc: object, hosts: list[str], code:
     """``code``'s stdout on each host's replica, as that cell's executor."""
     seen = {}
     for host in hosts:
-        with cluster.only_host_open(host):
-            result = run(kc, code, timeout=90)  # type: ignore[arg-type]
-        assert result.status == "ok", result.reply["content"]
+        # A standby still importing what the notebook imported (torch takes seconds on a loaded
+        # machine) may not answer the election in time, and a replica on a cordoned host ran the
+        # cell instead (seen once under load); ask again until the open host runs it.
+        for _ in range(5):
+            with cluster.only_host_open(host):
+                result = run(kc, code, timeout=90)  # type: ignore[arg-type]
+            assert result.status == "ok", result.reply["content"]
+            if result.tandem.get("host_id") == host:
+                break
         assert result.tandem.get("host_id") == host, (result.tandem, host)
         seen[host] = result.stdout.strip()
     return seen
