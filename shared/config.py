@@ -50,6 +50,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "cull_interval_s": 60.0,  # how often the gateway looks for idle kernels
         "cull_connected": False,  # also cull kernels that clients are still connected to
         "cull_busy": False,  # also cull kernels running a cell (no message for cull_idle_s)
+        # Hibernation (NotebookOS §5.5.2, made real): a kernel idle this long (clients connected
+        # or not, never mid-cell) has its namespace written to the data store and its replicas
+        # stopped; its next request resumes it on hosts placement picks. 0: never.
+        "hibernate_after_s": 0.0,
+        "hibernate_interval_s": 5.0,  # how often the gateway looks for kernels to hibernate
     },
     "election": {
         # The executor election of each cell among a kernel's replicas (kernel_replica/election_core.py).

@@ -36,7 +36,15 @@ from services.global_scheduler.reply_merger import Forward
 from services.host_provider import NoHostProvider, make_host_provider
 from shared import messages
 from shared.cluster_core.core import ClusterCore, CoreConfig
-from shared.cluster_core.lifecycle import ACTIVE, OVER, REPLACE, after_replica_lost, transition
+from shared.cluster_core.lifecycle import (
+    ACTIVE,
+    HIBERNATED,
+    HIBERNATING,
+    OVER,
+    REPLACE,
+    after_replica_lost,
+    transition,
+)
 from shared.config import Config, ConfigError
 from shared.election_round import election_key, split_election_key
 from shared.envelope import Envelope
@@ -53,6 +61,9 @@ if TYPE_CHECKING:
     from shared.raft.tls_ca import ClusterCA
 
 log = structlog.get_logger("global_scheduler")
+
+RESUME_ATTEMPTS = 3  # a hibernated kernel's start is tried this often before it is declared dead
+RESUME_RETRY_S = 1.0  # times the attempt number, between tries
 
 LIVE_POLICIES = ("notebookos",)
 
@@ -143,7 +154,12 @@ class GlobalScheduler:
             messages.KERNEL_SHUTDOWN: self._on_kernel_shutdown,
             messages.HOST_DRAIN: self._on_host_drain,
             messages.REPLICA_RESTART: self._on_replica_restart,
+            messages.KERNEL_HIBERNATE: self._on_kernel_hibernate,
+            messages.KERNEL_RESUME: self._on_kernel_resume,
         }
+        # hibernated kernels being resumed: the task, and the client requests held until it ends
+        self._resumes: dict[str, asyncio.Task[None]] = {}
+        self._held_for_resume: dict[str, list[tuple[str, list[bytes]]]] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -305,6 +321,11 @@ class GlobalScheduler:
             return None
         if kernel is None:
             log.warning("request_for_unknown_kernel", kernel=kernel_id, peer=identity)
+            return None
+        if kernel.state in (HIBERNATING, HIBERNATED) or kernel.kernel_id in self._resumes:
+            self._held_for_resume.setdefault(kernel_id, []).append((body["channel"], body["frames"]))
+            if kernel.state == HIBERNATED:
+                self._resume_soon(kernel)  # else when its hibernation or resume ends
             return None
         if kernel.state == STARTING:
             log.warning("request_before_kernel_started", kernel=kernel.kernel_id)
@@ -849,22 +870,11 @@ class GlobalScheduler:
         if existing is not None:
             if existing.state == RUNNING and existing.key == body["key"]:
                 return env.reply(self.state.kernel_status(existing))  # a retried start
-            if existing.state in (STARTING, RUNNING, STOPPING):
+            if existing.state in (STARTING, RUNNING, STOPPING, HIBERNATING, HIBERNATED):
                 raise RpcError(f"kernel {kernel_id} is {existing.state}", "conflict")
-        decision, scaling = await self.autoscaling.place(
-            self.placement,
-            PlacementRequest(kernel_id, resources, self._replicas_per_kernel),
-            self.state.placement_index,
-        )
-        if not decision.ok:
-            klog.warning("placement_failed", reasons=decision.explain(), autoscaler=scaling)
-            raise RpcError(
-                f"cannot place {self._replicas_per_kernel} replicas: {decision.explain()}"
-                + (f" (autoscaler: {scaling})" if scaling else ""),
-                "no_capacity",
-            )
+        decision = await self._place(kernel_id, resources, klog)
         existing = self.state.kernels.get(kernel_id)
-        if existing is not None and existing.state in (STARTING, RUNNING, STOPPING):
+        if existing is not None and existing.state not in OVER:
             raise RpcError(f"kernel {kernel_id} is {existing.state}", "conflict")  # started while we waited
         scheme = str(body.get("signature_scheme") or "hmac-sha256")
         key: str = body["key"]
@@ -883,30 +893,55 @@ class GlobalScheduler:
         klog.info("placing", hosts=list(decision.hosts), resources=resources.to_dict())
         started = time.monotonic()
         try:
-            await _on_every_replica(
-                "replica start", kernel, lambda r: self.start_replica(kernel, r), with_host=True
-            )
-            if kernel.state != STARTING:
-                raise RpcError(f"kernel became {kernel.state} while starting", "start_failed")
-            peers = {r.replica_id: r.raft_address for r in kernel.replicas.values()}
-            await _on_every_replica(
-                "replica configure", kernel, lambda r: self.configure_replica(kernel, r, peers)
-            )
-            if kernel.state != STARTING or len(kernel.live_replicas()) < len(kernel.replicas):
-                raise RpcError(f"kernel became {kernel.state} while starting", "start_failed")
+            await self._start_placed(kernel)
         except BaseException as exc:
             klog.error("kernel_start_failed", reason=str(exc))
             if kernel.state not in OVER:  # shut down meanwhile: it stays stopped
                 transition(kernel, DEAD)
                 kernel.dead_reason = f"start failed: {exc}"
                 kernel.router.dead_reason = kernel.dead_reason
-            await asyncio.gather(
-                *(self.stop_replica(kernel, r) for r in kernel.replicas.values()), return_exceptions=True
-            )
+            await self._stop_all(kernel)
             raise
         transition(kernel, RUNNING)
         klog.info("kernel_started", seconds=round(time.monotonic() - started, 3))
         return env.reply(self.state.kernel_status(kernel))
+
+    async def _place(self, kernel_id: str, resources: Resources, klog: Any) -> Any:
+        """Hosts for a kernel's replicas (a start, or a resume), scaling out if the autoscaler
+        may; RpcError ``no_capacity`` naming why not."""
+        decision, scaling = await self.autoscaling.place(
+            self.placement,
+            PlacementRequest(kernel_id, resources, self._replicas_per_kernel),
+            self.state.placement_index,
+        )
+        if not decision.ok:
+            klog.warning("placement_failed", reasons=decision.explain(), autoscaler=scaling)
+            raise RpcError(
+                f"cannot place {self._replicas_per_kernel} replicas: {decision.explain()}"
+                + (f" (autoscaler: {scaling})" if scaling else ""),
+                "no_capacity",
+            )
+        return decision
+
+    async def _start_placed(self, kernel: KernelRecord) -> None:
+        """Start and configure every placed replica of a starting kernel; RpcError if one fails
+        or the kernel stopped meanwhile (the caller stops what started)."""
+        await _on_every_replica(
+            "replica start", kernel, lambda r: self.start_replica(kernel, r), with_host=True
+        )
+        if kernel.state != STARTING:
+            raise RpcError(f"kernel became {kernel.state} while starting", "start_failed")
+        peers = {r.replica_id: r.raft_address for r in kernel.replicas.values()}
+        await _on_every_replica(
+            "replica configure", kernel, lambda r: self.configure_replica(kernel, r, peers)
+        )
+        if kernel.state != STARTING or len(kernel.live_replicas()) < len(kernel.replicas):
+            raise RpcError(f"kernel became {kernel.state} while starting", "start_failed")
+
+    async def _stop_all(self, kernel: KernelRecord) -> None:
+        await asyncio.gather(
+            *(self.stop_replica(kernel, r) for r in kernel.replicas.values()), return_exceptions=True
+        )
 
     async def start_replica(
         self, kernel: KernelRecord, replica: ReplicaRecord, *, join: bool = False
@@ -951,7 +986,14 @@ class GlobalScheduler:
             replica.host_id.encode(),
             Envelope(
                 messages.REPLICA_CONFIGURE,
-                {"kernel_id": kernel.kernel_id, "replica_id": replica.replica_id, "peers": peers},
+                {
+                    "kernel_id": kernel.kernel_id,
+                    "replica_id": replica.replica_id,
+                    "peers": peers,
+                    # a resumed kernel: every replica (a replacement or a restart too) loads the
+                    # image first, then applies the group's log, or a Raft snapshot replaces it
+                    **({"restore": kernel.image} if kernel.image is not None else {}),
+                },
             ),
             timeout=self._replica_start_timeout,
         )
@@ -1045,7 +1087,11 @@ class GlobalScheduler:
         if kernel is None:
             self.autoscaling.abandon(env.body["kernel_id"])  # a start waiting for new hosts gives up
             return env.reply({"state": STOPPED})  # nothing to stop: shutdown is idempotent
-        if kernel.state in ACTIVE:
+        if kernel.state == HIBERNATED:  # no replica to stop; its image stays in the data store
+            self._mark_stopped(kernel)
+            self._fail_held_for_resume(kernel.kernel_id, "kernel was shut down")
+            return env.reply({"state": kernel.state})
+        if kernel.state in ACTIVE or kernel.state == HIBERNATING:
             transition(kernel, STOPPING)
         log.info("kernel_shutdown", kernel=kernel.kernel_id, restart=env.body.get("restart", False))
         await asyncio.gather(
@@ -1055,6 +1101,181 @@ class GlobalScheduler:
         if kernel.state == STOPPING:
             self._mark_stopped(kernel)
         return env.reply({"state": kernel.state})
+
+    # ---- hibernation (shared/policies/hibernation.py decides when; the gateway asks) ----------
+
+    async def _on_kernel_hibernate(self, identity: bytes, env: Envelope) -> Envelope:
+        """Write an idle kernel's namespace to the data store (one replica writes the image of
+        what the group committed), then stop its replicas: their memory, GPU subscriptions and
+        Raft links are released. Refused, the kernel running on, if a cell is in flight or a
+        name's latest value never reached the log (it would be lost)."""
+        kernel = self.state.kernels.get(env.body["kernel_id"])
+        if kernel is None:
+            raise RpcError(f"unknown kernel {env.body['kernel_id']!r}", "not_found")
+        if kernel.state == HIBERNATED:
+            return env.reply(self.state.kernel_status(kernel))
+        if kernel.state != RUNNING or kernel.kernel_id in self._resumes:
+            raise RpcError(f"kernel {kernel.kernel_id} is {kernel.state}, not running", "conflict")
+        if kernel.held is not None or kernel.router.merger.pending_ids():
+            raise RpcError(f"kernel {kernel.kernel_id} has requests in flight", "busy")
+        klog = log.bind(kernel=kernel.kernel_id)
+        started = time.monotonic()
+        transition(kernel, HIBERNATING)
+        try:
+            image = await self._write_image(kernel)
+        except RpcError as exc:
+            if kernel.state == HIBERNATING:
+                transition(kernel, RUNNING)
+            klog.warning("hibernation_refused", reason=exc.reason)
+            self._route_held_for_resume(kernel)
+            raise
+        if kernel.state != HIBERNATING:  # shut down or lost meanwhile
+            raise RpcError(f"kernel {kernel.kernel_id} became {kernel.state} while hibernating", "conflict")
+        saved_s = time.monotonic() - started
+        await self._stop_all(kernel)
+        if kernel.state != HIBERNATING:
+            raise RpcError(f"kernel {kernel.kernel_id} became {kernel.state} while hibernating", "conflict")
+        kernel.image = image["image"]
+        kernel.image_bytes = int(image.get("bytes", 0))
+        kernel.hibernated_at = time.time()
+        kernel.generation += 1
+        kernel.replicas = {}
+        transition(kernel, HIBERNATED)
+        klog.info(
+            "kernel_hibernated",
+            reason=env.body.get("reason", ""),
+            image_bytes=kernel.image_bytes,
+            names=image.get("names"),
+            save_s=round(saved_s, 3),
+            seconds=round(time.monotonic() - started, 3),
+        )
+        if self._held_for_resume.get(kernel.kernel_id):  # requests came while it was saving
+            self._resume_soon(kernel)
+        return env.reply(self.state.kernel_status(kernel))
+
+    async def _write_image(self, kernel: KernelRecord) -> dict[str, Any]:
+        """The namespace image from the Raft leader (it has applied the most), else any live
+        replica; RpcError if none could write it, or if it would lose names."""
+        order = sorted(kernel.replicas.values(), key=lambda r: (r.role != "leader", r.replica_id))
+        reasons = []
+        for replica in order:
+            if not replica.alive or not replica.started:
+                continue
+            try:
+                answer = await self._outbound.request(
+                    replica.host_id.encode(),
+                    Envelope(
+                        messages.REPLICA_HIBERNATE,
+                        {"kernel_id": kernel.kernel_id, "replica_id": replica.replica_id},
+                    ),
+                    timeout=self._request_timeout + 10.0,
+                )
+            except (RpcError, RpcTimeout) as exc:
+                reasons.append(f"{replica.replica_id}: {exc}")
+                continue
+            unprotected = answer.body.get("unprotected") or []
+            if unprotected:
+                raise RpcError(
+                    "hibernating would lose the values of "
+                    + ", ".join(map(str, unprotected[:10]))
+                    + " (never written to the log or the data store)",
+                    "unprotected",
+                )
+            if not isinstance(answer.body.get("image"), dict):
+                reasons.append(f"{replica.replica_id}: no image in its answer")
+                continue
+            return dict(answer.body)
+        raise RpcError("no replica wrote the namespace image: " + "; ".join(reasons), "unavailable")
+
+    async def _on_kernel_resume(self, identity: bytes, env: Envelope) -> Envelope:
+        """Start a hibernated kernel's replicas again (also done on its next request)."""
+        kernel = self.state.kernels.get(env.body["kernel_id"])
+        if kernel is None:
+            raise RpcError(f"unknown kernel {env.body['kernel_id']!r}", "not_found")
+        if kernel.state == HIBERNATED:
+            self._resume_soon(kernel)
+        task = self._resumes.get(kernel.kernel_id)
+        if task is not None:
+            await asyncio.shield(task)
+        if kernel.state != RUNNING:
+            raise RpcError(
+                f"kernel {kernel.kernel_id} is {kernel.state}: {kernel.dead_reason or ''}", "conflict"
+            )
+        return env.reply(self.state.kernel_status(kernel))
+
+    def _resume_soon(self, kernel: KernelRecord) -> None:
+        if kernel.kernel_id in self._resumes or kernel.state != HIBERNATED:
+            return
+        task = asyncio.ensure_future(self._resume(kernel))
+        self._resumes[kernel.kernel_id] = task
+        task.add_done_callback(lambda t, kid=kernel.kernel_id: self._resume_ended(kid, t))
+
+    def _resume_ended(self, kernel_id: str, task: asyncio.Task[None]) -> None:
+        if self._resumes.get(kernel_id) is task:
+            del self._resumes[kernel_id]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("kernel_resume_crashed", kernel=kernel_id, error=repr(task.exception()))
+
+    async def _resume(self, kernel: KernelRecord) -> None:
+        """Placement picks hosts as for a start; the replicas start (warm runtimes where there
+        are), load the image when configured, and the requests held meanwhile go to them. A
+        start that fails is retried (the image is kept); after the last try the kernel is dead."""
+        klog = log.bind(kernel=kernel.kernel_id)
+        for attempt in range(1, RESUME_ATTEMPTS + 1):
+            started = time.monotonic()
+            try:
+                decision = await self._place(kernel.kernel_id, kernel.resources, klog)
+                if kernel.state != HIBERNATED:
+                    return  # shut down while placement waited
+                transition(kernel, STARTING)
+                kernel.router = KernelRouter(
+                    kernel.kernel_id, kernel.key.encode(), kernel.signature_scheme, quorum=self._quorum
+                )
+                kernel.router.migrate_without_executor = kernel.resources.gpus > 0
+                kernel.replicas = {
+                    f"r{n}-{kernel.generation}": ReplicaRecord(f"r{n}-{kernel.generation}", host_id)
+                    for n, host_id in enumerate(decision.hosts, start=1)
+                }
+                klog.info("kernel_resuming", hosts=list(decision.hosts), attempt=attempt)
+                await self._start_placed(kernel)
+            except Exception as exc:
+                klog.warning("kernel_resume_failed", reason=str(exc), attempt=attempt)
+                if kernel.state == STARTING:
+                    await self._stop_all(kernel)
+                    kernel.replicas = {}
+                    if attempt == RESUME_ATTEMPTS:
+                        self._mark_dead(kernel, f"resume failed {attempt} times: {exc}")
+                        self._fail_held_for_resume(kernel.kernel_id, str(exc))
+                        return
+                    transition(kernel, HIBERNATED)
+                if kernel.state != HIBERNATED:
+                    self._fail_held_for_resume(kernel.kernel_id, f"kernel is {kernel.state}")
+                    return
+                await asyncio.sleep(RESUME_RETRY_S * attempt)
+                continue
+            transition(kernel, RUNNING)
+            kernel.resumes += 1
+            kernel.last_resume_s = time.monotonic() - started
+            klog.info(
+                "kernel_resumed",
+                seconds=round(kernel.last_resume_s, 3),
+                hibernated_s=round(time.time() - (kernel.hibernated_at or time.time()), 1),
+                held_requests=len(self._held_for_resume.get(kernel.kernel_id, ())),
+            )
+            self._route_held_for_resume(kernel)
+            return
+
+    def _route_held_for_resume(self, kernel: KernelRecord) -> None:
+        """Send on what was held, in order; from now on requests route directly."""
+        if self._resumes.get(kernel.kernel_id) is asyncio.current_task():
+            del self._resumes[kernel.kernel_id]
+        for channel, frames in self._held_for_resume.pop(kernel.kernel_id, []):
+            self.route_from_gateway(kernel, channel, frames)
+
+    def _fail_held_for_resume(self, kernel_id: str, reason: str) -> None:
+        held = self._held_for_resume.pop(kernel_id, [])
+        if held:
+            log.warning("held_requests_dropped", kernel=kernel_id, requests=len(held), reason=reason)
 
 
 async def _on_every_replica(

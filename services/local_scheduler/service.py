@@ -302,7 +302,7 @@ class LocalScheduler:
             return None
         if env.type == messages.REPLICA_START:
             return self._replica_start(env)
-        if env.type in (messages.REPLICA_CONFIGURE, messages.REPLICA_MEMBERSHIP):
+        if env.type in (messages.REPLICA_CONFIGURE, messages.REPLICA_MEMBERSHIP, messages.REPLICA_HIBERNATE):
             return self._replica_configure(env)
         if env.type == messages.REPLICA_STOP:
             return self._replica_stop(env)
@@ -445,7 +445,7 @@ class LocalScheduler:
             )
         answer = await self._outbound.request(
             replica.identity,
-            Envelope(env.type, dict(body)),  # replica.configure or replica.membership
+            Envelope(env.type, dict(body)),  # replica.configure, .membership or .hibernate
             timeout=REPLICA_REQUEST_TIMEOUT_S,
         )
         return env.reply(answer.body)

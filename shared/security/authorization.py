@@ -35,14 +35,24 @@ _OPERATIONS = {
 
 # server -> role -> message types it accepts from that role
 SCHEDULER_ACCEPTS: dict[str, frozenset[str]] = {
-    GATEWAY: frozenset(_KERNEL_LIFECYCLE | {messages.JUPYTER_REQUEST, messages.CLUSTER_STATUS}),
+    GATEWAY: frozenset(
+        _KERNEL_LIFECYCLE
+        | {
+            messages.JUPYTER_REQUEST,
+            messages.CLUSTER_STATUS,
+            messages.KERNEL_HIBERNATE,
+            messages.KERNEL_RESUME,
+        }
+    ),
     OPERATOR: frozenset(_OPERATIONS | _KERNEL_LIFECYCLE),  # the cluster's administrator
     HOST: frozenset(
         _ANSWERS
         | {messages.HOST_REGISTER, messages.HOST_HEARTBEAT, messages.JUPYTER_REPLY, messages.REPLICA_EVENT}
     ),
 }
-GATEWAY_ACCEPTS: dict[str, frozenset[str]] = {OPERATOR: frozenset(_KERNEL_LIFECYCLE | {messages.KERNEL_LIST})}
+GATEWAY_ACCEPTS: dict[str, frozenset[str]] = {
+    OPERATOR: frozenset(_KERNEL_LIFECYCLE | {messages.KERNEL_LIST, messages.KERNEL_HIBERNATE})
+}
 LOCAL_SCHEDULER_ACCEPTS: dict[str, frozenset[str]] = {
     REPLICA: frozenset(
         _ANSWERS
