@@ -1,22 +1,32 @@
 """Pre-warmed replica runtimes on a real embedded cluster: each local scheduler keeps one warm
 ``kernel_replica.warm`` process (``prewarm.policy = fixed``), a kernel start hands it its replica
-and the pool refills; ``tandem status --json`` shows the pools and the warm start times."""
+and the pool refills; ``tandem status --json`` shows the pools and the warm start times.
+
+Hibernation on the same cluster (kernel.hibernate_after_s): an idle kernel's namespace goes to the
+data store and its three replica processes stop; the next cell resumes it on hosts placement
+picks, in warm runtimes, with the same values, while the client waits (its request is held, not
+failed). A kernel of this module left idle for HIBERNATE_AFTER_S hibernates: its next cell still
+works, it only takes the warm runtimes again."""
 
 from __future__ import annotations
 
 import ast
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _cluster import ClusterHandle, running_cluster
+from _cluster import ClusterHandle, eventually, running_cluster
 from _kernels import run, tandem_kernel
+
+from shared import messages
 
 pytestmark = pytest.mark.integration
 
 WAIT_S = 90.0
+HIBERNATE_AFTER_S = 4.0
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +39,7 @@ def warm_cluster(
         "--hosts", "3", "--gpus-per-host", "1",
         "--set", "prewarm.policy=fixed", "--set", "prewarm.per_host=1",
         "--set", "prewarm.interval_s=0.3", "--set", "prewarm.imports=[]",
+        "--set", f"kernel.hibernate_after_s={HIBERNATE_AFTER_S}", "--set", "kernel.hibernate_interval_s=0.5",
     ) as handle:  # fmt: skip
         yield handle
 
@@ -58,3 +69,58 @@ def test_replica_start_takes_a_warm_runtime_and_the_pool_refills(warm_cluster: C
         refilled = wait_until_pools_ready(warm_cluster)  # a fresh warm runtime behind each one taken
         assert sum(h["warm_pool"]["taken"] for h in refilled["hosts"]) == 3
         assert run(kc, "z * 2").results == ["10"]  # the warm-started replicas keep working
+
+
+def _state(cluster: ClusterHandle, kernel_id: str) -> str:
+    return str(cluster.ask_scheduler(messages.KERNEL_STATUS, {"kernel_id": kernel_id})["state"])
+
+
+def test_an_idle_kernel_hibernates_and_its_next_cell_finds_its_namespace(
+    warm_cluster: ClusterHandle,
+) -> None:
+    cluster = warm_cluster
+    wait_until_pools_ready(cluster)
+    with tandem_kernel() as (km, kc):
+        kernel_id = km.kernel_id  # its replicas took the warm runtimes: the pools refill meanwhile
+        setup = "import numpy as np\nx = 41\narr = np.arange(1_000_000, dtype=np.float64)"
+        assert run(kc, setup).status == "ok"
+        before = set(cluster.scheduled_replica_pids(kernel_id))
+        assert len(before) == 3
+
+        assert eventually(lambda: _state(cluster, kernel_id) == "hibernated", timeout=HIBERNATE_AFTER_S + 20)
+        assert eventually(lambda: not any(_alive(pid) for pid in before), timeout=10)  # processes gone
+        assert km.is_alive()  # the client sees a live kernel (heartbeats answered), not a dead one
+        rows = {row["id"]: row for row in _kernel_list(cluster)}
+        assert rows[kernel_id]["state"] == "hibernated"
+        assert rows[kernel_id]["replicas"] == []  # nothing subscribed, nothing placed
+        assert "hibernated" in cluster.cli("status").stdout
+        wait_until_pools_ready(cluster)
+
+        cell = run(kc, "print(x + 1, float(arr.sum()), arr.dtype, arr.shape)", timeout=60)
+        assert cell.status == "ok", cell.errors
+        assert cell.stdout.split() == ["42", str(float(sum(range(1_000_000)))), "float64", "(1000000,)"]
+        after = set(cluster.scheduled_replica_pids(kernel_id))
+        assert len(after) == 3 and not after & before  # three new replica processes
+        status = cluster.ask_scheduler(messages.KERNEL_STATUS, {"kernel_id": kernel_id})
+        assert status["state"] == "running" and status["hibernation"]["resumes"] == 1
+        assert status["hibernation"]["last_resume_s"] < 10.0, status["hibernation"]
+        log = cluster.log_text("global-scheduler")
+        assert "kernel_hibernated" in log and "kernel_resumed" in log
+
+        # and the resumed kernel keeps working as any other: a new value, replicated as usual
+        assert run(kc, "y = x * 2").status == "ok"
+        assert run(kc, "print(y)").stdout.strip() == "82"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _kernel_list(cluster: ClusterHandle) -> list[dict[str, object]]:
+    result = cluster.cli("kernel", "list", "--json")
+    assert result.returncode == 0, result.stderr
+    return list(json.loads(result.stdout))
