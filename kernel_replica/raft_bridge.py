@@ -96,8 +96,9 @@ STOP_GRACE_S = 0.5
 # A replica the log overruled (``ExitDiverged``) exits this long after it found out, whatever the
 # kernel thread does meanwhile: time for the cell's reply to go out first.
 DIVERGED_EXIT_GRACE_S = 1.0
-# ``replica.hibernate`` waits this long for the last cell's entries to be applied here.
-HIBERNATE_SETTLE_S = 5.0
+# ``replica.hibernate`` waits this long for the last cell's entries to be applied here (its STATE
+# may be written behind the reply: hundreds of MB to the data store first)
+HIBERNATE_SETTLE_S = 120.0
 # Exit status of a replica whose Raft stopped on an error it cannot continue after (its state
 # machine may have diverged): the local scheduler reports the exit and the member is replaced.
 RAFT_FATAL_EXIT = 70  # EX_SOFTWARE

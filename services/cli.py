@@ -287,22 +287,39 @@ def _ask(
 def _ask_arbiter(
     args: argparse.Namespace, cfg: Config, msg_type: str, body: dict[str, Any], *, timeout: float = 10.0
 ) -> dict[str, Any]:
+    return _ask_service(args, cfg, curve.ARBITER, msg_type, body, timeout=timeout)
+
+
+def _ask_service(
+    args: argparse.Namespace,
+    cfg: Config,
+    service: str,
+    msg_type: str,
+    body: dict[str, Any],
+    *,
+    timeout: float,
+) -> dict[str, Any]:
+    """One request to a service cluster.json names under ``service`` (the arbiter, the serving
+    controller), as the operator."""
     cluster = read_cluster(state_dir_of(args, cfg))
-    address = cluster.raw.get("arbiter")
+    address = cluster.raw.get(service)
     if not address:
         raise ClusterNotRunning(
-            f"the cluster in {cluster.path} runs no arbiter (it was started by a Tandem without "
-            "batch jobs): restart it with `tandem up`"
+            f"the cluster in {cluster.path} runs no {service} (it was started by an older Tandem): "
+            "restart it with `tandem up`"
         )
     return ask_sync(
-        str(address), msg_type, body, credentials=cluster.operator_curve(curve.ARBITER), timeout=timeout
+        str(address), msg_type, body, credentials=cluster.operator_curve(service), timeout=timeout
     )
 
 
 def cmd_status(args: argparse.Namespace, cfg: Config) -> int:
     status = _ask_scheduler(args, cfg, messages.CLUSTER_STATUS, {"all": args.all}, timeout=5.0)
-    if read_cluster(state_dir_of(args, cfg)).raw.get("arbiter"):
+    running = read_cluster(state_dir_of(args, cfg)).raw
+    if running.get("arbiter"):
         status["batch"] = _ask_arbiter(args, cfg, messages.ARBITER_STATUS, {}, timeout=5.0)
+    if running.get("serving"):
+        status["serving"] = _ask_service(args, cfg, curve.SERVING, messages.SERVING_STATUS, {}, timeout=5.0)
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True, default=str))
         return 0
@@ -337,6 +354,7 @@ def render_status(status: dict[str, Any]) -> None:
     out.print(table)
     render_scaling(out, status)
     render_batch(out, status.get("batch"))
+    render_serving(out, status.get("serving"))
     kernels = status.get("kernels", [])
     if not kernels:
         out.print("no kernels")
@@ -517,6 +535,20 @@ def render_scaling(console: Any, status: dict[str, Any]) -> None:
         )
         for event in (status.get("scale_events") or [])[-5:]:
             console.print(f"  {event.get('kind')} {','.join(event.get('hosts', []))}: {event.get('reason')}")
+
+
+def render_serving(console: Any, serving: dict[str, Any] | None) -> None:
+    """The serving controller's warm-runtime pools: per host warm/warming/target."""
+    if not serving or serving.get("policy") == "none":
+        return
+    pools = ", ".join(
+        f"{h.get('host')} {h.get('warm', 0)}+{h.get('starting', 0)}/{h.get('target', 0)}"
+        for h in serving.get("hosts", [])
+    )
+    console.print(
+        f"Warm runtimes ({serving.get('policy')}, decided cluster-wide; warm+warming/target): {pools}; "
+        f"promised {serving.get('grants', 0)}, cold {serving.get('cold', 0)}"
+    )
 
 
 def render_batch(console: Any, batch: dict[str, Any] | None) -> None:

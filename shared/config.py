@@ -130,6 +130,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "interval_s": 2.0,  # how often the pool is reconciled with its target
         "imports": ["torch"],  # modules a warm runtime imports ahead (skipped when absent)
     },
+    "serving": {
+        # The serving controller (services/serving_controller): decides every host's warm-runtime
+        # pool at once with the [prewarm] policy and promises ready runtimes to replica starts.
+        "address": "",  # its ROUTER; empty: none (`tandem up` starts one and sets it)
+        "stale_s": 10.0,  # a host whose pool report is older is left out of the decisions
+        "acquire_timeout_s": 0.5,  # the scheduler starts a replica without an answer after this
+    },
     "metrics": {
         # Prometheus /metrics on the global scheduler: 0 off; -1 a free port (`tandem up` default).
         "prometheus_port": 0,

@@ -24,6 +24,12 @@ Best-effort batch jobs (A = arbiter; issue #16):
     C -> A   job.submit, job.list, job.show, job.logs, job.cancel, arbiter.status
     L -> A   agent.report
     A -> L   lease.grant, lease.end, job.logs
+
+Warm runtimes (V = serving controller; issue #20):
+
+    L -> V   pool.report (answered with the host's target)
+    S -> V   runtime.acquire ("a runtime on host H, now"), serving.status
+    C -> V   serving.status
 """
 
 from __future__ import annotations
@@ -89,6 +95,11 @@ ARBITER_STATUS = "arbiter.status"
 AGENT_REPORT = "agent.report"  # a host's idle GPUs and its jobs' progress (the Themis agent's report)
 LEASE_GRANT = "lease.grant"  # run (or keep running) a job on this many GPUs until expires_at
 LEASE_END = "lease.end"  # stop the job at a step boundary and free its GPUs
+
+# ---- warm runtimes and the serving controller -----------------------------------------------------
+POOL_REPORT = "pool.report"  # a host's warm-runtime pool; the answer is the host's target
+RUNTIME_ACQUIRE = "runtime.acquire"  # a ready runtime on host H promised to one replica start
+SERVING_STATUS = "serving.status"
 
 CHANNELS = ("shell", "control", "stdin", "iopub")
 # cell_timings: the executor's per-cell step times (ms), sent after its reply (metrics only)
@@ -258,6 +269,17 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "job": (_map, True),  # argv, cwd, env, start_iteration
     },
     LEASE_END: {"job_id": (_str, True), "reason": (_str, True)},
+    POOL_REPORT: {
+        "host_id": (_str, True),
+        "warm": (_int, True),
+        "starting": (_int, True),
+        "idle_gpus": (_int, False),
+        "taken": (_int, False),
+        "misses": (_int, False),
+        "warmup_s": (_num, False),
+    },
+    RUNTIME_ACQUIRE: {"host_id": (_str, True), "kernel_id": (_str, False), "purpose": (_str, False)},
+    SERVING_STATUS: {},
 }
 
 _CHECKED_CHANNEL = {JUPYTER_REQUEST, JUPYTER_REPLY}

@@ -43,6 +43,8 @@ GATEWAY_IDENTITY = b"gateway"
 # forwards clients' requests: time for clients' iopub subscriptions to reconnect (ZMQ retries
 # every 100 ms), or they would miss those outputs.
 RECONNECT_GRACE_S = 1.0
+# The scheduler's answer to kernel.hibernate: a large namespace's last STATE may still be written
+HIBERNATE_TIMEOUT_S = 180.0
 # How long a restarted gateway waits for a kernel's old port to be free before it gives the kernel up.
 PORTS_FREED_WITHIN_S = 2.0
 
@@ -354,7 +356,7 @@ class Gateway:
         asked = time.time()
         answer = await self.scheduler.request(
             Envelope(messages.KERNEL_HIBERNATE, {"kernel_id": kernel_id, "reason": reason}),
-            timeout=self._request_timeout + 30.0,
+            timeout=HIBERNATE_TIMEOUT_S,
         )
         if self.states.get(kernel_id) == KernelState.ALIVE:
             endpoint = self.kernels.get(kernel_id)

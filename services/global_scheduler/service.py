@@ -53,7 +53,7 @@ from shared.policies.executor_choice import ExecutorChoice, choose_executor
 from shared.policies.placement import PlacementRequest
 from shared.quorum import majority
 from shared.resources import Resources
-from shared.rpc import OutboundRequests, RpcError, RpcServer, RpcTimeout
+from shared.rpc import OutboundRequests, RpcClient, RpcError, RpcServer, RpcTimeout
 from shared.security import curve
 from shared.security.authorization import scheduler_refusal
 
@@ -62,6 +62,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("global_scheduler")
 
+# a replica writing its namespace image first waits for its last cell's STATE (written behind
+# the reply: a large one takes a while), then writes; beyond this the next replica is asked
+HIBERNATE_IMAGE_TIMEOUT_S = 150.0
 RESUME_ATTEMPTS = 3  # a hibernated kernel's start is tried this often before it is declared dead
 RESUME_RETRY_S = 1.0  # times the attempt number, between tries
 
@@ -157,6 +160,17 @@ class GlobalScheduler:
             messages.KERNEL_HIBERNATE: self._on_kernel_hibernate,
             messages.KERNEL_RESUME: self._on_kernel_resume,
         }
+        # the serving controller: "a runtime on host H, now" before each replica start
+        self._serving: RpcClient | None = None
+        if cfg.get("serving.address"):
+            self._serving = RpcClient(
+                self._ctx,
+                identity=b"scheduler",
+                on_message=lambda env: None,
+                name="scheduler->serving",
+                curve=curve.client_curve(self._keys_dir, curve.SCHEDULER, curve.SERVING),
+            )
+        self._acquire_timeout = float(cfg.get("serving.acquire_timeout_s"))
         # hibernated kernels being resumed: the task, and the client requests held until it ends
         self._resumes: dict[str, asyncio.Task[None]] = {}
         self._held_for_resume: dict[str, list[tuple[str, list[bytes]]]] = {}
@@ -198,6 +212,8 @@ class GlobalScheduler:
         )
         autoscale = asyncio.ensure_future(self.autoscaling.run())
         self._start_exporter()
+        if self._serving is not None:
+            self._serving.connect(str(self._cfg.get("serving.address")))
         log.info("started", address=self.address)
         try:
             await stop.wait()
@@ -212,6 +228,8 @@ class GlobalScheduler:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._outbound.cancel_all()
+            if self._serving is not None:
+                await self._serving.close()
             await asyncio.to_thread(self._migrator.close)
             await self._server.close()
             if self._authority is not None:
@@ -926,8 +944,9 @@ class GlobalScheduler:
     async def _start_placed(self, kernel: KernelRecord) -> None:
         """Start and configure every placed replica of a starting kernel; RpcError if one fails
         or the kernel stopped meanwhile (the caller stops what started)."""
+        purpose = "resume" if kernel.generation else "start"  # for the serving controller's log
         await _on_every_replica(
-            "replica start", kernel, lambda r: self.start_replica(kernel, r), with_host=True
+            "replica start", kernel, lambda r: self.start_replica(kernel, r, purpose=purpose), with_host=True
         )
         if kernel.state != STARTING:
             raise RpcError(f"kernel became {kernel.state} while starting", "start_failed")
@@ -943,9 +962,31 @@ class GlobalScheduler:
             *(self.stop_replica(kernel, r) for r in kernel.replicas.values()), return_exceptions=True
         )
 
+    async def acquire_runtime(
+        self, kernel: KernelRecord, replica: ReplicaRecord, purpose: str
+    ) -> bool | None:
+        """Ask the serving controller for a ready runtime on the replica's host (True: one is
+        promised to this start, False: it will be cold, None: no controller or no answer in
+        ``serving.acquire_timeout_s``: the host's pool decides alone, as without one)."""
+        if self._serving is None:
+            return None
+        body = {"host_id": replica.host_id, "kernel_id": kernel.kernel_id, "purpose": purpose}
+        try:
+            answer = await self._serving.request(
+                Envelope(messages.RUNTIME_ACQUIRE, body), timeout=self._acquire_timeout
+            )
+        except (RpcError, RpcTimeout) as exc:
+            log.info("runtime_acquire_failed", host=replica.host_id, reason=str(exc))
+            return None
+        warm = bool(answer.body.get("warm"))
+        log.debug("runtime_acquired", kernel=kernel.kernel_id, replica=replica.replica_id, host=replica.host_id,
+                  warm=warm, purpose=purpose, reason=answer.body.get("reason") or None)  # fmt: skip
+        return warm
+
     async def start_replica(
-        self, kernel: KernelRecord, replica: ReplicaRecord, *, join: bool = False
+        self, kernel: KernelRecord, replica: ReplicaRecord, *, join: bool = False, purpose: str = "start"
     ) -> None:
+        promised = await self.acquire_runtime(kernel, replica, "join" if join else purpose)
         body = {
             "kernel_id": kernel.kernel_id,
             "replica_id": replica.replica_id,
@@ -963,6 +1004,8 @@ class GlobalScheduler:
         )
         if isinstance(answer.body.get("start_s"), int | float):
             self.metrics.record_replica_start(bool(answer.body.get("warm")), float(answer.body["start_s"]))
+        if promised and not answer.body.get("warm"):
+            log.info("promised_runtime_missed", kernel=kernel.kernel_id, host=replica.host_id)
         replica.pid = answer.body.get("pid")
         replica.raft_address = str(answer.body.get("raft_address", ""))
         replica.started = True
@@ -1154,9 +1197,14 @@ class GlobalScheduler:
         return env.reply(self.state.kernel_status(kernel))
 
     async def _write_image(self, kernel: KernelRecord) -> dict[str, Any]:
-        """The namespace image from the Raft leader (it has applied the most), else any live
-        replica; RpcError if none could write it, or if it would lose names."""
-        order = sorted(kernel.replicas.values(), key=lambda r: (r.role != "leader", r.replica_id))
+        """The namespace image from the last executor (it alone knows whether its last cell's
+        STATE is still being written behind the reply: it waits for it), else the Raft leader,
+        else any live replica; RpcError if none could write it, or if it would lose names."""
+        executor = kernel.router.last_executor
+        order = sorted(
+            kernel.replicas.values(),
+            key=lambda r: (r.replica_id != executor, r.role != "leader", r.replica_id),
+        )
         reasons = []
         for replica in order:
             if not replica.alive or not replica.started:
@@ -1168,7 +1216,7 @@ class GlobalScheduler:
                         messages.REPLICA_HIBERNATE,
                         {"kernel_id": kernel.kernel_id, "replica_id": replica.replica_id},
                     ),
-                    timeout=self._request_timeout + 10.0,
+                    timeout=HIBERNATE_IMAGE_TIMEOUT_S,
                 )
             except (RpcError, RpcTimeout) as exc:
                 reasons.append(f"{replica.replica_id}: {exc}")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shared import messages
-from shared.security.curve import GATEWAY, OPERATOR, host_of
+from shared.security.curve import GATEWAY, OPERATOR, SCHEDULER, host_of
 
 HOST = "host"  # role of every ``host.<id>`` principal
 REPLICA_PREFIX = "replica."  # a local scheduler's per-replica keys: ``replica.<kernel>/<replica>``
@@ -71,6 +71,12 @@ _JOB_OPERATIONS = {
 ARBITER_ACCEPTS: dict[str, frozenset[str]] = {
     OPERATOR: frozenset(_JOB_OPERATIONS),
     HOST: frozenset(_ANSWERS | {messages.AGENT_REPORT}),
+}
+
+SERVING_ACCEPTS: dict[str, frozenset[str]] = {
+    HOST: frozenset({messages.POOL_REPORT}),
+    SCHEDULER: frozenset({messages.RUNTIME_ACQUIRE, messages.SERVING_STATUS}),
+    OPERATOR: frozenset({messages.SERVING_STATUS}),
 }
 
 # (kernel_id, replica_id) -> the host it runs on, or None if the scheduler knows no such replica
@@ -136,6 +142,17 @@ def local_scheduler_refusal(principal: str, env_type: str, body: dict[str, Any])
     claimed = f"{body.get('kernel_id')}/{body.get('replica_id')}"
     if claimed != own:
         return f"{principal} may not speak for replica {claimed}"
+    return None
+
+
+def serving_refusal(principal: str, env_type: str, body: dict[str, Any]) -> str | None:
+    """A host reports only its own pool; only the scheduler asks for runtimes."""
+    refusal = _type_refusal(SERVING_ACCEPTS, principal, env_type)
+    if refusal is not None:
+        return refusal
+    host = host_of(principal)
+    if env_type == messages.POOL_REPORT and body.get("host_id") != host:
+        return f"{principal} may not report for host {body.get('host_id')!r}"
     return None
 
 
