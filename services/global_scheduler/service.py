@@ -162,7 +162,7 @@ class GlobalScheduler:
         }
         # the serving controller: "a runtime on host H, now" before each replica start
         self._serving: RpcClient | None = None
-        if cfg.get("serving.address"):
+        if cfg.get("serving.address") and cfg.get("prewarm.policy") != "none":  # else no runtime to promise
             self._serving = RpcClient(
                 self._ctx,
                 identity=b"scheduler",

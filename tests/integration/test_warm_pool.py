@@ -65,6 +65,11 @@ def test_replica_start_takes_a_warm_runtime_and_the_pool_refills(warm_cluster: C
         assert host.startswith("host-") and warm_started is True
         after = warm_cluster.status()
         assert sum(h["warm_pool"]["taken"] for h in after["hosts"]) == 3
+        # the serving controller decided the pools (one per host, cluster-wide) and was asked
+        # for a runtime before each replica start
+        serving = after["serving"]
+        assert serving["policy"] == "fixed" and [h["target"] for h in serving["hosts"]] == [1, 1, 1]
+        assert serving["grants"] + serving["cold"] >= 3
         assert after["metrics"]["replica_start_ms"]["warm"]["count"] == 3
         refilled = wait_until_pools_ready(warm_cluster)  # a fresh warm runtime behind each one taken
         assert sum(h["warm_pool"]["taken"] for h in refilled["hosts"]) == 3

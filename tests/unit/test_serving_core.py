@@ -78,3 +78,16 @@ def test_promises_never_exceed_the_ready_runtimes(steps: list[tuple[str, bool]],
             granted[host] += core.acquire(host, 0.0).warm
     assert all(n <= warm for n in granted.values())
     assert all(v.warm == warm - granted[v.host_id] for v in core.views(0.0))
+
+
+def test_only_a_host_reports_its_own_pool_and_only_the_scheduler_acquires() -> None:
+    from shared import messages
+    from shared.security.authorization import serving_refusal
+
+    report = {"host_id": "h1", "warm": 0, "starting": 0}
+    assert serving_refusal("host.h1", messages.POOL_REPORT, report) is None
+    assert "may not report for host 'h1'" in str(serving_refusal("host.h0", messages.POOL_REPORT, report))
+    assert serving_refusal("scheduler", messages.RUNTIME_ACQUIRE, {"host_id": "h1"}) is None
+    assert "may not send runtime.acquire" in str(serving_refusal("operator", messages.RUNTIME_ACQUIRE, {}))
+    assert "may not send runtime.acquire" in str(serving_refusal("host.h1", messages.RUNTIME_ACQUIRE, {}))
+    assert serving_refusal("", messages.SERVING_STATUS, {}) == "unauthenticated peer"
