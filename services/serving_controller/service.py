@@ -26,7 +26,7 @@ from shared.config import Config
 from shared.envelope import Envelope
 from shared.rpc import RpcServer
 from shared.security import curve
-from shared.security.authorization import serving_refusal
+from shared.security.authorization import host_identity_refusal, serving_refusal
 from shared.serving import HostReport, ServingConfig, ServingCore
 
 log = structlog.get_logger("serving_controller")
@@ -89,10 +89,7 @@ class ServingController:
     # ---- messages -------------------------------------------------------------------------------
 
     def _authorize(self, principal: str, identity: bytes, env: Envelope) -> str | None:
-        host = curve.host_of(principal)
-        if host is not None and identity != host.encode():
-            return f"{principal} may not use the routing identity {identity!r}"
-        return serving_refusal(principal, env.type, env.body)
+        return host_identity_refusal(principal, identity) or serving_refusal(principal, env.type, env.body)
 
     def _handle(self, identity: bytes, env: Envelope) -> Any:
         body, now = env.body, self._clock()

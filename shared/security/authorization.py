@@ -147,21 +147,29 @@ def local_scheduler_refusal(principal: str, env_type: str, body: dict[str, Any])
 
 def serving_refusal(principal: str, env_type: str, body: dict[str, Any]) -> str | None:
     """A host reports only its own pool; only the scheduler asks for runtimes."""
-    refusal = _type_refusal(SERVING_ACCEPTS, principal, env_type)
-    if refusal is not None:
-        return refusal
-    host = host_of(principal)
-    if env_type == messages.POOL_REPORT and body.get("host_id") != host:
-        return f"{principal} may not report for host {body.get('host_id')!r}"
-    return None
+    return _host_report_refusal(SERVING_ACCEPTS, messages.POOL_REPORT, principal, env_type, body)
 
 
 def arbiter_refusal(principal: str, env_type: str, body: dict[str, Any]) -> str | None:
     """A host reports only for itself; only the operator submits and cancels jobs."""
-    refusal = _type_refusal(ARBITER_ACCEPTS, principal, env_type)
+    return _host_report_refusal(ARBITER_ACCEPTS, messages.AGENT_REPORT, principal, env_type, body)
+
+
+def _host_report_refusal(
+    table: dict[str, frozenset[str]], report: str, principal: str, env_type: str, body: dict[str, Any]
+) -> str | None:
+    """``table``'s rule, and a host's ``report`` only for its own host id."""
+    refusal = _type_refusal(table, principal, env_type)
     if refusal is not None:
         return refusal
-    host = host_of(principal)
-    if env_type == messages.AGENT_REPORT and body.get("host_id") != host:
+    if env_type == report and body.get("host_id") != host_of(principal):
         return f"{principal} may not report for host {body.get('host_id')!r}"
+    return None
+
+
+def host_identity_refusal(principal: str, identity: bytes) -> str | None:
+    """A host's connection must route under its own host id (no other host's replies reach it)."""
+    host = host_of(principal)
+    if host is not None and identity != host.encode():
+        return f"{principal} may not use the routing identity {identity!r}"
     return None
