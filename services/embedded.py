@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 import structlog
 
 from services.cluster_file import CLUSTER_FILE, ClusterNotRunning, ask_sync, pid_alive, read_cluster
+from services.global_scheduler.hibernated_file import forget_hibernated
 from shared import messages
 from shared.config import Config
 from shared.private_files import open_private_file, private_dir, write_private
@@ -209,6 +210,7 @@ class EmbeddedCluster:
         )
         self.serving_address = self._wait_for_announcement(serving, offset, deadline)
         config_json = self._child_config(self.arbiter_address, self.serving_address)
+        forget_kernel_table(self.state_dir)  # no kernel outlives the cluster that ran it
         # The scheduler binds a port the OS picks at bind time and announces it; a port chosen here
         # and bound there later could be taken in between (by any process, or as the ephemeral
         # source port of an outgoing connection).
@@ -221,7 +223,6 @@ class EmbeddedCluster:
         self.scheduler_address = self._wait_for_announcement(scheduler, offset, deadline)
         address_file = self.state_dir / "gateway.address"
         address_file.unlink(missing_ok=True)
-        forget_kernel_table(self.state_dir)  # no kernel outlives the cluster that ran it
         self._gateway_args = [
             "-m", "services.gateway", "--scheduler", self.scheduler_address,
             "--address-file", str(address_file), "--config-json", config_json, *log_format,
@@ -612,9 +613,11 @@ def run_foreground(cluster: EmbeddedCluster, *, on_ready: Any = None) -> int:
 
 
 def forget_kernel_table(state_dir: Path) -> None:
-    """A new cluster starts with no kernel: the previous gateway's table must not be restored."""
+    """A new cluster starts with no kernel: the previous gateway's table must not be restored,
+    nor the previous scheduler's hibernated kernels resumed."""
     with contextlib.suppress(FileNotFoundError):
         (state_dir / "gateway" / "kernels.json").unlink()
+    forget_hibernated(state_dir)
 
 
 def cluster_alive(state_dir: Path) -> bool:

@@ -29,6 +29,7 @@ from services.global_scheduler.cluster_state import (
     ReplicaRecord,
 )
 from services.global_scheduler.gateway_outbox import GatewayOutbox
+from services.global_scheduler.hibernated_file import HibernatedFile
 from services.global_scheduler.jupyter_router import KernelRouter
 from services.global_scheduler.metrics import PrometheusExporter, SchedulerMetrics, cluster_report
 from services.global_scheduler.migration import REASON_SCALE_IN, Migrator
@@ -171,6 +172,9 @@ class GlobalScheduler:
                 curve=curve.client_curve(self._keys_dir, curve.SCHEDULER, curve.SERVING),
             )
         self._acquire_timeout = float(cfg.get("serving.acquire_timeout_s"))
+        # hibernated kernels survive a restart of this scheduler (no host reports them)
+        self._hibernated_file = HibernatedFile(cfg.state_dir() / "scheduler" / "hibernated.json")
+        self._adopt_hibernated()
         # hibernated kernels being resumed: the task, and the client requests held until it ends
         self._resumes: dict[str, asyncio.Task[None]] = {}
         self._held_for_resume: dict[str, list[tuple[str, list[bytes]]]] = {}
@@ -1132,6 +1136,7 @@ class GlobalScheduler:
             return env.reply({"state": STOPPED})  # nothing to stop: shutdown is idempotent
         if kernel.state == HIBERNATED:  # no replica to stop; its image stays in the data store
             self._mark_stopped(kernel)
+            self._save_hibernated()
             self._fail_held_for_resume(kernel.kernel_id, "kernel was shut down")
             return env.reply({"state": kernel.state})
         if kernel.state in ACTIVE or kernel.state == HIBERNATING:
@@ -1184,6 +1189,7 @@ class GlobalScheduler:
         kernel.generation += 1
         kernel.replicas = {}
         transition(kernel, HIBERNATED)
+        self._save_hibernated()
         klog.info(
             "kernel_hibernated",
             reason=env.body.get("reason", ""),
@@ -1276,6 +1282,7 @@ class GlobalScheduler:
                 if kernel.state != HIBERNATED:
                     return  # shut down while placement waited
                 transition(kernel, STARTING)
+                self._save_hibernated()  # a resumed kernel is adopted from its hosts after a restart
                 kernel.router = KernelRouter(
                     kernel.kernel_id, kernel.key.encode(), kernel.signature_scheme, quorum=self._quorum
                 )
@@ -1296,6 +1303,7 @@ class GlobalScheduler:
                         self._fail_held_for_resume(kernel.kernel_id, str(exc))
                         return
                     transition(kernel, HIBERNATED)
+                    self._save_hibernated()
                 if kernel.state != HIBERNATED:
                     self._fail_held_for_resume(kernel.kernel_id, f"kernel is {kernel.state}")
                     return
@@ -1312,6 +1320,46 @@ class GlobalScheduler:
             )
             self._route_held_for_resume(kernel)
             return
+
+    def _save_hibernated(self) -> None:
+        self._hibernated_file.save(
+            {
+                "kernel_id": k.kernel_id,
+                "key": k.key,
+                "signature_scheme": k.signature_scheme,
+                "resources": k.resources.to_dict(),
+                "launch": k.launch.to_wire(),
+                "image": k.image,
+                "image_bytes": k.image_bytes,
+                "hibernated_at": k.hibernated_at,
+                "generation": k.generation,
+                "resumes": k.resumes,
+            }
+            for k in self.state.kernels.values()
+            if k.state == HIBERNATED
+        )
+
+    def _adopt_hibernated(self) -> None:
+        """The kernels the previous scheduler process had hibernated, hibernated here too."""
+        for entry in self._hibernated_file.load():
+            try:
+                resources = Resources.from_dict(entry["resources"])
+                launch = KernelLaunch.from_wire(entry["launch"])
+            except ValueError as exc:
+                log.error("hibernated_kernel_unusable", kernel=entry["kernel_id"], reason=str(exc))
+                continue
+            key, scheme = str(entry["key"]), str(entry["signature_scheme"])
+            kernel = KernelRecord(
+                entry["kernel_id"], key, scheme, resources,
+                KernelRouter(entry["kernel_id"], key.encode(), scheme, quorum=self._quorum),
+                state=HIBERNATED,
+            )  # fmt: skip
+            kernel.launch = launch
+            kernel.image, kernel.image_bytes = entry["image"], int(entry["image_bytes"])
+            kernel.hibernated_at, kernel.generation = entry["hibernated_at"], int(entry["generation"])
+            kernel.resumes = int(entry["resumes"])
+            self.state.kernels[kernel.kernel_id] = kernel
+            log.info("hibernated_kernel_adopted", kernel=kernel.kernel_id, image_bytes=kernel.image_bytes)
 
     def _route_held_for_resume(self, kernel: KernelRecord) -> None:
         """Send on what was held, in order; from now on requests route directly."""
