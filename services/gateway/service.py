@@ -314,10 +314,10 @@ class Gateway:
     async def _cull_idle_kernels(self) -> None:
         while True:
             await asyncio.sleep(self._cull_interval)
-            activity = [
+            activity = [  # a hibernated kernel is culled too: idle that long, hibernated or not
                 KernelActivity(kid, e.last_activity, e.busy, e.connections)
                 for kid, e in self.kernels.items()
-                if self.states.get(kid) == KernelState.ALIVE
+                if self.states.get(kid) in (KernelState.ALIVE, KernelState.HIBERNATED)
             ]
             for decision in kernels_to_cull(self._cull, activity, time.time()):
                 log.warning("kernel_culled", kernel=decision.kernel_id, reason=decision.reason)
