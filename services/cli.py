@@ -355,6 +355,13 @@ def render_status(status: dict[str, Any]) -> None:
     render_scaling(out, status)
     render_batch(out, status.get("batch"))
     render_serving(out, status.get("serving"))
+    hibernation = status.get("hibernation") or {}
+    if hibernation.get("hibernated") or hibernation.get("resumes"):
+        out.print(
+            f"Hibernation: {hibernation.get('hibernated', 0)} kernels hibernated now, "
+            f"{hibernation.get('resumes', 0)} resumes (last resume p50 {hibernation.get('last_resume_s_p50')} s), "
+            f"{hibernation.get('gpu_hours_freed', 0)} GPU-hours of replica subscriptions freed"
+        )
     kernels = status.get("kernels", [])
     if not kernels:
         out.print("no kernels")

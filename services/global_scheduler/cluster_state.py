@@ -122,6 +122,7 @@ class KernelRecord:
     generation: int = 0
     resumes: int = 0
     last_resume_s: float | None = None
+    hibernated_s_total: float = 0.0  # over its hibernations that ended (resumed or stopped)
     _index: LiveIndex | None = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -352,6 +353,7 @@ class ClusterState:
                 "hibernated_at": kernel.hibernated_at,
                 "resumes": kernel.resumes,
                 "last_resume_s": kernel.last_resume_s,
+                "hibernated_s_total": round(kernel.hibernated_s_total, 3),
             }
             if kernel.image is not None
             else None,

@@ -9,6 +9,7 @@ forwarded in arrival order without a task per message.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -846,6 +847,7 @@ class GlobalScheduler:
         kernels only with ``stopped`` (``tandem status --json --all``): they would pile up."""
         report = cluster_report(self.state, self.autoscaling, self.metrics, self.metrics_url)
         report["policy"] = self._cfg.get("scheduler.policy")
+        report["hibernation"] = self._hibernation_report()
         if not stopped:
             report["kernels"] = [k for k in report["kernels"] if k["state"] != STOPPED]
         return report
@@ -1135,6 +1137,7 @@ class GlobalScheduler:
             self.autoscaling.abandon(env.body["kernel_id"])  # a start waiting for new hosts gives up
             return env.reply({"state": STOPPED})  # nothing to stop: shutdown is idempotent
         if kernel.state == HIBERNATED:  # no replica to stop; its image stays in the data store
+            kernel.hibernated_s_total += max(0.0, time.time() - (kernel.hibernated_at or time.time()))
             self._mark_stopped(kernel)
             self._save_hibernated()
             self._fail_held_for_resume(kernel.kernel_id, "kernel was shut down")
@@ -1311,6 +1314,7 @@ class GlobalScheduler:
                 continue
             transition(kernel, RUNNING)
             kernel.resumes += 1
+            kernel.hibernated_s_total += max(0.0, time.time() - (kernel.hibernated_at or time.time()))
             kernel.last_resume_s = time.monotonic() - started
             klog.info(
                 "kernel_resumed",
@@ -1320,6 +1324,28 @@ class GlobalScheduler:
             )
             self._route_held_for_resume(kernel)
             return
+
+    def _hibernation_report(self) -> dict[str, Any]:
+        """Hibernated kernels now, resumes, and the GPU subscriptions hibernation gave back:
+        GPU-hours of replicas that did not exist (each kernel's GPUs times its replicas), over
+        ended hibernations and the ongoing ones."""
+        now = time.time()
+        gpu_hours = 0.0
+        hibernated = resumes = 0
+        resume_s = [k.last_resume_s for k in self.state.kernels.values() if k.last_resume_s is not None]
+        for k in self.state.kernels.values():
+            seconds = k.hibernated_s_total
+            if k.state == HIBERNATED and k.hibernated_at is not None:
+                hibernated += 1
+                seconds += max(0.0, now - k.hibernated_at)
+            resumes += k.resumes
+            gpu_hours += seconds * k.resources.gpus * self._replicas_per_kernel / 3600
+        return {
+            "hibernated": hibernated,
+            "resumes": resumes,
+            "last_resume_s_p50": round(statistics.median(resume_s), 3) if resume_s else None,
+            "gpu_hours_freed": round(gpu_hours, 4),
+        }
 
     def _save_hibernated(self) -> None:
         self._hibernated_file.save(

@@ -56,6 +56,8 @@ def test_a_restarted_scheduler_adopts_the_hibernated_kernels(state_dir: Path) ->
         status = second.state.kernel_status(adopted)
         assert status["state"] == "hibernated" and status["replicas"] == []
         assert adopted.image == IMAGE and adopted.generation == 1 and adopted.key == "secret"
+        report = second._hibernation_report()  # one GPU, three replicas' subscriptions given back
+        assert report["hibernated"] == 1 and report["gpu_hours_freed"] > 3 * 1000
         # shut down while hibernated: stopped at once, and no longer on disk
         answer = asyncio.get_event_loop().run_until_complete(
             second._on_kernel_shutdown(b"gateway", Envelope("kernel.shutdown", {"kernel_id": "k1"}))
