@@ -1140,7 +1140,7 @@ class GlobalScheduler:
             kernel.hibernated_s_total += max(0.0, time.time() - (kernel.hibernated_at or time.time()))
             self._mark_stopped(kernel)
             self._save_hibernated()
-            self._fail_held_for_resume(kernel.kernel_id, "kernel was shut down")
+            self._fail_held_for_resume(kernel, "kernel was shut down")
             return env.reply({"state": kernel.state})
         if kernel.state in ACTIVE or kernel.state == HIBERNATING:
             transition(kernel, STOPPING)
@@ -1301,14 +1301,17 @@ class GlobalScheduler:
                 if kernel.state == STARTING:
                     await self._stop_all(kernel)
                     kernel.replicas = {}
-                    if attempt == RESUME_ATTEMPTS:
+                    if attempt == RESUME_ATTEMPTS:  # its replicas cannot start: it is dead
                         self._mark_dead(kernel, f"resume failed {attempt} times: {exc}")
-                        self._fail_held_for_resume(kernel.kernel_id, str(exc))
+                        self._fail_held_for_resume(kernel, str(exc))
                         return
                     transition(kernel, HIBERNATED)
                     self._save_hibernated()
                 if kernel.state != HIBERNATED:
-                    self._fail_held_for_resume(kernel.kernel_id, f"kernel is {kernel.state}")
+                    self._fail_held_for_resume(kernel, f"kernel is {kernel.state}")
+                    return
+                if attempt == RESUME_ATTEMPTS:  # no hosts for it now: it stays hibernated
+                    self._fail_held_for_resume(kernel, f"resume failed {attempt} times: {exc}")
                     return
                 await asyncio.sleep(RESUME_RETRY_S * attempt)
                 continue
@@ -1394,10 +1397,21 @@ class GlobalScheduler:
         for channel, frames in self._held_for_resume.pop(kernel.kernel_id, []):
             self.route_from_gateway(kernel, channel, frames)
 
-    def _fail_held_for_resume(self, kernel_id: str, reason: str) -> None:
-        held = self._held_for_resume.pop(kernel_id, [])
-        if held:
-            log.warning("held_requests_dropped", kernel=kernel_id, requests=len(held), reason=reason)
+    def _fail_held_for_resume(self, kernel: KernelRecord, reason: str) -> None:
+        """The requests held for a resume that will not happen get the error reply a dead
+        kernel's requests get (``KernelDead`` with ``reason``), so no client waits for ever; the
+        kernel itself keeps its state (a hibernated one resumes at its next request)."""
+        held = self._held_for_resume.pop(kernel.kernel_id, [])
+        if not held:
+            return
+        log.warning("held_requests_failed", kernel=kernel.kernel_id, requests=len(held), reason=reason)
+        router, before = kernel.router, kernel.router.dead_reason
+        router.dead_reason = before or reason
+        try:
+            for channel, frames in held:  # no live replica: the router answers each with the error
+                self.route_from_gateway(kernel, channel, frames)
+        finally:
+            router.dead_reason = before
 
 
 async def _on_every_replica(
