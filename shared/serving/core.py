@@ -16,7 +16,7 @@ once, so the next decision already starts its replacement) or the answer is a co
 promise is settled by the host's next report that counts the take.
 
 No clock, no sockets: the service passes ``now`` and carries the targets to the hosts; the
-simulator can step the same object.
+simulator (``shared/simulator/engine.py``) steps the same object for its hosts' warm pools.
 """
 
 from __future__ import annotations
@@ -115,7 +115,18 @@ class ServingCore:
         if report.warmup_s is not None and report.warmup_s > 0:
             self._warmups.append(report.warmup_s)
             del self._warmups[:-WARMUP_SAMPLES]
-        return self.targets(now).get(report.host_id, 0)
+        return self.target(report.host_id, now)
+
+    def target(self, host_id: str, now: float) -> int:
+        """One host's target: fixed and minimum per host need only its view (the simulator asks
+        for thousands of hosts); Little's law is decided over every host together."""
+        policy = self.policy(now)
+        host = self._hosts.get(host_id)
+        if policy is None or host is None or not self._fresh(host, now):
+            return 0
+        if isinstance(policy, LittlesLaw):
+            return self.targets(now).get(host_id, 0)
+        return policy.targets([self._view(host)]).get(host_id, 0)
 
     def acquire(self, host_id: str, now: float) -> Grant:
         """Promise a ready runtime on ``host_id`` to a replica start, if it has one not promised."""
@@ -138,17 +149,16 @@ class ServingCore:
 
     def views(self, now: float) -> list[PoolView]:
         """Every live host's pool as decisions see it: promised runtimes are already gone."""
-        return [
-            PoolView(
-                h.report.host_id,
-                warm=max(0, h.report.warm - h.promised),
-                starting=h.report.starting,
-                idle_gpus=h.report.idle_gpus,
-                max_warm=self.config.max_per_host,
-            )
-            for h in self._hosts.values()
-            if self._fresh(h, now)
-        ]
+        return [self._view(h) for h in self._hosts.values() if self._fresh(h, now)]
+
+    def _view(self, h: _Host) -> PoolView:
+        return PoolView(
+            h.report.host_id,
+            warm=max(0, h.report.warm - h.promised),
+            starting=h.report.starting,
+            idle_gpus=h.report.idle_gpus,
+            max_warm=self.config.max_per_host,
+        )
 
     def policy(self, now: float) -> PrewarmPolicy | None:
         c = self.config

@@ -91,3 +91,18 @@ def test_only_a_host_reports_its_own_pool_and_only_the_scheduler_acquires() -> N
     assert "may not send runtime.acquire" in str(serving_refusal("operator", messages.RUNTIME_ACQUIRE, {}))
     assert "may not send runtime.acquire" in str(serving_refusal("host.h1", messages.RUNTIME_ACQUIRE, {}))
     assert serving_refusal("", messages.SERVING_STATUS, {}) == "unauthenticated peer"
+
+
+@given(
+    st.sampled_from(["fixed", "min", "littles_law"]),
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(0, 8)), min_size=1, max_size=6),
+)
+def test_one_hosts_target_is_its_share_of_the_cluster_wide_decision(
+    policy: str, pools: list[tuple[int, int, int]]
+) -> None:
+    core = _core(policy, per_host=2)
+    for n, (warm, starting, idle) in enumerate(pools):
+        core.report(HostReport(f"h{n}", warm=warm, starting=starting, idle_gpus=idle, taken=n), float(n))
+    now = float(len(pools))
+    everyone = core.targets(now)
+    assert {f"h{n}": core.target(f"h{n}", now) for n in range(len(pools))} == everyone
