@@ -423,6 +423,7 @@ class Gateway:
         return env.reply({"kernel_id": kernel_id, "msg_id": header["msg_id"]})
 
     async def _forget(self, kernel_id: str) -> None:
+        self._hibernate_refused.pop(kernel_id, None)
         endpoint = self.kernels.pop(kernel_id, None)
         if endpoint is not None:
             await endpoint.close()
