@@ -131,7 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     for name, text in (
-        ("init", "create the scheduler's, gateway's, operator's and arbiter's keys (idempotent)"),
+        (
+            "init",
+            "create the scheduler's, gateway's, operator's, arbiter's and serving controller's keys (idempotent)",
+        ),
         ("host", "issue the key of each HOST (copy host.HOST.key_secret and scheduler.key to it)"),
         (
             "rotate",
