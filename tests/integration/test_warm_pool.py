@@ -5,13 +5,16 @@ and the pool refills; ``tandem status --json`` shows the pools and the warm star
 Hibernation on the same cluster (kernel.hibernate_after_s): an idle kernel's namespace goes to the
 data store and its three replica processes stop; the next cell resumes it on hosts placement
 picks, in warm runtimes, with the same values, while the client waits (its request is held, not
-failed). A kernel of this module left idle for HIBERNATE_AFTER_S hibernates: its next cell still
-works, it only takes the warm runtimes again."""
+failed), also after a restart of the global scheduler. A kernel of this module left idle for
+HIBERNATE_AFTER_S hibernates: its next cell still works, it only takes the warm runtimes again."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,6 +102,12 @@ def test_an_idle_kernel_hibernates_and_its_next_cell_finds_its_namespace(
         assert rows[kernel_id]["state"] == "hibernated"
         assert rows[kernel_id]["replicas"] == []  # nothing subscribed, nothing placed
         assert "hibernated" in cluster.cli("status").stdout
+        # no host reports a kernel without replicas: a restarted scheduler knows it from its file
+        cluster_file = cluster.state_dir / "cluster.json"
+        old_pid = json.loads(cluster_file.read_text())["processes"]["global-scheduler"]
+        os.kill(old_pid, signal.SIGKILL)
+        assert eventually(lambda: _scheduler_pid(cluster_file) not in (None, old_pid), timeout=30)
+        assert eventually(lambda: _state_or_none(cluster, kernel_id) == "hibernated", timeout=30)
         wait_until_pools_ready(cluster)
 
         cell = run(kc, "print(x + 1, float(arr.sum()), arr.dtype, arr.shape)", timeout=60)
@@ -115,6 +124,18 @@ def test_an_idle_kernel_hibernates_and_its_next_cell_finds_its_namespace(
         # and the resumed kernel keeps working as any other: a new value, replicated as usual
         assert run(kc, "y = x * 2").status == "ok"
         assert run(kc, "print(y)").stdout.strip() == "82"
+
+
+def _scheduler_pid(cluster_file: Path) -> int | None:
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return int(json.loads(cluster_file.read_text())["processes"]["global-scheduler"])
+    return None
+
+
+def _state_or_none(cluster: ClusterHandle, kernel_id: str) -> str | None:
+    with contextlib.suppress(Exception):  # the new scheduler may not answer yet
+        return _state(cluster, kernel_id)
+    return None
 
 
 def _alive(pid: int) -> bool:
