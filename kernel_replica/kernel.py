@@ -162,6 +162,7 @@ class TandemKernel(IPythonKernel):
         core.on_done = self._apply_remote_done
         core.on_state = self._apply_remote_state
         core.on_namespace_restored = self._load_namespace
+        core.on_execution_count = self._resume_count
         core.on_stop_requested = self._stop_requested
 
     # ---- SIGINT: KeyboardInterrupt only inside user code ---------------------------------------------
@@ -898,6 +899,11 @@ class TandemKernel(IPythonKernel):
         gone = [name for name in names if name not in logged]
         self._slog.info("unprotected_values_dropped", names=names)
         self._chain_apply("unprotected", imports, [(g, kept) for g, kept in groups], gone)
+
+    def _resume_count(self, count: int) -> None:
+        """A hibernated kernel resumed: its cells go on numbering where they stopped."""
+        if self.shell is not None and count > 0:
+            self.shell.execution_count = count
 
     def _load_namespace(self, contents: t.Any) -> None:
         """A snapshot was restored: rebuild the namespace from it (the log replays the rest), and

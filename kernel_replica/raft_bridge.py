@@ -99,6 +99,7 @@ DIVERGED_EXIT_GRACE_S = 1.0
 # ``replica.hibernate`` waits this long for the last cell's entries to be applied here (its STATE
 # may be written behind the reply: hundreds of MB to the data store first)
 HIBERNATE_SETTLE_S = 120.0
+IMAGE_VERSION = 1  # a namespace image: {"v", "ns": the ReplicatedNamespace snapshot, "count"}
 # Exit status of a replica whose Raft stopped on an error it cannot continue after (its state
 # machine may have diverged): the local scheduler reports the exit and the member is replaced.
 RAFT_FATAL_EXIT = 70  # EX_SOFTWARE
@@ -204,6 +205,8 @@ class ReplicaCore:
         self.on_state: Callable[[State], None] = lambda state: None
         # (imports, [(group, names)], gpu_resident) from ReplicatedNamespace.contents() and .gpu_resident()
         self.on_namespace_restored: Callable[[Any], None] = lambda contents: None
+        # a resumed kernel's execution count, from its namespace image: every replica numbers on
+        self.on_execution_count: Callable[[int], None] = lambda count: None
 
     @property
     def book(self) -> ElectionBook:
@@ -345,7 +348,9 @@ class ReplicaCore:
             await asyncio.sleep(0.01)
         else:
             raise RpcError("the last cell's state is still committing", "busy")
-        data = self.namespace.to_snapshot()
+        last = self.book.last_done()
+        count = last.execution_count if last is not None else 0  # the resumed kernel numbers on
+        data = msgpack.packb({"v": IMAGE_VERSION, "ns": self.namespace.to_snapshot(), "count": count})
         store = await self._image_store()
         try:
             ref = await store.put(data)
@@ -367,10 +372,18 @@ class ReplicaCore:
         store = await self._image_store()
         try:
             data = bytes(await store.get(ObjectRef.from_dict(raw)))
-            self.namespace.restore(data)  # checked: replaces all or nothing
+            image = msgpack.unpackb(data, raw=False)
+            if (
+                type(image) is not dict
+                or image.get("v") != IMAGE_VERSION
+                or type(image.get("count")) is not int
+            ):
+                raise ValueError("not a namespace image of this version")
+            self.namespace.restore(image["ns"])  # checked: replaces all or nothing
         except Exception as exc:
             reason = f"namespace image unusable: {exc.__class__.__name__}: {exc}"
             raise RpcError(reason, "start_failed") from None
+        self._post(self.on_execution_count, image["count"])
         self._post(self.on_namespace_restored, (*self.namespace.contents(), self.namespace.gpu_resident()))
         self._log.info("namespace_image_restored", bytes=len(data), names=len(self.namespace.digests()))
 

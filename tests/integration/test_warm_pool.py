@@ -91,7 +91,8 @@ def test_an_idle_kernel_hibernates_and_its_next_cell_finds_its_namespace(
     with tandem_kernel() as (km, kc):
         kernel_id = km.kernel_id  # its replicas took the warm runtimes: the pools refill meanwhile
         setup = "import numpy as np\nx = 41\narr = np.arange(1_000_000, dtype=np.float64)"
-        assert run(kc, setup).status == "ok"
+        first = run(kc, setup)
+        assert first.status == "ok"
         before = set(cluster.scheduled_replica_pids(kernel_id))
         assert len(before) == 3
 
@@ -113,6 +114,8 @@ def test_an_idle_kernel_hibernates_and_its_next_cell_finds_its_namespace(
         cell = run(kc, "print(x + 1, float(arr.sum()), arr.dtype, arr.shape)", timeout=60)
         assert cell.status == "ok", cell.errors
         assert cell.stdout.split() == ["42", str(float(sum(range(1_000_000)))), "float64", "(1000000,)"]
+        # numbered on from where it stopped (In [2]), not from 1 as a fresh kernel
+        assert cell.reply["content"]["execution_count"] == first.reply["content"]["execution_count"] + 1
         after = set(cluster.scheduled_replica_pids(kernel_id))
         assert len(after) == 3 and not after & before  # three new replica processes
         status = cluster.ask_scheduler(messages.KERNEL_STATUS, {"kernel_id": kernel_id})
