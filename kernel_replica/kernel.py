@@ -909,9 +909,9 @@ class TandemKernel(IPythonKernel):
         """A snapshot was restored: rebuild the namespace from it (the log replays the rest), and
         take over what its last executor kept in host memory for the GPU."""
         if self.shell is not None:
-            imports, groups, gpu_resident = contents
+            imports, groups, gpu_resident, *gone = contents
             self._residency.adopt(gpu_resident)
-            self._chain_apply("snapshot", imports, groups, [])
+            self._chain_apply("snapshot", imports, groups, list(gone[0]) if gone else [])
 
     def _chain_apply(
         self,

@@ -203,7 +203,8 @@ class ReplicaCore:
         self.on_stop_requested: Callable[[], None] = lambda: None
         self.on_done: Callable[[Done], None] = lambda done: None
         self.on_state: Callable[[State], None] = lambda state: None
-        # (imports, [(group, names)], gpu_resident) from ReplicatedNamespace.contents() and .gpu_resident()
+        # (imports, [(group, names)], gpu_resident[, names to delete]) from ReplicatedNamespace
+        # .contents() and .gpu_resident(): the namespace restored
         self.on_namespace_restored: Callable[[Any], None] = lambda contents: None
         # a resumed kernel's execution count, from its namespace image: every replica numbers on
         self.on_execution_count: Callable[[int], None] = lambda count: None
@@ -637,8 +638,14 @@ class ReplicaCore:
         if not data:
             return
         book, namespace = self._parse_snapshot(data)
+        before = self.namespace.digests()
         self.namespace.restore(namespace)  # checked: replaces all or nothing
-        self._post(self.on_namespace_restored, (*self.namespace.contents(), self.namespace.gpu_resident()))
+        # names the replica held that the snapshot no longer has (a resumed kernel's image loaded
+        # before its group's snapshot came, a lagging follower): the kernel deletes them too
+        gone = sorted(set(before) - set(self.namespace.digests()))
+        self._post(
+            self.on_namespace_restored, (*self.namespace.contents(), self.namespace.gpu_resident(), gone)
+        )
         self._feed(lambda now: self.election.restore(book, now))
         self._log.info("snapshot_restored", names=len(self.namespace.digests()))
 

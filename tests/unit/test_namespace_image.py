@@ -95,3 +95,33 @@ def test_no_image_before_the_group_is_configured(tmp_path: Path) -> None:
             await core.stop()
 
     asyncio.run(scenario())
+
+
+def _namespace(*aliases: str) -> bytes:
+    """A replicated namespace of import statements only (nothing to unpickle)."""
+    return msgpack.packb(
+        {
+            "fps": {a: b"fp-" + a.encode() for a in aliases},
+            "records": {a: ["i", f"import os as {a}"] for a in aliases},
+            "groups": [],
+        }
+    )
+
+
+def test_a_raft_snapshot_after_the_image_deletes_what_the_group_no_longer_has(tmp_path: Path) -> None:
+    from kernel_replica.election import ElectionBook
+    from kernel_replica.raft_bridge import SNAPSHOT_VERSION
+
+    async def scenario() -> None:
+        posted: list[tuple[Any, ...]] = []
+        core = _core(tmp_path, posted)
+        try:
+            core.namespace.restore(_namespace("kept", "deleted_since"))  # the image, loaded first
+            snapshot = {"v": SNAPSHOT_VERSION, "book": ElectionBook().to_snapshot(), "ns": _namespace("kept")}
+            core._restore_snapshot(msgpack.packb(snapshot))
+        finally:
+            await core.stop()
+        imports, groups, gpu_resident, gone = posted[0][1]
+        assert imports == [("kept", "import os as kept")] and gone == ["deleted_since"]
+
+    asyncio.run(scenario())
