@@ -121,7 +121,7 @@ def test_a_raft_snapshot_after_the_image_deletes_what_the_group_no_longer_has(tm
             core._restore_snapshot(msgpack.packb(snapshot))
         finally:
             await core.stop()
-        imports, groups, gpu_resident, gone = posted[0][1]
+        imports, _groups, _gpu_resident, gone = posted[0][1]
         assert imports == [("kept", "import os as kept")] and gone == ["deleted_since"]
 
     asyncio.run(scenario())
