@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         raft_tls=raft_tls,
         election=ElectionSettings.from_config(config["election"]),
         link_curve=link_curve,
+        store_config=config,
     )
     bridge = RaftBridge.start(
         kernel_id=args.kernel_id,

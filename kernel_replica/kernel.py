@@ -162,6 +162,7 @@ class TandemKernel(IPythonKernel):
         core.on_done = self._apply_remote_done
         core.on_state = self._apply_remote_state
         core.on_namespace_restored = self._load_namespace
+        core.on_execution_count = self._resume_count
         core.on_stop_requested = self._stop_requested
 
     # ---- SIGINT: KeyboardInterrupt only inside user code ---------------------------------------------
@@ -899,13 +900,18 @@ class TandemKernel(IPythonKernel):
         self._slog.info("unprotected_values_dropped", names=names)
         self._chain_apply("unprotected", imports, [(g, kept) for g, kept in groups], gone)
 
+    def _resume_count(self, count: int) -> None:
+        """A hibernated kernel resumed: its cells go on numbering where they stopped."""
+        if self.shell is not None and count > 0:
+            self.shell.execution_count = count
+
     def _load_namespace(self, contents: t.Any) -> None:
         """A snapshot was restored: rebuild the namespace from it (the log replays the rest), and
         take over what its last executor kept in host memory for the GPU."""
         if self.shell is not None:
-            imports, groups, gpu_resident = contents
+            imports, groups, gpu_resident, *gone = contents
             self._residency.adopt(gpu_resident)
-            self._chain_apply("snapshot", imports, groups, [])
+            self._chain_apply("snapshot", imports, groups, list(gone[0]) if gone else [])
 
     def _chain_apply(
         self,

@@ -60,7 +60,9 @@ from kernel_replica.election_core import (
 )
 from kernel_replica.log_entries import Done, LogEntry, LogEntryError, State
 from kernel_replica.scheduler_link import SchedulerLink
-from kernel_replica.state_sync import ReplicatedNamespace
+from kernel_replica.state_sync import ReplicatedNamespace, open_replica_datastore
+from shared.config import Config
+from shared.datastore import DataStore, ObjectRef
 from shared.raft.driver import NotRunning, PeerConfig, ProposalDropped, RaftError, RaftPeer, RaftTimeout
 from shared.raft.tls import LinkTls
 from shared.raft.types import ConfChange, ConfState, Entry, RaftConfig
@@ -94,6 +96,10 @@ STOP_GRACE_S = 0.5
 # A replica the log overruled (``ExitDiverged``) exits this long after it found out, whatever the
 # kernel thread does meanwhile: time for the cell's reply to go out first.
 DIVERGED_EXIT_GRACE_S = 1.0
+# ``replica.hibernate`` waits this long for the last cell's entries to be applied here (its STATE
+# may be written behind the reply: hundreds of MB to the data store first)
+HIBERNATE_SETTLE_S = 120.0
+IMAGE_VERSION = 1  # a namespace image: {"v", "ns": the ReplicatedNamespace snapshot, "count"}
 # Exit status of a replica whose Raft stopped on an error it cannot continue after (its state
 # machine may have diverged): the local scheduler reports the exit and the member is replaced.
 RAFT_FATAL_EXIT = 70  # EX_SOFTWARE
@@ -115,6 +121,8 @@ class ReplicaSettings:
     election: ElectionSettings = field(default_factory=ElectionSettings)  # config [election]
     # keys on the link to the local scheduler (shared/security/curve.link_env); None: plain link
     link_curve: ClientCurve | None = None
+    # the configuration the data store is opened with (hibernation images); None: no store
+    store_config: Config | None = None
 
 
 class RaftThread:
@@ -174,6 +182,7 @@ class ReplicaCore:
             replica_id, settings.election, raft=self._raft_view, now=time.monotonic()
         )
         self.namespace = ReplicatedNamespace()
+        self._store: DataStore | None = None  # opened on the first hibernation image written or read
         self.skipped_entries = 0  # committed entries that did not decode (skipped by every replica)
         self.peer: RaftPeer | None = None
         self._ctx = zmq.asyncio.Context()
@@ -194,8 +203,11 @@ class ReplicaCore:
         self.on_stop_requested: Callable[[], None] = lambda: None
         self.on_done: Callable[[Done], None] = lambda done: None
         self.on_state: Callable[[State], None] = lambda state: None
-        # (imports, [(group, names)], gpu_resident) from ReplicatedNamespace.contents() and .gpu_resident()
+        # (imports, [(group, names)], gpu_resident[, names to delete]) from ReplicatedNamespace
+        # .contents() and .gpu_resident(): the namespace restored
         self.on_namespace_restored: Callable[[Any], None] = lambda contents: None
+        # a resumed kernel's execution count, from its namespace image: every replica numbers on
+        self.on_execution_count: Callable[[int], None] = lambda count: None
 
     @property
     def book(self) -> ElectionBook:
@@ -205,18 +217,26 @@ class ReplicaCore:
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def connect_scheduler(self) -> None:
         self.scheduler.set_handlers(
-            on_configure=self.configure, on_stop=self._stop_requested, on_membership=self.membership
+            on_configure=self.configure,
+            on_stop=self._stop_requested,
+            on_membership=self.membership,
+            on_hibernate=self.hibernate_image,
         )
         self.scheduler.connect()
         await self.scheduler.register(self.raft_address)
         self._log.info("registered", raft_address=self.raft_address)
 
-    async def configure(self, peers: dict[str, str]) -> None:
-        """Start Raft with ``peers`` as bootstrap voters (or, joining, as the members to reach)."""
+    async def configure(self, peers: dict[str, str], restore: dict[str, Any] | None = None) -> None:
+        """Start Raft with ``peers`` as bootstrap voters (or, joining, as the members to reach).
+        ``restore``: a hibernated kernel's namespace image, loaded before Raft starts, so every
+        replica of the resumed group applies its log on top of the same state (a snapshot from
+        Raft, later, replaces it as usual: it already contains it)."""
         join = self.join
         if self.peer is not None:
             self._log.info("already_configured")
             return
+        if restore is not None:
+            await self._restore_image(restore)
         others = {rid: addr for rid, addr in peers.items() if rid != self.replica_id}
         voters = () if join else tuple(sorted(peers))
         config = PeerConfig(
@@ -306,6 +326,68 @@ class ReplicaCore:
         self._feed(lambda now: self.election.member_lost(member, started, now))
         return self.status()
 
+    async def _image_store(self) -> DataStore:
+        if self._store is None:
+            if self.settings.store_config is None:
+                raise RpcError("this replica has no data store configured", "unavailable")
+            self._store = await open_replica_datastore(self.settings.store_config)
+        return self._store
+
+    async def hibernate_image(self) -> dict[str, Any]:
+        """``replica.hibernate``: the replicated namespace as of everything committed, written to
+        the data store (large values are there already: the image holds their pointers). The
+        names whose latest value never reached the log (``unprotected``) are listed: the
+        scheduler keeps such a kernel running rather than lose them."""
+        peer = self.peer
+        if peer is None:
+            raise RpcError("this replica's Raft group is not configured yet", "not_ready")
+        deadline = time.monotonic() + HIBERNATE_SETTLE_S
+        while time.monotonic() < deadline:  # the last cell's DONE and STATE, still committing
+            st = peer.status()
+            if not self.election.finishing() and st.applied >= st.commit:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise RpcError("the last cell's state is still committing", "busy")
+        last = self.book.last_done()
+        count = last.execution_count if last is not None else 0  # the resumed kernel numbers on
+        data = msgpack.packb({"v": IMAGE_VERSION, "ns": self.namespace.to_snapshot(), "count": count})
+        store = await self._image_store()
+        try:
+            ref = await store.put(data)
+        except Exception as exc:
+            reason = f"writing the namespace image failed: {exc.__class__.__name__}: {exc}"
+            raise RpcError(reason, "unavailable") from None
+        names = len(self.namespace.digests())
+        self._log.info("namespace_image_written", bytes=len(data), names=names)
+        return {
+            "image": ref.to_dict(),
+            "bytes": len(data),
+            "names": names,
+            "unprotected": sorted(self.namespace.unprotected()),
+        }
+
+    async def _restore_image(self, raw: dict[str, Any]) -> None:
+        """Load a namespace image written by ``hibernate_image``; RpcError if it cannot be read
+        or is malformed (the resume fails and the kernel stays hibernated, its image kept)."""
+        store = await self._image_store()
+        try:
+            data = bytes(await store.get(ObjectRef.from_dict(raw)))
+            image = msgpack.unpackb(data, raw=False)
+            if (
+                type(image) is not dict
+                or image.get("v") != IMAGE_VERSION
+                or type(image.get("count")) is not int
+            ):
+                raise ValueError("not a namespace image of this version")
+            self.namespace.restore(image["ns"])  # checked: replaces all or nothing
+        except Exception as exc:
+            reason = f"namespace image unusable: {exc.__class__.__name__}: {exc}"
+            raise RpcError(reason, "start_failed") from None
+        self._post(self.on_execution_count, image["count"])
+        self._post(self.on_namespace_restored, (*self.namespace.contents(), self.namespace.gpu_resident()))
+        self._log.info("namespace_image_restored", bytes=len(data), names=len(self.namespace.digests()))
+
     async def _report_raft_role(self) -> None:
         """Push ``replica.event raft_role`` on every change: the global scheduler prefers the Raft
         leader as executor candidate (its LEAD commits one hop sooner)."""
@@ -352,6 +434,9 @@ class ReplicaCore:
                 await self.peer.stop()
         with contextlib.suppress(Exception):
             await self.scheduler.close()
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                await self._store.close()
         self._ctx.destroy(linger=0)
 
     def status(self) -> dict[str, Any]:
@@ -553,8 +638,14 @@ class ReplicaCore:
         if not data:
             return
         book, namespace = self._parse_snapshot(data)
+        before = self.namespace.digests()
         self.namespace.restore(namespace)  # checked: replaces all or nothing
-        self._post(self.on_namespace_restored, (*self.namespace.contents(), self.namespace.gpu_resident()))
+        # names the replica held that the snapshot no longer has (a resumed kernel's image loaded
+        # before its group's snapshot came, a lagging follower): the kernel deletes them too
+        gone = sorted(set(before) - set(self.namespace.digests()))
+        self._post(
+            self.on_namespace_restored, (*self.namespace.contents(), self.namespace.gpu_resident(), gone)
+        )
         self._feed(lambda now: self.election.restore(book, now))
         self._log.info("snapshot_restored", names=len(self.namespace.digests()))
 

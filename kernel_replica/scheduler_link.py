@@ -28,7 +28,9 @@ TIMINGS_BATCH = 64  # ... or this many cells
 GPU_COMMIT_RETRIES = 10  # a designated replica's refused gpu.commit: the release is in flight
 GPU_COMMIT_RETRY_S = 0.05
 
-ConfigureHandler = Callable[[dict[str, str]], Awaitable[None]]
+# peers, and the namespace image to restore first (a resumed kernel's), or None
+ConfigureHandler = Callable[[dict[str, str], dict[str, Any] | None], Awaitable[None]]
+HibernateHandler = Callable[[], Awaitable[dict[str, Any]]]
 StopHandler = Callable[[], Awaitable[None]]
 # (action, member, address, cells) -> this replica's view of the group after the change
 MembershipHandler = Callable[[str, str, str, list[str]], Awaitable[dict[str, Any]]]
@@ -62,6 +64,7 @@ class SchedulerLink:
         self._on_configure: ConfigureHandler | None = None
         self._on_stop: StopHandler | None = None
         self._on_membership: MembershipHandler | None = None
+        self._on_hibernate: HibernateHandler | None = None
         # gpu.bound pushes not yet taken: msg_id -> (device ids bound ahead, or None if none
         # could be; whether the scheduler designated this replica as the cell's only candidate)
         self._bound_ahead: OrderedDict[str, tuple[list[int] | None, bool]] = OrderedDict()
@@ -77,10 +80,12 @@ class SchedulerLink:
         on_configure: ConfigureHandler,
         on_stop: StopHandler,
         on_membership: MembershipHandler | None = None,
+        on_hibernate: HibernateHandler | None = None,
     ) -> None:
         self._on_configure = on_configure
         self._on_stop = on_stop
         self._on_membership = on_membership
+        self._on_hibernate = on_hibernate
 
     def connect(self) -> None:
         self._client.connect(self._address)
@@ -211,8 +216,13 @@ class SchedulerLink:
         if env.type == messages.REPLICA_CONFIGURE:
             if self._on_configure is None:
                 return env.error("replica is not ready to be configured", code="not_ready")
-            await self._on_configure({str(k): str(v) for k, v in env.body["peers"].items()})
+            restore = env.body.get("restore")
+            await self._on_configure({str(k): str(v) for k, v in env.body["peers"].items()}, restore)
             return env.reply({"replica_id": self.replica_id})
+        if env.type == messages.REPLICA_HIBERNATE:
+            if self._on_hibernate is None:
+                return env.error("replica cannot write its namespace image", code="not_ready")
+            return env.reply(await self._on_hibernate())
         if env.type == messages.REPLICA_MEMBERSHIP:
             if self._on_membership is None:
                 return env.error("replica is not ready for membership changes", code="not_ready")

@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     common(kstop)
     kstop.add_argument("kernel_id", metavar="KERNEL", help="its id (see `tandem kernel list`)")
     kstop.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the stop")
+    khib = kernel_sub.add_parser(
+        "hibernate", help="write KERNEL's namespace to the data store and stop its replicas now"
+    )
+    common(khib)
+    khib.add_argument("kernel_id", metavar="KERNEL", help="its id (see `tandem kernel list`)")
+    khib.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it")
 
     host = sub.add_parser("host", help="host administration")
     host_sub = host.add_subparsers(dest="host_command", required=True)
@@ -125,7 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     for name, text in (
-        ("init", "create the scheduler's, gateway's, operator's and arbiter's keys (idempotent)"),
+        (
+            "init",
+            "create the scheduler's, gateway's, operator's, arbiter's and serving controller's keys (idempotent)",
+        ),
         ("host", "issue the key of each HOST (copy host.HOST.key_secret and scheduler.key to it)"),
         (
             "rotate",
@@ -281,22 +290,39 @@ def _ask(
 def _ask_arbiter(
     args: argparse.Namespace, cfg: Config, msg_type: str, body: dict[str, Any], *, timeout: float = 10.0
 ) -> dict[str, Any]:
+    return _ask_service(args, cfg, curve.ARBITER, msg_type, body, timeout=timeout)
+
+
+def _ask_service(
+    args: argparse.Namespace,
+    cfg: Config,
+    service: str,
+    msg_type: str,
+    body: dict[str, Any],
+    *,
+    timeout: float,
+) -> dict[str, Any]:
+    """One request to a service cluster.json names under ``service`` (the arbiter, the serving
+    controller), as the operator."""
     cluster = read_cluster(state_dir_of(args, cfg))
-    address = cluster.raw.get("arbiter")
+    address = cluster.raw.get(service)
     if not address:
         raise ClusterNotRunning(
-            f"the cluster in {cluster.path} runs no arbiter (it was started by a Tandem without "
-            "batch jobs): restart it with `tandem up`"
+            f"the cluster in {cluster.path} runs no {service} (it was started by an older Tandem): "
+            "restart it with `tandem up`"
         )
     return ask_sync(
-        str(address), msg_type, body, credentials=cluster.operator_curve(curve.ARBITER), timeout=timeout
+        str(address), msg_type, body, credentials=cluster.operator_curve(service), timeout=timeout
     )
 
 
 def cmd_status(args: argparse.Namespace, cfg: Config) -> int:
     status = _ask_scheduler(args, cfg, messages.CLUSTER_STATUS, {"all": args.all}, timeout=5.0)
-    if read_cluster(state_dir_of(args, cfg)).raw.get("arbiter"):
+    running = read_cluster(state_dir_of(args, cfg)).raw
+    if running.get("arbiter"):
         status["batch"] = _ask_arbiter(args, cfg, messages.ARBITER_STATUS, {}, timeout=5.0)
+    if running.get("serving"):
+        status["serving"] = _ask_service(args, cfg, curve.SERVING, messages.SERVING_STATUS, {}, timeout=5.0)
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True, default=str))
         return 0
@@ -331,6 +357,14 @@ def render_status(status: dict[str, Any]) -> None:
     out.print(table)
     render_scaling(out, status)
     render_batch(out, status.get("batch"))
+    render_serving(out, status.get("serving"))
+    hibernation = status.get("hibernation") or {}
+    if hibernation.get("hibernated") or hibernation.get("resumes"):
+        out.print(
+            f"Hibernation: {hibernation.get('hibernated', 0)} kernels hibernated now, "
+            f"{hibernation.get('resumes', 0)} resumes (last resume p50 {hibernation.get('last_resume_s_p50')} s), "
+            f"{hibernation.get('gpu_hours_freed', 0)} GPU-hours of replica subscriptions freed"
+        )
     kernels = status.get("kernels", [])
     if not kernels:
         out.print("no kernels")
@@ -345,12 +379,24 @@ def render_status(status: dict[str, Any]) -> None:
         )
         ktable.add_row(
             str(kernel.get("id", "?")),
-            str(kernel.get("state", "")),
+            str(kernel.get("state", ""))
+            + (hibernation_note(kernel) if kernel.get("state") == "hibernated" else ""),
             replicas,
             str(kernel.get("last_executor") or ""),
             _migrations(kernel),
         )
     out.print(ktable)
+
+
+def hibernation_note(kernel: dict[str, Any]) -> str:
+    """`` (image 12.3 MB, since 10:41:07)`` for a hibernated kernel's row; "" without its facts."""
+    info = kernel.get("hibernation")
+    if not isinstance(info, dict):
+        return ""
+    size = float(info.get("image_bytes") or 0) / 1e6
+    since = info.get("hibernated_at")
+    when = time.strftime(", since %H:%M:%S", time.localtime(since)) if isinstance(since, int | float) else ""
+    return f" (image {size:.1f} MB{when})"
 
 
 def kernel_rows(
@@ -383,6 +429,7 @@ def kernel_rows(
                 "connections": gw.get("connections"),
                 "reason": sched.get("reason") or gw.get("reason") or "",
                 "stopped_by": gw.get("stopped_by", ""),
+                "hibernation": sched.get("hibernation"),
             }
         )
     return rows
@@ -391,6 +438,11 @@ def kernel_rows(
 def cmd_kernel(args: argparse.Namespace, cfg: Config) -> int:
     if args.kernel_command == "stop":
         return stop_kernel(args, cfg, args.kernel_id)
+    if args.kernel_command == "hibernate":
+        body = {"kernel_id": args.kernel_id, "reason": "operator"}
+        answer = _ask_gateway(args, cfg, messages.KERNEL_HIBERNATE, body, timeout=args.timeout)
+        print(f"{args.kernel_id}: hibernated{hibernation_note(answer)}")
+        return 0
     status = _ask_scheduler(args, cfg, messages.CLUSTER_STATUS, {"all": True}, timeout=5.0)
     listed = _ask_gateway(args, cfg, messages.KERNEL_LIST, {}, timeout=5.0)
     rows = kernel_rows(status, listed, stopped=args.all)
@@ -412,7 +464,8 @@ def cmd_kernel(args: argparse.Namespace, cfg: Config) -> int:
             row["name"],
             row["state"]
             + (f" ({busy})" if row["state"] == "running" and busy else "")
-            + (f" (by the {by})" if row["state"] == "stopped" and by else ""),
+            + (f" (by the {by})" if row["state"] == "stopped" and by else "")
+            + (hibernation_note(row) if row["state"] == "hibernated" else ""),
             ", ".join(f"{r['id']}@{r['host']}" for r in row["replicas"]),
             str(row["executor"] or ""),
             f"{max(now - activity, 0):.0f}s ago" if isinstance(activity, int | float) else "",
@@ -492,6 +545,20 @@ def render_scaling(console: Any, status: dict[str, Any]) -> None:
         )
         for event in (status.get("scale_events") or [])[-5:]:
             console.print(f"  {event.get('kind')} {','.join(event.get('hosts', []))}: {event.get('reason')}")
+
+
+def render_serving(console: Any, serving: dict[str, Any] | None) -> None:
+    """The serving controller's warm-runtime pools: per host warm/warming/target."""
+    if not serving or serving.get("policy") == "none":
+        return
+    pools = ", ".join(
+        f"{h.get('host')} {h.get('warm', 0)}+{h.get('starting', 0)}/{h.get('target', 0)}"
+        for h in serving.get("hosts", [])
+    )
+    console.print(
+        f"Warm runtimes ({serving.get('policy')}, decided cluster-wide; warm+warming/target): {pools}; "
+        f"promised {serving.get('grants', 0)}, cold {serving.get('cold', 0)}"
+    )
 
 
 def render_batch(console: Any, batch: dict[str, Any] | None) -> None:

@@ -1,6 +1,6 @@
 """The embedded cluster behind ``tandem up``: every service as a real OS process on loopback.
 
-Start order: arbiter (best-effort jobs' leases), global scheduler, gateway, N local schedulers
+Start order: arbiter (best-effort jobs' leases), serving controller (warm runtimes), global scheduler, gateway, N local schedulers
 (virtual GPUs), the Kernel Gateway HTTP API (``http.enabled``); then wait until every host has
 registered and the API serves, write ``cluster.json`` and hand control back. Stop order is the
 reverse (the API first, while the gateway still stops its kernels), and
@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 import structlog
 
 from services.cluster_file import CLUSTER_FILE, ClusterNotRunning, ask_sync, pid_alive, read_cluster
+from services.global_scheduler.hibernated_file import forget_hibernated
 from shared import messages
 from shared.config import Config
 from shared.private_files import open_private_file, private_dir, write_private
@@ -131,6 +132,7 @@ class EmbeddedCluster:
         self.children: list[Child] = []
         self._scheduler_args: list[str] = []
         self._arbiter_args: list[str] = []
+        self._serving_args: list[str] = []
         self._gateway_args: list[str] = []
         self._gateway_restarts: list[float] = []
         self._http_args: list[str] = []
@@ -139,6 +141,7 @@ class EmbeddedCluster:
         self.scheduler_address = ""
         self.gateway_address = ""
         self.arbiter_address = ""
+        self.serving_address = ""
         self.cluster_file = state_dir / CLUSTER_FILE
         self.keys_dir = cfg.keys_dir() if cfg.get("security.keys_dir") else state_dir / "keys"
 
@@ -165,9 +168,10 @@ class EmbeddedCluster:
             self.stop()
             raise
 
-    def _child_config(self, arbiter_address: str = "") -> str:
+    def _child_config(self, arbiter_address: str = "", serving_address: str = "") -> str:
         data = self.cfg.as_dict()
         data["arbiter"]["address"] = arbiter_address
+        data["serving"]["address"] = serving_address
         if self.cfg.get("embedded.virtual_gpus"):
             data["host"]["use_nvml"] = False
         data["cluster"]["state_dir"] = str(self.state_dir)
@@ -190,7 +194,23 @@ class EmbeddedCluster:
         self._arbiter_args = ["-m", "services.arbiter", "--config-json", self._child_config(), *log_format]
         arbiter = self._spawn("arbiter", [*self._arbiter_args, "--bind", f"tcp://{self.ip}:0"], critical=True)
         self.arbiter_address = self._wait_for_announcement(arbiter, offset, deadline)
-        config_json = self._child_config(self.arbiter_address)
+        # The serving controller next: hosts report their warm pools to it, the scheduler asks it
+        # for runtimes.
+        serving_log = self.log_dir / "serving-controller.log"
+        offset = serving_log.stat().st_size if serving_log.exists() else 0
+        self._serving_args = [
+            "-m",
+            "services.serving_controller",
+            "--config-json",
+            self._child_config(),
+            *log_format,
+        ]
+        serving = self._spawn(
+            "serving-controller", [*self._serving_args, "--bind", f"tcp://{self.ip}:0"], critical=True
+        )
+        self.serving_address = self._wait_for_announcement(serving, offset, deadline)
+        config_json = self._child_config(self.arbiter_address, self.serving_address)
+        forget_kernel_table(self.state_dir)  # no kernel outlives the cluster that ran it
         # The scheduler binds a port the OS picks at bind time and announces it; a port chosen here
         # and bound there later could be taken in between (by any process, or as the ephemeral
         # source port of an outgoing connection).
@@ -203,7 +223,6 @@ class EmbeddedCluster:
         self.scheduler_address = self._wait_for_announcement(scheduler, offset, deadline)
         address_file = self.state_dir / "gateway.address"
         address_file.unlink(missing_ok=True)
-        forget_kernel_table(self.state_dir)  # no kernel outlives the cluster that ran it
         self._gateway_args = [
             "-m", "services.gateway", "--scheduler", self.scheduler_address,
             "--address-file", str(address_file), "--config-json", config_json, *log_format,
@@ -231,6 +250,7 @@ class EmbeddedCluster:
             "scheduler": self.scheduler_address,
             **({"http": self.http_url} if self.http_url else {}),
             "arbiter": self.arbiter_address,
+            "serving": self.serving_address,
             "pid": os.getpid(),
             "hosts": hosts,
             "state_dir": str(self.state_dir),
@@ -357,6 +377,14 @@ class EmbeddedCluster:
         persisted, and the hosts, whose links reconnect, report their jobs and GPUs again."""
         child = self._restart_announced("arbiter", self._arbiter_args, self.arbiter_address, timeout)
         log.warning("arbiter_restarted", pid=child.process.pid if child.process else None)
+
+    def restart_serving(self, timeout: float = 30.0) -> None:
+        """The serving controller died: start a new one on the same address. It keeps nothing on
+        disk: the hosts' next reports rebuild every pool, and they keep their targets meanwhile."""
+        child = self._restart_announced(
+            "serving-controller", self._serving_args, self.serving_address, timeout
+        )
+        log.warning("serving_controller_restarted", pid=child.process.pid if child.process else None)
 
     def _restart_announced(self, name: str, args: list[str], address: str, timeout: float) -> Child:
         old = next(c for c in self.children if c.name == name)
@@ -553,6 +581,7 @@ def run_foreground(cluster: EmbeddedCluster, *, on_ready: Any = None) -> int:
     restarts = {
         "global-scheduler": cluster.restart_scheduler,
         "arbiter": cluster.restart_arbiter,
+        "serving-controller": cluster.restart_serving,
         "gateway": cluster.restart_gateway,
         HTTP_SERVICE: cluster.restart_http,
     }
@@ -584,9 +613,11 @@ def run_foreground(cluster: EmbeddedCluster, *, on_ready: Any = None) -> int:
 
 
 def forget_kernel_table(state_dir: Path) -> None:
-    """A new cluster starts with no kernel: the previous gateway's table must not be restored."""
+    """A new cluster starts with no kernel: the previous gateway's table must not be restored,
+    nor the previous scheduler's hibernated kernels resumed."""
     with contextlib.suppress(FileNotFoundError):
         (state_dir / "gateway" / "kernels.json").unlink()
+    forget_hibernated(state_dir)
 
 
 def cluster_alive(state_dir: Path) -> bool:

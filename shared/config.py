@@ -54,6 +54,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "cull_interval_s": 60.0,  # how often the gateway looks for idle kernels
         "cull_connected": False,  # also cull kernels that clients are still connected to
         "cull_busy": False,  # also cull kernels running a cell (no message for cull_idle_s)
+        # Hibernation (NotebookOS §5.5.2, made real): a kernel idle this long (clients connected
+        # or not, never mid-cell) has its namespace written to the data store and its replicas
+        # stopped; its next request resumes it on hosts placement picks. 0: never.
+        "hibernate_after_s": 0.0,
+        "hibernate_interval_s": 5.0,  # how often the gateway looks for kernels to hibernate
     },
     "election": {
         # The executor election of each cell among a kernel's replicas (kernel_replica/election_core.py).
@@ -128,6 +133,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "half_life_s": 300.0,  # littles_law: the arrival rate's memory
         "interval_s": 2.0,  # how often the pool is reconciled with its target
         "imports": ["torch"],  # modules a warm runtime imports ahead (skipped when absent)
+    },
+    "serving": {
+        # The serving controller (services/serving_controller): decides every host's warm-runtime
+        # pool at once with the [prewarm] policy and promises ready runtimes to replica starts.
+        "address": "",  # its ROUTER; empty: none (`tandem up` starts one and sets it)
+        "stale_s": 10.0,  # a host whose pool report is older is left out of the decisions
+        "acquire_timeout_s": 0.5,  # the scheduler starts a replica without an answer after this
     },
     "metrics": {
         # Prometheus /metrics on the global scheduler: 0 off; -1 a free port (`tandem up` default).

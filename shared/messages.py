@@ -9,20 +9,27 @@ Who sends what (G = gateway, S = global scheduler, L = local scheduler, R = kern
 C = CLI / provisioner):
 
     C -> G   kernel.start, kernel.shutdown, kernel.status, kernel.interrupt, kernel.list
-    G -> S   kernel.start, kernel.shutdown, kernel.status, jupyter.request
+    G -> S   kernel.start, kernel.shutdown, kernel.status, jupyter.request, kernel.hibernate,
+             kernel.resume
     S -> G   jupyter.reply, kernel.dead
     C -> S   cluster.status, host.cordon, host.uncordon, host.drain, replica.restart
     L -> S   host.register, host.heartbeat, jupyter.reply, replica.event
     S -> L   replica.start, replica.configure, replica.stop, replica.membership, replica.restart,
-             jupyter.request
+             replica.hibernate, jupyter.request
     R -> L   replica.register, gpu.commit, gpu.release, replica.event
-    L -> R   replica.configure, replica.stop, replica.membership
+    L -> R   replica.configure, replica.stop, replica.membership, replica.hibernate
 
 Best-effort batch jobs (A = arbiter; issue #16):
 
     C -> A   job.submit, job.list, job.show, job.logs, job.cancel, arbiter.status
     L -> A   agent.report
     A -> L   lease.grant, lease.end, job.logs
+
+Warm runtimes (V = serving controller; issue #20):
+
+    L -> V   pool.report (answered with the host's target)
+    S -> V   runtime.acquire ("a runtime on host H, now"), serving.status
+    C -> V   serving.status
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ KERNEL_STATUS = "kernel.status"
 KERNEL_INTERRUPT = "kernel.interrupt"
 KERNEL_DEAD = "kernel.dead"
 KERNEL_LIST = "kernel.list"  # the gateway's kernels with connections and last activity
+# G -> S: save an idle kernel's namespace to the data store and stop its replicas; bring it back
+KERNEL_HIBERNATE = "kernel.hibernate"
+KERNEL_RESUME = "kernel.resume"
 
 # ---- Jupyter traffic, carried opaquely -------------------------------------------------------
 JUPYTER_REQUEST = "jupyter.request"  # towards the replicas
@@ -64,6 +74,9 @@ REPLICA_RESTART = "replica.restart"
 # ``lost`` tells a member that another one's process died (no Raft change)
 REPLICA_MEMBERSHIP = "replica.membership"
 MEMBERSHIP_ACTIONS = ("add_learner", "promote", "remove", "status", "lost")
+# S -> L -> R: write the replicated namespace (the Raft state machine's data) to the data store
+# and answer its reference: the image a hibernated kernel's replicas restore (``configure.restore``)
+REPLICA_HIBERNATE = "replica.hibernate"
 REPLICA_REGISTER = "replica.register"
 REPLICA_EVENT = "replica.event"
 GPU_COMMIT = "gpu.commit"
@@ -82,6 +95,11 @@ ARBITER_STATUS = "arbiter.status"
 AGENT_REPORT = "agent.report"  # a host's idle GPUs and its jobs' progress (the Themis agent's report)
 LEASE_GRANT = "lease.grant"  # run (or keep running) a job on this many GPUs until expires_at
 LEASE_END = "lease.end"  # stop the job at a step boundary and free its GPUs
+
+# ---- warm runtimes and the serving controller -----------------------------------------------------
+POOL_REPORT = "pool.report"  # a host's warm-runtime pool; the answer is the host's target
+RUNTIME_ACQUIRE = "runtime.acquire"  # a ready runtime on host H promised to one replica start
+SERVING_STATUS = "serving.status"
 
 CHANNELS = ("shell", "control", "stdin", "iopub")
 # cell_timings: the executor's per-cell step times (ms), sent after its reply (metrics only)
@@ -114,6 +132,8 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     KERNEL_STATUS: {"kernel_id": (_str, True)},
     KERNEL_INTERRUPT: {"kernel_id": (_str, True)},
     KERNEL_DEAD: {"kernel_id": (_str, True), "reason": (_str, True)},
+    KERNEL_HIBERNATE: {"kernel_id": (_str, True), "reason": (_str, False)},
+    KERNEL_RESUME: {"kernel_id": (_str, True)},
     JUPYTER_REQUEST: {
         "kernel_id": (_str, True),
         "channel": (_str, True),
@@ -167,7 +187,10 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "kernel_id": (_str, True),
         "replica_id": (_str, True),
         "peers": (_map, True),  # replica_id -> raft address, the initial voters
+        # a resumed kernel's namespace image (an ObjectRef map), restored before Raft starts
+        "restore": (_map, False),
     },
+    REPLICA_HIBERNATE: {"kernel_id": (_str, True), "replica_id": (_str, True)},
     REPLICA_STOP: {"kernel_id": (_str, True), "replica_id": (_str, True)},
     # C -> S: kernel_id and replica_id; S -> L adds what starting the process needs
     REPLICA_RESTART: {
@@ -246,6 +269,17 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "job": (_map, True),  # argv, cwd, env, start_iteration
     },
     LEASE_END: {"job_id": (_str, True), "reason": (_str, True)},
+    POOL_REPORT: {
+        "host_id": (_str, True),
+        "warm": (_int, True),
+        "starting": (_int, True),
+        "idle_gpus": (_int, False),
+        "taken": (_int, False),
+        "misses": (_int, False),
+        "warmup_s": (_num, False),
+    },
+    RUNTIME_ACQUIRE: {"host_id": (_str, True), "kernel_id": (_str, False), "purpose": (_str, False)},
+    SERVING_STATUS: {},
 }
 
 _CHECKED_CHANNEL = {JUPYTER_REQUEST, JUPYTER_REPLY}

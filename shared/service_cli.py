@@ -7,12 +7,15 @@ Configuration layers, later wins: built-in defaults, ``--config PATH`` (TOML), `
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from shared.config import Config, ConfigError, config_from_json, load_config, parse_overrides
 from shared.logs import configure_logging
+from shared.runner import run_service
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,3 +66,32 @@ def setup(args: argparse.Namespace, service: str, extra: dict[str, Any] | None =
 def announce(service: str, **fields: Any) -> None:
     """One JSON line on stdout saying where the service listens (parents parse it)."""
     print(json.dumps({"service": service, "event": "listening", **fields}), flush=True)
+
+
+class RouterService(Protocol):
+    def bind(self, address: str) -> str: ...
+
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
+def router_service_main(
+    argv: list[str] | None, *, name: str, doc: str | None, build: Callable[[Config], RouterService]
+) -> int:
+    """``python -m services.<name> [--bind ADDR] [--config-json JSON] ...`` for a service that is
+    one ROUTER: bind (a free port by default), announce the address, run until SIGTERM.
+    ``build`` imports the service's module when called, so ``--help`` stays fast."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=doc)
+    parser.add_argument(
+        "--bind", default=None, help="ROUTER address (default tcp://<cluster.ip>:0, a free port)"
+    )
+    add_common_arguments(parser)
+    args = parser.parse_args(argv)
+    cfg = setup(args, name)
+
+    async def service(stop: asyncio.Event) -> None:
+        server = build(cfg)
+        address = server.bind(args.bind or f"tcp://{cfg.get('cluster.ip')}:0")
+        announce(name, address=address)
+        await server.run(stop)
+
+    return run_service(service, name=name)

@@ -39,7 +39,7 @@ from shared.envelope import Envelope
 from shared.private_files import private_dir, write_private
 from shared.rpc import OutboundRequests, RpcError, RpcServer, RpcTimeout
 from shared.security import curve
-from shared.security.authorization import arbiter_refusal
+from shared.security.authorization import arbiter_refusal, host_identity_refusal
 from shared.snapshot_metrics import SnapshotExporter
 
 log = structlog.get_logger("arbiter")
@@ -152,10 +152,7 @@ class ArbiterService:
     # ---- messages -------------------------------------------------------------------------------
 
     def _authorize(self, principal: str, identity: bytes, env: Envelope) -> str | None:
-        host = curve.host_of(principal)
-        if host is not None and identity != host.encode():
-            return f"{principal} may not use the routing identity {identity!r}"
-        return arbiter_refusal(principal, env.type, env.body)
+        return host_identity_refusal(principal, identity) or arbiter_refusal(principal, env.type, env.body)
 
     def _handle(self, identity: bytes, env: Envelope) -> Any:
         body, now = env.body, time.time()

@@ -30,6 +30,7 @@ from shared.config import Config
 from shared.envelope import Envelope
 from shared.jupyter_wire import WireError, json_part
 from shared.policies.culling import CullPolicy, KernelActivity, kernels_to_cull
+from shared.policies.hibernation import HibernatePolicy, kernels_to_hibernate
 from shared.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
 from shared.security import curve
 from shared.security.authorization import gateway_refusal
@@ -42,6 +43,8 @@ GATEWAY_IDENTITY = b"gateway"
 # forwards clients' requests: time for clients' iopub subscriptions to reconnect (ZMQ retries
 # every 100 ms), or they would miss those outputs.
 RECONNECT_GRACE_S = 1.0
+# The scheduler's answer to kernel.hibernate: a large namespace's last STATE may still be written
+HIBERNATE_TIMEOUT_S = 180.0
 # How long a restarted gateway waits for a kernel's old port to be free before it gives the kernel up.
 PORTS_FREED_WITHIN_S = 2.0
 
@@ -49,6 +52,7 @@ PORTS_FREED_WITHIN_S = 2.0
 class KernelState:
     STARTING = "starting"
     ALIVE = "alive"
+    HIBERNATED = "hibernated"  # its replicas stopped, its namespace stored: a request resumes it
     DEAD = "dead"
     STOPPED = "stopped"
 
@@ -70,6 +74,11 @@ class Gateway:
             cull_busy=bool(cfg.get("kernel.cull_busy")),
         )
         self._cull_interval: float = cfg.get("kernel.cull_interval_s")
+        self._hibernate = HibernatePolicy(after_s=float(cfg.get("kernel.hibernate_after_s")))
+        self._hibernate_interval: float = cfg.get("kernel.hibernate_interval_s")
+        # kernel -> its last activity when the scheduler refused to hibernate it: tried again
+        # only after new activity (a name that cannot be saved stays unsaved until it changes)
+        self._hibernate_refused: dict[str, float] = {}
         self._ports_kept_s: float = cfg.get("gateway.restart_ports_kept_s")
         keys_dir = cfg.keys_dir()
         api_curve = curve.server_curve(keys_dir, curve.GATEWAY)
@@ -102,6 +111,7 @@ class Gateway:
         self.names: dict[str, str] = {}  # kernel id -> kernelspec name, as the provisioner said
         self._poller: asyncio.Task[None] | None = None
         self._culler: asyncio.Task[None] | None = None
+        self._hibernator: asyncio.Task[None] | None = None
         # kernels stopped for a restart, whose ports go back unless a start comes first
         self._port_holds: dict[str, asyncio.TimerHandle] = {}
         self._refreshing: set[str] = set()
@@ -121,6 +131,9 @@ class Gateway:
             self._culler = asyncio.ensure_future(self._cull_idle_kernels())
             log.info("idle_culling", idle_s=self._cull.idle_s, cull_connected=self._cull.cull_connected,
                      cull_busy=self._cull.cull_busy, interval_s=self._cull_interval)  # fmt: skip
+        if self._hibernate.enabled:
+            self._hibernator = asyncio.ensure_future(self._hibernate_idle_kernels())
+            log.info("hibernation", after_s=self._hibernate.after_s, interval_s=self._hibernate_interval)
         if restored:
             self._in_background(self._check_liveness(restored, after=RECONNECT_GRACE_S))
             asyncio.get_running_loop().call_later(RECONNECT_GRACE_S, self._release_restored, restored)
@@ -128,7 +141,7 @@ class Gateway:
         return address
 
     async def close(self) -> None:
-        await _cancel([t for t in (self._poller, self._culler) if t is not None])
+        await _cancel([t for t in (self._poller, self._culler, self._hibernator) if t is not None])
         for hold in self._port_holds.values():
             hold.cancel()
         await _cancel(list(self._background))
@@ -150,6 +163,7 @@ class Gateway:
             messages.KERNEL_STATUS: self._kernel_status,
             messages.KERNEL_INTERRUPT: self._kernel_interrupt,
             messages.KERNEL_LIST: self._kernel_list,
+            messages.KERNEL_HIBERNATE: self._kernel_hibernate,
         }
         handler = handlers.get(env.type)
         if handler is None:
@@ -163,7 +177,7 @@ class Gateway:
         klog = log.bind(kernel=kernel_id)
         scheme = body.get("signature_scheme", "hmac-sha256")
         key = body["key"].encode()
-        if self.states.get(kernel_id) in (KernelState.STARTING, KernelState.ALIVE):
+        if self.states.get(kernel_id) in (KernelState.STARTING, KernelState.ALIVE, KernelState.HIBERNATED):
             return env.error(f"kernel {kernel_id} is already running", code="conflict")
         endpoint = self.kernels.get(kernel_id)
         fresh = endpoint is None
@@ -300,10 +314,10 @@ class Gateway:
     async def _cull_idle_kernels(self) -> None:
         while True:
             await asyncio.sleep(self._cull_interval)
-            activity = [
+            activity = [  # a hibernated kernel is culled too: idle that long, hibernated or not
                 KernelActivity(kid, e.last_activity, e.busy, e.connections)
                 for kid, e in self.kernels.items()
-                if self.states.get(kid) == KernelState.ALIVE
+                if self.states.get(kid) in (KernelState.ALIVE, KernelState.HIBERNATED)
             ]
             for decision in kernels_to_cull(self._cull, activity, time.time()):
                 log.warning("kernel_culled", kernel=decision.kernel_id, reason=decision.reason)
@@ -313,6 +327,58 @@ class Gateway:
                     )
                 except Exception:  # the next round tries again; the loop must outlive one failure
                     log.exception("kernel_cull_failed", kernel=decision.kernel_id)
+
+    # ---- hibernation (shared/policies/hibernation.py) -----------------------------------------
+
+    async def _hibernate_idle_kernels(self) -> None:
+        while True:
+            await asyncio.sleep(self._hibernate_interval)
+            activity = [
+                KernelActivity(kid, e.last_activity, e.busy, e.connections)
+                for kid, e in self.kernels.items()
+                if self.states.get(kid) == KernelState.ALIVE
+                and self._hibernate_refused.get(kid) != e.last_activity
+            ]
+            for decision in kernels_to_hibernate(self._hibernate, activity, time.time()):
+                try:
+                    await self._hibernate_kernel(decision.kernel_id, decision.reason)
+                except (RpcError, RpcTimeout) as exc:
+                    endpoint = self.kernels.get(decision.kernel_id)
+                    if endpoint is not None:
+                        self._hibernate_refused[decision.kernel_id] = endpoint.last_activity
+                    log.info("kernel_not_hibernated", kernel=decision.kernel_id, reason=str(exc))
+                except Exception:  # the next round tries again; the loop must outlive one failure
+                    log.exception("kernel_hibernation_failed", kernel=decision.kernel_id)
+
+    async def _hibernate_kernel(self, kernel_id: str, reason: str) -> dict[str, Any]:
+        """Ask the scheduler to hibernate the kernel; its ports stay bound and its heartbeat
+        answered (clients see a live, idle kernel), and its next request resumes it."""
+        asked = time.time()
+        answer = await self.scheduler.request(
+            Envelope(messages.KERNEL_HIBERNATE, {"kernel_id": kernel_id, "reason": reason}),
+            timeout=HIBERNATE_TIMEOUT_S,
+        )
+        if self.states.get(kernel_id) == KernelState.ALIVE:
+            endpoint = self.kernels.get(kernel_id)
+            # a request that came while it was saved has already started its resume
+            if endpoint is None or endpoint.last_activity <= asked:
+                self.states[kernel_id] = KernelState.HIBERNATED
+        self._hibernate_refused.pop(kernel_id, None)
+        log.info("kernel_hibernated", kernel=kernel_id, reason=reason)
+        return answer.body
+
+    async def _kernel_hibernate(self, env: Envelope) -> Envelope:
+        """``tandem kernel hibernate K``: now, whatever the policy says (not while a cell runs)."""
+        kernel_id: str = env.body["kernel_id"]
+        if self.states.get(kernel_id) not in (KernelState.ALIVE, KernelState.HIBERNATED):
+            return env.error(f"kernel {kernel_id} is not running", code="unknown_kernel")
+        try:
+            body = await self._hibernate_kernel(kernel_id, str(env.body.get("reason") or "operator"))
+        except RpcError as exc:
+            return env.error(exc.reason, code=exc.code or "refused")
+        except RpcTimeout as exc:
+            return env.error(str(exc), code="timeout")
+        return env.reply(body)
 
     def _kernel_status(self, env: Envelope) -> Envelope:
         kernel_id: str = env.body["kernel_id"]
@@ -357,6 +423,7 @@ class Gateway:
         return env.reply({"kernel_id": kernel_id, "msg_id": header["msg_id"]})
 
     async def _forget(self, kernel_id: str) -> None:
+        self._hibernate_refused.pop(kernel_id, None)
         endpoint = self.kernels.pop(kernel_id, None)
         if endpoint is not None:
             await endpoint.close()
@@ -422,6 +489,9 @@ class Gateway:
         return forward
 
     def _forward(self, kernel_id: str, channel: str, frames: list[bytes]) -> None:
+        if self.states.get(kernel_id) == KernelState.HIBERNATED:  # the scheduler holds it and resumes
+            self.states[kernel_id] = KernelState.ALIVE
+            log.info("kernel_resuming", kernel=kernel_id, channel=channel)
         self.scheduler.send(
             Envelope(messages.JUPYTER_REQUEST, {"kernel_id": kernel_id, "channel": channel, "frames": frames})
         )
@@ -478,7 +548,11 @@ class Gateway:
                 continue
             self._learn_placement(kernel_id, answer.body)
             state = str(answer.body.get("state", "")).lower()
-            if state in ("stopping", "stopped"):  # a client's own shutdown_request on control
+            if state == KernelState.HIBERNATED:  # not dead: hibernated by the operator, or before our restart
+                self.states[kernel_id] = KernelState.HIBERNATED
+            elif state in ("hibernating", "starting"):  # being saved or resumed: alive for clients
+                continue
+            elif state in ("stopping", "stopped"):  # a client's own shutdown_request on control
                 self._mark_stopped(kernel_id)
             elif scheduler_says_dead(answer.body):
                 self._mark_dead(kernel_id, str(answer.body.get("reason") or "scheduler reports it dead"))

@@ -2,31 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
+from typing import Any
 
-from shared.runner import run_service
-from shared.service_cli import add_common_arguments, announce, setup
+from shared.config import Config
+from shared.service_cli import router_service_main
+
+
+def _build(cfg: Config) -> Any:
+    from services.global_scheduler.service import GlobalScheduler  # heavy: only once the arguments are parsed
+
+    return GlobalScheduler(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.global_scheduler", description=__doc__)
-    parser.add_argument(
-        "--bind", default=None, help="ROUTER address (default tcp://<cluster.ip>:0, a free port)"
-    )
-    add_common_arguments(parser)
-    args = parser.parse_args(argv)
-    cfg = setup(args, "global_scheduler")
-
-    async def service(stop: asyncio.Event) -> None:
-        from services.global_scheduler.service import GlobalScheduler
-
-        scheduler = GlobalScheduler(cfg)
-        address = scheduler.bind(args.bind or f"tcp://{cfg.get('cluster.ip')}:0")
-        announce("global_scheduler", address=address)
-        await scheduler.run(stop)
-
-    return run_service(service, name="global_scheduler")
+    return router_service_main(argv, name="global_scheduler", doc=__doc__, build=_build)
 
 
 if __name__ == "__main__":

@@ -114,6 +114,15 @@ class KernelRecord:
     last_migration: dict[str, Any] | None = None
     # the working directory and environment every replica starts with, migrations included
     launch: KernelLaunch = field(default_factory=KernelLaunch)
+    # hibernation: the namespace image its replicas restore (an ObjectRef map), its size, when
+    # it was written, and how often it was resumed; replica ids carry the generation after one
+    image: dict[str, Any] | None = None
+    image_bytes: int = 0
+    hibernated_at: float | None = None
+    generation: int = 0
+    resumes: int = 0
+    last_resume_s: float | None = None
+    hibernated_s_total: float = 0.0  # over its hibernations that ended (resumed or stopped)
     _index: LiveIndex | None = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -339,6 +348,15 @@ class ClusterState:
             "migrations": kernel.migrations,
             "last_migration": kernel.last_migration,
             "held_requests": len(kernel.held or ()),
+            "hibernation": {
+                "image_bytes": kernel.image_bytes,
+                "hibernated_at": kernel.hibernated_at,
+                "resumes": kernel.resumes,
+                "last_resume_s": kernel.last_resume_s,
+                "hibernated_s_total": round(kernel.hibernated_s_total, 3),
+            }
+            if kernel.image is not None
+            else None,
             "replicas": [
                 {
                     "id": r.replica_id,

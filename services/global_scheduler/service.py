@@ -9,6 +9,7 @@ forwarded in arrival order without a task per message.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from services.global_scheduler.cluster_state import (
     ReplicaRecord,
 )
 from services.global_scheduler.gateway_outbox import GatewayOutbox
+from services.global_scheduler.hibernated_file import HibernatedFile
 from services.global_scheduler.jupyter_router import KernelRouter
 from services.global_scheduler.metrics import PrometheusExporter, SchedulerMetrics, cluster_report
 from services.global_scheduler.migration import REASON_SCALE_IN, Migrator
@@ -38,6 +40,8 @@ from shared import messages
 from shared.cluster_core.core import ClusterCore, CoreConfig
 from shared.cluster_core.lifecycle import (
     ACTIVE,
+    HIBERNATED,
+    HIBERNATING,
     OVER,
     REPLACE,
     RETRIED,
@@ -58,7 +62,7 @@ from shared.policies.executor_choice import ExecutorChoice
 from shared.policies.placement import PlacementRequest
 from shared.quorum import majority
 from shared.resources import Resources
-from shared.rpc import OutboundRequests, RpcError, RpcServer, RpcTimeout
+from shared.rpc import OutboundRequests, RpcClient, RpcError, RpcServer, RpcTimeout
 from shared.security import curve
 from shared.security.authorization import scheduler_refusal
 
@@ -66,6 +70,12 @@ if TYPE_CHECKING:
     from shared.raft.tls_ca import ClusterCA
 
 log = structlog.get_logger("global_scheduler")
+
+# a replica writing its namespace image first waits for its last cell's STATE (written behind
+# the reply: a large one takes a while), then writes; beyond this the next replica is asked
+HIBERNATE_IMAGE_TIMEOUT_S = 150.0
+RESUME_ATTEMPTS = 3  # a hibernated kernel's start is tried this often before it is declared dead
+RESUME_RETRY_S = 1.0  # times the attempt number, between tries
 
 LIVE_POLICIES = ("notebookos",)
 
@@ -156,7 +166,26 @@ class GlobalScheduler:
             messages.KERNEL_SHUTDOWN: self._on_kernel_shutdown,
             messages.HOST_DRAIN: self._on_host_drain,
             messages.REPLICA_RESTART: self._on_replica_restart,
+            messages.KERNEL_HIBERNATE: self._on_kernel_hibernate,
+            messages.KERNEL_RESUME: self._on_kernel_resume,
         }
+        # the serving controller: "a runtime on host H, now" before each replica start
+        self._serving: RpcClient | None = None
+        if cfg.get("serving.address") and cfg.get("prewarm.policy") != "none":  # else no runtime to promise
+            self._serving = RpcClient(
+                self._ctx,
+                identity=b"scheduler",
+                on_message=lambda env: None,
+                name="scheduler->serving",
+                curve=curve.client_curve(self._keys_dir, curve.SCHEDULER, curve.SERVING),
+            )
+        self._acquire_timeout = float(cfg.get("serving.acquire_timeout_s"))
+        # hibernated kernels survive a restart of this scheduler (no host reports them)
+        self._hibernated_file = HibernatedFile(cfg.state_dir() / "scheduler" / "hibernated.json")
+        self._adopt_hibernated()
+        # hibernated kernels being resumed: the task, and the client requests held until it ends
+        self._resumes: dict[str, asyncio.Task[None]] = {}
+        self._held_for_resume: dict[str, list[tuple[str, list[bytes]]]] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -195,6 +224,8 @@ class GlobalScheduler:
         )
         autoscale = asyncio.ensure_future(self.autoscaling.run())
         self._start_exporter()
+        if self._serving is not None:
+            self._serving.connect(str(self._cfg.get("serving.address")))
         log.info("started", address=self.address)
         try:
             await stop.wait()
@@ -209,6 +240,8 @@ class GlobalScheduler:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._outbound.cancel_all()
+            if self._serving is not None:
+                await self._serving.close()
             await asyncio.to_thread(self._migrator.close)
             await self._server.close()
             if self._authority is not None:
@@ -318,6 +351,11 @@ class GlobalScheduler:
             return None
         if kernel is None:
             log.warning("request_for_unknown_kernel", kernel=kernel_id, peer=identity)
+            return None
+        if kernel.state in (HIBERNATING, HIBERNATED) or kernel.kernel_id in self._resumes:
+            self._held_for_resume.setdefault(kernel_id, []).append((body["channel"], body["frames"]))
+            if kernel.state == HIBERNATED:
+                self._resume_soon(kernel)  # else when its hibernation or resume ends
             return None
         if kernel.state == STARTING:
             log.warning("request_before_kernel_started", kernel=kernel.kernel_id)
@@ -808,6 +846,7 @@ class GlobalScheduler:
         kernels only with ``stopped`` (``tandem status --json --all``): they would pile up."""
         report = cluster_report(self.state, self.autoscaling, self.metrics, self.metrics_url)
         report["policy"] = self._cfg.get("scheduler.policy")
+        report["hibernation"] = self._hibernation_report()
         if not stopped:
             report["kernels"] = [k for k in report["kernels"] if k["state"] != STOPPED]
         return report
@@ -860,18 +899,7 @@ class GlobalScheduler:
             return env.reply(self.state.kernel_status(existing))
         if verdict is not None:
             raise RpcError(verdict, "conflict")
-        decision, scaling = await self.autoscaling.place(
-            self.placement,
-            PlacementRequest(kernel_id, resources, self._replicas_per_kernel),
-            self.state.placement_index,
-        )
-        if not decision.ok:
-            klog.warning("placement_failed", reasons=decision.explain(), autoscaler=scaling)
-            raise RpcError(
-                f"cannot place {self._replicas_per_kernel} replicas: {decision.explain()}"
-                + (f" (autoscaler: {scaling})" if scaling else ""),
-                "no_capacity",
-            )
+        decision = await self._place(kernel_id, resources, klog)
         existing = self.state.kernels.get(kernel_id)
         verdict = start_verdict(kernel_id, None if existing is None else existing.state, same_key=False)
         if verdict is not None:
@@ -893,34 +921,82 @@ class GlobalScheduler:
         klog.info("placing", hosts=list(decision.hosts), resources=resources.to_dict())
         started = time.monotonic()
         try:
-            await _on_every_replica(
-                "replica start", kernel, lambda r: self.start_replica(kernel, r), with_host=True
-            )
-            if kernel.state != STARTING:
-                raise RpcError(f"kernel became {kernel.state} while starting", "start_failed")
-            peers = {r.replica_id: r.raft_address for r in kernel.replicas.values()}
-            await _on_every_replica(
-                "replica configure", kernel, lambda r: self.configure_replica(kernel, r, peers)
-            )
-            if kernel.state != STARTING or len(kernel.live_replicas()) < len(kernel.replicas):
-                raise RpcError(f"kernel became {kernel.state} while starting", "start_failed")
+            await self._start_placed(kernel)
         except BaseException as exc:
             klog.error("kernel_start_failed", reason=str(exc))
             if kernel.state not in OVER:  # shut down meanwhile: it stays stopped
                 transition(kernel, DEAD)
                 kernel.dead_reason = f"start failed: {exc}"
                 kernel.router.dead_reason = kernel.dead_reason
-            await asyncio.gather(
-                *(self.stop_replica(kernel, r) for r in kernel.replicas.values()), return_exceptions=True
-            )
+            await self._stop_all(kernel)
             raise
         transition(kernel, RUNNING)
         klog.info("kernel_started", seconds=round(time.monotonic() - started, 3))
         return env.reply(self.state.kernel_status(kernel))
 
+    async def _place(self, kernel_id: str, resources: Resources, klog: Any) -> Any:
+        """Hosts for a kernel's replicas (a start, or a resume), scaling out if the autoscaler
+        may; RpcError ``no_capacity`` naming why not."""
+        decision, scaling = await self.autoscaling.place(
+            self.placement,
+            PlacementRequest(kernel_id, resources, self._replicas_per_kernel),
+            self.state.placement_index,
+        )
+        if not decision.ok:
+            klog.warning("placement_failed", reasons=decision.explain(), autoscaler=scaling)
+            raise RpcError(
+                f"cannot place {self._replicas_per_kernel} replicas: {decision.explain()}"
+                + (f" (autoscaler: {scaling})" if scaling else ""),
+                "no_capacity",
+            )
+        return decision
+
+    async def _start_placed(self, kernel: KernelRecord) -> None:
+        """Start and configure every placed replica of a starting kernel; RpcError if one fails
+        or the kernel stopped meanwhile (the caller stops what started)."""
+        purpose = "resume" if kernel.generation else "start"  # for the serving controller's log
+        await _on_every_replica(
+            "replica start", kernel, lambda r: self.start_replica(kernel, r, purpose=purpose), with_host=True
+        )
+        if kernel.state != STARTING:
+            raise RpcError(f"kernel became {kernel.state} while starting", "start_failed")
+        peers = {r.replica_id: r.raft_address for r in kernel.replicas.values()}
+        await _on_every_replica(
+            "replica configure", kernel, lambda r: self.configure_replica(kernel, r, peers)
+        )
+        if kernel.state != STARTING or len(kernel.live_replicas()) < len(kernel.replicas):
+            raise RpcError(f"kernel became {kernel.state} while starting", "start_failed")
+
+    async def _stop_all(self, kernel: KernelRecord) -> None:
+        await asyncio.gather(
+            *(self.stop_replica(kernel, r) for r in kernel.replicas.values()), return_exceptions=True
+        )
+
+    async def acquire_runtime(
+        self, kernel: KernelRecord, replica: ReplicaRecord, purpose: str
+    ) -> bool | None:
+        """Ask the serving controller for a ready runtime on the replica's host (True: one is
+        promised to this start, False: it will be cold, None: no controller or no answer in
+        ``serving.acquire_timeout_s``: the host's pool decides alone, as without one)."""
+        if self._serving is None:
+            return None
+        body = {"host_id": replica.host_id, "kernel_id": kernel.kernel_id, "purpose": purpose}
+        try:
+            answer = await self._serving.request(
+                Envelope(messages.RUNTIME_ACQUIRE, body), timeout=self._acquire_timeout
+            )
+        except (RpcError, RpcTimeout) as exc:
+            log.info("runtime_acquire_failed", host=replica.host_id, reason=str(exc))
+            return None
+        warm = bool(answer.body.get("warm"))
+        log.debug("runtime_acquired", kernel=kernel.kernel_id, replica=replica.replica_id, host=replica.host_id,
+                  warm=warm, purpose=purpose, reason=answer.body.get("reason") or None)  # fmt: skip
+        return warm
+
     async def start_replica(
-        self, kernel: KernelRecord, replica: ReplicaRecord, *, join: bool = False
+        self, kernel: KernelRecord, replica: ReplicaRecord, *, join: bool = False, purpose: str = "start"
     ) -> None:
+        promised = await self.acquire_runtime(kernel, replica, "join" if join else purpose)
         body = {
             "kernel_id": kernel.kernel_id,
             "replica_id": replica.replica_id,
@@ -938,6 +1014,8 @@ class GlobalScheduler:
         )
         if isinstance(answer.body.get("start_s"), int | float):
             self.metrics.record_replica_start(bool(answer.body.get("warm")), float(answer.body["start_s"]))
+        if promised and not answer.body.get("warm"):
+            log.info("promised_runtime_missed", kernel=kernel.kernel_id, host=replica.host_id)
         replica.pid = answer.body.get("pid")
         replica.raft_address = str(answer.body.get("raft_address", ""))
         replica.started = True
@@ -961,7 +1039,14 @@ class GlobalScheduler:
             replica.host_id.encode(),
             Envelope(
                 messages.REPLICA_CONFIGURE,
-                {"kernel_id": kernel.kernel_id, "replica_id": replica.replica_id, "peers": peers},
+                {
+                    "kernel_id": kernel.kernel_id,
+                    "replica_id": replica.replica_id,
+                    "peers": peers,
+                    # a resumed kernel: every replica (a replacement or a restart too) loads the
+                    # image first, then applies the group's log, or a Raft snapshot replaces it
+                    **({"restore": kernel.image} if kernel.image is not None else {}),
+                },
             ),
             timeout=self._replica_start_timeout,
         )
@@ -1056,7 +1141,13 @@ class GlobalScheduler:
         if kernel is None:
             self.autoscaling.abandon(env.body["kernel_id"])  # a start waiting for new hosts gives up
             return env.reply({"state": STOPPED})  # nothing to stop: shutdown is idempotent
-        if kernel.state in ACTIVE:
+        if kernel.state == HIBERNATED:  # no replica to stop; its image stays in the data store
+            kernel.hibernated_s_total += max(0.0, time.time() - (kernel.hibernated_at or time.time()))
+            self._mark_stopped(kernel)
+            self._save_hibernated()
+            self._fail_held_for_resume(kernel, "kernel was shut down")
+            return env.reply({"state": kernel.state})
+        if kernel.state in ACTIVE or kernel.state == HIBERNATING:
             transition(kernel, STOPPING)
         log.info("kernel_shutdown", kernel=kernel.kernel_id, restart=env.body.get("restart", False))
         await asyncio.gather(
@@ -1066,6 +1157,266 @@ class GlobalScheduler:
         if kernel.state == STOPPING:
             self._mark_stopped(kernel)
         return env.reply({"state": kernel.state})
+
+    # ---- hibernation (shared/policies/hibernation.py decides when; the gateway asks) ----------
+
+    async def _on_kernel_hibernate(self, identity: bytes, env: Envelope) -> Envelope:
+        """Write an idle kernel's namespace to the data store (one replica writes the image of
+        what the group committed), then stop its replicas: their memory, GPU subscriptions and
+        Raft links are released. Refused, the kernel running on, if a cell is in flight or a
+        name's latest value never reached the log (it would be lost)."""
+        kernel = self.state.kernels.get(env.body["kernel_id"])
+        if kernel is None:
+            raise RpcError(f"unknown kernel {env.body['kernel_id']!r}", "not_found")
+        if kernel.state == HIBERNATED:
+            return env.reply(self.state.kernel_status(kernel))
+        if kernel.state != RUNNING or kernel.kernel_id in self._resumes:
+            raise RpcError(f"kernel {kernel.kernel_id} is {kernel.state}, not running", "conflict")
+        if kernel.held is not None or kernel.router.merger.pending_ids():
+            raise RpcError(f"kernel {kernel.kernel_id} has requests in flight", "busy")
+        klog = log.bind(kernel=kernel.kernel_id)
+        started = time.monotonic()
+        transition(kernel, HIBERNATING)
+        try:
+            image = await self._write_image(kernel)
+        except RpcError as exc:
+            if kernel.state == HIBERNATING:
+                transition(kernel, RUNNING)
+            klog.warning("hibernation_refused", reason=exc.reason)
+            self._route_held_for_resume(kernel)
+            raise
+        if kernel.state != HIBERNATING:  # shut down or lost meanwhile
+            raise RpcError(f"kernel {kernel.kernel_id} became {kernel.state} while hibernating", "conflict")
+        saved_s = time.monotonic() - started
+        await self._stop_all(kernel)
+        if kernel.state != HIBERNATING:
+            raise RpcError(f"kernel {kernel.kernel_id} became {kernel.state} while hibernating", "conflict")
+        kernel.image = image["image"]
+        kernel.image_bytes = int(image.get("bytes", 0))
+        kernel.hibernated_at = time.time()
+        kernel.generation += 1
+        kernel.replicas = {}
+        transition(kernel, HIBERNATED)
+        self._save_hibernated()
+        klog.info(
+            "kernel_hibernated",
+            reason=env.body.get("reason", ""),
+            image_bytes=kernel.image_bytes,
+            names=image.get("names"),
+            save_s=round(saved_s, 3),
+            seconds=round(time.monotonic() - started, 3),
+        )
+        if self._held_for_resume.get(kernel.kernel_id):  # requests came while it was saving
+            self._resume_soon(kernel)
+        return env.reply(self.state.kernel_status(kernel))
+
+    async def _write_image(self, kernel: KernelRecord) -> dict[str, Any]:
+        """The namespace image from the last executor (it alone knows whether its last cell's
+        STATE is still being written behind the reply: it waits for it), else the Raft leader,
+        else any live replica; RpcError if none could write it, or if it would lose names."""
+        executor = kernel.router.last_executor
+        order = sorted(
+            kernel.replicas.values(),
+            key=lambda r: (r.replica_id != executor, r.role != "leader", r.replica_id),
+        )
+        reasons = []
+        for replica in order:
+            if not replica.alive or not replica.started:
+                continue
+            try:
+                answer = await self._outbound.request(
+                    replica.host_id.encode(),
+                    Envelope(
+                        messages.REPLICA_HIBERNATE,
+                        {"kernel_id": kernel.kernel_id, "replica_id": replica.replica_id},
+                    ),
+                    timeout=HIBERNATE_IMAGE_TIMEOUT_S,
+                )
+            except (RpcError, RpcTimeout) as exc:
+                reasons.append(f"{replica.replica_id}: {exc}")
+                continue
+            unprotected = answer.body.get("unprotected") or []
+            if unprotected:
+                raise RpcError(
+                    "hibernating would lose the values of "
+                    + ", ".join(map(str, unprotected[:10]))
+                    + " (never written to the log or the data store)",
+                    "unprotected",
+                )
+            if not isinstance(answer.body.get("image"), dict):
+                reasons.append(f"{replica.replica_id}: no image in its answer")
+                continue
+            return dict(answer.body)
+        raise RpcError("no replica wrote the namespace image: " + "; ".join(reasons), "unavailable")
+
+    async def _on_kernel_resume(self, identity: bytes, env: Envelope) -> Envelope:
+        """Start a hibernated kernel's replicas again (also done on its next request)."""
+        kernel = self.state.kernels.get(env.body["kernel_id"])
+        if kernel is None:
+            raise RpcError(f"unknown kernel {env.body['kernel_id']!r}", "not_found")
+        if kernel.state == HIBERNATED:
+            self._resume_soon(kernel)
+        task = self._resumes.get(kernel.kernel_id)
+        if task is not None:
+            await asyncio.shield(task)
+        if kernel.state != RUNNING:
+            raise RpcError(
+                f"kernel {kernel.kernel_id} is {kernel.state}: {kernel.dead_reason or ''}", "conflict"
+            )
+        return env.reply(self.state.kernel_status(kernel))
+
+    def _resume_soon(self, kernel: KernelRecord) -> None:
+        if kernel.kernel_id in self._resumes or kernel.state != HIBERNATED:
+            return
+        task = asyncio.ensure_future(self._resume(kernel))
+        self._resumes[kernel.kernel_id] = task
+        task.add_done_callback(lambda t, kid=kernel.kernel_id: self._resume_ended(kid, t))
+
+    def _resume_ended(self, kernel_id: str, task: asyncio.Task[None]) -> None:
+        if self._resumes.get(kernel_id) is task:
+            del self._resumes[kernel_id]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("kernel_resume_crashed", kernel=kernel_id, error=repr(task.exception()))
+
+    async def _resume(self, kernel: KernelRecord) -> None:
+        """Placement picks hosts as for a start; the replicas start (warm runtimes where there
+        are), load the image when configured, and the requests held meanwhile go to them. A
+        start that fails is retried (the image is kept); after the last try the kernel is dead."""
+        klog = log.bind(kernel=kernel.kernel_id)
+        for attempt in range(1, RESUME_ATTEMPTS + 1):
+            started = time.monotonic()
+            try:
+                decision = await self._place(kernel.kernel_id, kernel.resources, klog)
+                if kernel.state != HIBERNATED:
+                    return  # shut down while placement waited
+                transition(kernel, STARTING)
+                self._save_hibernated()  # a resumed kernel is adopted from its hosts after a restart
+                kernel.router = KernelRouter(
+                    kernel.kernel_id, kernel.key.encode(), kernel.signature_scheme, quorum=self._quorum
+                )
+                kernel.router.migrate_without_executor = kernel.resources.gpus > 0
+                kernel.replicas = {
+                    f"r{n}-{kernel.generation}": ReplicaRecord(f"r{n}-{kernel.generation}", host_id)
+                    for n, host_id in enumerate(decision.hosts, start=1)
+                }
+                klog.info("kernel_resuming", hosts=list(decision.hosts), attempt=attempt)
+                await self._start_placed(kernel)
+            except Exception as exc:
+                klog.warning("kernel_resume_failed", reason=str(exc), attempt=attempt)
+                if kernel.state == STARTING:
+                    await self._stop_all(kernel)
+                    kernel.replicas = {}
+                    if attempt == RESUME_ATTEMPTS:  # its replicas cannot start: it is dead
+                        self._mark_dead(kernel, f"resume failed {attempt} times: {exc}")
+                        self._fail_held_for_resume(kernel, str(exc))
+                        return
+                    transition(kernel, HIBERNATED)
+                    self._save_hibernated()
+                if kernel.state != HIBERNATED:
+                    self._fail_held_for_resume(kernel, f"kernel is {kernel.state}")
+                    return
+                if attempt == RESUME_ATTEMPTS:  # no hosts for it now: it stays hibernated
+                    self._fail_held_for_resume(kernel, f"resume failed {attempt} times: {exc}")
+                    return
+                await asyncio.sleep(RESUME_RETRY_S * attempt)
+                continue
+            transition(kernel, RUNNING)
+            kernel.resumes += 1
+            kernel.hibernated_s_total += max(0.0, time.time() - (kernel.hibernated_at or time.time()))
+            kernel.last_resume_s = time.monotonic() - started
+            klog.info(
+                "kernel_resumed",
+                seconds=round(kernel.last_resume_s, 3),
+                hibernated_s=round(time.time() - (kernel.hibernated_at or time.time()), 1),
+                held_requests=len(self._held_for_resume.get(kernel.kernel_id, ())),
+            )
+            self._route_held_for_resume(kernel)
+            return
+
+    def _hibernation_report(self) -> dict[str, Any]:
+        """Hibernated kernels now, resumes, and the GPU subscriptions hibernation gave back:
+        GPU-hours of replicas that did not exist (each kernel's GPUs times its replicas), over
+        ended hibernations and the ongoing ones."""
+        now = time.time()
+        gpu_hours = 0.0
+        hibernated = resumes = 0
+        resume_s = [k.last_resume_s for k in self.state.kernels.values() if k.last_resume_s is not None]
+        for k in self.state.kernels.values():
+            seconds = k.hibernated_s_total
+            if k.state == HIBERNATED and k.hibernated_at is not None:
+                hibernated += 1
+                seconds += max(0.0, now - k.hibernated_at)
+            resumes += k.resumes
+            gpu_hours += seconds * k.resources.gpus * self._replicas_per_kernel / 3600
+        return {
+            "hibernated": hibernated,
+            "resumes": resumes,
+            "last_resume_s_p50": round(statistics.median(resume_s), 3) if resume_s else None,
+            "gpu_hours_freed": round(gpu_hours, 4),
+        }
+
+    def _save_hibernated(self) -> None:
+        self._hibernated_file.save(
+            {
+                "kernel_id": k.kernel_id,
+                "key": k.key,
+                "signature_scheme": k.signature_scheme,
+                "resources": k.resources.to_dict(),
+                "launch": k.launch.to_wire(),
+                "image": k.image,
+                "image_bytes": k.image_bytes,
+                "hibernated_at": k.hibernated_at,
+                "generation": k.generation,
+                "resumes": k.resumes,
+            }
+            for k in self.state.kernels.values()
+            if k.state == HIBERNATED
+        )
+
+    def _adopt_hibernated(self) -> None:
+        """The kernels the previous scheduler process had hibernated, hibernated here too."""
+        for entry in self._hibernated_file.load():
+            try:
+                resources = Resources.from_dict(entry["resources"])
+                launch = KernelLaunch.from_wire(entry["launch"])
+            except ValueError as exc:
+                log.error("hibernated_kernel_unusable", kernel=entry["kernel_id"], reason=str(exc))
+                continue
+            key, scheme = str(entry["key"]), str(entry["signature_scheme"])
+            kernel = KernelRecord(
+                entry["kernel_id"], key, scheme, resources,
+                KernelRouter(entry["kernel_id"], key.encode(), scheme, quorum=self._quorum),
+                state=HIBERNATED,
+            )  # fmt: skip
+            kernel.launch = launch
+            kernel.image, kernel.image_bytes = entry["image"], int(entry["image_bytes"])
+            kernel.hibernated_at, kernel.generation = entry["hibernated_at"], int(entry["generation"])
+            kernel.resumes = int(entry["resumes"])
+            self.state.kernels[kernel.kernel_id] = kernel
+            log.info("hibernated_kernel_adopted", kernel=kernel.kernel_id, image_bytes=kernel.image_bytes)
+
+    def _route_held_for_resume(self, kernel: KernelRecord) -> None:
+        """Send on what was held, in order; from now on requests route directly."""
+        if self._resumes.get(kernel.kernel_id) is asyncio.current_task():
+            del self._resumes[kernel.kernel_id]
+        for channel, frames in self._held_for_resume.pop(kernel.kernel_id, []):
+            self.route_from_gateway(kernel, channel, frames)
+
+    def _fail_held_for_resume(self, kernel: KernelRecord, reason: str) -> None:
+        """The requests held for a resume that will not happen get the error reply a dead
+        kernel's requests get (``KernelDead`` with ``reason``), so no client waits for ever; the
+        kernel itself keeps its state (a hibernated one resumes at its next request)."""
+        held = self._held_for_resume.pop(kernel.kernel_id, [])
+        if not held:
+            return
+        log.warning("held_requests_failed", kernel=kernel.kernel_id, requests=len(held), reason=reason)
+        router, before = kernel.router, kernel.router.dead_reason
+        router.dead_reason = before or reason
+        try:
+            for channel, frames in held:  # no live replica: the router answers each with the error
+                self.route_from_gateway(kernel, channel, frames)
+        finally:
+            router.dead_reason = before
 
 
 async def _on_every_replica(

@@ -38,6 +38,7 @@ from shared.security.authorization import REPLICA_PREFIX, local_scheduler_refusa
 log = structlog.get_logger("local_scheduler")
 
 REPLICA_REQUEST_TIMEOUT_S = 30.0
+HIBERNATE_TIMEOUT_S = 140.0
 STOP_GRACE_S = 2.0
 # The replica binds its Jupyter sockets to ports the OS picks at bind time (port 0 in its
 # connection file), so those cannot collide. Its Raft port is still chosen by probing
@@ -135,6 +136,16 @@ class LocalScheduler:
                 curve=curve.ClientCurve(self._host_keys, curve.load(keys_dir, curve.ARBITER).public),
             )
 
+        self._serving: RpcClient | None = None
+        if cfg.get("serving.address") and self.warm_pool.enabled:
+            self._serving = RpcClient(
+                self._ctx,
+                identity=host_id.encode(),
+                on_message=lambda env: None,
+                name="serving",
+                curve=curve.ClientCurve(self._host_keys, curve.load(keys_dir, curve.SERVING).public),
+            )
+
     @property
     def address(self) -> str:
         return self._server.address
@@ -173,6 +184,9 @@ class LocalScheduler:
         if self._arbiter is not None:
             self._arbiter.connect(str(self.cfg.get("arbiter.address")))
             loops.append(asyncio.ensure_future(self._agent_loop()))
+        if self._serving is not None:
+            self._serving.connect(str(self.cfg.get("serving.address")))
+            loops.append(asyncio.ensure_future(self._serving_loop()))
         self.log.info("started", address=self.address, scheduler=self.scheduler_address, gpus=self.gpus.count)
         try:
             await stop.wait()
@@ -183,6 +197,8 @@ class LocalScheduler:
             await asyncio.gather(self.stop_all_replicas(), self.warm_pool.close(), self.jobs.close())
             if self._arbiter is not None:
                 await self._arbiter.close()
+            if self._serving is not None:
+                await self._serving.close()
             for replica in list(self.replicas.values()):
                 # a replica whose exit watcher has not run yet (or that outlived SIGKILL) still
                 # has its client sockets open; term() would wait for them forever
@@ -247,6 +263,24 @@ class LocalScheduler:
 
     # ---- best-effort jobs: this host as the arbiter's agent ---------------------------------
 
+    async def _serving_loop(self) -> None:
+        """``pool.report`` every ``prewarm.interval_s`` (and at once after a take); the answer is
+        this host's target, decided by the serving controller over the whole cluster."""
+        assert self._serving is not None
+        interval = self.warm_pool.interval
+        while True:
+            try:
+                answer = await self._serving.request(
+                    Envelope(messages.POOL_REPORT, self.warm_pool.pool_report()),
+                    timeout=max(2 * interval, 1.0),
+                )
+                self.warm_pool.follow(int(answer.body.get("target", 0)))
+            except (RpcError, RpcTimeout) as exc:
+                self.log.debug("pool_report_failed", reason=str(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.warm_pool.taken_event.wait(), interval)
+            self.warm_pool.taken_event.clear()
+
     async def _agent_loop(self) -> None:
         """``agent.report`` every interval, and at once when a job exits; the safety net for
         leases the arbiter left running past their expiry."""
@@ -304,7 +338,7 @@ class LocalScheduler:
             return None
         if env.type == messages.REPLICA_START:
             return self._replica_start(env)
-        if env.type in (messages.REPLICA_CONFIGURE, messages.REPLICA_MEMBERSHIP):
+        if env.type in (messages.REPLICA_CONFIGURE, messages.REPLICA_MEMBERSHIP, messages.REPLICA_HIBERNATE):
             return self._replica_configure(env)
         if env.type == messages.REPLICA_STOP:
             return self._replica_stop(env)
@@ -447,8 +481,11 @@ class LocalScheduler:
             )
         answer = await self._outbound.request(
             replica.identity,
-            Envelope(env.type, dict(body)),  # replica.configure or replica.membership
-            timeout=REPLICA_REQUEST_TIMEOUT_S,
+            Envelope(env.type, dict(body)),  # replica.configure, .membership or .hibernate
+            # a namespace image waits for the last cell's STATE, possibly written behind the reply
+            timeout=HIBERNATE_TIMEOUT_S
+            if env.type == messages.REPLICA_HIBERNATE
+            else REPLICA_REQUEST_TIMEOUT_S,
         )
         return env.reply(answer.body)
 

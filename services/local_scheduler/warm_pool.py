@@ -175,14 +175,30 @@ class WarmPool:
         self._counter = 0
         self._spawning = 0  # processes being created, not yet in ``starting``
         self._wake = asyncio.Event()
+        self.taken_event = asyncio.Event()  # a runtime was taken: report to the controller now
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
+        # the serving controller's target for this host, and when it came (``follow``)
+        self._followed: tuple[int, float] | None = None
+        self._follow_fresh_s = max(3 * self.interval, 5.0)
 
     @property
     def enabled(self) -> bool:
         return self.policy_name != "none"
 
+    def follow(self, target: int) -> None:
+        """The serving controller's target for this host: kept until a newer one comes, or until
+        none came for a while (the controller is gone: the local policy decides again)."""
+        changed = self._followed is None or self._followed[0] != target
+        self._followed = (max(0, target), time.monotonic())
+        if changed:
+            self._wake.set()
+
     def policy(self) -> PrewarmPolicy | None:
+        if self.enabled and self._followed is not None:
+            target, at = self._followed
+            if time.monotonic() - at <= self._follow_fresh_s:
+                return FixedCapacity(target)
         warmup = statistics.median(self.warmup_s) if self.warmup_s else DEFAULT_WARMUP_S
         return make_prewarm_policy(
             self.policy_name,
@@ -216,6 +232,21 @@ class WarmPool:
             "misses": self.misses,
         }
 
+    def pool_report(self) -> dict[str, Any]:
+        """What the serving controller decides from (``pool.report``)."""
+        view = self.view()
+        body: dict[str, Any] = {
+            "host_id": self.host_id,
+            "warm": view.warm,
+            "starting": view.starting,
+            "idle_gpus": view.idle_gpus,
+            "taken": self.taken,
+            "misses": self.misses,
+        }
+        if self.warmup_s:
+            body["warmup_s"] = statistics.median(self.warmup_s)
+        return body
+
     def take(self) -> WarmRuntime | None:
         """A ready runtime for a replica start (None: start cold); the pool refills behind it."""
         if not self.enabled:
@@ -232,6 +263,7 @@ class WarmPool:
         else:
             self.taken += 1
         self._wake.set()
+        self.taken_event.set()
         return runtime
 
     async def run(self) -> None:

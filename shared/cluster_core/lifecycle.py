@@ -10,6 +10,14 @@ a raw assignment that silently revives a dead kernel.
     running  -> dead      fewer live replicas than a Raft quorum
     stopping -> stopped   its replicas stopped
     stopping -> dead      its start failed while it was being shut down
+    running  -> hibernating   idle for kernel.hibernate_after_s: its namespace is being saved
+    hibernating -> hibernated its image is in the data store and its replicas stopped
+    hibernating -> running    the image could not be made (or a request came first): it runs on
+    hibernating -> stopping / dead   shut down, or its replicas lost, while saving
+    hibernated -> starting    a request came: replicas start on hosts placement picks, and
+                              restore the image (a resume is a start with a namespace)
+    hibernated -> stopped     shut down while hibernated: there is nothing to stop
+    starting -> hibernated    a resume whose start failed: the image is kept for the next try
 
 ``stopped`` and ``dead`` are final: a new start of the same kernel id is a new kernel.
 """
@@ -20,10 +28,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 STARTING, RUNNING, STOPPING, STOPPED, DEAD = "starting", "running", "stopping", "stopped", "dead"
+HIBERNATING, HIBERNATED = "hibernating", "hibernated"
 
 TRANSITIONS: dict[str, frozenset[str]] = {
-    STARTING: frozenset({RUNNING, STOPPING, DEAD}),
-    RUNNING: frozenset({STOPPING, DEAD}),
+    STARTING: frozenset({RUNNING, STOPPING, DEAD, HIBERNATED}),
+    RUNNING: frozenset({STOPPING, DEAD, HIBERNATING}),
+    HIBERNATING: frozenset({HIBERNATED, RUNNING, STOPPING, DEAD}),
+    HIBERNATED: frozenset({STARTING, STOPPED}),
     STOPPING: frozenset({STOPPED, DEAD}),
     STOPPED: frozenset(),
     DEAD: frozenset(),

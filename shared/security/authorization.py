@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shared import messages
-from shared.security.curve import GATEWAY, OPERATOR, host_of
+from shared.security.curve import GATEWAY, OPERATOR, SCHEDULER, host_of
 
 HOST = "host"  # role of every ``host.<id>`` principal
 REPLICA_PREFIX = "replica."  # a local scheduler's per-replica keys: ``replica.<kernel>/<replica>``
@@ -35,14 +35,24 @@ _OPERATIONS = {
 
 # server -> role -> message types it accepts from that role
 SCHEDULER_ACCEPTS: dict[str, frozenset[str]] = {
-    GATEWAY: frozenset(_KERNEL_LIFECYCLE | {messages.JUPYTER_REQUEST, messages.CLUSTER_STATUS}),
+    GATEWAY: frozenset(
+        _KERNEL_LIFECYCLE
+        | {
+            messages.JUPYTER_REQUEST,
+            messages.CLUSTER_STATUS,
+            messages.KERNEL_HIBERNATE,
+            messages.KERNEL_RESUME,
+        }
+    ),
     OPERATOR: frozenset(_OPERATIONS | _KERNEL_LIFECYCLE),  # the cluster's administrator
     HOST: frozenset(
         _ANSWERS
         | {messages.HOST_REGISTER, messages.HOST_HEARTBEAT, messages.JUPYTER_REPLY, messages.REPLICA_EVENT}
     ),
 }
-GATEWAY_ACCEPTS: dict[str, frozenset[str]] = {OPERATOR: frozenset(_KERNEL_LIFECYCLE | {messages.KERNEL_LIST})}
+GATEWAY_ACCEPTS: dict[str, frozenset[str]] = {
+    OPERATOR: frozenset(_KERNEL_LIFECYCLE | {messages.KERNEL_LIST, messages.KERNEL_HIBERNATE})
+}
 LOCAL_SCHEDULER_ACCEPTS: dict[str, frozenset[str]] = {
     REPLICA: frozenset(
         _ANSWERS
@@ -61,6 +71,12 @@ _JOB_OPERATIONS = {
 ARBITER_ACCEPTS: dict[str, frozenset[str]] = {
     OPERATOR: frozenset(_JOB_OPERATIONS),
     HOST: frozenset(_ANSWERS | {messages.AGENT_REPORT}),
+}
+
+SERVING_ACCEPTS: dict[str, frozenset[str]] = {
+    HOST: frozenset({messages.POOL_REPORT}),
+    SCHEDULER: frozenset({messages.RUNTIME_ACQUIRE, messages.SERVING_STATUS}),
+    OPERATOR: frozenset({messages.SERVING_STATUS}),
 }
 
 # (kernel_id, replica_id) -> the host it runs on, or None if the scheduler knows no such replica
@@ -129,12 +145,31 @@ def local_scheduler_refusal(principal: str, env_type: str, body: dict[str, Any])
     return None
 
 
+def serving_refusal(principal: str, env_type: str, body: dict[str, Any]) -> str | None:
+    """A host reports only its own pool; only the scheduler asks for runtimes."""
+    return _host_report_refusal(SERVING_ACCEPTS, messages.POOL_REPORT, principal, env_type, body)
+
+
 def arbiter_refusal(principal: str, env_type: str, body: dict[str, Any]) -> str | None:
     """A host reports only for itself; only the operator submits and cancels jobs."""
-    refusal = _type_refusal(ARBITER_ACCEPTS, principal, env_type)
+    return _host_report_refusal(ARBITER_ACCEPTS, messages.AGENT_REPORT, principal, env_type, body)
+
+
+def _host_report_refusal(
+    table: dict[str, frozenset[str]], report: str, principal: str, env_type: str, body: dict[str, Any]
+) -> str | None:
+    """``table``'s rule, and a host's ``report`` only for its own host id."""
+    refusal = _type_refusal(table, principal, env_type)
     if refusal is not None:
         return refusal
-    host = host_of(principal)
-    if env_type == messages.AGENT_REPORT and body.get("host_id") != host:
+    if env_type == report and body.get("host_id") != host_of(principal):
         return f"{principal} may not report for host {body.get('host_id')!r}"
+    return None
+
+
+def host_identity_refusal(principal: str, identity: bytes) -> str | None:
+    """A host's connection must route under its own host id (no other host's replies reach it)."""
+    host = host_of(principal)
+    if host is not None and identity != host.encode():
+        return f"{principal} may not use the routing identity {identity!r}"
     return None

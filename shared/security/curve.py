@@ -11,6 +11,8 @@ mode 0700, every file 0600), one pair per principal in pyzmq's certificate forma
 - ``gateway``: the gateway (server of the lifecycle API, client of the scheduler);
 - ``operator``: the CLI and the Jupyter provisioner (client of the gateway and the scheduler);
 - ``arbiter``: the arbiter's server key (best-effort jobs' leases; hosts and the operator are its clients);
+- ``serving``: the serving controller's server key (warm runtimes; hosts, the scheduler and the
+  operator are its clients);
 - ``host.<host_id>``: one local scheduler; a host registers only with the key issued for its id.
 
 A server learns who a peer is from the key it proved, never from what the peer says: the ZAP
@@ -44,8 +46,9 @@ SCHEDULER = "scheduler"
 GATEWAY = "gateway"
 OPERATOR = "operator"
 ARBITER = "arbiter"
+SERVING = "serving"
 HOST_PREFIX = "host."
-CLUSTER_PRINCIPALS = (SCHEDULER, GATEWAY, OPERATOR, ARBITER)
+CLUSTER_PRINCIPALS = (SCHEDULER, GATEWAY, OPERATOR, ARBITER, SERVING)
 
 
 class KeyError_(RuntimeError):
@@ -158,7 +161,7 @@ def principals(keys_dir: Path) -> list[tuple[str, bool]]:
 
 
 def ensure_cluster_keys(keys_dir: Path) -> None:
-    """The scheduler's, gateway's, operator's and arbiter's keys (idempotent)."""
+    """The scheduler's, gateway's, operator's, arbiter's and serving controller's keys (idempotent)."""
     for name in CLUSTER_PRINCIPALS:
         issue(keys_dir, name)
 

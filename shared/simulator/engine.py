@@ -62,7 +62,7 @@ from shared.cluster_core.starts import kernel_facts
 from shared.policies.autoscale import ScaleIn, ScaleOut
 from shared.policies.migration import GiveUp
 from shared.policies.placement import PlacementRequest
-from shared.policies.prewarm import MinCapacity, PoolView, reconcile
+from shared.serving import HostReport, ServingConfig, ServingCore
 from shared.simulator.params import SimParams
 from shared.workload.model import Trace
 
@@ -166,7 +166,11 @@ class Simulator:
         # held cell -> (held since, failed tries, when its next look is due: a woken look makes
         # the retry already queued stale)
         self._holding: dict[int, tuple[float, int, float]] = {}
-        self._prewarm_policy = MinCapacity(self.params.prewarm_per_host)
+        # the serving controller's core decides the warm pools, as in the live cluster
+        per_host = self.params.prewarm_per_host
+        self._serving = ServingCore(
+            ServingConfig(policy="min", per_host=per_host, max_per_host=max(per_host, 4), stale_s=math.inf)
+        )
         self._warming: dict[str, int] = {}
         self._heap: list[tuple[float, int, int, int | str]] = []
         self._seq = 0
@@ -615,6 +619,7 @@ class Simulator:
             if self._prewarmed is not None:
                 self._prewarmed.pop(host_id, None)
                 self._warming.pop(host_id, None)
+                self._serving.forget(host_id)
                 self._prewarm(targets, now)
         self.core.host_removed(host_id)
         since = self._hosts_alive.pop(host_id)
@@ -623,19 +628,20 @@ class Simulator:
         return True
 
     def _prewarm(self, host_ids: tuple[str, ...] | list[str], now: float) -> None:
-        """Top the hosts' warm pools up with the configured prewarm policy's reconcile actions."""
+        """Top the hosts' warm pools up to the serving controller core's targets (min per host)."""
         warm = self._prewarmed
         if warm is None:
             return
-        pools = [
-            PoolView(h, warm=warm.get(h, 0), starting=self._warming.get(h, 0))
-            for h in dict.fromkeys(host_ids)
-            if h in self._hosts_alive
-        ]
-        for action in reconcile(self._prewarm_policy, pools):
-            for _ in range(action.start):
-                self._warming[action.host_id] = self._warming.get(action.host_id, 0) + 1
-                self._push(now + self._start_time(self.params.cold_start_s), _WARM_READY, action.host_id)
+        for h in dict.fromkeys(host_ids):
+            if h not in self._hosts_alive:
+                continue
+            held = warm.get(h, 0) + self._warming.get(h, 0)
+            target = self._serving.report(
+                HostReport(h, warm=warm.get(h, 0), starting=self._warming.get(h, 0)), now
+            )
+            for _ in range(target - held):
+                self._warming[h] = self._warming.get(h, 0) + 1
+                self._push(now + self._start_time(self.params.cold_start_s), _WARM_READY, h)
 
     def _warm_ready(self, host_id: str, now: float) -> None:
         if host_id not in self._hosts_alive or self._prewarmed is None:

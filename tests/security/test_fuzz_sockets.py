@@ -1,6 +1,6 @@
 """Malformed frames, bounded and seeded, to every socket a running cluster listens on: the
-gateway's API and its kernels' Jupyter ports, the global scheduler, the arbiter, the Kernel Gateway
-HTTP API, each local scheduler, every
+gateway's API and its kernels' Jupyter ports, the global scheduler, the arbiter, the serving
+controller, the Kernel Gateway HTTP API, each local scheduler, every
 replica (Raft port, ipykernel ports) and the metrics endpoint. Found by asking the OS what the
 cluster's processes listen on, so a socket added later is fuzzed without touching this test.
 Afterwards every process is alive, a normal cell runs and sees its variables, and no GPU stays
@@ -183,6 +183,9 @@ def test_malformed_frames_on_every_listening_socket_leave_the_cluster_working(
             _envelope_junk,
             curve.client_curve(keys, curve.host_principal(host), curve.SCHEDULER),
         )
+        serving = str(tandem_cluster.info["serving"])  # pool.report, runtime.acquire, serving.status
+        for principal in (curve.OPERATOR, curve.SCHEDULER, curve.host_principal(host)):
+            _zmq_frames(serving, rng, _envelope_junk, curve.client_curve(keys, principal, curve.SERVING))
 
         time.sleep(1.0)
         dead = [p.pid for p in procs if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE]

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from shared.cluster_core.lifecycle import (
     DEAD,
+    HIBERNATED,
+    HIBERNATING,
     REPLACE,
     RUNNING,
     STARTING,
@@ -22,7 +24,7 @@ from shared.cluster_core.lifecycle import (
     transition,
 )
 
-STATES = (STARTING, RUNNING, STOPPING, STOPPED, DEAD)
+STATES = (STARTING, RUNNING, STOPPING, STOPPED, DEAD, HIBERNATING, HIBERNATED)
 
 
 @dataclass
@@ -38,6 +40,21 @@ def test_a_kernel_lives_through_start_run_stop() -> None:
     assert kernel.state == STOPPED
 
 
+def test_an_idle_kernel_hibernates_and_resumes_through_a_start() -> None:
+    kernel = Kernel("k", RUNNING)
+    for to in (HIBERNATING, HIBERNATED, STARTING, RUNNING, HIBERNATING, HIBERNATED, STOPPED):
+        transition(kernel, to)
+    assert kernel.state == STOPPED
+
+
+def test_a_failed_resume_keeps_the_kernel_hibernated() -> None:
+    kernel = Kernel("k", HIBERNATED)
+    transition(kernel, STARTING)
+    transition(kernel, HIBERNATED)
+    with pytest.raises(IllegalTransition, match="from hibernated to running"):
+        transition(kernel, RUNNING)  # only through a start: its replicas must exist first
+
+
 def test_a_dead_kernel_is_never_revived() -> None:
     kernel = Kernel("k", DEAD)
     with pytest.raises(IllegalTransition, match="kernel k cannot go from dead to running"):
@@ -51,7 +68,7 @@ def test_a_stopped_kernel_cannot_be_declared_dead() -> None:
 
 
 def test_a_running_kernel_cannot_go_back_to_starting() -> None:
-    with pytest.raises(IllegalTransition, match=r"allowed: dead, stopping"):
+    with pytest.raises(IllegalTransition, match=r"allowed: dead, hibernating, stopping"):
         transition(Kernel("k", RUNNING), STARTING)
 
 
@@ -81,6 +98,7 @@ def test_the_table_decides_every_move(current: str, to: str) -> None:
         (RUNNING, 2, False, REPLACE),
         (RUNNING, 2, True, None),  # restarted in place: no replacement
         (STARTING, 0, False, None),  # the start itself fails
+        (HIBERNATING, 0, False, None),  # its replicas stop on purpose: nothing to replace
     ],
 )
 def test_what_losing_a_replica_means_for_its_kernel(

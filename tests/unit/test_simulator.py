@@ -13,9 +13,10 @@ import pytest
 from shared.cluster_core import drain, moves, replicated
 from shared.cluster_core.core import ClusterCore
 from shared.cluster_core.sessions import Session
-from shared.policies import autoscale, executor_choice, migration, placement, prewarm
+from shared.policies import autoscale, executor_choice, migration, placement
 from shared.policies.placement_index import PlacementIndex
 from shared.resources import Resources
+from shared.serving import ServingCore
 from shared.simulator import engine
 from shared.simulator.cli import JSON_KEYS, run_sim
 from shared.simulator.engine import SimResult, Simulator
@@ -36,6 +37,7 @@ def excerpt() -> Trace:
 
 def test_simulator_imports_the_same_policy_objects_as_the_live_scheduler() -> None:
     import services.global_scheduler.service as live
+    import services.serving_controller.service as live_serving
 
     assert live.ClusterCore is engine.ClusterCore  # one core class, both drivers
     # the live shells reach these through the core (tests/unit/test_one_cluster_core.py scans them)
@@ -46,7 +48,7 @@ def test_simulator_imports_the_same_policy_objects_as_the_live_scheduler() -> No
     assert replicated.plan_held_migration is moves.plan_held_migration
     assert drain.plan_replacement is moves.plan_replacement
     assert replicated.PlacementIndex is PlacementIndex
-    assert engine.reconcile is prewarm.reconcile
+    assert engine.ServingCore is live_serving.ServingCore  # warm pools: the serving controller's core
 
 
 def test_simulator_decisions_go_through_the_shared_policy_functions(
@@ -67,9 +69,9 @@ def test_simulator_decisions_go_through_the_shared_policy_functions(
     spy(moves, "plan_migration")
     spy(PlacementIndex, "place")
     spy(autoscale.Autoscaler, "evaluate")
-    spy(engine, "reconcile")
+    spy(ServingCore, "report")  # the serving controller's core, as live (services/serving_controller)
     Simulator(excerpt, "notebookos", seed=1).run()
-    assert set(calls) == {"choose_executor", "plan_migration", "place", "evaluate", "reconcile"}
+    assert set(calls) == {"choose_executor", "plan_migration", "place", "evaluate", "report"}
     assert calls["choose_executor"] >= excerpt.n_tasks  # every cell's executor is chosen by it
 
 
