@@ -227,7 +227,9 @@ class BatchJobs:
         run = await self._launch(spec, [int(d) for d in devices], expires_at, app_id)
         run.packed_on = partner
         self._regroup(partner)
-        log.info("job_packed", job=spec.job_id, host=self.host_id, jmax=partner, device_ids=devices)
+        log.info(
+            "job_packed", job=spec.job_id, host=self.host_id, jmax=partner, device_ids=run.process.device_ids
+        )
         return self._granted(run, renewed=False)
 
     def guests(self, jmax: str) -> list[Run]:
