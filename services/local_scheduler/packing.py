@@ -48,6 +48,7 @@ class PackingSettings:
     trial_s: float = 3.0  # one trial's measurement window (the paper: up to 60 s or 5 steps)
     settle_s: float = 0.5  # after a new cap, before measuring: the step in flight ends
     objective: str = "jct"
+    min_gain: float = 0.03  # a trial must beat the best by this fraction (live trials are noisy)
 
     @classmethod
     def from_config(cls, section: dict[str, Any]) -> PackingSettings:
@@ -56,6 +57,7 @@ class PackingSettings:
             trial_s=float(section.get("trial_s", cls.trial_s)),
             settle_s=float(section.get("settle_s", cls.settle_s)),
             objective=str(section.get("objective", cls.objective)),
+            min_gain=float(section.get("min_gain", cls.min_gain)),
         )
 
 
@@ -165,7 +167,7 @@ class Coordinator:
         objective = OBJECTIVES[self.settings.objective]()
         # the duty cycle caps a share of the job's own speed: every cap below 100% binds (no
         # slack above a use to skip, that is a GPU notion), so the paper's literal 10% steps
-        search = CoordinationSearch(infos, objective, skip_slack=False)
+        search = CoordinationSearch(infos, objective, skip_slack=False, min_gain=self.settings.min_gain)
         while (config := search.propose()) is not None:
             for job_id, cap in config.caps.items():
                 self._set(job_id, cap)
