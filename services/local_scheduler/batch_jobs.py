@@ -305,12 +305,14 @@ class BatchJobs:
             if run.suspension is not None and reason in PAUSABLE_REASONS and self.keep_paused_s > 0:
                 self.ledger.drop_suspended(job_id)  # a cell holds its GPUs: it stays paused
                 run.suspension = None
+                self._unpack(run)  # its guests come back on GPUs of their own
                 return {**self._describe(run), "running": False, "outcome": "paused"}
             pausable = (
                 run.leased and reason in PAUSABLE_REASONS and self.keep_paused_s > 0 and run.packed_on is None
             )  # a packed job stops: its GPUs are its J_max's
             if pausable and await run.process.pause(self.stop_grace_s):
                 self.ledger.end_lease(job_id)
+                self._unpack(run)  # its guests take over the lease of its GPUs
                 run.expires_at, run.paused_at = None, time.time()
                 return {**self._describe(run), "running": False, "outcome": "paused"}
             return await self._stop(run, reason=reason)

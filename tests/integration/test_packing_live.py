@@ -2,7 +2,8 @@
 the second job is granted ``packed`` beside the first (its J_max) on the same device, the
 coordinator's Algorithm 1 squeezes and swells them through their share files (the jobs see the
 shares at their step boundaries), a cell that takes the GPU pauses both, and both resume and finish
-with exactly the result of an unpacked run."""
+with exactly the result of an unpacked run; the guest takes the GPU's lease over when its J_max
+ends."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def sgd(w, step):
     return w
 """
 BURN = 60_000
-STEPS = {"a.1": 400, "a.2": 300}
+STEPS = {"a.1": 300, "a.2": 450}  # a.1 (J_max) ends first: a.2 takes its lease over
 
 
 def expected(total: int) -> tuple[float, int]:
@@ -123,6 +124,10 @@ def test_two_jobs_packed_on_one_gpu_are_coordinated_paused_by_a_cell_and_finish_
             jobs.cells_released()
             pause["end"] = time.time()
             assert ledger.leased_snapshot() == {"a.1": [0]}
+            await until(lambda: outs["a.1"].exists() and "a.1" not in jobs.runs, timeout=60.0)
+            if "a.2" in jobs.runs:  # J_max ended: its guest holds GPU 0 alone, at full speed
+                assert ledger.leased_snapshot() == {"a.2": [0]}
+                assert jobs.runs["a.2"].packed_on is None and not jobs.sets
             await until(lambda: all(o.exists() for o in outs.values()), timeout=60.0)
             return list(coordinator.trials), {j: json.loads(o.read_text()) for j, o in outs.items()}, pause
         finally:
