@@ -184,9 +184,15 @@ def _coordinate(jobs: Sequence[LiveJob], trial_s: float) -> dict:
             }
         )
     best = search.best() if search.trials else None
-    if best is not None:
+    if best is not None and not any(j.done() for j in jobs):
         for name, cap in best.caps.items():
             write_share(by_name[name].share_file, cap)
+    # the set dissolves when a job ends: the other runs alone, at 100% (as the job runner does;
+    # leaving it squeezed cost the earlier Gimbal runs their lead)
+    while not any(j.done() for j in jobs):
+        time.sleep(0.02)
+    for job in jobs:
+        write_share(job.share_file, 100)
     return {"trials": trials, "best_caps": dict(best.caps) if best else None}
 
 

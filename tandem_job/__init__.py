@@ -213,7 +213,7 @@ class _Governor:
         """After a step of ``busy_s``: sleep what the duty cycle owes (nothing at 100%)."""
         if self._cycle is None:
             return
-        pause = self._cycle.pause_after(busy_s)
+        pause = self._cycle.pause_after(busy_s, time.monotonic())
         if pause > 0:
             t0 = time.monotonic()
             time.sleep(pause)
