@@ -22,7 +22,7 @@ Targets: live jct_gimbal_s <= 0.85 x sequential and <= free competition; share_e
 simulated JCT <= 0.85 x no packing; search within 1% of exhaustive in <= 55% of its trials.
 The machine is shared with other work: live numbers are noisy, hence medians.
 
-Usage: ``python scripts/bench_packing.py [--quick] [--repeats 3] [--seeds 3]``
+Usage: ``python scripts/bench_packing.py [--quick] [--repeats 3] [--seeds 3] [--no-live | --no-sim]``
 """
 
 from __future__ import annotations
@@ -287,12 +287,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="live repeats (default 3; quick 1)")
     parser.add_argument("--seeds", type=int, default=None, help="simulated traces (default 3; quick 1)")
     parser.add_argument("--no-live", action="store_true", help="simulation only")
+    parser.add_argument("--no-sim", action="store_true", help="live part only")
     args = parser.parse_args()
     t0 = time.monotonic()
     out: dict = {}
     if not args.no_live:
         out.update(live(args.repeats or (1 if args.quick else 3), args.quick))
-    out.update(simulated(args.seeds or (1 if args.quick else 3)))
+    if not args.no_sim:
+        out.update(simulated(args.seeds or (1 if args.quick else 3)))
     out["wall_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(out))
 
