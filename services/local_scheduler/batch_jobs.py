@@ -332,11 +332,11 @@ class BatchJobs:
     def _release(self, run: Run) -> dict[str, Any]:
         if self.runs.get(run.job_id) is run:
             del self.runs[run.job_id]
-            self._unpack(run)
             if run.leased:
                 self.ledger.end_lease(run.job_id)
             self.ledger.drop_suspended(run.job_id)
             run.suspension = None
+            self._unpack(run)  # its GPUs are free in the ledger now: its guests take them over
         entry = self._describe(run)
         self._ended[run.job_id] = entry
         return entry
