@@ -674,7 +674,7 @@ def render_jobs(jobs: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title="Tandem jobs")
-    for column in ("job", "app", "name", "state", "host GPUs", "progress", "GPU time s", "runs"):
+    for column in ("job", "app", "name", "state", "host GPUs", "packed", "progress", "GPU time s", "runs"):
         table.add_column(column, no_wrap=True)
     for job in jobs:
         total = job.get("iterations_total")
@@ -682,7 +682,9 @@ def render_jobs(jobs: list[dict[str, Any]]) -> None:
             f"{job.get('iterations_done', 0)}/{total}" if total else f"{job.get('run_seconds', 0):.0f} s run"
         )
         where = f"{job['host']} {job['device_ids']}" if job.get("host") else ""
-        table.add_row(job["job_id"], job["app_id"], job["name"], job["state"], where, progress,
+        packing = job.get("packing") or {}
+        packed = f"{packing.get('share', 100)}% with {packing.get('with')}" if packing else ""
+        table.add_row(job["job_id"], job["app_id"], job["name"], job["state"], where, packed, progress,
                       f"{job.get('gpu_seconds', 0):.1f}", str(job.get("runs", 0)))  # fmt: skip
     console().print(table)
 

@@ -284,6 +284,15 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "address": "",  # the arbiter's ROUTER; empty: none (`tandem up` starts one and sets it)
         "prometheus_port": 0,  # the arbiter's /metrics: 0 a free port, -1 off (on only with metrics)
     },
+    "packing": {
+        # Two best-effort jobs per GPU, coordinated by Gimbal's search (issue #18, docs/packing.md).
+        # Off: the live bench on this CPU-only machine shows no gain over sequential yet.
+        "enabled": False,
+        "trial_s": 3.0,  # one trial of the coordination search (the paper: up to 60 s or 5 steps)
+        "settle_s": 0.5,  # after a new share, before measuring (the step in flight ends)
+        "objective": "jct",  # Eq. 1-6: jct | jct_sequenced | deadline | makespan
+        "min_gain": 0.03,  # a trial counts as a gain only if it beats the best by this fraction
+    },
     "log": {
         "format": "console",  # "console" for development, "json" for production
         "level": "info",
@@ -302,6 +311,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scheduler.policy": ("notebookos", "reservation", "batch", "lcp"),
     "autoscale.provider": ("none", "embedded"),
     "prewarm.policy": ("none", "fixed", "min", "littles_law"),
+    "packing.objective": ("jct", "jct_sequenced", "deadline", "makespan"),
 }
 
 

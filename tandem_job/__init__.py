@@ -19,6 +19,13 @@ atomically: ``control`` written by the local scheduler, ``progress.json`` by the
 not a socket or a pipe: either side may restart without the other noticing a broken link, the
 job needs no keys and no event loop, any language can speak it, and the cost per step is one
 ``stat``. Outside Tandem (no ``$TANDEM_JOB_DIR``) the loop simply runs.
+
+Packing (issue #18, Gimbal): when the local scheduler packs two jobs on one GPU it writes a third
+file, ``share`` (10..100, LGRR steps), which the loop reads at each step boundary like the control
+word (one ``stat``): below 100 a duty cycle (``shared.packing.governor``) pauses after each step so
+the job runs at that share of its full-speed step rate, and, when the job has imported torch, its
+intra-op threads shrink to the cores the share covers. The share in force is in each progress
+report (``share``), so the scheduler's runtime monitor sees what it measured.
 """
 
 from __future__ import annotations
@@ -26,12 +33,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 CONTROL_FILE = "control"
 PROGRESS_FILE = "progress.json"
+SHARE_FILE = "share"
 RUN, PAUSE, STOP = "run", "pause", "stop"
 CONTROL_WORDS = (RUN, PAUSE, STOP)
 # progress.json is rewritten at most this often (and at every state change)
@@ -80,6 +90,12 @@ class Job:
         self._control = RUN
         self._reported_at = 0.0
         self._state = "running"
+        self._governor: _Governor | None = None if job_dir is None else _Governor(job_dir / SHARE_FILE)
+
+    @property
+    def share(self) -> int:
+        """The share of its GPU this job runs at (100 unless packed and squeezed)."""
+        return 100 if self._governor is None else self._governor.share
 
     def steps(self) -> Iterator[int]:
         """Step indices from ``start`` to ``total - 1`` (forever when ``total`` is None). Between
@@ -89,9 +105,14 @@ class Job:
             if self._obey() == STOP:
                 self.stopped = True
                 break
+            if self._governor is not None:
+                self._governor.poll()
             began = time.monotonic()
             yield step
-            self._finished_step(time.monotonic() - began)
+            busy = time.monotonic() - began
+            if self._governor is not None:
+                self._governor.pace(busy)
+            self._finished_step(busy)
             step += 1
         self._report("stopped" if self.stopped else "finished", force=True)
 
@@ -139,11 +160,64 @@ class Job:
             "iterations_done": self.done,
             "iterations_total": self.total,
             "seconds_per_iteration": self.seconds_per_iteration,
+            "share": self.share,
             "pid": os.getpid(),
             "updated_at": time.time(),
         }
         with contextlib.suppress(OSError):  # a full disk must not kill the training
             write_atomically(self._dir / PROGRESS_FILE, json.dumps(progress))
+
+
+class _Governor:
+    """The job's side of squeeze/swell: the share file, read when replaced, drives a duty cycle
+    (pure accounting in ``shared.packing.governor.DutyCycle``) and torch's thread count."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._seen: tuple[int, int] | None = None
+        self._cycle: Any = None  # a DutyCycle, created at the first share below 100
+        self._threads: int | None = None  # torch's intra-op threads at 100%
+        self.share = 100
+
+    def poll(self) -> None:
+        try:
+            st = self._path.stat()
+        except OSError:
+            return
+        seen = (st.st_mtime_ns, st.st_ino)
+        if seen == self._seen:
+            return
+        self._seen = seen
+        try:
+            share = round(float(self._path.read_text().strip()))
+        except (OSError, ValueError):
+            return
+        self._apply(max(10, min(100, share)))
+
+    def _apply(self, share: int) -> None:
+        if self._cycle is None:
+            from shared.packing.governor import DutyCycle  # only packed jobs need it
+
+            self._cycle = DutyCycle()
+        self._cycle.set_share(share)
+        self.share = self._cycle.share
+        torch = sys.modules.get("torch")
+        if torch is not None:  # the job's own threads: scale them, never raise them above its own
+            from shared.packing.governor import threads_for
+
+            if self._threads is None:
+                self._threads = int(torch.get_num_threads())
+            torch.set_num_threads(threads_for(self.share, self._threads))
+
+    def pace(self, busy_s: float) -> None:
+        """After a step of ``busy_s``: sleep what the duty cycle owes (nothing at 100%)."""
+        if self._cycle is None:
+            return
+        pause = self._cycle.pause_after(busy_s, time.monotonic())
+        if pause > 0:
+            t0 = time.monotonic()
+            time.sleep(pause)
+            self._cycle.slept(time.monotonic() - t0)
 
 
 @contextlib.contextmanager

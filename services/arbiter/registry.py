@@ -64,6 +64,8 @@ class JobRecord:
     leases_held: int = 0
     last_host: str | None = None  # where its output log is
     suspended: bool = False  # a cell revoked its lease: not charged, and its lease clock stopped
+    # packed on a GPU with another job (issue #18): its host's report (with whom, share, GPUs)
+    packing: dict[str, Any] | None = None
 
     @property
     def leased(self) -> bool:
@@ -154,6 +156,7 @@ class Registry:
             record.state = QUEUED
 
     def _close_lease(self, record: JobRecord, now: float) -> None:
+        record.packing = None
         if record.host is None:
             return
         self._account(record, now)
@@ -204,6 +207,9 @@ class Registry:
                 ended.append(job_id)  # not ours (any more): let the host forget it
                 continue
             self._progress(record, entry.get("progress") or {})
+            if record.host == host:
+                packing = entry.get("packing")
+                record.packing = packing if isinstance(packing, dict) else None
             if record.host == host and bool(entry.get("suspended")) != record.suspended:
                 self._account(record, now)  # charged up to now at the old rate
                 record.suspended = bool(entry.get("suspended"))

@@ -21,6 +21,7 @@ import collections
 import json
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -28,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from services.arbiter.metrics import arbiter_exporter
-from services.arbiter.registry import Registry, RegistryError
+from services.arbiter.registry import JobRecord, Registry, RegistryError
 from services.arbiter.usage import UsageMeter
 from shared import messages
 from shared.arbiter import Arbiter, ArbiterConfig, CapacityMeter, GpuSlot, Lease
@@ -86,6 +87,9 @@ class ArbiterService:
         self._outbound = OutboundRequests(self._server)
         self._exporter: SnapshotExporter | None = None
         self._round_lock = asyncio.Lock()  # a cancel's lease.end and a round never interleave
+        self.lease_s = float(section["lease_s"])
+        # per host, the GPUs a job could be packed on (issue #18; hosts with packing off say none)
+        self.packable: dict[str, list[int]] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -162,6 +166,7 @@ class ArbiterService:
         try:
             if env.type == messages.AGENT_REPORT:
                 self.usage.observe(body, now)
+                self.packable[str(body["host_id"])] = [int(d) for d in body.get("packable") or []]
                 return env.reply({"ack": self.registry.on_report(body, now)})
             if env.type == messages.JOB_SUBMIT:
                 record = self.registry.submit(body, now)
@@ -244,6 +249,13 @@ class ArbiterService:
         home = {r.job_id: r.host or r.last_host for r in self.registry.active() if r.host or r.last_host}
         leases = keep_jobs_in_place(outcome.leases, home)
         grants = {lease.job_id: lease for lease in leases}
+        live = set(self.usage.live(now))
+        packed = packed_leases(
+            self.registry.active(), grants, {h: d for h, d in self.packable.items() if h in live},
+            releasing, now, self.lease_s,
+        )  # fmt: skip
+        grants.update({lease.job_id: lease for lease in packed})
+        packed_ids = {lease.job_id for lease in packed}
         if grants or expiring:
             log.info(
                 "round",
@@ -260,7 +272,9 @@ class ArbiterService:
                 continue  # renewed below: the job runs on
             ending.append(record)
         await asyncio.gather(*(self._ask_end(r.host, r.job_id, "expired") for r in ending if r.host))
-        await asyncio.gather(*(self._grant(lease, releasing) for lease in grants.values()))
+        await asyncio.gather(
+            *(self._grant(lease, releasing, packed=lease.job_id in packed_ids) for lease in grants.values())
+        )
         self._save()
 
     async def _ask_end(self, host: str, job_id: str, reason: str) -> None:
@@ -275,9 +289,10 @@ class ArbiterService:
             self.registry.lease_ended(job_id, time.time())
         self._event("ended", job_id, host, reason=reason)
 
-    async def _grant(self, lease: Lease, releasing: set[str]) -> None:
+    async def _grant(self, lease: Lease, releasing: set[str], *, packed: bool = False) -> None:
         """Carry out one lease: its GPUs are added to what the job holds on to (a renewal, or a
-        larger share of the same host), else the job starts there."""
+        larger share of the same host), else the job starts there; ``packed``: beside the job
+        that holds them (the host chooses which, within §5.1)."""
         host, gpus = _placement(lease)
         record = self.registry.get(lease.job_id)
         keeps = record.host is not None and record.job_id not in releasing
@@ -285,7 +300,7 @@ class ArbiterService:
             # a job is one process on one host: its GPUs cannot span hosts
             log.warning("lease_spans_hosts", job=lease.job_id, slots=[list(s) for s in lease.slots])
             return
-        if keeps:
+        if keeps and not packed:
             gpus += len(record.device_ids)
         elif record.last_host not in (None, host):
             # a job paused on another host (``arbiter.keep_paused_s``) stops there first
@@ -303,6 +318,7 @@ class ArbiterService:
             "gpus": gpus,
             "expires_at": lease.expires_at,
             "job": job,
+            "packed": packed,
         }
         try:
             answer = await self._outbound.request(
@@ -356,6 +372,37 @@ class ArbiterService:
             "lease_events": list(self.lease_events)[-200:],
             "prometheus_url": self._exporter.url if self._exporter is not None else None,
         }
+
+
+def packed_leases(
+    active: Sequence[JobRecord],
+    grants: dict[str, Lease],
+    packable: dict[str, list[int]],
+    releasing: set[str],
+    now: float,
+    lease_s: float,
+) -> list[Lease]:
+    """Gimbal's packing after the auction (issue #18): a job the auction left waiting goes on GPUs
+    a host says it could pack it on (beside a running job, §5.1); a packed job whose lease ends and
+    that won nothing is renewed where it is packed. Jobs that asked for fewer GPUs first (they fit
+    beside more jobs); each packable GPU takes one job."""
+    free = {host: list(devices) for host, devices in packable.items()}
+    leases: list[Lease] = []
+    for record in sorted(active, key=lambda r: (r.gpus, r.submitted_at, r.job_id)):
+        if record.job_id in grants:
+            continue
+        if record.host is not None:
+            if record.job_id in releasing and record.packing is not None and not record.suspended:
+                slots = tuple(GpuSlot(record.host, d) for d in record.device_ids)
+                leases.append(Lease(record.app_id, record.job_id, slots, now, now + lease_s))
+            continue
+        host = next((h for h in sorted(free) if len(free[h]) >= record.gpus), None)
+        if host is None:
+            continue
+        taken, free[host] = free[host][: record.gpus], free[host][record.gpus :]
+        slots = tuple(GpuSlot(host, d) for d in taken)
+        leases.append(Lease(record.app_id, record.job_id, slots, now, now + lease_s))
+    return leases
 
 
 def _placement(lease: Lease) -> tuple[str | None, int]:

@@ -22,11 +22,21 @@ keep time running out, or a cancel stop it; it then resumes from the iterations 
 new process. Why stopping is the default: a paused process keeps its GPU memory, which a cell
 committed to that GPU may need (on virtual GPUs, or once checkpoints move that memory aside, a
 paused job costs nothing).
+
+Packing (issue #18, Gimbal; ``[packing] enabled``, off by default): a grant marked ``packed`` puts
+the job on GPUs a running job holds alone, at most two jobs per GPU, a smaller job only beside the
+largest of its set (§5.1, ``packable_gpus``), never on a GPU a cell holds. The ledger keeps the
+GPUs leased to that J_max; the guest is bound to them through it: a cell that revokes J_max's GPUs
+pauses its guests too (both squeezed to zero), they resume together, and a guest whose J_max ends
+takes over the lease of its GPUs. A ``Coordinator`` per set (``services.local_scheduler.packing``)
+searches the shares with Algorithm 1 over live trials. ``report`` lists the GPUs a guest could
+take (``packable``); each job's entry says with whom it shares and at what share (``packing``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +47,9 @@ from typing import Any
 import structlog
 
 from services.local_scheduler.job_process import LOG_FILE, JobProcess, JobSpec, job_dir
+from services.local_scheduler.packing import Coordinator, PackingSettings, describe, write_share
 from shared.cluster_core.gpu_ledger import Commit, GpuLedger, LedgerError
+from shared.policies.packing import FULL, Placement, packable_gpus
 from shared.policies.preemption import FitGpp, LeasedJob, RevocableLease, gpu_candidate
 from shared.resources import Resources
 from shared.rpc import RpcError
@@ -65,6 +77,7 @@ class Run:
     pausing: asyncio.Future[None] | None = None
     grace_period_s: float | None = None  # measured: pause asked -> paused (FitGpp's GP)
     preemptions: int = 0
+    packed_on: str | None = None  # packed beside this job (its J_max), on GPUs it leases
 
     @property
     def leased(self) -> bool:
@@ -89,6 +102,7 @@ class BatchJobs:
         fitgpp_s: float = 4.0,
         max_preemptions: int = 1,
         pause_grace_s: float = 2.0,
+        packing: PackingSettings | None = None,
     ) -> None:
         self.ledger = ledger
         self.host_id = host_id
@@ -105,6 +119,8 @@ class BatchJobs:
         self._ended: dict[str, dict[str, Any]] = {}
         self._lock = asyncio.Lock()  # grants and ends change the ledger one at a time
         self._reapers: set[asyncio.Future[None]] = set()
+        self.packing = packing or PackingSettings()
+        self.sets: dict[str, Coordinator] = {}  # J_max's job id -> the coordinator of its set
 
     # ---- from the arbiter ----------------------------------------------------------------------
 
@@ -114,6 +130,18 @@ class BatchJobs:
         gpus, expires_at = int(body["gpus"]), float(body["expires_at"])
         async with self._lock:
             run = self.runs.get(spec.job_id)
+            if (
+                run is not None
+                and run.packed_on is not None
+                and run.leased
+                and len(run.process.device_ids) == gpus
+            ):
+                run.expires_at = expires_at  # renewed where it is packed (no lease of its own)
+                return self._granted(run, renewed=True)
+            if body.get("packed") and self.packing.enabled:
+                if run is not None:
+                    await self._stop(run, reason="replaced")
+                return await self._start_packed(spec, gpus, expires_at, str(body.get("app_id", "")))
             if run is not None and run.suspension is not None and len(run.process.device_ids) == gpus:
                 self._suspend(run, run.suspension[1], expires_at)  # renewed while a cell holds its GPUs
                 return self._granted(run, renewed=True)
@@ -139,24 +167,116 @@ class BatchJobs:
                 device_ids = list(self.ledger.lease(spec.job_id, gpus, expires_at, device_ids=leasable))
             except LedgerError as exc:
                 raise RpcError(f"host {self.host_id}: {exc}", "no_gpus") from None
-            process = JobProcess(
-                spec,
-                directory=job_dir(self.state_dir, spec.job_id),
-                device_ids=device_ids,
-                host_id=self.host_id,
-            )
             try:
-                await process.start()
-            except OSError as exc:
+                run = await self._launch(spec, device_ids, expires_at, str(body.get("app_id", "")))
+            except RpcError:
                 self.ledger.end_lease(spec.job_id)
-                raise RpcError(f"job {spec.job_id} could not start: {exc}", "start_failed") from None
-            run = Run(spec.job_id, str(body.get("app_id", "")), process, expires_at)
-            self.runs[spec.job_id] = run
-            self._ended.pop(spec.job_id, None)
-            reaper = asyncio.ensure_future(self._reap(run))
-            self._reapers.add(reaper)
-            reaper.add_done_callback(self._reapers.discard)
+                raise
             return self._granted(run, renewed=False)
+
+    async def _launch(self, spec: JobSpec, device_ids: list[int], expires_at: float, app_id: str) -> Run:
+        process = JobProcess(
+            spec, directory=job_dir(self.state_dir, spec.job_id), device_ids=device_ids, host_id=self.host_id
+        )
+        try:
+            await process.start()
+        except OSError as exc:
+            raise RpcError(f"job {spec.job_id} could not start: {exc}", "start_failed") from None
+        run = Run(spec.job_id, app_id, process, expires_at)
+        self.runs[spec.job_id] = run
+        self._ended.pop(spec.job_id, None)
+        reaper = asyncio.ensure_future(self._reap(run))
+        self._reapers.add(reaper)
+        reaper.add_done_callback(self._reapers.discard)
+        return run
+
+    # ---- packing (issue #18) ------------------------------------------------------------------
+
+    def placement(self) -> Placement:
+        """The BE jobs on this host's GPUs now (leased, suspended or packed; not paused ones)."""
+        return Placement(
+            {
+                r.job_id: tuple(str(d) for d in r.process.device_ids)
+                for r in self.runs.values()
+                if r.leased or r.suspension is not None
+            }
+        )
+
+    def packable(self, gpus: int = 1) -> list[int]:
+        """GPUs a job of ``gpus`` workers could be packed on now (each J_max's first option)."""
+        if not self.packing.enabled:
+            return []
+        cells = [str(d) for c in self.ledger.commits() for d in c.device_ids]
+        suspended = [r.job_id for r in self.runs.values() if r.suspension is not None or not r.leased]
+        found: list[int] = []
+        for partner, devices in packable_gpus(gpus, self.placement(), cells):
+            if partner is not None and partner not in suspended:
+                found.extend(int(d) for d in devices)
+        return sorted(set(found))
+
+    async def _start_packed(self, spec: JobSpec, gpus: int, expires_at: float, app_id: str) -> dict[str, Any]:
+        cells = [str(d) for c in self.ledger.commits() for d in c.device_ids]
+        options = [
+            (partner, devices)
+            for partner, devices in packable_gpus(gpus, self.placement(), cells)
+            if partner is not None and self.runs[partner].leased
+        ]
+        if not options:
+            raise RpcError(f"host {self.host_id}: no GPU to pack {gpus} workers on", "no_gpus")
+        partner, devices = options[0]
+        run = await self._launch(spec, [int(d) for d in devices], expires_at, app_id)
+        run.packed_on = partner
+        self._regroup(partner)
+        log.info(
+            "job_packed", job=spec.job_id, host=self.host_id, jmax=partner, device_ids=run.process.device_ids
+        )
+        return self._granted(run, renewed=False)
+
+    def guests(self, jmax: str) -> list[Run]:
+        return [r for r in self.runs.values() if r.packed_on == jmax]
+
+    def _regroup(self, jmax: str) -> None:
+        """The set around ``jmax`` formed or changed: a new search (Algorithm 1 starts over)."""
+        old = self.sets.pop(jmax, None)
+        if old is not None:
+            old.stop()
+        host = self.runs.get(jmax)
+        members = ([host] if host is not None else []) + self.guests(jmax)
+        if host is None or len(members) < 2:
+            for r in members:
+                with contextlib.suppress(OSError):
+                    write_share(r.process, FULL)  # alone again: full speed
+            return
+        coordinator = Coordinator(
+            self.packing,
+            {r.job_id: r.process for r in members},
+            {r.job_id: tuple(r.process.device_ids) for r in members},
+            lambda: all(r.leased and not r.process.exited.is_set() for r in members),
+        )
+        self.sets[jmax] = coordinator
+        coordinator.start()
+
+    def _unpack(self, run: Run) -> None:
+        """``run`` leaves this host: its guests take over its GPUs' lease, or it leaves its J_max."""
+        if run.packed_on is not None:
+            jmax, run.packed_on = run.packed_on, None
+            self._regroup(jmax)
+            return
+        guests = self.guests(run.job_id)
+        coordinator = self.sets.pop(run.job_id, None)
+        if coordinator is not None:
+            coordinator.stop()
+        for guest in guests:
+            guest.packed_on = None
+            if guest.leased:
+                try:
+                    self.ledger.lease(
+                        guest.job_id, len(guest.process.device_ids), guest.expires_at or time.time(),
+                        device_ids=guest.process.device_ids,
+                    )  # fmt: skip
+                except LedgerError:
+                    log.warning("packed_job_orphaned", job=guest.job_id, host=self.host_id)
+            self._regroup(guest.job_id)  # alone again: its share back to 100%
 
     def _check_reserve(self, gpus: int) -> None:
         idle = len(self.ledger.idle_device_ids())
@@ -185,10 +305,14 @@ class BatchJobs:
             if run.suspension is not None and reason in PAUSABLE_REASONS and self.keep_paused_s > 0:
                 self.ledger.drop_suspended(job_id)  # a cell holds its GPUs: it stays paused
                 run.suspension = None
+                self._unpack(run)  # its guests come back on GPUs of their own
                 return {**self._describe(run), "running": False, "outcome": "paused"}
-            pausable = run.leased and reason in PAUSABLE_REASONS and self.keep_paused_s > 0
+            pausable = (
+                run.leased and reason in PAUSABLE_REASONS and self.keep_paused_s > 0 and run.packed_on is None
+            )  # a packed job stops: its GPUs are its J_max's
             if pausable and await run.process.pause(self.stop_grace_s):
                 self.ledger.end_lease(job_id)
+                self._unpack(run)  # its guests take over the lease of its GPUs
                 run.expires_at, run.paused_at = None, time.time()
                 return {**self._describe(run), "running": False, "outcome": "paused"}
             return await self._stop(run, reason=reason)
@@ -212,6 +336,7 @@ class BatchJobs:
                 self.ledger.end_lease(run.job_id)
             self.ledger.drop_suspended(run.job_id)
             run.suspension = None
+            self._unpack(run)  # its GPUs are free in the ledger now: its guests take them over
         entry = self._describe(run)
         self._ended[run.job_id] = entry
         return entry
@@ -250,7 +375,7 @@ class BatchJobs:
 
     def leased_jobs(self) -> list[LeasedJob]:
         """The jobs a cell may revoke here (with their measured GP): what the heartbeat reports."""
-        return [r.as_leased_job() for r in self.runs.values() if r.leased]
+        return [r.as_leased_job() for r in self.runs.values() if r.leased and r.packed_on is None]
 
     def revoke_for_cell(
         self, kernel_id: str, replica_id: str, msg_id: str, gpus: int, *, victims: Sequence[str] = ()
@@ -263,7 +388,8 @@ class BatchJobs:
         LedgerError when even every job's GPUs would not do."""
         leased = {j.job_id: j for j in self.leased_jobs()}
         idle = len(self.ledger.idle_device_ids())
-        chosen = [j for j in dict.fromkeys(victims) if j in leased]
+        chosen = [self._host_of(j) for j in dict.fromkeys(victims)]
+        chosen = [j for j in dict.fromkeys(chosen) if j in leased]
         reason = "the global scheduler's FitGpp choice"
         if not chosen or idle + sum(leased[j].gpus for j in chosen) < gpus:
             decision = self.policy.decide(
@@ -276,7 +402,8 @@ class BatchJobs:
         log.info(
             "lease_revoked", host=self.host_id, kernel=kernel_id, msg_id=msg_id, victims=chosen, reason=reason
         )
-        victims = chosen
+        # a packed job's GPUs are its J_max's: the cell takes them from both (squeezed to zero)
+        victims = chosen + [g.job_id for j in chosen for g in self.guests(j) if g.leased]
         for job_id in victims:
             run = self.runs[job_id]
             run.preemptions += 1
@@ -284,6 +411,11 @@ class BatchJobs:
             run.expires_at, run.paused_at = None, time.time()
             run.pausing = asyncio.ensure_future(self._pause_measured(run))
         return commit
+
+    def _host_of(self, job_id: str) -> str:
+        """The job whose lease holds ``job_id``'s GPUs: its J_max when packed, else itself."""
+        run = self.runs.get(job_id)
+        return run.packed_on if run is not None and run.packed_on is not None else job_id
 
     def _suspend(self, run: Run, cell: tuple[str, str, str], expires_at: float) -> None:
         """Stop ``run``'s lease clock with ``expires_at - now`` of its term left."""
@@ -303,7 +435,8 @@ class BatchJobs:
         """A cell gave GPUs back: each suspended job whose cell no longer holds them gets its own
         devices back and resumes, if its lease (clock stopped meanwhile) has not expired."""
         held = {(c.kernel_id, c.replica_id, c.msg_id) for c in self.ledger.commits()}
-        for run in list(self.runs.values()):
+        # J_max first: its guests resume on the lease it gets back
+        for run in sorted(self.runs.values(), key=lambda r: r.packed_on is not None):
             if run.suspension is None or run.suspension[1] in held:
                 continue
             lease, cell = run.suspension
@@ -314,7 +447,15 @@ class BatchJobs:
                 continue
             expires_at = time.time() + lease.remaining_s(now)
             try:
-                self.ledger.resume_lease(run.job_id, expires_at)
+                if run.packed_on is not None:
+                    if not self.runs[run.packed_on].leased:
+                        raise LedgerError(f"{run.packed_on} holds its GPUs and is not back")
+                elif run.job_id in self.ledger.suspended():
+                    self.ledger.resume_lease(run.job_id, expires_at)
+                else:  # packed, and its J_max ended meanwhile: the GPUs are its own now
+                    self.ledger.lease(
+                        run.job_id, len(run.process.device_ids), expires_at, device_ids=run.process.device_ids
+                    )
             except LedgerError:  # a device went to the replica's next cell: wait for that one
                 lease.suspend("/".join(cell), now)
                 continue
@@ -342,6 +483,7 @@ class BatchJobs:
             "idle": self.leasable(),
             "reserved": min(self.cell_reserve, len(self.ledger.idle_device_ids())),
             "committed": self.ledger.committed_count,
+            "packable": self.packable(),
             "jobs": [self._describe(r) for r in self.runs.values() if r.leased or r.suspension is not None]
             + list(self._ended.values()),
             "at": time.time(),
@@ -368,7 +510,19 @@ class BatchJobs:
             "suspended": run.suspension is not None,
             "preemptions": run.preemptions,
             "grace_period_s": run.grace_period_s,
+            "packing": self._packing_of(run),
         }
+
+    def _packing_of(self, run: Run) -> dict[str, Any] | None:
+        """With whom ``run`` shares its GPUs and at what share (None: it has them alone)."""
+        jmax = run.packed_on or run.job_id
+        coordinator = self.sets.get(jmax)
+        if coordinator is None or run.job_id not in coordinator.processes:
+            return None
+        partners = sorted(j for j in coordinator.processes if j != run.job_id)
+        entry = describe(coordinator.shares, ",".join(partners), run.job_id, run.process.device_ids)
+        entry.update(jmax=jmax, trials=len(coordinator.trials), searches=coordinator.searches)
+        return entry
 
     async def close(self) -> None:
         """Service shutdown: every job stops (at a step boundary if it can); no orphans."""
@@ -379,5 +533,7 @@ class BatchJobs:
         await asyncio.gather(*(r.process.stop(grace) for r in runs), return_exceptions=True)
         for run in runs:
             self._release(run)
+        for coordinator in self.sets.values():
+            coordinator.stop()
         for reaper in list(self._reapers):
             reaper.cancel()

@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from services.local_scheduler.batch_jobs import BatchJobs
 from services.local_scheduler.gpus import GpuInventory, detect_gpus
+from services.local_scheduler.packing import PackingSettings
 from services.local_scheduler.replica_process import ReplicaProcess, raft_identity_json
 from services.local_scheduler.warm_pool import WarmPool
 from shared import messages
@@ -125,6 +126,7 @@ class LocalScheduler:
             fitgpp_s=float(arbiter["fitgpp_s"]),
             max_preemptions=int(arbiter["max_preemptions"]),
             pause_grace_s=float(arbiter["preempt_pause_grace_s"]),
+            packing=PackingSettings.from_config(cfg["packing"]),
         )
         self._arbiter: RpcClient | None = None
         if arbiter["address"]:

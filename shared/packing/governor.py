@@ -29,6 +29,9 @@ from typing import Protocol
 from shared.policies.packing import FULL, MIN_CAP, STEP
 
 REFERENCE_STEPS = 64
+# a full-speed step older than this no longer describes the machine (a partner left, the load
+# changed): without a fresher one the duty cycle paces to the step's own time
+REFERENCE_MAX_AGE_S = 5.0
 
 
 def quantize(percent: float) -> int:
@@ -55,17 +58,27 @@ class DutyCycle:
     CPU that other processes share: a process that sleeps gets its next timeslices sooner (the
     scheduler credits sleepers), so its steps shorten as it is squeezed and "busy fraction = s"
     would overshoot the throughput share; pacing to the full-speed step time keeps throughput at s
-    of full speed, which is what the coordination search measures."""
+    of full speed, which is what the coordination search measures.
+
+    The reference ages (``max_age_s``, when the caller passes ``now``): a job squeezed for good
+    never runs at 100% again, and pacing it to a step time measured while its partner still ran
+    kept it at that old speed after the partner finished (the live bench's Gimbal runs were 1.4-2.4x
+    slower than free competition, the survivor pinned at 80-90% of its contended speed)."""
 
     share: int = FULL
+    max_age_s: float | None = REFERENCE_MAX_AGE_S
     _owed_s: float = 0.0  # pause owed but not yet slept (negative: overslept)
-    _full_steps: deque[float] = field(default_factory=lambda: deque(maxlen=REFERENCE_STEPS))
+    _full_steps: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=REFERENCE_STEPS))
 
-    @property
-    def reference_s(self) -> float | None:
+    def reference_s(self, now: float | None = None) -> float | None:
         """Mean step time over the last steps at 100% (a mean, as throughput is; not an EMA, which
-        one descheduled step would swing)."""
-        return sum(self._full_steps) / len(self._full_steps) if self._full_steps else None
+        one descheduled step would swing), those older than ``max_age_s`` left out."""
+        steps = [
+            busy
+            for at, busy in self._full_steps
+            if now is None or self.max_age_s is None or now - at <= self.max_age_s
+        ]
+        return sum(steps) / len(steps) if steps else None
 
     def set_share(self, percent: int) -> None:
         percent = quantize(percent)
@@ -73,13 +86,14 @@ class DutyCycle:
             self.share = percent
             self._owed_s = 0.0  # a new share starts a new account: effect on the next step
 
-    def pause_after(self, busy_s: float) -> float:
-        """Seconds to pause now so the step rate tends to share x the full-speed rate."""
+    def pause_after(self, busy_s: float, now: float | None = None) -> float:
+        """Seconds to pause now so the step rate tends to share x the full-speed rate (``now``: a
+        monotonic clock, for the reference's age)."""
         if self.share >= FULL:
-            self._full_steps.append(busy_s)
+            self._full_steps.append((0.0 if now is None else now, busy_s))
             self._owed_s = 0.0
             return 0.0
-        period = (self.reference_s or busy_s) * FULL / self.share
+        period = (self.reference_s(now) or busy_s) * FULL / self.share
         self._owed_s += period - busy_s
         return max(0.0, self._owed_s)
 
@@ -172,7 +186,7 @@ class DutyCycleGovernor:
         yield
         busy = self._clock() - t0
         self.busy_s += busy
-        pause = self._cycle.pause_after(busy)
+        pause = self._cycle.pause_after(busy, self._clock())
         if pause > 0:
             t1 = self._clock()
             self._sleep(pause)

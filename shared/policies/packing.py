@@ -330,9 +330,10 @@ def balanced_fractions(m: JobMeasurement, fractions: Mapping[str, float]) -> dic
 class _TrialLog:
     """The bookkeeping both searches share: the pending trial, every measured trial, the best."""
 
-    def __init__(self, jobs: Sequence[JobInfo], objective: Objective) -> None:
+    def __init__(self, jobs: Sequence[JobInfo], objective: Objective, min_gain: float = 0.0) -> None:
         self._jobs = list(jobs)
         self._objective = objective
+        self._min_gain = min_gain
         self._pending: PackingConfig | None = None
         self._trials: list[Trial] = []
         self._best: Trial | None = None
@@ -347,13 +348,17 @@ class _TrialLog:
         return self._best.config
 
     def _record(self, measured: Measurement) -> tuple[PackingConfig, bool]:
-        """Log the pending trial's outcome; True when it beat every earlier trial."""
+        """Log the pending trial's outcome; True when it beat every earlier trial (by ``min_gain``,
+        a fraction: live trials are noisy, and a squeeze kept for a gain that was only noise costs
+        the rest of the run)."""
         if self._pending is None:
             raise RuntimeError("observe() without a proposed trial")
         config, self._pending = self._pending, None
         trial = Trial(config, self._objective.value(self._jobs, measured))
         self._trials.append(trial)
-        improved = self._best is None or trial.objective < self._best.objective * (1 - 1e-9)
+        improved = self._best is None or trial.objective < self._best.objective * (
+            1 - max(self._min_gain, 1e-9)
+        )
         if improved:
             self._best = trial
         return config, improved
@@ -374,10 +379,11 @@ class CoordinationSearch(_TrialLog):
         start: PackingConfig | None = None,
         early_exit: int | None = EARLY_EXIT_TRIALS,
         skip_slack: bool = True,
+        min_gain: float = 0.0,
     ) -> None:
         if len(jobs) < 2:
             raise ValueError("a packing set has at least two jobs")
-        super().__init__(jobs, objective)
+        super().__init__(jobs, objective, min_gain)
         self._jmax = _jmax(jobs)
         self._early_exit = early_exit
         self._skip_slack = skip_slack  # False: the paper's literal 10% steps from 100%

@@ -70,6 +70,19 @@ def test_pacing_follows_full_speed_step_time_not_a_shortened_step() -> None:
     assert cycle.pause_after(0.004) == pytest.approx(0.020 - 0.004)
 
 
+def test_a_stale_full_speed_reference_gives_way_to_the_steps_own_time() -> None:
+    """A job squeezed for good never runs at 100% again: once its reference is older than
+    ``max_age_s`` (its partner may have left), it paces to its own step time instead of staying
+    at the speed it had then."""
+    cycle = DutyCycle(max_age_s=5.0)
+    for i in range(10):
+        cycle.pause_after(0.020, now=float(i) * 0.02)  # full speed beside a partner: 20 ms
+    cycle.set_share(50)
+    assert cycle.pause_after(0.010, now=1.0) == pytest.approx(0.040 - 0.010)  # fresh: 20 ms / 0.5
+    cycle.set_share(60)
+    assert cycle.pause_after(0.006, now=10.0) == pytest.approx(0.010 - 0.006)  # stale: 6 ms / 0.6
+
+
 def test_oversleep_is_paid_back_by_the_next_pause() -> None:
     cycle = DutyCycle()
     cycle.pause_after(0.010)

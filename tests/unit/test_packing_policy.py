@@ -113,6 +113,21 @@ def test_search_stops_after_three_trials_without_gain() -> None:
     assert all(a - b == 10 for a, b in itertools.pairwise(caps))
 
 
+def test_a_gain_within_the_noise_margin_is_not_a_gain() -> None:
+    """Each squeeze gains 1% (noise-sized): with a 3% margin none counts, the search ends after
+    three and keeps free competition; without it the search walks down."""
+
+    def flat(config: PackingConfig) -> dict[str, JobMeasurement]:
+        gain = 1.01 ** ((FULL - config.caps["big"]) // 10)
+        return {j: JobMeasurement(throughput=gain, utilization=u) for j, u in (("big", 0.9), ("small", 0.3))}
+
+    strict = CoordinationSearch(PAIR, JctObjective(), skip_slack=False, min_gain=0.03)
+    assert run_search(strict, flat).caps == {"big": FULL, "small": FULL}
+    assert len(strict.trials) == 1 + EARLY_EXIT_TRIALS
+    loose = CoordinationSearch(PAIR, JctObjective(), skip_slack=False)
+    assert run_search(loose, flat).caps["big"] < FULL
+
+
 def test_propose_repeats_until_observed_and_ends_with_none() -> None:
     search = CoordinationSearch(PAIR, JctObjective())
     first = search.propose()
