@@ -268,6 +268,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "address": "",  # the arbiter's ROUTER; empty: none (`tandem up` starts one and sets it)
         "prometheus_port": 0,  # the arbiter's /metrics: 0 a free port, -1 off (on only with metrics)
     },
+    "checkpoint": {
+        # Jobs' images (issue #17): agents in the job processes write them to the data store, the
+        # checkpoint service (services/checkpoint_service) keeps each job's latest complete one.
+        "keep": 1,  # images kept per job (the latest; the agent's next increment reuses its packs)
+        "protect_s": 600.0,  # packs stored ahead of their manifest are kept at least this long
+        "commit_timeout_s": 10.0,  # a host's relay of a commit, or its ask for the latest image
+        "address": "",  # the service's ROUTER; empty: none (`tandem up` starts one and sets it)
+    },
     "log": {
         "format": "console",  # "console" for development, "json" for production
         "level": "info",

@@ -83,6 +83,12 @@ AGENT_REPORT = "agent.report"  # a host's idle GPUs and its jobs' progress (the 
 LEASE_GRANT = "lease.grant"  # run (or keep running) a job on this many GPUs until expires_at
 LEASE_END = "lease.end"  # stop the job at a step boundary and free its GPUs
 
+# ---- the checkpoint service (jobs' images: services/checkpoint_service) -------------------------
+CHECKPOINT_COMMIT = "checkpoint.commit"  # a host relays its job's committed image (manifest in the store)
+CHECKPOINT_LATEST = "checkpoint.latest"  # the job's latest complete image, for a restore
+CHECKPOINT_FORGET = "checkpoint.forget"  # the job is over: its images may be collected
+CHECKPOINT_STATUS = "checkpoint.status"
+
 CHANNELS = ("shell", "control", "stdin", "iopub")
 # cell_timings: the executor's per-cell step times (ms), sent after its reply (metrics only)
 REPLICA_EVENTS = ("elected", "election_failed", "done", "raft_role", "exited", "ready", "cell_timings")
@@ -246,6 +252,14 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "job": (_map, True),  # argv, cwd, env, start_iteration
     },
     LEASE_END: {"job_id": (_str, True), "reason": (_str, True)},
+    CHECKPOINT_COMMIT: {
+        "job_id": (_str, True),
+        "manifest": (_map, True),  # the manifest's ObjectRef (the manifest is itself a store object)
+        "written": (_list, False),  # digests of packs its agent stored, failed attempts included
+    },
+    CHECKPOINT_LATEST: {"job_id": (_str, True)},
+    CHECKPOINT_FORGET: {"job_id": (_str, True)},
+    CHECKPOINT_STATUS: {},
 }
 
 _CHECKED_CHANNEL = {JUPYTER_REQUEST, JUPYTER_REPLY}

@@ -63,6 +63,12 @@ ARBITER_ACCEPTS: dict[str, frozenset[str]] = {
     HOST: frozenset(_ANSWERS | {messages.AGENT_REPORT}),
 }
 
+CHECKPOINT_ACCEPTS: dict[str, frozenset[str]] = {
+    # a host relays what its jobs' agents committed and asks for the image a job restarts from
+    HOST: frozenset(_ANSWERS | {messages.CHECKPOINT_COMMIT, messages.CHECKPOINT_LATEST}),
+    OPERATOR: frozenset({messages.CHECKPOINT_LATEST, messages.CHECKPOINT_FORGET, messages.CHECKPOINT_STATUS}),
+}
+
 # (kernel_id, replica_id) -> the host it runs on, or None if the scheduler knows no such replica
 ReplicaHost = Callable[[str, str], str | None]
 
@@ -138,3 +144,8 @@ def arbiter_refusal(principal: str, env_type: str, body: dict[str, Any]) -> str 
     if env_type == messages.AGENT_REPORT and body.get("host_id") != host:
         return f"{principal} may not report for host {body.get('host_id')!r}"
     return None
+
+
+def checkpoint_refusal(principal: str, env_type: str) -> str | None:
+    """Hosts commit and read images; only the operator forgets a job's images or reads the status."""
+    return _type_refusal(CHECKPOINT_ACCEPTS, principal, env_type)

@@ -11,6 +11,7 @@ mode 0700, every file 0600), one pair per principal in pyzmq's certificate forma
 - ``gateway``: the gateway (server of the lifecycle API, client of the scheduler);
 - ``operator``: the CLI and the Jupyter provisioner (client of the gateway and the scheduler);
 - ``arbiter``: the arbiter's server key (best-effort jobs' leases; hosts and the operator are its clients);
+- ``checkpoint``: the checkpoint service's server key (jobs' images; hosts relay, the operator asks);
 - ``host.<host_id>``: one local scheduler; a host registers only with the key issued for its id.
 
 A server learns who a peer is from the key it proved, never from what the peer says: the ZAP
@@ -44,8 +45,9 @@ SCHEDULER = "scheduler"
 GATEWAY = "gateway"
 OPERATOR = "operator"
 ARBITER = "arbiter"
+CHECKPOINT = "checkpoint"
 HOST_PREFIX = "host."
-CLUSTER_PRINCIPALS = (SCHEDULER, GATEWAY, OPERATOR, ARBITER)
+CLUSTER_PRINCIPALS = (SCHEDULER, GATEWAY, OPERATOR, ARBITER, CHECKPOINT)
 
 
 class KeyError_(RuntimeError):
