@@ -55,6 +55,7 @@ class CheckpointService:
         self._lock = asyncio.Lock()  # commits of one job are applied in arrival order, one at a time
         self.commit_ms: collections.deque[float] = collections.deque(maxlen=TIMINGS_KEPT)
         self.deleted_objects = 0
+        self._deleting: set[asyncio.Future[None]] = set()
         self._keys_dir = cfg.keys_dir()
         self._ctx = zmq.asyncio.Context()
         self._authority: curve.CurveAuthority | None = None
@@ -102,6 +103,7 @@ class CheckpointService:
             await self._collect(time.time())  # what a crash left between a commit and its deletes
             await stop.wait()
         finally:
+            await asyncio.gather(*self._deleting, return_exceptions=True)
             self._save()
             await self._server.close()
             if self._authority is not None:
@@ -162,7 +164,9 @@ class CheckpointService:
                 image_bytes=committed.entry.image_bytes,
                 ms=round(elapsed_ms, 2),
             )
-        asyncio.ensure_future(self._delete(committed.collect))
+        deleting = asyncio.ensure_future(self._delete(committed.collect))  # after the answer
+        self._deleting.add(deleting)
+        deleting.add_done_callback(self._deleting.discard)
         return env.reply(
             {"job_id": job_id, "committed": not committed.repeated, **committed.entry.describe()}
         )
