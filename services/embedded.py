@@ -131,6 +131,7 @@ class EmbeddedCluster:
         self.children: list[Child] = []
         self._scheduler_args: list[str] = []
         self._arbiter_args: list[str] = []
+        self._checkpoint_args: list[str] = []
         self._gateway_args: list[str] = []
         self._gateway_restarts: list[float] = []
         self._http_args: list[str] = []
@@ -139,6 +140,7 @@ class EmbeddedCluster:
         self.scheduler_address = ""
         self.gateway_address = ""
         self.arbiter_address = ""
+        self.checkpoint_address = ""
         self.cluster_file = state_dir / CLUSTER_FILE
         self.keys_dir = cfg.keys_dir() if cfg.get("security.keys_dir") else state_dir / "keys"
 
@@ -165,9 +167,10 @@ class EmbeddedCluster:
             self.stop()
             raise
 
-    def _child_config(self, arbiter_address: str = "") -> str:
+    def _child_config(self, arbiter_address: str = "", checkpoint_address: str = "") -> str:
         data = self.cfg.as_dict()
         data["arbiter"]["address"] = arbiter_address
+        data["checkpoint"]["address"] = checkpoint_address
         if self.cfg.get("embedded.virtual_gpus"):
             data["host"]["use_nvml"] = False
         data["cluster"]["state_dir"] = str(self.state_dir)
@@ -185,12 +188,20 @@ class EmbeddedCluster:
         deadline = time.monotonic() + float(self.cfg.get("embedded.ready_timeout_s"))
         # The arbiter first: every other service is told its address (hosts report to it). Like
         # the scheduler, it binds a port the OS picks and announces it.
+        # The checkpoint service (jobs' images; hosts relay to it) starts beside it.
         arbiter_log = self.log_dir / "arbiter.log"
         offset = arbiter_log.stat().st_size if arbiter_log.exists() else 0
         self._arbiter_args = ["-m", "services.arbiter", "--config-json", self._child_config(), *log_format]
         arbiter = self._spawn("arbiter", [*self._arbiter_args, "--bind", f"tcp://{self.ip}:0"], critical=True)
+        checkpoint_log = self.log_dir / "checkpoint.log"
+        checkpoint_offset = checkpoint_log.stat().st_size if checkpoint_log.exists() else 0
+        self._checkpoint_args = ["-m", "services.checkpoint_service", "--config-json", self._child_config(), *log_format]  # fmt: skip
+        checkpoint = self._spawn(
+            "checkpoint", [*self._checkpoint_args, "--bind", f"tcp://{self.ip}:0"], critical=True
+        )
         self.arbiter_address = self._wait_for_announcement(arbiter, offset, deadline)
-        config_json = self._child_config(self.arbiter_address)
+        self.checkpoint_address = self._wait_for_announcement(checkpoint, checkpoint_offset, deadline)
+        config_json = self._child_config(self.arbiter_address, self.checkpoint_address)
         # The scheduler binds a port the OS picks at bind time and announces it; a port chosen here
         # and bound there later could be taken in between (by any process, or as the ephemeral
         # source port of an outgoing connection).
@@ -231,6 +242,7 @@ class EmbeddedCluster:
             "scheduler": self.scheduler_address,
             **({"http": self.http_url} if self.http_url else {}),
             "arbiter": self.arbiter_address,
+            "checkpoint": self.checkpoint_address,
             "pid": os.getpid(),
             "hosts": hosts,
             "state_dir": str(self.state_dir),
@@ -357,6 +369,12 @@ class EmbeddedCluster:
         persisted, and the hosts, whose links reconnect, report their jobs and GPUs again."""
         child = self._restart_announced("arbiter", self._arbiter_args, self.arbiter_address, timeout)
         log.warning("arbiter_restarted", pid=child.process.pid if child.process else None)
+
+    def restart_checkpoint(self, timeout: float = 30.0) -> None:
+        """The checkpoint service died: a new one on the same address reads the book it persisted
+        (every answered commit); hosts' relays retry what it did not answer."""
+        child = self._restart_announced("checkpoint", self._checkpoint_args, self.checkpoint_address, timeout)
+        log.warning("checkpoint_restarted", pid=child.process.pid if child.process else None)
 
     def _restart_announced(self, name: str, args: list[str], address: str, timeout: float) -> Child:
         old = next(c for c in self.children if c.name == name)
@@ -553,6 +571,7 @@ def run_foreground(cluster: EmbeddedCluster, *, on_ready: Any = None) -> int:
     restarts = {
         "global-scheduler": cluster.restart_scheduler,
         "arbiter": cluster.restart_arbiter,
+        "checkpoint": cluster.restart_checkpoint,
         "gateway": cluster.restart_gateway,
         HTTP_SERVICE: cluster.restart_http,
     }

@@ -27,6 +27,9 @@ paused job costs nothing).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -36,11 +39,13 @@ from typing import Any
 
 import structlog
 
+from services.local_scheduler.checkpoints import CheckpointLink
 from services.local_scheduler.job_process import LOG_FILE, JobProcess, JobSpec, job_dir
 from shared.cluster_core.gpu_ledger import Commit, GpuLedger, LedgerError
 from shared.policies.preemption import FitGpp, LeasedJob, RevocableLease, gpu_candidate
 from shared.resources import Resources
-from shared.rpc import RpcError
+from shared.rpc import RpcError, RpcTimeout
+from tandem_job.checkpoints import ANNOUNCE_FILE, ENV_IMAGE
 
 log = structlog.get_logger("batch_jobs")
 
@@ -49,6 +54,7 @@ LOG_CHUNK_BYTES = 65_536
 # SIGKILL): the whole stop must fit in the service's own shutdown grace (shared/runner.py)
 SHUTDOWN_STOP_GRACE_S = 3.0
 PAUSABLE_REASONS = ("expired",)  # a cancel, a move to another host, a shutdown stop the job
+RELAY_POLL_S = 0.05  # how often a job's checkpoint announcement file is looked at
 
 
 @dataclass
@@ -65,6 +71,9 @@ class Run:
     pausing: asyncio.Future[None] | None = None
     grace_period_s: float | None = None  # measured: pause asked -> paused (FitGpp's GP)
     preemptions: int = 0
+    relay: asyncio.Future[None] | None = None  # relays the job's committed images to the service
+    checkpoint_step: int | None = None  # the latest image the checkpoint service has recorded
+    restored_step: int | None = None  # the image this run started from
 
     @property
     def leased(self) -> bool:
@@ -89,7 +98,11 @@ class BatchJobs:
         fitgpp_s: float = 4.0,
         max_preemptions: int = 1,
         pause_grace_s: float = 2.0,
+        checkpoints: CheckpointLink | None = None,
+        checkpoint_env: dict[str, str] | None = None,
     ) -> None:
+        """``checkpoints``: the checkpoint service (None: jobs are not checkpointed by Tandem);
+        ``checkpoint_env``: what a job needs to reach the data store its images go to."""
         self.ledger = ledger
         self.host_id = host_id
         self.state_dir = state_dir
@@ -99,6 +112,8 @@ class BatchJobs:
         self.cell_reserve = cell_reserve
         self.policy = FitGpp(s=fitgpp_s, max_preemptions=max_preemptions)
         self.pause_grace_s = pause_grace_s
+        self.checkpoints = checkpoints
+        self.checkpoint_env = dict(checkpoint_env or {}) if checkpoints is not None else {}
         self._on_exit = on_exit
         self.runs: dict[str, Run] = {}
         # ended runs not yet acknowledged by the arbiter: job_id -> report entry
@@ -139,6 +154,7 @@ class BatchJobs:
                 device_ids = list(self.ledger.lease(spec.job_id, gpus, expires_at, device_ids=leasable))
             except LedgerError as exc:
                 raise RpcError(f"host {self.host_id}: {exc}", "no_gpus") from None
+            spec, restored_step = await self._from_latest_image(spec)
             process = JobProcess(
                 spec,
                 directory=job_dir(self.state_dir, spec.job_id),
@@ -151,12 +167,76 @@ class BatchJobs:
                 self.ledger.end_lease(spec.job_id)
                 raise RpcError(f"job {spec.job_id} could not start: {exc}", "start_failed") from None
             run = Run(spec.job_id, str(body.get("app_id", "")), process, expires_at)
+            run.restored_step = run.checkpoint_step = restored_step
+            if self.checkpoints is not None:
+                run.relay = asyncio.ensure_future(self._relay(run))
             self.runs[spec.job_id] = run
             self._ended.pop(spec.job_id, None)
             reaper = asyncio.ensure_future(self._reap(run))
             self._reapers.add(reaper)
             reaper.add_done_callback(self._reapers.discard)
             return self._granted(run, renewed=False)
+
+    async def _from_latest_image(self, spec: JobSpec) -> tuple[JobSpec, int | None]:
+        """A new process of a job restarts from its latest committed image, wherever it was taken
+        (its step, and the image for ``tandem_job.checkpoints`` to restore). A service that does
+        not answer leaves the job to start from its reported iterations, without an image."""
+        if self.checkpoints is None:
+            return spec, None
+        env = {**spec.env, **self.checkpoint_env}
+        env.pop(ENV_IMAGE, None)
+        try:
+            latest = await self.checkpoints.latest(spec.job_id)
+        except (RpcError, RpcTimeout) as exc:
+            log.warning("checkpoint_latest_failed", job=spec.job_id, host=self.host_id, reason=str(exc))
+            latest = None
+        if latest is None:
+            return dataclasses.replace(spec, env=env), None
+        env[ENV_IMAGE] = json.dumps(latest["manifest"])
+        step = int(latest["step"])
+        log.info(
+            "job_restoring", job=spec.job_id, host=self.host_id, step=step, reported=spec.start_iteration
+        )
+        return dataclasses.replace(spec, env=env, start_iteration=step), step
+
+    async def _relay(self, run: Run) -> None:
+        """Relay each image the job announces (``checkpoint.json``) to the checkpoint service,
+        until the process has exited and its last announcement is relayed."""
+        assert self.checkpoints is not None
+        path = run.process.directory / ANNOUNCE_FILE
+        seen: tuple[int, int] | None = None
+        while True:
+            exited = run.process.exited.is_set()
+            try:
+                st = path.stat()
+                current: tuple[int, int] | None = (st.st_mtime_ns, st.st_ino)
+            except OSError:
+                current = None
+            if current is not None and current != seen:
+                try:
+                    announcement = json.loads(path.read_text())
+                    answer = await self.checkpoints.commit(run.job_id, announcement)
+                    run.checkpoint_step = int(answer["step"])
+                    seen = current
+                except (OSError, ValueError, KeyError) as exc:
+                    log.warning("checkpoint_announcement_unreadable", job=run.job_id, reason=str(exc))
+                    seen = current
+                except RpcError as exc:  # refused (stale, incomplete): the job's next image may do
+                    log.warning(
+                        "checkpoint_commit_refused", job=run.job_id, host=self.host_id, reason=exc.reason
+                    )
+                    seen = current
+                except RpcTimeout:  # the service is away: retried at the next look
+                    log.warning("checkpoint_commit_timed_out", job=run.job_id, host=self.host_id)
+            if exited:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(run.process.exited.wait(), RELAY_POLL_S)
+
+    async def _relayed(self, run: Run) -> None:
+        """The job's last image is with the service before its GPUs go (bounded by the service's timeout)."""
+        if run.relay is not None:
+            await asyncio.shield(run.relay)
 
     def _check_reserve(self, gpus: int) -> None:
         idle = len(self.ledger.idle_device_ids())
@@ -195,12 +275,17 @@ class BatchJobs:
 
     async def _stop(self, run: Run, *, reason: str) -> dict[str, Any]:
         log.info("job_stopping", job=run.job_id, host=self.host_id, reason=reason)
+        started = time.monotonic()
         await run.process.stop(self.stop_grace_s)
+        await self._relayed(run)
+        log.info("job_released", job=run.job_id, host=self.host_id, reason=reason,
+                 seconds=round(time.monotonic() - started, 4), checkpoint_step=run.checkpoint_step)  # fmt: skip
         return self._release(run)
 
     async def _reap(self, run: Run) -> None:
         """A job that exits on its own (finished, failed) gives its GPUs back at once."""
         await run.process.exited.wait()
+        await self._relayed(run)
         if self.runs.get(run.job_id) is run:
             self._release(run)
             self._on_exit()
@@ -368,6 +453,8 @@ class BatchJobs:
             "suspended": run.suspension is not None,
             "preemptions": run.preemptions,
             "grace_period_s": run.grace_period_s,
+            "checkpoint_step": run.checkpoint_step,
+            "restored_step": run.restored_step,
         }
 
     async def close(self) -> None:
@@ -377,7 +464,14 @@ class BatchJobs:
             log.info("stopping_jobs", host=self.host_id, count=len(runs))
         grace = min(self.stop_grace_s, SHUTDOWN_STOP_GRACE_S)
         await asyncio.gather(*(r.process.stop(grace) for r in runs), return_exceptions=True)
+        relays = [asyncio.ensure_future(self._relayed(r)) for r in runs if r.relay is not None]
+        if relays:  # images of jobs stopped by the shutdown (a host drained), within the grace
+            _, late = await asyncio.wait(relays, timeout=SHUTDOWN_STOP_GRACE_S)
+            for relay in late:
+                relay.cancel()
         for run in runs:
+            if run.relay is not None:
+                run.relay.cancel()
             self._release(run)
         for reaper in list(self._reapers):
             reaper.cancel()
