@@ -42,7 +42,16 @@ import structlog
 from services.local_scheduler.checkpoints import CheckpointLink
 from services.local_scheduler.job_process import LOG_FILE, JobProcess, JobSpec, job_dir
 from shared.cluster_core.gpu_ledger import Commit, GpuLedger, LedgerError
-from shared.policies.preemption import FitGpp, LeasedJob, RevocableLease, gpu_candidate
+from shared.policies.preemption import (
+    REWIND,
+    FitGpp,
+    LeasedJob,
+    ReleaseFacts,
+    ReleasePlan,
+    RevocableLease,
+    gpu_candidate,
+    release_plan,
+)
 from shared.resources import Resources
 from shared.rpc import RpcError, RpcTimeout
 from tandem_job.checkpoints import ANNOUNCE_FILE, ENV_IMAGE
@@ -69,7 +78,8 @@ class Run:
     # revoked by a cell: the lease clock (monotonic) stopped, and the key of the cell holding its GPUs
     suspension: tuple[RevocableLease, tuple[str, str, str]] | None = None
     pausing: asyncio.Future[None] | None = None
-    grace_period_s: float | None = None  # measured: pause asked -> paused (FitGpp's GP)
+    grace_period_s: float | None = None  # measured: pause asked -> paused
+    killed_s: float | None = None  # measured: SIGKILL -> gone, at its last rewind
     preemptions: int = 0
     relay: asyncio.Future[None] | None = None  # relays the job's committed images to the service
     checkpoint_step: int | None = None  # the latest image the checkpoint service has recorded
@@ -79,8 +89,21 @@ class Run:
     def leased(self) -> bool:
         return self.expires_at is not None
 
-    def as_leased_job(self) -> LeasedJob:
-        return LeasedJob(self.job_id, tuple(self.process.device_ids), self.grace_period_s, self.preemptions)
+    def release_plan(self, pause_grace_s: float) -> ReleasePlan:
+        """How a cell would take its GPUs, and how long that takes (FitGpp's GP), from what was
+        measured: its pauses and rewinds here, its own step time, its image at the service."""
+        step_s = (self.process.progress() or {}).get("seconds_per_iteration")
+        facts = ReleaseFacts(
+            paused_s=self.grace_period_s,
+            step_s=float(step_s) if isinstance(step_s, int | float) else None,
+            killed_s=self.killed_s,
+            image_step=self.checkpoint_step,
+        )
+        return release_plan(facts, pause_grace_s=pause_grace_s)
+
+    def as_leased_job(self, pause_grace_s: float) -> LeasedJob:
+        gp = self.release_plan(pause_grace_s).grace_period_s
+        return LeasedJob(self.job_id, tuple(self.process.device_ids), gp, self.preemptions)
 
 
 class BatchJobs:
@@ -335,7 +358,7 @@ class BatchJobs:
 
     def leased_jobs(self) -> list[LeasedJob]:
         """The jobs a cell may revoke here (with their measured GP): what the heartbeat reports."""
-        return [r.as_leased_job() for r in self.runs.values() if r.leased]
+        return [r.as_leased_job(self.pause_grace_s) for r in self.runs.values() if r.leased]
 
     def revoke_for_cell(
         self, kernel_id: str, replica_id: str, msg_id: str, gpus: int, *, victims: Sequence[str] = ()
@@ -361,14 +384,27 @@ class BatchJobs:
         log.info(
             "lease_revoked", host=self.host_id, kernel=kernel_id, msg_id=msg_id, victims=chosen, reason=reason
         )
-        victims = chosen
-        for job_id in victims:
+        for job_id in chosen:
             run = self.runs[job_id]
             run.preemptions += 1
             self._suspend(run, (kernel_id, replica_id, msg_id), run.expires_at or time.time())
             run.expires_at, run.paused_at = None, time.time()
-            run.pausing = asyncio.ensure_future(self._pause_measured(run))
+            if run.release_plan(self.pause_grace_s).mode == REWIND:
+                run.pausing = asyncio.ensure_future(self._rewind(run))
+            else:
+                run.pausing = asyncio.ensure_future(self._pause_measured(run))
         return commit
+
+    async def _rewind(self, run: Run) -> None:
+        """Its steps are longer than the pause grace and the service holds an image of it: killed
+        now, so its GPU memory goes too; its lease ends with the process (the reaper), and the
+        arbiter restarts it later, from that image, here or elsewhere."""
+        started = time.monotonic()
+        run.process.kill_now()
+        await run.process.exited.wait()
+        run.killed_s = time.monotonic() - started
+        log.info("job_rewound", job=run.job_id, host=self.host_id, killed_s=run.killed_s,
+                 image_step=run.checkpoint_step)  # fmt: skip
 
     def _suspend(self, run: Run, cell: tuple[str, str, str], expires_at: float) -> None:
         """Stop ``run``'s lease clock with ``expires_at - now`` of its term left."""

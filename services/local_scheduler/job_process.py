@@ -250,6 +250,12 @@ class JobProcess:
                     break
         return self.returncode
 
+    def kill_now(self) -> None:
+        """Rewind: SIGKILL to the group at once (the job resumes from its last image: resumable)."""
+        self.stop_requested = True
+        self._kill_group(signal.SIGKILL)
+        self._thaw()
+
     def _kill_group(self, sig: signal.Signals) -> None:
         if self.process is None:
             return
