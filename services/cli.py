@@ -295,8 +295,17 @@ def _ask_arbiter(
 
 def cmd_status(args: argparse.Namespace, cfg: Config) -> int:
     status = _ask_scheduler(args, cfg, messages.CLUSTER_STATUS, {"all": args.all}, timeout=5.0)
-    if read_cluster(state_dir_of(args, cfg)).raw.get("arbiter"):
+    cluster = read_cluster(state_dir_of(args, cfg))
+    if cluster.raw.get("arbiter"):
         status["batch"] = _ask_arbiter(args, cfg, messages.ARBITER_STATUS, {}, timeout=5.0)
+    if cluster.raw.get("checkpoint"):  # jobs' images: each job's latest, objects kept and collected
+        status["checkpoints"] = ask_sync(
+            str(cluster.raw["checkpoint"]),
+            messages.CHECKPOINT_STATUS,
+            {},
+            credentials=cluster.operator_curve(curve.CHECKPOINT),
+            timeout=5.0,
+        )
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True, default=str))
         return 0
