@@ -5,7 +5,7 @@ ending bitwise equal to a run that was never interrupted.
 The checkpoint service runs in this process on its real CURVE socket (keys issued as `tandem up`
 does); each host is a real ``BatchJobs`` (the local scheduler's job runner) with its own GPU
 ledger and its own ``host.<id>`` key on the link to the service; the job is a real OS process
-(``_ckpt_job.py``) writing to a real local data store.
+(``examples/checkpointed_job.py``) writing to a real local data store.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from shared.security import curve
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-JOB = Path(__file__).with_name("_ckpt_job.py")
+JOB = Path(__file__).parents[2] / "examples" / "checkpointed_job.py"
 TOTAL = 40
 EVERY = 5
 
 
 def _job_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_ckpt_job", JOB)
+    spec = importlib.util.spec_from_file_location("checkpointed_job", JOB)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -167,13 +167,14 @@ def test_a_job_checkpointed_and_stopped_on_one_host_resumes_bitwise_on_another(t
                 "restore_s": float(progress["restore_s"]),
                 "restart_to_exit_s": time.monotonic() - restarted,
                 "steps_lost": float(steps_lost),
+                "restored_step": float(latest.step),
                 "commit_ms_p50": float(service.status()["commit_ms_p50"]),
             }
 
     figures = asyncio.run(scenario())
     assert out.read_text() == uninterrupted_digest(TOTAL)
     log = (tmp_path / "state/jobs/job-1/output.log").read_text()
-    assert "finished at 40, restored from" in log
+    assert f"finished at {TOTAL}, restored from {int(figures['restored_step'])}," in log
     print(json.dumps({k: round(v, 4) for k, v in figures.items()}))
 
 

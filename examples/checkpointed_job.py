@@ -1,11 +1,11 @@
 """A deterministic CPU training job on the job-side API with Tandem's checkpoints.
 
-    python _ckpt_job.py TOTAL OUT_FILE [EVERY [STEP_SLEEP_S]]
+    tandem job submit -- python examples/checkpointed_job.py TOTAL OUT_FILE [EVERY [STEP_SLEEP_S]]
 
 An MLP with Adam on random batches drawn from torch's generator (restored with the image, so a
 resumed run draws the same batches). Once it reaches TOTAL it writes a digest of the model's and
-the optimizer's tensors to OUT_FILE: what test_checkpoint_and_stop.py compares, bitwise, with a run
-that was never interrupted (``final_digest``, called in the test's own process).
+the optimizer's tensors to OUT_FILE: what tests/integration/test_checkpoint_and_stop.py compares,
+bitwise, with a run that was never interrupted (``final_digest``, called in the test's process).
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ def main() -> None:
             for _ in job.steps():
                 train_step(state)
                 time.sleep(pause)
-            print(f"loop ended at {time.time():.3f}", flush=True)
         print(f"closed at {time.time():.3f}", flush=True)
         print(
             f"{'stopped' if job.stopped else 'finished'} at {job.done}, restored from {images.restored_step}",
