@@ -1,0 +1,215 @@
+"""The checkpoint service and checkpoint-and-stop, measured (issue #17). Prints one JSON line.
+
+1. ``service_round_trip_ms_p50/p99``: a host's ``checkpoint.commit`` of an image a real agent just
+   committed to the store (~``--mb`` MB of model, read back and checked by the service: manifest
+   parsed, every pack present, book written to disk) followed by ``checkpoint.latest`` naming it:
+   announce -> stored -> latest, over CURVE on loopback. ``service_commit_ms_p50``: the service's
+   own share. A job's announcement also waits for the host's next look at its file (at most
+   ``RELAY_POLL_S``, 50 ms), not counted here.
+2. ``--cycles`` checkpoint-and-stop cycles of ``examples/checkpointed_job.py`` (a real job process,
+   MLP + Adam, ~0.4 MB image) moved between two hosts (``BatchJobs`` with links of their own):
+   ``stop_release_s_p50`` (lease end asked -> job exited, image at the service, GPUs free),
+   ``checkpoint_stop_s_p50`` (the job's own: stop word seen -> image committed),
+   ``stop_teardown_s_p50`` (image announced -> GPUs free: the job's interpreter exit at its idle
+   CPU priority, and the relay), ``restore_s_p50`` (the job's own: image restore begun -> done) and
+   ``steps_lost_max`` (steps reported at the stop - the image's step).
+
+Everything runs on this machine's CPU; on a loaded machine the job (nice 19, SCHED_IDLE) is slow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.checkpoint_service.service import CheckpointService  # noqa: E402
+from services.local_scheduler.batch_jobs import BatchJobs  # noqa: E402
+from services.local_scheduler.checkpoints import ServiceLink, store_env  # noqa: E402
+from shared.cluster_core.gpu_ledger import GpuLedger  # noqa: E402
+from shared.config import Config, load_config  # noqa: E402
+from shared.security import curve  # noqa: E402
+
+JOB = ROOT / "examples" / "checkpointed_job.py"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def setup(state_dir: Path) -> Config:
+    cfg = load_config(overrides={"cluster.state_dir": str(state_dir)})
+    curve.ensure_cluster_keys(cfg.keys_dir())
+    for host_id in ("host-a", "host-b"):
+        curve.issue(cfg.keys_dir(), curve.host_principal(host_id))
+    return cfg
+
+
+async def round_trips(
+    cfg: Config, service: CheckpointService, ctx: Any, images: int, mb: int
+) -> dict[str, float]:
+    import torch
+    from torch import nn
+
+    from shared.checkpoint import CheckpointAgent, StoreLink, TrainingState
+    from shared.datastore import open_datastore
+
+    torch.manual_seed(0)
+    width = int((mb * 1024 * 1024 / 4 / 4) ** 0.5)  # four width x width layers
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(4)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    state = TrainingState(model, optimizer)
+    store_link = StoreLink.start(lambda: open_datastore(cfg))
+    agent = CheckpointAgent(state, store_link, job="bench-job")
+    keys = curve.load_secret(cfg.keys_dir(), curve.host_principal("host-a"))
+    link = ServiceLink(ctx, cfg, host_id="host-a", host_keys=keys)
+    link.connect()
+    trips: list[float] = []
+    try:
+        for step in range(1, images + 1):
+            x = torch.randn(8, width)
+            loss = model(x).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            agent.step_boundary(step)
+            result = await asyncio.get_running_loop().run_in_executor(None, agent.checkpoint)
+            started = time.perf_counter()
+            await link.commit(
+                "bench-job", {"manifest": result.manifest_ref.to_dict(), "written": list(result.written)}
+            )
+            latest = await link.latest("bench-job")
+            trips.append((time.perf_counter() - started) * 1000)
+            assert latest is not None and latest["manifest"]["digest"] == result.manifest_ref.digest
+    finally:
+        await link.close()
+        agent.close()
+        store_link.close()
+    commit_ms = list(service.commit_ms)
+    return {
+        "service_image_mb": round(sum(p.numel() * 4 for p in model.parameters()) / 2**20, 1),
+        "service_round_trip_ms_p50": round(statistics.median(trips), 3),
+        "service_round_trip_ms_p99": round(percentile(trips, 0.99), 3),
+        "service_commit_ms_p50": round(statistics.median(commit_ms), 3),
+        "service_images": len(trips),
+    }
+
+
+async def stop_cycles(cfg: Config, ctx: Any, cycles: int, workdir: Path) -> dict[str, float]:
+    hosts = []
+    for host_id in ("host-a", "host-b"):
+        keys = curve.load_secret(cfg.keys_dir(), curve.host_principal(host_id))
+        link = ServiceLink(ctx, cfg, host_id=host_id, host_keys=keys)
+        link.connect()
+        jobs = BatchJobs(
+            GpuLedger([0]),
+            host_id=host_id,
+            state_dir=cfg.state_dir(),
+            stop_grace_s=30.0,
+            overdue_s=600.0,
+            keep_paused_s=0.0,
+            cell_reserve=0,
+            on_exit=lambda: None,
+            checkpoints=link,
+            checkpoint_env=store_env(cfg),
+        )
+        hosts.append((jobs, link))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    argv = [sys.executable, str(JOB), "100000", str(workdir / "digest"), "5", "0.03"]
+    release, ckpt_stop, teardown, restore, lost = [], [], [], [], []
+    try:
+        for cycle in range(cycles + 1):
+            jobs, _ = hosts[cycle % 2]
+            job = {"job_id": "cycled", "argv": argv, "cwd": str(workdir), "env": env, "start_iteration": 0}
+            body = {
+                "job_id": "cycled",
+                "app_id": "a",
+                "gpus": 1,
+                "expires_at": time.time() + 3600,
+                "job": job,
+            }
+            await jobs.grant(body)
+            run = jobs.runs["cycled"]
+            first = run.restored_step or 0
+            deadline = time.monotonic() + 300
+            while int((run.process.progress() or {}).get("iterations_done") or 0) < first + 8:
+                assert time.monotonic() < deadline and not run.process.exited.is_set(), (
+                    "the job does not step"
+                )
+                await asyncio.sleep(0.02)
+            if cycle > 0:
+                restore.append(float((run.process.progress() or {})["restore_s"]))
+            if cycle == cycles:
+                await jobs.end("cycled", reason="cancelled")
+                break
+            asked = time.monotonic()
+            ended = await jobs.end("cycled", reason="moved")
+            release.append(time.monotonic() - asked)
+            released_at = time.time()
+            progress = ended["progress"]
+            ckpt_stop.append(float(progress["checkpoint_stop_s"]))
+            lost.append(int(progress["iterations_done"]) - int(ended["checkpoint_step"]))
+            announced = json.loads((run.process.directory / "checkpoint.json").read_text())["at"]
+            teardown.append(released_at - float(announced))
+    finally:
+        for jobs, link in hosts:
+            await jobs.close()
+            await link.close()
+    return {
+        "stop_cycles": len(release),
+        "stop_release_s_p50": round(statistics.median(release), 4),
+        "checkpoint_stop_s_p50": round(statistics.median(ckpt_stop), 4),
+        "stop_teardown_s_p50": round(statistics.median(teardown), 4),
+        "restore_s_p50": round(statistics.median(restore), 4),
+        "steps_lost_max": max(lost),
+    }
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    import zmq.asyncio
+
+    with tempfile.TemporaryDirectory(prefix="bench-ckpt-service-") as tmp:
+        state_dir = Path(tmp) / "state"
+        cfg = setup(state_dir)
+        service = CheckpointService(cfg)
+        address = service.bind("tcp://127.0.0.1:0")
+        stop = asyncio.Event()
+        running = asyncio.ensure_future(service.run(stop))
+        cfg = load_config(overrides={**cfg.as_overrides(), "checkpoint.address": address})
+        ctx = zmq.asyncio.Context()
+        try:
+            figures = await round_trips(cfg, service, ctx, args.images, args.mb)
+            if args.cycles > 0:
+                figures |= await stop_cycles(cfg, ctx, args.cycles, Path(tmp))
+        finally:
+            ctx.destroy(linger=0)
+            stop.set()
+            await running
+        return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--images", type=int, default=20, help="images committed for the round trip")
+    parser.add_argument("--mb", type=int, default=50, help="model size of those images (MB)")
+    parser.add_argument("--cycles", type=int, default=3, help="checkpoint-and-stop cycles of a real job")
+    args = parser.parse_args()
+    figures = asyncio.run(main_async(args))
+    print(json.dumps({"load_average_1m": round(os.getloadavg()[0], 2), **figures}))
+
+
+if __name__ == "__main__":
+    main()
