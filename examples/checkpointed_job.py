@@ -59,11 +59,8 @@ def main() -> None:
             for _ in job.steps():
                 train_step(state)
                 time.sleep(pause)
-        print(f"closed at {time.time():.3f}", flush=True)
-        print(
-            f"{'stopped' if job.stopped else 'finished'} at {job.done}, restored from {images.restored_step}",
-            flush=True,
-        )
+        outcome = "stopped" if job.stopped else "finished"
+        print(f"{outcome} at {job.done}, restored from {images.restored_step}", flush=True)
         if not job.stopped:
             with open(out, "w") as f:
                 f.write(final_digest(state))

@@ -33,14 +33,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.checkpoint_service.service import CheckpointService  # noqa: E402
-from services.local_scheduler.batch_jobs import BatchJobs  # noqa: E402
-from services.local_scheduler.checkpoints import ServiceLink, store_env  # noqa: E402
-from shared.cluster_core.gpu_ledger import GpuLedger  # noqa: E402
-from shared.config import Config, load_config  # noqa: E402
-from shared.security import curve  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
-JOB = ROOT / "examples" / "checkpointed_job.py"
+from _checkpoint_hosts import Host, cluster, grant  # noqa: E402
+
+from services.checkpoint_service.service import CheckpointService  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -48,17 +45,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def setup(state_dir: Path) -> Config:
-    cfg = load_config(overrides={"cluster.state_dir": str(state_dir)})
-    curve.ensure_cluster_keys(cfg.keys_dir())
-    for host_id in ("host-a", "host-b"):
-        curve.issue(cfg.keys_dir(), curve.host_principal(host_id))
-    return cfg
-
-
-async def round_trips(
-    cfg: Config, service: CheckpointService, ctx: Any, images: int, mb: int
-) -> dict[str, float]:
+async def round_trips(host: Host, service: CheckpointService, images: int, mb: int) -> dict[str, float]:
     import torch
     from torch import nn
 
@@ -70,11 +57,9 @@ async def round_trips(
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(4)])
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     state = TrainingState(model, optimizer)
-    store_link = StoreLink.start(lambda: open_datastore(cfg))
+    store_link = StoreLink.start(lambda: open_datastore(service.cfg))
     agent = CheckpointAgent(state, store_link, job="bench-job")
-    keys = curve.load_secret(cfg.keys_dir(), curve.host_principal("host-a"))
-    link = ServiceLink(ctx, cfg, host_id="host-a", host_keys=keys)
-    link.connect()
+    link = host.link
     trips: list[float] = []
     try:
         for step in range(1, images + 1):
@@ -93,7 +78,6 @@ async def round_trips(
             trips.append((time.perf_counter() - started) * 1000)
             assert latest is not None and latest["manifest"]["digest"] == result.manifest_ref.digest
     finally:
-        await link.close()
         agent.close()
         store_link.close()
     commit_ms = list(service.commit_ms)
@@ -106,69 +90,36 @@ async def round_trips(
     }
 
 
-async def stop_cycles(cfg: Config, ctx: Any, cycles: int, workdir: Path) -> dict[str, float]:
-    hosts = []
-    for host_id in ("host-a", "host-b"):
-        keys = curve.load_secret(cfg.keys_dir(), curve.host_principal(host_id))
-        link = ServiceLink(ctx, cfg, host_id=host_id, host_keys=keys)
-        link.connect()
-        jobs = BatchJobs(
-            GpuLedger([0]),
-            host_id=host_id,
-            state_dir=cfg.state_dir(),
-            stop_grace_s=30.0,
-            overdue_s=600.0,
-            keep_paused_s=0.0,
-            cell_reserve=0,
-            on_exit=lambda: None,
-            checkpoints=link,
-            checkpoint_env=store_env(cfg),
-        )
-        hosts.append((jobs, link))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
-    argv = [sys.executable, str(JOB), "100000", str(workdir / "digest"), "5", "0.03"]
+async def stop_cycles(hosts: tuple[Host, Host], cycles: int, workdir: Path) -> dict[str, float]:
     release, ckpt_stop, teardown, restore, lost = [], [], [], [], []
-    try:
-        for cycle in range(cycles + 1):
-            jobs, _ = hosts[cycle % 2]
-            job = {"job_id": "cycled", "argv": argv, "cwd": str(workdir), "env": env, "start_iteration": 0}
-            body = {
-                "job_id": "cycled",
-                "app_id": "a",
-                "gpus": 1,
-                "expires_at": time.time() + 3600,
-                "job": job,
-            }
-            await jobs.grant(body)
-            run = jobs.runs["cycled"]
-            first = run.restored_step or 0
-            deadline = time.monotonic() + 300
-            while int((run.process.progress() or {}).get("iterations_done") or 0) < first + 8:
-                assert time.monotonic() < deadline and not run.process.exited.is_set(), (
-                    "the job does not step"
-                )
-                await asyncio.sleep(0.02)
-            if cycle > 0:
-                restore.append(float((run.process.progress() or {})["restore_s"]))
-            if cycle == cycles:
-                await jobs.end("cycled", reason="cancelled")
-                break
-            asked = time.monotonic()
-            ended = await jobs.end("cycled", reason="moved")
-            release.append(time.monotonic() - asked)
-            released_at = time.time()
-            progress = ended["progress"]
-            ckpt_stop.append(float(progress["checkpoint_stop_s"]))
-            lost.append(int(progress["iterations_done"]) - int(ended["checkpoint_step"]))
-            announced = json.loads((run.process.directory / "checkpoint.json").read_text())["at"]
-            teardown.append(released_at - float(announced))
-    finally:
-        for jobs, link in hosts:
-            await jobs.close()
-            await link.close()
+    body = grant("cycled", workdir / "digest", workdir, total=100_000, every=5)
+    for cycle in range(cycles + 1):
+        jobs = hosts[cycle % 2].jobs
+        await jobs.grant(body)
+        run = jobs.runs["cycled"]
+        first = run.restored_step or 0
+        deadline = time.monotonic() + 300
+        while int((run.process.progress() or {}).get("iterations_done") or 0) < first + 8:
+            assert time.monotonic() < deadline and not run.process.exited.is_set(), "the job does not step"
+            await asyncio.sleep(0.02)
+        if cycle > 0:
+            restore.append(float((run.process.progress() or {})["restore_s"]))
+        if cycle == cycles:
+            await jobs.end("cycled", reason="cancelled")
+            break
+        asked = time.monotonic()
+        ended = await jobs.end("cycled", reason="moved")
+        release.append(time.monotonic() - asked)
+        released_at = time.time()
+        progress = ended["progress"]
+        ckpt_stop.append(float(progress["checkpoint_stop_s"]))
+        lost.append(int(progress["iterations_done"]) - int(ended["checkpoint_step"]))
+        announced = json.loads((run.process.directory / "checkpoint.json").read_text())["at"]
+        teardown.append(released_at - float(announced))
     return {
         "stop_cycles": len(release),
         "stop_release_s_p50": round(statistics.median(release), 4),
+        "stop_release_s_max": round(max(release), 4),
         "checkpoint_stop_s_p50": round(statistics.median(ckpt_stop), 4),
         "stop_teardown_s_p50": round(statistics.median(teardown), 4),
         "restore_s_p50": round(statistics.median(restore), 4),
@@ -177,25 +128,11 @@ async def stop_cycles(cfg: Config, ctx: Any, cycles: int, workdir: Path) -> dict
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    import zmq.asyncio
-
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-service-") as tmp:
-        state_dir = Path(tmp) / "state"
-        cfg = setup(state_dir)
-        service = CheckpointService(cfg)
-        address = service.bind("tcp://127.0.0.1:0")
-        stop = asyncio.Event()
-        running = asyncio.ensure_future(service.run(stop))
-        cfg = load_config(overrides={**cfg.as_overrides(), "checkpoint.address": address})
-        ctx = zmq.asyncio.Context()
-        try:
-            figures = await round_trips(cfg, service, ctx, args.images, args.mb)
+        async with cluster(Path(tmp), gpus=1) as (service, a, b):
+            figures = await round_trips(a, service, args.images, args.mb)
             if args.cycles > 0:
-                figures |= await stop_cycles(cfg, ctx, args.cycles, Path(tmp))
-        finally:
-            ctx.destroy(linger=0)
-            stop.set()
-            await running
+                figures |= await stop_cycles((a, b), args.cycles, Path(tmp))
         return figures
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import os
 import time
 from typing import Any
 
@@ -36,7 +35,7 @@ from shared.arbiter.affinity import keep_jobs_in_place
 from shared.arbiter.slots import host_counts
 from shared.config import Config
 from shared.envelope import Envelope
-from shared.private_files import private_dir, write_private
+from shared.private_files import replace_private
 from shared.rpc import OutboundRequests, RpcError, RpcServer, RpcTimeout
 from shared.security import curve
 from shared.security.authorization import arbiter_refusal
@@ -96,16 +95,13 @@ class ArbiterService:
             return Registry()
 
     def _save(self) -> None:
-        private_dir(self._path.parent)
-        tmp = self._path.with_suffix(".tmp")
-        write_private(tmp, json.dumps(self.registry.to_dict()))
-        os.replace(tmp, self._path)
+        replace_private(self._path, json.dumps(self.registry.to_dict()))
 
     def bind(self, address: str) -> str:
         if self._authority is None:
-            self._authority = curve.CurveAuthority.acquire(self._ctx)
-            directory = curve.PeerDirectory(self._keys_dir, exclude=(curve.ARBITER,))
-            self._authority.serve(curve.ARBITER, directory)
+            self._authority = curve.CurveAuthority.for_cluster_server(
+                self._ctx, self._keys_dir, curve.ARBITER
+            )
         return self._server.bind(address)
 
     @property

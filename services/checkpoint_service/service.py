@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import os
 import time
 from typing import Any
 
@@ -33,7 +32,7 @@ from shared.checkpoint.manifest import Manifest
 from shared.config import Config
 from shared.datastore import DataStore, DataStoreError, ObjectRef, open_datastore
 from shared.envelope import Envelope
-from shared.private_files import private_dir, write_private
+from shared.private_files import replace_private
 from shared.rpc import RpcServer
 from shared.security import curve
 from shared.security.authorization import checkpoint_refusal
@@ -78,16 +77,13 @@ class CheckpointService:
             return CheckpointBook(keep=keep, protect_s=protect_s)
 
     def _save(self) -> None:
-        private_dir(self._path.parent)
-        tmp = self._path.with_suffix(".tmp")
-        write_private(tmp, json.dumps(self.book.to_dict()))
-        os.replace(tmp, self._path)
+        replace_private(self._path, json.dumps(self.book.to_dict()))
 
     def bind(self, address: str) -> str:
         if self._authority is None:
-            self._authority = curve.CurveAuthority.acquire(self._ctx)
-            directory = curve.PeerDirectory(self._keys_dir, exclude=(curve.CHECKPOINT,))
-            self._authority.serve(curve.CHECKPOINT, directory)
+            self._authority = curve.CurveAuthority.for_cluster_server(
+                self._ctx, self._keys_dir, curve.CHECKPOINT
+            )
         return self._server.bind(address)
 
     @property

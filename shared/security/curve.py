@@ -334,6 +334,14 @@ class CurveAuthority:
         authority._users += 1
         return authority
 
+    @classmethod
+    def for_cluster_server(cls, ctx: zmq.Context[Any], keys_dir: Path, name: str) -> CurveAuthority:
+        """The authority of a cluster service whose server key is ``name``: every other key in
+        ``keys_dir`` may connect to it (the service's own authorization decides what each may send)."""
+        authority = cls.acquire(ctx)
+        authority.serve(name, PeerDirectory(keys_dir, exclude=(name,)))
+        return authority
+
     def serve(self, domain: str, directory: PeerDirectory) -> None:
         """Admit to servers of ``domain`` the clients whose keys ``directory`` knows."""
         self._auth.directories[domain] = directory

@@ -11,30 +11,18 @@ ledger and its own ``host.<id>`` key on the link to the service; the job is a re
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import json
-import os
-import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
-import zmq.asyncio
-
-from services.checkpoint_service.service import CheckpointService
-from services.local_scheduler.batch_jobs import BatchJobs
-from services.local_scheduler.checkpoints import ServiceLink, store_env
-from shared.cluster_core.gpu_ledger import GpuLedger
-from shared.config import Config, load_config
-from shared.security import curve
+from _checkpoint_hosts import JOB, Host, cluster, grant
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-JOB = Path(__file__).parents[2] / "examples" / "checkpointed_job.py"
 TOTAL = 40
 EVERY = 5
 
@@ -62,64 +50,6 @@ def uninterrupted_digest(steps: int) -> str:
         torch.set_num_threads(threads)
 
 
-class Host:
-    def __init__(self, cfg: Config, host_id: str, ctx: zmq.asyncio.Context, pause_grace_s: float) -> None:
-        keys = curve.load_secret(cfg.keys_dir(), curve.host_principal(host_id))
-        self.link = ServiceLink(ctx, cfg, host_id=host_id, host_keys=keys)
-        self.link.connect()
-        self.jobs = BatchJobs(
-            GpuLedger([0, 1]),
-            host_id=host_id,
-            state_dir=cfg.state_dir(),
-            stop_grace_s=10.0,
-            overdue_s=60.0,
-            keep_paused_s=0.0,
-            cell_reserve=0,
-            on_exit=lambda: None,
-            checkpoints=self.link,
-            checkpoint_env=store_env(cfg),
-            pause_grace_s=pause_grace_s,
-        )
-
-    async def close(self) -> None:
-        await self.jobs.close()
-        await self.link.close()
-
-
-@contextlib.asynccontextmanager
-async def cluster(
-    tmp_path: Path, *, pause_grace_s: float = 2.0
-) -> AsyncIterator[tuple[CheckpointService, Host, Host]]:
-    state_dir = tmp_path / "state"
-    cfg = load_config(overrides={"cluster.state_dir": str(state_dir), "checkpoint.commit_timeout_s": 5.0})
-    curve.ensure_cluster_keys(cfg.keys_dir())
-    for host_id in ("host-a", "host-b"):
-        curve.issue(cfg.keys_dir(), curve.host_principal(host_id))
-    service = CheckpointService(cfg)
-    address = service.bind("tcp://127.0.0.1:0")
-    stop = asyncio.Event()
-    running = asyncio.ensure_future(service.run(stop))
-    cfg = load_config(overrides={**cfg.as_overrides(), "checkpoint.address": address})
-    ctx = zmq.asyncio.Context()
-    hosts = Host(cfg, "host-a", ctx, pause_grace_s), Host(cfg, "host-b", ctx, pause_grace_s)
-    try:
-        yield service, *hosts
-    finally:
-        await asyncio.gather(*(h.close() for h in hosts))
-        ctx.destroy(linger=0)
-        stop.set()
-        await running
-
-
-def grant(
-    job_id: str, out: Path, cwd: Path, *, total: int = TOTAL, every: int = EVERY, step_s: float = 0.03
-) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    argv = [sys.executable, str(JOB), str(total), str(out), str(every), str(step_s)]
-    job = {"job_id": job_id, "argv": argv, "cwd": str(cwd), "env": env, "start_iteration": 0}
-    return {"job_id": job_id, "app_id": "app", "gpus": 1, "expires_at": time.time() + 600, "job": job}
-
-
 async def until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -137,7 +67,7 @@ def test_a_job_checkpointed_and_stopped_on_one_host_resumes_bitwise_on_another(t
 
     async def scenario() -> dict[str, float]:
         async with cluster(tmp_path) as (service, a, b):
-            await a.jobs.grant(grant("job-1", out, tmp_path))
+            await a.jobs.grant(grant("job-1", out, tmp_path, total=TOTAL, every=EVERY))
             # past a concurrent image or two, and a few steps beyond the last one
             await until(lambda: done(a, "job-1") >= 2 * EVERY + 2)
             asked = time.monotonic()
@@ -152,7 +82,7 @@ def test_a_job_checkpointed_and_stopped_on_one_host_resumes_bitwise_on_another(t
             assert TOTAL > latest.step > 2 * EVERY
 
             restarted = time.monotonic()
-            await b.jobs.grant(grant("job-1", out, tmp_path))
+            await b.jobs.grant(grant("job-1", out, tmp_path, total=TOTAL, every=EVERY))
             run = b.jobs.runs["job-1"]
             assert run.restored_step == latest.step and run.process.spec.start_iteration == latest.step
             await asyncio.wait_for(run.process.exited.wait(), 60)
@@ -174,7 +104,7 @@ def test_a_job_checkpointed_and_stopped_on_one_host_resumes_bitwise_on_another(t
     figures = asyncio.run(scenario())
     assert out.read_text() == uninterrupted_digest(TOTAL)
     log = (tmp_path / "state/jobs/job-1/output.log").read_text()
-    assert f"finished at {TOTAL}, restored from {int(figures['restored_step'])}," in log
+    assert f"finished at {TOTAL}, restored from {int(figures['restored_step'])}\n" in log
     print(json.dumps({k: round(v, 4) for k, v in figures.items()}))
 
 
