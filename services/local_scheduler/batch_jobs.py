@@ -256,6 +256,15 @@ class BatchJobs:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.process.exited.wait(), RELAY_POLL_S)
 
+    async def _forget_images(self, run: Run) -> None:
+        """The job finished or was cancelled: nothing will restart from its images."""
+        if self.checkpoints is None or run.checkpoint_step is None:
+            return
+        try:
+            await self.checkpoints.forget(run.job_id)
+        except (RpcError, RpcTimeout) as exc:
+            log.warning("checkpoint_forget_failed", job=run.job_id, host=self.host_id, reason=str(exc))
+
     async def _relayed(self, run: Run) -> None:
         """The job's last image is with the service before its GPUs go (bounded by the service's timeout)."""
         if run.relay is not None:
@@ -301,6 +310,8 @@ class BatchJobs:
         started = time.monotonic()
         await run.process.stop(self.stop_grace_s)
         await self._relayed(run)
+        if reason == "cancelled":
+            await self._forget_images(run)
         log.info("job_released", job=run.job_id, host=self.host_id, reason=reason,
                  seconds=round(time.monotonic() - started, 4), checkpoint_step=run.checkpoint_step)  # fmt: skip
         return self._release(run)
@@ -312,6 +323,8 @@ class BatchJobs:
         if self.runs.get(run.job_id) is run:
             self._release(run)
             self._on_exit()
+        if run.process.outcome() == "finished":
+            await self._forget_images(run)
 
     def _release(self, run: Run) -> dict[str, Any]:
         if self.runs.get(run.job_id) is run:

@@ -22,6 +22,7 @@ from tandem_job.checkpoints import ENV_STORE
 class CheckpointLink(Protocol):
     async def commit(self, job_id: str, announcement: dict[str, Any]) -> dict[str, Any]: ...
     async def latest(self, job_id: str) -> dict[str, Any] | None: ...
+    async def forget(self, job_id: str) -> None: ...
 
 
 class ServiceLink:
@@ -57,6 +58,11 @@ class ServiceLink:
         )
         checkpoint = answer.body.get("checkpoint")
         return dict(checkpoint) if checkpoint else None
+
+    async def forget(self, job_id: str) -> None:
+        await self._client.request(
+            Envelope(messages.CHECKPOINT_FORGET, {"job_id": job_id}), timeout=self.timeout_s
+        )
 
     async def close(self) -> None:
         await self._client.close()

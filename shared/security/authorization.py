@@ -64,8 +64,11 @@ ARBITER_ACCEPTS: dict[str, frozenset[str]] = {
 }
 
 CHECKPOINT_ACCEPTS: dict[str, frozenset[str]] = {
-    # a host relays what its jobs' agents committed and asks for the image a job restarts from
-    HOST: frozenset(_ANSWERS | {messages.CHECKPOINT_COMMIT, messages.CHECKPOINT_LATEST}),
+    # a host relays what its jobs' agents committed, asks for the image a job restarts from, and
+    # forgets the images of a job that finished or was cancelled on it
+    HOST: frozenset(
+        _ANSWERS | {messages.CHECKPOINT_COMMIT, messages.CHECKPOINT_LATEST, messages.CHECKPOINT_FORGET}
+    ),
     OPERATOR: frozenset({messages.CHECKPOINT_LATEST, messages.CHECKPOINT_FORGET, messages.CHECKPOINT_STATUS}),
 }
 
@@ -147,5 +150,5 @@ def arbiter_refusal(principal: str, env_type: str, body: dict[str, Any]) -> str 
 
 
 def checkpoint_refusal(principal: str, env_type: str) -> str | None:
-    """Hosts commit and read images; only the operator forgets a job's images or reads the status."""
+    """Hosts commit, read and forget images; the operator reads and forgets, and reads the status."""
     return _type_refusal(CHECKPOINT_ACCEPTS, principal, env_type)

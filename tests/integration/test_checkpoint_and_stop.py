@@ -89,8 +89,10 @@ def test_a_job_checkpointed_and_stopped_on_one_host_resumes_bitwise_on_another(t
             assert run.process.returncode == 0, (tmp_path / "state/jobs/job-1/output.log").read_text()
             progress = run.process.progress() or {}
             assert progress["restored_step"] == latest.step and progress["iterations_done"] == TOTAL
-            final = service.book.latest("job-1")
-            assert final is not None and final.step > latest.step  # it went on checkpointing
+            assert run.checkpoint_step is not None and run.checkpoint_step > latest.step  # it went on
+            # finished: its host has the service forget its images, and their objects are deleted
+            await until(lambda: service.book.latest("job-1") is None and not service.book.stored)
+            assert service.deleted_objects > 0
             return {
                 "release_s": release_s,
                 "checkpoint_stop_s": float(ended["progress"]["checkpoint_stop_s"]),
