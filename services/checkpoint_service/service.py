@@ -55,6 +55,7 @@ class CheckpointService:
         self.commit_ms: collections.deque[float] = collections.deque(maxlen=TIMINGS_KEPT)
         self.deleted_objects = 0
         self._deleting: set[asyncio.Future[None]] = set()
+        self.ready = asyncio.Event()  # set once the store is open and the socket serves
         self._keys_dir = cfg.keys_dir()
         self._ctx = zmq.asyncio.Context()
         self._authority: curve.CurveAuthority | None = None
@@ -94,6 +95,7 @@ class CheckpointService:
         if self.store is None:
             self.store = await open_datastore(self.cfg)
         self._server.start()
+        self.ready.set()
         log.info("started", address=self.address, jobs=len(self.book.jobs), stored=len(self.book.stored))
         try:
             await self._collect(time.time())  # what a crash left between a commit and its deletes

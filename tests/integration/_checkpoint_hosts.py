@@ -68,6 +68,7 @@ async def cluster(
     address = service.bind("tcp://127.0.0.1:0")
     stop = asyncio.Event()
     running = asyncio.ensure_future(service.run(stop))
+    await asyncio.wait_for(service.ready.wait(), 30)
     cfg = load_config(overrides={**cfg.as_overrides(), "checkpoint.address": address})
     ctx = zmq.asyncio.Context()
     hosts = tuple(Host(cfg, h, ctx, pause_grace_s=pause_grace_s, gpus=gpus) for h in ("host-a", "host-b"))

@@ -145,3 +145,36 @@ def test_a_cell_rewinds_a_long_step_job_with_an_image_and_it_resumes_bitwise_els
     lost, killed_s = asyncio.run(scenario())
     assert out.read_text() == uninterrupted_digest(total)
     print(json.dumps({"steps_lost_on_rewind": lost, "rewind_release_s": round(killed_s, 4)}))
+
+
+def test_the_service_never_points_a_job_at_an_incomplete_or_older_image(tmp_path: Path) -> None:
+    """A manifest naming a pack the store lacks (an agent killed mid-write, a lost object) is
+    refused and the job's latest image stays the last complete one; so is an older step."""
+    from shared.checkpoint.manifest import Manifest, PieceLocation, TensorRecord
+    from shared.rpc import RpcError
+
+    async def scenario() -> None:
+        async with cluster(tmp_path) as (service, a, _):
+            store = service.store
+            assert store is not None
+
+            async def image(step: int, *, drop_pack: bool) -> dict[str, object]:
+                pack = await store.put(bytes([step]) * 64)
+                meta = await store.put(f"meta {step}".encode())
+                record = TensorRecord("w", "float32", (16,), 64, ("f",), (PieceLocation(0, 0, 64),))
+                manifest = Manifest("job-3", step, 64, (pack,), meta, (record,))
+                ref = await store.put(manifest.to_json())
+                if drop_pack:
+                    await store.delete(pack)
+                return {"manifest": ref.to_dict(), "written": [pack.digest]}
+
+            complete = await image(5, drop_pack=False)
+            assert (await a.link.commit("job-3", complete))["step"] == 5
+            with pytest.raises(RpcError, match="incomplete"):
+                await a.link.commit("job-3", await image(9, drop_pack=True))
+            with pytest.raises(RpcError, match="older"):
+                await a.link.commit("job-3", await image(3, drop_pack=False))
+            latest = await a.link.latest("job-3")
+            assert latest is not None and latest["step"] == 5 and latest["manifest"] == complete["manifest"]
+
+    asyncio.run(scenario())
