@@ -4,8 +4,10 @@
    committed to the store (~``--mb`` MB of model, read back and checked by the service: manifest
    parsed, every pack present, book written to disk) followed by ``checkpoint.latest`` naming it:
    announce -> stored -> latest, over CURVE on loopback. ``service_commit_ms_p50``: the service's
-   own share. A job's announcement also waits for the host's next look at its file (at most
-   ``RELAY_POLL_S``, 50 ms), not counted here.
+   own share. ``stop_image_s_p50``: ``agent.checkpoint()`` of that model (every tensor changed
+   since the last image): what checkpoint-and-stop waits for at its boundary. A job's
+   announcement also waits for the host's next look at its file (at most ``RELAY_POLL_S``,
+   50 ms), not counted here.
 2. ``--cycles`` checkpoint-and-stop cycles of ``examples/checkpointed_job.py`` (a real job process,
    MLP + Adam, ~0.4 MB image) moved between two hosts (``BatchJobs`` with links of their own):
    ``stop_release_s_p50`` (lease end asked -> job exited, image at the service, GPUs free),
@@ -61,6 +63,7 @@ async def round_trips(host: Host, service: CheckpointService, images: int, mb: i
     agent = CheckpointAgent(state, store_link, job="bench-job")
     link = host.link
     trips: list[float] = []
+    images_s: list[float] = []  # agent.checkpoint(): what a checkpoint-and-stop of this model waits for
     try:
         for step in range(1, images + 1):
             x = torch.randn(8, width)
@@ -69,7 +72,9 @@ async def round_trips(host: Host, service: CheckpointService, images: int, mb: i
             loss.backward()
             optimizer.step()
             agent.step_boundary(step)
+            began = time.perf_counter()
             result = await asyncio.get_running_loop().run_in_executor(None, agent.checkpoint)
+            images_s.append(time.perf_counter() - began)
             started = time.perf_counter()
             await link.commit(
                 "bench-job", {"manifest": result.manifest_ref.to_dict(), "written": list(result.written)}
@@ -87,6 +92,7 @@ async def round_trips(host: Host, service: CheckpointService, images: int, mb: i
         "service_round_trip_ms_p99": round(percentile(trips, 0.99), 3),
         "service_commit_ms_p50": round(statistics.median(commit_ms), 3),
         "service_images": len(trips),
+        "stop_image_s_p50": round(statistics.median(images_s), 4),
     }
 
 
