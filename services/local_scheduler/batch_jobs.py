@@ -22,6 +22,13 @@ keep time running out, or a cancel stop it; it then resumes from the iterations 
 new process. Why stopping is the default: a paused process keeps its GPU memory, which a cell
 committed to that GPU may need (on virtual GPUs, or once checkpoints move that memory aside, a
 paused job costs nothing).
+
+Jobs' images (issue #17, docs/preemption.md): with a checkpoint service configured, a job on
+``tandem_job.checkpoints`` checkpoints concurrently and, on the stop word, commits the image of
+its stop boundary and exits (checkpoint-and-stop); this host relays each image it announces to the
+service and frees its GPUs only once the last one is relayed; a new process of a job starts from
+its latest image, on whichever host. A cell rewinds (kills) instead of pausing a job whose steps
+outlast the pause grace when the service holds an image of it (``release_plan``).
 """
 
 from __future__ import annotations
