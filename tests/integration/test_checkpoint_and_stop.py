@@ -36,7 +36,8 @@ def _job_module() -> ModuleType:
 
 
 def uninterrupted_digest(steps: int) -> str:
-    """The same job run to ``steps`` in one go, without Tandem (this process, one torch thread)."""
+    """The same job run to ``steps`` in one go, without Tandem (this process, one torch thread;
+    the tests run it on a thread while the job runs, so its imports overlap the job's)."""
     job = _job_module()
     import torch
 
@@ -65,7 +66,8 @@ def done(host: Host, job_id: str) -> int:
 def test_a_job_checkpointed_and_stopped_on_one_host_resumes_bitwise_on_another(tmp_path: Path) -> None:
     out = tmp_path / "digest.txt"
 
-    async def scenario() -> dict[str, float]:
+    async def scenario() -> tuple[dict[str, float], str]:
+        reference = asyncio.ensure_future(asyncio.to_thread(uninterrupted_digest, TOTAL))
         async with cluster(tmp_path) as (service, a, b):
             await a.jobs.grant(grant("job-1", out, tmp_path, total=TOTAL, every=EVERY))
             # past a concurrent image or two, and a few steps beyond the last one
@@ -93,7 +95,7 @@ def test_a_job_checkpointed_and_stopped_on_one_host_resumes_bitwise_on_another(t
             # finished: its host has the service forget its images, and their objects are deleted
             await until(lambda: service.book.latest("job-1") is None and not service.book.stored)
             assert service.deleted_objects > 0
-            return {
+            figures = {
                 "release_s": release_s,
                 "checkpoint_stop_s": float(ended["progress"]["checkpoint_stop_s"]),
                 "restore_s": float(progress["restore_s"]),
@@ -102,9 +104,10 @@ def test_a_job_checkpointed_and_stopped_on_one_host_resumes_bitwise_on_another(t
                 "restored_step": float(latest.step),
                 "commit_ms_p50": float(service.status()["commit_ms_p50"]),
             }
+            return figures, await reference
 
-    figures = asyncio.run(scenario())
-    assert out.read_text() == uninterrupted_digest(TOTAL)
+    figures, expected = asyncio.run(scenario())
+    assert out.read_text() == expected
     log = (tmp_path / "state/jobs/job-1/output.log").read_text()
     assert f"finished at {TOTAL}, restored from {int(figures['restored_step'])}\n" in log
     print(json.dumps({k: round(v, 4) for k, v in figures.items()}))
@@ -119,7 +122,8 @@ def test_a_cell_rewinds_a_long_step_job_with_an_image_and_it_resumes_bitwise_els
     out = tmp_path / "digest.txt"
     total, every, step_s = 16, 3, 0.25
 
-    async def scenario() -> tuple[int, float]:
+    async def scenario() -> tuple[int, float, str]:
+        reference = asyncio.ensure_future(asyncio.to_thread(uninterrupted_digest, total))
         async with cluster(tmp_path, pause_grace_s=0.1) as (service, a, b):
             await a.jobs.grant(grant("job-2", out, tmp_path, total=total, every=every, step_s=step_s))
             run = a.jobs.runs["job-2"]
@@ -140,10 +144,10 @@ def test_a_cell_rewinds_a_long_step_job_with_an_image_and_it_resumes_bitwise_els
             assert resumed.restored_step == latest.step
             await asyncio.wait_for(resumed.process.exited.wait(), 60)
             assert resumed.process.returncode == 0
-            return lost, run.killed_s
+            return lost, run.killed_s, await reference
 
-    lost, killed_s = asyncio.run(scenario())
-    assert out.read_text() == uninterrupted_digest(total)
+    lost, killed_s, expected = asyncio.run(scenario())
+    assert out.read_text() == expected
     print(json.dumps({"steps_lost_on_rewind": lost, "rewind_release_s": round(killed_s, 4)}))
 
 
