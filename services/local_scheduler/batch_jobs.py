@@ -150,6 +150,7 @@ class BatchJobs:
         self._ended: dict[str, dict[str, Any]] = {}
         self._lock = asyncio.Lock()  # grants and ends change the ledger one at a time
         self._reapers: set[asyncio.Future[None]] = set()
+        self._closing = False  # close() began: no new process may start
 
     # ---- from the arbiter ----------------------------------------------------------------------
 
@@ -157,6 +158,7 @@ class BatchJobs:
         """Run a job on ``gpus`` leased GPUs: renew its lease, resume it, or start it."""
         spec = JobSpec.from_wire(body["job"])
         gpus, expires_at = int(body["gpus"]), float(body["expires_at"])
+        self._refuse_if_closing()
         async with self._lock:
             run = self.runs.get(spec.job_id)
             if run is not None and run.suspension is not None and len(run.process.device_ids) == gpus:
@@ -185,6 +187,9 @@ class BatchJobs:
             except LedgerError as exc:
                 raise RpcError(f"host {self.host_id}: {exc}", "no_gpus") from None
             spec, restored_step = await self._from_latest_image(spec)
+            if self._closing:  # shutdown began while the service answered: no process after close()
+                self.ledger.end_lease(spec.job_id)
+                self._refuse_if_closing()
             process = JobProcess(
                 spec,
                 directory=job_dir(self.state_dir, spec.job_id),
@@ -276,6 +281,10 @@ class BatchJobs:
         """The job's last image is with the service before its GPUs go (bounded by the service's timeout)."""
         if run.relay is not None:
             await asyncio.shield(run.relay)
+
+    def _refuse_if_closing(self) -> None:
+        if self._closing:
+            raise RpcError(f"host {self.host_id} is shutting down", "no_gpus")
 
     def _check_reserve(self, gpus: int) -> None:
         idle = len(self.ledger.idle_device_ids())
@@ -515,6 +524,7 @@ class BatchJobs:
 
     async def close(self) -> None:
         """Service shutdown: every job stops (at a step boundary if it can); no orphans."""
+        self._closing = True
         runs = list(self.runs.values())
         if runs:
             log.info("stopping_jobs", host=self.host_id, count=len(runs))
