@@ -7,9 +7,11 @@ Configuration layers, later wins: built-in defaults, ``--config PATH`` (TOML), `
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from shared.config import Config, ConfigError, config_from_json, load_config, parse_overrides
 from shared.logs import configure_logging
@@ -63,3 +65,40 @@ def setup(args: argparse.Namespace, service: str, extra: dict[str, Any] | None =
 def announce(service: str, **fields: Any) -> None:
     """One JSON line on stdout saying where the service listens (parents parse it)."""
     print(json.dumps({"service": service, "event": "listening", **fields}), flush=True)
+
+
+class BoundService(Protocol):
+    """A service that binds its ROUTER, then runs until ``stop``."""
+
+    def bind(self, address: str) -> str: ...
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
+def bound_service_main(
+    argv: list[str] | None,
+    *,
+    module: str,
+    name: str,
+    build: Callable[[Config], BoundService],
+    doc: str | None,
+) -> int:
+    """``python -m <module> --bind ADDR [--config-json JSON] ...`` for a service with one ROUTER:
+    parse, configure, build it (``build`` imports the service lazily), bind, announce where it
+    listens (``tandem up`` reads that line), run until SIGTERM."""
+    from shared.runner import run_service
+
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc)
+    parser.add_argument(
+        "--bind", default=None, help="ROUTER address (default tcp://<cluster.ip>:0, a free port)"
+    )
+    add_common_arguments(parser)
+    args = parser.parse_args(argv)
+    cfg = setup(args, name)
+
+    async def service(stop: asyncio.Event) -> None:
+        instance = build(cfg)
+        address = instance.bind(args.bind or f"tcp://{cfg.get('cluster.ip')}:0")
+        announce(name, address=address)
+        await instance.run(stop)
+
+    return run_service(service, name=name)

@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
+from shared.config import Config
+from shared.service_cli import BoundService, bound_service_main
 
-from shared.runner import run_service
-from shared.service_cli import add_common_arguments, announce, setup
+
+def build(cfg: Config) -> BoundService:
+    from services.arbiter.service import ArbiterService
+
+    return ArbiterService(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.arbiter", description=__doc__)
-    parser.add_argument(
-        "--bind", default=None, help="ROUTER address (default tcp://<cluster.ip>:0, a free port)"
-    )
-    add_common_arguments(parser)
-    args = parser.parse_args(argv)
-    cfg = setup(args, "arbiter")
-
-    async def service(stop: asyncio.Event) -> None:
-        from services.arbiter.service import ArbiterService
-
-        arbiter = ArbiterService(cfg)
-        address = arbiter.bind(args.bind or f"tcp://{cfg.get('cluster.ip')}:0")
-        announce("arbiter", address=address)
-        await arbiter.run(stop)
-
-    return run_service(service, name="arbiter")
+    return bound_service_main(argv, module="services.arbiter", name="arbiter", build=build, doc=__doc__)
 
 
 if __name__ == "__main__":

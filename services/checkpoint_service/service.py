@@ -23,8 +23,6 @@ import time
 from typing import Any
 
 import structlog
-import zmq
-import zmq.asyncio
 
 from shared import messages
 from shared.checkpoint.book import BookError, CheckpointBook
@@ -33,7 +31,7 @@ from shared.config import Config
 from shared.datastore import DataStore, DataStoreError, ObjectRef, open_datastore
 from shared.envelope import Envelope
 from shared.private_files import replace_private
-from shared.rpc import RpcServer
+from shared.rpc import ClusterServerShell
 from shared.security import curve
 from shared.security.authorization import checkpoint_refusal
 
@@ -42,7 +40,9 @@ log = structlog.get_logger("checkpoint")
 TIMINGS_KEPT = 1000
 
 
-class CheckpointService:
+class CheckpointService(ClusterServerShell):
+    server_key = curve.CHECKPOINT
+
     def __init__(self, cfg: Config, *, store: DataStore | None = None) -> None:
         """``store``: an open data store to use (tests); by default ``[datastore]``'s, opened in ``run``."""
         self.cfg = cfg
@@ -56,16 +56,7 @@ class CheckpointService:
         self.deleted_objects = 0
         self._deleting: set[asyncio.Future[None]] = set()
         self.ready = asyncio.Event()  # set once the store is open and the socket serves
-        self._keys_dir = cfg.keys_dir()
-        self._ctx = zmq.asyncio.Context()
-        self._authority: curve.CurveAuthority | None = None
-        self._server = RpcServer(
-            self._ctx,
-            self._handle,
-            name="checkpoint",
-            curve=curve.server_curve(self._keys_dir, curve.CHECKPOINT),
-            authorize=self._authorize,
-        )
+        self._listen(cfg.keys_dir(), self._handle, name="checkpoint", authorize=self._authorize)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -79,17 +70,6 @@ class CheckpointService:
 
     def _save(self) -> None:
         replace_private(self._path, json.dumps(self.book.to_dict()))
-
-    def bind(self, address: str) -> str:
-        if self._authority is None:
-            self._authority = curve.CurveAuthority.for_cluster_server(
-                self._ctx, self._keys_dir, curve.CHECKPOINT
-            )
-        return self._server.bind(address)
-
-    @property
-    def address(self) -> str:
-        return self._server.address
 
     async def run(self, stop: asyncio.Event) -> None:
         if self.store is None:

@@ -2,31 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
+from shared.config import Config
+from shared.service_cli import BoundService, bound_service_main
 
-from shared.runner import run_service
-from shared.service_cli import add_common_arguments, announce, setup
+
+def build(cfg: Config) -> BoundService:
+    from services.global_scheduler.service import GlobalScheduler
+
+    return GlobalScheduler(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.global_scheduler", description=__doc__)
-    parser.add_argument(
-        "--bind", default=None, help="ROUTER address (default tcp://<cluster.ip>:0, a free port)"
+    return bound_service_main(
+        argv, module="services.global_scheduler", name="global_scheduler", build=build, doc=__doc__
     )
-    add_common_arguments(parser)
-    args = parser.parse_args(argv)
-    cfg = setup(args, "global_scheduler")
-
-    async def service(stop: asyncio.Event) -> None:
-        from services.global_scheduler.service import GlobalScheduler
-
-        scheduler = GlobalScheduler(cfg)
-        address = scheduler.bind(args.bind or f"tcp://{cfg.get('cluster.ip')}:0")
-        announce("global_scheduler", address=address)
-        await scheduler.run(stop)
-
-    return run_service(service, name="global_scheduler")
 
 
 if __name__ == "__main__":
