@@ -318,11 +318,15 @@ def _ask_service(
 
 def cmd_status(args: argparse.Namespace, cfg: Config) -> int:
     status = _ask_scheduler(args, cfg, messages.CLUSTER_STATUS, {"all": args.all}, timeout=5.0)
-    running = read_cluster(state_dir_of(args, cfg)).raw
-    if running.get("arbiter"):
+    cluster = read_cluster(state_dir_of(args, cfg))
+    if cluster.raw.get("arbiter"):
         status["batch"] = _ask_arbiter(args, cfg, messages.ARBITER_STATUS, {}, timeout=5.0)
-    if running.get("serving"):
+    if cluster.raw.get("serving"):
         status["serving"] = _ask_service(args, cfg, curve.SERVING, messages.SERVING_STATUS, {}, timeout=5.0)
+    if cluster.raw.get("checkpoint"):  # jobs' images: each job's latest, objects kept and collected
+        status["checkpoints"] = _ask_service(
+            args, cfg, curve.CHECKPOINT, messages.CHECKPOINT_STATUS, {}, timeout=5.0
+        )
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True, default=str))
         return 0

@@ -133,6 +133,7 @@ class EmbeddedCluster:
         self._scheduler_args: list[str] = []
         self._arbiter_args: list[str] = []
         self._serving_args: list[str] = []
+        self._checkpoint_args: list[str] = []
         self._gateway_args: list[str] = []
         self._gateway_restarts: list[float] = []
         self._http_args: list[str] = []
@@ -142,6 +143,7 @@ class EmbeddedCluster:
         self.gateway_address = ""
         self.arbiter_address = ""
         self.serving_address = ""
+        self.checkpoint_address = ""
         self.cluster_file = state_dir / CLUSTER_FILE
         self.keys_dir = cfg.keys_dir() if cfg.get("security.keys_dir") else state_dir / "keys"
 
@@ -168,10 +170,13 @@ class EmbeddedCluster:
             self.stop()
             raise
 
-    def _child_config(self, arbiter_address: str = "", serving_address: str = "") -> str:
+    def _child_config(
+        self, arbiter_address: str = "", serving_address: str = "", checkpoint_address: str = ""
+    ) -> str:
         data = self.cfg.as_dict()
         data["arbiter"]["address"] = arbiter_address
         data["serving"]["address"] = serving_address
+        data["checkpoint"]["address"] = checkpoint_address
         if self.cfg.get("embedded.virtual_gpus"):
             data["host"]["use_nvml"] = False
         data["cluster"]["state_dir"] = str(self.state_dir)
@@ -189,10 +194,17 @@ class EmbeddedCluster:
         deadline = time.monotonic() + float(self.cfg.get("embedded.ready_timeout_s"))
         # The arbiter first: every other service is told its address (hosts report to it). Like
         # the scheduler, it binds a port the OS picks and announces it.
+        # The checkpoint service (jobs' images; hosts relay to it) starts beside it.
         arbiter_log = self.log_dir / "arbiter.log"
         offset = arbiter_log.stat().st_size if arbiter_log.exists() else 0
         self._arbiter_args = ["-m", "services.arbiter", "--config-json", self._child_config(), *log_format]
         arbiter = self._spawn("arbiter", [*self._arbiter_args, "--bind", f"tcp://{self.ip}:0"], critical=True)
+        checkpoint_log = self.log_dir / "checkpoint.log"
+        checkpoint_offset = checkpoint_log.stat().st_size if checkpoint_log.exists() else 0
+        self._checkpoint_args = ["-m", "services.checkpoint_service", "--config-json", self._child_config(), *log_format]  # fmt: skip
+        checkpoint = self._spawn(
+            "checkpoint", [*self._checkpoint_args, "--bind", f"tcp://{self.ip}:0"], critical=True
+        )
         self.arbiter_address = self._wait_for_announcement(arbiter, offset, deadline)
         # The serving controller next: hosts report their warm pools to it, the scheduler asks it
         # for runtimes.
@@ -209,7 +221,8 @@ class EmbeddedCluster:
             "serving-controller", [*self._serving_args, "--bind", f"tcp://{self.ip}:0"], critical=True
         )
         self.serving_address = self._wait_for_announcement(serving, offset, deadline)
-        config_json = self._child_config(self.arbiter_address, self.serving_address)
+        self.checkpoint_address = self._wait_for_announcement(checkpoint, checkpoint_offset, deadline)
+        config_json = self._child_config(self.arbiter_address, self.serving_address, self.checkpoint_address)
         forget_kernel_table(self.state_dir)  # no kernel outlives the cluster that ran it
         # The scheduler binds a port the OS picks at bind time and announces it; a port chosen here
         # and bound there later could be taken in between (by any process, or as the ephemeral
@@ -251,6 +264,7 @@ class EmbeddedCluster:
             **({"http": self.http_url} if self.http_url else {}),
             "arbiter": self.arbiter_address,
             "serving": self.serving_address,
+            "checkpoint": self.checkpoint_address,
             "pid": os.getpid(),
             "hosts": hosts,
             "state_dir": str(self.state_dir),
@@ -385,6 +399,12 @@ class EmbeddedCluster:
             "serving-controller", self._serving_args, self.serving_address, timeout
         )
         log.warning("serving_controller_restarted", pid=child.process.pid if child.process else None)
+
+    def restart_checkpoint(self, timeout: float = 30.0) -> None:
+        """The checkpoint service died: a new one on the same address reads the book it persisted
+        (every answered commit); hosts' relays retry what it did not answer."""
+        child = self._restart_announced("checkpoint", self._checkpoint_args, self.checkpoint_address, timeout)
+        log.warning("checkpoint_restarted", pid=child.process.pid if child.process else None)
 
     def _restart_announced(self, name: str, args: list[str], address: str, timeout: float) -> Child:
         old = next(c for c in self.children if c.name == name)
@@ -582,6 +602,7 @@ def run_foreground(cluster: EmbeddedCluster, *, on_ready: Any = None) -> int:
         "global-scheduler": cluster.restart_scheduler,
         "arbiter": cluster.restart_arbiter,
         "serving-controller": cluster.restart_serving,
+        "checkpoint": cluster.restart_checkpoint,
         "gateway": cluster.restart_gateway,
         HTTP_SERVICE: cluster.restart_http,
     }

@@ -293,6 +293,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "objective": "jct",  # Eq. 1-6: jct | jct_sequenced | deadline | makespan
         "min_gain": 0.03,  # a trial counts as a gain only if it beats the best by this fraction
     },
+    "checkpoint": {
+        # Jobs' images (issue #17): agents in the job processes write them to the data store, the
+        # checkpoint service (services/checkpoint_service) keeps each job's latest complete one.
+        "keep": 1,  # images kept per job (the latest; the agent's next increment reuses its packs)
+        "protect_s": 600.0,  # packs stored ahead of their manifest are kept at least this long
+        "commit_timeout_s": 10.0,  # a host's relay of a commit, or its ask for the latest image
+        "address": "",  # the service's ROUTER; empty: none (`tandem up` starts one and sets it)
+    },
     "log": {
         "format": "console",  # "console" for development, "json" for production
         "level": "info",

@@ -101,6 +101,12 @@ POOL_REPORT = "pool.report"  # a host's warm-runtime pool; the answer is the hos
 RUNTIME_ACQUIRE = "runtime.acquire"  # a ready runtime on host H promised to one replica start
 SERVING_STATUS = "serving.status"
 
+# ---- the checkpoint service (jobs' images: services/checkpoint_service) -------------------------
+CHECKPOINT_COMMIT = "checkpoint.commit"  # a host relays its job's committed image (manifest in the store)
+CHECKPOINT_LATEST = "checkpoint.latest"  # the job's latest complete image, for a restore
+CHECKPOINT_FORGET = "checkpoint.forget"  # the job is over: its images may be collected
+CHECKPOINT_STATUS = "checkpoint.status"
+
 CHANNELS = ("shell", "control", "stdin", "iopub")
 # cell_timings: the executor's per-cell step times (ms), sent after its reply (metrics only)
 REPLICA_EVENTS = ("elected", "election_failed", "done", "raft_role", "exited", "ready", "cell_timings")
@@ -280,6 +286,14 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
     RUNTIME_ACQUIRE: {"host_id": (_str, True), "kernel_id": (_str, False), "purpose": (_str, False)},
     SERVING_STATUS: {},
+    CHECKPOINT_COMMIT: {
+        "job_id": (_str, True),
+        "manifest": (_map, True),  # the manifest's ObjectRef (the manifest is itself a store object)
+        "written": (_list, False),  # digests of packs its agent stored, failed attempts included
+    },
+    CHECKPOINT_LATEST: {"job_id": (_str, True)},
+    CHECKPOINT_FORGET: {"job_id": (_str, True)},
+    CHECKPOINT_STATUS: {},
 }
 
 _CHECKED_CHANNEL = {JUPYTER_REQUEST, JUPYTER_REPLY}

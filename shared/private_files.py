@@ -76,3 +76,12 @@ def write_private(path: str | os.PathLike[str], data: str | bytes, *, exclusive:
     flags = os.O_WRONLY | (os.O_EXCL if exclusive else os.O_TRUNC)
     with os.fdopen(open_private(path, flags), "wb") as f:
         f.write(raw)
+
+
+def replace_private(path: Path, data: str | bytes) -> None:
+    """Replace ``path`` (0600, in a private directory) atomically: a reader, or a restart after a
+    crash, sees the old content or the new, never half of it (a service's persisted registry)."""
+    private_dir(path.parent)
+    tmp = path.with_suffix(".tmp")
+    write_private(tmp, data)
+    os.replace(tmp, path)

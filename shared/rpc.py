@@ -20,6 +20,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -28,7 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from shared import messages
 from shared.envelope import Envelope, EnvelopeError, decode
-from shared.security.curve import ClientCurve, ServerCurve
+from shared.security.curve import ClientCurve, CurveAuthority, ServerCurve, server_curve
 from shared.zmq_drain import DrainingSocket
 
 log = structlog.get_logger("rpc")
@@ -439,3 +440,48 @@ class OutboundRequests:
         for fut in self._pending.values():
             if not fut.done():
                 fut.cancel()
+
+
+class ClusterServerShell:
+    """The listening half every cluster service with a server key of its own shares (the arbiter,
+    the checkpoint service): its ROUTER admits any key of the cluster's directory but its own;
+    what each may send is the service's authorization."""
+
+    server_key: str  # the principal of the service's server key
+    _ctx: zmq.Context[Any]
+    _server: RpcServer
+    _keys_dir: Path
+    _authority: CurveAuthority | None
+
+    def _listen(
+        self,
+        keys_dir: Path,
+        handler: ServerHandler,
+        *,
+        name: str,
+        authorize: Authorizer,
+        mandatory: bool = False,
+    ) -> None:
+        """Its context and its ROUTER, CURVE with the server key; bound by ``bind``."""
+        import zmq.asyncio
+
+        self._keys_dir = keys_dir
+        self._ctx = zmq.asyncio.Context()
+        self._authority = None
+        self._server = RpcServer(
+            self._ctx,
+            handler,
+            name=name,
+            mandatory=mandatory,
+            curve=server_curve(keys_dir, self.server_key),
+            authorize=authorize,
+        )
+
+    def bind(self, address: str) -> str:
+        if self._authority is None:
+            self._authority = CurveAuthority.for_cluster_server(self._ctx, self._keys_dir, self.server_key)
+        return self._server.bind(address)
+
+    @property
+    def address(self) -> str:
+        return self._server.address

@@ -68,19 +68,25 @@ def announce(service: str, **fields: Any) -> None:
     print(json.dumps({"service": service, "event": "listening", **fields}), flush=True)
 
 
-class RouterService(Protocol):
-    def bind(self, address: str) -> str: ...
+class BoundService(Protocol):
+    """A service that binds its ROUTER, then runs until ``stop``."""
 
+    def bind(self, address: str) -> str: ...
     async def run(self, stop: asyncio.Event) -> None: ...
 
 
-def router_service_main(
-    argv: list[str] | None, *, name: str, doc: str | None, build: Callable[[Config], RouterService]
+def bound_service_main(
+    argv: list[str] | None,
+    *,
+    module: str,
+    name: str,
+    build: Callable[[Config], BoundService],
+    doc: str | None,
 ) -> int:
-    """``python -m services.<name> [--bind ADDR] [--config-json JSON] ...`` for a service that is
-    one ROUTER: bind (a free port by default), announce the address, run until SIGTERM.
-    ``build`` imports the service's module when called, so ``--help`` stays fast."""
-    parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=doc)
+    """``python -m <module> --bind ADDR [--config-json JSON] ...`` for a service with one ROUTER:
+    parse, configure, build it (``build`` imports the service lazily), bind, announce where it
+    listens (``tandem up`` reads that line), run until SIGTERM."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc)
     parser.add_argument(
         "--bind", default=None, help="ROUTER address (default tcp://<cluster.ip>:0, a free port)"
     )
@@ -89,9 +95,9 @@ def router_service_main(
     cfg = setup(args, name)
 
     async def service(stop: asyncio.Event) -> None:
-        server = build(cfg)
-        address = server.bind(args.bind or f"tcp://{cfg.get('cluster.ip')}:0")
+        instance = build(cfg)
+        address = instance.bind(args.bind or f"tcp://{cfg.get('cluster.ip')}:0")
         announce(name, address=address)
-        await server.run(stop)
+        await instance.run(stop)
 
     return run_service(service, name=name)

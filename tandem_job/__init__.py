@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 CONTROL_FILE = "control"
 PROGRESS_FILE = "progress.json"
@@ -75,6 +75,16 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+class StepHook(Protocol):
+    """Called by ``Job.steps`` on the training thread (``tandem_job.checkpoints`` is one)."""
+
+    def boundary(self, done: int) -> None:
+        """``done`` steps are complete (of this run and earlier ones)."""
+
+    def stopping(self, done: int) -> None:
+        """The loop is about to end on a stop word, after ``done`` steps."""
+
+
 class Job:
     """One run of a training loop under Tandem; see the module docstring."""
 
@@ -91,6 +101,8 @@ class Job:
         self._reported_at = 0.0
         self._state = "running"
         self._governor: _Governor | None = None if job_dir is None else _Governor(job_dir / SHARE_FILE)
+        self.hooks: list[StepHook] = []
+        self.reported: dict[str, Any] = {}  # extra progress fields (a hook's measurements)
 
     @property
     def share(self) -> int:
@@ -104,6 +116,8 @@ class Job:
         while self.total is None or step < self.total:
             if self._obey() == STOP:
                 self.stopped = True
+                for hook in self.hooks:
+                    hook.stopping(self.done)
                 break
             if self._governor is not None:
                 self._governor.poll()
@@ -122,6 +136,8 @@ class Job:
         self.seconds_per_iteration = (
             seconds if previous is None else EWMA_ALPHA * seconds + (1 - EWMA_ALPHA) * previous
         )
+        for hook in self.hooks:
+            hook.boundary(self.done)
         self._report("running")
 
     def _obey(self) -> str:
@@ -148,6 +164,10 @@ class Job:
             self._control = read_control(self._dir)
         return self._control
 
+    def report(self) -> None:
+        """Write progress now (a hook's new measurement should not wait for the next interval)."""
+        self._report(self._state, force=True)
+
     def _report(self, state: str, *, force: bool = False) -> None:
         now = time.monotonic()
         if self._dir is None or (
@@ -163,6 +183,7 @@ class Job:
             "share": self.share,
             "pid": os.getpid(),
             "updated_at": time.time(),
+            **self.reported,
         }
         with contextlib.suppress(OSError):  # a full disk must not kill the training
             write_atomically(self._dir / PROGRESS_FILE, json.dumps(progress))

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from shared.config import Config
-from shared.service_cli import router_service_main
+from shared.service_cli import BoundService, bound_service_main
 
 
-def _build(cfg: Config) -> Any:
-    from services.arbiter.service import ArbiterService  # heavy: only once the arguments are parsed
+def build(cfg: Config) -> BoundService:
+    from services.arbiter.service import ArbiterService
 
     return ArbiterService(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return router_service_main(argv, name="arbiter", doc=__doc__, build=_build)
+    return bound_service_main(argv, module="services.arbiter", name="arbiter", build=build, doc=__doc__)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import structlog
-import zmq
-import zmq.asyncio
 
 from services.arbiter.metrics import arbiter_exporter
 from services.arbiter.registry import JobRecord, Registry, RegistryError
@@ -37,8 +34,8 @@ from shared.arbiter.affinity import keep_jobs_in_place
 from shared.arbiter.slots import host_counts
 from shared.config import Config
 from shared.envelope import Envelope
-from shared.private_files import private_dir, write_private
-from shared.rpc import OutboundRequests, RpcError, RpcServer, RpcTimeout
+from shared.private_files import replace_private
+from shared.rpc import ClusterServerShell, OutboundRequests, RpcError, RpcTimeout
 from shared.security import curve
 from shared.security.authorization import arbiter_refusal, host_identity_refusal
 from shared.snapshot_metrics import SnapshotExporter
@@ -49,7 +46,9 @@ LEASE_EVENTS_KEPT = 1000
 REQUEST_SLACK_S = 10.0  # beyond a job's stop grace, for a host's answer to lease.end/grant
 
 
-class ArbiterService:
+class ArbiterService(ClusterServerShell):
+    server_key = curve.ARBITER
+
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         section = cfg["arbiter"]
@@ -73,17 +72,7 @@ class ArbiterService:
         self.rounds = 0
         self.last_round: dict[str, Any] = {}
         self.lease_events: collections.deque[dict[str, Any]] = collections.deque(maxlen=LEASE_EVENTS_KEPT)
-        self._keys_dir = cfg.keys_dir()
-        self._ctx = zmq.asyncio.Context()
-        self._authority: curve.CurveAuthority | None = None
-        self._server = RpcServer(
-            self._ctx,
-            self._handle,
-            name="arbiter",
-            mandatory=True,
-            curve=curve.server_curve(self._keys_dir, curve.ARBITER),
-            authorize=self._authorize,
-        )
+        self._listen(cfg.keys_dir(), self._handle, name="arbiter", authorize=self._authorize, mandatory=True)
         self._outbound = OutboundRequests(self._server)
         self._exporter: SnapshotExporter | None = None
         self._round_lock = asyncio.Lock()  # a cancel's lease.end and a round never interleave
@@ -100,21 +89,7 @@ class ArbiterService:
             return Registry()
 
     def _save(self) -> None:
-        private_dir(self._path.parent)
-        tmp = self._path.with_suffix(".tmp")
-        write_private(tmp, json.dumps(self.registry.to_dict()))
-        os.replace(tmp, self._path)
-
-    def bind(self, address: str) -> str:
-        if self._authority is None:
-            self._authority = curve.CurveAuthority.acquire(self._ctx)
-            directory = curve.PeerDirectory(self._keys_dir, exclude=(curve.ARBITER,))
-            self._authority.serve(curve.ARBITER, directory)
-        return self._server.bind(address)
-
-    @property
-    def address(self) -> str:
-        return self._server.address
+        replace_private(self._path, json.dumps(self.registry.to_dict()))
 
     async def run(self, stop: asyncio.Event) -> None:
         self._server.start()

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from shared.config import Config
-from shared.service_cli import router_service_main
+from shared.service_cli import BoundService, bound_service_main
 
 
-def _build(cfg: Config) -> Any:
-    from services.global_scheduler.service import GlobalScheduler  # heavy: only once the arguments are parsed
+def build(cfg: Config) -> BoundService:
+    from services.global_scheduler.service import GlobalScheduler
 
     return GlobalScheduler(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return router_service_main(argv, name="global_scheduler", doc=__doc__, build=_build)
+    return bound_service_main(
+        argv, module="services.global_scheduler", name="global_scheduler", build=build, doc=__doc__
+    )
 
 
 if __name__ == "__main__":

@@ -31,12 +31,20 @@ pauses its guests too (both squeezed to zero), they resume together, and a guest
 takes over the lease of its GPUs. A ``Coordinator`` per set (``services.local_scheduler.packing``)
 searches the shares with Algorithm 1 over live trials. ``report`` lists the GPUs a guest could
 take (``packable``); each job's entry says with whom it shares and at what share (``packing``).
+Jobs' images (issue #17, docs/preemption.md): with a checkpoint service configured, a job on
+``tandem_job.checkpoints`` checkpoints concurrently and, on the stop word, commits the image of
+its stop boundary and exits (checkpoint-and-stop); this host relays each image it announces to the
+service and frees its GPUs only once the last one is relayed; a new process of a job starts from
+its latest image, on whichever host. A cell rewinds (kills) instead of pausing a job whose steps
+outlast the pause grace when the service holds an image of it (``release_plan``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -46,13 +54,24 @@ from typing import Any
 
 import structlog
 
+from services.local_scheduler.checkpoints import CheckpointLink
 from services.local_scheduler.job_process import LOG_FILE, JobProcess, JobSpec, job_dir
 from services.local_scheduler.packing import Coordinator, PackingSettings, describe, write_share
 from shared.cluster_core.gpu_ledger import Commit, GpuLedger, LedgerError
 from shared.policies.packing import FULL, Placement, packable_gpus
-from shared.policies.preemption import FitGpp, LeasedJob, RevocableLease, gpu_candidate
+from shared.policies.preemption import (
+    REWIND,
+    FitGpp,
+    LeasedJob,
+    ReleaseFacts,
+    ReleasePlan,
+    RevocableLease,
+    gpu_candidate,
+    release_plan,
+)
 from shared.resources import Resources
-from shared.rpc import RpcError
+from shared.rpc import RpcError, RpcTimeout
+from tandem_job.checkpoints import ANNOUNCE_FILE, ENV_IMAGE
 
 log = structlog.get_logger("batch_jobs")
 
@@ -61,6 +80,7 @@ LOG_CHUNK_BYTES = 65_536
 # SIGKILL): the whole stop must fit in the service's own shutdown grace (shared/runner.py)
 SHUTDOWN_STOP_GRACE_S = 3.0
 PAUSABLE_REASONS = ("expired",)  # a cancel, a move to another host, a shutdown stop the job
+RELAY_POLL_S = 0.05  # how often a job's checkpoint announcement file is looked at
 
 
 @dataclass
@@ -75,16 +95,33 @@ class Run:
     # revoked by a cell: the lease clock (monotonic) stopped, and the key of the cell holding its GPUs
     suspension: tuple[RevocableLease, tuple[str, str, str]] | None = None
     pausing: asyncio.Future[None] | None = None
-    grace_period_s: float | None = None  # measured: pause asked -> paused (FitGpp's GP)
+    grace_period_s: float | None = None  # measured: pause asked -> paused
+    killed_s: float | None = None  # measured: SIGKILL -> gone, at its last rewind
     preemptions: int = 0
     packed_on: str | None = None  # packed beside this job (its J_max), on GPUs it leases
+    relay: asyncio.Future[None] | None = None  # relays the job's committed images to the service
+    checkpoint_step: int | None = None  # the latest image the checkpoint service has recorded
+    restored_step: int | None = None  # the image this run started from
 
     @property
     def leased(self) -> bool:
         return self.expires_at is not None
 
-    def as_leased_job(self) -> LeasedJob:
-        return LeasedJob(self.job_id, tuple(self.process.device_ids), self.grace_period_s, self.preemptions)
+    def release_plan(self, pause_grace_s: float) -> ReleasePlan:
+        """How a cell would take its GPUs, and how long that takes (FitGpp's GP), from what was
+        measured: its pauses and rewinds here, its own step time, its image at the service."""
+        step_s = (self.process.progress() or {}).get("seconds_per_iteration")
+        facts = ReleaseFacts(
+            paused_s=self.grace_period_s,
+            step_s=float(step_s) if isinstance(step_s, int | float) else None,
+            killed_s=self.killed_s,
+            image_step=self.checkpoint_step,
+        )
+        return release_plan(facts, pause_grace_s=pause_grace_s)
+
+    def as_leased_job(self, pause_grace_s: float) -> LeasedJob:
+        gp = self.release_plan(pause_grace_s).grace_period_s
+        return LeasedJob(self.job_id, tuple(self.process.device_ids), gp, self.preemptions)
 
 
 class BatchJobs:
@@ -103,7 +140,11 @@ class BatchJobs:
         max_preemptions: int = 1,
         pause_grace_s: float = 2.0,
         packing: PackingSettings | None = None,
+        checkpoints: CheckpointLink | None = None,
+        checkpoint_env: dict[str, str] | None = None,
     ) -> None:
+        """``checkpoints``: the checkpoint service (None: jobs are not checkpointed by Tandem);
+        ``checkpoint_env``: what a job needs to reach the data store its images go to."""
         self.ledger = ledger
         self.host_id = host_id
         self.state_dir = state_dir
@@ -113,6 +154,8 @@ class BatchJobs:
         self.cell_reserve = cell_reserve
         self.policy = FitGpp(s=fitgpp_s, max_preemptions=max_preemptions)
         self.pause_grace_s = pause_grace_s
+        self.checkpoints = checkpoints
+        self.checkpoint_env = dict(checkpoint_env or {}) if checkpoints is not None else {}
         self._on_exit = on_exit
         self.runs: dict[str, Run] = {}
         # ended runs not yet acknowledged by the arbiter: job_id -> report entry
@@ -121,6 +164,7 @@ class BatchJobs:
         self._reapers: set[asyncio.Future[None]] = set()
         self.packing = packing or PackingSettings()
         self.sets: dict[str, Coordinator] = {}  # J_max's job id -> the coordinator of its set
+        self._closing = False  # close() began: no new process may start
 
     # ---- from the arbiter ----------------------------------------------------------------------
 
@@ -128,6 +172,7 @@ class BatchJobs:
         """Run a job on ``gpus`` leased GPUs: renew its lease, resume it, or start it."""
         spec = JobSpec.from_wire(body["job"])
         gpus, expires_at = int(body["gpus"]), float(body["expires_at"])
+        self._refuse_if_closing()
         async with self._lock:
             run = self.runs.get(spec.job_id)
             if (
@@ -167,14 +212,22 @@ class BatchJobs:
                 device_ids = list(self.ledger.lease(spec.job_id, gpus, expires_at, device_ids=leasable))
             except LedgerError as exc:
                 raise RpcError(f"host {self.host_id}: {exc}", "no_gpus") from None
+            spec, restored_step = await self._from_latest_image(spec)
+            if self._closing:  # shutdown began while the service answered: no process after close()
+                self.ledger.end_lease(spec.job_id)
+                self._refuse_if_closing()
             try:
-                run = await self._launch(spec, device_ids, expires_at, str(body.get("app_id", "")))
+                run = await self._launch(
+                    spec, device_ids, expires_at, str(body.get("app_id", "")), restored_step
+                )
             except RpcError:
                 self.ledger.end_lease(spec.job_id)
                 raise
             return self._granted(run, renewed=False)
 
-    async def _launch(self, spec: JobSpec, device_ids: list[int], expires_at: float, app_id: str) -> Run:
+    async def _launch(
+        self, spec: JobSpec, device_ids: list[int], expires_at: float, app_id: str, restored_step: int | None
+    ) -> Run:
         process = JobProcess(
             spec, directory=job_dir(self.state_dir, spec.job_id), device_ids=device_ids, host_id=self.host_id
         )
@@ -183,6 +236,9 @@ class BatchJobs:
         except OSError as exc:
             raise RpcError(f"job {spec.job_id} could not start: {exc}", "start_failed") from None
         run = Run(spec.job_id, app_id, process, expires_at)
+        run.restored_step = run.checkpoint_step = restored_step
+        if self.checkpoints is not None:
+            run.relay = asyncio.ensure_future(self._relay(run))
         self.runs[spec.job_id] = run
         self._ended.pop(spec.job_id, None)
         reaper = asyncio.ensure_future(self._reap(run))
@@ -215,6 +271,8 @@ class BatchJobs:
         return sorted(set(found))
 
     async def _start_packed(self, spec: JobSpec, gpus: int, expires_at: float, app_id: str) -> dict[str, Any]:
+        spec, restored_step = await self._from_latest_image(spec)  # before the look: it awaits
+        self._refuse_if_closing()
         cells = [str(d) for c in self.ledger.commits() for d in c.device_ids]
         options = [
             (partner, devices)
@@ -224,7 +282,7 @@ class BatchJobs:
         if not options:
             raise RpcError(f"host {self.host_id}: no GPU to pack {gpus} workers on", "no_gpus")
         partner, devices = options[0]
-        run = await self._launch(spec, [int(d) for d in devices], expires_at, app_id)
+        run = await self._launch(spec, [int(d) for d in devices], expires_at, app_id, restored_step)
         run.packed_on = partner
         self._regroup(partner)
         log.info(
@@ -278,6 +336,80 @@ class BatchJobs:
                     log.warning("packed_job_orphaned", job=guest.job_id, host=self.host_id)
             self._regroup(guest.job_id)  # alone again: its share back to 100%
 
+    async def _from_latest_image(self, spec: JobSpec) -> tuple[JobSpec, int | None]:
+        """A new process of a job restarts from its latest committed image, wherever it was taken
+        (its step, and the image for ``tandem_job.checkpoints`` to restore). A service that does
+        not answer leaves the job to start from its reported iterations, without an image."""
+        if self.checkpoints is None:
+            return spec, None
+        env = {**spec.env, **self.checkpoint_env}
+        env.pop(ENV_IMAGE, None)
+        try:
+            latest = await self.checkpoints.latest(spec.job_id)
+        except (RpcError, RpcTimeout) as exc:
+            log.warning("checkpoint_latest_failed", job=spec.job_id, host=self.host_id, reason=str(exc))
+            latest = None
+        if latest is None:
+            return dataclasses.replace(spec, env=env), None
+        env[ENV_IMAGE] = json.dumps(latest["manifest"])
+        step = int(latest["step"])
+        log.info(
+            "job_restoring", job=spec.job_id, host=self.host_id, step=step, reported=spec.start_iteration
+        )
+        return dataclasses.replace(spec, env=env, start_iteration=step), step
+
+    async def _relay(self, run: Run) -> None:
+        """Relay each image the job announces (``checkpoint.json``) to the checkpoint service,
+        until the process has exited and its last announcement is relayed."""
+        assert self.checkpoints is not None
+        path = run.process.directory / ANNOUNCE_FILE
+        seen: tuple[int, int] | None = None
+        while True:
+            exited = run.process.exited.is_set()
+            try:
+                st = path.stat()
+                current: tuple[int, int] | None = (st.st_mtime_ns, st.st_ino)
+            except OSError:
+                current = None
+            if current is not None and current != seen:
+                try:
+                    announcement = json.loads(path.read_text())
+                    answer = await self.checkpoints.commit(run.job_id, announcement)
+                    run.checkpoint_step = int(answer["step"])
+                    seen = current
+                except (OSError, ValueError, KeyError) as exc:
+                    log.warning("checkpoint_announcement_unreadable", job=run.job_id, reason=str(exc))
+                    seen = current
+                except RpcError as exc:  # refused (stale, incomplete): the job's next image may do
+                    log.warning(
+                        "checkpoint_commit_refused", job=run.job_id, host=self.host_id, reason=exc.reason
+                    )
+                    seen = current
+                except RpcTimeout:  # the service is away: retried at the next look
+                    log.warning("checkpoint_commit_timed_out", job=run.job_id, host=self.host_id)
+            if exited:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(run.process.exited.wait(), RELAY_POLL_S)
+
+    async def _forget_images(self, run: Run) -> None:
+        """The job finished or was cancelled: nothing will restart from its images."""
+        if self.checkpoints is None or run.checkpoint_step is None:
+            return
+        try:
+            await self.checkpoints.forget(run.job_id)
+        except (RpcError, RpcTimeout) as exc:
+            log.warning("checkpoint_forget_failed", job=run.job_id, host=self.host_id, reason=str(exc))
+
+    async def _relayed(self, run: Run) -> None:
+        """The job's last image is with the service before its GPUs go (bounded by the service's timeout)."""
+        if run.relay is not None:
+            await asyncio.shield(run.relay)
+
+    def _refuse_if_closing(self) -> None:
+        if self._closing:
+            raise RpcError(f"host {self.host_id} is shutting down", "no_gpus")
+
     def _check_reserve(self, gpus: int) -> None:
         idle = len(self.ledger.idle_device_ids())
         if idle - gpus < self.cell_reserve:
@@ -319,15 +451,24 @@ class BatchJobs:
 
     async def _stop(self, run: Run, *, reason: str) -> dict[str, Any]:
         log.info("job_stopping", job=run.job_id, host=self.host_id, reason=reason)
+        started = time.monotonic()
         await run.process.stop(self.stop_grace_s)
+        await self._relayed(run)
+        if reason == "cancelled":
+            await self._forget_images(run)
+        log.info("job_released", job=run.job_id, host=self.host_id, reason=reason,
+                 seconds=round(time.monotonic() - started, 4), checkpoint_step=run.checkpoint_step)  # fmt: skip
         return self._release(run)
 
     async def _reap(self, run: Run) -> None:
         """A job that exits on its own (finished, failed) gives its GPUs back at once."""
         await run.process.exited.wait()
+        await self._relayed(run)
         if self.runs.get(run.job_id) is run:
             self._release(run)
             self._on_exit()
+        if run.process.outcome() == "finished":
+            await self._forget_images(run)
 
     def _release(self, run: Run) -> dict[str, Any]:
         if self.runs.get(run.job_id) is run:
@@ -375,7 +516,11 @@ class BatchJobs:
 
     def leased_jobs(self) -> list[LeasedJob]:
         """The jobs a cell may revoke here (with their measured GP): what the heartbeat reports."""
-        return [r.as_leased_job() for r in self.runs.values() if r.leased and r.packed_on is None]
+        return [
+            r.as_leased_job(self.pause_grace_s)
+            for r in self.runs.values()
+            if r.leased and r.packed_on is None
+        ]
 
     def revoke_for_cell(
         self, kernel_id: str, replica_id: str, msg_id: str, gpus: int, *, victims: Sequence[str] = ()
@@ -409,13 +554,27 @@ class BatchJobs:
             run.preemptions += 1
             self._suspend(run, (kernel_id, replica_id, msg_id), run.expires_at or time.time())
             run.expires_at, run.paused_at = None, time.time()
-            run.pausing = asyncio.ensure_future(self._pause_measured(run))
+            if run.release_plan(self.pause_grace_s).mode == REWIND:
+                run.pausing = asyncio.ensure_future(self._rewind(run))
+            else:
+                run.pausing = asyncio.ensure_future(self._pause_measured(run))
         return commit
 
     def _host_of(self, job_id: str) -> str:
         """The job whose lease holds ``job_id``'s GPUs: its J_max when packed, else itself."""
         run = self.runs.get(job_id)
         return run.packed_on if run is not None and run.packed_on is not None else job_id
+
+    async def _rewind(self, run: Run) -> None:
+        """Its steps are longer than the pause grace and the service holds an image of it: killed
+        now, so its GPU memory goes too; its lease ends with the process (the reaper), and the
+        arbiter restarts it later, from that image, here or elsewhere."""
+        started = time.monotonic()
+        run.process.kill_now()
+        await run.process.exited.wait()
+        run.killed_s = time.monotonic() - started
+        log.info("job_rewound", job=run.job_id, host=self.host_id, killed_s=run.killed_s,
+                 image_step=run.checkpoint_step)  # fmt: skip
 
     def _suspend(self, run: Run, cell: tuple[str, str, str], expires_at: float) -> None:
         """Stop ``run``'s lease clock with ``expires_at - now`` of its term left."""
@@ -511,6 +670,8 @@ class BatchJobs:
             "preemptions": run.preemptions,
             "grace_period_s": run.grace_period_s,
             "packing": self._packing_of(run),
+            "checkpoint_step": run.checkpoint_step,
+            "restored_step": run.restored_step,
         }
 
     def _packing_of(self, run: Run) -> dict[str, Any] | None:
@@ -526,12 +687,20 @@ class BatchJobs:
 
     async def close(self) -> None:
         """Service shutdown: every job stops (at a step boundary if it can); no orphans."""
+        self._closing = True
         runs = list(self.runs.values())
         if runs:
             log.info("stopping_jobs", host=self.host_id, count=len(runs))
         grace = min(self.stop_grace_s, SHUTDOWN_STOP_GRACE_S)
         await asyncio.gather(*(r.process.stop(grace) for r in runs), return_exceptions=True)
+        relays = [asyncio.ensure_future(self._relayed(r)) for r in runs if r.relay is not None]
+        if relays:  # images of jobs stopped by the shutdown (a host drained), within the grace
+            _, late = await asyncio.wait(relays, timeout=SHUTDOWN_STOP_GRACE_S)
+            for relay in late:
+                relay.cancel()
         for run in runs:
+            if run.relay is not None:
+                run.relay.cancel()
             self._release(run)
         for coordinator in self.sets.values():
             coordinator.stop()

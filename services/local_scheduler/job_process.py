@@ -34,6 +34,7 @@ import structlog
 
 from shared.private_files import open_private_file, private_dir
 from tandem_job import CONTROL_FILE, PAUSE, PAUSE_POLL_S, PROGRESS_FILE, RUN, STOP, write_atomically
+from tandem_job.checkpoints import ANNOUNCE_FILE
 
 log = structlog.get_logger("job_process")
 
@@ -130,6 +131,7 @@ class JobProcess:
         private_dir(self.directory)
         write_atomically(self.directory / CONTROL_FILE, RUN)
         (self.directory / PROGRESS_FILE).unlink(missing_ok=True)  # this run's progress only
+        (self.directory / ANNOUNCE_FILE).unlink(missing_ok=True)  # and its images only
         with open_private_file(self.log_path, "ab") as out:
             out.write(f"--- tandem: started on {self.host_id} GPUs {self.device_ids} at iteration "
                       f"{self.spec.start_iteration}\n".encode())  # fmt: skip
@@ -247,6 +249,12 @@ class JobProcess:
                 if self.exited.is_set():
                     break
         return self.returncode
+
+    def kill_now(self) -> None:
+        """Rewind: SIGKILL to the group at once (the job resumes from its last image: resumable)."""
+        self.stop_requested = True
+        self._kill_group(signal.SIGKILL)
+        self._thaw()
 
     def _kill_group(self, sig: signal.Signals) -> None:
         if self.process is None:

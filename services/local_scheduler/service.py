@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from services.local_scheduler.batch_jobs import BatchJobs
+from services.local_scheduler.checkpoints import ServiceLink, store_env
 from services.local_scheduler.gpus import GpuInventory, detect_gpus
 from services.local_scheduler.packing import PackingSettings
 from services.local_scheduler.replica_process import ReplicaProcess, raft_identity_json
@@ -114,6 +115,10 @@ class LocalScheduler:
         arbiter = cfg["arbiter"]
         self._report_interval = float(arbiter["report_interval_s"])
         self._report_now = asyncio.Event()
+        # the checkpoint service (issue #17): this host relays its jobs' images, restores from them
+        self._checkpoints: ServiceLink | None = None
+        if cfg.get("checkpoint.address"):
+            self._checkpoints = ServiceLink(self._ctx, cfg, host_id=host_id, host_keys=self._host_keys)
         self.jobs = BatchJobs(
             self.ledger,
             host_id=host_id,
@@ -127,6 +132,8 @@ class LocalScheduler:
             max_preemptions=int(arbiter["max_preemptions"]),
             pause_grace_s=float(arbiter["preempt_pause_grace_s"]),
             packing=PackingSettings.from_config(cfg["packing"]),
+            checkpoints=self._checkpoints,
+            checkpoint_env=store_env(cfg),
         )
         self._arbiter: RpcClient | None = None
         if arbiter["address"]:
@@ -183,6 +190,8 @@ class LocalScheduler:
         heartbeat = asyncio.ensure_future(self._heartbeat_loop())
         prewarm = asyncio.ensure_future(self.warm_pool.run())
         loops = [heartbeat, prewarm]
+        if self._checkpoints is not None:
+            self._checkpoints.connect()
         if self._arbiter is not None:
             self._arbiter.connect(str(self.cfg.get("arbiter.address")))
             loops.append(asyncio.ensure_future(self._agent_loop()))
@@ -201,6 +210,8 @@ class LocalScheduler:
                 await self._arbiter.close()
             if self._serving is not None:
                 await self._serving.close()
+            if self._checkpoints is not None:
+                await self._checkpoints.close()
             for replica in list(self.replicas.values()):
                 # a replica whose exit watcher has not run yet (or that outlived SIGKILL) still
                 # has its client sockets open; term() would wait for them forever

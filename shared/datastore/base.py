@@ -204,6 +204,14 @@ class DataStore(ABC):
         self.cache.discard(ref.digest)
         return await self._delete(ref.key)
 
+    async def delete_digest(self, digest: str) -> bool:
+        """``delete`` by content digest alone: a garbage collector that keeps digests, not refs
+        (the checkpoint service's book), removes what it no longer needs."""
+        if not is_digest(digest):
+            raise ValueError(f"not a content digest: {digest!r}")
+        self.cache.discard(digest)
+        return await self._delete(self.key_for(digest))
+
     async def close(self) -> None:
         """Release connections; the instance is unusable afterwards."""
         self.cache.clear()

@@ -164,6 +164,11 @@ class LocalStore(DataStore):
         return self.path_of(key).is_file()
 
     async def _delete(self, key: str) -> bool:
+        # off the loop like every other file operation here: unlinking a large object takes
+        # milliseconds, and a garbage collector deletes many in a row
+        return await asyncio.to_thread(self._unlink, key)
+
+    def _unlink(self, key: str) -> bool:
         try:
             self.path_of(key).unlink()
         except FileNotFoundError:

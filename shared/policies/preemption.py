@@ -370,7 +370,40 @@ class RevocableLease:
         return not self.expired(now)
 
 
-DEFAULT_GRACE_PERIOD_S = 1.0  # a job's GP until its first measured pause (one step of a typical job)
+DEFAULT_GRACE_PERIOD_S = 1.0  # a job's GP before it reports its first step (one step of a typical job)
+PAUSE, REWIND = "pause", "rewind"
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseFacts:
+    """What has been measured about how fast a job gives its GPUs back to a cell."""
+
+    paused_s: float | None = None  # host-measured: pause asked -> paused at a step boundary (last one)
+    step_s: float | None = None  # the job's own report: seconds per iteration (a pause waits < one step)
+    killed_s: float | None = None  # host-measured: SIGKILL -> process gone (its last rewind)
+    image_step: int | None = None  # the step of its latest image the checkpoint service holds
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasePlan:
+    """How a cell takes the job's GPUs, and the time that takes (FitGpp's GP; None: unmeasured)."""
+
+    mode: str  # PAUSE (step boundary, else SIGSTOP at the grace) or REWIND (killed, resumes from its image)
+    grace_period_s: float | None
+
+
+def release_plan(facts: ReleaseFacts, *, pause_grace_s: float) -> ReleasePlan:
+    """A job pauses at its next step boundary, or is frozen by SIGSTOP at ``pause_grace_s``: either
+    way its GPUs are the cell's within min(time to a boundary, grace). A job whose pause would run
+    past the grace (its steps are longer) would be frozen *with its GPU memory*; if the checkpoint
+    service holds an image of it, it is rewound instead: killed now (memory freed), restarted later
+    from that image, losing the steps since. The time to a boundary is the measured pause, or until
+    one is measured the job's reported step time."""
+    pause_s = facts.paused_s if facts.paused_s is not None else facts.step_s
+    capped = None if pause_s is None else min(pause_s, pause_grace_s)
+    if facts.image_step is not None and pause_s is not None and pause_s > pause_grace_s:
+        return ReleasePlan(REWIND, facts.killed_s if facts.killed_s is not None else capped)
+    return ReleasePlan(PAUSE, capped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,7 +413,7 @@ class LeasedJob:
 
     job_id: str
     device_ids: tuple[int, ...]
-    grace_period_s: float | None = None  # measured time to pause; None: not measured yet
+    grace_period_s: float | None = None  # ``release_plan``'s, from measurements; None: nothing measured yet
     preemptions: int = 0
 
     @property
@@ -405,7 +438,8 @@ class LeasedJob:
 def gpu_candidate(host_id: str, total_gpus: int, idle_gpus: int, jobs: Iterable[LeasedJob]) -> CandidateHost:
     """A replica host as FitGpp sees it when cells ask for GPUs only (their CPU and memory are
     the replica's, already subscribed): capacity and room in GPUs, one BEJob per leased job, GP
-    the job's measured time to pause or ``DEFAULT_GRACE_PERIOD_S`` until measured."""
+    the job's measured time to release (``release_plan``) or ``DEFAULT_GRACE_PERIOD_S`` until the
+    job has reported a step."""
     return CandidateHost(
         host_id,
         Resources(gpus=total_gpus),

@@ -79,6 +79,15 @@ SERVING_ACCEPTS: dict[str, frozenset[str]] = {
     OPERATOR: frozenset({messages.SERVING_STATUS}),
 }
 
+CHECKPOINT_ACCEPTS: dict[str, frozenset[str]] = {
+    # a host relays what its jobs' agents committed, asks for the image a job restarts from, and
+    # forgets the images of a job that finished or was cancelled on it
+    HOST: frozenset(
+        _ANSWERS | {messages.CHECKPOINT_COMMIT, messages.CHECKPOINT_LATEST, messages.CHECKPOINT_FORGET}
+    ),
+    OPERATOR: frozenset({messages.CHECKPOINT_LATEST, messages.CHECKPOINT_FORGET, messages.CHECKPOINT_STATUS}),
+}
+
 # (kernel_id, replica_id) -> the host it runs on, or None if the scheduler knows no such replica
 ReplicaHost = Callable[[str, str], str | None]
 
@@ -173,3 +182,8 @@ def host_identity_refusal(principal: str, identity: bytes) -> str | None:
     if host is not None and identity != host.encode():
         return f"{principal} may not use the routing identity {identity!r}"
     return None
+
+
+def checkpoint_refusal(principal: str, env_type: str) -> str | None:
+    """Hosts commit, read and forget images; the operator reads and forgets, and reads the status."""
+    return _type_refusal(CHECKPOINT_ACCEPTS, principal, env_type)

@@ -13,6 +13,7 @@ mode 0700, every file 0600), one pair per principal in pyzmq's certificate forma
 - ``arbiter``: the arbiter's server key (best-effort jobs' leases; hosts and the operator are its clients);
 - ``serving``: the serving controller's server key (warm runtimes; hosts, the scheduler and the
   operator are its clients);
+- ``checkpoint``: the checkpoint service's server key (jobs' images; hosts relay, the operator asks);
 - ``host.<host_id>``: one local scheduler; a host registers only with the key issued for its id.
 
 A server learns who a peer is from the key it proved, never from what the peer says: the ZAP
@@ -47,8 +48,9 @@ GATEWAY = "gateway"
 OPERATOR = "operator"
 ARBITER = "arbiter"
 SERVING = "serving"
+CHECKPOINT = "checkpoint"
 HOST_PREFIX = "host."
-CLUSTER_PRINCIPALS = (SCHEDULER, GATEWAY, OPERATOR, ARBITER, SERVING)
+CLUSTER_PRINCIPALS = (SCHEDULER, GATEWAY, OPERATOR, ARBITER, SERVING, CHECKPOINT)
 
 
 class KeyError_(RuntimeError):
@@ -333,6 +335,14 @@ class CurveAuthority:
         if authority is None or authority._ctx is not ctx:
             authority = cls._of_context[id(ctx)] = cls(ctx)
         authority._users += 1
+        return authority
+
+    @classmethod
+    def for_cluster_server(cls, ctx: zmq.Context[Any], keys_dir: Path, name: str) -> CurveAuthority:
+        """The authority of a cluster service whose server key is ``name``: every other key in
+        ``keys_dir`` may connect to it (the service's own authorization decides what each may send)."""
+        authority = cls.acquire(ctx)
+        authority.serve(name, PeerDirectory(keys_dir, exclude=(name,)))
         return authority
 
     def serve(self, domain: str, directory: PeerDirectory) -> None:

@@ -4,6 +4,8 @@
 
 Each step trains a small linear model for a few milliseconds and appends one line to RECORD_FILE:
 the wall-clock time, this job's id, host and visible GPUs; what the test checks placement with.
+Its state is checkpointed (``tandem_job.checkpoints``): when a lease ends it checkpoints and
+stops, and its next run, on whichever host, restarts from that image.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ def main() -> None:
 def train(job: tandem_job.Job, record: str) -> None:
     import torch
 
+    from shared.checkpoint import TrainingState
+    from tandem_job.checkpoints import checkpoints
+
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = torch.nn.Linear(32, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(256, 32), torch.randn(256, 1)
     where = f"{os.environ.get('TANDEM_JOB_ID')} {os.environ.get('TANDEM_HOST_ID')} {os.environ.get('CUDA_VISIBLE_DEVICES')}"
-    with open(record, "a") as out:
+    with open(record, "a") as out, checkpoints(job, TrainingState(model, optimizer), every=20):
         for step in job.steps():
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)

@@ -181,6 +181,12 @@ def test_jobs_share_the_gpus_cells_leave_idle_fairly(tandem_kernelspec: Path, tm
         assert batch["rounds"] > 0 and all(batch["apps"][app]["rho"] is not None for app in jobs)
         usage = batch["usage"]
         assert usage["gpu_seconds"]["be"] > 0 and usage["gpu_seconds"]["cells"] > 0
+        # the jobs checkpoint: their hosts relayed images to the checkpoint service, and a job whose
+        # lease ended restarted (on whichever host) from its image, at the image's step
+        images = cluster.status()["checkpoints"]
+        assert images["commits"] > 0, images  # (a finished job's images are forgotten)
+        restored = [h for h in ("host-0", "host-1", "host-2") if "job_restoring" in cluster.log_text(h)]
+        assert restored, "no job restarted from an image"
         metrics = urllib.request.urlopen(batch["prometheus_url"], timeout=5).read().decode()
         assert 'tandem_be_app_rho{app="a"}' in metrics and 'tandem_gpus_by_use{use="cells"}' in metrics
 

@@ -58,7 +58,9 @@ def test_tandem_up_leaves_no_orphans(tmp_path: Path) -> None:
         pytest.skip("cluster services not written yet")
     handle = start_cluster(tmp_path / "state", "--hosts", "3")
     pids = list(handle.info["processes"].values())
-    assert len(pids) == 8  # arbiter, serving controller, scheduler, gateway, 3 hosts, the Kernel Gateway API
+    assert (
+        len(pids) == 9
+    )  # arbiter, serving controller, checkpoint service, scheduler, gateway, 3 hosts, the HTTP API
     # a local scheduler dies hard: tandem up keeps running and still cleans up at the end
     os.kill(handle.info["processes"]["host-2"], signal.SIGKILL)
     time.sleep(0.5)

@@ -36,6 +36,8 @@ def test_a_cell_revokes_a_leased_gpu_and_the_job_resumes_without_loss(
 ) -> None:
     with running_cluster(tmp_path / "state", *CONFIG) as cluster, tandem_kernel() as (_, client):
         timed_cell(client)  # warm: imports, first election
+        # `tandem up` started the checkpoint service; the operator's key reads it
+        assert cluster.status()["checkpoints"]["jobs"] == {}
         job_ids, record = submit_jobs(cluster, tmp_path, HOSTS)
         wait_all_stepping(cluster, record, job_ids, timeout=90.0)
         cells = []

@@ -1,6 +1,6 @@
 """Malformed frames, bounded and seeded, to every socket a running cluster listens on: the
 gateway's API and its kernels' Jupyter ports, the global scheduler, the arbiter, the serving
-controller, the Kernel Gateway HTTP API, each local scheduler, every
+controller, the checkpoint service, the Kernel Gateway HTTP API, each local scheduler, every
 replica (Raft port, ipykernel ports) and the metrics endpoint. Found by asking the OS what the
 cluster's processes listen on, so a socket added later is fuzzed without touching this test.
 Afterwards every process is alive, a normal cell runs and sees its variables, and no GPU stays
@@ -177,6 +177,11 @@ def test_malformed_frames_on_every_listening_socket_leave_the_cluster_working(
         arbiter = str(tandem_cluster.info["arbiter"])
         for principal in (curve.OPERATOR, curve.host_principal(host)):  # job.* and agent.report
             _zmq_frames(arbiter, rng, _envelope_junk, curve.client_curve(keys, principal, curve.ARBITER))
+        checkpoints = str(tandem_cluster.info["checkpoint"])
+        for principal in (curve.OPERATOR, curve.host_principal(host)):  # checkpoint.*
+            _zmq_frames(
+                checkpoints, rng, _envelope_junk, curve.client_curve(keys, principal, curve.CHECKPOINT)
+            )
         _zmq_frames(
             tandem_cluster.scheduler,
             rng,

@@ -288,3 +288,37 @@ def test_lease_misuse_is_refused() -> None:
         lease.used_s(5.0)
     with pytest.raises(LeaseError):
         RevocableLease("bad", "app", term_s=0.0, granted_at=0.0)
+
+
+# ---- the grace period from measurements, and the release mode (pause or rewind) ----------------
+
+
+def test_grace_period_is_the_measured_pause_else_the_jobs_step_time_never_past_the_grace() -> None:
+    from shared.policies.preemption import PAUSE, ReleaseFacts, release_plan
+
+    assert release_plan(ReleaseFacts(), pause_grace_s=2.0).grace_period_s is None  # nothing reported yet
+    by_step = release_plan(ReleaseFacts(step_s=0.3), pause_grace_s=2.0)
+    assert by_step.mode == PAUSE and by_step.grace_period_s == 0.3
+    measured = release_plan(ReleaseFacts(paused_s=0.12, step_s=0.3), pause_grace_s=2.0)
+    assert measured.grace_period_s == 0.12
+    frozen = release_plan(ReleaseFacts(step_s=30.0), pause_grace_s=2.0)  # SIGSTOP at the grace
+    assert frozen.mode == PAUSE and frozen.grace_period_s == 2.0
+
+
+def test_a_job_with_long_steps_and_an_image_is_rewound_not_frozen_with_its_memory() -> None:
+    from shared.policies.preemption import PAUSE, REWIND, ReleaseFacts, release_plan
+
+    plan = release_plan(ReleaseFacts(step_s=30.0, image_step=1200), pause_grace_s=2.0)
+    assert plan.mode == REWIND and plan.grace_period_s == 2.0  # no kill measured yet: no slower than SIGSTOP
+    killed = release_plan(ReleaseFacts(step_s=30.0, image_step=1200, killed_s=0.04), pause_grace_s=2.0)
+    assert killed.mode == REWIND and killed.grace_period_s == 0.04
+    short_steps = release_plan(ReleaseFacts(step_s=0.2, image_step=1200), pause_grace_s=2.0)
+    assert short_steps.mode == PAUSE  # a pause loses nothing and is as quick
+
+
+def test_fitgpp_prefers_the_job_whose_measured_release_is_quicker() -> None:
+    from shared.policies.preemption import LeasedJob, gpu_candidate
+
+    host = gpu_candidate("h", 2, 0, [LeasedJob("slow", (0,), 1.5), LeasedJob("quick", (1,), 0.05)])
+    decision = FitGpp().decide(Resources(gpus=1), [host])
+    assert [v.job_id for v in decision.victims] == ["quick"]
