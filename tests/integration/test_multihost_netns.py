@@ -2,7 +2,8 @@
 
 The test builds a small network as root (``ip netns``, one veth pair per machine onto a bridge
 in this namespace, which plays the operator's and the Jupyter user's machine), then starts what
-an operator installs: the global scheduler and the arbiter on ``sched``, the gateway on ``gw``,
+an operator installs: the global scheduler, the arbiter, the serving controller and the checkpoint
+service on ``sched``, the gateway on ``gw``,
 a local scheduler on each of ``h1``..``h3``, each with the ``ExecStart``, ``Environment`` and
 ``WorkingDirectory`` of its unit in configs/systemd/ and configs/node.toml as ``/etc/tandem/
 node.toml``. Only the install prefix differs: ``/opt/tandem`` is this checkout, ``/etc/tandem``
@@ -240,7 +241,10 @@ def keys_for(machine: str, every: list[str]) -> list[str]:
         return every  # the scheduler node keeps everything
     if machine == "gw":
         return ["gateway.key", "gateway.key_secret", "scheduler.key", "operator.key"]
-    return [f"host.{machine}.key", f"host.{machine}.key_secret", "scheduler.key", "arbiter.key"]
+    return [
+        *(f"host.{machine}.key", f"host.{machine}.key_secret", "scheduler.key", "arbiter.key"),
+        *("serving.key", "checkpoint.key"),
+    ]
 
 
 def _redis_argv(machine: Machine) -> list[str]:
@@ -275,6 +279,8 @@ def _deploy(net: Network) -> ClusterHandle:
     sched.start_command("redis-server", _redis_argv(sched))  # node.toml's datastore.internal
     sched.start("tandem-global-scheduler.service")
     sched.start("tandem-arbiter.service")
+    sched.start("tandem-serving-controller.service")
+    sched.start("tandem-checkpoint.service")
     gw.start("tandem-gateway.service")
     for host in HOSTS:
         net.machines[host].start("tandem-local-scheduler.service")
@@ -324,7 +330,10 @@ def netns_cluster(
     try:
         net.build(
             {"sched": 3, "gw": 2, **{h: 11 + i for i, h in enumerate(HOSTS)}},
-            {"scheduler.internal": "sched", "arbiter.internal": "sched", "datastore.internal": "sched"},
+            {
+                **dict.fromkeys(("scheduler.internal", "arbiter.internal", "datastore.internal"), "sched"),
+                **dict.fromkeys(("serving.internal", "checkpoint.internal"), "sched"),
+            },
         )
         handle = _deploy(net)
         with pytest.MonkeyPatch.context() as patch:

@@ -24,8 +24,9 @@ from shared.cluster_core.gpu_ledger import GpuLedger
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
-# each step: an SGD step of y = 3x over 50 samples and ~10 ms of arithmetic folded into a checksum
-# (what the test recomputes cheaply); it records the share it ran at and the time it ended
+# each step: an SGD step of y = 3x over 50 samples and ~3-10 ms of arithmetic folded into a checksum
+# (what the test recomputes cheaply), then 10 ms more (a quiet machine ran all 300 steps of a.1 in
+# 1 s, before the search's first squeeze); it records the share it ran at and the time it ended
 SCRIPT = """
 import json, sys, time, tandem_job
 total, out = int(sys.argv[1]), sys.argv[2]
@@ -34,6 +35,7 @@ with tandem_job.session(total=total) as job:
     for step in job.steps():
         w = sgd(w, step)
         check = (check + sum(i * i for i in range(BURN + step))) % 1_000_003
+        time.sleep(0.01)  # a step lasts >= 10 ms on any machine: the search gets its trials in
         steps.append((time.time(), job.share))
 with open(out, "w") as f:
     json.dump({"w": w, "check": check, "done": job.done, "stopped": job.stopped, "steps": steps}, f)
