@@ -21,6 +21,8 @@ import cloudpickle
 import numpy as np
 import xxhash
 
+from kernel_replica.comm_sync import reduce_comm_object
+
 try:
     import torch
 except ImportError:  # pragma: no cover - torch is a project dependency
@@ -169,7 +171,8 @@ class _SkeletonPickler(cloudpickle.Pickler):  # type: ignore[misc]
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, _UNSENDABLE) and not isinstance(obj, io.BytesIO | io.StringIO):
             raise TypeError(f"{type(obj).__qualname__} is an open OS resource")  # not a value
-        return super().reducer_override(obj)
+        by_comm = reduce_comm_object(obj)  # a widget: its model id (its state travels apart)
+        return by_comm if by_comm is not None else super().reducer_override(obj)
 
     def persistent_id(self, obj: Any) -> int | None:
         is_array = isinstance(obj, np.ndarray) and not obj.dtype.hasobject

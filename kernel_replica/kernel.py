@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -34,7 +35,7 @@ import zmq
 from ipykernel.ipkernel import IPythonKernel
 from ipykernel.jsonutil import json_clean
 
-from kernel_replica import helper
+from kernel_replica import comm_sync, helper
 from kernel_replica.cell_analysis import FunctionFacts, analyse_cell, update_registry
 from kernel_replica.device_residency import GpuResidency
 from kernel_replica.durability import (
@@ -141,6 +142,10 @@ class TandemKernel(IPythonKernel):
         self._repair_task: asyncio.Future[None] | None = None  # encoding unstored values between cells
         self._repair_write: concurrent.futures.Future[State] | None = None  # and writing them behind
         self._repair_timer: asyncio.TimerHandle | None = None
+        self._pending_comm_digests: dict[str, bytes] | None = None  # of the latest unconfirmed STATE
+        # comm messages from the front end: handled here, then their effect on the comms replicated
+        for msg_type in ("comm_open", "comm_msg", "comm_close"):
+            self.shell_handlers[msg_type] = self._comm_request
 
     def attach(
         self, bridge: RaftBridge, *, kernel_id: str, replica_id: str, config: Config | None = None
@@ -286,6 +291,7 @@ class TandemKernel(IPythonKernel):
                         self._warn_state_missing(decision.state_missing)
                     waited = time.perf_counter()
                     await self._state_applied(log)  # a STATE from another executor, being loaded
+                    comm_sync.set_owner(self.comm_manager.comms, self)  # its widgets talk from here
                     timing["apply_wait_ms"] = (time.perf_counter() - waited) * 1000
                     if self._followed:  # DONEs that arrived while this cell waited for them
                         self._catch_up_followed()
@@ -595,6 +601,9 @@ class TandemKernel(IPythonKernel):
             self._warn_unreplicable(name, reason)
         # with what this replica keeps in host memory for the GPU: the next executor needs it too
         state = plan.state(msg_id, self.replica_id, self._residency.carried())
+        comms, closed = self._comm_changes(bridge)
+        if comms or closed:
+            state = dataclasses.replace(state, comms=comms, comms_closed=closed)
         if plan:
             pending = dict(self._replicated_digests(bridge))
             pending.update(plan.fingerprints)
@@ -634,6 +643,43 @@ class TandemKernel(IPythonKernel):
         if self._trace_sync:  # wall clock: the standbys' state_applied lines are compared to it
             log.info("state_sent", replied_at=finished_at, proposed_at=proposed_at, **timings)
         return timings
+
+    # ---- comms (kernel_replica/comm_sync.py) ----------------------------------------------------------
+    async def _comm_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
+        """``comm_open``/``comm_msg``/``comm_close`` from the front end. The scheduler sends them
+        to the kernel's last executor: this replica, which takes over the comms (with every STATE
+        it was handed applied first, so a comm opened on the previous executor exists here), lets
+        ipykernel's comm manager handle the message, and replicates what it changed at once (a
+        slider moved between cells must not be lost if the next cell runs elsewhere)."""
+        await self._state_applied(self._slog)
+        comm_sync.set_owner(self.comm_manager.comms, self)
+        handler = getattr(self.comm_manager, parent["header"]["msg_type"])
+        handler(stream, ident, parent)
+        bridge = self._bridge
+        if bridge is None:
+            return
+        comms, closed = self._comm_changes(bridge)
+        if comms or closed:
+            state = State(
+                f"comm-{uuid.uuid4().hex}", self.replica_id, repair=True, comms=comms, comms_closed=closed
+            )
+            bridge.thread.call(bridge.core.finish_repair, state, None)
+            self._slog.debug("comms_proposed", comms=sorted(comms), closed=list(closed))
+
+    def _comm_changes(self, bridge: RaftBridge) -> tuple[dict[str, dict[str, t.Any]], tuple[str, ...]]:
+        """The comm records to replicate against what the log will hold once this process's
+        STATEs in flight commit; a widget whose state cannot be taken is told once."""
+        records, failed = comm_sync.comm_records(self.comm_manager.comms)
+        for comm_id, reason in failed.items():
+            self._warn_unreplicable(f"widget {comm_id}", reason)
+        replicated = self._pending_comm_digests
+        if replicated is None or not bridge.core.finishing():
+            replicated = bridge.core.namespace.comm_digests()
+        comms, closed = comm_sync.comm_changes(records, replicated)
+        pending = {cid: fp for cid, fp in replicated.items() if cid not in closed}
+        pending.update({cid: comm_sync.record_digest(record) for cid, record in comms.items()})
+        self._pending_comm_digests = pending
+        return comms, closed
 
     async def _get_codec(self) -> ObjectCodec:
         """The codec, with the configured data store (opened on first use). A store that fails
@@ -872,13 +918,19 @@ class TandemKernel(IPythonKernel):
         executed here waits for it, ``_state_applied``)."""
         if self.shell is None:
             return
+        if state.comms or state.comms_closed or not state.repair:
+            comm_sync.set_owner(self.comm_manager.comms, None)  # another replica owns the comms
+        comms = (state.comms, state.comms_closed)
         if state.repair:  # values its executor stored after their cell: only those it still held
-            if state.groups:
-                self._chain_apply(state.msg_id, [], [(g, list(g["names"])) for g in state.groups], [])
+            if state.groups or state.comms or state.comms_closed:
+                groups = [(g, list(g["names"])) for g in state.groups]
+                self._chain_apply(state.msg_id, [], groups, [], comms=comms)
             return
         self._residency.adopt(state.gpu_resident)  # its GPU objects are ours when we execute next
         groups = [(g, None) for g in state.groups]
-        self._chain_apply(state.msg_id, list(state.imports), groups, list(state.deleted), time.time())
+        self._chain_apply(
+            state.msg_id, list(state.imports), groups, list(state.deleted), time.time(), comms=comms
+        )
         if state.replica_id != self.replica_id and self._bridge is not None:
             self._yield_unprotected(self._bridge)
 
@@ -903,9 +955,9 @@ class TandemKernel(IPythonKernel):
         """A snapshot was restored: rebuild the namespace from it (the log replays the rest), and
         take over what its last executor kept in host memory for the GPU."""
         if self.shell is not None:
-            imports, groups, gpu_resident = contents
+            imports, groups, gpu_resident, comms = contents
             self._residency.adopt(gpu_resident)
-            self._chain_apply("snapshot", imports, groups, [])
+            self._chain_apply("snapshot", imports, groups, [], comms=(comms, ()))
 
     def _chain_apply(
         self,
@@ -914,10 +966,12 @@ class TandemKernel(IPythonKernel):
         groups: list[tuple[dict[str, t.Any], list[str] | None]],
         deleted: list[str],
         received_at: float | None = None,
+        *,
+        comms: tuple[t.Mapping[str, dict[str, t.Any]], t.Iterable[str]] = ({}, ()),
     ) -> None:
         previous = self._apply_tail
         self._apply_tail = asyncio.ensure_future(
-            self._apply(msg_id, imports, groups, deleted, previous, received_at)
+            self._apply(msg_id, imports, groups, deleted, previous, received_at, comms)
         )
 
     async def _apply(
@@ -928,8 +982,11 @@ class TandemKernel(IPythonKernel):
         deleted: list[str],
         previous: asyncio.Future[None] | None,
         received_at: float | None = None,
+        comms: tuple[t.Mapping[str, dict[str, t.Any]], t.Iterable[str]] = ({}, ()),
     ) -> None:
-        """``received_at``: when the Raft thread handed the entry over (wall clock, for the trace)."""
+        """``received_at``: when the Raft thread handed the entry over (wall clock, for the trace).
+        ``comms``: the records and closed ids the entry carries, applied before the namespace
+        (a name bound to a widget is a reference to its model)."""
         if previous is not None:
             with contextlib.suppress(Exception):
                 await previous
@@ -937,13 +994,16 @@ class TandemKernel(IPythonKernel):
             return
         started = time.perf_counter()
         codec: ObjectCodec | None = None
+        failures: list[str] = []
         try:
+            if comms[0] or comms[1]:
+                failures = comm_sync.apply_comms(self.comm_manager, comms[0], comms[1], self.shell.user_ns)
             codec = await self._get_codec()
-            failures = await apply_state(
+            failures += await apply_state(
                 self.shell.user_ns, codec, imports, groups, deleted, self._not_loaded
             )
         except Exception as exc:
-            failures = [f"{exc.__class__.__name__}: {exc}"]
+            failures.append(f"{exc.__class__.__name__}: {exc}")
         self.apply_ms.append((time.perf_counter() - started) * 1000)
         if codec is not None and deleted:
             codec.forget(deleted)

@@ -554,7 +554,10 @@ class ReplicaCore:
             return
         book, namespace = self._parse_snapshot(data)
         self.namespace.restore(namespace)  # checked: replaces all or nothing
-        self._post(self.on_namespace_restored, (*self.namespace.contents(), self.namespace.gpu_resident()))
+        self._post(
+            self.on_namespace_restored,
+            (*self.namespace.contents(), self.namespace.gpu_resident(), self.namespace.comms()),
+        )
         self._feed(lambda now: self.election.restore(book, now))
         self._log.info("snapshot_restored", names=len(self.namespace.digests()))
 

@@ -1,0 +1,194 @@
+"""Comms and widgets across executor changes: the comm registry is replicated state.
+
+A notebook's comms (ipywidgets models, ``tqdm.auto`` bars, custom comm targets) live in the
+executor's ``CommManager``; a front end that moves a slider sends its ``comm_msg`` to whichever
+replica the scheduler routes the kernel's non-cell requests to, the last executor. So that the
+comm exists there after an executor change, with the same id and state, every STATE carries the
+comm records that changed since the last one (and the ids closed), and a ``comm_msg`` handled
+between cells is replicated at once in a repair STATE (``ReplicatedNamespace.apply`` takes it
+only from the replica that owns the comms: the last executor).
+
+Chosen over re-creating widgets from the namespace: a widget's comm is a live kernel object,
+unpicklable, and the front end already holds the model under its id; what must travel is the
+registry (id, target, class) and the model state, which is JSON by the widget protocol.
+
+A record: ``{"target": name}`` for any comm, plus ``"class": [module, qualname]``, ``"state"``,
+``"bp"`` (buffer paths) and ``"bf"`` (buffers) for a widget. A standby re-creates a comm as
+ipykernel does for a front end's ``comm_open`` (not primary: no ``comm_open`` goes out), with
+``kernel`` unset so that nothing it does is published; the replica that executes (or is sent a
+comm message) becomes the owner, ``set_owner``, and only then do its widgets talk to the front end.
+Names bound to widgets are pickled as references to the model id (``reduce_comm_object``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import msgpack
+import xxhash
+
+WIDGET_MODULE = "ipywidgets.widgets.widget"
+CommRecord = dict[str, Any]
+
+
+def _widget_instances() -> dict[str, Any]:
+    module = sys.modules.get(WIDGET_MODULE)
+    return module._instances if module is not None else {}  # type: ignore[no-any-return]
+
+
+def comm_records(comms: Mapping[str, Any]) -> tuple[dict[str, CommRecord], dict[str, str]]:
+    """The executor's open comms as records, and the comm ids whose widget state could not be
+    taken (id -> why: the notebook is told, the front end keeps working with this replica)."""
+    instances = _widget_instances()
+    records: dict[str, CommRecord] = {}
+    failed: dict[str, str] = {}
+    for comm_id, comm in list(comms.items()):
+        if getattr(comm, "_closed", False):
+            continue
+        record: CommRecord = {"target": str(comm.target_name)}
+        widget = instances.get(comm_id)
+        if widget is not None and getattr(widget, "comm", None) is comm:
+            try:
+                from ipywidgets.widgets.widget import _remove_buffers
+
+                state, paths, buffers = _remove_buffers(widget.get_state())
+                record |= {
+                    "class": [type(widget).__module__, type(widget).__qualname__],
+                    "state": state,
+                    "bp": paths,
+                    "bf": [bytes(memoryview(b)) for b in buffers],
+                }
+                msgpack.packb(record, use_bin_type=True)  # it must travel in the log
+            except Exception as exc:
+                failed[comm_id] = f"{type(widget).__qualname__}: {exc.__class__.__name__}: {exc}"
+                continue
+        records[comm_id] = record
+    return records, failed
+
+
+def record_digest(record: CommRecord) -> bytes:
+    return xxhash.xxh3_128_digest(msgpack.packb(record, use_bin_type=True))
+
+
+def comm_changes(
+    records: Mapping[str, CommRecord], replicated: Mapping[str, bytes]
+) -> tuple[dict[str, CommRecord], tuple[str, ...]]:
+    """What a STATE carries: the records new or changed against the replicated digests, and
+    the replicated comm ids no longer open."""
+    changed = {cid: rec for cid, rec in records.items() if replicated.get(cid) != record_digest(rec)}
+    closed = tuple(sorted(cid for cid in replicated if cid not in records))
+    return changed, closed
+
+
+def _resolve_class(module: str, qualname: str, namespace: Mapping[str, Any]) -> Any:
+    """A widget class by its import path; one defined in the notebook (``__main__``) is looked
+    up in the namespace, which holds it once the cell that defined it was replicated."""
+    if module == "__main__":
+        owner: Any = namespace[qualname.split(".")[0]]
+        parts = qualname.split(".")[1:]
+    else:
+        owner, parts = importlib.import_module(module), qualname.split(".")
+    for part in parts:
+        owner = getattr(owner, part)
+    return owner
+
+
+def apply_comms(
+    manager: Any,
+    records: Mapping[str, CommRecord],
+    closed: Iterable[str],
+    namespace: Mapping[str, Any],
+) -> list[str]:
+    """A standby's side: close ``closed`` quietly, re-create missing comms (widgets first without
+    state, then every widget's state, so references between models resolve in any order), and
+    bring existing widgets to their recorded state. Nothing is published: these comms have no
+    kernel until this replica owns them. Returns the failures ("comm id: why")."""
+    failures: list[str] = []
+    instances = _widget_instances()
+    for comm_id in closed:
+        comm = manager.comms.pop(comm_id, None)
+        if comm is not None:
+            comm._closed = True
+        widget = instances.pop(comm_id, None)
+        if widget is not None:
+            widget.comm = None
+    if not records:
+        return failures
+    from comm import create_comm
+
+    pending: list[tuple[Any, CommRecord]] = []
+    for comm_id, record in records.items():
+        try:
+            comm = manager.comms.get(comm_id)
+            if comm is None:
+                if str(record["target"]).startswith("jupyter.widget"):
+                    importlib.import_module("ipywidgets")  # registers the widget comm targets
+                    instances = _widget_instances()
+                comm = create_comm(comm_id=comm_id, primary=False, target_name=record["target"])
+                comm.kernel = None
+                manager.register_comm(comm)
+                if "class" not in record:
+                    target = manager.targets.get(record["target"])
+                    if target is not None:  # a front end's comm: its target's handler attaches
+                        target(comm, {"content": {"comm_id": comm_id, "data": {}}, "buffers": []})
+            if "class" not in record:
+                continue
+            widget = instances.get(comm_id)
+            if widget is None or widget.comm is not comm:
+                widget = _resolve_class(*record["class"], namespace)(comm=comm)
+            pending.append((widget, record))
+        except Exception as exc:
+            failures.append(f"{comm_id} ({record.get('target')}): {exc.__class__.__name__}: {exc}")
+    if pending:
+        from ipywidgets.widgets.widget import _put_buffers
+
+        for widget, record in pending:
+            state = record["state"]
+            try:
+                _put_buffers(state, record["bp"], record["bf"])
+                widget.set_state(state)
+            except Exception as exc:
+                failures.append(f"{widget.comm.comm_id}: {exc.__class__.__name__}: {exc}")
+    return failures
+
+
+def set_owner(comms: Mapping[str, Any], kernel: Any) -> None:
+    """``kernel``: this replica now talks to the front end on every comm; None: it stopped
+    (another replica executes), so its comms publish nothing (a widget skips sending while its
+    comm has no kernel)."""
+    for comm in list(comms.values()):
+        comm.kernel = kernel
+
+
+def _widget_by_id(model_id: str) -> Any:
+    widget = _widget_instances().get(model_id)
+    if widget is None:
+        raise LookupError(f"widget model {model_id} is not open on this replica")
+    return widget
+
+
+def _comm_by_id(comm_id: str) -> Any:
+    import comm
+
+    found = comm.get_comm_manager().comms.get(comm_id)
+    if found is None:
+        raise LookupError(f"comm {comm_id} is not open on this replica")
+    return found
+
+
+def reduce_comm_object(obj: Any) -> tuple[Any, tuple[str]] | None:
+    """For the picklers: a widget or comm in the namespace travels as a reference to its model
+    (the comm records carry the state), not as a copy with a dead comm; None for anything else."""
+    module = sys.modules.get(WIDGET_MODULE)
+    if module is not None and isinstance(obj, module.Widget):
+        comm = obj.comm
+        if comm is not None:
+            return _widget_by_id, (str(comm.comm_id),)
+        return None
+    base = sys.modules.get("comm.base_comm")
+    if base is not None and isinstance(obj, base.BaseComm) and not obj._closed:
+        return _comm_by_id, (str(obj.comm_id),)
+    return None
