@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -179,9 +180,38 @@ def _comm_by_id(comm_id: str) -> Any:
     return found
 
 
-def reduce_comm_object(obj: Any) -> tuple[Any, tuple[str]] | None:
+def _rebuild_tqdm(cls: type, state: dict[str, Any], display: bool) -> Any:
+    """A progress bar on this replica: its counters as the executor left them, writing to this
+    process's stderr, its widget (a reference, ``comm_sync``) pointing back at it."""
+    from tqdm.utils import DisableOnWriteError
+
+    bar = cls.__new__(cls)
+    bar.__dict__.update(state)
+    bar.fp = DisableOnWriteError(sys.stderr, tqdm_instance=bar)
+    container = state.get("container")
+    if container is not None:
+        container.pbar = weakref.proxy(bar)
+        bar.disp = bar.display if display else (lambda *_, **__: None)
+    else:
+        bar.sp = bar.status_printer(bar.fp)
+    with cls.get_lock():  # type: ignore[attr-defined]
+        cls._instances.add(bar)  # type: ignore[attr-defined]
+    return bar
+
+
+_TQDM_LIVE = ("fp", "sp", "disp")  # bound to the process: made again where the bar is loaded
+
+
+def reduce_front_end_object(obj: Any) -> tuple[Any, tuple[Any, ...]] | None:
     """For the picklers: a widget or comm in the namespace travels as a reference to its model
-    (the comm records carry the state), not as a copy with a dead comm; None for anything else."""
+    (the comm records carry the state), not as a copy with a dead comm; a ``tqdm`` bar (console
+    or ``tqdm.auto``'s widget) as its counters, without the stream and display callables bound
+    to this process. None for anything else."""
+    bars = sys.modules.get("tqdm.std")
+    if bars is not None and isinstance(obj, bars.tqdm):
+        state = {key: value for key, value in vars(obj).items() if key not in _TQDM_LIVE}
+        display = getattr(obj, "disp", None) == getattr(obj, "display", object())
+        return _rebuild_tqdm, (type(obj), state, display)
     module = sys.modules.get(WIDGET_MODULE)
     if module is not None and isinstance(obj, module.Widget):
         comm = obj.comm

@@ -21,7 +21,7 @@ import cloudpickle
 import numpy as np
 import xxhash
 
-from kernel_replica.comm_sync import reduce_comm_object
+from kernel_replica.comm_sync import reduce_front_end_object
 
 try:
     import torch
@@ -171,7 +171,7 @@ class _SkeletonPickler(cloudpickle.Pickler):  # type: ignore[misc]
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, _UNSENDABLE) and not isinstance(obj, io.BytesIO | io.StringIO):
             raise TypeError(f"{type(obj).__qualname__} is an open OS resource")  # not a value
-        by_comm = reduce_comm_object(obj)  # a widget: its model id (its state travels apart)
+        by_comm = reduce_front_end_object(obj)  # a widget: its model id (its state travels apart)
         return by_comm if by_comm is not None else super().reducer_override(obj)
 
     def persistent_id(self, obj: Any) -> int | None:

@@ -45,7 +45,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from kernel_replica.comm_sync import reduce_comm_object
+from kernel_replica.comm_sync import reduce_front_end_object
 from shared.datastore.base import DataStore, ObjectRef
 
 try:
@@ -512,7 +512,7 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, type):
             _import_home(obj)
-        elif (by_comm := reduce_comm_object(obj)) is not None:
+        elif (by_comm := reduce_front_end_object(obj)) is not None:
             return by_comm  # a widget or comm: a reference to its replicated model (comm_sync)
         if isinstance(obj, _UNSENDABLE) and not isinstance(obj, io.BytesIO | io.StringIO):
             # cloudpickle would send a read-mode file's *contents* as a StringIO: not the same object

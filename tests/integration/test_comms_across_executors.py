@@ -12,6 +12,7 @@ cell that sets the value on the first replica again must send the front end its 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,6 +36,15 @@ def _replica_hosts(cluster: ClusterHandle, kernel_id: str) -> list[str]:
         time.sleep(0.2)
 
 
+@pytest.fixture(scope="module")
+def kernel(tandem_cluster: ClusterHandle) -> Iterator[tuple[BlockingKernelClient, list[str]]]:
+    """One kernel for the module, and the hosts of its replicas (two at least)."""
+    with tandem_kernel() as (km, kc):
+        hosts = _replica_hosts(tandem_cluster, km.kernel_id)
+        assert len(hosts) >= 2, f"replicas on {hosts}: an executor change needs two hosts"
+        yield kc, hosts
+
+
 def _on(cluster: ClusterHandle, kc: BlockingKernelClient, host: str, code: str) -> CellResult:
     with cluster.only_host_open(host):
         result = run(kc, code, timeout=60)
@@ -43,7 +53,9 @@ def _on(cluster: ClusterHandle, kc: BlockingKernelClient, host: str, code: str) 
     return result
 
 
-def _iopub_until_idle(kc: BlockingKernelClient, parent_id: str, timeout: float = 20.0) -> list[dict[str, Any]]:
+def _iopub_until_idle(
+    kc: BlockingKernelClient, parent_id: str, timeout: float = 20.0
+) -> list[dict[str, Any]]:
     """The IOPub messages of request ``parent_id`` up to its idle."""
     seen: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout
@@ -61,42 +73,99 @@ def _iopub_until_idle(kc: BlockingKernelClient, parent_id: str, timeout: float =
 
 
 def test_slider_moved_after_an_executor_change_reaches_the_new_executor_and_is_replicated(
-    tandem_cluster: ClusterHandle,
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str]]
 ) -> None:
-    with tandem_kernel() as (km, kc):
-        hosts = _replica_hosts(tandem_cluster, km.kernel_id)
-        assert len(hosts) >= 2, f"replicas on {hosts}: an executor change needs two hosts"
-        first, second = hosts[0], hosts[1]
-        made = _on(
-            tandem_cluster,
-            kc,
-            first,
-            "import ipywidgets as widgets\nslider = widgets.IntSlider(value=3, max=10)\nprint(slider.model_id)",
+    kc, hosts = kernel
+    first, second = hosts[0], hosts[1]
+    made = _on(
+        tandem_cluster,
+        kc,
+        first,
+        "import ipywidgets as widgets\nslider = widgets.IntSlider(value=3, max=10)\nprint(slider.model_id)",
+    )
+    model_id = made.stdout.strip()
+    assert _on(tandem_cluster, kc, second, "print(slider.value, slider.model_id)").stdout.split() == [
+        "3",
+        model_id,
+    ]
+
+    # the user drags the slider to 7: JupyterLab's comm_msg, routed to the new executor
+    drag = kc.session.msg(
+        "comm_msg",
+        {"comm_id": model_id, "data": {"method": "update", "state": {"value": 7}, "buffer_paths": []}},
+    )
+    kc.shell_channel.send(drag)
+    echoed = [
+        m["content"]["data"]
+        for m in _iopub_until_idle(kc, drag["header"]["msg_id"])
+        if m["msg_type"] == "comm_msg" and m["content"]["comm_id"] == model_id
+    ]
+    assert echoed and echoed[0]["method"] == "echo_update" and echoed[0]["state"] == {"value": 7}
+
+    info = kc.comm_info(target_name="jupyter.widget", reply=True, timeout=20)
+    assert model_id in info["content"]["comms"], info["content"]
+
+    assert _on(tandem_cluster, kc, second, "print(slider.value)").stdout.strip() == "7"
+    # the first replica got the drag through the log, and takes the comm over as it executes
+    sent: list[dict[str, Any]] = []
+    with tandem_cluster.only_host_open(first):
+        reply = kc.execute_interactive(
+            "print(slider.value)\nslider.value = 9",
+            timeout=60,
+            output_hook=lambda m: sent.append(m) if m["msg_type"] in ("comm_msg", "stream") else None,
         )
-        model_id = made.stdout.strip()
-        assert _on(tandem_cluster, kc, second, "print(slider.value, slider.model_id)").stdout.split() == [
-            "3",
-            model_id,
-        ]
+    assert reply["metadata"]["tandem"]["host_id"] == first and reply["content"]["status"] == "ok"
+    assert [m["content"]["text"] for m in sent if m["msg_type"] == "stream"] == ["7\n"]
+    updates = [m["content"]["data"] for m in sent if m["msg_type"] == "comm_msg"]
+    assert updates == [{"method": "update", "state": {"value": 9}, "buffer_paths": []}], updates
+    assert _on(tandem_cluster, kc, second, "print(slider.value)").stdout.strip() == "9"
 
-        # the user drags the slider to 7: JupyterLab's comm_msg, routed to the new executor
-        drag = kc.session.msg(
-            "comm_msg",
-            {"comm_id": model_id, "data": {"method": "update", "state": {"value": 7}, "buffer_paths": []}},
+
+def test_tqdm_auto_bar_keeps_updating_after_an_executor_change(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str]]
+) -> None:
+    kc, hosts = kernel
+    _on(tandem_cluster, kc, hosts[0], "from tqdm.auto import tqdm\nbar = tqdm(total=10)\nbar.update(3)")
+    sent: list[dict[str, Any]] = []
+    with tandem_cluster.only_host_open(hosts[1]):
+        reply = kc.execute_interactive(
+            "bar.update(4)\nbar.refresh()\nprint(bar.n)",
+            timeout=60,
+            output_hook=lambda m: sent.append(m),
         )
-        kc.shell_channel.send(drag)
-        echoed = [
-            m["content"]["data"]
-            for m in _iopub_until_idle(kc, drag["header"]["msg_id"])
-            if m["msg_type"] == "comm_msg" and m["content"]["comm_id"] == model_id
-        ]
-        assert echoed and echoed[0]["method"] == "echo_update" and echoed[0]["state"] == {"value": 7}
+    assert reply["content"]["status"] == "ok", [m["content"] for m in sent if m["msg_type"] == "error"]
+    assert reply["metadata"]["tandem"]["host_id"] == hosts[1]
+    assert "".join(m["content"]["text"] for m in sent if m["msg_type"] == "stream").strip().endswith("7")
+    values = [
+        m["content"]["data"]["state"].get("value")
+        for m in sent
+        if m["msg_type"] == "comm_msg" and m["content"]["data"].get("method") == "update"
+    ]
+    assert 7 in values, [m["content"] for m in sent]
 
-        info = kc.comm_info(target_name="jupyter.widget", reply=True, timeout=20)
-        assert model_id in info["content"]["comms"], info["content"]
 
-        assert _on(tandem_cluster, kc, second, "print(slider.value)").stdout.strip() == "7"
-        # the first replica got the drag through the log, and takes the comm over as it executes
-        moved = _on(tandem_cluster, kc, first, "print(slider.value)\nslider.value = 9")
-        assert moved.stdout.strip() == "7"
-        assert _on(tandem_cluster, kc, second, "print(slider.value)").stdout.strip() == "9"
+def test_an_unpicklable_variable_is_named_when_made_and_when_the_executor_moves(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str]]
+) -> None:
+    kc, hosts = kernel
+    errors: list[str] = []
+
+    def stderr_of(host: str, code: str) -> str:
+        with tandem_cluster.only_host_open(host):
+            reply = kc.execute_interactive(
+                code,
+                timeout=60,
+                output_hook=lambda m: (
+                    errors.append(m["content"]["text"])
+                    if m["msg_type"] == "stream" and m["content"]["name"] == "stderr"
+                    else None
+                ),
+            )
+        assert reply["metadata"]["tandem"]["host_id"] == host
+        told, errors[:] = "".join(errors), []
+        return told
+
+    made = stderr_of(hosts[0], "import threading\nheld = threading.Lock()")
+    assert "'held' is not replicated" in made and "lock" in made, made
+    moved = stderr_of(hosts[1], "print('held' in globals())")
+    assert "'held' is missing" in moved, moved

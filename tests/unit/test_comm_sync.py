@@ -1,0 +1,118 @@
+"""The comm registry as replicated state (``kernel_replica/comm_sync.py``): records of real
+ipywidgets models, what a STATE carries, how the replicated namespace takes them (only from the
+replica that owns the comms), and a standby re-creating a model with its id and state."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+
+import ipykernel.ipkernel  # noqa: F401 - installs ipykernel's comm factory, as in a replica
+import ipywidgets
+import msgpack
+import pytest
+from comm.base_comm import CommManager
+from ipywidgets.widgets import widget as widget_module
+
+from kernel_replica.comm_sync import apply_comms, comm_changes, comm_records, record_digest, set_owner
+from kernel_replica.log_entries import State
+from kernel_replica.object_codec import dumps
+from kernel_replica.state_sync import ReplicatedNamespace
+
+
+@pytest.fixture
+def manager() -> Iterator[CommManager]:
+    """The comm manager of this process (the widgets register there), emptied afterwards."""
+    import comm
+
+    found = comm.get_comm_manager()
+    yield found
+    for widget in list(widget_module._instances.values()):
+        widget.close()
+    found.comms.clear()
+
+
+def _forget(manager: CommManager, comm_id: str) -> None:
+    """As if this process were another replica: the model is not open here, nothing published."""
+    manager.comms.pop(comm_id)._closed = True
+    widget_module._instances.pop(comm_id).comm = None
+
+
+def test_a_widget_record_carries_its_class_and_state_and_changes_only_when_the_state_does(
+    manager: CommManager,
+) -> None:
+    slider = ipywidgets.IntSlider(value=3, max=10)
+    records, failed = comm_records(manager.comms)
+    assert not failed
+    record = records[slider.model_id]
+    assert record["target"] == "jupyter.widget"
+    assert record["class"] == ["ipywidgets.widgets.widget_int", "IntSlider"]
+    assert record["state"]["value"] == 3
+    replicated = {cid: record_digest(rec) for cid, rec in records.items()}
+    assert comm_changes(records, replicated) == ({}, ())
+    slider.value = 7
+    changed, closed = comm_changes(comm_records(manager.comms)[0], replicated)
+    assert list(changed) == [slider.model_id] and changed[slider.model_id]["state"]["value"] == 7
+    assert closed == ()
+    model_id, layout_id = slider.model_id, slider.layout.model_id
+    slider.close()
+    changed, closed = comm_changes(comm_records(manager.comms)[0], replicated)
+    assert model_id in closed and layout_id not in closed
+
+
+def test_a_standby_recreates_models_with_their_ids_state_and_references(manager: CommManager) -> None:
+    box = ipywidgets.VBox([ipywidgets.IntSlider(value=5, description="speed")])
+    records, _ = comm_records(manager.comms)
+    ids = {"box": box.model_id, "slider": box.children[0].model_id}
+    for comm_id in list(records):
+        _forget(manager, comm_id)
+    assert apply_comms(manager, records, (), {}) == []
+    rebuilt = widget_module._instances[ids["box"]]
+    assert rebuilt is not box and isinstance(rebuilt, ipywidgets.VBox)
+    assert rebuilt.children[0] is widget_module._instances[ids["slider"]]
+    assert (rebuilt.children[0].value, rebuilt.children[0].description) == (5, "speed")
+    assert set(manager.comms) == set(records)
+    assert all(comm.kernel is None and not comm.primary for comm in manager.comms.values())
+    set_owner(manager.comms, "the kernel")
+    assert all(comm.kernel == "the kernel" for comm in manager.comms.values())
+
+
+def test_names_bound_to_widgets_travel_as_references_to_their_model(manager: CommManager) -> None:
+    slider = ipywidgets.IntSlider(value=2)
+    namespace = {"pair": [slider, slider]}
+    pickled, buffers = dumps(namespace, namespace=namespace)
+    loaded = pickle.loads(pickled, buffers=buffers)
+    assert loaded["pair"][0] is slider and loaded["pair"][1] is slider
+
+
+def _state(replica: str, msg_id: str, **fields: object) -> State:
+    return State(msg_id, replica, **fields)  # type: ignore[arg-type]
+
+
+def test_the_namespace_takes_comm_messages_only_from_the_replica_that_owns_the_comms() -> None:
+    ns = ReplicatedNamespace()
+    record = {"target": "jupyter.widget", "class": ["m", "W"], "state": {"value": 1}}
+    ns.apply(_state("r1", "cell-1", comms={"c1": record}))
+    moved = {**record, "state": {"value": 7}}
+    taken = ns.apply(_state("r1", "comm-a", repair=True, comms={"c1": moved}))
+    assert taken.comms == {"c1": moved} and ns.comms() == {"c1": moved}
+    ns.apply(_state("r2", "cell-2"))  # r2 executes: it owns the comms now
+    stale = ns.apply(_state("r1", "comm-b", repair=True, comms={"c1": record}, comms_closed=("c1",)))
+    assert stale.comms == {} and stale.comms_closed == () and ns.comms() == {"c1": moved}
+    ns.apply(_state("r2", "comm-c", repair=True, comms_closed=("c1",)))
+    assert ns.comms() == {} and ns.comm_digests() == {}
+
+
+def test_a_snapshot_keeps_the_comms_and_their_owner() -> None:
+    source = ReplicatedNamespace()
+    record = {"target": "jupyter.widget.control"}
+    source.apply(_state("r2", "cell-1", comms={"c9": record}))
+    restored = ReplicatedNamespace()
+    restored.restore(source.to_snapshot())
+    assert restored.comms() == {"c9": record}
+    assert restored.comm_digests() == {"c9": record_digest(record)}
+    assert restored.apply(_state("r1", "comm-x", repair=True, comms_closed=("c9",))).comms_closed == ()
+    with pytest.raises(ValueError, match="'cm'"):
+        ReplicatedNamespace.parse_snapshot(
+            msgpack.packb({"fps": {}, "records": {}, "groups": [], "cm": {"c9": {"state": {}}}})
+        )
