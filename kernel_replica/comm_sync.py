@@ -40,9 +40,14 @@ def _widget_instances() -> dict[str, Any]:
     return module._instances if module is not None else {}  # type: ignore[no-any-return]
 
 
-def comm_records(comms: Mapping[str, Any]) -> tuple[dict[str, CommRecord], dict[str, str]]:
+def comm_records(
+    comms: Mapping[str, Any], opened: Mapping[str, dict[str, Any]] | None = None
+) -> tuple[dict[str, CommRecord], dict[str, str]]:
     """The executor's open comms as records, and the comm ids whose widget state could not be
-    taken (id -> why: the notebook is told, the front end keeps working with this replica)."""
+    taken (id -> why: the notebook is told, the front end keeps working with this replica).
+    ``opened``: the ``comm_open`` data and metadata of comms the front end opened, which their
+    target's handler is given again where the comm is re-created (ipywidgets' control comm
+    checks its protocol version there)."""
     instances = _widget_instances()
     records: dict[str, CommRecord] = {}
     failed: dict[str, str] = {}
@@ -50,6 +55,8 @@ def comm_records(comms: Mapping[str, Any]) -> tuple[dict[str, CommRecord], dict[
         if getattr(comm, "_closed", False):
             continue
         record: CommRecord = {"target": str(comm.target_name)}
+        if opened and comm_id in opened:
+            record["open"] = opened[comm_id]
         widget = instances.get(comm_id)
         if widget is not None and getattr(widget, "comm", None) is comm:
             try:
@@ -102,14 +109,18 @@ def apply_comms(
     records: Mapping[str, CommRecord],
     closed: Iterable[str],
     namespace: Mapping[str, Any],
+    opened: dict[str, dict[str, Any]] | None = None,
 ) -> list[str]:
     """A standby's side: close ``closed`` quietly, re-create missing comms (widgets first without
     state, then every widget's state, so references between models resolve in any order), and
     bring existing widgets to their recorded state. Nothing is published: these comms have no
-    kernel until this replica owns them. Returns the failures ("comm id: why")."""
+    kernel until this replica owns them. ``opened`` learns the ``comm_open`` of front-end comms
+    (``comm_records``). Returns the failures ("comm id: why")."""
     failures: list[str] = []
     instances = _widget_instances()
     for comm_id in closed:
+        if opened is not None:
+            opened.pop(comm_id, None)
         comm = manager.comms.pop(comm_id, None)
         if comm is not None:
             comm._closed = True
@@ -134,7 +145,9 @@ def apply_comms(
                 if "class" not in record:
                     target = manager.targets.get(record["target"])
                     if target is not None:  # a front end's comm: its target's handler attaches
-                        target(comm, {"content": {"comm_id": comm_id, "data": {}}, "buffers": []})
+                        target(comm, _open_message(comm_id, record))
+            if opened is not None and "open" in record:
+                opened[comm_id] = record["open"]
             if "class" not in record:
                 continue
             widget = instances.get(comm_id)
@@ -154,6 +167,13 @@ def apply_comms(
             except Exception as exc:
                 failures.append(f"{widget.comm.comm_id}: {exc.__class__.__name__}: {exc}")
     return failures
+
+
+def _open_message(comm_id: str, record: CommRecord) -> dict[str, Any]:
+    """The front end's ``comm_open`` as the target's handler first got it (as far as recorded)."""
+    opening = record.get("open") or {}
+    content = {"comm_id": comm_id, "target_name": record["target"], "data": opening.get("data", {})}
+    return {"content": content, "metadata": opening.get("metadata", {}), "buffers": []}
 
 
 def set_owner(comms: Mapping[str, Any], kernel: Any) -> None:

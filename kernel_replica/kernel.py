@@ -143,6 +143,7 @@ class TandemKernel(IPythonKernel):
         self._repair_write: concurrent.futures.Future[State] | None = None  # and writing them behind
         self._repair_timer: asyncio.TimerHandle | None = None
         self._pending_comm_digests: dict[str, bytes] | None = None  # of the latest unconfirmed STATE
+        self._comm_opened: dict[str, dict[str, t.Any]] = {}  # front-end comm_open data (comm_sync)
         # comm messages from the front end: handled here, then their effect on the comms replicated
         for msg_type in ("comm_open", "comm_msg", "comm_close"):
             self.shell_handlers[msg_type] = self._comm_request
@@ -653,8 +654,14 @@ class TandemKernel(IPythonKernel):
         slider moved between cells must not be lost if the next cell runs elsewhere)."""
         await self._state_applied(self._slog)
         comm_sync.set_owner(self.comm_manager.comms, self)
-        handler = getattr(self.comm_manager, parent["header"]["msg_type"])
-        handler(stream, ident, parent)
+        msg_type = parent["header"]["msg_type"]
+        if msg_type == "comm_open":
+            content = parent.get("content") or {}
+            self._comm_opened[str(content.get("comm_id"))] = {
+                "data": content.get("data") or {},
+                "metadata": parent.get("metadata") or {},
+            }
+        getattr(self.comm_manager, msg_type)(stream, ident, parent)
         bridge = self._bridge
         if bridge is None:
             return
@@ -669,7 +676,9 @@ class TandemKernel(IPythonKernel):
     def _comm_changes(self, bridge: RaftBridge) -> tuple[dict[str, dict[str, t.Any]], tuple[str, ...]]:
         """The comm records to replicate against what the log will hold once this process's
         STATEs in flight commit; a widget whose state cannot be taken is told once."""
-        records, failed = comm_sync.comm_records(self.comm_manager.comms)
+        for comm_id in [c for c in self._comm_opened if c not in self.comm_manager.comms]:
+            del self._comm_opened[comm_id]
+        records, failed = comm_sync.comm_records(self.comm_manager.comms, self._comm_opened)
         for comm_id, reason in failed.items():
             self._warn_unreplicable(f"widget {comm_id}", reason)
         replicated = self._pending_comm_digests
@@ -997,7 +1006,9 @@ class TandemKernel(IPythonKernel):
         failures: list[str] = []
         try:
             if comms[0] or comms[1]:
-                failures = comm_sync.apply_comms(self.comm_manager, comms[0], comms[1], self.shell.user_ns)
+                failures = comm_sync.apply_comms(
+                    self.comm_manager, comms[0], comms[1], self.shell.user_ns, self._comm_opened
+                )
             codec = await self._get_codec()
             failures += await apply_state(
                 self.shell.user_ns, codec, imports, groups, deleted, self._not_loaded

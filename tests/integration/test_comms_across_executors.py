@@ -120,6 +120,27 @@ def test_slider_moved_after_an_executor_change_reaches_the_new_executor_and_is_r
     assert updates == [{"method": "update", "state": {"value": 9}, "buffer_paths": []}], updates
     assert _on(tandem_cluster, kc, second, "print(slider.value)").stdout.strip() == "9"
 
+    # a reloaded JupyterLab opens the widget control comm (on the last executor), and asks for
+    # every model's state after the executor moved again
+    control = kc.session.msg(
+        "comm_open",
+        {"comm_id": "lab-control", "target_name": "jupyter.widget.control", "data": {}},
+        metadata={"version": "1.0.0"},
+    )
+    kc.shell_channel.send(control)
+    _iopub_until_idle(kc, control["header"]["msg_id"])
+    _on(tandem_cluster, kc, first, "slider.description = 'moved'")
+    ask = kc.session.msg("comm_msg", {"comm_id": "lab-control", "data": {"method": "request_states"}})
+    kc.shell_channel.send(ask)
+    replies = [
+        m["content"]["data"]
+        for m in _iopub_until_idle(kc, ask["header"]["msg_id"])
+        if m["msg_type"] == "comm_msg" and m["content"]["comm_id"] == "lab-control"
+    ]
+    assert replies and replies[0]["method"] == "update_states", replies
+    assert replies[0]["states"][model_id]["state"]["value"] == 9
+    assert replies[0]["states"][model_id]["state"]["description"] == "moved"
+
 
 def test_tqdm_auto_bar_keeps_updating_after_an_executor_change(
     tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str]]

@@ -30,6 +30,8 @@ def manager() -> Iterator[CommManager]:
     for widget in list(widget_module._instances.values()):
         widget.close()
     found.comms.clear()
+    found.targets.pop("jupyter.widget.control", None)
+    widget_module.Widget._control_comm = None
 
 
 def _forget(manager: CommManager, comm_id: str) -> None:
@@ -116,3 +118,21 @@ def test_a_snapshot_keeps_the_comms_and_their_owner() -> None:
         ReplicatedNamespace.parse_snapshot(
             msgpack.packb({"fps": {}, "records": {}, "groups": [], "cm": {"c9": {"state": {}}}})
         )
+
+
+def test_a_front_end_comm_is_handed_to_its_target_again_with_its_open_message(manager: CommManager) -> None:
+    from comm import create_comm
+
+    # as ipywidgets registers it when imported in a kernel
+    manager.register_target("jupyter.widget.control", widget_module.Widget.handle_control_comm_opened)
+    control = create_comm(comm_id="ctl", primary=False, target_name="jupyter.widget.control")
+    manager.register_comm(control)
+    opened = {"ctl": {"data": {}, "metadata": {"version": widget_module.__control_protocol_version__}}}
+    records, _ = comm_records(manager.comms, opened)
+    assert records["ctl"] == {"target": "jupyter.widget.control", "open": opened["ctl"]}
+    manager.comms.pop("ctl")
+    learned: dict[str, dict[str, object]] = {}
+    assert apply_comms(manager, records, (), {}, learned) == []
+    assert widget_module.Widget._control_comm is manager.comms["ctl"] and learned == opened
+    apply_comms(manager, {}, ("ctl",), {}, learned)
+    assert "ctl" not in manager.comms and learned == {}
