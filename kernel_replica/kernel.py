@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import sys
@@ -147,6 +148,8 @@ class TandemKernel(IPythonKernel):
         # comm messages from the front end: handled here, then their effect on the comms replicated
         for msg_type in ("comm_open", "comm_msg", "comm_close"):
             self.shell_handlers[msg_type] = self._comm_request
+        if self.shell is not None:
+            self.shell.register_magic_function(self._tandem_magic, magic_kind="line", magic_name="tandem")
 
     def attach(
         self, bridge: RaftBridge, *, kernel_id: str, replica_id: str, config: Config | None = None
@@ -644,6 +647,35 @@ class TandemKernel(IPythonKernel):
         if self._trace_sync:  # wall clock: the standbys' state_applied lines are compared to it
             log.info("state_sent", replied_at=finished_at, proposed_at=proposed_at, **timings)
         return timings
+
+    # ---- %tandem ----------------------------------------------------------------------------------------
+    def _tandem_magic(self, line: str) -> None:
+        """``%tandem pin``: the kernel's cells run on this replica whenever its host can run them
+        (the scheduler's executor choice prefers it: ``shared.policies.executor_choice``), for
+        objects that cannot be replicated or data kept on this host's GPU; ``%tandem unpin``: the
+        scheduler chooses again; ``%tandem``: where this cell runs."""
+        from IPython.core.error import UsageError
+
+        command = (line.split() or ["status"])[0]
+        where = f"replica {self.replica_id} (host {os.environ.get('TANDEM_HOST_ID', '?')})"
+        if command == "status":
+            print(f"Tandem: this cell runs on {where} of kernel {self.kernel_id}.")
+            return
+        if command not in ("pin", "unpin"):
+            raise UsageError(f"%tandem {command}: expected pin, unpin or nothing")
+        bridge = self._bridge
+        if bridge is None:
+            raise UsageError("this replica is not attached to its kernel's group: nothing to pin")
+        pinned = command == "pin"
+        bridge.thread.call(functools.partial(bridge.core.scheduler.event, "pinned", None, pinned=pinned))
+        self._slog.info("pin_requested", pinned=pinned)
+        if pinned:
+            print(
+                f"Tandem: this kernel's cells now run on {where} whenever its host can run them "
+                "(objects that cannot be replicated stay usable); %tandem unpin releases it."
+            )
+        else:
+            print("Tandem: the kernel is not pinned any more; each cell's executor is chosen again.")
 
     # ---- comms (kernel_replica/comm_sync.py) ----------------------------------------------------------
     async def _comm_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:

@@ -84,8 +84,18 @@ LEASE_GRANT = "lease.grant"  # run (or keep running) a job on this many GPUs unt
 LEASE_END = "lease.end"  # stop the job at a step boundary and free its GPUs
 
 CHANNELS = ("shell", "control", "stdin", "iopub")
-# cell_timings: the executor's per-cell step times (ms), sent after its reply (metrics only)
-REPLICA_EVENTS = ("elected", "election_failed", "done", "raft_role", "exited", "ready", "cell_timings")
+# cell_timings: the executor's per-cell step times (ms), sent after its reply (metrics only);
+# pinned: ``%tandem pin`` / ``unpin`` ran on the replica (``detail.pinned``, a bool)
+REPLICA_EVENTS = (
+    "elected",
+    "election_failed",
+    "done",
+    "raft_role",
+    "exited",
+    "ready",
+    "cell_timings",
+    "pinned",
+)
 
 _int = (int,)
 _str = (str,)

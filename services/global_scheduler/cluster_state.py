@@ -114,6 +114,8 @@ class KernelRecord:
     last_migration: dict[str, Any] | None = None
     # the working directory and environment every replica starts with, migrations included
     launch: KernelLaunch = field(default_factory=KernelLaunch)
+    # the replica the notebook pinned its cells to (``%tandem pin``), preferred as executor
+    pinned: str | None = None
     _index: LiveIndex | None = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -335,6 +337,7 @@ class ClusterState:
             "alive": kernel.alive,
             "reason": kernel.dead_reason,
             "last_executor": kernel.router.last_executor,
+            "pinned": kernel.pinned,
             "resources": kernel.resources.to_dict(),
             "migrations": kernel.migrations,
             "last_migration": kernel.last_migration,

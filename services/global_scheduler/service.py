@@ -366,6 +366,7 @@ class GlobalScheduler:
                 self.state.ledger_views({r.host_id for r in kernel.replicas.values()}),
                 kernel.resources.gpus,
                 router.last_executor,
+                pinned=kernel.pinned,
             )
             chosen.append(choice)
             return choice
@@ -540,6 +541,12 @@ class GlobalScheduler:
                 self.metrics.cell_timings(
                     kernel.kernel_id, split_election_key(key)[0], replica.replica_id, steps
                 )
+        elif event == "pinned":  # ``%tandem pin`` / ``%tandem unpin`` ran on this replica
+            if detail.get("pinned") is True:
+                kernel.pinned = replica.replica_id
+            elif detail.get("pinned") is False:
+                kernel.pinned = None
+            blog.info("kernel_pinned" if kernel.pinned else "kernel_unpinned")
         elif event == "raft_role":
             role = detail.get("role")
             role = role.lower() if isinstance(role, str) else None

@@ -1,5 +1,8 @@
-"""Widgets keep working across executor changes: the comm registry and the widget models are
-replicated, and the front end's comm messages reach whichever replica executes now.
+"""What a notebook holds besides plain variables keeps working across executor changes.
+
+Widgets: the comm registry and the widget models are replicated, and the front end's comm
+messages reach whichever replica executes now. Unpicklable objects: named when made and when the
+executor moves, and ``%tandem pin`` keeps the cells where they live.
 
 A real ``ipywidgets.IntSlider`` is made on one replica; the next cell is forced onto another
 (every other host cordoned). The test then does what JupyterLab does when the user drags the
@@ -16,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _cluster import ClusterHandle
+from _cluster import ClusterHandle, eventually
 from _kernels import CellResult, run, tandem_kernel
 from jupyter_client import BlockingKernelClient
 
@@ -37,12 +40,12 @@ def _replica_hosts(cluster: ClusterHandle, kernel_id: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def kernel(tandem_cluster: ClusterHandle) -> Iterator[tuple[BlockingKernelClient, list[str]]]:
-    """One kernel for the module, and the hosts of its replicas (two at least)."""
+def kernel(tandem_cluster: ClusterHandle) -> Iterator[tuple[BlockingKernelClient, list[str], str]]:
+    """One kernel for the module, the hosts of its replicas (two at least), and its id."""
     with tandem_kernel() as (km, kc):
         hosts = _replica_hosts(tandem_cluster, km.kernel_id)
         assert len(hosts) >= 2, f"replicas on {hosts}: an executor change needs two hosts"
-        yield kc, hosts
+        yield kc, hosts, km.kernel_id
 
 
 def _on(cluster: ClusterHandle, kc: BlockingKernelClient, host: str, code: str) -> CellResult:
@@ -73,9 +76,9 @@ def _iopub_until_idle(
 
 
 def test_slider_moved_after_an_executor_change_reaches_the_new_executor_and_is_replicated(
-    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str]]
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
 ) -> None:
-    kc, hosts = kernel
+    kc, hosts, _ = kernel
     first, second = hosts[0], hosts[1]
     made = _on(
         tandem_cluster,
@@ -143,9 +146,9 @@ def test_slider_moved_after_an_executor_change_reaches_the_new_executor_and_is_r
 
 
 def test_tqdm_auto_bar_keeps_updating_after_an_executor_change(
-    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str]]
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
 ) -> None:
-    kc, hosts = kernel
+    kc, hosts, _ = kernel
     _on(tandem_cluster, kc, hosts[0], "from tqdm.auto import tqdm\nbar = tqdm(total=10)\nbar.update(3)")
     sent: list[dict[str, Any]] = []
     with tandem_cluster.only_host_open(hosts[1]):
@@ -166,9 +169,9 @@ def test_tqdm_auto_bar_keeps_updating_after_an_executor_change(
 
 
 def test_an_unpicklable_variable_is_named_when_made_and_when_the_executor_moves(
-    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str]]
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
 ) -> None:
-    kc, hosts = kernel
+    kc, hosts, _ = kernel
     errors: list[str] = []
 
     def stderr_of(host: str, code: str) -> str:
@@ -190,3 +193,36 @@ def test_an_unpicklable_variable_is_named_when_made_and_when_the_executor_moves(
     assert "'held' is not replicated" in made and "lock" in made, made
     moved = stderr_of(hosts[1], "print('held' in globals())")
     assert "'held' is missing" in moved, moved
+
+
+def _kernel_status(cluster: ClusterHandle, kernel_id: str) -> dict[str, Any]:
+    status = cluster.ask_scheduler(messages.CLUSTER_STATUS, {})
+    return dict(next(k for k in status["kernels"] if k["id"] == kernel_id))
+
+
+def test_a_pinned_kernel_runs_where_its_unpicklable_objects_live_until_that_host_cannot(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    kc, hosts, kernel_id = kernel
+    replicas = _kernel_status(tandem_cluster, kernel_id)["replicas"]
+    follower = next(r for r in replicas if r["role"] != "leader" and r["host"] in hosts)
+    pinned = _on(
+        tandem_cluster, kc, follower["host"], "%tandem pin\nimport threading\ngate = threading.Lock()"
+    )
+    assert "now run on replica" in pinned.stdout
+    assert eventually(lambda: _kernel_status(tandem_cluster, kernel_id)["pinned"] == follower["id"])
+    # no host cordoned: the scheduler sends the cells to the pinned replica, not to the leader
+    for _ in range(2):
+        here = run(kc, "print(gate.acquire(blocking=False)); gate.release()", timeout=60)
+        assert (here.status, here.stdout, here.tandem.get("host_id")) == ("ok", "True\n", follower["host"])
+    # its host cordoned: the cell runs elsewhere, and is told what it lacks
+    elsewhere = next(h for h in hosts if h != follower["host"])
+    moved = _on(tandem_cluster, kc, elsewhere, "print('gate' in globals())")
+    assert "'gate' is missing" in moved.stdout and moved.stdout.endswith("False\n"), moved.stdout
+    # uncordoned: back on the pinned replica, though the last executor (and maybe the leader) is
+    # elsewhere; the notebook's state is the group's (the lock went with the cell that lacked it)
+    back = run(kc, "print('gate' in globals())", timeout=60)
+    assert (back.stdout, back.tandem.get("host_id")) == ("False\n", follower["host"])
+    unpinned = run(kc, "%tandem unpin", timeout=60)
+    assert "not pinned any more" in unpinned.stdout
+    assert eventually(lambda: _kernel_status(tandem_cluster, kernel_id)["pinned"] is None)
