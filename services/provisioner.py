@@ -141,6 +141,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
     _dead_reason: str = ""
     _launch: KernelLaunch = KernelLaunch()
     _adopting: dict[str, Any] | None = None
+    _launched_once: bool = False  # a restart (same provisioner) starts afresh, never re-attaches
 
     @property
     def has_process(self) -> bool:
@@ -171,13 +172,14 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         # what a local kernel would get from Popen(cwd=..., env=...): its replicas start with it
         self._launch = from_client(kwargs.get("env"), kwargs.get("cwd"), os.environ, os.getcwd())
         kwargs["cmd"] = []  # nothing is spawned here; the cluster starts the replicas
-        self._adopting = read_session(self.sessions_dir, self.kernel_id)
+        self._adopting = None if self._launched_once else read_session(self.sessions_dir, self.kernel_id)
         if self._adopting is not None:  # the kernel it started before: its launch, not this one's
             self._launch = KernelLaunch.from_wire(self._adopting.get("launch", {}))
             self._resources = dict(self._adopting.get("resources") or self._resources)
         return kwargs
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        self._launched_once = True
         if self._adopting is not None:
             record, self._adopting = self._adopting, None
             return await self._reattach(record)

@@ -318,6 +318,9 @@ def test_kernels_of_the_api_are_taken_back_after_its_process_crashes(
     try:
         cell = ws.run("print(x + 1)")
         assert (cell.reply["status"], cell.stdout) == ("ok", "42\n")
+        # a kernel taken back restarts like any other: in place, with a fresh namespace
+        assert tandem_api.request("POST", f"/api/kernels/{kernel_id}/restart").status_code == 200
+        assert ws.run("print('x' in globals())").stdout == "False\n"
     finally:
         ws.close()
     assert tandem_api.request("DELETE", f"/api/kernels/{kernel_id}").status_code == 204
