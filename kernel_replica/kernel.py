@@ -145,6 +145,7 @@ class TandemKernel(IPythonKernel):
         self._repair_timer: asyncio.TimerHandle | None = None
         self._pending_comm_digests: dict[str, bytes] | None = None  # of the latest unconfirmed STATE
         self._comm_opened: dict[str, dict[str, t.Any]] = {}  # front-end comm_open data (comm_sync)
+        self._comm_watch = comm_sync.CommWatch()  # which comms changed since their records were taken
         # comm messages from the front end: handled here, then their effect on the comms replicated
         for msg_type in ("comm_open", "comm_msg", "comm_close"):
             self.shell_handlers[msg_type] = self._comm_request
@@ -710,13 +711,14 @@ class TandemKernel(IPythonKernel):
         STATEs in flight commit; a widget whose state cannot be taken is told once."""
         for comm_id in [c for c in self._comm_opened if c not in self.comm_manager.comms]:
             del self._comm_opened[comm_id]
-        records, failed = comm_sync.comm_records(self.comm_manager.comms, self._comm_opened)
-        for comm_id, reason in failed.items():
-            self._warn_unreplicable(f"widget {comm_id}", reason)
         replicated = self._pending_comm_digests
         if replicated is None or not bridge.core.finishing():
             replicated = bridge.core.namespace.comm_digests()
-        comms, closed = comm_sync.comm_changes(records, replicated)
+        comms, closed, failed = self._comm_watch.changes(
+            self.comm_manager.comms, self._comm_opened, replicated
+        )
+        for comm_id, reason in failed.items():
+            self._warn_unreplicable(f"widget {comm_id}", reason)
         pending = {cid: fp for cid, fp in replicated.items() if cid not in closed}
         pending.update({cid: comm_sync.record_digest(record) for cid, record in comms.items()})
         self._pending_comm_digests = pending

@@ -14,7 +14,14 @@ import pytest
 from comm.base_comm import CommManager
 from ipywidgets.widgets import widget as widget_module
 
-from kernel_replica.comm_sync import apply_comms, comm_changes, comm_records, record_digest, set_owner
+from kernel_replica.comm_sync import (
+    CommWatch,
+    apply_comms,
+    comm_changes,
+    comm_records,
+    record_digest,
+    set_owner,
+)
 from kernel_replica.log_entries import State
 from kernel_replica.object_codec import dumps
 from kernel_replica.state_sync import ReplicatedNamespace
@@ -136,3 +143,21 @@ def test_a_front_end_comm_is_handed_to_its_target_again_with_its_open_message(ma
     assert widget_module.Widget._control_comm is manager.comms["ctl"] and learned == opened
     apply_comms(manager, {}, ("ctl",), {}, learned)
     assert "ctl" not in manager.comms and learned == {}
+
+
+def test_the_watch_takes_again_only_the_comms_that_changed_are_new_or_closed(manager: CommManager) -> None:
+    sliders = [ipywidgets.IntSlider(value=i) for i in range(3)]
+    watch = CommWatch()
+    first, closed, failed = watch.changes(manager.comms, None, {})
+    assert set(first) == set(manager.comms) and closed == () and failed == {}
+    replicated = {cid: record_digest(rec) for cid, rec in first.items()}
+    assert watch.changes(manager.comms, None, replicated) == ({}, (), {})
+    sliders[1].value = 7
+    changed, _, _ = watch.changes(manager.comms, None, replicated)
+    assert list(changed) == [sliders[1].model_id] and changed[sliders[1].model_id]["state"]["value"] == 7
+    replicated.update({cid: record_digest(rec) for cid, rec in changed.items()})
+    gone = sliders[0].model_id
+    sliders[0].close()
+    extra = ipywidgets.Button(description="new")
+    changed, closed, _ = watch.changes(manager.comms, None, replicated)
+    assert extra.model_id in changed and gone in closed
