@@ -668,7 +668,8 @@ class TandemKernel(IPythonKernel):
         if bridge is None:
             raise UsageError("this replica is not attached to its kernel's group: nothing to pin")
         pinned = command == "pin"
-        bridge.thread.call(functools.partial(bridge.core.scheduler.event, "pinned", None, pinned=pinned))
+        event = functools.partial(bridge.core.scheduler.event, "pinned", None, pinned=pinned, at=time.time())
+        bridge.thread.call(event)
         self._slog.info("pin_requested", pinned=pinned)
         if pinned:
             print(

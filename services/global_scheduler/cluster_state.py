@@ -116,6 +116,7 @@ class KernelRecord:
     launch: KernelLaunch = field(default_factory=KernelLaunch)
     # the replica the notebook pinned its cells to (``%tandem pin``), preferred as executor
     pinned: str | None = None
+    pinned_at: float = 0.0  # wall clock of the latest pin / unpin (the latest one wins on adoption)
     _index: LiveIndex | None = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -14,6 +14,10 @@ cell that sets the value on the first replica again must send the front end its 
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -215,6 +219,20 @@ def test_a_pinned_kernel_runs_where_its_unpicklable_objects_live_until_that_host
     for _ in range(2):
         here = run(kc, "print(gate.acquire(blocking=False)); gate.release()", timeout=60)
         assert (here.status, here.stdout, here.tandem.get("host_id")) == ("ok", "True\n", follower["host"])
+    # the global scheduler dies: the one tandem up starts again learns the pin from the hosts
+    cluster_file = tandem_cluster.state_dir / "cluster.json"
+    crashed = json.loads(cluster_file.read_text())["processes"]["global-scheduler"]
+    os.kill(crashed, signal.SIGKILL)
+
+    def pin_back() -> bool:
+        with contextlib.suppress(Exception):
+            if json.loads(cluster_file.read_text())["processes"]["global-scheduler"] != crashed:
+                return bool(_kernel_status(tandem_cluster, kernel_id)["pinned"] == follower["id"])
+        return False
+
+    assert eventually(pin_back, timeout=60), tandem_cluster.log_text("global-scheduler")[-2000:]
+    again = run(kc, "print(gate.locked())", timeout=60)
+    assert (again.status, again.stdout, again.tandem.get("host_id")) == ("ok", "False\n", follower["host"])
     # its host cordoned: the cell runs elsewhere, and is told what it lacks
     elsewhere = next(h for h in hosts if h != follower["host"])
     moved = _on(tandem_cluster, kc, elsewhere, "print('gate' in globals())")
