@@ -719,7 +719,7 @@ class TandemKernel(IPythonKernel):
             self.comm_manager.comms, self._comm_opened, replicated
         )
         for comm_id, reason in failed.items():
-            self._warn_unreplicable(f"widget {comm_id}", reason)
+            self._warn_unreplicable(comm_id, reason, what="widget model")
         pending = {cid: fp for cid, fp in replicated.items() if cid not in closed}
         pending.update({cid: comm_sync.record_digest(record) for cid, record in comms.items()})
         self._pending_comm_digests = pending
@@ -910,7 +910,7 @@ class TandemKernel(IPythonKernel):
         self._pending_digests = None
         return bridge.core.namespace.digests()
 
-    def _warn_unreplicable(self, name: str, reason: str) -> None:
+    def _warn_unreplicable(self, name: str, reason: str, *, what: str = "variable") -> None:
         """Tell the user once per name (on the cell's stderr) that it stays on this replica."""
         if name in self._warned:
             return
@@ -918,7 +918,7 @@ class TandemKernel(IPythonKernel):
         self._slog.warning("variable_not_replicated", variable=name, reason=reason)
         if sys.stderr is not None:
             print(
-                f"Tandem: variable {name!r} is not replicated to this kernel's other replicas "
+                f"Tandem: {what} {name!r} is not replicated to this kernel's other replicas "
                 f"({reason}); it will be missing if the notebook moves to another executor.",
                 file=sys.stderr,
             )
