@@ -151,13 +151,13 @@ def apply_comms(
     closed: Iterable[str],
     namespace: Mapping[str, Any],
     opened: dict[str, dict[str, Any]] | None = None,
-) -> list[str]:
+) -> dict[str, str]:
     """A standby's side: close ``closed`` quietly, re-create missing comms (widgets first without
     state, then every widget's state, so references between models resolve in any order), and
     bring existing widgets to their recorded state. Nothing is published: these comms have no
     kernel until this replica owns them. ``opened`` learns the ``comm_open`` of front-end comms
-    (``comm_records``). Returns the failures ("comm id: why")."""
-    failures: list[str] = []
+    (``comm_records``). Returns the failures: comm id -> what and why."""
+    failures: dict[str, str] = {}
     instances = _widget_instances()
     for comm_id in closed:
         if opened is not None:
@@ -170,7 +170,6 @@ def apply_comms(
             widget.comm = None
     if not records:
         return failures
-    from comm import create_comm
 
     pending: list[tuple[Any, CommRecord]] = []
     for comm_id, record in records.items():
@@ -180,9 +179,7 @@ def apply_comms(
                 if str(record["target"]).startswith("jupyter.widget"):
                     importlib.import_module("ipywidgets")  # registers the widget comm targets
                     instances = _widget_instances()
-                comm = create_comm(comm_id=comm_id, primary=False, target_name=record["target"])
-                comm.kernel = None
-                manager.register_comm(comm)
+                comm = _quiet_comm(manager, comm_id, record["target"])
                 if "class" not in record:
                     target = manager.targets.get(record["target"])
                     if target is not None:  # a front end's comm: its target's handler attaches
@@ -196,7 +193,8 @@ def apply_comms(
                 widget = _resolve_class(*record["class"], namespace)(comm=comm)
             pending.append((widget, record))
         except Exception as exc:
-            failures.append(f"{comm_id} ({record.get('target')}): {exc.__class__.__name__}: {exc}")
+            what = ".".join(record["class"]) if "class" in record else f"a {record.get('target')!r} comm"
+            failures[comm_id] = f"{what} could not be re-created here: {exc.__class__.__name__}: {exc}"
     if pending:
         from ipywidgets.widgets.widget import _put_buffers
 
@@ -206,7 +204,10 @@ def apply_comms(
                 _put_buffers(state, record["bp"], record["bf"])
                 widget.set_state(state)
             except Exception as exc:
-                failures.append(f"{widget.comm.comm_id}: {exc.__class__.__name__}: {exc}")
+                what = ".".join(record["class"])
+                failures[widget.comm.comm_id] = (
+                    f"{what}'s state could not be set here: {exc.__class__.__name__}: {exc}"
+                )
     return failures
 
 
@@ -225,11 +226,31 @@ def set_owner(comms: Mapping[str, Any], kernel: Any) -> None:
         comm.kernel = kernel
 
 
-def _widget_by_id(model_id: str) -> Any:
+def _quiet_comm(manager: Any, comm_id: str, target: str) -> Any:
+    """A comm re-created here, as ipykernel does for a front end's ``comm_open``: registered,
+    not primary (no ``comm_open`` goes out) and without a kernel (it publishes nothing)."""
+    from comm import create_comm
+
+    comm = create_comm(comm_id=comm_id, primary=False, target_name=target)
+    comm.kernel = None
+    manager.register_comm(comm)
+    return comm
+
+
+def _widget_by_id(model_id: str, cls: type | None = None) -> Any:
+    """The widget model ``model_id`` open here; one not open yet (its class is defined by the
+    notebook, in the cell this STATE comes from) is made without state, which its comm record,
+    applied again once the namespace has the class, then sets."""
     widget = _widget_instances().get(model_id)
-    if widget is None:
+    if widget is not None:
+        return widget
+    if cls is None:
         raise LookupError(f"widget model {model_id} is not open on this replica")
-    return widget
+    import comm
+
+    manager = comm.get_comm_manager()
+    found = manager.comms.get(model_id)
+    return cls(comm=found if found is not None else _quiet_comm(manager, model_id, "jupyter.widget"))
 
 
 def _comm_by_id(comm_id: str) -> Any:
@@ -305,7 +326,10 @@ def _reduce_front_end(obj: Any) -> tuple[Any, tuple[Any, ...]] | None:
     if module is not None and isinstance(obj, module.Widget):
         comm = obj.comm
         if comm is not None:
-            return _widget_by_id, (str(comm.comm_id),)
+            # a class of the notebook travels with the reference: the comm record cannot re-create
+            # the model before the namespace has the class (the same STATE may bring both)
+            cls = type(obj) if type(obj).__module__ == "__main__" else None
+            return _widget_by_id, (str(comm.comm_id), cls)
         return None
     base = sys.modules.get("comm.base_comm")
     if base is not None and isinstance(obj, base.BaseComm) and not obj._closed:

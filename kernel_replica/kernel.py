@@ -146,6 +146,7 @@ class TandemKernel(IPythonKernel):
         self._pending_comm_digests: dict[str, bytes] | None = None  # of the latest unconfirmed STATE
         self._comm_opened: dict[str, dict[str, t.Any]] = {}  # front-end comm_open data (comm_sync)
         self._comm_watch = comm_sync.CommWatch()  # which comms changed since their records were taken
+        self._comms_not_loaded: dict[str, str] = {}  # comm id -> why it could not be re-created here
         # comm messages from the front end: handled here, then their effect on the comms replicated
         for msg_type in ("comm_open", "comm_msg", "comm_close"):
             self.shell_handlers[msg_type] = self._comm_request
@@ -881,6 +882,16 @@ class TandemKernel(IPythonKernel):
         self._settle_written()
         missing = missing_here(bridge.core.namespace.unprotected(), self._own.names, self._told)
         not_loaded = {n: why for n, why in self._not_loaded.items() if (n, why) not in self._told}
+        comms = {c: why for c, why in self._comms_not_loaded.items() if (c, why) not in self._told}
+        if comms and sys.stderr is not None:
+            self._told.update(comms.items())
+            lines = [f"  widget model {comm_id}: {why}" for comm_id, why in sorted(comms.items())]
+            print(
+                f"Tandem: WARNING: replica {self.replica_id} runs this cell without these front-end "
+                "objects (the front end's messages to them are dropped here):\n" + "\n".join(lines),
+                file=sys.stderr,
+            )
+            sys.stderr.flush()
         if (not missing and not not_loaded) or self.shell is None:
             return
         self._told.update((name, marker.msg_id) for name, marker in missing.items())
@@ -1041,13 +1052,30 @@ class TandemKernel(IPythonKernel):
         failures: list[str] = []
         try:
             if comms[0] or comms[1]:
-                failures = comm_sync.apply_comms(
+                for comm_id in [*comms[0], *comms[1]]:
+                    self._comms_not_loaded.pop(comm_id, None)
+                lost = comm_sync.apply_comms(
                     self.comm_manager, comms[0], comms[1], self.shell.user_ns, self._comm_opened
                 )
+                self._comms_not_loaded.update(lost)
+                failures = [f"comm {comm_id}: {why}" for comm_id, why in lost.items()]
             codec = await self._get_codec()
             failures += await apply_state(
                 self.shell.user_ns, codec, imports, groups, deleted, self._not_loaded
             )
+            # a widget class the notebook defined in the same cell is in the namespace only now
+            # (a name bound to such a widget loads again before this replica executes)
+            again = {
+                c: comms[0][c]
+                for c in self._comms_not_loaded
+                if comms[0].get(c, {}).get("class", [""])[0] == "__main__"
+            }
+            if again:
+                for comm_id in again:
+                    self._comms_not_loaded.pop(comm_id, None)
+                self._comms_not_loaded.update(
+                    comm_sync.apply_comms(self.comm_manager, again, (), self.shell.user_ns, self._comm_opened)
+                )
         except Exception as exc:
             failures.append(f"{exc.__class__.__name__}: {exc}")
         self.apply_ms.append((time.perf_counter() - started) * 1000)

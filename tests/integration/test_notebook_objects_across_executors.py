@@ -172,6 +172,20 @@ def test_tqdm_auto_bar_keeps_updating_after_an_executor_change(
     assert 7 in values, [m["content"] for m in sent]
 
 
+def test_a_widget_of_a_class_the_notebook_defines_follows_the_executor(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    kc, hosts, _ = kernel
+    _on(
+        tandem_cluster,
+        kc,
+        hosts[0],
+        "import ipywidgets\n\n\nclass Gauge(ipywidgets.IntText):\n    pass\n\n\ngauge = Gauge(value=5)",
+    )
+    moved = _on(tandem_cluster, kc, hosts[1], "print(type(gauge).__name__, gauge.value)")
+    assert moved.stdout == "Gauge 5\n", moved.stdout
+
+
 def test_an_unpicklable_variable_is_named_when_made_and_when_the_executor_moves(
     tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
 ) -> None:

@@ -75,7 +75,7 @@ def test_a_standby_recreates_models_with_their_ids_state_and_references(manager:
     ids = {"box": box.model_id, "slider": box.children[0].model_id}
     for comm_id in list(records):
         _forget(manager, comm_id)
-    assert apply_comms(manager, records, (), {}) == []
+    assert apply_comms(manager, records, (), {}) == {}
     rebuilt = widget_module._instances[ids["box"]]
     assert rebuilt is not box and isinstance(rebuilt, ipywidgets.VBox)
     assert rebuilt.children[0] is widget_module._instances[ids["slider"]]
@@ -139,7 +139,7 @@ def test_a_front_end_comm_is_handed_to_its_target_again_with_its_open_message(ma
     assert records["ctl"] == {"target": "jupyter.widget.control", "open": opened["ctl"]}
     manager.comms.pop("ctl")
     learned: dict[str, dict[str, object]] = {}
-    assert apply_comms(manager, records, (), {}, learned) == []
+    assert apply_comms(manager, records, (), {}, learned) == {}
     assert widget_module.Widget._control_comm is manager.comms["ctl"] and learned == opened
     apply_comms(manager, {}, ("ctl",), {}, learned)
     assert "ctl" not in manager.comms and learned == {}
@@ -161,3 +161,12 @@ def test_the_watch_takes_again_only_the_comms_that_changed_are_new_or_closed(man
     extra = ipywidgets.Button(description="new")
     changed, closed, _ = watch.changes(manager.comms, None, replicated)
     assert extra.model_id in changed and gone in closed
+
+
+def test_a_widget_whose_class_is_not_here_is_reported_with_its_class(manager: CommManager) -> None:
+    record = {"target": "jupyter.widget", "class": ["__main__", "Gauge"], "state": {}, "bp": [], "bf": []}
+    lost = apply_comms(manager, {"g1": record}, (), {})
+    assert list(lost) == ["g1"] and "__main__.Gauge could not be re-created here: KeyError" in lost["g1"]
+    # once the cell that defined it is in the namespace, it is re-created
+    assert apply_comms(manager, {"g1": record}, (), {"Gauge": ipywidgets.IntText}) == {}
+    assert isinstance(widget_module._instances["g1"], ipywidgets.IntText)
