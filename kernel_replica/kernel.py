@@ -1051,31 +1051,14 @@ class TandemKernel(IPythonKernel):
         codec: ObjectCodec | None = None
         failures: list[str] = []
         try:
-            if comms[0] or comms[1]:
-                for comm_id in [*comms[0], *comms[1]]:
-                    self._comms_not_loaded.pop(comm_id, None)
-                lost = comm_sync.apply_comms(
-                    self.comm_manager, comms[0], comms[1], self.shell.user_ns, self._comm_opened
-                )
-                self._comms_not_loaded.update(lost)
-                failures = [f"comm {comm_id}: {why}" for comm_id, why in lost.items()]
+            if comms[0] or comms[1]:  # before the namespace: names bound to widgets refer to them
+                self._load_comms(*comms)
             codec = await self._get_codec()
-            failures += await apply_state(
+            failures = await apply_state(
                 self.shell.user_ns, codec, imports, groups, deleted, self._not_loaded
             )
-            # a widget class the notebook defined in the same cell is in the namespace only now
-            # (a name bound to such a widget loads again before this replica executes)
-            again = {
-                c: comms[0][c]
-                for c in self._comms_not_loaded
-                if comms[0].get(c, {}).get("class", [""])[0] == "__main__"
-            }
-            if again:
-                for comm_id in again:
-                    self._comms_not_loaded.pop(comm_id, None)
-                self._comms_not_loaded.update(
-                    comm_sync.apply_comms(self.comm_manager, again, (), self.shell.user_ns, self._comm_opened)
-                )
+            if comms[0]:
+                failures += self._comms_failed(comms[0])
         except Exception as exc:
             failures.append(f"{exc.__class__.__name__}: {exc}")
         self.apply_ms.append((time.perf_counter() - started) * 1000)
@@ -1095,6 +1078,29 @@ class TandemKernel(IPythonKernel):
             self._slog.debug("state_applied", msg_id=msg_id, apply_ms=round(self.apply_ms[-1], 3))
         if len(self._followed) >= FOLLOWED_CATCH_UP:
             self._catch_up_followed()
+
+    def _load_comms(self, records: t.Mapping[str, dict[str, t.Any]], closed: t.Iterable[str]) -> None:
+        """An entry's comm records and closed ids, applied here (``comm_sync.apply_comms``);
+        what failed is kept in ``_comms_not_loaded`` (told when this replica executes)."""
+        assert self.shell is not None
+        closed = list(closed)
+        for comm_id in [*records, *closed]:
+            self._comms_not_loaded.pop(comm_id, None)
+        self._comms_not_loaded.update(
+            comm_sync.apply_comms(self.comm_manager, records, closed, self.shell.user_ns, self._comm_opened)
+        )
+
+    def _comms_failed(self, records: t.Mapping[str, dict[str, t.Any]]) -> list[str]:
+        """After the namespace: records of a widget class the notebook defined (in the cell
+        this entry comes from, so absent before) are applied again; the failures left."""
+        again = {
+            comm_id: records[comm_id]
+            for comm_id in self._comms_not_loaded
+            if records.get(comm_id, {}).get("class", [""])[0] == "__main__"
+        }
+        if again:
+            self._load_comms(again, ())
+        return [f"comm {c}: {self._comms_not_loaded[c]}" for c in records if c in self._comms_not_loaded]
 
     async def _state_applied(self, log: t.Any) -> None:
         """Before executing here: every STATE already handed to this kernel is in the namespace."""
