@@ -40,14 +40,86 @@ def _widget_instances() -> dict[str, Any]:
     return module._instances if module is not None else {}  # type: ignore[no-any-return]
 
 
+# a widget's Python callbacks the notebook registered: CallbackDispatcher attributes (on_click,
+# on_submit, on_msg) and observers; pickled with the namespace's functions by reference to it
+DISPATCHERS = ("_click_handlers", "_submission_callbacks", "_msg_callbacks")
+
+
+def _user_observers(widget: Any) -> list[tuple[str, str, Any]]:
+    """(trait name, change type, handler) of the observers the notebook added: not the class's
+    own (``@observe`` handlers, methods of the widget itself), nor Tandem's (``CommWatch``)."""
+    from traitlets import EventHandler
+
+    found = []
+    for name, by_type in getattr(widget, "_trait_notifiers", {}).items():
+        for kind, handlers in by_type.items():
+            for handler in handlers:
+                if isinstance(handler, EventHandler) or _own(widget, handler):
+                    continue
+                if getattr(handler, "_tandem_internal", False):
+                    continue
+                found.append((name, kind, handler))
+    return found
+
+
+def _own(widget: Any, callback: Any) -> bool:
+    """A method of the widget itself (``Button`` handles its own messages): its class makes it."""
+    return getattr(callback, "__self__", None) is widget
+
+
+def _dispatcher(widget: Any, attr: str) -> Any:
+    return widget.__dict__.get(attr) or getattr(widget, "_trait_values", {}).get(attr)
+
+
+def _callbacks(widget: Any) -> dict[str, Any]:
+    dispatchers = {}
+    for attr in DISPATCHERS:
+        dispatcher = _dispatcher(widget, attr)
+        added = [cb for cb in dispatcher.callbacks if not _own(widget, cb)] if dispatcher is not None else []
+        if added:
+            dispatchers[attr] = added
+    observers = _user_observers(widget)
+    return {"dispatchers": dispatchers, "observers": observers} if dispatchers or observers else {}
+
+
+def callback_signature(widget: Any) -> tuple[int, ...]:
+    """Cheap: changes when a callback is added or removed (no trait change tells of that)."""
+    callbacks = _callbacks(widget)
+    ids = [id(cb) for cbs in callbacks.get("dispatchers", {}).values() for cb in cbs]
+    return (*ids, *(id(h) for _, _, h in callbacks.get("observers", ())))
+
+
+def _attach_callbacks(widget: Any, pickled: bytes | None, namespace: Any) -> None:
+    """A standby's widget gets the executor's callbacks (replacing what it had): a button
+    clicked after an executor change still runs the notebook's handler."""
+    from kernel_replica.object_codec import loads
+
+    callbacks = loads(pickled, namespace=namespace) if pickled else {}
+    for name, kind, handler in _user_observers(widget):
+        widget.unobserve(handler, names=name, type=kind)
+    for attr in DISPATCHERS:
+        dispatcher = _dispatcher(widget, attr)
+        wanted = callbacks.get("dispatchers", {}).get(attr)
+        if dispatcher is None and wanted:
+            dispatcher = getattr(widget, attr)
+        if dispatcher is not None:
+            own = [cb for cb in dispatcher.callbacks if _own(widget, cb)]
+            dispatcher.callbacks = [*own, *(wanted or ())]
+    for name, kind, handler in callbacks.get("observers", ()):
+        widget.observe(handler, names=name, type=kind)
+
+
 def comm_records(
-    comms: Mapping[str, Any], opened: Mapping[str, dict[str, Any]] | None = None
+    comms: Mapping[str, Any],
+    opened: Mapping[str, dict[str, Any]] | None = None,
+    namespace: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, CommRecord], dict[str, str]]:
     """The executor's open comms as records, and the comm ids whose widget state could not be
     taken (id -> why: the notebook is told, the front end keeps working with this replica).
     ``opened``: the ``comm_open`` data and metadata of comms the front end opened, which their
     target's handler is given again where the comm is re-created (ipywidgets' control comm
-    checks its protocol version there)."""
+    checks its protocol version there). ``namespace``: the notebook's, which its callbacks'
+    functions refer to (without it, callbacks are not taken)."""
     instances = _widget_instances()
     records: dict[str, CommRecord] = {}
     failed: dict[str, str] = {}
@@ -73,6 +145,17 @@ def comm_records(
             except Exception as exc:
                 failed[comm_id] = f"{type(widget).__qualname__}: {exc.__class__.__name__}: {exc}"
                 continue
+            callbacks = _callbacks(widget) if namespace is not None else {}
+            if callbacks:
+                from kernel_replica.object_codec import dumps
+
+                try:
+                    pickled, buffers = dumps(callbacks, namespace=namespace)
+                    if buffers:
+                        raise TypeError("a callback holds out-of-band buffers")
+                    record["cb"] = pickled
+                except Exception as exc:  # the model still follows, its callbacks stay here
+                    failed[comm_id] = f"its callbacks: {exc.__class__.__name__}: {exc}"
         records[comm_id] = record
     return records, failed
 
@@ -100,11 +183,13 @@ class CommWatch:
     def __init__(self) -> None:
         self._seen: dict[str, int] = {}  # comm id -> id() of the widget observed for it (0: none)
         self._dirty: set[str] = set()
+        self._signatures: dict[str, tuple[int, ...]] = {}  # comm id -> callback_signature
 
     def _on_change(self, comm_id: str) -> Any:
         def changed(_change: Any) -> None:
             self._dirty.add(comm_id)
 
+        changed._tandem_internal = True  # type: ignore[attr-defined]
         return changed
 
     def changes(
@@ -112,6 +197,7 @@ class CommWatch:
         comms: Mapping[str, Any],
         opened: Mapping[str, dict[str, Any]] | None,
         replicated: Mapping[str, bytes],
+        namespace: Mapping[str, Any] | None = None,
     ) -> tuple[dict[str, CommRecord], tuple[str, ...], dict[str, str]]:
         """(records new or changed against ``replicated``, ids closed, widgets that failed)."""
         instances = _widget_instances()
@@ -124,9 +210,15 @@ class CommWatch:
                 wanted.add(comm_id)
                 if widget is not None:
                     widget.observe(self._on_change(comm_id))
+            if widget is not None and namespace is not None:
+                signature = callback_signature(widget)
+                if self._signatures.get(comm_id) != signature:
+                    self._signatures[comm_id] = signature
+                    wanted.add(comm_id)
         self._dirty.clear()
         self._seen = {cid: seen for cid, seen in self._seen.items() if cid in open_ids}
-        records, failed = comm_records({cid: comms[cid] for cid in wanted}, opened)
+        self._signatures = {cid: sig for cid, sig in self._signatures.items() if cid in open_ids}
+        records, failed = comm_records({cid: comms[cid] for cid in wanted}, opened, namespace)
         changed, _ = comm_changes(records, replicated)
         closed = tuple(sorted(cid for cid in replicated if cid not in open_ids))
         return changed, closed, failed
@@ -203,6 +295,7 @@ def apply_comms(
             try:
                 _put_buffers(state, record["bp"], record["bf"])
                 widget.set_state(state)
+                _attach_callbacks(widget, record.get("cb"), namespace)
             except Exception as exc:
                 what = ".".join(record["class"])
                 failures[widget.comm.comm_id] = (

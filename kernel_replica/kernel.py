@@ -716,8 +716,9 @@ class TandemKernel(IPythonKernel):
         replicated = self._pending_comm_digests
         if replicated is None or not bridge.core.finishing():
             replicated = bridge.core.namespace.comm_digests()
+        namespace = self.shell.user_ns if self.shell is not None else None
         comms, closed, failed = self._comm_watch.changes(
-            self.comm_manager.comms, self._comm_opened, replicated
+            self.comm_manager.comms, self._comm_opened, replicated, namespace
         )
         for comm_id, reason in failed.items():
             self._warn_unreplicable(comm_id, reason, what="widget model")

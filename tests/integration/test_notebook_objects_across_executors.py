@@ -186,6 +186,27 @@ def test_a_widget_of_a_class_the_notebook_defines_follows_the_executor(
     assert moved.stdout == "Gauge 5\n", moved.stdout
 
 
+def test_a_button_clicked_after_an_executor_change_runs_the_notebooks_handler(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    kc, hosts, _ = kernel
+    made = _on(
+        tandem_cluster,
+        kc,
+        hosts[0],
+        "import ipywidgets\nclicks = []\nbutton = ipywidgets.Button(description='go')\n"
+        "button.on_click(lambda b: clicks.append(b.description))\nprint(button.model_id)",
+    )
+    model_id = made.stdout.strip()
+    assert _on(tandem_cluster, kc, hosts[1], "print(len(clicks))").stdout == "0\n"
+    click = kc.session.msg(
+        "comm_msg", {"comm_id": model_id, "data": {"method": "custom", "content": {"event": "click"}}}
+    )
+    kc.shell_channel.send(click)
+    _iopub_until_idle(kc, click["header"]["msg_id"])
+    assert _on(tandem_cluster, kc, hosts[1], "print(clicks)").stdout == "['go']\n"
+
+
 def test_an_unpicklable_variable_is_named_when_made_and_when_the_executor_moves(
     tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
 ) -> None:

@@ -170,3 +170,32 @@ def test_a_widget_whose_class_is_not_here_is_reported_with_its_class(manager: Co
     # once the cell that defined it is in the namespace, it is re-created
     assert apply_comms(manager, {"g1": record}, (), {"Gauge": ipywidgets.IntText}) == {}
     assert isinstance(widget_module._instances["g1"], ipywidgets.IntText)
+
+
+def test_the_notebooks_callbacks_travel_with_the_widget(manager: CommManager) -> None:
+    namespace: dict[str, object] = {"log": []}
+    exec(  # notebook code, as a cell defines it
+        "def clicked(button):\n    log.append('click')\n\n\ndef moved(change):\n    log.append(change['new'])\n",
+        namespace,
+    )
+    button, slider = ipywidgets.Button(description="go"), ipywidgets.IntSlider()
+    button.on_click(namespace["clicked"])
+    slider.observe(namespace["moved"], names="value")
+    watch = CommWatch()
+    records, _, failed = watch.changes(manager.comms, None, {}, namespace)
+    assert failed == {} and "cb" in records[button.model_id] and "cb" in records[slider.model_id]
+    replicated = {cid: record_digest(rec) for cid, rec in records.items()}
+    assert watch.changes(manager.comms, None, replicated, namespace)[0] == {}
+    button_id, slider_id = button.model_id, slider.model_id
+    for comm_id in list(records):
+        _forget(manager, comm_id)
+    standby: dict[str, object] = {"log": []}  # another replica's namespace: the handlers use its log
+    assert apply_comms(manager, records, (), standby) == {}
+    rebuilt_button = widget_module._instances[button_id]
+    rebuilt_button.click()
+    widget_module._instances[slider_id].value = 4
+    assert standby["log"] == ["click", 4]
+    assert len(rebuilt_button._click_handlers.callbacks) == 1  # the notebook's; the own one is kept apart
+    assert any(
+        getattr(cb, "__self__", None) is rebuilt_button for cb in rebuilt_button._msg_callbacks.callbacks
+    )
