@@ -13,7 +13,9 @@ unpicklable, and the front end already holds the model under its id; what must t
 registry (id, target, class) and the model state, which is JSON by the widget protocol.
 
 A record: ``{"target": name}`` for any comm, plus ``"class": [module, qualname]``, ``"state"``,
-``"bp"`` (buffer paths) and ``"bf"`` (buffers) for a widget. A standby re-creates a comm as
+``"bp"`` (buffer paths) and ``"bf"`` (buffers) for a widget, and ``"cb"``: its Python callbacks
+(``on_click`` handlers, the notebook's observers), pickled with references to the namespace.
+What a callback changes in the namespace between cells is not replicated until a cell names it. A standby re-creates a comm as
 ipykernel does for a front end's ``comm_open`` (not primary: no ``comm_open`` goes out), with
 ``kernel`` unset so that nothing it does is published; the replica that executes (or is sent a
 comm message) becomes the owner, ``set_owner``, and only then do its widgets talk to the front end.
