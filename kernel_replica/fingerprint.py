@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 import xxhash
 
+from kernel_replica.comm_sync import reduce_front_end_object
 from kernel_replica.lazy_modules import Deferred, is_ndarray, is_tensor
 
 if TYPE_CHECKING:
@@ -172,7 +173,8 @@ class _SkeletonPickler(cloudpickle.Pickler):  # type: ignore[misc]
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, _UNSENDABLE) and not isinstance(obj, io.BytesIO | io.StringIO):
             raise TypeError(f"{type(obj).__qualname__} is an open OS resource")  # not a value
-        return super().reducer_override(obj)
+        by_comm = reduce_front_end_object(obj)  # a widget: its model id (its state travels apart)
+        return by_comm if by_comm is not None else super().reducer_override(obj)
 
     def persistent_id(self, obj: Any) -> int | None:
         is_array = is_ndarray(obj) and not obj.dtype.hasobject

@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
+import functools
 import os
 import signal
 import sys
@@ -34,7 +36,7 @@ import zmq
 from ipykernel.ipkernel import IPythonKernel
 from ipykernel.jsonutil import json_clean
 
-from kernel_replica import helper
+from kernel_replica import comm_sync, helper
 from kernel_replica.cell_analysis import FunctionFacts, analyse_cell, update_registry
 from kernel_replica.device_residency import GpuResidency
 from kernel_replica.durability import (
@@ -141,6 +143,15 @@ class TandemKernel(IPythonKernel):
         self._repair_task: asyncio.Future[None] | None = None  # encoding unstored values between cells
         self._repair_write: concurrent.futures.Future[State] | None = None  # and writing them behind
         self._repair_timer: asyncio.TimerHandle | None = None
+        self._pending_comm_digests: dict[str, bytes] | None = None  # of the latest unconfirmed STATE
+        self._comm_opened: dict[str, dict[str, t.Any]] = {}  # front-end comm_open data (comm_sync)
+        self._comm_watch = comm_sync.CommWatch()  # which comms changed since their records were taken
+        self._comms_not_loaded: dict[str, str] = {}  # comm id -> why it could not be re-created here
+        # comm messages from the front end: handled here, then their effect on the comms replicated
+        for msg_type in ("comm_open", "comm_msg", "comm_close"):
+            self.shell_handlers[msg_type] = self._comm_request
+        if self.shell is not None:
+            self.shell.register_magic_function(self._tandem_magic, magic_kind="line", magic_name="tandem")
 
     def attach(
         self, bridge: RaftBridge, *, kernel_id: str, replica_id: str, config: Config | None = None
@@ -287,6 +298,7 @@ class TandemKernel(IPythonKernel):
                         self._warn_state_missing(decision.state_missing)
                     waited = time.perf_counter()
                     await self._state_applied(log)  # a STATE from another executor, being loaded
+                    comm_sync.set_owner(self.comm_manager.comms, self)  # its widgets talk from here
                     timing["apply_wait_ms"] = (time.perf_counter() - waited) * 1000
                     if self._followed:  # DONEs that arrived while this cell waited for them
                         self._catch_up_followed()
@@ -596,6 +608,9 @@ class TandemKernel(IPythonKernel):
             self._warn_unreplicable(name, reason)
         # with what this replica keeps in host memory for the GPU: the next executor needs it too
         state = plan.state(msg_id, self.replica_id, self._residency.carried())
+        comms, closed = self._comm_changes(bridge)
+        if comms or closed:
+            state = dataclasses.replace(state, comms=comms, comms_closed=closed)
         if plan:
             pending = dict(self._replicated_digests(bridge))
             pending.update(plan.fingerprints)
@@ -635,6 +650,83 @@ class TandemKernel(IPythonKernel):
         if self._trace_sync:  # wall clock: the standbys' state_applied lines are compared to it
             log.info("state_sent", replied_at=finished_at, proposed_at=proposed_at, **timings)
         return timings
+
+    # ---- %tandem ----------------------------------------------------------------------------------------
+    def _tandem_magic(self, line: str) -> None:
+        """``%tandem pin``: the kernel's cells run on this replica whenever its host can run them
+        (the scheduler's executor choice prefers it: ``shared.policies.executor_choice``), for
+        objects that cannot be replicated or data kept on this host's GPU; ``%tandem unpin``: the
+        scheduler chooses again; ``%tandem``: where this cell runs."""
+        from IPython.core.error import UsageError
+
+        command = (line.split() or ["status"])[0]
+        where = f"replica {self.replica_id} (host {os.environ.get('TANDEM_HOST_ID', '?')})"
+        if command == "status":
+            print(f"Tandem: this cell runs on {where} of kernel {self.kernel_id}.")
+            return
+        if command not in ("pin", "unpin"):
+            raise UsageError(f"%tandem {command}: expected pin, unpin or nothing")
+        bridge = self._bridge
+        if bridge is None:
+            raise UsageError("this replica is not attached to its kernel's group: nothing to pin")
+        pinned = command == "pin"
+        event = functools.partial(bridge.core.scheduler.event, "pinned", None, pinned=pinned, at=time.time())
+        bridge.thread.call(event)
+        self._slog.info("pin_requested", pinned=pinned)
+        if pinned:
+            print(
+                f"Tandem: this kernel's cells now run on {where} whenever its host can run them "
+                "(objects that cannot be replicated stay usable); %tandem unpin releases it."
+            )
+        else:
+            print("Tandem: the kernel is not pinned any more; each cell's executor is chosen again.")
+
+    # ---- comms (kernel_replica/comm_sync.py) ----------------------------------------------------------
+    async def _comm_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
+        """``comm_open``/``comm_msg``/``comm_close`` from the front end. The scheduler sends them
+        to the kernel's last executor: this replica, which takes over the comms (with every STATE
+        it was handed applied first, so a comm opened on the previous executor exists here), lets
+        ipykernel's comm manager handle the message, and replicates what it changed at once (a
+        slider moved between cells must not be lost if the next cell runs elsewhere)."""
+        await self._state_applied(self._slog)
+        comm_sync.set_owner(self.comm_manager.comms, self)
+        msg_type = parent["header"]["msg_type"]
+        if msg_type == "comm_open":
+            content = parent.get("content") or {}
+            self._comm_opened[str(content.get("comm_id"))] = {
+                "data": content.get("data") or {},
+                "metadata": parent.get("metadata") or {},
+            }
+        getattr(self.comm_manager, msg_type)(stream, ident, parent)
+        bridge = self._bridge
+        if bridge is None:
+            return
+        comms, closed = self._comm_changes(bridge)
+        if comms or closed:
+            state = State(
+                f"comm-{uuid.uuid4().hex}", self.replica_id, repair=True, comms=comms, comms_closed=closed
+            )
+            bridge.thread.call(bridge.core.finish_repair, state, None)
+            self._slog.debug("comms_proposed", comms=sorted(comms), closed=list(closed))
+
+    def _comm_changes(self, bridge: RaftBridge) -> tuple[dict[str, dict[str, t.Any]], tuple[str, ...]]:
+        """The comm records to replicate against what the log will hold once this process's
+        STATEs in flight commit; a widget whose state cannot be taken is told once."""
+        for comm_id in [c for c in self._comm_opened if c not in self.comm_manager.comms]:
+            del self._comm_opened[comm_id]
+        replicated = self._pending_comm_digests
+        if replicated is None or not bridge.core.finishing():
+            replicated = bridge.core.namespace.comm_digests()
+        namespace = self.shell.user_ns if self.shell is not None else None
+        comms, closed, failed = self._comm_watch.changes(
+            self.comm_manager.comms, self._comm_opened, replicated, namespace
+        )
+        for comm_id, reason in failed.items():
+            self._warn_unreplicable(comm_id, reason, what="widget model")
+        pending = {cid: fp for cid, fp in replicated.items() if cid not in closed}
+        pending.update({cid: comm_sync.record_digest(record) for cid, record in comms.items()})
+        self._pending_comm_digests = pending
+        return comms, closed
 
     async def _get_codec(self) -> ObjectCodec:
         """The codec, with the configured data store (opened on first use). A store that fails
@@ -792,6 +884,16 @@ class TandemKernel(IPythonKernel):
         self._settle_written()
         missing = missing_here(bridge.core.namespace.unprotected(), self._own.names, self._told)
         not_loaded = {n: why for n, why in self._not_loaded.items() if (n, why) not in self._told}
+        comms = {c: why for c, why in self._comms_not_loaded.items() if (c, why) not in self._told}
+        if comms and sys.stderr is not None:
+            self._told.update(comms.items())
+            lines = [f"  widget model {comm_id}: {why}" for comm_id, why in sorted(comms.items())]
+            print(
+                f"Tandem: WARNING: replica {self.replica_id} runs this cell without these front-end "
+                "objects (the front end's messages to them are dropped here):\n" + "\n".join(lines),
+                file=sys.stderr,
+            )
+            sys.stderr.flush()
         if (not missing and not not_loaded) or self.shell is None:
             return
         self._told.update((name, marker.msg_id) for name, marker in missing.items())
@@ -821,7 +923,7 @@ class TandemKernel(IPythonKernel):
         self._pending_digests = None
         return bridge.core.namespace.digests()
 
-    def _warn_unreplicable(self, name: str, reason: str) -> None:
+    def _warn_unreplicable(self, name: str, reason: str, *, what: str = "variable") -> None:
         """Tell the user once per name (on the cell's stderr) that it stays on this replica."""
         if name in self._warned:
             return
@@ -829,7 +931,7 @@ class TandemKernel(IPythonKernel):
         self._slog.warning("variable_not_replicated", variable=name, reason=reason)
         if sys.stderr is not None:
             print(
-                f"Tandem: variable {name!r} is not replicated to this kernel's other replicas "
+                f"Tandem: {what} {name!r} is not replicated to this kernel's other replicas "
                 f"({reason}); it will be missing if the notebook moves to another executor.",
                 file=sys.stderr,
             )
@@ -873,13 +975,19 @@ class TandemKernel(IPythonKernel):
         executed here waits for it, ``_state_applied``)."""
         if self.shell is None:
             return
+        if state.comms or state.comms_closed or not state.repair:
+            comm_sync.set_owner(self.comm_manager.comms, None)  # another replica owns the comms
+        comms = (state.comms, state.comms_closed)
         if state.repair:  # values its executor stored after their cell: only those it still held
-            if state.groups:
-                self._chain_apply(state.msg_id, [], [(g, list(g["names"])) for g in state.groups], [])
+            if state.groups or state.comms or state.comms_closed:
+                groups = [(g, list(g["names"])) for g in state.groups]
+                self._chain_apply(state.msg_id, [], groups, [], comms=comms)
             return
         self._residency.adopt(state.gpu_resident)  # its GPU objects are ours when we execute next
         groups = [(g, None) for g in state.groups]
-        self._chain_apply(state.msg_id, list(state.imports), groups, list(state.deleted), time.time())
+        self._chain_apply(
+            state.msg_id, list(state.imports), groups, list(state.deleted), time.time(), comms=comms
+        )
         if state.replica_id != self.replica_id and self._bridge is not None:
             self._yield_unprotected(self._bridge)
 
@@ -909,9 +1017,9 @@ class TandemKernel(IPythonKernel):
         """A snapshot was restored: rebuild the namespace from it (the log replays the rest), and
         take over what its last executor kept in host memory for the GPU."""
         if self.shell is not None:
-            imports, groups, gpu_resident, *gone = contents
+            imports, groups, gpu_resident, comms, gone = contents
             self._residency.adopt(gpu_resident)
-            self._chain_apply("snapshot", imports, groups, list(gone[0]) if gone else [])
+            self._chain_apply("snapshot", imports, groups, list(gone), comms=(comms, ()))
 
     def _chain_apply(
         self,
@@ -920,10 +1028,12 @@ class TandemKernel(IPythonKernel):
         groups: list[tuple[dict[str, t.Any], list[str] | None]],
         deleted: list[str],
         received_at: float | None = None,
+        *,
+        comms: tuple[t.Mapping[str, dict[str, t.Any]], t.Iterable[str]] = ({}, ()),
     ) -> None:
         previous = self._apply_tail
         self._apply_tail = asyncio.ensure_future(
-            self._apply(msg_id, imports, groups, deleted, previous, received_at)
+            self._apply(msg_id, imports, groups, deleted, previous, received_at, comms)
         )
 
     async def _apply(
@@ -934,8 +1044,11 @@ class TandemKernel(IPythonKernel):
         deleted: list[str],
         previous: asyncio.Future[None] | None,
         received_at: float | None = None,
+        comms: tuple[t.Mapping[str, dict[str, t.Any]], t.Iterable[str]] = ({}, ()),
     ) -> None:
-        """``received_at``: when the Raft thread handed the entry over (wall clock, for the trace)."""
+        """``received_at``: when the Raft thread handed the entry over (wall clock, for the trace).
+        ``comms``: the records and closed ids the entry carries, applied before the namespace
+        (a name bound to a widget is a reference to its model)."""
         if previous is not None:
             with contextlib.suppress(Exception):
                 await previous
@@ -943,13 +1056,18 @@ class TandemKernel(IPythonKernel):
             return
         started = time.perf_counter()
         codec: ObjectCodec | None = None
+        failures: list[str] = []
         try:
+            if comms[0] or comms[1]:  # before the namespace: names bound to widgets refer to them
+                self._load_comms(*comms)
             codec = await self._get_codec()
             failures = await apply_state(
                 self.shell.user_ns, codec, imports, groups, deleted, self._not_loaded
             )
+            if comms[0]:
+                failures += self._comms_failed(comms[0])
         except Exception as exc:
-            failures = [f"{exc.__class__.__name__}: {exc}"]
+            failures.append(f"{exc.__class__.__name__}: {exc}")
         self.apply_ms.append((time.perf_counter() - started) * 1000)
         if codec is not None and deleted:
             codec.forget(deleted)
@@ -967,6 +1085,29 @@ class TandemKernel(IPythonKernel):
             self._slog.debug("state_applied", msg_id=msg_id, apply_ms=round(self.apply_ms[-1], 3))
         if len(self._followed) >= FOLLOWED_CATCH_UP:
             self._catch_up_followed()
+
+    def _load_comms(self, records: t.Mapping[str, dict[str, t.Any]], closed: t.Iterable[str]) -> None:
+        """An entry's comm records and closed ids, applied here (``comm_sync.apply_comms``);
+        what failed is kept in ``_comms_not_loaded`` (told when this replica executes)."""
+        assert self.shell is not None
+        closed = list(closed)
+        for comm_id in [*records, *closed]:
+            self._comms_not_loaded.pop(comm_id, None)
+        self._comms_not_loaded.update(
+            comm_sync.apply_comms(self.comm_manager, records, closed, self.shell.user_ns, self._comm_opened)
+        )
+
+    def _comms_failed(self, records: t.Mapping[str, dict[str, t.Any]]) -> list[str]:
+        """After the namespace: records of a widget class the notebook defined (in the cell
+        this entry comes from, so absent before) are applied again; the failures left."""
+        again = {
+            comm_id: records[comm_id]
+            for comm_id in self._comms_not_loaded
+            if records.get(comm_id, {}).get("class", [""])[0] == "__main__"
+        }
+        if again:
+            self._load_comms(again, ())
+        return [f"comm {c}: {self._comms_not_loaded[c]}" for c in records if c in self._comms_not_loaded]
 
     async def _state_applied(self, log: t.Any) -> None:
         """Before executing here: every STATE already handed to this kernel is in the namespace."""

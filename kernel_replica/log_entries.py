@@ -134,6 +134,10 @@ class State:
     # (``msg_id`` is its own id for the attempt). Replicas take from it only the names still
     # marked as held by ``replica_id`` (``state_sync.ReplicatedNamespace.apply``).
     repair: bool = False
+    # comm id -> record of the comms opened or changed (``comm_sync``: widget models, their
+    # state), and the ids closed, since the previous STATE: the comms follow the executor
+    comms: dict[str, dict[str, Any]] = field(default_factory=dict)
+    comms_closed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +196,10 @@ def encode(entry: LogEntry) -> bytes:
                 body["us"] = entry.unstored
             if entry.repair:
                 body["rp"] = True
+            if entry.comms:
+                body["cm"] = entry.comms
+            if entry.comms_closed:
+                body["cc"] = list(entry.comms_closed)
         case _:
             raise TypeError(f"not a log entry: {type(entry).__name__}")
     body["t"] = ENTRY_VERSION
@@ -286,6 +294,14 @@ def decode(data: bytes) -> LogEntry:
     ):
         raise LogEntryError("STATE: 'im' must be a list of [alias, statement] pairs")
     resident = decode_gpu_resident(raw.get("gr", []), "STATE: 'gr'")
+    comms, comms_closed = raw.get("cm", {}), raw.get("cc", [])
+    if not isinstance(comms, dict) or not all(
+        isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("target"), str)
+        for k, v in comms.items()
+    ):
+        raise LogEntryError("STATE: 'cm' must map comm ids to records with a target")
+    if not isinstance(comms_closed, list) or not all(isinstance(c, str) for c in comms_closed):
+        raise LogEntryError("STATE: 'cc' must be a list of comm ids")
     return State(
         msg_id,
         replica_id,
@@ -298,6 +314,8 @@ def decode(data: bytes) -> LogEntry:
         resident,
         unstored,
         repair,
+        comms,
+        tuple(comms_closed),
     )
 
 

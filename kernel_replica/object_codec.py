@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
+from kernel_replica.comm_sync import reduce_front_end_object
 from kernel_replica.lazy_modules import Deferred, is_ndarray, is_tensor, loaded_class
 from shared.datastore.base import DataStore, ObjectRef
 
@@ -514,6 +515,8 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, type):
             _import_home(obj)
+        elif (by_comm := reduce_front_end_object(obj)) is not None:
+            return by_comm  # a widget or comm: a reference to its replicated model (comm_sync)
         if isinstance(obj, _UNSENDABLE) and not isinstance(obj, io.BytesIO | io.StringIO):
             # cloudpickle would send a read-mode file's *contents* as a StringIO: not the same object
             raise TypeError(f"cannot pickle {type(obj).__qualname__!r} object (an open OS resource)")

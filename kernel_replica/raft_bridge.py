@@ -385,7 +385,10 @@ class ReplicaCore:
             reason = f"namespace image unusable: {exc.__class__.__name__}: {exc}"
             raise RpcError(reason, "start_failed") from None
         self._post(self.on_execution_count, image["count"])
-        self._post(self.on_namespace_restored, (*self.namespace.contents(), self.namespace.gpu_resident()))
+        self._post(
+            self.on_namespace_restored,
+            (*self.namespace.contents(), self.namespace.gpu_resident(), self.namespace.comms(), []),
+        )
         self._log.info("namespace_image_restored", bytes=len(data), names=len(self.namespace.digests()))
 
     async def _report_raft_role(self) -> None:
@@ -644,7 +647,8 @@ class ReplicaCore:
         # before its group's snapshot came, a lagging follower): the kernel deletes them too
         gone = sorted(set(before) - set(self.namespace.digests()))
         self._post(
-            self.on_namespace_restored, (*self.namespace.contents(), self.namespace.gpu_resident(), gone)
+            self.on_namespace_restored,
+            (*self.namespace.contents(), self.namespace.gpu_resident(), self.namespace.comms(), gone),
         )
         self._feed(lambda now: self.election.restore(book, now))
         self._log.info("snapshot_restored", names=len(self.namespace.digests()))

@@ -30,6 +30,7 @@ import msgpack
 import xxhash
 
 from kernel_replica.cell_analysis import CellEffects, ImportRecord, names_to_check
+from kernel_replica.comm_sync import CommRecord, record_digest
 from kernel_replica.durability import Marker, apply_markers, apply_repair
 from kernel_replica.fingerprint import fingerprint
 from kernel_replica.log_entries import GpuResident, State, decode_gpu_resident, encode_gpu_resident
@@ -431,6 +432,11 @@ class ReplicatedNamespace:
         self._gpu_resident: tuple[GpuResident, ...] = ()
         # names whose latest value is not in the log (durability.Marker): who holds it and why
         self._unprotected: dict[str, Marker] = {}
+        # the notebook's open comms (comm_sync): id -> record, its digest, and the replica that
+        # owns them (the last executor: only its comm-only repair STATEs are taken)
+        self._comms: dict[str, CommRecord] = {}
+        self._comm_fps: dict[str, bytes] = {}
+        self._comm_owner: str | None = None
 
     def apply(self, state: State) -> State:
         """Apply a committed STATE; returns it as every replica must apply it to its namespace
@@ -438,9 +444,19 @@ class ReplicatedNamespace:
         with self._lock:
             if state.repair:
                 self._unprotected, state = apply_repair(self._unprotected, state)
+                if self._comm_owner not in (None, state.replica_id) and (state.comms or state.comms_closed):
+                    # a comm message handled by a replica that has since stopped executing: stale
+                    state = dataclasses.replace(state, comms={}, comms_closed=())
             else:
                 self._unprotected = apply_markers(self._unprotected, state)
                 self._gpu_resident = state.gpu_resident
+                self._comm_owner = state.replica_id
+            for comm_id, record in state.comms.items():
+                self._comms[comm_id] = record
+                self._comm_fps[comm_id] = record_digest(record)
+            for comm_id in state.comms_closed:
+                self._comms.pop(comm_id, None)
+                self._comm_fps.pop(comm_id, None)
             for alias, statement in state.imports:
                 self._records[alias] = ("i", statement)
             for group in state.groups:
@@ -480,6 +496,15 @@ class ReplicatedNamespace:
         with self._lock:
             return self._gpu_resident
 
+    def comm_digests(self) -> dict[str, bytes]:
+        with self._lock:
+            return dict(self._comm_fps)
+
+    def comms(self) -> dict[str, CommRecord]:
+        """Every open comm's record: what a replica restored from a snapshot re-creates."""
+        with self._lock:
+            return dict(self._comms)
+
     def unprotected(self) -> dict[str, Marker]:
         """Names whose latest value never reached the log, as committed (``durability``)."""
         with self._lock:
@@ -506,6 +531,8 @@ class ReplicatedNamespace:
                     "next": self._next_group,
                     "gr": encode_gpu_resident(self._gpu_resident),
                     "up": {name: list(marker) for name, marker in self._unprotected.items()},
+                    "cm": self._comms,
+                    "co": self._comm_owner,
                 },
                 use_bin_type=True,
             )
@@ -521,7 +548,10 @@ class ReplicatedNamespace:
                 self._next_group,
                 self._gpu_resident,
                 self._unprotected,
+                self._comms,
+                self._comm_owner,
             ) = parsed
+            self._comm_fps = {comm_id: record_digest(record) for comm_id, record in self._comms.items()}
 
     @staticmethod
     def parse_snapshot(
@@ -533,6 +563,8 @@ class ReplicatedNamespace:
         int,
         tuple[GpuResident, ...],
         dict[str, Marker],
+        dict[str, CommRecord],
+        str | None,
     ]:
         """A snapshot's contents, checked (no import is run, nothing is unpickled here: that is
         the kernel's, when it loads the namespace); ValueError naming what is malformed."""
@@ -575,4 +607,11 @@ class ReplicatedNamespace:
             raise ValueError("namespace snapshot 'next' must be an int above every group id")
         gpu_resident = decode_gpu_resident(raw.get("gr", []), "namespace snapshot 'gr'")  # a ValueError
         unprotected = _markers(raw.get("up", {}))  # a ValueError
-        return dict(fps), parsed_records, parsed_groups, next_group, gpu_resident, unprotected
+        comms, owner = raw.get("cm", {}), raw.get("co")
+        if type(comms) is not dict or not all(
+            type(k) is str and type(v) is dict and type(v.get("target")) is str for k, v in comms.items()
+        ):
+            raise ValueError("namespace snapshot 'cm' must map comm ids to records with a target")
+        if owner is not None and type(owner) is not str:
+            raise ValueError("namespace snapshot 'co' must be a replica id")
+        return dict(fps), parsed_records, parsed_groups, next_group, gpu_resident, unprotected, comms, owner

@@ -7,6 +7,11 @@ gateway's five ports with the key the KernelManager generated. Process-like call
 gateway API: poll -> ``kernel.status``, SIGINT -> ``kernel.interrupt``, terminate/kill ->
 ``kernel.shutdown``.
 
+With ``sessions_dir`` set (the Kernel Gateway API sets it), each kernel it starts is recorded
+there, key included (0600), and forgotten when the kernel is shut down for good; a start for a
+kernel id that has a record re-attaches to that kernel if the cluster still runs it, instead of
+starting one: how the API, restarted after a crash, takes its kernels back.
+
 A kernel that died for good (fewer than two replicas) is reported dead by ``poll`` and the
 KernelManager's auto-restarter is told not to restart it: a silent restart would hand the user a
 fresh, empty namespace that looks like the old kernel. An explicit restart still works.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -27,12 +33,13 @@ from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
-from traitlets import Bool, Float, Integer
+from traitlets import Bool, Float, Integer, Unicode
 
 from services.cluster_file import ClusterNotRunning, ask, pid_alive, read_cluster
 from shared import messages
 from shared.host_address import address_host, is_wildcard
 from shared.kernel_launch import KernelLaunch, from_client
+from shared.private_files import private_dir, write_private
 from shared.resources import Resources
 from shared.rpc import RpcError, RpcTimeout
 from shared.security import curve
@@ -49,6 +56,37 @@ STOPPED_EXIT_CODE = 0
 # Consecutive unanswered status questions before the kernel counts as gone (a busy gateway
 # must not be mistaken for a dead kernel).
 UNREACHABLE_POLLS_BEFORE_DEAD = 3
+CONNECTION_FIELDS = ("transport", "ip", "shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+
+
+def session_path(sessions_dir: str, kernel_id: str) -> Path:
+    return Path(sessions_dir) / f"{kernel_id}.json"
+
+
+def read_session(sessions_dir: str, kernel_id: str) -> dict[str, Any] | None:
+    """The record of a kernel started through ``sessions_dir``'s owner, None when there is none
+    (or it cannot be read: the kernel is then simply not re-attached)."""
+    if not sessions_dir or not kernel_id:
+        return None
+    try:
+        record = json.loads(session_path(sessions_dir, kernel_id).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("kernel_id") == kernel_id else None
+
+
+def recorded_kernels(sessions_dir: str) -> list[str]:
+    """The ids of the kernels recorded in ``sessions_dir``."""
+    try:
+        return sorted(path.stem for path in Path(sessions_dir).glob("*.json"))
+    except OSError:
+        return []
+
+
+def forget_session(sessions_dir: str, kernel_id: str) -> None:
+    if sessions_dir and kernel_id:
+        with contextlib.suppress(OSError):
+            session_path(sessions_dir, kernel_id).unlink()
 
 
 class TandemConfigError(ValueError):
@@ -87,6 +125,12 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
     restart_dead_kernels = Bool(
         False, config=True, help="let jupyter_client auto-restart a kernel that died (loses its state)"
     )
+    sessions_dir = Unicode(
+        "",
+        config=True,
+        help="record each kernel started here (0600, with its key) and re-attach to a recorded kernel "
+        "the cluster still runs when it is started again by id; empty: no records",
+    )
 
     _launched: bool = False
     _exit_code: int | None = None
@@ -97,6 +141,8 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
     _resources: dict[str, Any] = {}
     _dead_reason: str = ""
     _launch: KernelLaunch = KernelLaunch()
+    _adopting: dict[str, Any] | None = None
+    _launched_once: bool = False  # a restart (same provisioner) starts afresh, never re-attaches
 
     @property
     def has_process(self) -> bool:
@@ -127,9 +173,17 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         # what a local kernel would get from Popen(cwd=..., env=...): its replicas start with it
         self._launch = from_client(kwargs.get("env"), kwargs.get("cwd"), os.environ, os.getcwd())
         kwargs["cmd"] = []  # nothing is spawned here; the cluster starts the replicas
+        self._adopting = None if self._launched_once else read_session(self.sessions_dir, self.kernel_id)
+        if self._adopting is not None:  # the kernel it started before: its launch, not this one's
+            self._launch = KernelLaunch.from_wire(self._adopting.get("launch", {}))
+            self._resources = dict(self._adopting.get("resources") or self._resources)
         return kwargs
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        self._launched_once = True
+        if self._adopting is not None:
+            record, self._adopting = self._adopting, None
+            return await self._reattach(record)
         session = self.parent.session if self.parent is not None else None
         key: bytes = session.key if session is not None else os.urandom(16).hex().encode()
         scheme: str = session.signature_scheme if session is not None else "hmac-sha256"
@@ -174,6 +228,54 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             "key": key,
             "signature_scheme": scheme,
         }
+        self._record_session()
+        return self.connection_info
+
+    def _record_session(self) -> None:
+        """What re-attaching to this kernel needs, should this process die (``sessions_dir``)."""
+        if not self.sessions_dir:
+            return
+        info = dict(self.connection_info)
+        key = info.get("key", b"")
+        record = {
+            "kernel_id": self.kernel_id,
+            "kernel_name": str(getattr(self.parent, "kernel_name", "") or ""),
+            "connection": {k: info[k] for k in CONNECTION_FIELDS if k in info},
+            "key": key.decode() if isinstance(key, bytes) else str(key),
+            "signature_scheme": info.get("signature_scheme", "hmac-sha256"),
+            "resources": self._resources,
+            "launch": self._launch.to_wire(),
+        }
+        private_dir(self.sessions_dir, tighten=False)
+        write_private(session_path(self.sessions_dir, self.kernel_id), json.dumps(record))
+
+    async def _reattach(self, record: dict[str, Any]) -> KernelConnectionInfo:
+        """The kernel ``record`` describes, if the cluster still runs it: its ports and key, as
+        when this process started it; otherwise the record is dropped and the start fails."""
+        try:
+            status = await self._ask(messages.KERNEL_STATUS, {"kernel_id": self.kernel_id}, timeout=10.0)
+        except (RpcError, RpcTimeout) as exc:
+            status = {"state": "unknown", "reason": getattr(exc, "reason", str(exc))}
+        if status.get("state") not in ("alive", "starting"):
+            forget_session(self.sessions_dir, self.kernel_id)
+            raise RuntimeError(
+                f"Tandem kernel {self.kernel_id} is not running any more ({status.get('state')}: "
+                f"{status.get('reason') or 'no reason given'}); not re-attached"
+            )
+        self._launched = True
+        self._exit_code = None
+        self._unanswered_polls = 0
+        self._dead_reason = ""
+        self.connection_info = {
+            **record["connection"],
+            "key": str(record["key"]).encode(),
+            "signature_scheme": record.get("signature_scheme", "hmac-sha256"),
+        }
+        if self.parent is not None:
+            # the crashed process's connection file (named after the kernel id) may still hold
+            # these values: jupyter_client then takes them as loaded already, and they are not
+            self.parent.load_connection_info(self.connection_info)
+        self.log.info("Tandem: re-attached to running kernel %s", self.kernel_id)
         return self.connection_info
 
     async def _ask(self, msg_type: str, body: dict[str, Any], *, timeout: float) -> dict[str, Any]:
@@ -270,6 +372,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             # already forgotten or the cluster is gone: nothing left to release either way.
             with contextlib.suppress(RpcError, RpcTimeout):
                 await self._ask(messages.KERNEL_SHUTDOWN, {"kernel_id": self.kernel_id}, timeout=5.0)
+            forget_session(self.sessions_dir, self.kernel_id)
         self._launched = False
 
     async def _shutdown(self, *, restart: bool) -> None:

@@ -108,8 +108,18 @@ CHECKPOINT_FORGET = "checkpoint.forget"  # the job is over: its images may be co
 CHECKPOINT_STATUS = "checkpoint.status"
 
 CHANNELS = ("shell", "control", "stdin", "iopub")
-# cell_timings: the executor's per-cell step times (ms), sent after its reply (metrics only)
-REPLICA_EVENTS = ("elected", "election_failed", "done", "raft_role", "exited", "ready", "cell_timings")
+# cell_timings: the executor's per-cell step times (ms), sent after its reply (metrics only);
+# pinned: ``%tandem pin`` / ``unpin`` ran on the replica (``detail.pinned``, a bool)
+REPLICA_EVENTS = (
+    "elected",
+    "election_failed",
+    "done",
+    "raft_role",
+    "exited",
+    "ready",
+    "cell_timings",
+    "pinned",
+)
 
 _int = (int,)
 _str = (str,)

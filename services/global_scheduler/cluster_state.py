@@ -123,6 +123,9 @@ class KernelRecord:
     resumes: int = 0
     last_resume_s: float | None = None
     hibernated_s_total: float = 0.0  # over its hibernations that ended (resumed or stopped)
+    # the replica the notebook pinned its cells to (``%tandem pin``), preferred as executor
+    pinned: str | None = None
+    pinned_at: float = 0.0  # wall clock of the latest pin / unpin (the latest one wins on adoption)
     _index: LiveIndex | None = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -344,6 +347,7 @@ class ClusterState:
             "alive": kernel.alive,
             "reason": kernel.dead_reason,
             "last_executor": kernel.router.last_executor,
+            "pinned": kernel.pinned,
             "resources": kernel.resources.to_dict(),
             "migrations": kernel.migrations,
             "last_migration": kernel.last_migration,

@@ -417,6 +417,7 @@ class GlobalScheduler:
                 self.state.ledger_views({r.host_id for r in kernel.replicas.values()}),
                 kernel.resources.gpus,
                 router.last_executor,
+                pinned=kernel.pinned,
             )
             chosen.append(choice)
             return choice
@@ -582,6 +583,12 @@ class GlobalScheduler:
                 self.metrics.cell_timings(
                     kernel.kernel_id, split_election_key(key)[0], replica.replica_id, steps
                 )
+        elif event == "pinned":  # ``%tandem pin`` / ``%tandem unpin`` ran on this replica
+            at = detail.get("at")
+            self._pin(
+                kernel, replica.replica_id, detail.get("pinned"), at if isinstance(at, int | float) else 0.0
+            )
+            blog.info("kernel_pinned" if kernel.pinned else "kernel_unpinned")
         elif event == "raft_role":
             role = detail.get("role")
             role = role.lower() if isinstance(role, str) else None
@@ -772,11 +779,23 @@ class GlobalScheduler:
             replica.pid = item.get("pid") if isinstance(item.get("pid"), int) else replica.pid
             replica.raft_address = str(item.get("raft_address") or replica.raft_address)
             replica.role = item.get("role") if isinstance(item.get("role"), str) else replica.role
+            pin = item.get("pin")
+            if isinstance(pin, list) and len(pin) == 2 and isinstance(pin[1], int | float):
+                self._pin(kernel, replica_id, pin[0], float(pin[1]))
             replica.alive = True
             replica.started = True
         for kernel, replica in self.state.replicas_on(host_id):
             if replica.alive and (kernel.kernel_id, replica.replica_id) not in running and replica.started:
                 self._replica_lost(kernel, replica, f"host {host_id} no longer runs it")
+
+    @staticmethod
+    def _pin(kernel: KernelRecord, replica_id: str, pinned: Any, at: float) -> None:
+        """A replica's ``%tandem pin`` (``pinned`` True) or ``unpin`` made at ``at``: the latest
+        one wins, also when a restarted scheduler learns them from its hosts' reports."""
+        if not isinstance(pinned, bool) or at < kernel.pinned_at:
+            return
+        kernel.pinned_at = at
+        kernel.pinned = replica_id if pinned else None
 
     def _adopt_kernel(self, item: dict[str, Any]) -> KernelRecord | None:
         """A kernel we do not know (this scheduler restarted): rebuild it from the host's report."""

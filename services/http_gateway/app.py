@@ -13,7 +13,10 @@ gateway's five ZMQ ports that the WebSocket bridge then connects to.
 What Tandem adds: the token comes from a 0600 file (never argv), only the ``tandem`` kernelspec is
 offered, a start's ``KERNEL_*`` variables and ``KERNEL_WORKING_DIR`` become the kernel's launch
 environment (``TandemProvisioner`` forwards them to every replica), an unauthenticated request gets
-a 401 that says how to authenticate, and the server's logs go through structlog.
+a 401 that says how to authenticate, and the server's logs go through structlog. The kernels it
+starts are recorded (``<state>/http/sessions``, 0600: their keys); restarted after a crash, it
+re-attaches to those the cluster still runs before it serves (``adopt_kernels``), so they are
+listed and usable through the API again and a front end reconnects to the same kernel.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tornado import httpserver, netutil
 from traitlets.config import Config as TraitletsConfig
 
 from services.kernelspec import KERNEL_NAME, kernel_json
+from services.provisioner import forget_session, read_session, recorded_kernels
 from shared.config import Config
 from shared.private_files import private_dir, write_private
 
@@ -132,6 +136,13 @@ class TandemKernelGatewayApp(KernelGatewayApp):  # type: ignore[misc]
     """Kernel Gateway bound to a port the OS may choose (port 0), told to the launcher."""
 
     name = "tandem-http"
+    sessions_dir = ""  # where TandemProvisioner records this server's kernels ("": not recorded)
+
+    def start_app(self) -> None:
+        """Take back the kernels a crashed predecessor started, before serving."""
+        if self.sessions_dir:
+            self.io_loop.run_sync(lambda: adopt_kernels(self.kernel_manager, self.sessions_dir))
+        super().start_app()
 
     def init_http_server(self) -> None:
         ssl_options = self._build_ssl_options()
@@ -146,6 +157,30 @@ class TandemKernelGatewayApp(KernelGatewayApp):  # type: ignore[misc]
     def url(self) -> str:
         host = f"[{self.ip}]" if ":" in self.ip else self.ip
         return f"http{'s' if self.certfile else ''}://{host}:{self.port}"
+
+
+async def adopt_kernels(manager: Any, sessions_dir: str) -> list[str]:
+    """Start every kernel recorded in ``sessions_dir`` again by its id: ``TandemProvisioner``
+    re-attaches to it when the cluster still runs it (same ports, same key), and drops the record
+    otherwise. A clean shutdown of the API stops its kernels and drops their records, so what is
+    recorded here at start-up is what a crash left running. Returns the ids re-attached."""
+    adopted: list[str] = []
+    for kernel_id in recorded_kernels(sessions_dir):
+        record = read_session(sessions_dir, kernel_id)
+        if record is None:
+            forget_session(sessions_dir, kernel_id)
+            continue
+        try:
+            await manager.start_kernel(
+                kernel_id=kernel_id, kernel_name=record.get("kernel_name") or KERNEL_NAME
+            )
+        except Exception as exc:
+            log.warning("kernel_not_readopted", kernel=kernel_id, reason=f"{exc.__class__.__name__}: {exc}")
+            forget_session(sessions_dir, kernel_id)
+            continue
+        adopted.append(kernel_id)
+        log.info("kernel_readopted", kernel=kernel_id)
+    return adopted
 
 
 def traitlets_config(cfg: Config, token: str) -> TraitletsConfig:
@@ -180,7 +215,10 @@ def build_app(cfg: Config, token: str, spec_root: Path) -> TandemKernelGatewayAp
         filter(None, [str(install_kernelspec(spec_root)), os.environ.get("JUPYTER_PATH")])
     )
     mixins.TokenAuthorizationMixin.prepare = _require_token  # type: ignore[method-assign]
-    app = TandemKernelGatewayApp(config=traitlets_config(cfg, token))
+    config = traitlets_config(cfg, token)
+    config.TandemProvisioner.sessions_dir = str(spec_root / "sessions")
+    app = TandemKernelGatewayApp(config=config)
+    app.sessions_dir = str(spec_root / "sessions")
     app.initialize(argv=[])
     # jupyter_server's access log, which scrubs ?token= from the URIs it logs (tornado's does not)
     app.web_app.settings["log_function"] = partial(log_request, record_prometheus_metrics=False)

@@ -94,6 +94,8 @@ class ReplicaProcess:
         self.identity: bytes | None = None  # its DEALER identity on our replica ROUTER
         self.raft_address = ""
         self.role: str | None = None
+        # its latest %tandem pin / unpin: (pinned, wall-clock time), for a restarted global scheduler
+        self.pin: tuple[bool, float] | None = None
         self.registered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.stopping = False
         self.returncode: int | None = None
@@ -125,6 +127,7 @@ class ReplicaProcess:
             "pid": self.pid,
             "raft_address": self.raft_address,
             "role": self.role,
+            "pin": list(self.pin) if self.pin is not None else None,
             "alive": self.running,
             "key": self.key,
             "signature_scheme": self.signature_scheme,

@@ -651,6 +651,10 @@ class LocalScheduler:
             if replica is not None and body["event"] == "raft_role":
                 role = (body.get("detail") or {}).get("role")
                 replica.role = role.lower() if isinstance(role, str) else replica.role
+            if replica is not None and body["event"] == "pinned":
+                detail = body.get("detail") or {}
+                if isinstance(detail.get("pinned"), bool) and isinstance(detail.get("at"), int | float):
+                    replica.pin = (detail["pinned"], float(detail["at"]))
             self._send_upstream(Envelope(messages.REPLICA_EVENT, dict(body)))
             return None  # a push: the replica awaits no answer (one would cost it a wake-up)
         if env.type == messages.REPLICA_REGISTER:

@@ -29,10 +29,13 @@ def executor_for(
     ledgers: Mapping[str, HostLedgerView],
     gpus: int,
     last_executor: str | None,
+    *,
+    pinned: str | None = None,
 ) -> ExecutorChoice:
     """The replica that runs a cell now (and the jobs its host revokes), or none: every driver's
-    executor choice, for routing a cell and for judging a held one."""
-    return choose_executor(replicas, ledgers, gpus, last_executor)
+    executor choice, for routing a cell and for judging a held one. ``pinned``: the replica the
+    notebook pinned (``%tandem pin``), preferred while its host can run the cell."""
+    return choose_executor(replicas, ledgers, gpus, last_executor, pinned=pinned)
 
 
 def single_replica(replicas: Sequence[ReplicaView], last_executor: str | None) -> str | None:

@@ -2,8 +2,11 @@
 
 The global scheduler designates at most ONE executor candidate per request (protocol.md, execute
 path step 2) so two kernels are never both sent to the same free GPU; every other live replica
-gets ``yield_request``. Preference among replicas whose host can bind the GPUs now: the Raft
+gets ``yield_request``. Preference among replicas whose host can bind the GPUs now: the replica
+the notebook pinned (``%tandem pin``: objects that exist only there, GPU residency), then the Raft
 leader (its LEAD commits fastest), then the last executor (its GPU state is warm), then replica id.
+A pinned replica whose host cannot run the cell is passed over like any other (the cell runs, and
+the replica that runs it names what it lacks).
 If no host has the GPUs idle but some have GPUs leased to best-effort jobs, the executor and the
 victims are ONE decision: FitGpp (``shared.policies.preemption``) over the replica hosts, in the
 same order of preference, picks the host; that host's local scheduler suspends the victims' leases
@@ -66,6 +69,7 @@ def choose_executor(
     gpus: int,
     last_executor: str | None = None,
     policy: PreemptionPolicy | None = None,
+    pinned: str | None = None,
 ) -> ExecutorChoice:
     reasons: dict[str, str] = {}
     candidates: list[ReplicaView] = []
@@ -78,8 +82,8 @@ def choose_executor(
         else:
             reasons[replica.replica_id] = why
 
-    def preference(r: ReplicaView) -> tuple[int, int, str]:
-        return (r.raft_role != "leader", r.replica_id != last_executor, r.replica_id)
+    def preference(r: ReplicaView) -> tuple[int, int, int, str]:
+        return (r.replica_id != pinned, r.raft_role != "leader", r.replica_id != last_executor, r.replica_id)
 
     executor = min(candidates, key=preference).replica_id if candidates else None
     victims: tuple[Victim, ...] = ()
@@ -95,7 +99,7 @@ def _revoke_choice(
     replicas: Sequence[ReplicaView],
     hosts: Mapping[str, HostLedgerView],
     gpus: int,
-    preference: Callable[[ReplicaView], tuple[int, int, str]],
+    preference: Callable[[ReplicaView], tuple[int, int, int, str]],
     policy: PreemptionPolicy,
 ) -> tuple[str | None, tuple[Victim, ...]]:
     """No replica host has ``gpus`` idle: FitGpp over the hosts (alive, not cordoned) where a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -284,3 +285,43 @@ def test_a_start_request_env_reaches_every_replica_and_other_variables_stay_behi
             kernel.close()
     finally:
         assert tandem_api.request("DELETE", f"/api/kernels/{kernel_id}").status_code == 204
+
+
+def test_kernels_of_the_api_are_taken_back_after_its_process_crashes(
+    tandem_cluster: ClusterHandle, tandem_api: Server
+) -> None:
+    started = tandem_api.request("POST", "/api/kernels", json={"name": "tandem"})
+    assert started.status_code == 201, started.text
+    kernel_id = started.json()["id"]
+    record = tandem_cluster.state_dir / "http" / "sessions" / f"{kernel_id}.json"
+    assert record.stat().st_mode & 0o777 == 0o600
+    ws = tandem_api.channels(kernel_id)
+    try:
+        assert ws.run("x = 41").reply["status"] == "ok"
+    finally:
+        ws.close()
+    cluster_file = tandem_cluster.state_dir / "cluster.json"
+    crashed = json.loads(cluster_file.read_text())["processes"]["http-gateway"]
+    os.kill(crashed, signal.SIGKILL)  # tandem up starts it again on the same URL
+
+    def listed() -> bool:
+        if json.loads(cluster_file.read_text())["processes"]["http-gateway"] == crashed:
+            return False
+        try:
+            answer = tandem_api.request("GET", "/api/kernels")
+        except requests.ConnectionError:
+            return False
+        return answer.status_code == 200 and kernel_id in {k["id"] for k in answer.json()}
+
+    assert eventually(listed, timeout=60), tandem_cluster.log_text("http-gateway")[-3000:]
+    ws = tandem_api.channels(kernel_id)
+    try:
+        cell = ws.run("print(x + 1)")
+        assert (cell.reply["status"], cell.stdout) == ("ok", "42\n")
+        # a kernel taken back restarts like any other: in place, with a fresh namespace
+        assert tandem_api.request("POST", f"/api/kernels/{kernel_id}/restart").status_code == 200
+        assert ws.run("print('x' in globals())").stdout == "False\n"
+    finally:
+        ws.close()
+    assert tandem_api.request("DELETE", f"/api/kernels/{kernel_id}").status_code == 204
+    assert not record.exists()

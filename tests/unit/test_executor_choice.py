@@ -75,3 +75,18 @@ def test_unknown_host_yields() -> None:
     choice = choose_executor(REPLICAS, hosts(b=8), gpus=1)
     assert choice.executor == "r2"
     assert choice.reasons["r1"] == "host unknown"
+
+
+def test_a_pinned_replica_beats_the_leader_and_the_last_executor() -> None:
+    replicas = [ReplicaView("r1", "a", raft_role="leader"), ReplicaView("r2", "b"), ReplicaView("r3", "c")]
+    choice = choose_executor(replicas, hosts(a=8, b=8, c=8), gpus=1, last_executor="r3", pinned="r2")
+    assert choice.executor == "r2" and choice.yielders == ("r1", "r3")
+
+
+def test_a_pinned_replica_whose_host_cannot_run_the_cell_is_passed_over() -> None:
+    replicas = [ReplicaView("r1", "a", raft_role="leader"), ReplicaView("r2", "b"), ReplicaView("r3", "c")]
+    assert choose_executor(replicas, hosts(a=8, b=0, c=8), gpus=1, pinned="r2").executor == "r1"
+    dead = [ReplicaView("r1", "a"), ReplicaView("r2", "b", alive=False), ReplicaView("r3", "c")]
+    assert (
+        choose_executor(dead, hosts(a=8, b=8, c=8), gpus=0, last_executor="r3", pinned="r2").executor == "r3"
+    )

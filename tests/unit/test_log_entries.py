@@ -37,6 +37,13 @@ from kernel_replica.log_entries import (
         Done("m1", "r1", {"status": "ok", "execution_count": 4}, 5, code="x = 1", claims_lead=True),
         State("m1", "r1", {"x": b"\x01" * 16}, b"\x80\x05}\x94.", ("y",), {"f": "not picklable"}),
         State("m1", "r1", gpu_resident=(("model", (), "module"), ("d", ("w", 0), "tensor"))),
+        State(
+            "comm-1",
+            "r1",
+            repair=True,
+            comms={"c1": {"target": "jupyter.widget", "class": ["m", "W"], "state": {"value": 7}}},
+            comms_closed=("c0",),
+        ),
     ],
 )
 def test_round_trip(entry: object) -> None:
@@ -57,6 +64,8 @@ def test_round_trip(entry: object) -> None:
         (msgpack.packb({"t": 1, "k": "STATE", "m": "a", "r": "b", "ns": "str"}), "'ns'"),
         (msgpack.packb({"t": 1, "k": "STATE", "m": "a", "r": "b", "gr": [["x", [], "blob"]]}), "'gr'"),
         (msgpack.packb({"t": 1, "k": "STATE", "m": "a", "r": "b", "gr": [["x", [1.5], "tensor"]]}), "'gr'"),
+        (msgpack.packb({"t": 1, "k": "STATE", "m": "a", "r": "b", "cm": {"c": {"state": {}}}}), "'cm'"),
+        (msgpack.packb({"t": 1, "k": "STATE", "m": "a", "r": "b", "cc": [1]}), "'cc'"),
         (msgpack.packb({"t": 1, "k": "VOTES", "m": "a", "r": "b", "v": []}), "pairs"),
         (msgpack.packb({"t": 1, "k": "VOTES", "m": "a", "r": "b", "v": [["a"]]}), "pairs"),
         (

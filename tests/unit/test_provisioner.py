@@ -19,7 +19,14 @@ from _gateway_double import Harness
 from jupyter_client import KernelManager
 
 from services import kernelspec
-from services.provisioner import TandemConfigError, resource_request
+from services.provisioner import (
+    TandemConfigError,
+    forget_session,
+    read_session,
+    recorded_kernels,
+    resource_request,
+    session_path,
+)
 
 
 @pytest.fixture
@@ -163,3 +170,18 @@ def test_a_kernel_the_operator_stopped_is_not_auto_restarted(cluster: Harness) -
         assert cluster.scheduler.started == [km.kernel_id]  # not started again
     finally:
         km.shutdown_kernel(now=True)
+
+
+def test_session_records_are_read_only_when_they_name_their_kernel(tmp_path: Path) -> None:
+    sessions = str(tmp_path / "sessions")
+    assert read_session(sessions, "k1") is None and recorded_kernels(sessions) == []
+    (tmp_path / "sessions").mkdir()
+    session_path(sessions, "k1").write_text('{"kernel_id": "k1", "key": "s"}')
+    session_path(sessions, "k2").write_text('{"kernel_id": "k9"}')  # copied under another name
+    session_path(sessions, "k3").write_text("not json")
+    assert recorded_kernels(sessions) == ["k1", "k2", "k3"]
+    assert read_session(sessions, "k1") == {"kernel_id": "k1", "key": "s"}
+    assert read_session(sessions, "k2") is None and read_session(sessions, "k3") is None
+    forget_session(sessions, "k1")
+    forget_session(sessions, "k1")  # already gone: nothing to do
+    assert recorded_kernels(sessions) == ["k2", "k3"]

@@ -1,0 +1,281 @@
+"""What a notebook holds besides plain variables keeps working across executor changes.
+
+Widgets: the comm registry and the widget models are replicated, and the front end's comm
+messages reach whichever replica executes now. Unpicklable objects: named when made and when the
+executor moves, and ``%tandem pin`` keeps the cells where they live.
+
+A real ``ipywidgets.IntSlider`` is made on one replica; the next cell is forced onto another
+(every other host cordoned). The test then does what JupyterLab does when the user drags the
+slider: a ``comm_msg`` ``update`` on the shell channel. The new executor must hold the comm (it
+echoes the update, and lists it in ``comm_info_reply``), the value must be 7 in the next cell
+there and on the first replica too (the update, handled between cells, was replicated), and a
+cell that sets the value on the first replica again must send the front end its update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from _cluster import ClusterHandle, eventually
+from _kernels import CellResult, run, tandem_kernel
+from jupyter_client import BlockingKernelClient
+
+from shared import messages
+
+pytestmark = pytest.mark.integration
+
+
+def _replica_hosts(cluster: ClusterHandle, kernel_id: str) -> list[str]:
+    deadline = time.monotonic() + 30
+    while True:
+        status = cluster.ask_scheduler(messages.CLUSTER_STATUS, {})
+        kernel = next(k for k in status["kernels"] if k["id"] == kernel_id)
+        hosts = sorted({r["host"] for r in kernel["replicas"] if r.get("host")})
+        if len(hosts) >= 2 or time.monotonic() > deadline:
+            return hosts
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def kernel(tandem_cluster: ClusterHandle) -> Iterator[tuple[BlockingKernelClient, list[str], str]]:
+    """One kernel for the module, the hosts of its replicas (two at least), and its id."""
+    with tandem_kernel() as (km, kc):
+        hosts = _replica_hosts(tandem_cluster, km.kernel_id)
+        assert len(hosts) >= 2, f"replicas on {hosts}: an executor change needs two hosts"
+        yield kc, hosts, km.kernel_id
+
+
+def _on(cluster: ClusterHandle, kc: BlockingKernelClient, host: str, code: str) -> CellResult:
+    with cluster.only_host_open(host):
+        result = run(kc, code, timeout=60)
+    assert result.status == "ok", (code, result.errors)
+    assert result.tandem.get("host_id") == host, (code, result.tandem, host)
+    return result
+
+
+def _iopub_until_idle(
+    kc: BlockingKernelClient, parent_id: str, timeout: float = 20.0
+) -> list[dict[str, Any]]:
+    """The IOPub messages of request ``parent_id`` up to its idle."""
+    seen: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg = kc.get_iopub_msg(timeout=max(0.05, deadline - time.monotonic()))
+        except Exception:
+            break
+        if msg.get("parent_header", {}).get("msg_id") != parent_id:
+            continue
+        seen.append(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return seen
+    raise AssertionError(f"no idle for {parent_id}: {[m['msg_type'] for m in seen]}")
+
+
+def test_slider_moved_after_an_executor_change_reaches_the_new_executor_and_is_replicated(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    kc, hosts, _ = kernel
+    first, second = hosts[0], hosts[1]
+    made = _on(
+        tandem_cluster,
+        kc,
+        first,
+        "import ipywidgets as widgets\nslider = widgets.IntSlider(value=3, max=10)\nprint(slider.model_id)",
+    )
+    model_id = made.stdout.strip()
+    assert _on(tandem_cluster, kc, second, "print(slider.value, slider.model_id)").stdout.split() == [
+        "3",
+        model_id,
+    ]
+
+    # the user drags the slider to 7: JupyterLab's comm_msg, routed to the new executor
+    drag = kc.session.msg(
+        "comm_msg",
+        {"comm_id": model_id, "data": {"method": "update", "state": {"value": 7}, "buffer_paths": []}},
+    )
+    kc.shell_channel.send(drag)
+    echoed = [
+        m["content"]["data"]
+        for m in _iopub_until_idle(kc, drag["header"]["msg_id"])
+        if m["msg_type"] == "comm_msg" and m["content"]["comm_id"] == model_id
+    ]
+    assert echoed and echoed[0]["method"] == "echo_update" and echoed[0]["state"] == {"value": 7}
+
+    info = kc.comm_info(target_name="jupyter.widget", reply=True, timeout=20)
+    assert model_id in info["content"]["comms"], info["content"]
+
+    assert _on(tandem_cluster, kc, second, "print(slider.value)").stdout.strip() == "7"
+    # the first replica got the drag through the log, and takes the comm over as it executes
+    sent: list[dict[str, Any]] = []
+    with tandem_cluster.only_host_open(first):
+        reply = kc.execute_interactive(
+            "print(slider.value)\nslider.value = 9",
+            timeout=60,
+            output_hook=lambda m: sent.append(m) if m["msg_type"] in ("comm_msg", "stream") else None,
+        )
+    assert reply["metadata"]["tandem"]["host_id"] == first and reply["content"]["status"] == "ok"
+    assert [m["content"]["text"] for m in sent if m["msg_type"] == "stream"] == ["7\n"]
+    updates = [m["content"]["data"] for m in sent if m["msg_type"] == "comm_msg"]
+    assert updates == [{"method": "update", "state": {"value": 9}, "buffer_paths": []}], updates
+    assert _on(tandem_cluster, kc, second, "print(slider.value)").stdout.strip() == "9"
+
+    # a reloaded JupyterLab opens the widget control comm (on the last executor), and asks for
+    # every model's state after the executor moved again
+    control = kc.session.msg(
+        "comm_open",
+        {"comm_id": "lab-control", "target_name": "jupyter.widget.control", "data": {}},
+        metadata={"version": "1.0.0"},
+    )
+    kc.shell_channel.send(control)
+    _iopub_until_idle(kc, control["header"]["msg_id"])
+    _on(tandem_cluster, kc, first, "slider.description = 'moved'")
+    ask = kc.session.msg("comm_msg", {"comm_id": "lab-control", "data": {"method": "request_states"}})
+    kc.shell_channel.send(ask)
+    replies = [
+        m["content"]["data"]
+        for m in _iopub_until_idle(kc, ask["header"]["msg_id"])
+        if m["msg_type"] == "comm_msg" and m["content"]["comm_id"] == "lab-control"
+    ]
+    assert replies and replies[0]["method"] == "update_states", replies
+    assert replies[0]["states"][model_id]["state"]["value"] == 9
+    assert replies[0]["states"][model_id]["state"]["description"] == "moved"
+
+
+def test_tqdm_auto_bar_keeps_updating_after_an_executor_change(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    kc, hosts, _ = kernel
+    _on(tandem_cluster, kc, hosts[0], "from tqdm.auto import tqdm\nbar = tqdm(total=10)\nbar.update(3)")
+    sent: list[dict[str, Any]] = []
+    with tandem_cluster.only_host_open(hosts[1]):
+        reply = kc.execute_interactive(
+            "bar.update(4)\nbar.refresh()\nprint(bar.n)",
+            timeout=60,
+            output_hook=lambda m: sent.append(m),
+        )
+    assert reply["content"]["status"] == "ok", [m["content"] for m in sent if m["msg_type"] == "error"]
+    assert reply["metadata"]["tandem"]["host_id"] == hosts[1]
+    assert "".join(m["content"]["text"] for m in sent if m["msg_type"] == "stream").strip().endswith("7")
+    values = [
+        m["content"]["data"]["state"].get("value")
+        for m in sent
+        if m["msg_type"] == "comm_msg" and m["content"]["data"].get("method") == "update"
+    ]
+    assert 7 in values, [m["content"] for m in sent]
+
+
+def test_a_widget_of_a_class_the_notebook_defines_follows_the_executor(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    kc, hosts, _ = kernel
+    _on(
+        tandem_cluster,
+        kc,
+        hosts[0],
+        "import ipywidgets\n\n\nclass Gauge(ipywidgets.IntText):\n    pass\n\n\ngauge = Gauge(value=5)",
+    )
+    moved = _on(tandem_cluster, kc, hosts[1], "print(type(gauge).__name__, gauge.value)")
+    assert moved.stdout == "Gauge 5\n", moved.stdout
+
+
+def test_a_button_clicked_after_an_executor_change_runs_the_notebooks_handler(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    kc, hosts, _ = kernel
+    made = _on(
+        tandem_cluster,
+        kc,
+        hosts[0],
+        "import ipywidgets\nclicks = []\nbutton = ipywidgets.Button(description='go')\n"
+        "button.on_click(lambda b: clicks.append(b.description))\nprint(button.model_id)",
+    )
+    model_id = made.stdout.strip()
+    assert _on(tandem_cluster, kc, hosts[1], "print(len(clicks))").stdout == "0\n"
+    click = kc.session.msg(
+        "comm_msg", {"comm_id": model_id, "data": {"method": "custom", "content": {"event": "click"}}}
+    )
+    kc.shell_channel.send(click)
+    _iopub_until_idle(kc, click["header"]["msg_id"])
+    assert _on(tandem_cluster, kc, hosts[1], "print(clicks)").stdout == "['go']\n"
+
+
+def test_an_unpicklable_variable_is_named_when_made_and_when_the_executor_moves(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    kc, hosts, _ = kernel
+    errors: list[str] = []
+
+    def stderr_of(host: str, code: str) -> str:
+        with tandem_cluster.only_host_open(host):
+            reply = kc.execute_interactive(
+                code,
+                timeout=60,
+                output_hook=lambda m: (
+                    errors.append(m["content"]["text"])
+                    if m["msg_type"] == "stream" and m["content"]["name"] == "stderr"
+                    else None
+                ),
+            )
+        assert reply["metadata"]["tandem"]["host_id"] == host
+        told, errors[:] = "".join(errors), []
+        return told
+
+    made = stderr_of(hosts[0], "import threading\nheld = threading.Lock()")
+    assert "'held' is not replicated" in made and "lock" in made, made
+    moved = stderr_of(hosts[1], "print('held' in globals())")
+    assert "'held' is missing" in moved, moved
+
+
+def _kernel_status(cluster: ClusterHandle, kernel_id: str) -> dict[str, Any]:
+    status = cluster.ask_scheduler(messages.CLUSTER_STATUS, {})
+    return dict(next(k for k in status["kernels"] if k["id"] == kernel_id))
+
+
+def test_a_pinned_kernel_runs_where_its_unpicklable_objects_live_until_that_host_cannot(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    kc, hosts, kernel_id = kernel
+    replicas = _kernel_status(tandem_cluster, kernel_id)["replicas"]
+    follower = next(r for r in replicas if r["role"] != "leader" and r["host"] in hosts)
+    pinned = _on(
+        tandem_cluster, kc, follower["host"], "%tandem pin\nimport threading\ngate = threading.Lock()"
+    )
+    assert "now run on replica" in pinned.stdout
+    assert eventually(lambda: _kernel_status(tandem_cluster, kernel_id)["pinned"] == follower["id"])
+    # no host cordoned: the scheduler sends the cells to the pinned replica, not to the leader
+    for _ in range(2):
+        here = run(kc, "print(gate.acquire(blocking=False)); gate.release()", timeout=60)
+        assert (here.status, here.stdout, here.tandem.get("host_id")) == ("ok", "True\n", follower["host"])
+    # the global scheduler dies: the one tandem up starts again learns the pin from the hosts
+    cluster_file = tandem_cluster.state_dir / "cluster.json"
+    crashed = json.loads(cluster_file.read_text())["processes"]["global-scheduler"]
+    os.kill(crashed, signal.SIGKILL)
+
+    def pin_back() -> bool:
+        with contextlib.suppress(Exception):
+            if json.loads(cluster_file.read_text())["processes"]["global-scheduler"] != crashed:
+                return bool(_kernel_status(tandem_cluster, kernel_id)["pinned"] == follower["id"])
+        return False
+
+    assert eventually(pin_back, timeout=60), tandem_cluster.log_text("global-scheduler")[-2000:]
+    again = run(kc, "print(gate.locked())", timeout=60)
+    assert (again.status, again.stdout, again.tandem.get("host_id")) == ("ok", "False\n", follower["host"])
+    # its host cordoned: the cell runs elsewhere, and is told what it lacks
+    elsewhere = next(h for h in hosts if h != follower["host"])
+    moved = _on(tandem_cluster, kc, elsewhere, "print('gate' in globals())")
+    assert "'gate' is missing" in moved.stdout and moved.stdout.endswith("False\n"), moved.stdout
+    # uncordoned: back on the pinned replica, though the last executor (and maybe the leader) is
+    # elsewhere; the notebook's state is the group's (the lock went with the cell that lacked it)
+    back = run(kc, "print('gate' in globals())", timeout=60)
+    assert (back.stdout, back.tandem.get("host_id")) == ("False\n", follower["host"])
+    unpinned = run(kc, "%tandem unpin", timeout=60)
+    assert "not pinned any more" in unpinned.stdout
+    assert eventually(lambda: _kernel_status(tandem_cluster, kernel_id)["pinned"] is None)
