@@ -7,6 +7,7 @@ TOML < flags and ``--set section.key=value``), so anything the CLI can do a conf
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -16,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from services.cluster_file import ClusterNotRunning, ask_sync, read_cluster
+from services.cluster_file import ClusterNotRunning, ask_sync, cluster_status, read_cluster
 from shared import messages
 from shared.config import Config, ConfigError, load_config, parse_overrides
 from shared.messages import id_problem
@@ -294,9 +295,7 @@ def _ask_arbiter(
 
 
 def cmd_status(args: argparse.Namespace, cfg: Config) -> int:
-    status = _ask_scheduler(args, cfg, messages.CLUSTER_STATUS, {"all": args.all}, timeout=5.0)
-    if read_cluster(state_dir_of(args, cfg)).raw.get("arbiter"):
-        status["batch"] = _ask_arbiter(args, cfg, messages.ARBITER_STATUS, {}, timeout=5.0)
+    status = asyncio.run(cluster_status(read_cluster(state_dir_of(args, cfg)), stopped=args.all))
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True, default=str))
         return 0

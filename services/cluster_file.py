@@ -16,6 +16,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from shared import messages
 from shared.envelope import Envelope
 from shared.rpc import RpcClient
 from shared.security import curve
@@ -115,6 +116,32 @@ async def ask(
     finally:
         await client.close()
     return answer.body
+
+
+async def cluster_status(
+    cluster: ClusterInfo, *, stopped: bool = False, timeout: float = 5.0
+) -> dict[str, Any]:
+    """What ``tandem status --json`` prints and the dashboard draws: the global scheduler's
+    ``cluster.status`` (stopped kernels too with ``stopped``), and the arbiter's ``arbiter.status``
+    under ``batch`` when the cluster runs one. Asked afresh each time: nobody keeps a copy."""
+    scheduler_curve = cluster.operator_curve(curve.SCHEDULER)
+    status = await ask(
+        cluster.scheduler,
+        messages.CLUSTER_STATUS,
+        {"all": stopped},
+        credentials=scheduler_curve,
+        timeout=timeout,
+    )
+    arbiter = cluster.raw.get("arbiter")
+    if arbiter:
+        status["batch"] = await ask(
+            str(arbiter),
+            messages.ARBITER_STATUS,
+            {},
+            credentials=cluster.operator_curve(curve.ARBITER),
+            timeout=timeout,
+        )
+    return status
 
 
 def ask_sync(
