@@ -39,13 +39,21 @@ format: setup
 	$(BIN)/ruff check --fix .
 
 # The data store tests run a real redis-server (tests/datastore_fixtures.py). CI runs as root on
-# Debian/Ubuntu; elsewhere install it yourself (the tests fail with the command to run).
+# Debian/Ubuntu; elsewhere install it yourself (the tests fail with the command to run). The browser
+# tests (tests/integration/test_browser.py) drive Debian's chromium; without it they skip.
 test-deps:
 	@command -v redis-server >/dev/null 2>&1 || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 			apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server; \
 		else \
 			echo "test: redis-server is missing; install it (Debian: apt-get install -y redis-server)"; \
+		fi; \
+	}
+	@command -v chromium >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium chromium-driver; \
+		else \
+			echo "test: chromium is missing (the browser tests skip); install it (Debian: apt-get install -y chromium chromium-driver)"; \
 		fi; \
 	}
 
