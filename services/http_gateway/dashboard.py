@@ -220,7 +220,7 @@ def _batch(status: dict[str, Any]) -> str:
         for e in list(batch.get("lease_events") or [])[-LAST_EVENTS:][::-1]
     ]
     lease_table = _table(["at (UTC)", "lease", "app", "job", "host"], leases, "no lease events", "leases")
-    return summary + apps + lease_table
+    return summary + apps + "<h3>Lease events</h3>" + lease_table
 
 
 def _summary(status: dict[str, Any]) -> str:
@@ -265,6 +265,7 @@ PAGE = """<!doctype html>
 <style>
 body {{ font: 14px system-ui, sans-serif; margin: 1em 2em; color: #222; }}
 h1 {{ font-size: 1.4em; margin: 0 0 .2em; }} h2 {{ font-size: 1.1em; margin: 1.2em 0 .3em; }}
+h3 {{ font-size: 1em; margin: .8em 0 .2em; }}
 table {{ border-collapse: collapse; width: 100%; }} td, th {{ border-bottom: 1px solid #ddd; padding: 3px 6px;
 text-align: left; vertical-align: top; }} th {{ background: #f4f4f4; }} ul {{ margin: 0; padding-left: 1em; }}
 .bar {{ display: flex; width: 180px; height: 12px; background: #eee; }} .seg {{ display: block; height: 100%; }}
@@ -283,23 +284,25 @@ text-align: left; vertical-align: top; }} th {{ background: #f4f4f4; }} ul {{ ma
 const token = new URLSearchParams(location.search).get("token") || "";
 const auth = {{"Authorization": "token " + token}};
 const history = {{}};  // host -> [{{cells, be, free, reserved}}], newest last
+const SAMPLES = 60;  // two minutes at one sample per refresh
 const colors = {{cells: "#2f6fdf", be: "#f08c00", free: "#40c057", reserved: "#adb5bd"}};
 function remember(usage) {{
   for (const [host, use] of Object.entries(usage)) {{
     (history[host] = history[host] || []).push(use);
-    if (history[host].length > 110) history[host].shift();
+    if (history[host].length > SAMPLES) history[host].shift();
   }}
 }}
 function draw() {{
   for (const canvas of document.querySelectorAll("canvas.history")) {{
     const samples = history[canvas.dataset.host] || [], ctx = canvas.getContext("2d");
-    ctx.clearRect(0, 0, canvas.width, canvas.height);
+    const w = canvas.width / SAMPLES, x0 = canvas.width - samples.length * w;
+    ctx.fillStyle = "#f4f4f4"; ctx.fillRect(0, 0, canvas.width, canvas.height);
     samples.forEach((use, i) => {{
       const total = Object.values(use).reduce((a, b) => a + b, 0) || 1;
       let y = canvas.height;
       for (const kind of ["cells", "be", "reserved", "free"]) {{
         const h = canvas.height * use[kind] / total;
-        ctx.fillStyle = colors[kind]; ctx.fillRect(i * 2, y - h, 2, h); y -= h;
+        ctx.fillStyle = colors[kind]; ctx.fillRect(x0 + i * w, y - h, w, h); y -= h;
       }}
     }});
   }}
