@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,9 +28,9 @@ from typing import Any, TypeVar
 import nbformat
 import pytest
 import requests
-from _cluster import ROOT, ClusterHandle, eventually
+from _cluster import ROOT, ClusterHandle
+from _front_end import gateway_front_end
 from _websocket_client import WebSocketKernelClient
-from datastore_fixtures import free_port, stop_process
 
 from shared import messages
 
@@ -225,47 +224,20 @@ def _cordoned(cluster: ClusterHandle, host_id: str) -> bool:
 def lab(api: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """``jupyter lab --gateway-url`` at Tandem (the app exposed to the page's scripts), and its
     notebook folder."""
-    url, token = api
-    root = tmp_path_factory.mktemp("lab-notebooks")
-    home = tmp_path_factory.mktemp("lab-home")
-    port = free_port()
-    env = {
-        **os.environ,
-        "JUPYTER_CONFIG_DIR": str(home / "config"),
-        "JUPYTER_DATA_DIR": str(home / "data"),
-        "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+    if not (ROOT / "kernel_replica" / "comm_sync.py").exists():
+        pytest.skip("widgets across executor changes need the replicated comm registry (#19, comm_sync)")
+    root, home = tmp_path_factory.mktemp("lab-notebooks"), tmp_path_factory.mktemp("lab-home")
+    settings = {
         "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
         "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
     }
-    log = open(home / "lab.log", "wb")  # noqa: SIM115 (closed below, after the process)
-    process = subprocess.Popen(
-        [
-            sys.executable, "-m", "jupyterlab",
-            f"--gateway-url={url}", f"--GatewayClient.auth_token={token}",
-            f"--IdentityProvider.token={LAB_TOKEN}",
-            "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-            "--ServerApp.open_browser=False", f"--ServerApp.root_dir={root}",
-            "--ServerApp.allow_root=True",  # CI runs as root
-            "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: run cells by command
-            "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-        ],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    lab_url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            answer = requests.get(f"{lab_url}/api/status", params={"token": LAB_TOKEN}, timeout=5)
-            return answer.status_code == 200
-        except requests.ConnectionError:
-            return process.poll() is not None  # gave up: reported below
-
-    try:
-        assert eventually(ready, timeout=60) and process.poll() is None, (home / "lab.log").read_text()
-        yield lab_url, root
-    finally:
-        stop_process(process)
-        log.close()
+    with gateway_front_end(
+        "jupyterlab", api, LAB_TOKEN, root, home,
+        "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: run cells by command
+        "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        env=settings,
+    ) as url:  # fmt: skip
+        yield url, root
 
 
 def _notebook(path: Path, sources: list[str]) -> None:
@@ -297,8 +269,6 @@ def _output(page: Any, index: int) -> Any:
 def test_jupyterlab_renders_a_slider_that_keeps_working_after_an_executor_change(
     browser: Any, lab: tuple[str, Path], tandem_cluster: ClusterHandle, tmp_path: Path
 ) -> None:
-    if not (ROOT / "kernel_replica" / "comm_sync.py").exists():
-        pytest.skip("widgets across executor changes need the replicated comm registry (#19, comm_sync)")
     lab_url, root = lab
     _notebook(
         root / "widgets.ipynb",
