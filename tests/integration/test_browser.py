@@ -4,8 +4,10 @@ session's cluster.
 - The operator's dashboard (#20): it loads with the API token and shows the cluster's hosts and a
   running kernel, a cordon made from the page reaches the scheduler, and the same action without
   the token is refused.
-- JupyterLab served with ``--gateway-url`` at Tandem (#19): a notebook opened, an ipywidgets
-  slider rendered and moved after an executor change, its new value read in the next cell.
+- JupyterLab served with ``--gateway-url`` at Tandem (#19), with Tandem's kernel WebSocket
+  connection (``services/http_gateway/front_end.py``: without it Chromium gets no kernel through
+  any gateway): a notebook opened, an ipywidgets slider rendered and moved after an executor
+  change, its new value read in the next cell.
 
 Each test saves a screenshot under its temporary directory (the path is printed). Chromium is
 Debian's (``make test-deps`` installs it as root); without it, and without root to install it,
@@ -50,15 +52,8 @@ CHROMIUM_FLAGS = [
     "--disable-sync",
 ]
 LAB_TOKEN = "lab-token"
-# JupyterLab 4 opens a kernel's WebSocket offering the v1 subprotocol; jupyter_server in gateway
-# mode answers with none (the legacy protocol: it relays the gateway's frames as they are, #1311),
-# and Chromium, unlike Firefox, fails such a handshake ("Sent non-empty 'Sec-WebSocket-Protocol'
-# header but no response was received"), so Lab reconnects forever. The page offers no
-# subprotocol here, as Lab's fallback for legacy servers means to.
-LEGACY_KERNEL_WEBSOCKET = """(() => {
-    const Native = window.WebSocket;
-    window.WebSocket = class extends Native { constructor(url) { super(url); } };
-})();"""
+# JupyterLab in Chromium through a gateway needs it (the module says why)
+V1_GATEWAY_CONNECTION = "services.http_gateway.front_end.V1GatewayWebSocketConnection"
 T = TypeVar("T")
 STEP_MS = 30_000  # the longest one browser step may wait (a kernel's start under load)
 
@@ -221,9 +216,9 @@ def _cordoned(cluster: ClusterHandle, host_id: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def lab(api: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """``jupyter lab --gateway-url`` at Tandem (the app exposed to the page's scripts), and its
-    notebook folder."""
+def lab(api: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path]]:
+    """``jupyter lab --gateway-url`` at Tandem (the app exposed to the page's scripts, kernel
+    WebSockets that Chromium accepts): its URL, notebook folder and home (``server.log``)."""
     if not (ROOT / "kernel_replica" / "comm_sync.py").exists():
         pytest.skip("widgets across executor changes need the replicated comm registry (#19, comm_sync)")
     root, home = tmp_path_factory.mktemp("lab-notebooks"), tmp_path_factory.mktemp("lab-home")
@@ -234,10 +229,11 @@ def lab(api: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Itera
     with gateway_front_end(
         "jupyterlab", api, LAB_TOKEN, root, home,
         "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: run cells by command
+        f"--ServerApp.kernel_websocket_connection_class={V1_GATEWAY_CONNECTION}",
         "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
         env=settings,
     ) as url:  # fmt: skip
-        yield url, root
+        yield url, root, home
 
 
 def _notebook(path: Path, sources: list[str]) -> None:
@@ -267,9 +263,9 @@ def _output(page: Any, index: int) -> Any:
 
 
 def test_jupyterlab_renders_a_slider_that_keeps_working_after_an_executor_change(
-    browser: Any, lab: tuple[str, Path], tandem_cluster: ClusterHandle, tmp_path: Path
+    browser: Any, lab: tuple[str, Path, Path], tandem_cluster: ClusterHandle, tmp_path: Path
 ) -> None:
-    lab_url, root = lab
+    lab_url, root, home = lab
     _notebook(
         root / "widgets.ipynb",
         [
@@ -281,7 +277,6 @@ def test_jupyterlab_renders_a_slider_that_keeps_working_after_an_executor_change
         ],
     )
     page = browser.new_page()
-    page.add_init_script(LEGACY_KERNEL_WEBSOCKET)
     started = time.monotonic()
     try:
         page.goto(f"{lab_url}/lab/tree/widgets.ipynb?token={LAB_TOKEN}")
@@ -289,6 +284,8 @@ def test_jupyterlab_renders_a_slider_that_keeps_working_after_an_executor_change
         page.wait_for_function(
             "window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'"
         )
+        # one subprotocol on both legs: Chromium's handshake with Lab, Lab's with Tandem
+        assert "(v1.kernel.websocket.jupyter.org protocol)" in (home / "server.log").read_text()
         kernel_id = page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.id")
 
         _run_cell(page, 0)
