@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from services.cluster_file import ClusterNotRunning, ask_sync, cluster_status, read_cluster
+from services.http_gateway import V1_GATEWAY_CONNECTION
 from shared import messages
 from shared.config import Config, ConfigError, load_config, parse_overrides
 from shared.messages import id_problem
@@ -240,7 +241,9 @@ def cmd_up(args: argparse.Namespace, cfg: Config) -> int:
             f"  cluster file: {cluster.cluster_file}\n  logs: {info['log_dir']}\n"
             + (
                 f"  Jupyter Kernel Gateway API: {info['http']} (token in {token_file}):\n"
-                f"    jupyter lab --gateway-url={info['http']} --GatewayClient.auth_token=$(cat {token_file})\n"
+                f"    jupyter lab --gateway-url={info['http']} --GatewayClient.auth_token=$(cat {token_file}) "
+                f"--ServerApp.kernel_websocket_connection_class={V1_GATEWAY_CONNECTION}\n"
+                f"  dashboard: {info['http']}/dashboard?token=$(cat {token_file})\n"
                 if info.get("http")
                 else ""
             )

@@ -34,6 +34,7 @@ from _cluster import ROOT, ClusterHandle
 from _front_end import gateway_front_end
 from _websocket_client import WebSocketKernelClient
 
+from services.http_gateway import V1_GATEWAY_CONNECTION
 from shared import messages
 
 pytestmark = pytest.mark.integration
@@ -52,8 +53,6 @@ CHROMIUM_FLAGS = [
     "--disable-sync",
 ]
 LAB_TOKEN = "lab-token"
-# JupyterLab in Chromium through a gateway needs it (the module says why)
-V1_GATEWAY_CONNECTION = "services.http_gateway.front_end.V1GatewayWebSocketConnection"
 T = TypeVar("T")
 STEP_MS = 30_000  # the longest one browser step may wait (a kernel's start under load)
 
