@@ -408,17 +408,9 @@ class StateHandler(_Authenticated):
         )
 
 
-class ActionHandler(_Authenticated):
-    """POST ``hosts/<host>/<cordon|uncordon|drain>`` and ``kernels/<k>/replicas/<r>/restart``."""
-
-    async def post(self, *path: str) -> None:
-        if len(path) == 2:
-            host, action = path
-            target, body, msg_type = host, {"host_id": host}, HOST_ACTIONS[action]
-        else:
-            kernel, replica = path
-            action, target = "restart", f"{kernel}/{replica}"
-            body, msg_type = {"kernel_id": kernel, "replica_id": replica}, messages.REPLICA_RESTART
+class _ActionHandler(_Authenticated):
+    async def act(self, action: str, target: str, msg_type: str, body: dict[str, Any]) -> None:
+        """One operator RPC to the scheduler; the answer as ``{ok, message}``."""
         try:
             cluster = read_cluster()
             outcome = await ask(
@@ -438,6 +430,21 @@ class ActionHandler(_Authenticated):
         self.finish({"ok": ok, "message": message})
 
 
+class HostActionHandler(_ActionHandler):
+    """POST ``hosts/<host>/<cordon|uncordon|drain>``."""
+
+    async def post(self, host: str, action: str) -> None:
+        await self.act(action, host, HOST_ACTIONS[action], {"host_id": host})
+
+
+class ReplicaRestartHandler(_ActionHandler):
+    """POST ``kernels/<kernel>/replicas/<replica>/restart``."""
+
+    async def post(self, kernel: str, replica: str) -> None:
+        body = {"kernel_id": kernel, "replica_id": replica}
+        await self.act("restart", f"{kernel}/{replica}", messages.REPLICA_RESTART, body)
+
+
 _NAME = r"([A-Za-z0-9_.:-]+)"
 
 
@@ -446,8 +453,8 @@ def handlers(base_url: str = "/") -> list[tuple[str, type[web.RequestHandler]]]:
     return [
         (rf"{base}/dashboard/?", PageHandler),
         (rf"{base}/dashboard/state", StateHandler),
-        (rf"{base}/dashboard/hosts/{_NAME}/(cordon|uncordon|drain)", ActionHandler),
-        (rf"{base}/dashboard/kernels/{_NAME}/replicas/{_NAME}/restart", ActionHandler),
+        (rf"{base}/dashboard/hosts/{_NAME}/(cordon|uncordon|drain)", HostActionHandler),
+        (rf"{base}/dashboard/kernels/{_NAME}/replicas/{_NAME}/restart", ReplicaRestartHandler),
     ]
 
 

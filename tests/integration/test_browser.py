@@ -132,7 +132,7 @@ def _screenshot(page: Any, directory: Path, name: str) -> Path:
 # ---- the dashboard ---------------------------------------------------------------------------------
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def running_kernel(api: tuple[str, str]) -> Iterator[str]:
     """A kernel started through the API that has run one cell, deleted afterwards."""
     url, token = api
@@ -204,6 +204,30 @@ def test_the_dashboard_shows_hosts_and_kernels_and_cordons_a_host_only_with_the_
     finally:
         page.close()
         off_loop(lambda: tandem_cluster.cordon(target, False))
+
+
+def test_a_replica_restarted_from_the_dashboard_comes_back_with_a_new_process(
+    browser: Any, api: tuple[str, str], running_kernel: str, tandem_cluster: ClusterHandle
+) -> None:
+    url, token = api
+    replicas = off_loop(lambda: _replicas(tandem_cluster, running_kernel))
+    follower = next(r for r in replicas if r["role"] == "follower" and r["alive"])
+    page = browser.new_page()
+    page.on("dialog", lambda dialog: dialog.accept())  # "restart r2?"
+    try:
+        page.goto(f"{url}/dashboard?token={token}")
+        row = page.locator(f"#kernel-{running_kernel} li[data-replica={follower['id']}]")
+        row.locator("button[data-action=restart]").click()
+        page.wait_for_function(
+            "document.getElementById('flash').textContent.includes('restarted (pid')", timeout=120_000
+        )
+        after = {r["id"]: r for r in off_loop(lambda: _replicas(tandem_cluster, running_kernel))}
+        assert after[follower["id"]]["alive"] and after[follower["id"]]["pid"] != follower["pid"]
+        assert f"{running_kernel}/{follower['id']}: restarted (pid {after[follower['id']]['pid']})" in (
+            page.locator("#flash").inner_text()
+        )
+    finally:
+        page.close()
 
 
 def _cordoned(cluster: ClusterHandle, host_id: str) -> bool:
