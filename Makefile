@@ -38,24 +38,23 @@ format: setup
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# The data store tests run a real redis-server (tests/datastore_fixtures.py). CI runs as root on
-# Debian/Ubuntu; elsewhere install it yourself (the tests fail with the command to run). The browser
-# tests (tests/integration/test_browser.py) drive Debian's chromium; without it they skip.
+# The data store tests run a real redis-server (tests/datastore_fixtures.py); the multi-host test
+# builds network namespaces with iproute2's `ip` (tests/integration/test_multihost_netns.py, as
+# root); the browser tests drive Debian's chromium (tests/integration/test_browser.py). CI runs as
+# root on Debian/Ubuntu; elsewhere install them yourself (the tests fail or skip with the command
+# to run). Each entry: command:package[,package...]
+TEST_DEPS := redis-server:redis-server ip:iproute2 chromium:chromium,chromium-driver
+
 test-deps:
-	@command -v redis-server >/dev/null 2>&1 || { \
+	@for dep in $(TEST_DEPS); do \
+		cmd=$${dep%%:*}; pkg=$$(echo $${dep#*:} | tr , ' '); \
+		command -v $$cmd >/dev/null 2>&1 && continue; \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-			apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server; \
+			apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$pkg; \
 		else \
-			echo "test: redis-server is missing; install it (Debian: apt-get install -y redis-server)"; \
+			echo "test: $$cmd is missing; install it (Debian: apt-get install -y $$pkg)"; \
 		fi; \
-	}
-	@command -v chromium >/dev/null 2>&1 || { \
-		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-			apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium chromium-driver; \
-		else \
-			echo "test: chromium is missing (the browser tests skip); install it (Debian: apt-get install -y chromium chromium-driver)"; \
-		fi; \
-	}
+	done
 
 test: setup test-deps
 	$(BIN)/ruff check .

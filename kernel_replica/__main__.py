@@ -114,6 +114,17 @@ def stale_raft_log(data_dir: Path) -> str | None:
     return None
 
 
+def preload_for_existing_state(imports: list[str]) -> None:
+    """A replica that starts into a kernel's existing state (a replacement joining its group, an
+    in-place restart on its Raft log) loads that state right after it registers. It imports the
+    heavy modules such state usually needs first (``prewarm.imports``, as a warm runtime does), so
+    that registered still means ready to run a cell within moments rather than after torch's
+    import. A new kernel's replicas skip this: they import torch only when the notebook does."""
+    from kernel_replica.warm import preload
+
+    preload(imports)
+
+
 def _log_stream() -> object:
     """A private copy of the real stderr: ipykernel later redirects fd 2 into the cell's output."""
     return os.fdopen(os.dup(2), "w", buffering=1)
@@ -153,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     except IdentityError as exc:
         log.error("raft_identity_refused", error=str(exc))
         return 1
+
+    if args.join or (Path(args.data_dir) / "raft").exists():
+        preload_for_existing_state(list(config.get("prewarm.imports")))
 
     # Imported late: ipykernel pulls in IPython, and the logging above should catch its failures.
     from ipykernel.kernelapp import IPKernelApp

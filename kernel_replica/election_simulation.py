@@ -104,7 +104,7 @@ PROPOSE_ATTEMPT_S = 1.0  # raft_bridge.PROPOSE_ATTEMPT_S: one attempt, then prop
 DROPPED_RETRY_S = 0.05  # a proposal dropped at once (no leader known) is retried this soon
 RESTART_S = (1.0, 10.0)  # a dead replica's restart, or its replacement's start, takes this long
 PROMPT_TAKEOVER_S = 4.0  # the survivors of a dead executor commit its ExecutorLost this soon
-MAX_ROUNDS = 3  # election rounds of a cell before the scheduler gives up (migration.MAX_ELECTION_ROUNDS)
+MAX_ROUNDS = 3  # election rounds of a cell before the scheduler gives up (shared.cluster_core.moves.MAX_ELECTION_ROUNDS)
 DEFAULT_CHAOS_S = 30.0
 INITIAL_VOTERS = ("r1", "r2", "r3")
 

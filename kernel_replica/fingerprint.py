@@ -15,16 +15,19 @@ from __future__ import annotations
 import io
 import socket
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
-import numpy as np
 import xxhash
 
-try:
+from kernel_replica.lazy_modules import Deferred, is_ndarray, is_tensor
+
+if TYPE_CHECKING:
+    import numpy as np
     import torch
-except ImportError:  # pragma: no cover - torch is a project dependency
-    torch = None  # type: ignore[assignment]
+else:  # used only on an array or a tensor, which exists only once the notebook imported its library
+    np = Deferred("numpy")
+    torch = Deferred("torch")
 
 _UNSENDABLE = (io.IOBase, socket.socket)
 _CHUNK_BYTES = 8 * 1024 * 1024  # copy non-contiguous data through a bounded staging buffer
@@ -143,9 +146,9 @@ def _blocks(t: Any, chunk: int) -> Iterator[Any]:
 
 
 def _hash_leaf(h: xxhash.xxh3_128, obj: Any) -> bool:
-    if isinstance(obj, np.ndarray):
+    if is_ndarray(obj):
         return _hash_array(h, obj)
-    if torch is not None and isinstance(obj, torch.Tensor):
+    if is_tensor(obj):
         if not _hash_tensor(h, obj):
             return False
         grad = obj.grad if obj.is_leaf else None
@@ -172,8 +175,8 @@ class _SkeletonPickler(cloudpickle.Pickler):  # type: ignore[misc]
         return super().reducer_override(obj)
 
     def persistent_id(self, obj: Any) -> int | None:
-        is_array = isinstance(obj, np.ndarray) and not obj.dtype.hasobject
-        if not (is_array or (torch is not None and isinstance(obj, torch.Tensor))):
+        is_array = is_ndarray(obj) and not obj.dtype.hasobject
+        if not (is_array or is_tensor(obj)):
             return None
         index = self._seen.get(id(obj))
         if index is None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copyreg
+import ctypes
 import importlib
 import io
 import mmap
@@ -40,17 +41,19 @@ import types
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
-import numpy as np
 
+from kernel_replica.lazy_modules import Deferred, is_ndarray, is_tensor, loaded_class
 from shared.datastore.base import DataStore, ObjectRef
 
-try:
+if TYPE_CHECKING:
+    import numpy as np
     import torch
-except ImportError:  # pragma: no cover - torch is a project dependency
-    torch = None  # type: ignore[assignment]
+else:  # imported when an array or tensor is encoded or decoded, never for a notebook without any
+    np = Deferred("numpy")
+    torch = Deferred("torch")
 
 DEFAULT_LARGE_OBJECT_BYTES = 1024 * 1024
 # Without a data store a large group travels inline in the Raft log, up to this: a Raft frame is
@@ -458,7 +461,7 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
             return "namespace"
         if isinstance(obj, _ATOMS) or id(obj) in self._transient_ids:
             return None
-        if isinstance(obj, list | dict | set | bytearray | np.ndarray):
+        if isinstance(obj, list | dict | set | bytearray) or is_ndarray(obj):
             self._candidates.append(obj)
         elif isinstance(obj, types.FunctionType):
             if not _by_reference(obj):  # a notebook function (pickled by value): identity matters
@@ -514,7 +517,8 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         if isinstance(obj, _UNSENDABLE) and not isinstance(obj, io.BytesIO | io.StringIO):
             # cloudpickle would send a read-mode file's *contents* as a StringIO: not the same object
             raise TypeError(f"cannot pickle {type(obj).__qualname__!r} object (an open OS resource)")
-        if isinstance(obj, np.dtype):
+        dtype_class = loaded_class("numpy", "dtype")
+        if dtype_class is not None and isinstance(obj, dtype_class):
             # a structured dtype's state holds its live fields dict: every array of that dtype
             # would seem to share an object with every other (and join their names' groups)
             reduced = obj.__reduce__()
@@ -523,11 +527,11 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
                     if isinstance(part, dict | list):
                         self._keep(part)
             return reduced
-        if torch is not None and isinstance(obj, torch.Tensor):
+        if is_tensor(obj):
             reduced = self._reduce_tensor(obj)
             if reduced is not NotImplemented:
                 return reduced
-        elif isinstance(obj, np.ndarray):
+        elif is_ndarray(obj):
             reduced = self._reduce_ndarray(obj)
             if reduced is not NotImplemented:
                 return reduced
@@ -689,8 +693,9 @@ def _writable(size: int) -> bytearray | mmap.mmap:
 
 def _aligned_writable(size: int) -> memoryview:
     """``size`` private writable bytes starting at an ``ALIGN``-byte aligned address."""
-    raw = memoryview(_writable(size + ALIGN)).cast("B")
-    shift = -_address(np.frombuffer(raw, dtype=np.uint8)) % ALIGN
+    buffer = _writable(size + ALIGN)
+    raw = memoryview(buffer).cast("B")
+    shift = -ctypes.addressof(ctypes.c_char.from_buffer(buffer)) % ALIGN
     return raw[shift : shift + size]
 
 
@@ -814,7 +819,7 @@ class ObjectCodec:
             self._unown(name, old)
         self._reach[name] = reach
         self._own(name, reach)
-        if type(value) is np.ndarray:
+        if type(value) is loaded_class("numpy", "ndarray"):
             self._held[name] = weakref.ref(value)
         else:
             self._held.pop(name, None)

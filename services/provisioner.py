@@ -31,6 +31,7 @@ from traitlets import Bool, Float, Integer
 
 from services.cluster_file import ClusterNotRunning, ask, pid_alive, read_cluster
 from shared import messages
+from shared.host_address import address_host, is_wildcard
 from shared.kernel_launch import KernelLaunch, from_client
 from shared.resources import Resources
 from shared.rpc import RpcError, RpcTimeout
@@ -159,9 +160,12 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         self._exit_code = None
         self._unanswered_polls = 0
         self._dead_reason = ""
+        ip = str(info["ip"])
+        if is_wildcard(ip):  # the gateway binds every interface: its kernels are where its API is
+            ip = address_host(self._gateway)[0]
         self.connection_info = {
             "transport": info["transport"],
-            "ip": info["ip"],
+            "ip": ip,
             "shell_port": info["shell_port"],
             "iopub_port": info["iopub_port"],
             "stdin_port": info["stdin_port"],

@@ -33,6 +33,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "memory_mb": 262_144,
         "vram_gb_per_gpu": 40,
         "use_nvml": True,
+        # The address other hosts reach this host's replicas at (their Raft links). Empty: the
+        # cluster.ip, or when that binds every interface (0.0.0.0), the source address of this
+        # host's route to the global scheduler (shared/host_address.py).
+        "advertise_ip": "",
     },
     "kernel": {
         # The default resource request of a kernel (the kernelspec and TANDEM_* variables override).

@@ -33,14 +33,14 @@ from typing import Any
 
 import structlog
 
-from services.global_scheduler.cluster_state import RUNNING, ClusterState
+from services.global_scheduler.cluster_state import ClusterState
 from services.host_provider import HostProvider
 from shared.cluster_core.core import ClusterCore, CoreConfig
 from shared.cluster_core.held import held_key
 from shared.cluster_core.idle import HostFacts, KernelFacts, replicas_and_active_hosts
-from shared.cluster_core.lifecycle import OVER
+from shared.cluster_core.starts import kernel_facts
 from shared.config import Config
-from shared.policies.autoscale import HostLoad, ScaleIn, ScaleOut, feasible_hosts
+from shared.policies.autoscale import HostLoad, ScaleIn, ScaleOut
 from shared.policies.kernel_placement import KernelPlacement
 from shared.policies.placement import HostView, PlacementDecision, PlacementRequest
 from shared.policies.placement_index import PlacementIndex
@@ -109,8 +109,8 @@ class ClusterAutoscaler:
         self, placement: KernelPlacement, request: PlacementRequest, index: PlacementIndex
     ) -> PlacementDecision:
         """One decision of the shared policy, with other kernels' reserved hosts overlaid."""
-        room = self.config.max_hosts - self.live_hosts() - self.policy.pending_hosts
-        can_add_hosts = self.enabled and room > 0  # else the watermark alone rules (KernelPlacement)
+        # without room for a host, the watermark alone rules (KernelPlacement)
+        can_add_hosts = self.core.can_add_hosts(self.live_hosts(), enabled=self.enabled)
         return self.core.arrived.place(placement, index, request, can_add_hosts=can_add_hosts)
 
     async def place(
@@ -126,13 +126,11 @@ class ClusterAutoscaler:
         self._waiters.setdefault(kernel_id, asyncio.Event())  # from now on ``abandon`` can reach it
         try:
             while not decision.ok:
-                outcome = self.policy.on_placement_failed(
-                    request, feasible_hosts(decision), self.live_hosts()
-                )
+                outcome = self.core.start_unplaced(request, decision, self.live_hosts())
                 why = outcome.reason
                 if isinstance(outcome, ScaleOut):
                     await self._scale_out(outcome.count, outcome.reason, kernel_id=kernel_id)
-                if self.policy.reserved_for(kernel_id) == 0:
+                if not self.core.start_waits(kernel_id):
                     if isinstance(outcome, ScaleOut):
                         why = f"the hosts added for {kernel_id} did not come: {why}"
                     return decision, why  # nothing is coming for this kernel
@@ -152,7 +150,7 @@ class ClusterAutoscaler:
         """Wait until every host reserved for ``kernel_id`` registered (or was given up: a failed
         scale-out drops reservations); False when ``deadline`` passes first."""
         waiter = self._waiters.setdefault(kernel_id, asyncio.Event())
-        while self.policy.reserved_for(kernel_id) > 0 and kernel_id not in self._abandoned:
+        while self.core.start_waits(kernel_id) and kernel_id not in self._abandoned:
             try:
                 await asyncio.wait_for(waiter.wait(), max(deadline - self._clock(), 0.0))
             except TimeoutError:
@@ -253,18 +251,16 @@ class ClusterAutoscaler:
                 await asyncio.gather(self._release_round, return_exceptions=True)
 
     def _kernel_facts(self) -> Iterator[KernelFacts]:
-        """Each kernel that is not over: its placed replicas' hosts and whether it is busy."""
+        """Each kernel's placed replicas' hosts and whether it is busy (the core's rule)."""
         for kernel in self.state.kernels.values():
-            if kernel.state in OVER:
-                continue
             placed = [r for r in kernel.replicas.values() if r.alive or not r.started]
-            busy = (
-                kernel.state != RUNNING
-                or kernel.held is not None
-                or bool(kernel.router.merger.pending_ids())
-                or any(not r.started for r in placed)
+            yield kernel_facts(
+                [r.host_id for r in placed],
+                kernel_state=kernel.state,
+                cell_in_flight=bool(kernel.router.merger.pending_ids()),
+                held=kernel.held is not None,
+                replica_starting=any(not r.started for r in placed),
             )
-            yield KernelFacts(tuple(r.host_id for r in placed), busy)
 
     def host_facts(self) -> list[HostFacts]:
         """What the core's idle judgement needs of each live host not being released."""
@@ -327,7 +323,8 @@ class ClusterAutoscaler:
                 log.info("scale_in_draining", host=host_id)
                 outcome = await self._drain(host_id)
                 moved = list(outcome.get("moved", ()))
-                stuck = _why_not_drained(outcome)
+                failed = [(f["kernel"], f["replica"], f["reason"]) for f in outcome.get("failed") or ()]
+                stuck = self.core.why_not_drained(failed, int(outcome.get("replicas_left") or 0))
                 if stuck:
                     raise RuntimeError(stuck)
             await self.provider.release(host_id)
@@ -383,16 +380,3 @@ class ClusterAutoscaler:
             "hosts_added": self.scale_outs,
             "hosts_released": self.scale_ins,
         }
-
-
-def _why_not_drained(outcome: dict[str, Any]) -> str:
-    """Why a drain left the host unreleasable ("" when it is empty): the replicas that did not move."""
-    failed = outcome.get("failed") or []
-    if failed:
-        first = failed[0]
-        more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
-        return (
-            f"replica {first['replica']} of kernel {first['kernel']} could not move: {first['reason']}{more}"
-        )
-    left = int(outcome.get("replicas_left") or 0)
-    return f"{left} replica(s) still on the host after the drain" if left else ""

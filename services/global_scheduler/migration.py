@@ -8,8 +8,10 @@ rebuilt from the Raft snapshot and the STATE entries; nothing else has to be per
 executor commits each cell's state before the next cell runs) -> ``promote`` -> ``remove`` the old
 member -> stop the old process. A failed step rolls the new member back out.
 
-The decisions are the pure policies' (``choose_executor``, ``plan_migration``, ``RetrySchedule``);
-this module only sequences them. A cell that no replica can run is held here, with every later
+The decisions are the cluster core's (``ClusterCore.executor_for``, ``plan_held_migration``,
+``held_step``, ``held_migration_failed``, ``plan_replacement``, ``replacement_step``,
+``replacement_failed``; ``shared.cluster_core.moves``), the simulator's too; this module gathers
+what they look at and carries out what they decide (RPCs, sleeps, the journal). A cell that no replica can run is held here, with every later
 shell request of its kernel behind it (Jupyter runs a kernel's shell requests in order), until a
 replica can run it (sent on as usual), or the core gives it up (an error ``execute_reply``): a
 migration that finds no host asks for one (``ClusterCore.held_migration_failed``, NotebookOS
@@ -35,12 +37,19 @@ from services.global_scheduler.metrics import SchedulerMetrics
 from services.global_scheduler.reply_merger import Failed, Forward
 from shared import messages
 from shared.cluster_core.core import ClusterCore
-from shared.cluster_core.held import HeldFailure, HeldLook, SendOn, WaitUntil
+from shared.cluster_core.held import HELD_POLL_S, HeldFailure, HeldLook, SendOn, WaitUntil
+from shared.cluster_core.moves import (
+    Abort,
+    ReplacementLook,
+    ReplicaOnHost,
+    explain,
+    failed_election_verdict,
+    replicas_to_drain,
+)
 from shared.config import Config
 from shared.envelope import Envelope
 from shared.jupyter_wire import WireError, header_of
-from shared.policies.executor_choice import choose_executor
-from shared.policies.migration import GiveUp, MigrationPlan, NoTarget, plan_migration
+from shared.policies.migration import GiveUp, MigrationPlan, NoTarget
 from shared.rpc import RpcError, RpcTimeout
 
 if TYPE_CHECKING:
@@ -50,10 +59,9 @@ log = structlog.get_logger("global_scheduler.migration")
 
 MEMBERSHIP_TIMEOUT_S = 20.0
 CATCH_UP_POLL_S = 0.1
-OWN_GPUS_POLL_S = 0.2  # while the kernel's own earlier cell holds the GPUs: wait, do not migrate
+OWN_GPUS_POLL_S = HELD_POLL_S  # while the kernel's own earlier cell holds the GPUs: wait, do not migrate
 REASON_ALL_YIELD = "no replica's host can bind the cell's GPUs"
 REASON_ELECTION_FAILED = "the cell's election failed: its executor's host could not bind the GPUs"
-MAX_ELECTION_ROUNDS = 3  # a cell whose election failed this many times is answered with an error
 REASON_DEAD = "replica died"
 REASON_DRAIN = "host drained"
 REASON_SCALE_IN = "host released by scale-in"
@@ -116,7 +124,6 @@ class Migrator:
         self._core = scheduler.core
         self.catch_up_timeout = float(sched["migration_catch_up_timeout_s"])
         self.replace_dead = bool(sched["replace_dead_replicas"])
-        self.watermark = scheduler.core.config.watermark
         self._held: dict[str, HeldCell] = {}  # kernel_id -> the cell waiting for a replica
         # held queues on disk, so a restarted scheduler still runs them (held_journal.py)
         self._journal = HeldJournal(cfg.state_dir() / "scheduler" / "held")
@@ -131,9 +138,8 @@ class Migrator:
 
     def hold(self, kernel: KernelRecord, msg_id: str, frames: list[bytes]) -> bool:
         """Called when an execute_request got no executor. Keep it (and the kernel's later shell
-        requests) here instead of letting every replica yield; False: route it as usual."""
-        if kernel.state != RUNNING:
-            return False
+        requests) here instead of letting every replica yield (the core said to:
+        ``moves.holds_cell``); False: it cannot be parsed, route it as usual."""
         try:
             header = header_of(frames)
         except WireError:
@@ -156,7 +162,7 @@ class Migrator:
         """A cell sent to replicas whose election failed for lack of GPUs (the router withdrew
         it): held at the head of the kernel's queue like a cell no replica could take, then sent
         on as election round ``round_`` once a replica (moved, if need be) can bind the GPUs.
-        After ``MAX_ELECTION_ROUNDS`` failed rounds, or if the kernel no longer runs, the client
+        After ``moves.MAX_ELECTION_ROUNDS`` failed rounds (``failed_election_verdict``), or if the kernel no longer runs, the client
         gets an error reply instead."""
         try:
             header = header_of(frames)
@@ -167,16 +173,9 @@ class Migrator:
         cell = HeldCell(msg_id, header, self._clock(), busy_sent=busy_sent, settle_first=True)
         self._held[kernel.kernel_id] = cell
         self.persist(kernel)
-        if kernel.state != RUNNING:
-            self._give_up(kernel, cell, f"kernel {kernel.kernel_id} is {kernel.state}", "NoExecutorAvailable")
-            return
-        if round_ > MAX_ELECTION_ROUNDS:
-            self._give_up(
-                kernel,
-                cell,
-                f"{round_} elections failed: the hosts' local schedulers refused the GPUs each time",
-                "NoExecutorAvailable",
-            )
+        verdict = failed_election_verdict(kernel.kernel_id, kernel.state, round_)
+        if verdict is not None:
+            self._give_up(kernel, cell, verdict, "NoExecutorAvailable")
             return
         log.info("cell_held", kernel=kernel.kernel_id, msg_id=msg_id, reason=REASON_ELECTION_FAILED)
         if kernel.kernel_id not in self._resolving:
@@ -190,15 +189,14 @@ class Migrator:
         try:
             while kernel.held is not None and kernel_id in self._held:
                 cell = self._held[kernel_id]
-                if kernel.state != RUNNING or self._gs.state.kernels.get(kernel_id) is not kernel:
-                    self._dispatch(kernel)  # the router answers for a dead or stopping kernel
-                    continue
+                gone = kernel.state != RUNNING or self._gs.state.kernels.get(kernel_id) is not kernel
                 look = HeldLook(
                     cell.since,
                     cell.attempts,
-                    self._holds_gpus(kernel),
+                    not gone and self._holds_gpus(kernel),
                     cell.settle_first,
-                    self._executor_now(kernel),
+                    not gone and self._executor_now(kernel),
+                    kernel_gone=gone,
                 )
                 now = self._clock()
                 step = self._core.held_step(look, now, OWN_GPUS_POLL_S)
@@ -250,7 +248,7 @@ class Migrator:
 
     def _executor_now(self, kernel: KernelRecord) -> bool:
         state = self._gs.state
-        choice = choose_executor(
+        choice = self._core.executor_for(
             state.replica_views(kernel),
             state.ledger_views({r.host_id for r in kernel.replicas.values()}),
             kernel.resources.gpus,
@@ -266,14 +264,14 @@ class Migrator:
         async with self._lock(kernel.kernel_id):
             if self._executor_now(kernel):
                 return None
-            plan = plan_migration(
+            plan = self._core.plan_held_migration(
                 self._gs.state.replica_views(kernel),
                 kernel.resources,
                 self._gs.state.host_views(),
-                prewarmed=self._warm_runtimes(),
+                self._warm_runtimes(),
             )
             if isinstance(plan, NoTarget):
-                return _explain(plan), True
+                return explain(plan), True
             # Keep the target's GPUs for this cell while the replica moves there.
             self._gs.state.reserve(kernel, cell.msg_id, plan.target_host)
             try:
@@ -345,7 +343,7 @@ class Migrator:
             if kernel is None:
                 self._restored.discard(kernel_id)
                 continue
-            if rebuilding and len(kernel.live_replicas()) < replicas:
+            if not self._core.resumes_restored(rebuilding, len(kernel.live_replicas()), replicas):
                 continue
             self._restored.discard(kernel_id)
             if kernel.held is not None and kernel_id not in self._resolving:
@@ -380,7 +378,7 @@ class Migrator:
     def on_replica_lost(self, kernel: KernelRecord, replica: ReplicaRecord, reason: str) -> None:
         """A replica died for good and the kernel still runs: replace it on another host."""
         key = (kernel.kernel_id, replica.replica_id)
-        if not self.replace_dead or kernel.state != RUNNING or key in self._replacing:
+        if not self._core.replaces_lost_replica(self.replace_dead, kernel.state, key in self._replacing):
             return
         self._gs.spawn(self._replace_quietly(kernel, replica.replica_id, reason))
 
@@ -396,11 +394,12 @@ class Migrator:
         """Move every replica of a running kernel off ``host_id`` (already cordoned): ``tandem host
         drain``, and the autoscaler's scale-in (``wait_for_target=False``: a replica no host can
         take fails at once, so the scale-in is abandoned rather than held for the retry deadline)."""
-        moves = [
-            (kernel, replica.replica_id)
-            for kernel, replica in self._gs.state.replicas_on(host_id)
-            if replica.alive and kernel.state == RUNNING
+        kernels = {k.kernel_id: k for k, _ in self._gs.state.replicas_on(host_id)}
+        on_host = [
+            ReplicaOnHost(k.kernel_id, r.replica_id, r.alive, k.state)
+            for k, r in self._gs.state.replicas_on(host_id)
         ]
+        moves = [(kernels[r.kernel_id], r.replica_id) for r in replicas_to_drain(on_host)]
         outcomes = await asyncio.gather(
             *(self.replace(kernel, rid, reason, wait_for_target=wait_for_target) for kernel, rid in moves),
             return_exceptions=True,
@@ -428,36 +427,42 @@ class Migrator:
         attempts = 0
         try:
             while True:
-                if kernel.state != RUNNING:
-                    raise MigrationError(f"kernel {kernel.kernel_id} is {kernel.state}")
                 replica = kernel.replicas.get(replica_id)
-                if replica is None:
-                    raise MigrationError(f"replica {replica_id} is no longer part of the kernel")
-                if replica.alive and self._executing_on(kernel, replica):
-                    await asyncio.sleep(OWN_GPUS_POLL_S)
+                look = ReplacementLook(
+                    kernel.kernel_id,
+                    kernel.state,
+                    replica_id,
+                    replica is not None,
+                    replica is not None and replica.alive and self._executing_on(kernel, replica),
+                )
+                now = self._clock()
+                step = self._core.replacement_step(look, now, OWN_GPUS_POLL_S)
+                if isinstance(step, Abort):
+                    raise MigrationError(step.reason)
+                if isinstance(step, WaitUntil):
+                    await asyncio.sleep(max(step.at - now, 0.0))
                     continue
                 async with self._lock(kernel.kernel_id):
-                    plan = plan_migration(
+                    plan = self._core.plan_replacement(
+                        replica_id,
                         self._gs.state.replica_views(kernel),
                         kernel.resources,
                         self._gs.state.host_views(),
-                        prewarmed=self._warm_runtimes(),
-                        watermark=self.watermark,
-                        replica_id=replica_id,
-                        bind_now=False,
+                        self._warm_runtimes(),
                     )
+                    no_target = isinstance(plan, NoTarget)
                     if isinstance(plan, MigrationPlan):
                         try:
                             return await self._move(kernel, plan, reason)
                         except MigrationError as exc:
                             why = str(exc)
                     else:
-                        why = _explain(plan)
-                        if not wait_for_target:
-                            raise MigrationError(why)
+                        why = explain(plan)
                 attempts += 1
                 now = self._clock()
-                decision = self._core.migration_failed(attempts, started, now, why)
+                decision = self._core.replacement_failed(
+                    attempts, started, now, why, no_target=no_target, wait_for_target=wait_for_target
+                )
                 if isinstance(decision, GiveUp):
                     raise MigrationError(decision.reason)
                 log.info("replacement_retry", kernel=kernel.kernel_id, replica=replica_id, reason=why)
@@ -596,10 +601,3 @@ class Migrator:
                 await self._membership(kernel, contact, "remove", new.replica_id)
         if new.started:
             await self._gs.stop_replica(kernel, new)
-
-
-def _explain(plan: NoTarget) -> str:
-    if not plan.rejected:
-        return plan.reason
-    hosts = "; ".join(f"{host}: {why}" for host, why in sorted(plan.rejected.items()))
-    return f"{plan.reason} ({hosts})"

@@ -67,6 +67,7 @@ class ReplicaProcess:
         resources: dict[str, Any],
         data_dir: Path,
         ip: str = "127.0.0.1",
+        raft_host: str | None = None,
         raft_identity: str | None = None,
         launch: KernelLaunch | None = None,
         working_dir: str | None = None,
@@ -79,6 +80,7 @@ class ReplicaProcess:
         self.resources = resources
         self.data_dir = data_dir.absolute()  # the replica starts in its kernel's working directory
         self.ip = ip
+        self.raft_host = raft_host  # the address its Raft listener binds and registers; None: cluster.ip
         # the kernel's working directory and variables (shared/kernel_launch.py); working_dir:
         # where this replica starts, None for this local scheduler's own directory
         self.launch = launch or KernelLaunch()
@@ -222,6 +224,8 @@ class ReplicaProcess:
             "--config-json",
             config_json,
         ]
+        if self.raft_host:
+            argv += ["--raft-host", self.raft_host]
         if join:
             argv.append("--join")
         return argv

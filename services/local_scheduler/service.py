@@ -29,6 +29,7 @@ from shared.cluster_core.gpu_ledger import GpuLedger, LedgerError
 from shared.config import Config
 from shared.election_round import election_key, round_of
 from shared.envelope import Envelope
+from shared.host_address import advertised_ip, is_wildcard
 from shared.kernel_launch import KernelLaunch, LaunchError
 from shared.rpc import OutboundRequests, RpcClient, RpcError, RpcServer, RpcTimeout
 from shared.security import curve
@@ -65,6 +66,7 @@ class LocalScheduler:
         self.cfg = cfg
         self.host_id = host_id
         self.scheduler_address = scheduler_address
+        self._advertised: str | None = None  # the Raft host of this host's replicas (_raft_host)
         host = cfg["host"]
         self.gpus = gpus or detect_gpus(
             use_nvml=bool(host["use_nvml"]),
@@ -457,6 +459,29 @@ class LocalScheduler:
         returncode = await self._stop(replica)
         return env.reply({"returncode": returncode})
 
+    def _replica_jupyter_ip(self) -> str:
+        """Where a replica binds its Jupyter sockets: only this local scheduler connects to them,
+        so a node that binds every interface keeps them on loopback."""
+        ip = str(self.cfg.get("cluster.ip"))
+        return "127.0.0.1" if is_wildcard(ip) else ip
+
+    def _raft_host(self) -> str:
+        """The address this host's replicas bind and register for their Raft links: one other
+        hosts reach (shared/host_address.py), looked up once it resolves."""
+        if self._advertised is None:
+            try:
+                self._advertised = advertised_ip(
+                    str(self.cfg.get("cluster.ip")),
+                    str(self.cfg.get("host.advertise_ip") or ""),
+                    self.scheduler_address,
+                )
+            except (OSError, ValueError) as exc:
+                raise RpcError(
+                    f"no address for this host's Raft links ({exc}); set host.advertise_ip", "start_failed"
+                ) from None
+            self.log.info("raft_host", address=self._advertised)
+        return self._advertised
+
     def _new_replica(self, key: ReplicaKey, body: dict[str, Any]) -> ReplicaProcess:
         """The process record for a start or a restart: the same data dir for the same replica."""
         try:
@@ -478,7 +503,8 @@ class LocalScheduler:
             signature_scheme=str(body.get("signature_scheme") or "hmac-sha256"),
             resources=dict(body["resources"]),
             data_dir=self._data_root / key[0] / key[1],
-            ip=str(self.cfg.get("cluster.ip")),
+            ip=self._replica_jupyter_ip(),
+            raft_host=self._raft_host(),
             raft_identity=raft_identity,
             launch=launch,
             working_dir=working_dir,

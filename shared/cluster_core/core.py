@@ -11,10 +11,10 @@ ledger model is ``gpu_ledger.GpuLedger``, one per host in every driver.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from shared.cluster_core import lifecycle
+from shared.cluster_core import lifecycle, moves, starts
 from shared.cluster_core.drain import DrainPlan, ReplicaToMove, plan_drain
 from shared.cluster_core.held import HeldDecision, HeldFailure, HeldLook, HeldScaleOut, HeldStep, held_step
 from shared.cluster_core.idle import HostFacts, IdleJudge
@@ -23,9 +23,10 @@ from shared.cluster_core.reservations import ArrivedReservations
 from shared.cluster_core.sessions import Action, Session, SessionPolicy
 from shared.config import Config
 from shared.policies.autoscale import AutoscaleConfig, Autoscaler, ScaleDecision
+from shared.policies.executor_choice import ReplicaView
 from shared.policies.kernel_placement import KernelPlacement
-from shared.policies.migration import GiveUp, RetryAt, RetrySchedule
-from shared.policies.placement import HostView, PlacementRequest
+from shared.policies.migration import GiveUp, MigrationPlan, NoTarget, RetryAt, RetrySchedule
+from shared.policies.placement import HostView, PlacementDecision, PlacementRequest
 from shared.resources import Resources
 
 
@@ -163,12 +164,44 @@ class ClusterCore:
         self.idle.released(host_id)
 
     def retry_held(self, session_id: str, cell_id: str) -> list[Action] | str:
-        """Look again at a held cell (at ``first_migration_at``, then at each ``RetryAt``): its
-        actions (run, or migrate and run), or why it still cannot run."""
+        """Look again at a held cell at once (an executor, else a migration): its actions, or why
+        it still cannot run. The simulator steps held cells through ``look_at_held`` instead."""
+        return self._held_outcome(session_id, lambda plugin: plugin.retry_cell(session_id, cell_id))
+
+    def look_at_held(
+        self, session_id: str, cell_id: str, since: float, attempts: int, now: float, poll_s: float
+    ) -> HeldStep | None:
+        """The replicated plug-in's held cell through ``held_step``, as the live ``Migrator``
+        looks at its own (None: the cell is not held)."""
+        replicated = self.replicated
+        seen = None if replicated is None else replicated.held_look(session_id, cell_id)
+        if seen is None:
+            return None
+        own_cell_running, executor_now = seen
+        look = HeldLook(since, attempts, own_cell_running, False, executor_now)
+        return self.held_step(look, now, poll_s)
+
+    def send_held(self, session_id: str, cell_id: str) -> list[Action]:
+        """``SendOn``: run the held cell on the replica that can run it now."""
+        replicated = self.replicated
+        actions = [] if replicated is None else replicated.send_held(session_id, cell_id)
+        if actions:
+            self.held.over(session_id)
+        return actions
+
+    def migrate_held(self, session_id: str, cell_id: str) -> list[Action] | str:
+        """``TryMigration``: move a replica and run the cell there, or why no host can take it
+        (then ``held_migration_failed`` decides)."""
+        return self._held_outcome(session_id, lambda plugin: plugin.migrate_held(session_id, cell_id))
+
+    def _held_outcome(
+        self, session_id: str, step: Callable[[ReplicatedKernels], list[Action] | str]
+    ) -> list[Action] | str:
+        """Carry out ``step`` on the replicated plug-in; a cell that runs ends its hold."""
         replicated = self.replicated
         if replicated is None:
             return "only replicated kernels hold cells"
-        outcome = replicated.retry_cell(session_id, cell_id)
+        outcome = step(replicated)
         if not isinstance(outcome, str):
             self.held.over(session_id)
         return outcome
@@ -236,6 +269,59 @@ class ClusterCore:
     ) -> DrainPlan:
         """Where each replica on ``host_id`` goes (per replica; those no host takes stay)."""
         return plan_drain(host_id, replicas, hosts, prewarmed=prewarmed, watermark=self.config.watermark)
+
+    why_not_drained = staticmethod(moves.why_not_drained)
+
+    # ---- starts and moves (moves.py, starts.py): the rules both drivers ask ------------------
+
+    def can_add_hosts(self, live_hosts: int, *, enabled: bool = True) -> bool:
+        """Whether a refused placement could still be helped by a scale-out."""
+        return starts.can_add_hosts(self.autoscaler, live_hosts, enabled=enabled)
+
+    def start_unplaced(
+        self, request: PlacementRequest, decision: PlacementDecision, live_hosts: int
+    ) -> ScaleDecision:
+        """A kernel start found no room: reserve its missing replicas on hosts to come."""
+        return starts.start_unplaced(self.autoscaler, request, decision, live_hosts)
+
+    def start_waits(self, kernel_id: str) -> bool:
+        """Whether hosts reserved for the kernel's start are still to come (else it fails, or
+        asks again)."""
+        return starts.start_waits(self.autoscaler, kernel_id)
+
+    # the pure rules of moves.py, as the core's entry points (the shells name the core, not the leaves)
+    executor_for = staticmethod(moves.executor_for)
+    single_replica = staticmethod(moves.single_replica)
+    queues_behind_held = staticmethod(moves.queues_behind_held)
+    holds_cell = staticmethod(moves.holds_cell)
+    interrupt_ends_held = staticmethod(moves.interrupt_ends_held)
+    resumes_restored = staticmethod(moves.resumes_restored)
+    migrates_after_failed_election = staticmethod(moves.migrates_after_failed_election)
+    plan_held_migration = staticmethod(moves.plan_held_migration)
+
+    def plan_replacement(
+        self,
+        replica_id: str,
+        replicas: Sequence[ReplicaView],
+        need: Resources,
+        hosts: Iterable[HostView],
+        prewarmed: Mapping[str, int] | None = None,
+    ) -> MigrationPlan | NoTarget:
+        """Where a dead or drained replica goes, under the subscription watermark."""
+        return moves.plan_replacement(
+            replica_id, replicas, need, hosts, prewarmed=prewarmed, watermark=self.config.watermark
+        )
+
+    replaces_lost_replica = staticmethod(moves.replaces_lost_replica)
+    replacement_step = staticmethod(moves.replacement_step)
+
+    def replacement_failed(
+        self, attempts: int, started: float, now: float, why: str, *, no_target: bool, wait_for_target: bool
+    ) -> RetryAt | GiveUp:
+        """A move of a replica failed: retry (backoff, migration deadline) or give up."""
+        return moves.replacement_failed(
+            self.retry, attempts, started, now, why, no_target=no_target, wait_for_target=wait_for_target
+        )
 
     # ---- held cells -------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Draining a host before a scale-in releases it: each replica on it moves on its own, to where
-``plan_migration`` (``bind_now=False``, under the subscription watermark) puts it, as the live
+``moves.plan_replacement`` (under the subscription watermark) puts it, as the live
 ``Migrator.replace`` does for each replica of ``tandem host drain`` and of a scale-in. Replicas
 that no host can take stay, and the ones that could move have moved (partial, as live): the
 release is then abandoned and the idle judgement backs off (``IdleJudge.release_failed``).
@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from shared.cluster_core.moves import plan_replacement, why_not_drained
 from shared.policies.executor_choice import ReplicaView
-from shared.policies.migration import MigrationPlan, plan_migration
+from shared.policies.migration import MigrationPlan
 from shared.policies.placement import HostView
 from shared.resources import Resources
 
@@ -33,6 +34,10 @@ class DrainPlan:
     def complete(self) -> bool:
         return not self.stuck
 
+    def why_not(self) -> str:
+        """Why this drain leaves its host unreleasable ("" when every replica moves)."""
+        return why_not_drained([(r.kernel_id, r.replica_id, why) for r, why in self.stuck], 0)
+
 
 def plan_drain(
     host_id: str,
@@ -51,14 +56,8 @@ def plan_drain(
     moves: list[tuple[ReplicaToMove, MigrationPlan]] = []
     stuck: list[tuple[ReplicaToMove, str]] = []
     for r in replicas:
-        plan = plan_migration(
-            r.replicas,
-            r.resources,
-            views.values(),
-            prewarmed=warm,
-            watermark=watermark,
-            replica_id=r.replica_id,
-            bind_now=False,
+        plan = plan_replacement(
+            r.replica_id, r.replicas, r.resources, views.values(), prewarmed=warm, watermark=watermark
         )
         if not isinstance(plan, MigrationPlan):
             stuck.append((r, plan.reason))

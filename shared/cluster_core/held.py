@@ -27,6 +27,9 @@ from shared.policies.placement import PlacementRequest
 from shared.resources import Resources
 
 HELD_SUFFIX = "/held"
+# while a held cell's kernel still runs its previous cell (which holds the GPUs), look again this
+# often rather than migrate
+HELD_POLL_S = 0.2
 
 
 def held_key(kernel_id: str) -> str:
@@ -48,6 +51,7 @@ class HeldLook:
     own_cell_running: bool  # the kernel's previous cell still holds its GPUs
     settle_first: bool  # its election failed: the ledger was wrong, trust it only after a heartbeat
     executor_now: bool  # a replica's host can bind the GPUs now (``choose_executor``)
+    kernel_gone: bool = False  # its kernel no longer runs (or was replaced): the router answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +75,11 @@ HeldStep = WaitUntil | SendOn | TryMigration
 
 
 def held_step(look: HeldLook, now: float, settle_at: float, poll_s: float) -> HeldStep:
-    """The next step for a held cell: wait while its own previous cell runs or the ledger settles,
-    send it on when a replica can run it, else migrate (not before the first settle)."""
+    """The next step for a held cell: sent on at once when its kernel is gone (the router answers
+    for it), wait while its own previous cell runs or the ledger settles, send it on when a
+    replica can run it, else migrate (not before the first settle)."""
+    if look.kernel_gone:
+        return SendOn()
     if look.own_cell_running:
         return WaitUntil(now + poll_s)
     if look.settle_first and now < settle_at:

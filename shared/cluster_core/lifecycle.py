@@ -16,6 +16,7 @@ a raw assignment that silently revives a dead kernel.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 STARTING, RUNNING, STOPPING, STOPPED, DEAD = "starting", "running", "stopping", "stopped", "dead"
@@ -70,3 +71,63 @@ def after_replica_lost(state: str, live: int, quorum: int, *, restarting: bool) 
     if state == RUNNING and not restarting:
         return REPLACE
     return None
+
+
+RETRIED = "retried"  # a verdict of ``start_verdict``: the same start again, answer with the kernel's status
+
+
+def start_verdict(kernel_id: str, state: str | None, *, same_key: bool) -> str | None:
+    """A start request for ``kernel_id``, whose record is in ``state`` (None: no record): None to
+    start it (a new kernel, or a new one under the id of one that is over), ``RETRIED`` for the
+    same running kernel's start sent again, else why it conflicts with the one there."""
+    if state is None or state in OVER:
+        return None
+    if state == RUNNING and same_key:
+        return RETRIED
+    return f"kernel {kernel_id} is {state}"
+
+
+@dataclass(frozen=True, slots=True)
+class RestartLook:
+    """What the driver knows when an in-place restart of a replica is asked for."""
+
+    kernel_id: str
+    state: str
+    replica_id: str
+    replica_alive: bool
+    host_id: str
+    host_alive: bool
+    live: tuple[str, ...]  # the kernel's live replicas
+
+
+def restart_refusal(look: RestartLook, quorum: int) -> tuple[str, str] | None:
+    """Why an in-place restart of a replica is refused now, and the error code (None: go ahead):
+    only a running kernel's replica on a live host, and never one whose stop would leave the
+    kernel below a Raft quorum."""
+    if look.state != RUNNING:
+        return f"kernel {look.kernel_id} is {look.state}, not running", "conflict"
+    if not look.host_alive:
+        return f"host {look.host_id} of replica {look.replica_id} is not alive", "unavailable"
+    if look.replica_alive and len(look.live) - 1 < quorum:
+        return (
+            f"restarting {look.replica_id} now would leave kernel {look.kernel_id} without a Raft "
+            f"quorum (live: {', '.join(look.live)}); restart the dead replicas first",
+            "conflict",
+        )
+    return None
+
+
+def stops_on_request(msg_type: str, state: str) -> bool:
+    """A client's ``shutdown_request`` starts stopping a kernel that may still run cells."""
+    return msg_type == "shutdown_request" and state in ACTIVE
+
+
+def keeps_reported_replica(state: str) -> bool:
+    """A replica a (re)registering host reports: kept if its kernel may still run, else stopped."""
+    return state in ACTIVE
+
+
+def tells_members_lost(state: str, *, restarting: bool) -> bool:
+    """A replica's process exited: its surviving members hear it at once (a running kernel whose
+    replica is not being restarted in place), rather than after a silence timeout."""
+    return state == RUNNING and not restarting

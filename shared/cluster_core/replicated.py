@@ -7,8 +7,9 @@ for it (``held.py``, NotebookOS §3.4.2), and a host reserved for it wakes it he
 whose placement fails asks the autoscaler for hosts (scale-out) and waits for them up to the
 core's ``start_deadline``, or fails at once when no host is coming, as a live kernel start does.
 
-The driver (the simulator) owns the clock: it keeps when each cell was held and asks the core
-(``ClusterCore.first_migration_at``, ``migration_failed``) when to call ``retry_cell`` again.
+The driver (the simulator) owns the clock: it keeps when each cell was held and steps it through
+``ClusterCore.look_at_held`` (the live ``Migrator``'s ``held_step``), then ``send_held`` or
+``migrate_held``, and ``held_migration_failed`` decides when to look again.
 Drains for a scale-in are planned per replica by ``ClusterCore.plan_drain`` and applied here with
 ``move_replica``.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from shared.cluster_core.drain import ReplicaToMove
 from shared.cluster_core.gpu_ledger import GpuLedger
 from shared.cluster_core.held import held_kernel
+from shared.cluster_core.moves import executor_for, plan_held_migration
 from shared.cluster_core.reservations import ArrivedReservations
 from shared.cluster_core.sessions import (
     Action,
@@ -35,10 +37,11 @@ from shared.cluster_core.sessions import (
     StopRuntime,
     WakeHeld,
 )
-from shared.policies.autoscale import Autoscaler, ScaleOut, feasible_hosts
-from shared.policies.executor_choice import HostLedgerView, ReplicaView, choose_executor
+from shared.cluster_core.starts import can_add_hosts, start_unplaced, start_waits
+from shared.policies.autoscale import Autoscaler, ScaleOut
+from shared.policies.executor_choice import HostLedgerView, ReplicaView
 from shared.policies.kernel_placement import KernelPlacement
-from shared.policies.migration import MigrationPlan, NoTarget, plan_migration
+from shared.policies.migration import MigrationPlan, NoTarget
 from shared.policies.placement import HostView, PlacementRequest
 from shared.policies.placement_index import PlacementIndex
 
@@ -163,12 +166,10 @@ class ReplicatedKernels:
         if not decision.ok:
             actions: list[Action] = [Queued(session.session_id, None, decision.explain())]
             if scale and self.autoscaler is not None:
-                decision_out = self.autoscaler.on_placement_failed(
-                    request, feasible_hosts(decision), len(self.index)
-                )
+                decision_out = start_unplaced(self.autoscaler, request, decision, len(self.index))
                 if isinstance(decision_out, ScaleOut):
                     actions.append(decision_out)
-                elif self.autoscaler.reserved_for(session.session_id) == 0:
+                if not start_waits(self.autoscaler, session.session_id):
                     # nothing is coming for it: the live start fails here (``autoscaling.place``)
                     why = f"{decision.explain()}; no host is coming: {decision_out.reason}"
                     return [StartFailed(session.session_id, why)]
@@ -182,9 +183,7 @@ class ReplicatedKernels:
 
     def _can_add_hosts(self) -> bool:
         """Whether a refused placement could still scale out (the live scheduler asks the same)."""
-        if self.autoscaler is None:
-            return False
-        return len(self.index) + self.autoscaler.pending_hosts < self.autoscaler.config.max_hosts
+        return can_add_hosts(self.autoscaler, len(self.index))
 
     def _retry_sessions(self) -> list[Action]:
         """Place waiting sessions again; one whose reserved hosts have all arrived and that still does
@@ -193,7 +192,7 @@ class ReplicatedKernels:
         actions: list[Action] = []
         for _ in range(len(self.waiting_sessions)):
             s = self.waiting_sessions.popleft()
-            rescale = self.autoscaler is not None and self.autoscaler.reserved_for(s.session_id) == 0
+            rescale = self.autoscaler is not None and not start_waits(self.autoscaler, s.session_id)
             actions.extend(a for a in self._place(s, scale=rescale) if not isinstance(a, Queued))
         return actions
 
@@ -239,19 +238,43 @@ class ReplicatedKernels:
         return self._run(kernel, cell_id, executor)
 
     def retry_cell(self, session_id: str, cell_id: str) -> list[Action] | str:
-        """One look at a held cell, as live: an executor now, else one migration; the actions, or
-        why neither worked (the core decides when to look again, or gives up)."""
+        """One look at a held cell: an executor now, else one migration; the actions, or why
+        neither worked (the core decides when to look again, or gives up). The drivers step a
+        held cell through ``ClusterCore.held_step`` (``held_look``, ``send_held``, ``migrate_held``)."""
+        if self.held_look(session_id, cell_id) is None:
+            return f"cell {cell_id} of {session_id} is not held"
+        sent = self.send_held(session_id, cell_id)
+        return sent if sent else self.migrate_held(session_id, cell_id)
+
+    def held_look(self, session_id: str, cell_id: str) -> tuple[bool, bool] | None:
+        """(the kernel's own earlier cell still holds GPUs, a replica can run the cell now) for
+        ``HeldLook``; None when the cell is not held."""
+        kernel = self.kernels.get(session_id)
+        if kernel is None or cell_id not in kernel.held:
+            return None
+        return bool(kernel.running), self._executor(kernel) is not None
+
+    def send_held(self, session_id: str, cell_id: str) -> list[Action]:
+        """Run the held cell on the replica that can run it now ([] if none can, or not held)."""
+        kernel = self.kernels.get(session_id)
+        if kernel is None or cell_id not in kernel.held:
+            return []
+        executor = self._executor(kernel)
+        if executor is None:
+            return []
+        kernel.held.discard(cell_id)
+        return self._run(kernel, cell_id, executor)
+
+    def migrate_held(self, session_id: str, cell_id: str) -> list[Action] | str:
+        """Move a replica of the held cell's kernel to a host that can bind its GPUs and run it
+        there; why not when no host can."""
         kernel = self.kernels.get(session_id)
         if kernel is None or cell_id not in kernel.held:
             return f"cell {cell_id} of {session_id} is not held"
-        executor = self._executor(kernel)
-        if executor is not None:
-            kernel.held.discard(cell_id)
-            return self._run(kernel, cell_id, executor)
         g = kernel.session.resources.gpus
         replicas = [ReplicaView(str(i), h) for i, h in enumerate(kernel.hosts)]
-        plan = plan_migration(
-            replicas, kernel.session.resources, self.index.hosts_that_can_bind(g), prewarmed=self.prewarmed
+        plan = plan_held_migration(
+            replicas, kernel.session.resources, self.index.hosts_that_can_bind(g), self.prewarmed
         )
         if isinstance(plan, NoTarget):
             return plan.reason
@@ -274,7 +297,7 @@ class ReplicatedKernels:
             if v is not None:
                 ledger[h] = HostLedgerView(h, v.idle_gpus, v.cordoned, v.alive)
         last = None if kernel.last_executor is None else str(kernel.last_executor)
-        choice = choose_executor(replicas, ledger, g, last)  # the live scheduler's executor choice
+        choice = executor_for(replicas, ledger, g, last)  # the live scheduler's executor choice
         return None if choice.executor is None else int(choice.executor)
 
     def _run(self, kernel: ReplicatedKernel, cell_id: str, i: int) -> list[Action]:

@@ -41,7 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.cluster_core.core import POLICIES, ClusterCore
-from shared.cluster_core.held import HeldFailure
+from shared.cluster_core.held import HELD_POLL_S, HeldFailure, SendOn, WaitUntil
 from shared.cluster_core.idle import HostFacts, KernelFacts, replicas_and_active_hosts
 from shared.cluster_core.replicated import ReplicatedKernel
 from shared.cluster_core.sessions import (
@@ -58,6 +58,7 @@ from shared.cluster_core.sessions import (
     WakeHeld,
 )
 from shared.cluster_core.sessions import Session as PolicySession
+from shared.cluster_core.starts import kernel_facts
 from shared.policies.autoscale import ScaleIn, ScaleOut
 from shared.policies.migration import GiveUp
 from shared.policies.placement import PlacementRequest
@@ -508,15 +509,26 @@ class Simulator:
             self._busy[s] = -1
 
     def _retry_held(self, i: int, now: float, *, woken: bool = False) -> None:
-        """A held cell's next look, as the live ``Migrator._resolve``: run it (migrating a
-        replica if need be), or scale out for it and wait, or back off per the core, or give it up.
+        """A held cell's next look, stepped as the live ``Migrator._resolve`` steps its own
+        (``ClusterCore.held_step``): wait, run it, or migrate a replica and run it; a failed
+        migration scales out for it and waits, backs off per the core, or gives it up.
         ``woken``: a host reserved for it registered (else a look not due now is a stale one)."""
         held = self._holding.get(i)
         if held is None or (not woken and now != held[2]):
             return
         since, attempts, _ = held
         s = self._t_sess[i]
-        outcome = self.core.retry_held(self._sid[s], self._cid[i])
+        sid, cid = self._sid[s], self._cid[i]
+        step = self.core.look_at_held(sid, cid, since, attempts, now, HELD_POLL_S)
+        if isinstance(step, WaitUntil):
+            self._holding[i] = (since, attempts, step.at)
+            self._push(step.at, _RETRY, i)
+            return
+        outcome: list[Action] | str = f"cell {cid} of {sid} is not held"
+        if isinstance(step, SendOn):
+            outcome = self.core.send_held(sid, cid) or outcome  # [] only if it could not run after all
+        elif step is not None:
+            outcome = self.core.migrate_held(sid, cid)
         if not isinstance(outcome, str):
             del self._holding[i]
             self._apply(outcome, now)
@@ -542,7 +554,7 @@ class Simulator:
         s = self._pos[a.session_id]
         key = a.session_id if a.cell_id is None else f"{a.session_id}/{a.cell_id}"
         request = PlacementRequest(key, self._specs[s].resources, replicas=1)
-        decision = self.autoscaler.on_placement_failed(request, 0, len(self._hosts_alive))
+        decision = self.core.placement_failed(request, 0, len(self._hosts_alive))
         if isinstance(decision, ScaleOut):
             self._provision(decision.count, now)
 
@@ -596,7 +608,7 @@ class Simulator:
                 replicated.move_replica(r.kernel_id, move)
                 self._migration_s.append(now)
                 targets.append(move.target_host)
-            if not plan.complete:
+            if plan.why_not():  # a replica no host can take: the release is abandoned, as live
                 self.core.release_failed(host_id)
                 self._prewarm(targets, now)
                 return False
@@ -640,8 +652,7 @@ class Simulator:
         replicated = self.core.replicated
         if replicated is not None:
             replicas, active = replicas_and_active_hosts(
-                KernelFacts(kernel.hosts, self._kernel_busy(session_id, kernel))
-                for session_id, kernel in replicated.kernels.items()
+                self._kernel_facts(session_id, kernel) for session_id, kernel in replicated.kernels.items()
             )
             return [
                 HostFacts(
@@ -668,10 +679,15 @@ class Simulator:
             for h, led in ledgers.items()
         ]
 
-    def _kernel_busy(self, session_id: str, kernel: ReplicatedKernel) -> bool:
-        """A cell running or held, or one submitted and not ended (waiting client-side)."""
+    def _kernel_facts(self, session_id: str, kernel: ReplicatedKernel) -> KernelFacts:
+        """The core's busy rule (``starts.kernel_facts``): a cell running or held, or one
+        submitted and not ended (waiting client-side: live, a request in flight)."""
         s = self._pos.get(session_id, -1)
-        return bool(kernel.running or kernel.held) or (s >= 0 and (self._busy[s] >= 0 or self._held[s] >= 0))
+        return kernel_facts(
+            kernel.hosts,
+            cell_in_flight=bool(kernel.running) or (s >= 0 and self._busy[s] >= 0),
+            held=bool(kernel.held) or (s >= 0 and self._held[s] >= 0),
+        )
 
     def _tick(self, now: float) -> None:
         replicated = self.core.replicated

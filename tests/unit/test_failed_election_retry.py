@@ -12,9 +12,9 @@ from structlog.testing import capture_logs
 
 from services.global_scheduler.cluster_state import RUNNING, KernelRecord, ReplicaRecord
 from services.global_scheduler.jupyter_router import KernelRouter
-from services.global_scheduler.migration import MAX_ELECTION_ROUNDS
 from services.global_scheduler.service import GlobalScheduler
 from shared import messages
+from shared.cluster_core.moves import MAX_ELECTION_ROUNDS
 from shared.config import load_config
 from shared.election_round import ROUND_FIELD, election_key, round_of, split_election_key
 from shared.envelope import Envelope

@@ -4,7 +4,9 @@ plan are pure (no I/O, the time passed in)."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -90,12 +92,13 @@ def test_both_drivers_step_the_core_through_tick(monkeypatch: pytest.MonkeyPatch
 def test_a_held_cell_is_retried_and_given_up_by_the_core_in_the_simulator_as_live(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    calls = record_calls(monkeypatch, "first_migration_at", "held_migration_failed")
+    calls = record_calls(monkeypatch, "held_step", "held_migration_failed")
     params = SimParams(gpus_per_host=1, initial_hosts=3, max_hosts=3, migration_deadline_s=30.0)
     result = Simulator(contended_trace(), "notebookos", params).run()
     assert result.cells_failed == 1  # at max_hosts no host can come: an error after 30 s
     assert result.scale_out_s == []
-    assert [name for name, _ in calls][:2] == ["first_migration_at", "held_migration_failed"]
+    # each look goes through the live Migrator's step function, then its failure rule
+    assert [name for name, _ in calls][:2] == ["held_step", "held_migration_failed"]
     live_core = ClusterCore(CoreConfig.from_config(load_config()))
     assert live_core.first_migration_at(5.0) == 6.0  # one heartbeat interval, as the live Migrator waits
     assert isinstance(live_core.migration_failed(1, 0.0, 6.0, "no host"), RetryAt)
@@ -188,3 +191,123 @@ def test_a_drain_counts_each_placed_replica_before_planning_the_next() -> None:
     plan = plan_drain("a", [replica("k1", ("a",)), replica("k2", ("a",))], views, watermark=1.0)
     assert [m.target_host for _, m in plan.moves] == ["b"]
     assert [r.kernel_id for r, _ in plan.stuck] == ["k2"]
+
+
+# ---- the shells hold no copy of the core's decisions --------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# shell -> the core's entry points it must step (each decision it used to make itself)
+SHELL_CALLS: dict[str, set[str]] = {
+    "services/global_scheduler/service.py": {
+        "executor_for",
+        "queues_behind_held",
+        "holds_cell",
+        "migrates_after_failed_election",
+        "single_replica",
+        "interrupt_ends_held",
+    },
+    "services/global_scheduler/migration.py": {
+        "executor_for",
+        "plan_held_migration",
+        "held_step",
+        "held_migration_failed",
+        "plan_replacement",
+        "replacement_step",
+        "replacement_failed",
+        "replaces_lost_replica",
+        "resumes_restored",
+    },
+    "services/global_scheduler/autoscaling.py": {
+        "can_add_hosts",
+        "start_unplaced",
+        "start_waits",
+        "start_deadline",
+        "why_not_drained",
+        "tick",
+        "release_failed",
+    },
+    "shared/simulator/engine.py": {
+        "look_at_held",
+        "send_held",
+        "migrate_held",
+        "held_migration_failed",
+        "plan_drain",
+        "tick",
+        "release_failed",
+        "placement_failed",
+    },
+}
+# the core's own rules, shared functions the core modules wrap: a shell naming one decides itself
+POLICY_LEAVES = {
+    "choose_executor",
+    "plan_migration",
+    "feasible_hosts",
+    "on_placement_failed",
+    "reserved_for",
+    "after_failure",
+    "scale_in_idle_wanted",
+    "retry_cell",
+    "retry_held",
+    "MAX_ELECTION_ROUNDS",
+}
+# private copies the shells had before the rule moved into the core
+PRIVATE_COPIES = {"_why_not_drained", "_explain", "_kernel_busy", "_can_add_hosts", "_place_once_room"}
+# pure rules the shells call as functions of the core package
+CORE_FUNCTIONS: dict[str, set[str]] = {
+    "services/global_scheduler/service.py": {
+        "after_replica_lost",
+        "start_verdict",
+        "restart_refusal",
+        "keeps_reported_replica",
+        "tells_members_lost",
+        "stops_on_request",
+        "transition",
+    },
+    "services/global_scheduler/migration.py": {"failed_election_verdict", "replicas_to_drain", "explain"},
+    "services/global_scheduler/autoscaling.py": {"kernel_facts"},
+    "shared/simulator/engine.py": {"kernel_facts"},
+}
+
+
+def _names(tree: ast.AST) -> tuple[set[str], set[str], set[str], set[str]]:
+    """(attributes read on a ``core``/``_core``, every name or attribute used, functions defined,
+    names imported from ``shared.cluster_core``)."""
+    on_core: set[str] = set()
+    used: set[str] = set()
+    defined: set[str] = set()
+    from_core: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            used.add(node.attr)
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if name in ("core", "_core"):
+                on_core.add(node.attr)
+        elif isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.ImportFrom):
+            used.update(a.name for a in node.names)
+            if (node.module or "").startswith("shared.cluster_core"):
+                from_core.update(a.name for a in node.names)
+    return on_core, used, defined, from_core
+
+
+@pytest.mark.parametrize("shell", sorted(SHELL_CALLS))
+def test_the_shells_step_the_core_for_each_decision_and_keep_no_copy_of_it(shell: str) -> None:
+    on_core, used, defined, from_core = _names(ast.parse((ROOT / shell).read_text()))
+    assert SHELL_CALLS[shell] <= on_core, f"{shell} no longer asks the core {SHELL_CALLS[shell] - on_core}"
+    assert CORE_FUNCTIONS.get(shell, set()) <= from_core
+    assert not used & POLICY_LEAVES, f"{shell} calls a policy leaf itself: {used & POLICY_LEAVES}"
+    assert not defined & PRIVATE_COPIES, f"{shell} keeps a private copy: {defined & PRIVATE_COPIES}"
+
+
+def test_the_simulator_steps_a_held_cell_through_held_step_as_the_live_migrator_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = record_calls(monkeypatch, "held_step", "send_held", "migrate_held")
+    Simulator(contended_trace(), "notebookos", SimParams(gpus_per_host=1, max_hosts=4)).run()
+    names = [name for name, _ in calls]
+    assert names[0] == "held_step" and "migrate_held" in names  # no room on the 3 first hosts: moved

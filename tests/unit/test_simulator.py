@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shared.cluster_core import drain, replicated
+from shared.cluster_core import drain, moves, replicated
 from shared.cluster_core.core import ClusterCore
 from shared.cluster_core.sessions import Session
 from shared.policies import autoscale, executor_choice, migration, placement, prewarm
@@ -35,14 +35,16 @@ def excerpt() -> Trace:
 
 
 def test_simulator_imports_the_same_policy_objects_as_the_live_scheduler() -> None:
-    import services.global_scheduler.migration as live_migration
     import services.global_scheduler.service as live
 
     assert live.ClusterCore is engine.ClusterCore  # one core class, both drivers
-    assert live.choose_executor is executor_choice.choose_executor is replicated.choose_executor
+    # the live shells reach these through the core (tests/unit/test_one_cluster_core.py scans them)
+    assert moves.choose_executor is executor_choice.choose_executor
+    assert replicated.executor_for is moves.executor_for
     assert live.PlacementRequest is placement.PlacementRequest is replicated.PlacementRequest
-    assert live_migration.plan_migration is migration.plan_migration is replicated.plan_migration
-    assert drain.plan_migration is migration.plan_migration
+    assert moves.plan_migration is migration.plan_migration
+    assert replicated.plan_held_migration is moves.plan_held_migration
+    assert drain.plan_replacement is moves.plan_replacement
     assert replicated.PlacementIndex is PlacementIndex
     assert engine.reconcile is prewarm.reconcile
 
@@ -61,9 +63,8 @@ def test_simulator_decisions_go_through_the_shared_policy_functions(
 
         monkeypatch.setattr(owner, name, wrapper)
 
-    spy(replicated, "choose_executor")  # the very function object the live scheduler calls (above)
-    spy(replicated, "plan_migration")
-    spy(drain, "plan_migration")
+    spy(moves, "choose_executor")  # the very function object the live scheduler calls (above)
+    spy(moves, "plan_migration")
     spy(PlacementIndex, "place")
     spy(autoscale.Autoscaler, "evaluate")
     spy(engine, "reconcile")
