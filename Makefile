@@ -40,13 +40,14 @@ format: setup
 
 # The data store tests run a real redis-server (tests/datastore_fixtures.py); the multi-host test
 # builds network namespaces with iproute2's `ip` (tests/integration/test_multihost_netns.py, as
-# root). CI runs as root on Debian/Ubuntu; elsewhere install them yourself (the tests fail or skip
-# with the command to run).
-TEST_DEPS := redis-server:redis-server ip:iproute2
+# root); the browser tests drive Debian's chromium (tests/integration/test_browser.py). CI runs as
+# root on Debian/Ubuntu; elsewhere install them yourself (the tests fail or skip with the command
+# to run). Each entry: command:package[,package...]
+TEST_DEPS := redis-server:redis-server ip:iproute2 chromium:chromium,chromium-driver
 
 test-deps:
 	@for dep in $(TEST_DEPS); do \
-		cmd=$${dep%%:*}; pkg=$${dep#*:}; \
+		cmd=$${dep%%:*}; pkg=$$(echo $${dep#*:} | tr , ' '); \
 		command -v $$cmd >/dev/null 2>&1 && continue; \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 			apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$pkg; \

@@ -7,6 +7,7 @@ TOML < flags and ``--set section.key=value``), so anything the CLI can do a conf
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -16,7 +17,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from services.cluster_file import ClusterNotRunning, ask_sync, read_cluster
+from services.cluster_file import ClusterNotRunning, ask_sync, cluster_status, read_cluster
+from services.http_gateway import V1_GATEWAY_CONNECTION
 from shared import messages
 from shared.config import Config, ConfigError, load_config, parse_overrides
 from shared.messages import id_problem
@@ -248,7 +250,9 @@ def cmd_up(args: argparse.Namespace, cfg: Config) -> int:
             f"  cluster file: {cluster.cluster_file}\n  logs: {info['log_dir']}\n"
             + (
                 f"  Jupyter Kernel Gateway API: {info['http']} (token in {token_file}):\n"
-                f"    jupyter lab --gateway-url={info['http']} --GatewayClient.auth_token=$(cat {token_file})\n"
+                f"    jupyter lab --gateway-url={info['http']} --GatewayClient.auth_token=$(cat {token_file}) "
+                f"--ServerApp.kernel_websocket_connection_class={V1_GATEWAY_CONNECTION}\n"
+                f"  dashboard: {info['http']}/dashboard?token=$(cat {token_file})\n"
                 if info.get("http")
                 else ""
             )
@@ -317,16 +321,7 @@ def _ask_service(
 
 
 def cmd_status(args: argparse.Namespace, cfg: Config) -> int:
-    status = _ask_scheduler(args, cfg, messages.CLUSTER_STATUS, {"all": args.all}, timeout=5.0)
-    cluster = read_cluster(state_dir_of(args, cfg))
-    if cluster.raw.get("arbiter"):
-        status["batch"] = _ask_arbiter(args, cfg, messages.ARBITER_STATUS, {}, timeout=5.0)
-    if cluster.raw.get("serving"):
-        status["serving"] = _ask_service(args, cfg, curve.SERVING, messages.SERVING_STATUS, {}, timeout=5.0)
-    if cluster.raw.get("checkpoint"):  # jobs' images: each job's latest, objects kept and collected
-        status["checkpoints"] = _ask_service(
-            args, cfg, curve.CHECKPOINT, messages.CHECKPOINT_STATUS, {}, timeout=5.0
-        )
+    status = asyncio.run(cluster_status(read_cluster(state_dir_of(args, cfg)), stopped=args.all))
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True, default=str))
         return 0

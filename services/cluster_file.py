@@ -16,6 +16,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from shared import messages
 from shared.envelope import Envelope
 from shared.rpc import RpcClient
 from shared.security import curve
@@ -115,6 +116,35 @@ async def ask(
     finally:
         await client.close()
     return answer.body
+
+
+async def cluster_status(
+    cluster: ClusterInfo, *, stopped: bool = False, timeout: float = 5.0
+) -> dict[str, Any]:
+    """What ``tandem status --json`` prints and the dashboard draws: the global scheduler's
+    ``cluster.status`` (stopped kernels too with ``stopped``), and, for each of the arbiter, the
+    serving controller and the checkpoint service the cluster runs, its status (under ``batch``,
+    ``serving``, ``checkpoints``). Asked afresh each time: nobody keeps a copy."""
+    scheduler_curve = cluster.operator_curve(curve.SCHEDULER)
+    status = await ask(
+        cluster.scheduler,
+        messages.CLUSTER_STATUS,
+        {"all": stopped},
+        credentials=scheduler_curve,
+        timeout=timeout,
+    )
+    services = (
+        ("batch", "arbiter", curve.ARBITER, messages.ARBITER_STATUS),
+        ("serving", "serving", curve.SERVING, messages.SERVING_STATUS),
+        ("checkpoints", "checkpoint", curve.CHECKPOINT, messages.CHECKPOINT_STATUS),
+    )
+    for key, name, principal, msg_type in services:
+        address = cluster.raw.get(name)
+        if address:
+            status[key] = await ask(
+                str(address), msg_type, {}, credentials=cluster.operator_curve(principal), timeout=timeout
+            )
+    return status
 
 
 def ask_sync(

@@ -75,12 +75,27 @@ class UsageMeter:
         """GPUs best-effort jobs could use now: leased, or idle beyond the cells' reserve."""
         return float(sum(u.leased + len(u.idle) for u in self.live(now).values()))
 
+    def by_host(self, now: float) -> dict[str, dict[str, int]]:
+        """Each live host's GPUs now: cells, be, free (leasable) and reserved (idle, kept for
+        cells); what the dashboard draws per host."""
+        return {
+            host: {
+                "gpus": u.gpus,
+                "cells": u.committed,
+                "be": u.leased,
+                "free": len(u.idle),
+                "reserved": u.reserved,
+            }
+            for host, u in sorted(self.live(now).items())
+        }
+
     def report(self, now: float) -> dict[str, Any]:
         """Now and over time: GPUs by use, and the share of provisioned GPU time each had."""
         self.advance(now)
         total = sum(self.gpu_seconds.values())
         return {
             "gpus_now": self.split(now),
+            "hosts": self.by_host(now),
             "gpu_seconds": {k: round(v, 3) for k, v in self.gpu_seconds.items()},
             "utilization": {k: round(v / total, 4) if total else 0.0 for k, v in self.gpu_seconds.items()},
         }

@@ -1,1 +1,4 @@
 """The Jupyter Kernel Gateway HTTP/WebSocket API in front of Tandem (see ``app.py``)."""
+
+# what a remote JupyterLab's server names as its kernel WebSocket connection (front_end.py says why)
+V1_GATEWAY_CONNECTION = "services.http_gateway.front_end.V1GatewayWebSocketConnection"

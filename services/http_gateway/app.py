@@ -36,6 +36,7 @@ from kernel_gateway.gatewayapp import KernelGatewayApp
 from tornado import httpserver, netutil
 from traitlets.config import Config as TraitletsConfig
 
+from services.http_gateway.dashboard import add_dashboard
 from services.kernelspec import KERNEL_NAME, kernel_json
 from services.provisioner import forget_session, read_session, recorded_kernels
 from shared.config import Config
@@ -223,4 +224,5 @@ def build_app(cfg: Config, token: str, spec_root: Path) -> TandemKernelGatewayAp
     # jupyter_server's access log, which scrubs ?token= from the URIs it logs (tornado's does not)
     app.web_app.settings["log_function"] = partial(log_request, record_prometheus_metrics=False)
     route_logs_to_structlog(app.log, str(cfg.get("log.level")))
+    add_dashboard(app.web_app)
     return app

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,7 +22,7 @@ import pytest
 import requests
 import websocket
 from _cluster import ClusterHandle, eventually
-from datastore_fixtures import free_port, stop_process
+from _front_end import gateway_front_end
 
 from shared import messages
 
@@ -143,43 +141,13 @@ def tandem_api(tandem_cluster: ClusterHandle) -> Server:
 @pytest.fixture(scope="module")
 def front_end(tandem_api: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
     """``jupyter server --gateway-url`` at Tandem, serving a folder of notebooks."""
-    root = tmp_path_factory.mktemp("notebooks")
-    home = tmp_path_factory.mktemp("jupyter-home")
-    port = free_port()
-    env = {
-        **os.environ,
-        "KERNEL_FOO": "bar",  # GatewayClient forwards the server's KERNEL_* variables
-        "JUPYTER_CONFIG_DIR": str(home / "config"),
-        "JUPYTER_DATA_DIR": str(home / "data"),
-        "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
-    }
-    log = open(home / "server.log", "wb")  # noqa: SIM115 (closed below, after the process)
-    process = subprocess.Popen(
-        [
-            sys.executable, "-m", "jupyter_server",
-            f"--gateway-url={tandem_api.url}",
-            f"--GatewayClient.auth_token={tandem_api.token}",
-            f"--IdentityProvider.token={SERVER_TOKEN}",
-            "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-            "--ServerApp.open_browser=False", f"--ServerApp.root_dir={root}",
-            "--ServerApp.allow_root=True",  # CI runs as root
-        ],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    server = Server(f"http://127.0.0.1:{port}", SERVER_TOKEN)
-
-    def ready() -> bool:
-        try:
-            return server.request("GET", "/api/status").status_code == 200
-        except requests.ConnectionError:
-            return process.poll() is not None  # gave up: reported below
-
-    try:
-        assert eventually(ready, timeout=60) and process.poll() is None, (home / "server.log").read_text()
-        yield server, root
-    finally:
-        stop_process(process)
-        log.close()
+    root, home = tmp_path_factory.mktemp("notebooks"), tmp_path_factory.mktemp("jupyter-home")
+    gateway = (tandem_api.url, tandem_api.token)
+    # GatewayClient forwards the server's KERNEL_* variables
+    with gateway_front_end(
+        "jupyter_server", gateway, SERVER_TOKEN, root, home, env={"KERNEL_FOO": "bar"}
+    ) as url:
+        yield Server(url, SERVER_TOKEN), root
 
 
 def test_a_remote_jupyter_server_runs_interrupts_restarts_and_deletes_a_tandem_kernel(

@@ -39,3 +39,11 @@ def test_be_jobs_could_use_the_leased_and_the_idle_gpus_beyond_the_cells_reserve
     meter.observe(report("h0", gpus=4, committed=1, leased=[1], idle=[3], reserved=1), 0.0)
     meter.observe(report("h1", gpus=2, committed=0, leased=[], idle=[1], reserved=1), 0.0)
     assert meter.usable(0.0) == 3.0
+
+
+def test_each_live_host_reports_its_gpus_by_use() -> None:
+    meter = UsageMeter(stale_s=5.0)
+    meter.observe(report("h1", gpus=4, committed=1, leased=[1], idle=[3], reserved=1), 0.0)
+    meter.observe(report("h0", gpus=2, committed=0, leased=[], idle=[1], reserved=1), 4.0)
+    assert meter.report(8.0)["hosts"] == {"h0": {"gpus": 2, "cells": 0, "be": 0, "free": 1, "reserved": 1}}
+    assert list(meter.by_host(4.0)) == ["h0", "h1"]
