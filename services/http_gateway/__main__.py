@@ -14,7 +14,8 @@ import sys
 
 import structlog
 
-from services.http_gateway.app import build_app, load_or_create_token, token_path
+from services.http_gateway.app import build_app, load_or_create_token
+from services.http_gateway.token_file import token_path
 from shared.service_cli import add_common_arguments, announce, setup
 
 
