@@ -221,7 +221,7 @@ def state_dir_of(args: argparse.Namespace, cfg: Config) -> Path:
 def cmd_up(args: argparse.Namespace, cfg: Config) -> int:
     from services.embedded import EmbeddedCluster, run_foreground
     from services.global_scheduler.service import require_live_policy
-    from services.http_gateway.app import token_path
+    from services.http_gateway.token_file import token_path
     from shared.logs import configure_logging
 
     require_live_policy(cfg)

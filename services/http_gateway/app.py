@@ -51,14 +51,6 @@ UNAUTHORIZED = (
 )
 
 
-def token_path(cfg: Config, keys_dir: Path | None = None) -> Path:
-    """``http.token_file``, else ``http.token`` in the cluster's keys directory."""
-    explicit = str(cfg.get("http.token_file"))
-    if explicit:
-        return Path(os.path.expanduser(explicit))
-    return (keys_dir or cfg.keys_dir()) / "http.token"
-
-
 def load_or_create_token(path: Path) -> str:
     """The API token in ``path``, made (random, 0600) when the file does not exist yet: a token
     that survives restarts, so a remote Lab configured with it keeps working."""

@@ -25,6 +25,7 @@ import pytest
 from _cluster import ClusterHandle, running_cluster
 from _kernels import run, tandem_kernel
 from test_migration import (
+    FAST_HEARTBEAT,
     Notebook,
     cluster_status,
     kernel_view,
@@ -45,6 +46,8 @@ def three_hosts(tmp_path_factory: pytest.TempPathFactory, tandem_kernelspec: Pat
         # the scheduler waits candidate_silence_s for the stopped candidate before asking the
         # others; the request deadline must not end the cell first
         "--set", "scheduler.request_timeout_s=60",
+        "--set", "scheduler.candidate_silence_s=1.0",  # default 3 s: the stopped candidate's wait
+        *FAST_HEARTBEAT,
     ) as handle:  # fmt: skip
         yield handle
 

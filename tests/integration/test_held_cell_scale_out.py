@@ -53,9 +53,9 @@ def test_a_held_cell_with_no_host_scales_out_and_runs_on_the_new_host(
     with contextlib.ExitStack() as stack:
         books = [stack.enter_context(tandem_kernel()) for _ in range(4)]
         for _km, kc in books:
-            settle(cluster)
+            settle(cluster, heartbeat_s=1.0)  # the default interval: see MIGRATION_DEADLINE_S
             assert run(kc, "value = 1", timeout=60).status == "ok"
-        settle(cluster)
+        settle(cluster, heartbeat_s=1.0)
         busy = [BackgroundCell(kc, tmp_path / f"release-{n}") for n, (_km, kc) in enumerate(books[:3])]
         try:
             wait_for(lambda: len(busy_hosts(cluster)) == 3, "every initial host's GPU busy")

@@ -32,6 +32,10 @@ from shared import messages
 pytestmark = pytest.mark.integration
 
 MIGRATION_DEADLINE_S = 6.0
+# local schedulers report their GPU ledgers this often: settle() waits for a report sent after a
+# cell's reply, so a shorter interval (default 1 s) shortens every settle
+HEARTBEAT_S = 0.25
+FAST_HEARTBEAT = ("--set", f"scheduler.heartbeat_interval_s={HEARTBEAT_S}")
 Notebook = tuple[KernelManager, BlockingKernelClient]
 
 
@@ -45,6 +49,7 @@ def small_cluster(
         "--hosts", "4", "--gpus-per-host", "1",
         "--set", f"scheduler.migration_deadline_s={MIGRATION_DEADLINE_S}",
         "--set", "scheduler.heartbeat_timeout_s=3.0",
+        *FAST_HEARTBEAT,
     ) as handle:  # fmt: skip
         yield handle
 
@@ -76,25 +81,26 @@ def live_hosts(kernel: dict[str, Any]) -> set[str]:
     return {r["host"] for r in kernel["replicas"] if r["alive"]}
 
 
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 60.0, poll_s: float = 0.2) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+        time.sleep(poll_s)
 
 
 def busy_hosts(cluster: ClusterHandle) -> set[str]:
     return {h["id"] for h in cluster_status(cluster)["hosts"] if h["committed"] > 0}
 
 
-def settle(cluster: ClusterHandle) -> None:
+def settle(cluster: ClusterHandle, heartbeat_s: float = HEARTBEAT_S) -> None:
     """Until every GPU is free in the local schedulers' own ledgers: a replica gives its GPU back
-    just after its reply, so the next heartbeat (1 s) must show the ledger after that."""
-    time.sleep(1.5)
-    wait_for(lambda: not busy_hosts(cluster), "every GPU idle")
+    just after its reply, so the next heartbeat (every ``heartbeat_s``, the cluster's
+    scheduler.heartbeat_interval_s) must show the ledger after that; 0.5 s more for it to arrive."""
+    time.sleep(heartbeat_s + 0.5)
+    wait_for(lambda: not busy_hosts(cluster), "every GPU idle", poll_s=0.1)
 
 
 def set_cordon(cluster: ClusterHandle, host: str, cordoned: bool) -> None:

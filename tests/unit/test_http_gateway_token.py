@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.http_gateway.app import load_or_create_token, token_path
+from services.http_gateway.app import load_or_create_token
+from services.http_gateway.token_file import token_path
 from shared.config import load_config
 
 
