@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import psutil  # noqa: E402
 from bench_latency import cpu_by_role, cpu_seconds, one_cell, percentile, role_of, start  # noqa: E402
 
-from services.kernelspec import install  # noqa: E402
+from services.kernelspec import install_private  # noqa: E402
 
 SIDES = ("a", "b")
 READY_TIMEOUT_S = 120.0
@@ -239,10 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give two different revisions")
     logging.getLogger("traitlets").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="tandem-ab-") as tmp, contextlib.ExitStack() as stack:
-        install(prefix=str(Path(tmp) / "prefix"))
-        os.environ["JUPYTER_PATH"] = os.pathsep.join(
-            filter(None, [str(Path(tmp) / "prefix" / "share" / "jupyter"), os.environ.get("JUPYTER_PATH")])
-        )
+        install_private(Path(tmp) / "prefix")
         ups: dict[str, psutil.Process] = {}
         state_dirs = {side: Path(tmp) / f"{side}-run" / "state" for side in SIDES}
         for side, rev in zip(SIDES, (args.rev_a, args.rev_b), strict=True):

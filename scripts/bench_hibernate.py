@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from bench_kernel_start import HOSTS, cluster, wait_for_full_pools  # noqa: E402
 from jupyter_client import BlockingKernelClient, KernelManager  # noqa: E402
 
 from services.cluster_file import ask_sync  # noqa: E402
-from services.kernelspec import install  # noqa: E402
+from services.kernelspec import install_private  # noqa: E402
 from shared import messages  # noqa: E402
 from shared.security import curve  # noqa: E402
 
@@ -127,11 +126,7 @@ def p50(rounds: list[dict[str, float]], key: str) -> float:
 
 def bench(rounds: int, large_rounds: int, imports: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-hibernate-") as tmp:
-        prefix = Path(tmp) / "prefix"
-        install(prefix=str(prefix))
-        os.environ["JUPYTER_PATH"] = os.pathsep.join(
-            filter(None, [str(prefix / "share" / "jupyter"), os.environ.get("JUPYTER_PATH")])
-        )
+        install_private(Path(tmp) / "prefix")
         state = Path(tmp) / "state"
         settings = ("prewarm.policy=fixed", "prewarm.per_host=1", "prewarm.interval_s=0.2")
         with cluster(state, *settings, f"prewarm.imports={json.dumps(imports)}") as info:

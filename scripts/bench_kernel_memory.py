@@ -23,7 +23,6 @@ Usage: ``python scripts/bench_kernel_memory.py``
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,7 @@ from bench_kernel_start import cluster  # noqa: E402
 from jupyter_client import KernelManager  # noqa: E402
 
 from services.cluster_file import ask_sync  # noqa: E402
-from services.kernelspec import install  # noqa: E402
+from services.kernelspec import install_private  # noqa: E402
 from shared import messages  # noqa: E402
 from shared.security import curve  # noqa: E402
 
@@ -130,11 +129,7 @@ def measure(kernel_name: str, cells: list[str], pids_of: Any) -> dict[str, Any]:
 def bench() -> dict[str, Any]:
     result: dict[str, Any] = {"bench": "kernel_memory"}
     with tempfile.TemporaryDirectory(prefix="bench-kernel-memory-") as tmp:
-        prefix = Path(tmp) / "prefix"
-        install(prefix=str(prefix))
-        os.environ["JUPYTER_PATH"] = os.pathsep.join(
-            filter(None, [str(prefix / "share" / "jupyter"), os.environ.get("JUPYTER_PATH")])
-        )
+        install_private(Path(tmp) / "prefix")
         state = Path(tmp) / "state"
         with cluster(state, "prewarm.policy=none") as info:
 

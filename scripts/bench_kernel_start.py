@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from jupyter_client import KernelManager  # noqa: E402
 
 from services.cluster_file import ask_sync  # noqa: E402
-from services.kernelspec import install  # noqa: E402
+from services.kernelspec import install_private  # noqa: E402
 from shared import messages  # noqa: E402
 from shared.security import curve  # noqa: E402
 
@@ -111,11 +111,7 @@ def bench(rounds: int, imports: list[str]) -> dict[str, Any]:
     prewarmed: list[float] = []
     stock: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-kernel-start-") as tmp:
-        prefix = Path(tmp) / "prefix"
-        install(prefix=str(prefix))
-        os.environ["JUPYTER_PATH"] = os.pathsep.join(
-            filter(None, [str(prefix / "share" / "jupyter"), os.environ.get("JUPYTER_PATH")])
-        )
+        install_private(Path(tmp) / "prefix")
         with cluster(Path(tmp) / "cold", "prewarm.policy=none"):
             start_to_first_reply("tandem")  # file system caches, alike for both phases
             start_to_first_reply("python3")

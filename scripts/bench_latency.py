@@ -42,7 +42,7 @@ import psutil  # noqa: E402
 from jupyter_client import BlockingKernelClient, KernelManager  # noqa: E402
 
 from services.embedded import EmbeddedCluster  # noqa: E402
-from services.kernelspec import install  # noqa: E402
+from services.kernelspec import install_private  # noqa: E402
 from shared.config import load_config, parse_overrides  # noqa: E402
 from shared.logs import configure_logging  # noqa: E402
 
@@ -205,10 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("traitlets").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         state_dir = Path(tmp) / "state"
-        install(prefix=str(Path(tmp) / "prefix"))
-        os.environ["JUPYTER_PATH"] = os.pathsep.join(
-            filter(None, [str(Path(tmp) / "prefix" / "share" / "jupyter"), os.environ.get("JUPYTER_PATH")])
-        )
+        install_private(Path(tmp) / "prefix")
         os.environ["TANDEM_STATE_DIR"] = str(state_dir)
         cluster = EmbeddedCluster(cfg, state_dir=state_dir)
         try:

@@ -9,6 +9,7 @@ provisioner config (the provisioner reads it; TANDEM_* variables override it per
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -47,3 +48,13 @@ def install(*, user: bool = False, prefix: str | None = None) -> str:
         return KernelSpecManager().install_kernel_spec(
             str(spec_dir), kernel_name=KERNEL_NAME, user=user, prefix=prefix, replace=True
         )
+
+
+def install_private(prefix: Path) -> str:
+    """Install the spec under ``prefix`` and put that prefix first on this process's
+    ``JUPYTER_PATH``: benchmarks and tests reach ``tandem`` without touching the user's specs.
+    Returns the ``JUPYTER_PATH`` it replaced ('' when none)."""
+    install(prefix=str(prefix))
+    old = os.environ.get("JUPYTER_PATH", "")
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(prefix / "share" / "jupyter"), old]))
+    return old

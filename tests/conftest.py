@@ -20,17 +20,15 @@ from _cluster import ClusterHandle, running_cluster
 @pytest.fixture(scope="session")
 def tandem_kernelspec(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The ``tandem`` kernelspec in a private prefix, visible to this process's Jupyter clients."""
-    from services.kernelspec import install
+    from services.kernelspec import install_private
 
     prefix = tmp_path_factory.mktemp("jupyter-prefix")
-    install(prefix=str(prefix))
-    old = os.environ.get("JUPYTER_PATH")
-    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(prefix / "share" / "jupyter"), old]))
+    old = install_private(prefix)
     yield prefix
-    if old is None:
-        os.environ.pop("JUPYTER_PATH", None)
-    else:
+    if old:
         os.environ["JUPYTER_PATH"] = old
+    else:
+        os.environ.pop("JUPYTER_PATH", None)
 
 
 @pytest.fixture(scope="session")
