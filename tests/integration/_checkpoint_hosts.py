@@ -59,7 +59,21 @@ class Host:
 async def cluster(
     tmp_path: Path, *, pause_grace_s: float = 2.0, gpus: int = 2
 ) -> AsyncIterator[tuple[CheckpointService, Host, Host]]:
-    state_dir = tmp_path / "state"
+    # TANDEM_STATE_DIR wins over cluster.state_dir: a session cluster's (set by an earlier test's
+    # fixture) would take the jobs' files and keys, and the test would read its own dir in vain
+    outer = os.environ.pop("TANDEM_STATE_DIR", None)
+    try:
+        async with _cluster(tmp_path / "state", pause_grace_s, gpus) as parts:
+            yield parts
+    finally:
+        if outer is not None:
+            os.environ["TANDEM_STATE_DIR"] = outer
+
+
+@contextlib.asynccontextmanager
+async def _cluster(
+    state_dir: Path, pause_grace_s: float, gpus: int
+) -> AsyncIterator[tuple[CheckpointService, Host, Host]]:
     cfg = load_config(overrides={"cluster.state_dir": str(state_dir), "checkpoint.commit_timeout_s": 5.0})
     curve.ensure_cluster_keys(cfg.keys_dir())
     for host_id in ("host-a", "host-b"):
