@@ -12,6 +12,10 @@ Replays one seeded workload drawn from Themis Workload 1's statistics
 * ``max_rho_floor_<p>``: the largest rho any app would have had alone on the cluster, perfectly
   placed, with the N_avg it saw under policy p (its longest jobs bound its finish; T_id assumes
   its work parallelises perfectly): p cannot bring max rho below this;
+* ``max_rho_fluid_ps`` / ``median_rho_fluid_ps``: the same trace under ideal egalitarian processor
+  sharing (fluid, ``shared.simulator.be_reference``): every app R / N(t) GPUs, no slowdown, no
+  leases. It keeps each app at rho <= 1 unless the app's own stragglers bind, so it is the
+  reference a fair policy approaches; no baseline close to it leaves room for a 2.2x gain;
 * ``auction_p50_ms`` / ``auction_p95_ms``: one Themis round (visibility phase for every app,
   bids, the PF MILP and each winner's c_i solve on HiGHS, leases), over all rounds of the run;
   Themis reports 354 / 1398 ms with Gurobi. ``auction_max_ms`` too;
@@ -54,6 +58,7 @@ from shared.simulator.be import (
     json_stdout,
     run_all,
 )
+from shared.simulator.be_reference import fluid_ps_rho
 from shared.workload.be_model import BeWorkload
 from shared.workload.themis_workload import (
     ThemisWorkloadParams,
@@ -144,6 +149,9 @@ def _report(
         out[f"utilization_{name}"] = round(r.utilization, 4)
         out[f"finished_{name}"] = r.finished
         out[f"max_rho_floor_{name}"] = round(r.max_rho_floor, 4)
+    ps = fluid_ps_rho(workload, sum(hosts))
+    out["max_rho_fluid_ps"] = round(max(ps.values()), 4)
+    out["median_rho_fluid_ps"] = round(statistics.median(ps.values()), 4)
     baselines = {n: r.max_rho for n, r in results.items() if n in BASELINES}
     if "themis" in results:
         themis = results["themis"]
