@@ -110,12 +110,15 @@ def main() -> int:
 
 
 def _medians(reports: list[dict[str, object]]) -> dict[str, object]:
-    """Numbers as medians over the seeds' reports (with ``<key>_by_seed``), the rest as seed 0's."""
+    """A key the seeds agree on once; else numbers as their median (with ``<key>_by_seed``), flags
+    as all-true (with ``<key>_by_seed``), anything else as the per-seed list."""
     out: dict[str, object] = {}
     for key, first in reports[0].items():
         values = [r.get(key) for r in reports]
         if key == "seed":
             out["seeds"] = values
+        elif all(v == first for v in values):
+            out[key] = first
         elif isinstance(first, (int, float)) and not isinstance(first, bool):
             nums = [float(v) for v in values if isinstance(v, (int, float))]
             out[key] = round(statistics.median(nums), 4)
@@ -124,7 +127,7 @@ def _medians(reports: list[dict[str, object]]) -> dict[str, object]:
             out[key] = all(bool(v) for v in values)
             out[f"{key}_by_seed"] = values
         else:
-            out[key] = first if all(v == first for v in values) else values
+            out[key] = values
     if "improvement_vs_best" in out:
         out["target_met"] = float(out["improvement_vs_best"]) >= 2.2 and float(out["auction_p50_ms"]) <= 100  # type: ignore[arg-type]
     return out
