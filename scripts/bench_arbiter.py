@@ -80,6 +80,11 @@ def main() -> int:
     ap.add_argument("--fairness-knob", type=float, default=0.8)
     ap.add_argument("--lease-s", type=float, default=600.0)
     ap.add_argument("--round-s", type=float, default=60.0)
+    ap.add_argument(
+        "--past-contention",
+        action="store_true",
+        help="Themis's rho estimates use N_avg so far, not over the app's life (the pre-fix estimate)",
+    )
     args = ap.parse_args()
     start = time.perf_counter()
     if args.full:
@@ -99,7 +104,11 @@ def main() -> int:
                 )
             )
             params = BeSimParams(
-                round_s=args.round_s, lease_s=args.lease_s, fairness_knob=args.fairness_knob, seed=seed
+                round_s=args.round_s,
+                lease_s=args.lease_s,
+                fairness_knob=args.fairness_knob,
+                seed=seed,
+                lifetime_contention=not args.past_contention,
             )
             results = run_all(workload, policies, hosts, params)
             reports.append(_report(args, seed, workload, hosts, work_scale, span_h, results, start))
@@ -177,6 +186,7 @@ def _report(
         work_scale=work_scale,
         arrival_span_h=span_h,
         fairness_knob=args.fairness_knob,
+        lifetime_contention=not args.past_contention,
         lease_s=args.lease_s,
         round_s=args.round_s,
         seed=seed,
