@@ -21,6 +21,23 @@ from shared.arbiter.slots import GpuSlot
 STARVING_RHO = 1e6
 
 
+@dataclass(frozen=True)
+class Contention:
+    """How many apps an app has shared the cluster with: ``area`` (integral of the active-app
+    count) over the ``seen_s`` seconds since it arrived, and ``now`` apps active at present."""
+
+    area: float
+    seen_s: float
+    now: int
+
+    def lifetime_average(self, remaining_s: float) -> float:
+        """N_avg over the app's life if today's count holds for its ``remaining_s`` seconds."""
+        span = self.seen_s + remaining_s
+        if span <= 0 or math.isinf(remaining_s):
+            return max(1.0, float(self.now))
+        return max(1.0, (self.area + self.now * remaining_s) / span)
+
+
 @dataclass(frozen=True, order=True)
 class Bundle:
     """A GPU subset of an offer, up to what the valuation depends on: ``gpus`` GPUs either all on
@@ -62,6 +79,7 @@ class AppAgent:
         capacity_gpus: float,
         n_avg: float,
         model: FinishTimeModel | None = None,
+        contention: Contention | None = None,
     ) -> None:
         self.report = report
         self.config = config
@@ -69,6 +87,7 @@ class AppAgent:
         self.model = model or FinishTimeModel(report, config)
         self.capacity_gpus = capacity_gpus
         self.n_avg = n_avg
+        self.contention = contention
         self.t_id = self.model.t_id(capacity_gpus, n_avg)
         self.held = report.gpus_held
         self.releasing = report.gpus_releasing
@@ -92,10 +111,20 @@ class AppAgent:
         return self.model.t_sh(self.now, gpus, layout)
 
     def rho(self, gpus: int, layout: Mapping[str, int] | None = None) -> float:
-        """rho = T_sh / T_id if the app held ``gpus`` GPUs (laid out as ``layout``) to the end."""
+        """rho = T_sh / T_id if the app held ``gpus`` GPUs (laid out as ``layout``) to the end.
+
+        N_avg in T_id is the contention over the app's whole life (Themis §4.3.1). With
+        ``contention`` known, the life so far is measured and the rest, the remaining time on
+        ``gpus``, is taken at today's count, as Eq. 1 takes the allocation as binding till the end;
+        without it, N_avg is the average so far (which, while apps keep arriving, undervalues an
+        early app's T_id and overvalues its rho against a later arrival's)."""
         if math.isinf(self.t_id):
             return 1.0
-        return self.t_sh(gpus, layout) / self.t_id
+        if self.contention is None:
+            return self.t_sh(gpus, layout) / self.t_id
+        remaining = self.model.remaining(gpus, layout)
+        t_sh = max(0.0, self.now - self.report.submitted_at) + remaining
+        return t_sh / self.model.t_id(self.capacity_gpus, self.contention.lifetime_average(remaining))
 
     @property
     def starving(self) -> bool:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from shared.arbiter.agent import AppAgent, Bid, pack
+from shared.arbiter.agent import AppAgent, Bid, Contention, pack
 from shared.arbiter.config import ArbiterConfig
 from shared.arbiter.estimate import FinishTimeModel
 from shared.arbiter.lease import Lease
@@ -64,6 +64,10 @@ class ContentionMeter:
         self._area: dict[str, float] = {}
         self._last_now: float | None = None
         self._last_count = 0
+
+    def contention(self, now: float, app_id: str) -> Contention:
+        """``app_id``'s contention so far (after ``observe(now, ...)``), for a lifetime N_avg."""
+        return Contention(self._area[app_id], now - self._first[app_id], self._last_count)
 
     def observe(self, now: float, app_ids: Sequence[str]) -> dict[str, float]:
         if self._last_now is not None and now > self._last_now:
@@ -105,6 +109,9 @@ class Arbiter:
                 capacity_gpus=be_capacity_gpus,
                 n_avg=n_avg[a.app_id],
                 model=self._model(a),
+                contention=self.contention.contention(now, a.app_id)
+                if self.config.lifetime_contention
+                else None,
             )
             for a in apps
         ]

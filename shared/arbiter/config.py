@@ -25,6 +25,8 @@ class ArbiterConfig:
     lists; ``packed_hosts_per_size``: for a placement-sensitive app, on how many hosts (the
     tightest fits) it bids for each packed size. Themis's agent values "all possible subsets";
     that is exponential, so a bid lists these representatives and the MILP picks among them.
+    ``lifetime_contention``: rho estimates take N_avg over the app's whole life, the part still to
+    come at today's count (``AppAgent.rho``); off, the average so far.
     ``seed``: leftovers go to non-bidders "at random" (Themis §3.3.2), drawn from this seed and
     the round's time, so a round is reproducible.
     """
@@ -38,6 +40,7 @@ class ArbiterConfig:
     single_host_jobs: bool = False
     max_bundle_sizes: int = 8
     packed_hosts_per_size: int = 4
+    lifetime_contention: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

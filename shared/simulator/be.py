@@ -124,9 +124,15 @@ class BeSimParams:
     rho_sample_s: float = 3600.0
     max_time_s: float = math.inf
     seed: int = 0
+    lifetime_contention: bool = True
 
     def arbiter_config(self) -> ArbiterConfig:
-        return ArbiterConfig(fairness_knob=self.fairness_knob, lease_s=self.lease_s, seed=self.seed)
+        return ArbiterConfig(
+            fairness_knob=self.fairness_knob,
+            lease_s=self.lease_s,
+            seed=self.seed,
+            lifetime_contention=self.lifetime_contention,
+        )
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ a round, are idle), provisioned counts every host the provider paid for, from it
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -188,8 +189,6 @@ def run_be_on_cells(
     cell_s, usable_s = timeline.integrals(window_s)
     workload = be_workload_for(usable_s, window_s, load=load, seed=seed)
     p = params or BeSimParams(seed=seed)
-    p = BeSimParams(
-        p.round_s, p.lease_s, p.fairness_knob, p.rho_sample_s, min(p.max_time_s, window_s), p.seed
-    )
+    p = dataclasses.replace(p, max_time_s=min(p.max_time_s, window_s))
     be = run_be(workload, policy, params=p, timeline=timeline, observer=observer)
     return MixedResult(be, workload, window_s, cell_s, usable_s)

@@ -17,7 +17,7 @@ from shared.arbiter import (
     GpuSlot,
     JobReport,
 )
-from shared.arbiter.agent import STARVING_RHO, Bundle
+from shared.arbiter.agent import STARVING_RHO, Bundle, Contention
 from shared.arbiter.halving import SuccessiveHalving, jobs_per_phase, plan_iterations
 
 
@@ -113,6 +113,45 @@ def test_a_starving_sweep_with_little_left_outranks_a_fed_one() -> None:
     fed = AppReport("f", 0.0, [JobReport("f1", "f", 1, 8, 0, 10_000, 10.0)])
     out = Arbiter(ArbiterConfig(fairness_knob=0.5)).auction(0.0, [waited, fed], _slots(1, 2), 2)
     assert out.bidders == ["w"]
+
+
+def test_lifetime_contention_counts_the_rest_of_the_life_at_todays_count() -> None:
+    # 1 app for the first hour, 9 now; 3 more hours to go: (3600 * 1 + 10800 * 9) / 14400 = 7.
+    assert Contention(area=3600.0, seen_s=3600.0, now=9).lifetime_average(10_800.0) == pytest.approx(7.0)
+    assert Contention(area=0.0, seen_s=0.0, now=3).lifetime_average(0.0) == 3.0
+    assert Contention(area=0.0, seen_s=0.0, now=0).lifetime_average(100.0) == 1.0  # never below 1
+
+
+def test_an_early_app_is_valued_over_its_whole_life_not_its_quiet_start() -> None:
+    """An app that ran alone for an hour and now shares with 9 others: its T_id is the finish time
+    in a 1 / N_avg share over its life, most of which is still to come at N = 10. With the average
+    so far (N = 1) its rho looked ten times worse than a newcomer's with the same work left, so
+    Themis fed early apps first and left late arrivals with the worst rho at the end."""
+    early = AppReport("e", -3600.0, [JobReport("e1", "e", 1, 1, 0, 36_000, 1.0)])
+    late = AppReport("l", 0.0, [JobReport("l1", "l", 1, 1, 0, 36_000, 1.0)])
+    config = ArbiterConfig()
+    past = AppAgent(
+        early, dataclasses.replace(config, lifetime_contention=False), now=0.0, capacity_gpus=10, n_avg=1.0
+    )
+    life = AppAgent(
+        early, config, now=0.0, capacity_gpus=10, n_avg=1.0, contention=Contention(3600.0, 3600.0, 10)
+    )
+    newcomer = AppAgent(
+        late, config, now=0.0, capacity_gpus=10, n_avg=10.0, contention=Contention(0.0, 0.0, 10)
+    )
+    # T_sh = 1 h waited + 10 h on its one GPU = 11 h; T_id = 10 h * N_avg / 1 GPU.
+    assert past.rho(1) == pytest.approx(11 / 10)
+    assert life.rho(1) == pytest.approx(11 / (10 * (3600 + 10 * 36_000) / 39_600))
+    assert newcomer.rho(1) == pytest.approx(10 / (10 * 10))
+    assert life.rho(1) < past.rho(1) / 5
+
+
+def test_the_arbiter_feeds_its_contention_to_the_agents() -> None:
+    arbiter = Arbiter(ArbiterConfig())
+    apps = [_one_job_app(f"a{i}") for i in range(3)]
+    arbiter.agents(0.0, apps[:1], 4)
+    (first, *_) = arbiter.agents(100.0, apps, 4)
+    assert first.contention == Contention(area=100.0, seen_s=100.0, now=3)
 
 
 def _slots(hosts: int, per_host: int) -> list[GpuSlot]:
