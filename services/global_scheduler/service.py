@@ -367,6 +367,11 @@ class GlobalScheduler:
         had time to register again, an unknown kernel may still be one of ours."""
         return self._clock() - self._started_at < self._heartbeat_timeout * 2
 
+    def _replicas_may_still_come(self, kernel: KernelRecord) -> bool:
+        """In the rebuilding window, a kernel adopted from the first host that reported it may
+        still get its other replicas back; a dead or hibernated kernel has none to wait for."""
+        return not kernel.alive and kernel.state not in (DEAD, HIBERNATING, HIBERNATED) and self._rebuilding()
+
     def _keep_until_adopted(self, kernel_id: str, channel: str, frames: list[bytes]) -> None:
         """A request for a kernel this restarted scheduler has not adopted yet (the gateway's
         link queued it while no scheduler ran, or sent it before the kernel's hosts registered
@@ -392,7 +397,7 @@ class GlobalScheduler:
                     dropped = self._unadopted.pop(kernel_id)
                     log.warning("requests_for_unknown_kernel", kernel=kernel_id, dropped=len(dropped))
                 continue
-            if rebuilding and not kernel.alive:
+            if rebuilding and self._replicas_may_still_come(kernel):
                 continue
             waiting = self._unadopted.pop(kernel_id)
             log.info("kept_requests_routed", kernel=kernel_id, requests=len(waiting))
@@ -878,7 +883,7 @@ class GlobalScheduler:
             if self._rebuilding():  # unknown does not mean gone yet
                 return env.error("the scheduler restarted and is rebuilding its view", code="rebuilding")
             return env.error(f"unknown kernel {env.body['kernel_id']!r}", code="not_found")
-        if not kernel.alive and kernel.state != DEAD and self._rebuilding():
+        if self._replicas_may_still_come(kernel):
             # adopted from the first host that reported it; the others' replicas may still come:
             # "dead" now would make the gateway declare a kernel dead that is about to be whole
             return env.error("the scheduler restarted and is rebuilding its view", code="rebuilding")
