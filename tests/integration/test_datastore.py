@@ -356,7 +356,10 @@ def test_large_objects_stream_in_bounded_memory(backend: str, request: pytest.Fi
     async def test(store: DataStore) -> None:
         small_write, small_read = await peaks(store, 48 * MiB)
         big_write, big_read = await peaks(store, 120 * MiB)
-        slack = 2 * CHUNK
+        # the peaks may differ by a window of chunks whatever the size: on a slow server (a loaded
+        # CI machine) asyncio's transports copy the unsent part of each chunk in flight into their
+        # write buffers (Python 3.11: bytearray.extend); seen: redis write peak 19 -> 34 MiB
+        slack = 4 * CHUNK
         assert big_write < small_write + slack, (
             f"write peak {small_write / MiB:.0f} -> {big_write / MiB:.0f} MiB"
         )
