@@ -129,7 +129,10 @@ def cluster(tree: Path, state_dir: Path, hosts: int, overrides: list[str]) -> It
     ]
     command += ["--set", "log.level=warning", *(x for o in overrides for x in ("--set", o))]
     log = open(state_dir.parent / "up.log", "wb")  # noqa: SIM115 - closed below
-    process = subprocess.Popen(command, cwd=tree, stdout=log, stderr=subprocess.STDOUT)
+    # replicas start in the kernel's working directory, where `import shared` would find the
+    # editable install (this checkout) instead of the tree under test
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    process = subprocess.Popen(command, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not (state_dir / "cluster.json").exists():
