@@ -129,8 +129,7 @@ def cluster(tree: Path, state_dir: Path, hosts: int, overrides: list[str]) -> It
     ]
     command += ["--set", "log.level=warning", *(x for o in overrides for x in ("--set", o))]
     log = open(state_dir.parent / "up.log", "wb")  # noqa: SIM115 - closed below
-    # replicas start in the kernel's working directory, where `import shared` would find the
-    # editable install (this checkout) instead of the tree under test
+    # the side's code for every process, wherever it starts (replicas: the kernel's directory)
     env = {**os.environ, "PYTHONPATH": str(tree)}
     process = subprocess.Popen(command, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -155,12 +154,19 @@ def tree_of(root: psutil.Process) -> list[psutil.Process]:
 
 
 def measure(
-    ups: dict[str, psutil.Process], state_dirs: dict[str, Path], rounds: int, block: int, warmup: int
+    ups: dict[str, psutil.Process],
+    state_dirs: dict[str, Path],
+    trees: dict[str, Path],
+    rounds: int,
+    block: int,
+    warmup: int,
 ) -> dict[str, Any]:
     kernels: dict[str, Any] = {}
     for side in SIDES:
         os.environ["TANDEM_STATE_DIR"] = str(state_dirs[side])  # the provisioner reads it at start
-        kernels[side] = start("tandem")
+        # replicas start in the kernel's working directory, first on their sys.path: the side's
+        # tree, or `import shared` there would find another checkout's code
+        kernels[side] = start("tandem", cwd=trees[side])
     kernels["ipykernel"] = start("python3")
     samples: dict[str, list[list[float]]] = {name: [] for name in kernels}
     cpu: dict[str, list[float]] = {side: [] for side in SIDES}
@@ -244,14 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tandem-ab-") as tmp, contextlib.ExitStack() as stack:
         install_private(Path(tmp) / "prefix")
         ups: dict[str, psutil.Process] = {}
+        trees: dict[str, Path] = {}
         state_dirs = {side: Path(tmp) / f"{side}-run" / "state" for side in SIDES}
         for side, rev in zip(SIDES, (args.rev_a, args.rev_b), strict=True):
-            tree = stack.enter_context(checkout(rev, Path(tmp), side))
+            tree = trees[side] = stack.enter_context(checkout(rev, Path(tmp), side))
             if args.without_security == side:
                 strip_security(tree)
             state_dirs[side].mkdir(parents=True)
             ups[side] = stack.enter_context(cluster(tree, state_dirs[side], args.hosts, args.set))
-        result = measure(ups, state_dirs, args.rounds, args.block, args.warmup)
+        result = measure(ups, state_dirs, trees, args.rounds, args.block, args.warmup)
     result = {
         "bench": "latency_ab",
         "rounds": args.rounds,

@@ -87,9 +87,10 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[index]
 
 
-def start(kernel_name: str) -> tuple[KernelManager, BlockingKernelClient]:
+def start(kernel_name: str, cwd: Path | None = None) -> tuple[KernelManager, BlockingKernelClient]:
+    """``cwd``: the kernel's working directory (a Tandem kernel's replicas start there)."""
     km = KernelManager(kernel_name=kernel_name)
-    km.start_kernel()
+    km.start_kernel(cwd=str(cwd) if cwd is not None else None)
     kc = km.client()
     kc.start_channels()
     kc.wait_for_ready(timeout=60)
