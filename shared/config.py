@@ -133,6 +133,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "half_life_s": 300.0,  # littles_law: the arrival rate's memory
         "interval_s": 2.0,  # how often the pool is reconciled with its target
         "imports": ["torch"],  # modules a warm runtime imports ahead (skipped when absent)
+        # true: each host keeps a runtime template (kernel_replica/template.py, a fork server that
+        # imported the above) and replica starts fork from it; a resumed kernel's modules (recorded
+        # with its image) are imported by the template first. Independent of the policy above.
+        "template": False,
     },
     "serving": {
         # The serving controller (services/serving_controller): decides every host's warm-runtime

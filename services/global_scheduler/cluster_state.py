@@ -118,6 +118,7 @@ class KernelRecord:
     # it was written, and how often it was resumed; replica ids carry the generation after one
     image: dict[str, Any] | None = None
     image_bytes: int = 0
+    image_modules: list[str] = field(default_factory=list)  # what its runtimes import first
     hibernated_at: float | None = None
     generation: int = 0
     resumes: int = 0

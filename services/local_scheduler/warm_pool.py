@@ -294,10 +294,7 @@ class WarmPool:
     def _start_one(self) -> None:
         async def warm_up() -> None:
             self._counter += 1
-            env = dict(os.environ)
-            repo_root = str(Path(__file__).resolve().parents[2])
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
-            env["TANDEM_HOST_ID"] = self.host_id
+            env = runtime_env(self.host_id)
             self._spawning += 1
             try:
                 runtime = await WarmRuntime.spawn(
@@ -305,7 +302,7 @@ class WarmPool:
                     imports=self.imports,
                     log_file=self.directory / f"warm-{os.getpid()}-{self._counter}.log",
                     env=env,
-                    setpriv=_setpriv(),
+                    setpriv=setpriv_path(),
                 )
             finally:
                 self._spawning -= 1
@@ -349,7 +346,16 @@ class WarmPool:
             task.cancel()
 
 
-def _setpriv() -> str | None:
+def runtime_env(host_id: str) -> dict[str, str]:
+    """A runtime's environment before its assignment: ours, with this checkout first on its path."""
+    env = dict(os.environ)
+    repo_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
+    env["TANDEM_HOST_ID"] = host_id
+    return env
+
+
+def setpriv_path() -> str | None:
     import shutil
 
     return shutil.which(SETPRIV) if sys.platform.startswith("linux") else None
