@@ -841,6 +841,9 @@ class GlobalScheduler:
             return env.error("unknown host: register first", code="unknown_host")
         if "pool" in env.body:
             self.metrics.record_pool(host.host_id, env.body["pool"])
+            warm = int(env.body["pool"].get("warm", 0))
+            if warm != host.warm_runtimes:  # re-indexed for placement only when it changes
+                host.warm_runtimes = warm
         return env.reply({"cordoned": host.cordoned})
 
     def _on_cordon(self, identity: bytes, env: Envelope) -> Envelope:

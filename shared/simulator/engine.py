@@ -478,6 +478,8 @@ class Simulator:
                     continue
                 if self._resuming[s]:  # the namespace image loaded into new replicas
                     ready = now + self._start_time(p.resume_mean_s)
+                elif self._take_warm(a.host_id, now):  # as a live replica start takes one
+                    ready = now + self._start_time(p.warm_start_s)
                 else:
                     ready = now + self._start_time(p.cold_start_s)
                 self._ready_at[s] = max(self._ready_at[s], ready)
@@ -707,10 +709,20 @@ class Simulator:
                 self._push(now + self._start_time(self.params.cold_start_s), _WARM_READY, h)
 
     def _warm_ready(self, host_id: str, now: float) -> None:
-        if host_id not in self._hosts_alive or self._prewarmed is None:
+        replicated = self.core.replicated
+        if host_id not in self._hosts_alive or self._prewarmed is None or replicated is None:
             return
         self._warming[host_id] = self._warming.get(host_id, 0) - 1
-        self._prewarmed[host_id] = self._prewarmed.get(host_id, 0) + 1
+        replicated.set_warm(host_id, self._prewarmed.get(host_id, 0) + 1)
+
+    def _take_warm(self, host_id: str, now: float) -> bool:
+        """A replica start on ``host_id`` takes a ready runtime if its pool has one (the pool refills)."""
+        replicated = self.core.replicated
+        if self._prewarmed is None or replicated is None or self._prewarmed.get(host_id, 0) <= 0:
+            return False
+        replicated.set_warm(host_id, self._prewarmed[host_id] - 1)
+        self._prewarm((host_id,), now)
+        return True
 
     # ---- the periodic autoscaler check -------------------------------------------------------
 

@@ -12,7 +12,7 @@ import pytest
 
 from shared.cluster_core import drain, moves, replicated
 from shared.cluster_core.core import ClusterCore
-from shared.cluster_core.sessions import Session
+from shared.cluster_core.sessions import Session, StartRuntime
 from shared.policies import autoscale, executor_choice, migration, placement
 from shared.policies.placement_index import PlacementIndex
 from shared.resources import Resources
@@ -255,3 +255,21 @@ def test_an_idle_kernel_hibernates_and_its_next_cell_pays_the_measured_resume() 
     )
     assert n["hibernation_subscribed_gpu_hours_freed"] == pytest.approx(hours * 2 * 3, abs=1e-3)
     assert "hibernations" not in summarize_run(off).numbers
+
+
+def test_the_one_core_places_a_kernel_on_hosts_with_warm_runtimes_among_equals() -> None:
+    """The simulator's driver of WarmRuntimeScore (the live one: test_cluster_state.py): hosts
+    with a ready runtime win ties, and the simulated start there is a warm one."""
+    core = ClusterCore(policy="notebookos", hosts={h: 8 for h in "abcd"})
+    kernels = core.replicated
+    assert kernels is not None
+    kernels.set_warm("c", 1)
+    kernels.set_warm("d", 2)
+    started = core.session_started(Session("s1", Resources(gpus=1)))
+    assert sorted(a.host_id for a in started if isinstance(a, StartRuntime)) == ["a", "c", "d"]  # not a, b, c
+    # a simulated run: every host keeps one warm runtime (ready a cold start after t=0), so a
+    # kernel started later starts warm
+    trace = Trace.from_tasks([TraceSession("x", 100.0, 1_000.0, 1)], [Task("x", 100.0, 10.0, 1)])
+    params = SimParams(min_hosts=3, initial_hosts=3, start_jitter_sigma=0.0)
+    r = Simulator(trace, "notebookos", params, seed=1).run()
+    assert r.exec_start_s[0] == pytest.approx(100.0 + params.warm_start_s + params.election_s)
