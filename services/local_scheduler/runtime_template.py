@@ -13,7 +13,6 @@ children die with it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -23,11 +22,11 @@ from typing import Any
 
 import structlog
 
+from services.local_scheduler.warm_pool import end_process
 from shared.private_files import open_private_file, private_dir
 
 log = structlog.get_logger("runtime_template")
 
-STOP_GRACE_S = 2.0
 FORK_TIMEOUT_S = 120.0  # the template imports the image's modules first (torch: seconds)
 
 
@@ -175,19 +174,8 @@ class RuntimeTemplate:
 
     async def close(self) -> None:
         """End of input, then SIGTERM/SIGKILL its group (its runtimes are stopped before this)."""
-        process = self._process
-        if process is None:
+        if self._process is None:
             return
-        if process.stdin is not None and not process.stdin.is_closing():
-            process.stdin.close()
-        for sig in (None, signal.SIGTERM, signal.SIGKILL):
-            if sig is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(process.pid, sig)
-            try:
-                await asyncio.wait_for(asyncio.shield(process.wait()), STOP_GRACE_S)
-                break
-            except TimeoutError:
-                continue
+        await end_process(self._process)
         if self._reader is not None:
             self._reader.cancel()

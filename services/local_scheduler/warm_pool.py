@@ -111,17 +111,7 @@ class WarmRuntime:
 
     async def stop(self) -> None:
         """End an unassigned runtime: end of input (it exits), then SIGTERM/SIGKILL its group."""
-        if self.process.stdin is not None and not self.process.stdin.is_closing():
-            self.process.stdin.close()
-        for sig in (None, signal.SIGTERM, signal.SIGKILL):
-            if sig is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self.process.pid, sig)
-            try:
-                await asyncio.wait_for(asyncio.shield(self.process.wait()), STOP_GRACE_S)
-                break
-            except TimeoutError:
-                continue
+        await end_process(self.process)
         if self._reader is not None:
             self._reader.cancel()
         with contextlib.suppress(OSError):
@@ -344,6 +334,21 @@ class WarmPool:
             await asyncio.wait(list(self._tasks), timeout=STOP_GRACE_S * 3)
         for task in list(self._tasks):
             task.cancel()
+
+
+async def end_process(process: asyncio.subprocess.Process) -> None:
+    """End of input (a runtime or a template exits on it), then SIGTERM, then SIGKILL to its group."""
+    if process.stdin is not None and not process.stdin.is_closing():
+        process.stdin.close()
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, sig)
+        try:
+            await asyncio.wait_for(asyncio.shield(process.wait()), STOP_GRACE_S)
+            return
+        except TimeoutError:
+            continue
 
 
 def runtime_env(host_id: str) -> dict[str, str]:
