@@ -122,6 +122,13 @@ def test_an_idle_kernel_hibernates_and_its_next_cell_finds_its_namespace(
         # restore-based start: forked from the hosts' runtime templates (the image needs numpy,
         # which the warm runtimes do not import; the templates imported it before forking)
         assert all(b"kernel_replica.template" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in after)
+        forks = [
+            line
+            for path in cluster.log_dir.glob("*.log")
+            for line in path.read_text(errors="replace").splitlines()
+            if "replica_forked_from_template" in line and kernel_id in line
+        ]
+        assert len(forks) == 3 and all("numpy" in line for line in forks), forks
         status = cluster.ask_scheduler(messages.KERNEL_STATUS, {"kernel_id": kernel_id})
         assert status["state"] == "running" and status["hibernation"]["resumes"] == 1
         assert status["hibernation"]["last_resume_s"] < 10.0, status["hibernation"]
