@@ -3,8 +3,9 @@ spends its time on, and forks a runtime on demand (restore-based fast start, iss
 
     python -m kernel_replica.template [--import torch ...]
 
-Checkpoint/restore of a whole process (CRIU) does not run on this machine (``criu check`` fails on
-its kernel), so the "image" a runtime starts from is this process's memory, copied on write by
+Checkpoint/restore of a whole process (CRIU) does not run on this machine: Debian's CRIU 3.17.1
+stops at kernel feature detection on Linux 6.18 ("vdso: Unexpected rt vDSO area bounds", every
+``criu check``), so the "image" a runtime starts from is this process's memory, copied on write by
 ``fork()``: the interpreter, IPython, ipykernel, tornado, the replica's modules, and the modules a
 hibernated kernel's namespace needs (the scheduler passes those recorded with its image; the
 template imports them once, before forking, so the next resume of such a kernel on this host finds
