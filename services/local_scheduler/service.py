@@ -203,7 +203,10 @@ class LocalScheduler:
         prewarm = asyncio.ensure_future(self.warm_pool.run())
         loops = [heartbeat, prewarm]
         if self.template is not None:
-            await self.template.start()
+            try:
+                await self.template.start()
+            except OSError as exc:  # replica starts go on without it (warm pool, or cold)
+                self.log.error("runtime_template_not_started", reason=str(exc))
         if self._checkpoints is not None:
             self._checkpoints.connect()
         if self._arbiter is not None:
