@@ -365,6 +365,7 @@ class ReplicaCore:
             "bytes": len(data),
             "names": names,
             "unprotected": sorted(self.namespace.unprotected()),
+            "modules": self.namespace.imported_modules(),
         }
 
     async def _restore_image(self, raw: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ log suffix.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import sys
@@ -491,6 +492,25 @@ class ReplicatedNamespace:
                     names.setdefault(value, []).append(name)
             groups = [(dict(self._groups[gid]), sorted(names[gid])) for gid in sorted(names)]
             return imports, groups
+
+    def imported_modules(self) -> list[str]:
+        """The top-level packages the namespace's import statements name (``import numpy as np``:
+        numpy): what a resumed kernel imports first, recorded with its image for the runtime
+        template (services/local_scheduler/runtime_template.py) to import ahead."""
+        with self._lock:
+            statements = [value for kind, value in self._records.values() if kind == "i"]
+        found: set[str] = set()
+        for statement in statements:
+            try:
+                tree = ast.parse(statement)
+            except SyntaxError:
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    found.update(alias.name.partition(".")[0] for alias in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    found.add(node.module.partition(".")[0])
+        return sorted(found)
 
     def gpu_resident(self) -> tuple[GpuResident, ...]:
         with self._lock:

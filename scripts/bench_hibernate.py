@@ -11,9 +11,16 @@ array of random values, which compresses to nothing), measures its replicas' RSS
 through the gateway's ``kernel.hibernate`` (what the policy does after kernel.hibernate_after_s;
 timed: hibernate_s), waits until the warm pools are full again, then times ``print(x + 1, ...)``
 from send to reply, and checks the values came back. Kernels are shut down between rounds.
+Torch rounds do the same for a notebook that ran ``import torch`` (its resume imports it again).
 
-Prints ONE JSON line: ``resume_small_p50_s``, ``resume_500mb_p50_s``, ``cold_start_p50_s``,
-``memory_freed_mb_per_kernel`` (small and 500 MB), ``hibernate_*_p50_s``, rounds and settings.
+The same rounds run twice in one invocation: on a cluster resuming into warm runtimes (the
+top-level figures), and on one with ``prewarm.template = true`` (under ``template``): each host's
+runtime template (kernel_replica/template.py, a fork server) forks the resumed replicas after
+importing the modules the kernel's image names (restore-based fast start).
+
+Prints ONE JSON line: ``resume_small_p50_s``, ``resume_500mb_p50_s``, ``resume_torch_p50_s``,
+``cold_start_p50_s``, ``memory_freed_mb_per_kernel`` (small and 500 MB), ``hibernate_*_p50_s``,
+the same under ``template``, rounds and settings.
 Targets (issue 20): small resume <= 2 s, 500 MB resume <= 10 s.
 
 Usage: ``python scripts/bench_hibernate.py [--rounds 5] [--large-rounds 3] [--quick]``
@@ -50,6 +57,9 @@ LARGE_SETUP = (
     f"big = np.random.default_rng(7).random({LARGE_MB * 1024 * 1024 // 8})\nbig_sum = float(big.sum())"
 )
 SMALL_CHECK = ("print(x + 1)", "42")
+# a notebook that imported torch: its resume imports torch again (the image names it)
+TORCH_SETUP = "import torch\nx = 41\nt = torch.arange(4)"
+TORCH_CHECK = ("print(x + 1, int(t.sum()))", "42 6")
 LARGE_CHECK = ("print(x + 1, float(big.sum()) == big_sum, big.nbytes >> 20)", f"42 True {LARGE_MB}")
 
 
@@ -124,22 +134,55 @@ def p50(rounds: list[dict[str, float]], key: str) -> float:
     return round(statistics.median(r[key] for r in rounds), 3)
 
 
-def bench(rounds: int, large_rounds: int, imports: list[str]) -> dict[str, Any]:
+def arm(
+    tmp: Path,
+    name: str,
+    extra: tuple[str, ...],
+    rounds: int,
+    large_rounds: int,
+    torch_rounds: int,
+    imports: list[str],
+) -> dict[str, Any]:
+    """One cluster's rounds: small, 500 MB, and torch namespaces, in that order."""
+    state = tmp / name
+    settings = ("prewarm.policy=fixed", "prewarm.per_host=1", "prewarm.interval_s=0.2", *extra)
+    with cluster(state, *settings, f"prewarm.imports={json.dumps(imports)}") as info:
+        small = [one_round(info, state, SMALL_SETUP, SMALL_CHECK) for _ in range(rounds)]
+        large = [one_round(info, state, LARGE_SETUP, LARGE_CHECK) for _ in range(large_rounds)]
+        torch = [one_round(info, state, TORCH_SETUP, TORCH_CHECK) for _ in range(torch_rounds)]
+    result = figures(small, large)
+    if torch:
+        result["resume_torch_p50_s"] = p50(torch, "resume_s")
+        result["resume_torch_s"] = [round(r["resume_s"], 3) for r in torch]
+    return result
+
+
+def bench(rounds: int, large_rounds: int, imports: list[str], torch_rounds: int = 0) -> dict[str, Any]:
+    """The warm-pool cluster (the figures at the top level), then with ``prewarm.template`` on
+    (restore-based start: resumes fork from each host's runtime template, which imports the
+    modules the image names first) under ``template``, in the same run."""
     with tempfile.TemporaryDirectory(prefix="bench-hibernate-") as tmp:
         install_private(Path(tmp) / "prefix")
-        state = Path(tmp) / "state"
-        settings = ("prewarm.policy=fixed", "prewarm.per_host=1", "prewarm.interval_s=0.2")
-        with cluster(state, *settings, f"prewarm.imports={json.dumps(imports)}") as info:
-            small = [one_round(info, state, SMALL_SETUP, SMALL_CHECK) for _ in range(rounds)]
-            large = [one_round(info, state, LARGE_SETUP, LARGE_CHECK) for _ in range(large_rounds)]
-    every = small + large
-    result: dict[str, Any] = {
+        pool = arm(Path(tmp), "pool", (), rounds, large_rounds, torch_rounds, imports)
+        template = arm(
+            Path(tmp), "template", ("prewarm.template=true",), rounds, large_rounds, torch_rounds, imports
+        )
+    return {
         "bench": "hibernate",
         "rounds": rounds,
         "large_rounds": large_rounds,
+        "torch_rounds": torch_rounds,
         "large_mb": LARGE_MB,
         "hosts": HOSTS,
         "prewarm_imports": imports,
+        **pool,
+        "template": template,
+    }
+
+
+def figures(small: list[dict[str, float]], large: list[dict[str, float]]) -> dict[str, Any]:
+    every = small + large
+    result: dict[str, Any] = {
         "resume_small_p50_s": p50(small, "resume_s"),
         "resume_small_max_s": round(max(r["resume_s"] for r in small), 3),
         "cold_start_p50_s": p50(every, "cold_start_s"),
@@ -160,12 +203,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds with a small namespace")
     parser.add_argument("--large-rounds", type=int, default=3, help=f"rounds with a {LARGE_MB} MB namespace")
-    parser.add_argument("--quick", action="store_true", help="2 small rounds and 1 large (a loaded machine)")
+    parser.add_argument(
+        "--torch-rounds", type=int, default=3, help="rounds with a notebook that imported torch"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="2 small rounds, 1 large, 2 torch (a loaded machine)"
+    )
     parser.add_argument("--imports", nargs="*", default=[], help="modules a warm runtime imports ahead")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.large_rounds = 2, 1
-    print(json.dumps(bench(args.rounds, args.large_rounds, args.imports)))
+        args.rounds, args.large_rounds, args.torch_rounds = 2, 1, 2
+    print(json.dumps(bench(args.rounds, args.large_rounds, args.imports, args.torch_rounds)))
     return 0
 
 

@@ -17,6 +17,12 @@ replicas), per-replica lists, ``{notebook}_torch_loaded`` (replicas that have im
 native library is mapped in ``/proc/PID/maps``), and the stock
 ipykernel's figures. Before-vs-after is running it on two checkouts.
 
+A second cluster in the same run has ``prewarm.template = true`` (no imports ahead): every replica
+is forked from its host's runtime template (kernel_replica/template.py), so the interpreter,
+IPython and the replica's modules are pages it shares with the template until written. Its
+figures are prefixed ``template_``; ``template_host_rss_mb``/``pss_mb`` are the templates
+themselves (one per host; four on this one machine), which a host pays once, not per kernel.
+
 Usage: ``python scripts/bench_kernel_memory.py``
 """
 
@@ -126,23 +132,52 @@ def measure(kernel_name: str, cells: list[str], pids_of: Any) -> dict[str, Any]:
         km.shutdown_kernel(now=True)
 
 
+def templates() -> list[int]:
+    """The runtime templates running (a forked runtime shows the same command line, but its
+    parent is a template)."""
+
+    def cmdline(pid: str) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and b"kernel_replica.template" in cmdline(entry.name):
+            status = (entry / "status").read_text()
+            ppid = next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:"))
+            if b"kernel_replica.template" not in cmdline(ppid):
+                found.append(int(entry.name))
+    return found
+
+
 def bench() -> dict[str, Any]:
     result: dict[str, Any] = {"bench": "kernel_memory"}
     with tempfile.TemporaryDirectory(prefix="bench-kernel-memory-") as tmp:
         install_private(Path(tmp) / "prefix")
-        state = Path(tmp) / "state"
-        with cluster(state, "prewarm.policy=none") as info:
+        for prefix, settings in (("", ()), ("template_", ("prewarm.template=true", "prewarm.imports=[]"))):
+            state = Path(tmp) / f"state{prefix}"
+            with cluster(state, "prewarm.policy=none", *settings) as info:
 
-            def tandem_pids(km: KernelManager) -> list[int]:
-                return kernel_pids(info["scheduler"], state, km.kernel_id)
+                def tandem_pids(
+                    km: KernelManager, state: Path = state, info: dict[str, Any] = info
+                ) -> list[int]:
+                    return kernel_pids(info["scheduler"], state, km.kernel_id)
 
-            for name, cells in NOTEBOOKS.items():
-                figures = measure("tandem", cells, tandem_pids)
-                for key, value in figures.items():
-                    result[f"{name}_{key}"] = value
-            stock = measure("python3", NOTEBOOKS["no_torch"], lambda km: [km.provisioner.process.pid])
-            result["ipykernel_no_torch_rss_mb"] = stock["rss_mb"]
-            result["ipykernel_no_torch_pss_mb"] = stock["pss_mb"]
+                for name, cells in NOTEBOOKS.items():
+                    figures = measure("tandem", cells, tandem_pids)
+                    for key, value in figures.items():
+                        result[f"{prefix}{name}_{key}"] = value
+                if prefix:
+                    hosts = [smaps_rollup(pid) for pid in templates()]
+                    result["template_hosts"] = len(hosts)
+                    result["template_host_rss_mb"] = [round(f["rss"], 1) for f in hosts]
+                    result["template_host_pss_mb"] = [round(f["pss"], 1) for f in hosts]
+                else:
+                    stock = measure("python3", NOTEBOOKS["no_torch"], lambda km: [km.provisioner.process.pid])
+                    result["ipykernel_no_torch_rss_mb"] = stock["rss_mb"]
+                    result["ipykernel_no_torch_pss_mb"] = stock["pss_mb"]
     return result
 
 

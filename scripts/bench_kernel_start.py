@@ -7,10 +7,14 @@ Two embedded clusters run one after the other (``tandem up``, 4 hosts): ``prewar
 then ``fixed`` with one runtime per host (``--imports``, torch by default, as the default config).
 In both phases a stock ipykernel start follows each Tandem start, so the two share the machine's
 load. A pre-warmed round first waits until every host's pool is full again: it measures the
-hand-over, not the warm-up. Kernels are shut down between rounds (not timed).
+hand-over, not the warm-up. Kernels are shut down between rounds (not timed). A third cluster
+runs with no pool and ``prewarm.template = true``: every replica starts as a fork of its host's
+runtime template (kernel_replica/template.py, which imported the same modules), back to back, as
+nothing needs refilling; one untimed start first waits for the templates' imports.
 
 Prints ONE JSON line: ``tandem_start_p50_s``, ``tandem_prewarm_start_p50_s``,
-``ipykernel_start_p50_s``, their minimums, ``rounds`` and the settings.
+``tandem_template_start_p50_s``, ``ipykernel_start_p50_s``, their minimums, ``rounds`` and the
+settings.
 
 Usage: ``python scripts/bench_kernel_start.py [--rounds 5] [--imports torch]``
 """
@@ -109,6 +113,7 @@ def wait_for_full_pools(info: dict[str, Any], state_dir: Path) -> None:
 def bench(rounds: int, imports: list[str]) -> dict[str, Any]:
     tandem: list[float] = []
     prewarmed: list[float] = []
+    forked: list[float] = []
     stock: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-kernel-start-") as tmp:
         install_private(Path(tmp) / "prefix")
@@ -125,6 +130,12 @@ def bench(rounds: int, imports: list[str]) -> dict[str, Any]:
                 wait_for_full_pools(info, state)
                 prewarmed.append(start_to_first_reply("tandem"))
                 stock.append(start_to_first_reply("python3"))
+        settings = ("prewarm.policy=none", "prewarm.template=true")
+        with cluster(Path(tmp) / "template", *settings, f"prewarm.imports={json.dumps(imports)}"):
+            start_to_first_reply("tandem")  # waits for the templates' imports
+            for _ in range(rounds):
+                forked.append(start_to_first_reply("tandem"))
+                stock.append(start_to_first_reply("python3"))
     return {
         "bench": "kernel_start",
         "rounds": rounds,
@@ -132,9 +143,11 @@ def bench(rounds: int, imports: list[str]) -> dict[str, Any]:
         "prewarm_imports": imports,
         "tandem_start_p50_s": round(statistics.median(tandem), 3),
         "tandem_prewarm_start_p50_s": round(statistics.median(prewarmed), 3),
+        "tandem_template_start_p50_s": round(statistics.median(forked), 3),
         "ipykernel_start_p50_s": round(statistics.median(stock), 3),
         "tandem_start_min_s": round(min(tandem), 3),
         "tandem_prewarm_start_min_s": round(min(prewarmed), 3),
+        "tandem_template_start_min_s": round(min(forked), 3),
         "ipykernel_start_min_s": round(min(stock), 3),
     }
 

@@ -195,6 +195,9 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "resources": (_map, True),
         "launch": (_map, False),  # as in kernel.start
         "join": (_bool, False),  # True: start as a new member of an existing Raft group
+        # a resumed kernel's modules (its image's import statements): the host's runtime
+        # template imports the installed ones before it forks (services/local_scheduler/runtime_template.py)
+        "imports": (_list, False),
         # its TLS identity on the Raft links (shared/raft/tls.MemberIdentity.to_wire); absent
         # only when raft.tls is off
         "raft_identity": (_map, False),

@@ -27,7 +27,7 @@ from shared.policies.preemption import LeasedJob
 from shared.resources import Resources
 
 # Record fields that enter a HostView: writing one marks the host for re-indexing (live_index.py).
-_HOST_VIEW_FIELDS = frozenset({"capacity", "cordoned", "alive", "ledger"})
+_HOST_VIEW_FIELDS = frozenset({"capacity", "cordoned", "alive", "ledger", "warm_runtimes"})
 _REPLICA_VIEW_FIELDS = frozenset({"host_id", "alive"})
 _KERNEL_VIEW_FIELDS = frozenset({"state", "resources"})
 
@@ -42,6 +42,7 @@ class HostRecord:
     alive: bool = True
     last_seen: float = 0.0
     leased_jobs: list[LeasedJob] = field(default_factory=list)  # as last reported: cells may revoke them
+    warm_runtimes: int = 0  # its pool's ready runtimes, as last reported (placement's tie-break)
     # the host's ledger as last reported (heartbeats, elected events) plus tentative commits
     ledger: GpuLedger = field(init=False, repr=False, compare=False)
     _index: LiveIndex | None = field(default=None, init=False, repr=False, compare=False)
@@ -118,6 +119,7 @@ class KernelRecord:
     # it was written, and how often it was resumed; replica ids carry the generation after one
     image: dict[str, Any] | None = None
     image_bytes: int = 0
+    image_modules: list[str] = field(default_factory=list)  # what its runtimes import first
     hibernated_at: float | None = None
     generation: int = 0
     resumes: int = 0
@@ -287,6 +289,7 @@ class ClusterState:
             cordoned=host.cordoned,
             alive=host.alive,
             replicas_per_kernel=self.replicas_per_kernel,
+            warm_runtimes=host.warm_runtimes,
         )
 
     def ledger_views(self, host_ids: Iterable[str]) -> dict[str, HostLedgerView]:

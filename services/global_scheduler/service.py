@@ -841,6 +841,9 @@ class GlobalScheduler:
             return env.error("unknown host: register first", code="unknown_host")
         if "pool" in env.body:
             self.metrics.record_pool(host.host_id, env.body["pool"])
+            warm = int(env.body["pool"].get("warm", 0))
+            if warm != host.warm_runtimes:  # re-indexed for placement only when it changes
+                host.warm_runtimes = warm
         return env.reply({"cordoned": host.cordoned})
 
     def _on_cordon(self, identity: bytes, env: Envelope) -> Envelope:
@@ -1029,6 +1032,10 @@ class GlobalScheduler:
             "resources": kernel.resources.to_dict(),
             "launch": kernel.launch.to_wire(),
             "join": join,
+            # a resumed kernel: its host's runtime template imports these before it forks
+            **(
+                {"imports": kernel.image_modules} if kernel.image is not None and kernel.image_modules else {}
+            ),
             **self._raft_identity(kernel, replica),
         }
         answer = await self._outbound.request(
@@ -1217,6 +1224,7 @@ class GlobalScheduler:
             raise RpcError(f"kernel {kernel.kernel_id} became {kernel.state} while hibernating", "conflict")
         kernel.image = image["image"]
         kernel.image_bytes = int(image.get("bytes", 0))
+        kernel.image_modules = [str(m) for m in image.get("modules") or []]
         kernel.hibernated_at = time.time()
         kernel.generation += 1
         kernel.replicas = {}
@@ -1389,6 +1397,7 @@ class GlobalScheduler:
                 "launch": k.launch.to_wire(),
                 "image": k.image,
                 "image_bytes": k.image_bytes,
+                "image_modules": k.image_modules,
                 "hibernated_at": k.hibernated_at,
                 "generation": k.generation,
                 "resumes": k.resumes,
@@ -1414,6 +1423,7 @@ class GlobalScheduler:
             )  # fmt: skip
             kernel.launch = launch
             kernel.image, kernel.image_bytes = entry["image"], int(entry["image_bytes"])
+            kernel.image_modules = [str(m) for m in entry.get("image_modules") or []]  # absent before
             kernel.hibernated_at, kernel.generation = entry["hibernated_at"], int(entry["generation"])
             kernel.resumes = int(entry["resumes"])
             self.state.kernels[kernel.kernel_id] = kernel

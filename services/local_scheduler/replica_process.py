@@ -32,6 +32,7 @@ from shared.security import curve
 from shared.zmq_drain import DrainingSocket
 
 if TYPE_CHECKING:
+    from services.local_scheduler.runtime_template import ForkedProcess, RuntimeTemplate
     from services.local_scheduler.warm_pool import WarmRuntime
 
 FrameSink = Callable[[str, list[bytes]], None]  # (channel, [sig, header, parent, metadata, content, ...])
@@ -90,7 +91,7 @@ class ReplicaProcess:
         self.raft_identity = raft_identity
         self.connection_file = self.data_dir / "connection.json"
         self.log_file = self.data_dir / "replica.log"
-        self.process: asyncio.subprocess.Process | None = None
+        self.process: asyncio.subprocess.Process | ForkedProcess | None = None
         self.identity: bytes | None = None  # its DEALER identity on our replica ROUTER
         self.raft_address = ""
         self.role: str | None = None
@@ -188,6 +189,29 @@ class ReplicaProcess:
         )
         self.process = runtime.process
         self.log.info("replica_adopted_warm_runtime", pid=self.process.pid)
+        self._watcher = asyncio.ensure_future(self._watch(on_exit))
+
+    async def fork_from(
+        self,
+        template: RuntimeTemplate,
+        *,
+        imports: list[str],
+        local_scheduler: str,
+        config_json: str,
+        join: bool,
+        on_exit: Callable[[ReplicaProcess], None],
+    ) -> None:
+        """Become a runtime forked from this host's runtime template (runtime_template.py), the
+        template having imported ``imports`` (a resumed kernel's modules) first."""
+        self._prepare(join)
+        assignment = {
+            "argv": self._replica_args(local_scheduler, config_json, join),
+            "env": self._replica_env(),
+            "log_file": str(self.log_file),
+            "cwd": self.working_dir,
+        }
+        self.process = await template.fork(assignment, imports)
+        self.log.info("replica_forked_from_template", pid=self.process.pid, imports=imports)
         self._watcher = asyncio.ensure_future(self._watch(on_exit))
 
     def _prepare(self, join: bool) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +26,8 @@ from services.local_scheduler.checkpoints import ServiceLink, store_env
 from services.local_scheduler.gpus import GpuInventory, detect_gpus
 from services.local_scheduler.packing import PackingSettings
 from services.local_scheduler.replica_process import ReplicaProcess, raft_identity_json
-from services.local_scheduler.warm_pool import WarmPool
+from services.local_scheduler.runtime_template import RuntimeTemplate, TemplateGone
+from services.local_scheduler.warm_pool import WarmPool, runtime_env, setpriv_path
 from shared import messages
 from shared.cluster_core.gpu_ledger import GpuLedger, LedgerError
 from shared.config import Config
@@ -111,6 +113,16 @@ class LocalScheduler:
         self.warm_pool = WarmPool(
             cfg, host_id=host_id, directory=self._data_root / "warm", idle_gpus=lambda: self.ledger.free_count
         )
+        # prewarm.template: replica starts fork from this host's runtime template (a fork server)
+        self.template: RuntimeTemplate | None = None
+        if cfg.get("prewarm.template"):
+            self.template = RuntimeTemplate(
+                python=str(cfg.get("kernel.python")) or sys.executable,
+                imports=[str(m) for m in cfg.get("prewarm.imports")],
+                directory=self._data_root / "warm",
+                env=runtime_env(host_id),
+                setpriv=setpriv_path(),
+            )
         # best-effort jobs on leased GPUs (issue #16): the arbiter grants, this host carries out
         arbiter = cfg["arbiter"]
         self._report_interval = float(arbiter["report_interval_s"])
@@ -190,6 +202,11 @@ class LocalScheduler:
         heartbeat = asyncio.ensure_future(self._heartbeat_loop())
         prewarm = asyncio.ensure_future(self.warm_pool.run())
         loops = [heartbeat, prewarm]
+        if self.template is not None:
+            try:
+                await self.template.start()
+            except OSError as exc:  # replica starts go on without it (warm pool, or cold)
+                self.log.error("runtime_template_not_started", reason=str(exc))
         if self._checkpoints is not None:
             self._checkpoints.connect()
         if self._arbiter is not None:
@@ -206,6 +223,8 @@ class LocalScheduler:
                 loop.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
             await asyncio.gather(self.stop_all_replicas(), self.warm_pool.close(), self.jobs.close())
+            if self.template is not None:  # after its runtimes: they die with it
+                await self.template.close()
             if self._arbiter is not None:
                 await self._arbiter.close()
             if self._serving is not None:
@@ -371,7 +390,10 @@ class LocalScheduler:
         for attempt in range(1, START_ATTEMPTS + 1):
             replica = self._new_replica(key, body)
             try:
-                warm = await self._launch(key, replica, join=join, warm_ok=True)
+                imports = [m for m in body.get("imports") or [] if isinstance(m, str) and m.isidentifier()][
+                    :64
+                ]
+                warm = await self._launch(key, replica, join=join, warm_ok=True, imports=imports)
                 break
             except LaunchFailed as exc:
                 tail = replica.log_tail()
@@ -395,30 +417,52 @@ class LocalScheduler:
             {"pid": replica.pid, "raft_address": replica.raft_address, "warm": warm, "start_s": seconds}
         )
 
-    async def _launch(self, key: ReplicaKey, replica: ReplicaProcess, *, join: bool, warm_ok: bool) -> bool:
-        """Start ``replica`` (in a pre-warmed runtime when ``warm_ok`` and the pool has one), wait
-        for its registration and connect its client sockets; True if a warm runtime was used. On
-        failure the process is stopped and forgotten, and ``LaunchFailed`` says why."""
+    async def _launch(
+        self,
+        key: ReplicaKey,
+        replica: ReplicaProcess,
+        *,
+        join: bool,
+        warm_ok: bool,
+        imports: Sequence[str] = (),
+    ) -> bool:
+        """Start ``replica`` (when ``warm_ok``: in a pre-warmed runtime, or forked from the
+        runtime template), wait for its registration and connect its client sockets; True if it
+        did not start cold. ``imports``: a resumed kernel's modules, which the template imports
+        before it forks. On failure the process is stopped and forgotten, and ``LaunchFailed``
+        says why."""
         self.replicas[key] = replica
         try:
-            runtime = self.warm_pool.take() if warm_ok else None
             launch: dict[str, Any] = {
                 "local_scheduler": self.address,
                 "config_json": self.cfg.to_json(),
                 "join": join,
                 "on_exit": self._on_replica_exit,
             }
+            # a ready warm runtime first, unless the kernel's image needs modules it lacks; else
+            # a fork of the template (which imports them); else a cold start
+            template = self.template if self.template is not None and self.template.alive else None
+            runtime = None
+            if warm_ok and (template is None or not set(imports) - set(self.warm_pool.imports)):
+                runtime = self.warm_pool.take()
+            forked = False
+            if warm_ok and runtime is None and template is not None:
+                try:
+                    await replica.fork_from(template, imports=list(imports), **launch)
+                    forked = True
+                except TemplateGone as exc:
+                    replica.log.warning("runtime_template_unusable", reason=str(exc))
             if runtime is not None:
                 try:
                     await replica.adopt(runtime, **launch)
                 except (BrokenPipeError, ConnectionResetError):  # it died as we handed it over
                     replica.log.warning("warm_runtime_lost", pid=runtime.pid)
                     runtime = None
-            if runtime is None:
+            if runtime is None and not forked:
                 await replica.spawn(python=str(self.cfg.get("kernel.python")), **launch)
             await asyncio.wait_for(asyncio.shield(replica.registered), self._start_timeout)
             replica.connect(self._ctx, self._sink_for(replica))
-            return runtime is not None
+            return forked or runtime is not None
         except BaseException as exc:
             await self._stop(replica)
             self.replicas.pop(key, None)

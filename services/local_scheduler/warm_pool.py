@@ -111,17 +111,7 @@ class WarmRuntime:
 
     async def stop(self) -> None:
         """End an unassigned runtime: end of input (it exits), then SIGTERM/SIGKILL its group."""
-        if self.process.stdin is not None and not self.process.stdin.is_closing():
-            self.process.stdin.close()
-        for sig in (None, signal.SIGTERM, signal.SIGKILL):
-            if sig is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self.process.pid, sig)
-            try:
-                await asyncio.wait_for(asyncio.shield(self.process.wait()), STOP_GRACE_S)
-                break
-            except TimeoutError:
-                continue
+        await end_process(self.process)
         if self._reader is not None:
             self._reader.cancel()
         with contextlib.suppress(OSError):
@@ -294,10 +284,7 @@ class WarmPool:
     def _start_one(self) -> None:
         async def warm_up() -> None:
             self._counter += 1
-            env = dict(os.environ)
-            repo_root = str(Path(__file__).resolve().parents[2])
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
-            env["TANDEM_HOST_ID"] = self.host_id
+            env = runtime_env(self.host_id)
             self._spawning += 1
             try:
                 runtime = await WarmRuntime.spawn(
@@ -305,7 +292,7 @@ class WarmPool:
                     imports=self.imports,
                     log_file=self.directory / f"warm-{os.getpid()}-{self._counter}.log",
                     env=env,
-                    setpriv=_setpriv(),
+                    setpriv=setpriv_path(),
                 )
             finally:
                 self._spawning -= 1
@@ -349,7 +336,31 @@ class WarmPool:
             task.cancel()
 
 
-def _setpriv() -> str | None:
+async def end_process(process: asyncio.subprocess.Process) -> None:
+    """End of input (a runtime or a template exits on it), then SIGTERM, then SIGKILL to its group."""
+    if process.stdin is not None and not process.stdin.is_closing():
+        process.stdin.close()
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, sig)
+        try:
+            await asyncio.wait_for(asyncio.shield(process.wait()), STOP_GRACE_S)
+            return
+        except TimeoutError:
+            continue
+
+
+def runtime_env(host_id: str) -> dict[str, str]:
+    """A runtime's environment before its assignment: ours, with this checkout first on its path."""
+    env = dict(os.environ)
+    repo_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
+    env["TANDEM_HOST_ID"] = host_id
+    return env
+
+
+def setpriv_path() -> str | None:
     import shutil
 
     return shutil.which(SETPRIV) if sys.platform.startswith("linux") else None

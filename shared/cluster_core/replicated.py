@@ -88,7 +88,8 @@ class ReplicatedKernels:
             self.index.upsert(HostView(h, g, replicas_per_kernel=self.replicas))
 
     def _update(self, host_id: str, *, subscribed: int = 0) -> None:
-        """Re-index ``host_id``: its committed GPUs as its ledger says, ``subscribed`` more GPUs."""
+        """Re-index ``host_id``: its committed GPUs as its ledger says, ``subscribed`` more GPUs,
+        its warm runtimes as ``prewarmed`` says."""
         v = self.index.get(host_id)
         ledger = self.ledgers.get(host_id)
         if v is not None and ledger is not None:  # the constructor, not replace: this runs twice per cell
@@ -103,6 +104,7 @@ class ReplicatedKernels:
                     v.cordoned,
                     v.alive,
                     v.replicas_per_kernel,
+                    self.prewarmed.get(host_id, 0),
                 )
             )
 
@@ -120,6 +122,13 @@ class ReplicatedKernels:
                 if kernel is not None and kernel.held:
                     wakes.extend(WakeHeld(kernel.session.session_id, c) for c in sorted(kernel.held))
         return [*wakes, *self._retry_sessions()]
+
+    def set_warm(self, host_id: str, count: int) -> None:
+        """The host's pool now holds ``count`` ready runtimes (placement prefers such hosts among
+        equals, ``WarmRuntimeScore``)."""
+        if host_id in self.ledgers:
+            self.prewarmed[host_id] = max(count, 0)
+            self._update(host_id)
 
     def remove_host(self, host_id: str) -> None:
         self.index.remove(host_id)
@@ -144,10 +153,10 @@ class ReplicatedKernels:
         kernel = self.kernels[session_id]
         g = kernel.session.resources.gpus
         kernel.hosts[int(plan.replica_id)] = plan.target_host
-        self._update(plan.source_host, subscribed=-g)
-        self._update(plan.target_host, subscribed=g)
         if plan.use_prewarmed and self.prewarmed.get(plan.target_host, 0) > 0:
             self.prewarmed[plan.target_host] -= 1
+        self._update(plan.source_host, subscribed=-g)
+        self._update(plan.target_host, subscribed=g)
         self.migrations += 1
         return Migrate(session_id, plan)
 

@@ -33,6 +33,7 @@ class HostView:
     cordoned: bool = False
     alive: bool = True
     replicas_per_kernel: int = REPLICAS_PER_KERNEL
+    warm_runtimes: int = 0  # ready pre-warmed runtimes there (the host's pool, as last reported)
 
     @property
     def idle_gpus(self) -> int:
@@ -188,6 +189,18 @@ class LowestSubscriptionScore:
 
 
 @dataclass(frozen=True, slots=True)
+class WarmRuntimeScore:
+    """Among hosts equally idle and equally subscribed, one with a ready warm runtime: the
+    replica start there hands it over instead of starting an interpreter (issue 20). Only a
+    tie-break, so NotebookOS's two scores keep deciding where load goes."""
+
+    name: str = "warm_runtime"
+
+    def score(self, request: PlacementRequest, host: HostView) -> float:
+        return 1.0 if host.warm_runtimes > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class PlacementPolicy:
     filters: tuple[FilterPlugin, ...]
     scorers: tuple[ScorePlugin, ...]
@@ -217,7 +230,8 @@ class PlacementPolicy:
 
 
 def default_placement_policy(watermark: float = 3.0) -> PlacementPolicy:
-    """NotebookOS's default: feasible hosts, most idle GPUs first, then least subscribed."""
+    """NotebookOS's default: feasible hosts, most idle GPUs first, then least subscribed, then
+    those with a warm runtime."""
     return PlacementPolicy(
         filters=(
             AliveFilter(),
@@ -226,5 +240,5 @@ def default_placement_policy(watermark: float = 3.0) -> PlacementPolicy:
             CapacityFilter(),
             SubscriptionRatioFilter(watermark),
         ),
-        scorers=(MostIdleGpusScore(), LowestSubscriptionScore()),
+        scorers=(MostIdleGpusScore(), LowestSubscriptionScore(), WarmRuntimeScore()),
     )

@@ -3,7 +3,8 @@
 ``default_placement_policy().place`` filters and scores all H hosts per decision: O(H log H). At
 10,000 hosts that is tens of milliseconds per kernel start. This index keeps hosts bucketed by idle
 GPUs (the first score) and, inside a bucket, sorted by subscribed GPUs per (G, R) group, which is
-the order of the second score (S+g)/(G·R) for any request size g. A decision walks buckets from
+the order of the second score (S+g)/(G·R) for any request size g, then hosts with a warm runtime
+first (the third score, a tie-break). A decision walks buckets from
 most idle down, merges the few groups lazily, and stops as soon as it has ``replicas`` hosts or the
 subscription watermark cuts the rest of the bucket off. Dead and cordoned hosts are not indexed.
 
@@ -29,7 +30,12 @@ from shared.policies.placement import (
 )
 
 _GroupKey = tuple[int, int]  # (gpus, replicas_per_kernel)
-_Entry = tuple[int, str]  # (subscription rank, host_id)
+_Entry = tuple[int, int, str]  # (subscription rank, 0 if it has a warm runtime else 1, host_id)
+
+
+def _cold(view: HostView) -> int:
+    """0 for a host with a warm runtime (``WarmRuntimeScore`` prefers it among ties), else 1."""
+    return 0 if view.warm_runtimes > 0 else 1
 
 
 def _s_rank(view: HostView) -> int:
@@ -69,7 +75,8 @@ class PlacementIndex:
             bucket = self._buckets[idle] = {}
             bisect.insort(self._levels, idle)
         bisect.insort(
-            bucket.setdefault((view.gpus, view.replicas_per_kernel), []), (_s_rank(view), view.host_id)
+            bucket.setdefault((view.gpus, view.replicas_per_kernel), []),
+            (_s_rank(view), _cold(view), view.host_id),
         )
 
     def remove(self, host_id: str) -> HostView | None:
@@ -85,7 +92,7 @@ class PlacementIndex:
         bucket = self._buckets[idle]
         group_key = (view.gpus, view.replicas_per_kernel)
         entries = bucket[group_key]
-        entry = (_s_rank(view), host_id)
+        entry = (_s_rank(view), _cold(view), host_id)
         del entries[bisect.bisect_left(entries, entry)]
         if not entries:
             del bucket[group_key]
@@ -150,7 +157,7 @@ class PlacementIndex:
                 for (gpus, _r), entries in bucket.items()
                 if g <= gpus  # CapacityFilter: the host could ever run it
             ]
-            for ratio, _host_id, view in heapq.merge(*streams):
+            for ratio, _cold_rank, _host_id, view in heapq.merge(*streams):
                 if g and ratio > limit:
                     break  # every later host in this bucket is at least as subscribed
                 if view.host_id in request.exclude_hosts:
@@ -164,11 +171,11 @@ class PlacementIndex:
                     continue
                 yield view
 
-    def _stream(self, entries: list[_Entry], g: int) -> Iterator[tuple[float, str, HostView]]:
+    def _stream(self, entries: list[_Entry], g: int) -> Iterator[tuple[float, int, str, HostView]]:
         views = self._views
-        for _rank, host_id in entries:
+        for _rank, cold, host_id in entries:
             view = views[host_id]
-            yield view.ratio_with(g), host_id, view
+            yield view.ratio_with(g), cold, host_id, view
 
     def place(self, request: PlacementRequest, watermark: float | None = None) -> PlacementDecision:
         """The default policy's decision; ``watermark`` overrides (e.g. ``subscription.dynamic_limit``).
@@ -190,5 +197,5 @@ class PlacementIndex:
             if idle < gpus:
                 return
             for entries in self._buckets[idle].values():
-                for _rank, host_id in entries:
+                for _rank, _cold_rank, host_id in entries:
                     yield self._views[host_id]

@@ -60,6 +60,8 @@ from shared.cluster_core.sessions import (
 from shared.cluster_core.sessions import Session as PolicySession
 from shared.cluster_core.starts import kernel_facts
 from shared.policies.autoscale import ScaleIn, ScaleOut
+from shared.policies.culling import KernelActivity
+from shared.policies.hibernation import HibernatePolicy, kernels_to_hibernate
 from shared.policies.migration import GiveUp
 from shared.policies.placement import PlacementRequest
 from shared.serving import HostReport, ServingConfig, ServingCore
@@ -125,6 +127,10 @@ class SimResult:
     migration_s: list[float] = field(default_factory=list)
     cells_failed: int = 0
     sessions_never_started: int = 0
+    # hibernation (params.hibernate_after_s > 0): (hibernated, resumed or ended, gpus) per
+    # hibernation, and the interactivity delay of each cell that resumed its kernel
+    hibernated_intervals: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros((0, 3)))
+    resume_delays_s: list[float] = field(default_factory=list)
 
 
 class Simulator:
@@ -172,6 +178,8 @@ class Simulator:
             ServingConfig(policy="min", per_host=per_host, max_per_host=max(per_host, 4), stale_s=math.inf)
         )
         self._warming: dict[str, int] = {}
+        # the live gateway's rule (shared/policies/hibernation.py), for notebookos kernels
+        self._hibernate = HibernatePolicy(self.params.hibernate_after_s if replicated is not None else 0.0)
         self._heap: list[tuple[float, int, int, int | str]] = []
         self._seq = 0
         self._hosts_alive: dict[str, float] = {}  # host -> paid since
@@ -242,6 +250,11 @@ class Simulator:
         self._cells_failed = 0
         self._cur = -1
         self._cur_migrated = False
+        self._last_activity = [0.0] * n_s  # submit or end of its last cell, or its start
+        self._hibernated_at = [_NAN] * n_s  # hibernated since (NaN: it is not)
+        self._resuming = [False] * n_s  # its next StartRuntime is a resume, not a cold start
+        self._hibernated: list[tuple[float, float, float]] = []
+        self._resume_delays: list[float] = []
 
         for _ in range(p.initial_hosts):
             self._add_host(self._new_host_id(), 0.0)
@@ -309,6 +322,9 @@ class Simulator:
         end = max(horizon_end, now)
         for since in self._hosts_alive.values():
             self._host_intervals.append((since, end, float(p.gpus_per_host)))
+        for s, since in enumerate(self._hibernated_at):  # still hibernated at the end
+            if not math.isnan(since):
+                self._hibernated.append((since, end, float(self._gpus[s])))
         for s, since in enumerate(self._runtime_since):  # still running at the end
             if not math.isnan(since):
                 if self.name == "reservation":
@@ -339,12 +355,15 @@ class Simulator:
             migration_s=self._migration_s,
             cells_failed=self._cells_failed,
             sessions_never_started=sum(1 for s in range(n_s) if not self._started[s]),
+            hibernated_intervals=np.array(self._hibernated).reshape(-1, 3),
+            resume_delays_s=self._resume_delays,
         )
 
     # ---- sessions and cells ------------------------------------------------------------------
 
     def _session_start(self, s: int, now: float) -> None:
         self._open_sessions += 1
+        self._last_activity[s] = now
         self._apply(self.core.session_started(self._specs[s]), now)
 
     def _session_end_arrival(self, s: int, now: float) -> None:
@@ -362,6 +381,10 @@ class Simulator:
     def _end_session(self, s: int, now: float) -> None:
         self._open_sessions -= 1
         self._ending[s] = False
+        if not math.isnan(self._hibernated_at[s]):  # its replicas are gone already
+            self._hibernated.append((self._hibernated_at[s], now, float(self._gpus[s])))
+            self._hibernated_at[s] = _NAN
+            return
         self._apply(self.core.session_ended(self._sid[s]), now)
 
     def _submit(self, i: int, now: float) -> None:
@@ -370,6 +393,9 @@ class Simulator:
             self._cells_failed += 1
             return
         self._busy[s] = i
+        self._last_activity[s] = now
+        if not math.isnan(self._hibernated_at[s]):
+            self._resume(s, now)
         self._cur = i if self._held[s] != i else -1  # a resubmitted held cell was not committed at once
         self._held[s] = -1
         self._cur_migrated = False
@@ -385,6 +411,9 @@ class Simulator:
         self._boot[s] = 0.0
         self._commit[i] = now
         self._start[i] = start
+        if self._resuming[s]:  # the first cell after a hibernation: its whole wait
+            self._resuming[s] = False
+            self._resume_delays.append(start - self._submit_s[i])
         end = start + self._dur[i]
         self._exec_end[i] = end
         if self._per_cell_runtimes:
@@ -394,6 +423,7 @@ class Simulator:
     def _cell_end(self, i: int, now: float) -> None:
         s = self._t_sess[i]
         self._end[i] = now
+        self._last_activity[s] = now
         self._apply(self.core.cell_ended(self._sid[s], self._cid[i]), now)
         self._next_cell(s, now)
 
@@ -446,10 +476,16 @@ class Simulator:
                 if self._per_cell_runtimes:
                     self._boot[s] += self._start_time(p.cold_start_s) + p.read_s
                     continue
-                ready = now + self._start_time(p.cold_start_s)
+                if self._resuming[s]:  # the namespace image loaded into new replicas
+                    ready = now + self._start_time(p.resume_mean_s)
+                elif self._take_warm(a.host_id, now):  # as a live replica start takes one
+                    ready = now + self._start_time(p.warm_start_s)
+                else:
+                    ready = now + self._start_time(p.cold_start_s)
                 self._ready_at[s] = max(self._ready_at[s], ready)
                 if not self._started[s]:
                     self._started[s] = True
+                if math.isnan(self._runtime_since[s]):
                     self._runtime_since[s] = now
                 self._replicas[s] += 1
                 if self._held[s] >= 0 and self._held[s] not in resubmit:
@@ -499,6 +535,35 @@ class Simulator:
             # Queued, ReturnWarm: nothing to model (the work waits for a later event)
         for i in resubmit:
             self._submit(i, now)
+
+    # ---- hibernation -------------------------------------------------------------------------
+
+    def _hibernate_idle(self, now: float) -> None:
+        """The live gateway's periodic look (``kernel.hibernate_interval_s``; here at each
+        autoscaler check): kernels idle past ``hibernate_after_s`` stop their replicas, which
+        releases their subscriptions, as the live scheduler's ``kernel.hibernate`` does."""
+        replicated = self.core.replicated
+        if not self._hibernate.enabled or replicated is None:
+            return
+        idle = [
+            KernelActivity(
+                sid, self._last_activity[s], busy=self._busy[s] >= 0 or self._held[s] >= 0, connections=1
+            )
+            for sid in replicated.kernels
+            if (s := self._pos.get(sid, -1)) >= 0 and not self._ending[s] and not self._resuming[s]
+        ]
+        for decision in kernels_to_hibernate(self._hibernate, idle, now):
+            s = self._pos[decision.kernel_id]
+            self._apply(self.core.session_ended(decision.kernel_id), now)
+            self._hibernated_at[s] = now
+
+    def _resume(self, s: int, now: float) -> None:
+        """A request on a hibernated kernel: placement picks hosts and its replicas start from
+        its image (``resume_mean_s``), the cell waiting."""
+        self._hibernated.append((self._hibernated_at[s], now, float(self._gpus[s])))
+        self._hibernated_at[s] = _NAN
+        self._resuming[s] = True
+        self._apply(self.core.session_started(self._specs[s]), now)
 
     def _index_of(self, session_id: str) -> int:
         return self._pos[session_id]
@@ -644,10 +709,20 @@ class Simulator:
                 self._push(now + self._start_time(self.params.cold_start_s), _WARM_READY, h)
 
     def _warm_ready(self, host_id: str, now: float) -> None:
-        if host_id not in self._hosts_alive or self._prewarmed is None:
+        replicated = self.core.replicated
+        if host_id not in self._hosts_alive or self._prewarmed is None or replicated is None:
             return
         self._warming[host_id] = self._warming.get(host_id, 0) - 1
-        self._prewarmed[host_id] = self._prewarmed.get(host_id, 0) + 1
+        replicated.set_warm(host_id, self._prewarmed.get(host_id, 0) + 1)
+
+    def _take_warm(self, host_id: str, now: float) -> bool:
+        """A replica start on ``host_id`` takes a ready runtime if its pool has one (the pool refills)."""
+        replicated = self.core.replicated
+        if self._prewarmed is None or replicated is None or self._prewarmed.get(host_id, 0) <= 0:
+            return False
+        replicated.set_warm(host_id, self._prewarmed[host_id] - 1)
+        self._prewarm((host_id,), now)
+        return True
 
     # ---- the periodic autoscaler check -------------------------------------------------------
 
@@ -702,6 +777,7 @@ class Simulator:
             self._sr.append(
                 (now, replicated.index.live_subscribed_gpus / (live * replicated.replicas) if live else 0.0)
             )
+        self._hibernate_idle(now)
         decision = self.core.tick(now, self._facts())
         if isinstance(decision, ScaleOut):
             asked = self._provision(decision.count, now)

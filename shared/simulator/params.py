@@ -53,6 +53,16 @@ class SimParams:
     # ``autoscale.scale_out_timeout_s``: a kernel start, or a held cell's migration, waiting for
     # hosts a scale-out asked for gives up after this; it must exceed ``host_provision_s``.
     scale_out_timeout_s: float = 300.0
+    # Hibernation (``kernel.hibernate_after_s``, the live key; 0: off): a kernel idle this long
+    # releases its replicas; its next cell first waits for a resume of ``resume_s`` (the measured
+    # small-namespace resume, scripts/bench_hibernate.py) plus its large objects read back at
+    # ``resume_read_mb_per_s`` (measured: a 500 MB resume minus a small one). ``kernel_memory_mb``:
+    # the RSS of a kernel's three replicas (scripts/bench_kernel_memory.py, torch imported), what a
+    # hibernated kernel gives back.
+    hibernate_after_s: float = 0.0
+    resume_s: float = 1.5
+    resume_read_mb_per_s: float = 220.0
+    kernel_memory_mb: float = 770.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -92,6 +102,7 @@ class SimParams:
             migration_deadline_s=float(cfg.get("scheduler.migration_deadline_s")),
             ledger_settle_s=float(cfg.get("scheduler.heartbeat_interval_s")),
             scale_out_timeout_s=float(cfg.get("autoscale.scale_out_timeout_s")),
+            hibernate_after_s=float(cfg.get("kernel.hibernate_after_s")),
         )
 
     @property
@@ -103,6 +114,12 @@ class SimParams:
     def write_s(self) -> float:
         """A per-cell runtime writing them back before it stops (batch, lcp)."""
         return self.large_object_mb / self.datastore_write_mb_per_s if self.datastore_write_mb_per_s else 0.0
+
+    @property
+    def resume_mean_s(self) -> float:
+        """A hibernated kernel's resume: the measured start and image load, and its large objects."""
+        read = self.large_object_mb / self.resume_read_mb_per_s if self.resume_read_mb_per_s else 0.0
+        return self.resume_s + read
 
     def autoscale_config(self) -> AutoscaleConfig:
         return AutoscaleConfig(

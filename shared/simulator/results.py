@@ -150,6 +150,8 @@ def summarize_run(
         numbers["reexecution_gpu_hours_saved"] = {
             f"{h:g}h": round(float(reexecution_events(tr, h)[1].sum()), 2) for h in p.reclaim_after_h
         }
+    if p.hibernate_after_s > 0:
+        numbers.update(hibernation_numbers(r, window_end_s))
     if reservation is not None:
         res_hosts = clip(reservation.host_intervals, window_end_s)
         res_prov = weighted_hours(res_hosts)
@@ -159,6 +161,28 @@ def summarize_run(
             round(1.0 - bill.cost / res_cost, 4) if res_cost > 0 else None
         )
     return Summary(numbers, delays, tct)
+
+
+def hibernation_numbers(r: SimResult, window_end_s: float | None) -> dict[str, Any]:
+    """What hibernation freed (kernel-hours without replicas, their memory, the GPU subscriptions
+    of their replicas) and what it cost (the waits of the cells that resumed a kernel)."""
+    p = r.params
+    hibernated = clip(r.hibernated_intervals, window_end_s)
+    kernel_h = weighted_hours(np.c_[hibernated[:, :2], np.ones(len(hibernated))])
+    resumes = np.array(r.resume_delays_s)
+    q = _pct(resumes)
+    return {
+        "hibernations": len(r.hibernated_intervals),
+        "hibernated_kernel_hours": round(kernel_h, 3),
+        "hibernation_memory_gb_hours_freed": round(kernel_h * p.kernel_memory_mb / 1024.0, 3),
+        "hibernation_subscribed_gpu_hours_freed": round(
+            weighted_hours(hibernated) * p.replicas_per_kernel, 3
+        ),
+        "resumes": int(resumes.size),
+        "resume_delay_p50_s": _r(q[50.0], 3),
+        "resume_delay_p99_s": _r(q[99.0], 3),
+        "resume_delay_mean_s": round(float(resumes.mean()), 3) if resumes.size else None,
+    }
 
 
 def _unit(intervals: FloatArray) -> FloatArray:

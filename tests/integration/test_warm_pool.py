@@ -4,8 +4,9 @@ and the pool refills; ``tandem status --json`` shows the pools and the warm star
 
 Hibernation on the same cluster (kernel.hibernate_after_s): an idle kernel's namespace goes to the
 data store and its three replica processes stop; the next cell resumes it on hosts placement
-picks, in warm runtimes, with the same values, while the client waits (its request is held, not
-failed), also after a restart of the global scheduler. A kernel of this module left idle for
+picks, with the same values, while the client waits (its request is held, not failed), also
+after a restart of the global scheduler; its replicas are forked from each host's runtime template
+(prewarm.template), which imported the module its image names (numpy) first. A kernel of this module left idle for
 HIBERNATE_AFTER_S hibernates: its next cell still works, it only takes the warm runtimes again."""
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def warm_cluster(
         state_dir,
         "--hosts", "3", "--gpus-per-host", "1",
         "--set", "prewarm.policy=fixed", "--set", "prewarm.per_host=1",
-        "--set", "prewarm.interval_s=0.3", "--set", "prewarm.imports=[]",
+        "--set", "prewarm.interval_s=0.3", "--set", "prewarm.imports=[]", "--set", "prewarm.template=true",
         "--set", f"kernel.hibernate_after_s={HIBERNATE_AFTER_S}", "--set", "kernel.hibernate_interval_s=0.5",
     ) as handle:  # fmt: skip
         yield handle
@@ -118,6 +119,16 @@ def test_an_idle_kernel_hibernates_and_its_next_cell_finds_its_namespace(
         assert cell.reply["content"]["execution_count"] == first.reply["content"]["execution_count"] + 1
         after = set(cluster.scheduled_replica_pids(kernel_id))
         assert len(after) == 3 and not after & before  # three new replica processes
+        # restore-based start: forked from the hosts' runtime templates (the image needs numpy,
+        # which the warm runtimes do not import; the templates imported it before forking)
+        assert all(b"kernel_replica.template" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in after)
+        forks = [
+            line
+            for path in cluster.log_dir.glob("*.log")
+            for line in path.read_text(errors="replace").splitlines()
+            if "replica_forked_from_template" in line and kernel_id in line
+        ]
+        assert len(forks) == 3 and all("numpy" in line for line in forks), forks
         status = cluster.ask_scheduler(messages.KERNEL_STATUS, {"kernel_id": kernel_id})
         assert status["state"] == "running" and status["hibernation"]["resumes"] == 1
         assert status["hibernation"]["last_resume_s"] < 10.0, status["hibernation"]

@@ -322,3 +322,23 @@ def test_status_leaves_stopped_kernels_out_unless_all_and_keeps_only_the_latest(
     assert [k["id"] for k in shown] == ["k3"]
     everything = h.handle(b"operator", messages.CLUSTER_STATUS, {"all": True}).body["kernels"]
     assert {k["id"]: k["state"] for k in everything} == {"k1": "stopped", "k2": "stopped", "k3": "running"}
+
+
+def test_a_hosts_reported_warm_runtimes_make_placement_prefer_it_among_equals() -> None:
+    """The live driver of WarmRuntimeScore: a heartbeat's pool re-indexes the host, and the
+    scheduler's index (the simulator's class) picks it over an equal host without one."""
+    from shared.policies.placement import PlacementRequest
+
+    harness = Harness()
+    try:
+        harness.register("h1", "h2", "h3", "h4")
+        request = PlacementRequest("k", Resources(gpus=1), replicas=3)
+        assert harness.gs.state.placement_index().place(request).hosts == ("h1", "h2", "h3")
+        pool = {"warm": 1, "starting": 0, "target": 1, "taken": 0, "misses": 0}
+        harness.handle(b"h4", messages.HOST_HEARTBEAT, {"host_id": "h4", "pool": pool})
+        assert harness.gs.state.hosts["h4"].warm_runtimes == 1
+        assert harness.gs.state.placement_index().place(request).hosts == ("h4", "h1", "h2")
+        harness.handle(b"h4", messages.HOST_HEARTBEAT, {"host_id": "h4", "pool": pool | {"warm": 0}})
+        assert harness.gs.state.placement_index().place(request).hosts == ("h1", "h2", "h3")
+    finally:
+        harness.close()

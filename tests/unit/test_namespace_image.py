@@ -128,3 +128,21 @@ def test_a_raft_snapshot_after_the_image_deletes_what_the_group_no_longer_has(tm
         assert imports == [("kept", "import os as kept")] and gone == ["deleted_since"]
 
     asyncio.run(scenario())
+
+
+def test_an_image_names_the_top_level_modules_its_imports_need() -> None:
+    """What the runtime template imports before forking a resumed kernel's replicas."""
+    from kernel_replica.state_sync import StatePlan
+
+    plan = StatePlan(
+        imports=[
+            ("np", "import numpy as np"),
+            ("nn", "from torch import nn"),
+            ("path", "import os.path as path"),
+            ("sibling", "from . import sibling"),  # relative: nothing installed to import
+            ("broken", "import (("),
+        ]
+    )
+    ns = ReplicatedNamespace()
+    ns.apply(plan.state("m1", "r1"))
+    assert ns.imported_modules() == ["numpy", "os", "torch"]

@@ -32,6 +32,7 @@ def host_views(draw: st.DrawFn, host_id: str) -> HostView:
         cordoned=draw(st.integers(0, 9)) == 0,
         alive=draw(st.integers(0, 9)) != 0,
         replicas_per_kernel=draw(st.sampled_from([3, 3, 3, 2])),
+        warm_runtimes=draw(st.sampled_from([0, 0, 1, 2])),
     )
 
 
@@ -114,3 +115,24 @@ def test_watermark_override_and_bind_query() -> None:
     assert index.place(request, watermark=0.5).hosts == ("h0", "h1", "h2")
     assert not index.place(request, watermark=0.3).ok
     assert [h.host_id for h in index.hosts_that_can_bind(5)] == ["h0", "h1", "h2", "h3"]
+
+
+def test_among_equal_hosts_those_with_a_warm_runtime_win_in_policy_and_index() -> None:
+    """The third score (WarmRuntimeScore) only breaks ties: idle GPUs and subscription first."""
+    hosts = [
+        HostView("a", 8),
+        HostView("b", 8, warm_runtimes=1),
+        HostView("c", 8),
+        HostView("d", 8, warm_runtimes=2),
+        HostView("e", 8, subscribed_gpus=2, warm_runtimes=1),  # more subscribed: after the cold ones
+        HostView("f", 8, committed_gpus=1, warm_runtimes=1),  # less idle: last
+    ]
+    request = PlacementRequest("k", Resources(gpus=1), replicas=3)
+    policy = default_placement_policy(3.0)
+    assert policy.place(request, hosts).hosts == ("b", "d", "a")
+    index = PlacementIndex(3.0, hosts)
+    assert index.place(request).hosts == ("b", "d", "a")
+    assert [v.host_id for v in index.ranked(request)] == ["b", "d", "a", "c", "e", "f"]
+    index.upsert(HostView("c", 8, warm_runtimes=1))  # its pool refilled
+    index.upsert(HostView("d", 8))  # its runtime taken
+    assert index.place(request).hosts == ("b", "c", "a")

@@ -12,7 +12,7 @@ import pytest
 
 from shared.cluster_core import drain, moves, replicated
 from shared.cluster_core.core import ClusterCore
-from shared.cluster_core.sessions import Session
+from shared.cluster_core.sessions import Session, StartRuntime
 from shared.policies import autoscale, executor_choice, migration, placement
 from shared.policies.placement_index import PlacementIndex
 from shared.resources import Resources
@@ -216,3 +216,60 @@ def test_cli_bad_input_is_refused_with_the_reason(
 
     assert main(["sim", "--no-plots", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_idle_kernel_hibernates_and_its_next_cell_pays_the_measured_resume() -> None:
+    """The live gateway's rule (shared/policies/hibernation.py) driven by simulated time: the
+    replicas stop (their subscriptions and memory freed), never mid-cell, and the next cell
+    waits for a resume drawn around ``resume_mean_s``, not a cold start."""
+    sessions = [TraceSession("a", 0.0, 30_000.0, 2)]
+    tasks = [
+        Task("a", 100.0, 5_000.0, 2),  # longer than hibernate_after_s: never cut short
+        Task("a", 20_000.0, 60.0, 2),  # after ~14,900 s idle: a resume
+        Task("a", 20_200.0, 60.0, 2),  # right behind it: the replicas are there
+    ]
+    trace = Trace.from_tasks(sessions, tasks)
+    on = SimParams(hibernate_after_s=1_000.0, min_hosts=3, initial_hosts=3)
+    r = Simulator(trace, "notebookos", on, seed=4).run()
+    off = Simulator(trace, "notebookos", SimParams(min_hosts=3, initial_hosts=3), seed=4).run()
+    delays = r.exec_start_s - trace.task_submit_s
+    assert len(r.hibernated_intervals) == 2 and len(r.resume_delays_s) == 1  # again after the last cell
+    slept, woke, gpus = r.hibernated_intervals[0]
+    assert r.hibernated_intervals[1, 1] == 30_000.0  # it sleeps until its session ends
+    assert 5_100.0 + 1_000.0 <= slept <= 5_100.0 + 1_000.0 + on.autoscale_interval_s  # idle, then a look
+    assert woke == 20_000.0 and gpus == 2
+    assert r.resume_delays_s[0] == pytest.approx(delays[1])
+    assert 0.5 * on.resume_mean_s < delays[1] < 2 * on.resume_mean_s  # lognormal sigma 0.25 around it
+    assert delays[2] == pytest.approx(on.election_s) and delays[0] == pytest.approx(
+        off.exec_start_s[0] - 100.0
+    )
+    assert (off.exec_start_s - trace.task_submit_s)[1] == pytest.approx(on.election_s)
+    # the replicas were gone while it slept: two replica intervals around the hibernation
+    assert [tuple(x) for x in r.replica_intervals[:, :2].tolist()][:1] == [(0.0, slept)]
+    n = summarize_run(r).numbers
+    hours = float(np.sum(r.hibernated_intervals[:, 1] - r.hibernated_intervals[:, 0])) / 3600
+    assert n["hibernations"] == 2 and n["resumes"] == 1
+    assert n["hibernated_kernel_hours"] == pytest.approx(hours, abs=1e-3)
+    assert n["hibernation_memory_gb_hours_freed"] == pytest.approx(
+        hours * on.kernel_memory_mb / 1024, abs=1e-3
+    )
+    assert n["hibernation_subscribed_gpu_hours_freed"] == pytest.approx(hours * 2 * 3, abs=1e-3)
+    assert "hibernations" not in summarize_run(off).numbers
+
+
+def test_the_one_core_places_a_kernel_on_hosts_with_warm_runtimes_among_equals() -> None:
+    """The simulator's driver of WarmRuntimeScore (the live one: test_cluster_state.py): hosts
+    with a ready runtime win ties, and the simulated start there is a warm one."""
+    core = ClusterCore(policy="notebookos", hosts={h: 8 for h in "abcd"})
+    kernels = core.replicated
+    assert kernels is not None
+    kernels.set_warm("c", 1)
+    kernels.set_warm("d", 2)
+    started = core.session_started(Session("s1", Resources(gpus=1)))
+    assert sorted(a.host_id for a in started if isinstance(a, StartRuntime)) == ["a", "c", "d"]  # not a, b, c
+    # a simulated run: every host keeps one warm runtime (ready a cold start after t=0), so a
+    # kernel started later starts warm
+    trace = Trace.from_tasks([TraceSession("x", 100.0, 1_000.0, 1)], [Task("x", 100.0, 10.0, 1)])
+    params = SimParams(min_hosts=3, initial_hosts=3, start_jitter_sigma=0.0)
+    r = Simulator(trace, "notebookos", params, seed=1).run()
+    assert r.exec_start_s[0] == pytest.approx(100.0 + params.warm_start_s + params.election_s)
