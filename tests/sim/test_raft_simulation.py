@@ -8,6 +8,7 @@ liveness after healing. A failure names the seed and the one command that replay
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -48,7 +49,9 @@ def _run_seeds(first: int, count: int, chaos_ticks: int) -> list[str]:
     workers = min(2, os.cpu_count() or 1)
     if workers == 1:
         return [f for s, n in zip(starts, sizes, strict=True) for f in _failures_in(s, n, chaos_ticks)]
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    # spawned, not forked: a fork of this process copies locks other tests' threads held at that
+    # instant, and a worker that needs one waits forever (a pool hung a loaded run)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         parts = pool.map(_failures_in, starts, sizes, [chaos_ticks] * len(sizes))
         return [f for part in parts for f in part]
 
