@@ -45,6 +45,12 @@ from shared.private_files import private_dir, write_private
 log = structlog.get_logger("http_gateway")
 
 TOKEN_BYTES = 32
+# A request body is read whole before any handler (the token check included) sees the request:
+# tornado's default, 100 MB, let anyone who can connect make the server hold 100 MB per
+# connection. The API's bodies are a kernel start (its environment is at most 64 KiB,
+# shared/kernel_launch.py) and small models; a kernel's messages go over the WebSocket, whose
+# frames have their own limit (10 MiB).
+MAX_BODY_BYTES = 1 << 20
 UNAUTHORIZED = (
     "this Tandem API needs its token: send 'Authorization: token <token>' (or ?token=<token>); "
     "the token is in the file named by http.token_file (default <keys_dir>/http.token)"
@@ -140,7 +146,7 @@ class TandemKernelGatewayApp(KernelGatewayApp):  # type: ignore[misc]
     def init_http_server(self) -> None:
         ssl_options = self._build_ssl_options()
         self.http_server = httpserver.HTTPServer(
-            self.web_app, xheaders=self.trust_xheaders, ssl_options=ssl_options
+            self.web_app, xheaders=self.trust_xheaders, ssl_options=ssl_options, max_body_size=MAX_BODY_BYTES
         )
         sockets = netutil.bind_sockets(self.port, self.ip)
         self.port = sockets[0].getsockname()[1]
