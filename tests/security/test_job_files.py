@@ -13,14 +13,17 @@ its directory, not a privilege boundary: README, Security.)"""
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 from _cluster import ClusterHandle
 from test_batch_jobs import job_list, tandem
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+from services.local_scheduler.batch_jobs import announced_image
+from services.local_scheduler.job_process import read_job_file
 
 FIFOS = """
 import os, pathlib, time
@@ -69,6 +72,28 @@ def _unaccounted_gpus(status: dict[str, Any]) -> dict[str, int]:
     }
 
 
+def test_an_announcement_speaks_for_its_own_job_only_and_must_have_the_agents_shape() -> None:
+    ref = {"backend": "local", "key": "k", "digest": "0" * 64, "size": 1, "checksum": "c"}
+    relayed = announced_image(json.dumps({"manifest": ref, "written": [], "job_id": "other.1"}).encode())
+    assert relayed == {"manifest": ref, "written": []}  # the host adds the id of the job it runs
+    for junk in (b"[]", b'"x"', b"{}", b'{"manifest": 1}', b'{"manifest": {}, "written": [1]}', b"\xff"):
+        with pytest.raises(ValueError):
+            announced_image(junk)
+
+
+def test_only_a_small_regular_file_is_read(tmp_path: Path) -> None:
+    (tmp_path / "big").write_bytes(b"x" * 2_000_000)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to("/dev/zero")
+    with pytest.raises(ValueError):
+        read_job_file(tmp_path / "big")
+    for name in ("fifo", "link"):
+        with pytest.raises(OSError):
+            read_job_file(tmp_path / name)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
 def test_files_a_job_leaves_in_its_directory_neither_freeze_its_host_nor_keep_its_gpus(
     tandem_cluster: ClusterHandle,
 ) -> None:
