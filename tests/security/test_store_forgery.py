@@ -8,6 +8,7 @@ name already is, so a rewritten object is refused (``CorruptObject``) and never 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -42,10 +43,16 @@ def test_a_store_object_rewritten_with_the_same_checksum_is_never_unpickled(
     objects = tandem_cluster.state_dir / "datastore" / "objects"
     before = set(objects.rglob("*"))
     with tandem_kernel() as (km, kc):
-        assert run(kc, "import numpy as np\nforged_target = np.arange(400_000.0)").status == "ok"
-        written = [
-            p for p in set(objects.rglob("*")) - before if p.is_file() and p.stat().st_size > 3_000_000
-        ]
+        seed = int.from_bytes(os.urandom(4), "little")  # content no other test stored (dedup)
+        cell = f"import numpy as np\nforged_target = np.random.default_rng({seed}).random(400_000)"
+        assert run(kc, cell).status == "ok"
+        written: list[Path] = []
+        deadline = time.monotonic() + 20  # the state is written after the reply
+        while time.monotonic() < deadline and not written:
+            written = [
+                p for p in set(objects.rglob("*")) - before if p.is_file() and p.stat().st_size > 3_000_000
+            ]
+            time.sleep(0.1)
         assert len(written) == 1, written
         original = written[0].read_bytes()
         written[0].write_bytes(forge(original, _payload(marker)))
