@@ -196,6 +196,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "client_ca": "",  # TLS: also require client certificates signed by this CA
         "allow_origin": "",  # CORS Access-Control-Allow-Origin for browser clients; empty: none
         "max_kernels": 0,  # kernels the API may run at once; 0: no limit
+        # a connection that sends no request, or stalls in a request's body, this long is closed
+        # (a kernel's WebSocket, once open, is not): silent connections cannot pile up to the
+        # process's file limit
+        "idle_timeout_s": 60.0,
     },
     "security": {
         # The cluster's keys (shared/security): CurveZMQ keypairs of the scheduler, gateway,

@@ -80,6 +80,13 @@ RESUME_RETRY_S = 1.0  # times the attempt number, between tries
 LIVE_POLICIES = ("notebookos",)
 
 
+def _reported_pid(body: dict[str, Any]) -> int | None:
+    """A host's answer's ``pid``, kept only if it is one: it reaches ``tandem status`` and the
+    operator's dashboard, where a host's string is not to be shown as the host wrote it."""
+    pid = body.get("pid")
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+
+
 def require_live_policy(cfg: Config) -> None:
     """The baselines (reservation, batch, lcp) are policies of the simulator (``tandem sim``): a
     live cluster asked to run one refuses to start rather than quietly run notebookos."""
@@ -1047,7 +1054,7 @@ class GlobalScheduler:
             self.metrics.record_replica_start(bool(answer.body.get("warm")), float(answer.body["start_s"]))
         if promised and not answer.body.get("warm"):
             log.info("promised_runtime_missed", kernel=kernel.kernel_id, host=replica.host_id)
-        replica.pid = answer.body.get("pid")
+        replica.pid = _reported_pid(answer.body)
         replica.raft_address = str(answer.body.get("raft_address", ""))
         replica.started = True
 
@@ -1156,7 +1163,7 @@ class GlobalScheduler:
                 ),
                 timeout=self._replica_start_timeout + STOP_TIMEOUT_S,
             )
-            replica.pid = answer.body.get("pid")
+            replica.pid = _reported_pid(answer.body)
             replica.raft_address = str(answer.body.get("raft_address") or replica.raft_address)
             peers = {r.replica_id: r.raft_address for r in kernel.replicas.values() if r.raft_address}
             await self.configure_replica(kernel, replica, peers)

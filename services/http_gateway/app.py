@@ -45,6 +45,12 @@ from shared.private_files import private_dir, write_private
 log = structlog.get_logger("http_gateway")
 
 TOKEN_BYTES = 32
+# A request body is read whole before any handler (the token check included) sees the request:
+# tornado's default, 100 MB, let anyone who can connect make the server hold 100 MB per
+# connection. The API's bodies are a kernel start (its environment is at most 64 KiB,
+# shared/kernel_launch.py) and small models; a kernel's messages go over the WebSocket, whose
+# frames have their own limit (10 MiB).
+MAX_BODY_BYTES = 1 << 20
 UNAUTHORIZED = (
     "this Tandem API needs its token: send 'Authorization: token <token>' (or ?token=<token>); "
     "the token is in the file named by http.token_file (default <keys_dir>/http.token)"
@@ -130,6 +136,7 @@ class TandemKernelGatewayApp(KernelGatewayApp):  # type: ignore[misc]
 
     name = "tandem-http"
     sessions_dir = ""  # where TandemProvisioner records this server's kernels ("": not recorded)
+    idle_timeout_s = 60.0  # http.idle_timeout_s
 
     def start_app(self) -> None:
         """Take back the kernels a crashed predecessor started, before serving."""
@@ -140,7 +147,12 @@ class TandemKernelGatewayApp(KernelGatewayApp):  # type: ignore[misc]
     def init_http_server(self) -> None:
         ssl_options = self._build_ssl_options()
         self.http_server = httpserver.HTTPServer(
-            self.web_app, xheaders=self.trust_xheaders, ssl_options=ssl_options
+            self.web_app,
+            xheaders=self.trust_xheaders,
+            ssl_options=ssl_options,
+            max_body_size=MAX_BODY_BYTES,
+            idle_connection_timeout=self.idle_timeout_s,
+            body_timeout=self.idle_timeout_s,
         )
         sockets = netutil.bind_sockets(self.port, self.ip)
         self.port = sockets[0].getsockname()[1]
@@ -212,6 +224,7 @@ def build_app(cfg: Config, token: str, spec_root: Path) -> TandemKernelGatewayAp
     config.TandemProvisioner.sessions_dir = str(spec_root / "sessions")
     app = TandemKernelGatewayApp(config=config)
     app.sessions_dir = str(spec_root / "sessions")
+    app.idle_timeout_s = float(cfg.get("http.idle_timeout_s"))
     app.initialize(argv=[])
     # jupyter_server's access log, which scrubs ?token= from the URIs it logs (tornado's does not)
     app.web_app.settings["log_function"] = partial(log_request, record_prometheus_metrics=False)

@@ -15,6 +15,7 @@ header for the rest): the same check as the kernels API.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from html import escape
 from typing import Any
@@ -48,6 +49,21 @@ def _clock(at: Any) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(float(at))) if isinstance(at, int | float) else "-"
 
 
+def _e(value: Any) -> str:
+    """Any value of the status as page text. Every value goes through here, numbers too: the
+    status is what hosts and services reported, and a host's answer is not the page's code."""
+    return escape(str(value))
+
+
+def _n(value: Any) -> float:
+    """A number of the status, 0 when it is not one (a page that renders beats a 500)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+def _i(value: Any) -> int:
+    return int(_n(value))
+
+
 def _short(kernel_id: str) -> str:
     return escape(kernel_id[:8])
 
@@ -71,10 +87,10 @@ def host_usage(status: dict[str, Any]) -> dict[str, dict[str, int]]:
     reported = ((status.get("batch") or {}).get("usage") or {}).get("hosts") or {}
     out = {}
     for host in status.get("hosts", []):
-        gpus, cells = int(host.get("gpus", 0)), int(host.get("committed", 0))
+        gpus, cells = _i(host.get("gpus", 0)), _i(host.get("committed", 0))
         seen = reported.get(host["id"])
-        if seen:
-            out[host["id"]] = {k: int(seen[k]) for k in ("cells", "be", "free", "reserved")}
+        if isinstance(seen, dict):
+            out[host["id"]] = {k: _i(seen.get(k)) for k in ("cells", "be", "free", "reserved")}
         else:
             out[host["id"]] = {"cells": cells, "be": 0, "free": max(gpus - cells, 0), "reserved": 0}
     return out
@@ -97,7 +113,7 @@ def _hosts(status: dict[str, Any]) -> str:
     for host in status.get("hosts", []):
         hid = str(host["id"])
         state = "down" if not host.get("alive", True) else "cordoned" if host.get("cordoned") else "ready"
-        warm = sum(int(n) for n in (host.get("warm_pool") or {}).values() if isinstance(n, int | float))
+        warm = sum(_i(n) for n in (host.get("warm_pool") or {}).values())
         toggle = (
             _button("uncordon", "uncordon", host=hid)
             if host.get("cordoned")
@@ -106,10 +122,10 @@ def _hosts(status: dict[str, Any]) -> str:
         rows.append(
             f'<tr id="host-{escape(hid)}" data-state="{state}"><td>{escape(hid)}</td>'
             f'<td class="state {state}">{state}</td>'
-            f"<td>{escape(str(host.get('gpu_kind', '')))} &times; {int(host.get('gpus', 0))}</td>"
+            f"<td>{_e(host.get('gpu_kind', ''))} &times; {_i(host.get('gpus', 0))}</td>"
             f"<td>{_gpu_bar(usage[hid])}</td>"
             f'<td><canvas class="history" data-host="{escape(hid)}" width="220" height="40"></canvas></td>'
-            f"<td>{host.get('subscribed', 0)} ({host.get('subscription_ratio', 0)})</td><td>{warm}</td>"
+            f"<td>{_e(host.get('subscribed', 0))} ({_e(host.get('subscription_ratio', 0))})</td><td>{warm}</td>"
             f"<td>{toggle} {_button('drain', 'drain', host=hid)}</td></tr>"
         )
     headers = ["host", "state", "GPUs", "GPUs now", "over time", "subscribed (SR)", "warm", "actions"]
@@ -127,23 +143,23 @@ def _kernels(status: dict[str, Any]) -> str:
             replicas.append(
                 f'<li class="replica{executor}" data-replica="{escape(str(r["id"]))}">'
                 f"{escape(str(r['id']))}@{escape(str(r.get('host')))} {escape(str(role))}"
-                f"{'' if r.get('alive') else ' (down)'} pid {r.get('pid')} "
+                f"{'' if r.get('alive') else ' (down)'} pid {_e(r.get('pid'))} "
                 f"{_button('restart', 'restart', kernel=kid, replica=str(r['id']))}</li>"
             )
         last = kernel.get("last_migration")
         moved = (
-            f"{kernel.get('migrations', 0)} (last {escape(str(last.get('replica')))} "
+            f"{_e(kernel.get('migrations', 0))} (last {escape(str(last.get('replica')))} "
             f"{escape(str(last.get('from')))} → {escape(str(last.get('to')))})"
             if isinstance(last, dict)
-            else str(kernel.get("migrations", 0))
+            else _e(kernel.get("migrations", 0))
         )
         res = kernel.get("resources") or {}
         rows.append(
             f'<tr id="kernel-{escape(kid)}" data-state="{escape(str(kernel.get("state")))}">'
             f'<td title="{escape(kid)}">{_short(kid)}</td><td>{escape(str(kernel.get("state")))}</td>'
             f"<td><ul>{''.join(replicas)}</ul></td><td>{escape(str(kernel.get('last_executor') or '-'))}</td>"
-            f"<td>{kernel.get('held_requests', 0)}</td><td>{moved}</td>"
-            f"<td>{res.get('gpus', 0)} GPU, {res.get('memory_mb', 0)} MB</td></tr>"
+            f"<td>{_e(kernel.get('held_requests', 0))}</td><td>{moved}</td>"
+            f"<td>{_e(res.get('gpus', 0))} GPU, {_e(res.get('memory_mb', 0))} MB</td></tr>"
         )
     headers = ["kernel", "state", "replicas (id@host role)", "executor", "held", "migrations", "asks"]
     return _table(headers, rows, "no kernels running", "kernels")
@@ -157,7 +173,7 @@ def _cells(status: dict[str, Any]) -> str:
             f"<tr><td>{_clock(cell.get('submitted_at'))}</td><td>{_short(str(cell.get('kernel_id', '')))}</td>"
             f"<td>{escape(str(cell.get('executor')))}@{escape(str(cell.get('host')))}</td>"
             f"<td>{'yes' if cell.get('immediate') else 'no'}</td>"
-            f"<td>{'-' if delay is None else delay}</td><td>{cell.get('task_completion_ms', '-')}</td></tr>"
+            f"<td>{'-' if delay is None else _e(delay)}</td><td>{_e(cell.get('task_completion_ms', '-'))}</td></tr>"
         )
     headers = ["submitted (UTC)", "kernel", "executor", "committed at once", "delay ms", "completion ms"]
     return _table(headers, rows, "no cells yet", "cells")
@@ -169,12 +185,12 @@ def _migrations(status: dict[str, Any]) -> str:
         for k in status.get("kernels", [])
         if isinstance(k.get("last_migration"), dict)
     ]
-    moves.sort(key=lambda m: -float(m[1].get("at") or 0))
+    moves.sort(key=lambda m: -_n(m[1].get("at")))
     rows = [
         f"<tr><td>{_clock(m.get('at'))}</td><td>{_short(str(k['id']))}</td>"
         f"<td>{escape(str(m.get('replica')))} → {escape(str(m.get('new_replica')))}</td>"
         f"<td>{escape(str(m.get('from')))} → {escape(str(m.get('to')))}</td>"
-        f"<td>{escape(str(m.get('reason')))}</td><td>{m.get('seconds')}</td></tr>"
+        f"<td>{escape(str(m.get('reason')))}</td><td>{_e(m.get('seconds'))}</td></tr>"
         for k, m in moves[:LAST_EVENTS]
     ]
     headers = ["at (UTC)", "kernel", "replica", "hosts", "reason", "seconds"]
@@ -198,18 +214,18 @@ def _batch(status: dict[str, Any]) -> str:
     share = usage.get("utilization") or {}
     now = usage.get("gpus_now") or {}
     summary = (
-        f'<p id="gpu-time">GPUs now: cells {now.get("cells", 0)}, best-effort {now.get("be", 0)}, '
-        f"idle {now.get('idle', 0)} of {now.get('provisioned', 0)}; share of provisioned GPU time so far: "
-        f"cells {share.get('cells', 0):.0%}, best-effort {share.get('be', 0):.0%}, idle {share.get('idle', 0):.0%}; "
-        f"BE capacity {usage.get('be_capacity_gpus', 0)} GPUs, {batch.get('rounds', 0)} arbiter rounds</p>"
+        f'<p id="gpu-time">GPUs now: cells {_e(now.get("cells", 0))}, best-effort {_e(now.get("be", 0))}, '
+        f"idle {_e(now.get('idle', 0))} of {_e(now.get('provisioned', 0))}; share of provisioned GPU time so far: "
+        f"cells {_n(share.get('cells')):.0%}, best-effort {_n(share.get('be')):.0%}, idle {_n(share.get('idle')):.0%}; "
+        f"BE capacity {_e(usage.get('be_capacity_gpus', 0))} GPUs, {_e(batch.get('rounds', 0))} arbiter rounds</p>"
     )
     rows = []
     for app_id, app in sorted((batch.get("apps") or {}).items()):
         rho = app.get("rho")
         jobs = ", ".join(f"{n} {state}" for state, n in sorted((app.get("jobs") or {}).items()))
         rows.append(
-            f"<tr><td>{escape(str(app_id))}</td><td>{'-' if rho is None else f'{float(rho):.2f}'}</td>"
-            f"<td>{float(app.get('gpu_seconds', 0)):.0f}</td><td>{app.get('gpus_now', 0)}</td>"
+            f"<tr><td>{escape(str(app_id))}</td><td>{'-' if rho is None else f'{_n(rho):.2f}'}</td>"
+            f"<td>{_n(app.get('gpu_seconds')):.0f}</td><td>{_e(app.get('gpus_now', 0))}</td>"
             f"<td>{escape(jobs)}</td></tr>"
         )
     apps = _table(["app", "rho", "GPU s", "GPUs now", "jobs"], rows, "no best-effort apps", "apps")
@@ -232,14 +248,15 @@ def _summary(status: dict[str, Any]) -> str:
             ("scheduler", m.get("prometheus_url")),
             ("arbiter", (status.get("batch") or {}).get("prometheus_url")),
         )
-        if url
+        if isinstance(url, str) and url.startswith(("http://", "https://"))  # no javascript: links
     )
     return (
-        f'<p id="summary">policy {escape(str(status.get("policy", "-")))} · {c.get("hosts", 0)} hosts · '
-        f"{c.get('kernels', 0)} kernels · GPUs committed {c.get('committed_gpus', 0)}/{c.get('provisioned_gpus', 0)}"
-        f" · SR {c.get('subscription_ratio', 0)} · migrations {c.get('migrations', 0)} · "
-        f"cells {m.get('cells_total', 0)} (committed at once: {m.get('immediate_commit_ratio')}, "
-        f"delay p50 {delay} ms) · warm runtimes {c.get('warm_runtimes', 0)} · {links}</p>"
+        f'<p id="summary">policy {_e(status.get("policy", "-"))} · {_e(c.get("hosts", 0))} hosts · '
+        f"{_e(c.get('kernels', 0))} kernels · GPUs committed {_e(c.get('committed_gpus', 0))}/"
+        f"{_e(c.get('provisioned_gpus', 0))} · SR {_e(c.get('subscription_ratio', 0))} · "
+        f"migrations {_e(c.get('migrations', 0))} · cells {_e(m.get('cells_total', 0))} "
+        f"(committed at once: {_e(m.get('immediate_commit_ratio'))}, delay p50 {_e(delay)} ms) · "
+        f"warm runtimes {_e(c.get('warm_runtimes', 0))} · {links}</p>"
     )
 
 
@@ -280,7 +297,7 @@ text-align: left; vertical-align: top; }} th {{ background: #f4f4f4; }} ul {{ ma
 <span class="free">&nbsp;</span> free <span class="reserved">&nbsp;</span> reserved idle</span></div>
 <div id="flash"></div>
 <div id="live">{body}</div>
-<script>
+<script nonce="{nonce}">
 const token = new URLSearchParams(location.search).get("token") || "";
 const auth = {{"Authorization": "token " + token}};
 const history = {{}};  // host -> [{{cells, be, free, reserved}}], newest last
@@ -340,13 +357,31 @@ setInterval(refresh, {poll_ms});
 """
 
 
-def render_page(status: dict[str, Any] | None, error: str = "", base: str = "") -> str:
-    """The whole page: the live part rendered now, and the script that refreshes it."""
+def script_json(value: Any) -> str:
+    """JSON to put inside a ``<script>``: no ``</script>`` or ``<!--`` can end it early."""
+    return json.dumps(value).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def content_security_policy(nonce: str) -> str:
+    """The page's one script (by its nonce) and fetches to this server: markup that got into the
+    page some other way runs nothing (no inline handlers, no other scripts), and no other site
+    frames the page or receives a form from it."""
+    script = f"'nonce-{nonce}'" if nonce else "'none'"
+    return (
+        f"default-src 'none'; script-src {script}; style-src 'unsafe-inline'; connect-src 'self'; "
+        "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+
+
+def render_page(status: dict[str, Any] | None, error: str = "", base: str = "", nonce: str = "") -> str:
+    """The whole page: the live part rendered now, and the script (``nonce``: the one its
+    Content-Security-Policy names) that refreshes it."""
     body = render_body(status) if status is not None else render_error(error)
     usage = host_usage(status) if status is not None else {}
     return PAGE.format(
         body=body,
-        usage=json.dumps(usage),
+        nonce=escape(nonce),
+        usage=script_json(usage),
         updated=_clock(time.time()),
         poll_ms=POLL_MS,
         poll_s=POLL_MS / 1000,
@@ -380,6 +415,11 @@ class _Authenticated(mixins.TokenAuthorizationMixin, mixins.JSONErrorsMixin, web
     def set_default_headers(self) -> None:
         self.set_header("Cache-Control", "no-store")
         self.set_header("X-Frame-Options", "DENY")
+        self.set_header("X-Content-Type-Options", "nosniff")
+        # the page's address holds the token (?token=): no link or fetch from it may carry it
+        # to another site in a Referer
+        self.set_header("Referrer-Policy", "no-referrer")
+        self.set_header("Content-Security-Policy", content_security_policy(""))
 
     async def status(self) -> dict[str, Any]:
         return await cluster_status(read_cluster())
@@ -391,8 +431,10 @@ class PageHandler(_Authenticated):
             status, error = await self.status(), ""
         except (ClusterNotRunning, RpcError, RpcTimeout) as exc:
             status, error = None, str(exc) or type(exc).__name__
+        nonce = secrets.token_urlsafe(16)
         self.set_header("Content-Type", "text/html; charset=utf-8")
-        self.finish(render_page(status, error, self.settings.get("base_url", "")))
+        self.set_header("Content-Security-Policy", content_security_policy(nonce))
+        self.finish(render_page(status, error, self.settings.get("base_url", ""), nonce))
 
 
 class StateHandler(_Authenticated):

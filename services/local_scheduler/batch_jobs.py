@@ -55,7 +55,14 @@ from typing import Any
 import structlog
 
 from services.local_scheduler.checkpoints import CheckpointLink
-from services.local_scheduler.job_process import LOG_FILE, JobProcess, JobSpec, job_dir
+from services.local_scheduler.job_process import (
+    LOG_FILE,
+    JobProcess,
+    JobSpec,
+    job_dir,
+    open_job_file,
+    read_job_file,
+)
 from services.local_scheduler.packing import Coordinator, PackingSettings, describe, write_share
 from shared.cluster_core.gpu_ledger import Commit, GpuLedger, LedgerError
 from shared.policies.packing import FULL, Placement, packable_gpus
@@ -81,6 +88,18 @@ LOG_CHUNK_BYTES = 65_536
 SHUTDOWN_STOP_GRACE_S = 3.0
 PAUSABLE_REASONS = ("expired",)  # a cancel, a move to another host, a shutdown stop the job
 RELAY_POLL_S = 0.05  # how often a job's checkpoint announcement file is looked at
+
+
+def announced_image(raw: bytes) -> dict[str, Any]:
+    """A job's ``checkpoint.json`` as the commit relays it; ValueError unless it has the shape
+    ``tandem_job.checkpoints`` writes (the job writes the file: its content is not trusted)."""
+    announcement = json.loads(raw)
+    if not isinstance(announcement, dict) or not isinstance(announcement.get("manifest"), dict):
+        raise ValueError("checkpoint.json is not an announcement (a map with a manifest map)")
+    written = announcement.get("written", [])
+    if not isinstance(written, list) or not all(isinstance(d, str) for d in written):
+        raise ValueError("checkpoint.json: written must be a list of digests")
+    return {"manifest": announcement["manifest"], "written": written}
 
 
 @dataclass
@@ -373,7 +392,7 @@ class BatchJobs:
                 current = None
             if current is not None and current != seen:
                 try:
-                    announcement = json.loads(path.read_text())
+                    announcement = announced_image(read_job_file(path))
                     answer = await self.checkpoints.commit(run.job_id, announcement)
                     run.checkpoint_step = int(answer["step"])
                     seen = current
@@ -403,8 +422,12 @@ class BatchJobs:
 
     async def _relayed(self, run: Run) -> None:
         """The job's last image is with the service before its GPUs go (bounded by the service's timeout)."""
-        if run.relay is not None:
+        if run.relay is None:
+            return
+        try:
             await asyncio.shield(run.relay)
+        except Exception as exc:  # its GPUs are released whatever became of its images
+            log.error("checkpoint_relay_failed", job=run.job_id, host=self.host_id, reason=repr(exc))
 
     def _refuse_if_closing(self) -> None:
         if self._closing:
@@ -503,13 +526,15 @@ class BatchJobs:
         """Bytes of the job's output from ``offset`` (negative: from the end); kept across runs."""
         path = job_dir(self.state_dir, job_id) / LOG_FILE
         try:
-            with open(path, "rb") as f:
+            with os.fdopen(open_job_file(path), "rb") as f:  # the job can write in its dir
                 size = f.seek(0, os.SEEK_END)
                 start = max(size + offset, 0) if offset < 0 else min(offset, size)
                 f.seek(start)
                 data = f.read(min(limit, LOG_CHUNK_BYTES))
         except FileNotFoundError:
             raise RpcError(f"job {job_id} has no output on host {self.host_id}", "not_found") from None
+        except OSError as exc:
+            raise RpcError(f"job {job_id}'s output on host {self.host_id}: {exc}", "unavailable") from None
         return {"data": data, "offset": start + len(data), "size": size}
 
     # ---- revocation: a cell takes leased GPUs (FitGpp on this host) ---------------------------

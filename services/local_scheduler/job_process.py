@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ CHRT = shutil.which("chrt") if _LINUX else None
 NICE = shutil.which("nice")
 KILL_GRACE_S = 2.0
 POLL_S = 0.05
+JOB_FILE_MAX_BYTES = 1 << 20  # progress.json and checkpoint.json are a few hundred bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +84,28 @@ def low_priority_prefix() -> list[str]:
 
 def job_dir(state_dir: Path, job_id: str) -> Path:
     return state_dir / "jobs" / job_id
+
+
+def open_job_file(path: Path) -> int:
+    """A descriptor of a file the job may have written, opened without blocking: the job (any
+    command the operator submitted, as the host's user) can put a FIFO there, which blocks a
+    plain ``open`` until a writer comes, on the loop that runs every replica of this host, or a
+    symlink to ``/dev/zero``. Only a regular file, reached without a symlink, is opened (OSError)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path.name} is not a regular file")
+    return fd
+
+
+def read_job_file(path: Path, limit: int = JOB_FILE_MAX_BYTES) -> bytes:
+    """The bytes of a small file the job writes (``open_job_file``); ValueError when it is over
+    ``limit`` bytes, OSError when it cannot be read."""
+    with os.fdopen(open_job_file(path), "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path.name} is over {limit} bytes")
+    return data
 
 
 class JobProcess:
@@ -159,7 +183,7 @@ class JobProcess:
     def progress(self) -> dict[str, Any] | None:
         """The job's last ``progress.json`` (None: it reports none, or not yet)."""
         try:
-            raw = json.loads((self.directory / PROGRESS_FILE).read_text())
+            raw = json.loads(read_job_file(self.directory / PROGRESS_FILE))
         except (OSError, ValueError):
             return None
         return raw if isinstance(raw, dict) else None

@@ -160,7 +160,7 @@ class DataStore(ABC):
         filled = await self._read_into(ref, view, verifier)
         if filled != ref.size:
             raise CorruptObject(self.backend, ref.key, f"size {filled} bytes, expected {ref.size}")
-        reason = verifier.mismatch(ref.checksum, ref.size)
+        reason = verifier.mismatch(ref.checksum, ref.size, ref.digest)
         if reason is not None:
             raise CorruptObject(self.backend, ref.key, reason)
 
@@ -187,7 +187,7 @@ class DataStore(ABC):
             if held is not None:
                 yield held
             held = view
-        reason = verifier.mismatch(ref.checksum, ref.size)
+        reason = verifier.mismatch(ref.checksum, ref.size, ref.digest)
         if reason is not None:
             raise CorruptObject(self.backend, ref.key, reason)
         yield held if held is not None else memoryview(b"")

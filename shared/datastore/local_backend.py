@@ -138,11 +138,12 @@ class LocalStore(DataStore):
                 raise CorruptObject(self.backend, ref.key, f"size {stored} bytes, expected {view.nbytes}")
             filled = 0
             while filled < view.nbytes:
-                n = os.readv(fd, [view[filled:]])
+                # a chunk at a time: the verifier hashes one while the next is read
+                n = os.readv(fd, [view[filled : filled + self.chunk_bytes]])
                 if n == 0:
                     break
+                verifier.update(view[filled : filled + n])
                 filled += n
-            verifier.update(view[:filled])  # same thread: one hop per read, not two
             return filled
         finally:
             os.close(fd)

@@ -16,7 +16,6 @@ the tests are skipped with a reason.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -179,12 +178,11 @@ def test_the_dashboard_shows_hosts_and_kernels_and_cordons_a_host_only_with_the_
         assert page.locator("#cells").inner_text().count(running_kernel[:8]) >= 1
         # live: the page refreshes itself (the "over time" samples come from those refreshes)
         first = page.locator("#updated").inner_text()
-        page.wait_for_function(f"document.getElementById('updated').textContent !== {json.dumps(first)}")
+        # locator waits, not wait_for_function: the page's CSP forbids the eval that one uses
+        _expect(page.locator("#updated")).not_to_have_text(first)
 
         page.locator(f"#host-{target} button[data-action=cordon]").click()
-        page.wait_for_function(
-            f"document.getElementById('flash').textContent === {json.dumps(target + ': cordoned')}"
-        )
+        _expect(page.locator("#flash")).to_have_text(f"{target}: cordoned")
         page.wait_for_selector(f"#host-{target}[data-state=cordoned]")
         assert off_loop(lambda: _cordoned(tandem_cluster, target))
 
@@ -218,9 +216,7 @@ def test_a_replica_restarted_from_the_dashboard_comes_back_with_a_new_process(
         page.goto(f"{url}/dashboard?token={token}")
         row = page.locator(f"#kernel-{running_kernel} li[data-replica={follower['id']}]")
         row.locator("button[data-action=restart]").click()
-        page.wait_for_function(
-            "document.getElementById('flash').textContent.includes('restarted (pid')", timeout=120_000
-        )
+        _expect(page.locator("#flash")).to_contain_text("restarted (pid", timeout=120_000)
         after = {r["id"]: r for r in off_loop(lambda: _replicas(tandem_cluster, running_kernel))}
         assert after[follower["id"]]["alive"] and after[follower["id"]]["pid"] != follower["pid"]
         assert f"{running_kernel}/{follower['id']}: restarted (pid {after[follower['id']]['pid']})" in (
@@ -228,6 +224,13 @@ def test_a_replica_restarted_from_the_dashboard_comes_back_with_a_new_process(
         )
     finally:
         page.close()
+
+
+def _expect(locator: Any) -> Any:
+    """Playwright's ``expect`` (imported here: playwright is in the test extra)."""
+    from playwright.sync_api import expect
+
+    return expect(locator)
 
 
 def _cordoned(cluster: ClusterHandle, host_id: str) -> bool:

@@ -1,21 +1,30 @@
 """State files were world-readable: the Raft WAL and snapshots (every replicated variable,
 pickled), the data store, the input history, the logs. Every directory under a cluster's state
-dir is now 0700 and every file 0600, whatever the umask of whoever started it."""
+dir is now 0700 and every file 0600, whatever the umask of whoever started it: also what came
+later, a batch job's directory (its output, control and progress files), the arbiter's registry
+(the job's command and environment), a hibernated kernel's record and image, and the HTTP
+API's kernel records (their keys)."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _cluster import running_cluster
+import requests
+from _cluster import ClusterHandle, eventually, running_cluster
 from _kernels import run, tandem_kernel
+from test_batch_jobs import tandem
 
 from shared.private_files import open_private, private_dir, write_private
 
 pytestmark = pytest.mark.integration
+
+JOB = "import tandem_job\nwith tandem_job.session(total=3) as job:\n    for step in job.steps(): pass"
 
 
 def _loose(root: Path) -> list[str]:
@@ -46,7 +55,19 @@ def test_state_dir_of_a_cluster_that_ran_a_kernel_is_private(
 ) -> None:
     state = tmp_path / "state"
     state.mkdir(mode=0o700)  # the operator's (an existing open one is warned about, not changed)
-    with running_cluster(state, "--set", "raft.snapshot_every=8") as cluster, tandem_kernel() as (_km, kc):
+    config = ("--set", "raft.snapshot_every=8", "--set", "arbiter.round_s=0.5")
+    with running_cluster(state, *config) as cluster, tandem_kernel() as (km, kc):
+        submitted = tandem(cluster, "job", "submit", "--app", "modes", "--", sys.executable, "-c", JOB)
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = submitted.stdout.strip().splitlines()[-1]
+        api, token = str(cluster.info["http"]), (state / "keys" / "http.token").read_text().strip()
+        started = requests.post(
+            f"{api}/api/kernels",
+            json={"name": "tandem"},
+            headers={"Authorization": f"token {token}"},
+            timeout=120,
+        )
+        assert started.status_code == 201, started.text
         for cell in (
             "import numpy as np\nsecret = 'hunter2'",
             "weights = np.arange(400_000.0)",  # 3.2 MB: into the data store
@@ -58,8 +79,19 @@ def test_state_dir_of_a_cluster_that_ran_a_kernel_is_private(
         assert replica_dirs and list(cluster.state_dir.glob("hosts/*/*/r*/raft/snap-*"))
         assert list(cluster.state_dir.glob("datastore/objects/*/*/*"))
         assert list(cluster.state_dir.glob("hosts/*/*/r*/history.sqlite"))
+        hibernated = cluster.cli("kernel", "hibernate", km.kernel_id)
+        assert hibernated.returncode == 0, hibernated.stderr + hibernated.stdout
+        assert eventually(lambda: _job_state(cluster, job_id) == "finished", timeout=60)
+        assert list(cluster.state_dir.glob(f"jobs/{job_id}/*/progress.json"))
+        assert list(cluster.state_dir.glob("arbiter/*")) and list(cluster.state_dir.glob("http/sessions/*"))
+        assert (cluster.state_dir / "scheduler" / "hibernated.json").exists()
         loose = _loose(cluster.state_dir)
     assert not loose, "\n".join(loose)
+
+
+def _job_state(cluster: ClusterHandle, job_id: str) -> str:
+    listed = cluster.cli("job", "list", "--json")
+    return next((j["state"] for j in json.loads(listed.stdout) if j["job_id"] == job_id), "")
 
 
 def test_private_helpers_narrow_what_exists_and_create_private(

@@ -33,13 +33,13 @@ def test_verifier_names_the_mismatch() -> None:
     cid = content_id([data])
     ok = ChecksumVerifier()
     ok.update(data)
-    assert ok.mismatch(cid.checksum, cid.size) is None
+    assert ok.mismatch(cid.checksum, cid.size, cid.digest) is None
     short = ChecksumVerifier()
     short.update(data[:-1])
-    assert "size 299 bytes, expected 300" in str(short.mismatch(cid.checksum, cid.size))
+    assert "size 299 bytes, expected 300" in str(short.mismatch(cid.checksum, cid.size, cid.digest))
     flipped = ChecksumVerifier()
     flipped.update(b"abd" + data[3:])
-    assert "xxh3-128" in str(flipped.mismatch(cid.checksum, cid.size))
+    assert "xxh3-128" in str(flipped.mismatch(cid.checksum, cid.size, cid.digest))
 
 
 def test_object_path_is_sharded_and_rejects_non_digests() -> None:
