@@ -109,6 +109,7 @@ def main() -> int:
                 fairness_knob=args.fairness_knob,
                 seed=seed,
                 lifetime_contention=not args.past_contention,
+                time_scale=work_scale,
             )
             results = run_all(workload, policies, hosts, params)
             reports.append(_report(args, seed, workload, hosts, work_scale, span_h, results, start))

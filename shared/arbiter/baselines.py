@@ -1,18 +1,30 @@
 """Baseline BE allocation policies, with the arbiter's interface (``auction(now, apps, available,
-be_capacity_gpus) -> AuctionOutcome``), as Themis §6.1 implements them: on each round every app
-reports one number and the free GPUs go to apps greedily in that order, each up to what it can
-use. Leases are the same as Themis's. As in Themis (§3.1.2, Theorem 3.1), only the
+be_capacity_gpus) -> AuctionOutcome``).
+
+App-level greedy baselines, as Themis §6.1 ("Baselines") implements them: on each round every
+app reports one number and the free GPUs go to apps greedily in that order, each up to what it
+can use. Leases are the same as Themis's. As in Themis (§3.1.2, Theorem 3.1), only the
 placement-aware baselines (Gandiva, and SRTF, whose remaining-time reports see the allocation)
-pick co-located GPUs (best fit); the others (LAS/Tiresias, SLAQ, FIFO) take whichever free GPUs
-come, drawn in a seeded random order. Within what an app gets, its own scheduler still packs
+pick co-located GPUs (best fit); the others (app-level LAS, SRSF, SLAQ, FIFO) take whichever free
+GPUs come, drawn in a seeded random order. Within what an app gets, its own scheduler still packs
 each job's share on as few hosts as it can.
 
-* FIFO: earliest submitted app first.
-* SRTF: shortest remaining time (remaining work / app demand) first.
-* Tiresias: least attained service (GPU-seconds used) first (LAS).
-* Gandiva-like: highest placement preference (sensitivity) first, packing it (placement greedy).
-* SLAQ-like: largest loss decrease per GPU over one lease first, on a common convex loss curve
-  of training progress (SLAQ's "greedy highest loss reduction").
+* ``gandiva`` (§6.1 "Ideal Efficiency Baseline"): highest placement preference (sensitivity)
+  first, packing it (placement greedy).
+* ``las_app`` (§6.1 "Ideal Fairness Baseline - Tiresias"): the app with the least attained GPU
+  service first, re-decided at every lease, which is what §6.1 describes and calls Tiresias. It is
+  per app, with no queues: Tiresias proper is ``tiresias`` below.
+* ``slaq`` (§6.1 "Ideal Aggregate Model Quality"): largest loss decrease per GPU over one lease
+  first, on a common convex loss curve of training progress.
+* ``srtf`` (§6.1 "Ideal Average App Completion Time"): shortest remaining time (remaining work /
+  app demand) first; ``srsf``: shortest remaining service (remaining GPU-seconds) first, §6.1's
+  "one GPU at a time" in SRSF order (an app's remaining service does not change within a round,
+  so that is each app in turn up to what it can use).
+* ``fifo``: earliest submitted app first (not in Themis; the plain reference).
+
+Job-level baselines from their own papers (``shared.arbiter.job_baselines``): ``tiresias``
+(Tiresias's discretized 2D-LAS over jobs) and ``gandiva_fair`` (ticket-based stride scheduling
+between users). Themis §6.1's Optimus is not implemented.
 """
 
 from __future__ import annotations
@@ -20,10 +32,12 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from shared.arbiter.agent import AppAgent, pack
 from shared.arbiter.arbiter import Arbiter, AuctionOutcome
 from shared.arbiter.config import ArbiterConfig
+from shared.arbiter.job_baselines import GandivaFairPolicy, TiresiasParams, TiresiasPolicy
 from shared.arbiter.lease import Lease
 from shared.arbiter.reports import AppReport
 from shared.arbiter.slots import GpuSlot
@@ -90,6 +104,10 @@ def _remaining_time(agent: AppAgent, _lease_s: float) -> float:
     return sum(w.seconds for p in agent.model.phases for w in p) / demand
 
 
+def _remaining_service(agent: AppAgent, _lease_s: float) -> float:
+    return sum(w.seconds for p in agent.model.phases for w in p)
+
+
 def _loss_decrease(agent: AppAgent, lease_s: float) -> float:
     """Minus the loss decrease per GPU one more lease would bring the app (so lowest sorts first)."""
     best = 0.0
@@ -107,30 +125,55 @@ def _placement(agent: AppAgent, _lease_s: float) -> float:
     return -max(sens, default=1.0)
 
 
-def fifo(config: ArbiterConfig | None = None) -> GreedyPolicy:
+def fifo(config: ArbiterConfig | None = None, time_scale: float = 1.0) -> GreedyPolicy:
     return GreedyPolicy(lambda a, _: a.report.submitted_at, "fifo", config, placement_aware=False)
 
 
-def srtf(config: ArbiterConfig | None = None) -> GreedyPolicy:
+def srtf(config: ArbiterConfig | None = None, time_scale: float = 1.0) -> GreedyPolicy:
     return GreedyPolicy(_remaining_time, "srtf", config, placement_aware=True)
 
 
-def tiresias(config: ArbiterConfig | None = None) -> GreedyPolicy:
-    return GreedyPolicy(lambda a, _: a.report.gpu_seconds_used, "tiresias", config, placement_aware=False)
+def srsf(config: ArbiterConfig | None = None, time_scale: float = 1.0) -> GreedyPolicy:
+    return GreedyPolicy(_remaining_service, "srsf", config, placement_aware=False)
 
 
-def gandiva(config: ArbiterConfig | None = None) -> GreedyPolicy:
+def las_app(config: ArbiterConfig | None = None, time_scale: float = 1.0) -> GreedyPolicy:
+    return GreedyPolicy(lambda a, _: a.report.gpu_seconds_used, "las_app", config, placement_aware=False)
+
+
+def gandiva(config: ArbiterConfig | None = None, time_scale: float = 1.0) -> GreedyPolicy:
     return GreedyPolicy(_placement, "gandiva", config, placement_aware=True)
 
 
-def slaq(config: ArbiterConfig | None = None) -> GreedyPolicy:
+def slaq(config: ArbiterConfig | None = None, time_scale: float = 1.0) -> GreedyPolicy:
     return GreedyPolicy(_loss_decrease, "slaq", config, placement_aware=False)
 
 
-BASELINES: dict[str, Callable[[ArbiterConfig | None], GreedyPolicy]] = {
-    "gandiva": gandiva,
+def tiresias(config: ArbiterConfig | None = None, time_scale: float = 1.0) -> TiresiasPolicy:
+    """``time_scale``: the trace's time scale (the bench's 5% tasks): queue thresholds follow it."""
+    return TiresiasPolicy(config, TiresiasParams().scaled(time_scale))
+
+
+def gandiva_fair(config: ArbiterConfig | None = None, time_scale: float = 1.0) -> GandivaFairPolicy:
+    return GandivaFairPolicy(config)
+
+
+class BaselinePolicy(Protocol):
+    name: str
+
+    def auction(
+        self, now: float, apps: Sequence[AppReport], available: Sequence[GpuSlot], be_capacity_gpus: float
+    ) -> AuctionOutcome: ...
+
+
+#: name -> factory(config, time_scale): every baseline the simulator and the bench run.
+BASELINES: dict[str, Callable[[ArbiterConfig | None, float], BaselinePolicy]] = {
     "tiresias": tiresias,
+    "gandiva_fair": gandiva_fair,
+    "las_app": las_app,
+    "gandiva": gandiva,
     "slaq": slaq,
     "srtf": srtf,
+    "srsf": srsf,
     "fifo": fifo,
 }

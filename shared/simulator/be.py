@@ -108,12 +108,14 @@ THEMIS_256 = (8,) * 24 + (4,) * 12 + (1,) * 16
 THEMIS_64 = (2,) * 8 + (4,) * 12
 
 
-def make_policy(name: str, config: ArbiterConfig) -> AllocationPolicy:
+def make_policy(name: str, config: ArbiterConfig, time_scale: float = 1.0) -> AllocationPolicy:
+    """Themis's arbiter or a baseline (``shared.arbiter.baselines.BASELINES``); ``time_scale``
+    scales a baseline's time constants with the trace (Tiresias's queue thresholds)."""
     if name == "themis":
         return Arbiter(config)
     if name not in BASELINES:
         raise ValueError(f"unknown BE policy {name!r}; one of {POLICIES}")
-    return BASELINES[name](config)
+    return BASELINES[name](config, time_scale)
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,9 @@ class BeSimParams:
     max_time_s: float = math.inf
     seed: int = 0
     lifetime_contention: bool = True
+    #: the trace's time scale (the bench runs tasks at 5% of their length): baselines with time
+    #: constants in their definition (Tiresias's queue thresholds) scale them by it
+    time_scale: float = 1.0
 
     def arbiter_config(self) -> ArbiterConfig:
         return ArbiterConfig(
@@ -363,7 +368,7 @@ def run_be(
     wall = time.perf_counter()
     p = params or BeSimParams()
     tl: GpuTimeline = timeline or StaticCluster(cluster(hosts or THEMIS_256))
-    pol = policy or make_policy(policy_name, p.arbiter_config())
+    pol = policy or make_policy(policy_name, p.arbiter_config(), p.time_scale)
     pending = deque(sorted(workload.apps, key=lambda a: (a.submitted_at, a.app_id)))
     active: dict[str, _App] = {}
     done: list[_App] = []
@@ -634,7 +639,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         int(x) for x in args.hosts.split(",")
     )
     params = BeSimParams(
-        round_s=args.round_s, lease_s=args.lease_s, fairness_knob=args.fairness_knob, seed=args.seed
+        round_s=args.round_s,
+        lease_s=args.lease_s,
+        fairness_knob=args.fairness_knob,
+        seed=args.seed,
+        time_scale=1.0 if args.trace else args.work_scale,
     )
 
     with json_stdout() as out:
