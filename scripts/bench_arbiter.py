@@ -49,13 +49,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.arbiter.baselines import BASELINES
+from shared.result_stdout import result_stdout
 from shared.simulator.be import (
     POLICIES,
     THEMIS_64,
     THEMIS_256,
     BeRunResult,
     BeSimParams,
-    json_stdout,
     run_all,
 )
 from shared.simulator.be_reference import fluid_ps_rho
@@ -96,7 +96,7 @@ def main() -> int:
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds else [args.seed]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     reports = []
-    with json_stdout() as real_stdout:
+    with result_stdout():
         for seed in seeds:
             workload = generate_themis_workload(
                 ThemisWorkloadParams(
@@ -115,7 +115,7 @@ def main() -> int:
             reports.append(_report(args, seed, workload, hosts, work_scale, span_h, results, start))
         out = reports[0] if len(reports) == 1 else _medians(reports)
         out["wall_s"] = round(time.perf_counter() - start, 1)
-        print(json.dumps(out), file=real_stdout)
+        print(json.dumps(out), flush=True)
     return 0
 
 

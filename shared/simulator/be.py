@@ -26,17 +26,15 @@ app's life, the same formula for every policy.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import os
 import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TextIO
+from typing import Protocol
 
 from shared.arbiter import AppReport, Arbiter, ArbiterConfig, AuctionOutcome, GpuSlot, JobReport, Lease
 from shared.arbiter.baselines import BASELINES
@@ -45,6 +43,7 @@ from shared.arbiter.estimate import FinishTimeModel
 from shared.arbiter.halving import SuccessiveHalving
 from shared.arbiter.reports import APP_SUCCESSIVE_HALVING
 from shared.arbiter.slots import spans_hosts
+from shared.result_stdout import result_stdout
 from shared.workload.be_model import BeApp, BeJob, BeWorkload
 
 POLICIES = ("themis", *BASELINES)
@@ -578,31 +577,6 @@ def run_all(
     return out
 
 
-@contextlib.contextmanager
-def json_stdout() -> Iterator[TextIO]:
-    """A stream to the real stdout while the process's fd 1 points at stderr: scipy 1.17's HiGHS
-    prints a debug line ("HighsMipSolverData::transformNewIntegerFeasibleSolution") on fd 1 for
-    some MIPs, which would break one-JSON-line output. Leaves a non-file stdout (pytest's capture)
-    alone."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):
-        yield sys.stdout
-        return
-    sys.stdout.flush()
-    saved = os.dup(fd)
-    os.dup2(sys.stderr.fileno(), fd)
-    stream = os.fdopen(os.dup(saved), "w")
-    try:
-        yield stream
-    finally:
-        stream.flush()
-        stream.close()
-        sys.stdout.flush()
-        os.dup2(saved, fd)
-        os.close(saved)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m shared.simulator.be``: BE apps under Themis and the baselines, one JSON line per
     policy (``--json``) or a table."""
@@ -646,7 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         time_scale=1.0 if args.trace else args.work_scale,
     )
 
-    with json_stdout() as out:
+    with result_stdout() as out:
 
         def show(r: BeRunResult) -> None:
             s = r.summary()

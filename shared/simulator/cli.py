@@ -275,6 +275,16 @@ def _json_default(value: Any) -> Any:
 
 
 def cmd_sim(args: argparse.Namespace, cfg: Config) -> int:
+    """Run, plot, print the table and (``--json``) the JSON line. C libraries' writes to fd 1
+    (HiGHS's debug prints in a mixed run's auctions) go to stderr: stdout stays the table and
+    one parsable JSON line (``shared.result_stdout``)."""
+    from shared.result_stdout import result_stdout
+
+    with result_stdout():
+        return _cmd_sim(args, cfg)
+
+
+def _cmd_sim(args: argparse.Namespace, cfg: Config) -> int:
     from shared.workload.trace_csv import TraceCsvError
 
     try:
