@@ -1,14 +1,18 @@
-"""Themis's finish-time fairness against five baselines on a Workload-1-like BE trace.
+"""Themis's finish-time fairness against eight baselines on a Workload-1-like BE trace.
 
 Replays one seeded workload drawn from Themis Workload 1's statistics
 (``shared.workload.themis_workload``) on a simulated cluster, once per policy
 (``shared.simulator.be``), and prints one JSON line:
 
-* ``max_rho_themis`` and ``max_rho_<b>`` for b in gandiva, tiresias, slaq, srtf, fifo (Themis
-  §6.2's headline metric: the worst app's rho = T_sh / T_id), ``median_rho_<p>``,
+* ``max_rho_themis`` and ``max_rho_<b>`` for every baseline b of ``shared.arbiter.baselines``:
+  tiresias (job-level discretized 2D-LAS, Tiresias's own), gandiva_fair (ticket stride between
+  apps), las_app (Themis §6.1's "Tiresias": app-level least attained service), gandiva, slaq,
+  srtf, srsf, fifo (Themis §6.2's headline metric: the worst app's rho = T_sh / T_id),
+  ``median_rho_<p>``,
   ``utilization_<p>`` (allocated over BE-usable GPU-seconds until the last app ends);
-* ``best_baseline``, ``improvement_vs_best`` (its max rho over Themis's; the issue's target is
-  >= 2.2, Themis reports 2.2-3.25x) and ``target_met``;
+* ``best_baseline`` (the baseline with the lowest max rho), ``ratio_best_over_themis`` (its max
+  rho over Themis's; the issue's target is >= 2.2, Themis reports 2.2-3.25x), ``target_met``, and
+  ``baselines`` (the baselines run);
 * ``max_rho_floor_<p>``: the largest rho any app would have had alone on the cluster, perfectly
   placed, with the N_avg it saw under policy p (its longest jobs bound its finish; T_id assumes
   its work parallelises perfectly): p cannot bring max rho below this;
@@ -25,8 +29,10 @@ Replays one seeded workload drawn from Themis Workload 1's statistics
 
 ``--seeds 0,1,2``: one workload per seed, every policy on each (all in this run); each
 ``max_rho_<p>``, ``median_rho_<p>``, ``utilization_<p>``, ``max_rho_floor_<p>`` and the auction
-percentiles are then the median over seeds, ``improvement_vs_best`` is the median of the per-seed
-ratios (best baseline of that seed over Themis), and ``<key>_by_seed`` lists the per-seed values.
+percentiles are then the median over seeds, ``ratio_best_over_themis`` is the median of the per-seed
+ratios (best baseline of that seed over Themis), and ``<key>_by_seed`` lists the per-seed values;
+``best_baseline_of_medians`` / ``ratio_of_medians`` compare the medians instead (the baseline
+with the lowest median max rho, over Themis's median max rho).
 
 Default: all 85 apps on Themis's 64-GPU testbed cluster (Figure 9 is Workload 1 on that
 testbed), every task scaled to 5% of its length and the two-week arrival window likewise, so the
@@ -138,8 +144,19 @@ def _medians(reports: list[dict[str, object]]) -> dict[str, object]:
             out[f"{key}_by_seed"] = values
         else:
             out[key] = values
-    if "improvement_vs_best" in out:
-        out["target_met"] = float(out["improvement_vs_best"]) >= 2.2 and float(out["auction_p50_ms"]) <= 100  # type: ignore[arg-type]
+    medians = {
+        k.removeprefix("max_rho_"): float(v)  # type: ignore[arg-type]
+        for k, v in out.items()
+        if k.startswith("max_rho_") and k.removeprefix("max_rho_") in BASELINES
+    }
+    if medians and "max_rho_themis" in out:
+        best = min(medians, key=medians.__getitem__)
+        out["best_baseline_of_medians"] = best
+        out["ratio_of_medians"] = round(medians[best] / float(out["max_rho_themis"]), 3)  # type: ignore[arg-type]
+    if "ratio_best_over_themis" in out:
+        out["target_met"] = (
+            float(out["ratio_best_over_themis"]) >= 2.2 and float(out["auction_p50_ms"]) <= 100
+        )  # type: ignore[arg-type]
     return out
 
 
@@ -175,7 +192,8 @@ def _report(
         if baselines:
             best = min(baselines, key=baselines.__getitem__)
             out["best_baseline"] = best
-            out["improvement_vs_best"] = round(baselines[best] / themis.max_rho, 3)
+            out["baselines"] = sorted(baselines)
+            out["ratio_best_over_themis"] = round(baselines[best] / themis.max_rho, 3)
             out["target_met"] = baselines[best] / themis.max_rho >= 2.2 and out["auction_p50_ms"] <= 100
     stats = workload_stats(workload)
     out.update(
