@@ -159,7 +159,7 @@ def gandiva_fair(config: ArbiterConfig | None = None, time_scale: float = 1.0) -
 
 
 class BaselinePolicy(Protocol):
-    name: str
+    """What the simulator and the live service call: one round's leases."""
 
     def auction(
         self, now: float, apps: Sequence[AppReport], available: Sequence[GpuSlot], be_capacity_gpus: float
@@ -177,3 +177,13 @@ BASELINES: dict[str, Callable[[ArbiterConfig | None, float], BaselinePolicy]] = 
     "srsf": srsf,
     "fifo": fifo,
 }
+
+
+def make_policy(name: str, config: ArbiterConfig | None = None, time_scale: float = 1.0) -> BaselinePolicy:
+    """``themis`` (the arbiter) or a baseline by name, for the simulator and the live service
+    (``arbiter.policy``); ``time_scale`` scales a baseline's time constants with a scaled trace."""
+    if name == "themis":
+        return Arbiter(config or ArbiterConfig())
+    if name not in BASELINES:
+        raise ValueError(f"unknown BE policy {name!r}; one of {('themis', *BASELINES)}")
+    return BASELINES[name](config, time_scale)

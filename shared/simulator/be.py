@@ -36,8 +36,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from shared.arbiter import AppReport, Arbiter, ArbiterConfig, AuctionOutcome, GpuSlot, JobReport, Lease
+from shared.arbiter import AppReport, ArbiterConfig, AuctionOutcome, GpuSlot, JobReport, Lease
 from shared.arbiter.baselines import BASELINES
+from shared.arbiter.baselines import make_policy as make_baseline_policy
 from shared.arbiter.capacity import CapacityMeter
 from shared.arbiter.estimate import FinishTimeModel
 from shared.arbiter.halving import SuccessiveHalving
@@ -108,13 +109,8 @@ THEMIS_64 = (2,) * 8 + (4,) * 12
 
 
 def make_policy(name: str, config: ArbiterConfig, time_scale: float = 1.0) -> AllocationPolicy:
-    """Themis's arbiter or a baseline (``shared.arbiter.baselines.BASELINES``); ``time_scale``
-    scales a baseline's time constants with the trace (Tiresias's queue thresholds)."""
-    if name == "themis":
-        return Arbiter(config)
-    if name not in BASELINES:
-        raise ValueError(f"unknown BE policy {name!r}; one of {POLICIES}")
-    return BASELINES[name](config, time_scale)
+    """Themis's arbiter or a baseline (``shared.arbiter.baselines.make_policy``)."""
+    return make_baseline_policy(name, config, time_scale)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from shared.arbiter import AppReport, ArbiterConfig, GpuSlot, JobReport
-from shared.arbiter.baselines import las_app
+import pytest
+
+from shared.arbiter import AppReport, Arbiter, ArbiterConfig, GpuSlot, JobReport
+from shared.arbiter.baselines import BASELINES, las_app, make_policy
 from shared.arbiter.job_baselines import GandivaFairPolicy, TiresiasParams, TiresiasPolicy
 
 LEASE_S = 60.0
@@ -114,3 +116,12 @@ def test_gandiva_fair_a_late_app_starts_at_the_floor_not_with_banked_time() -> N
         for lease in policy.auction(r * LEASE_S, reports, _gpus(1, 1), 2.0).leases:
             got[lease.app_id] += 1
     assert got["a"] == got["b"] == 10
+
+
+def test_policies_by_name_for_the_simulator_and_the_live_service() -> None:
+    assert isinstance(make_policy("themis"), Arbiter)
+    assert isinstance(make_policy("tiresias", CONFIG, 0.05), TiresiasPolicy)
+    assert make_policy("tiresias", CONFIG, 0.05).params.thresholds_gpu_s == (180.0,)  # type: ignore[attr-defined]
+    assert all(make_policy(name) is not None for name in BASELINES)
+    with pytest.raises(ValueError, match="unknown BE policy"):
+        make_policy("drf")
