@@ -235,6 +235,7 @@ class GandivaFairPolicy(_JobPolicy):
         super().__init__(config)
         self.tickets = tickets
         self._users: dict[str, _User] = {}
+        self._active: set[str] = set()  # users that held or wanted GPUs last round
 
     def auction(
         self, now: float, apps: Sequence[AppReport], available: Sequence[GpuSlot], be_capacity_gpus: float
@@ -243,17 +244,17 @@ class GandivaFairPolicy(_JobPolicy):
         present = {a.app_id for a in apps}
         for gone in self._users.keys() - present:
             del self._users[gone]
-        floor = min((u.passes for u in self._users.values()), default=0.0)
-        for a in apps:
-            if a.app_id not in self._users:
-                self._users[a.app_id] = _User(self.tickets, floor)
-        quantum = self.config.lease_s
         wanting = {a.app_id: [j for j in a.jobs if _need(j) > 0] for a in apps}
+        active = {a.app_id for a in apps if a.gpus_held > 0 or wanting[a.app_id]}
+        staying = [self._users[u].passes for u in active & self._active if u in self._users]
+        floor = min(staying, default=min((u.passes for u in self._users.values()), default=0.0))
         for a in apps:
-            user = self._users[a.app_id]
+            user = self._users.setdefault(a.app_id, _User(self.tickets, floor))
             user.job_pass = {j.job_id: user.job_pass.get(j.job_id, 0.0) for j in a.jobs}
-            if a.gpus_held == 0 and wanting[a.app_id]:
-                user.passes = max(user.passes, floor)  # a user back from idle starts at the floor
+            if a.app_id in active and a.app_id not in self._active:
+                user.passes = max(user.passes, floor)  # back from idle: no banked time
+        self._active = active
+        quantum = self.config.lease_s
         left = sorted(available)
         rng = random.Random(f"{self.config.seed}:{now!r}")
         grants: list[tuple[JobReport, tuple[GpuSlot, ...]]] = []

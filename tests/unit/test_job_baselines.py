@@ -125,3 +125,16 @@ def test_policies_by_name_for_the_simulator_and_the_live_service() -> None:
     assert all(make_policy(name) is not None for name in BASELINES)
     with pytest.raises(ValueError, match="unknown BE policy"):
         make_policy("drf")
+
+
+def test_gandiva_fair_an_app_back_from_idle_does_not_bank_its_idle_time() -> None:
+    policy = GandivaFairPolicy(CONFIG)
+    idle_b = AppReport("b", 0.0, [JobReport("b-done", "b", 0, 1, 10, 10, 1.0)])
+    for r in range(20):  # b is present but has nothing to run: a runs alone
+        policy.auction(r * LEASE_S, [_app("a", 0.0, [(0, 1)] * 4), idle_b], _gpus(1, 1), 2.0)
+    got: Counter[str] = Counter()
+    for r in range(20, 30):
+        reports = [_app("a", 0.0, [(0, 1)] * 4), _app("b", 0.0, [(0, 1)] * 4)]
+        for lease in policy.auction(r * LEASE_S, reports, _gpus(1, 1), 2.0).leases:
+            got[lease.app_id] += 1
+    assert got["a"] == got["b"] == 10
