@@ -1,4 +1,4 @@
-"""Themis's finish-time fairness against eight baselines on a Workload-1-like BE trace.
+"""Themis's finish-time fairness against nine baselines on a Workload-1-like BE trace.
 
 Replays one seeded workload drawn from Themis Workload 1's statistics
 (``shared.workload.themis_workload``) on a simulated cluster, once per policy
@@ -7,7 +7,7 @@ Replays one seeded workload drawn from Themis Workload 1's statistics
 * ``max_rho_themis`` and ``max_rho_<b>`` for every baseline b of ``shared.arbiter.baselines``:
   tiresias (job-level discretized 2D-LAS, Tiresias's own), gandiva_fair (ticket stride between
   apps), las_app (Themis §6.1's "Tiresias": app-level least attained service), gandiva, slaq,
-  srtf, srsf, fifo (Themis §6.2's headline metric: the worst app's rho = T_sh / T_id),
+  optimus, srtf, srsf, fifo (Themis §6.2's headline metric: the worst app's rho = T_sh / T_id),
   ``median_rho_<p>``,
   ``utilization_<p>`` (allocated over BE-usable GPU-seconds until the last app ends);
 * ``best_baseline`` (the baseline with the lowest max rho), ``ratio_best_over_themis`` (its max

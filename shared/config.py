@@ -264,7 +264,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # (Themis; services/arbiter over the pure core shared/arbiter).
         "round_s": 5.0,  # an auction round this often (leases that expired are re-auctioned)
         # the allocation policy: themis, or a baseline of shared.arbiter.baselines (tiresias,
-        # gandiva_fair, las_app, gandiva, slaq, srtf, srsf, fifo) for live comparisons
+        # gandiva_fair, las_app, gandiva, slaq, optimus, srtf, srsf, fifo) for live comparisons
         "policy": "themis",
         "lease_s": 600.0,  # a lease's length (Themis §6.4: 10 minutes)
         "fairness_knob": 0.8,  # Themis f: the worst ceil((1 - f) * N) apps bid each round

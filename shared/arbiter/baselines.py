@@ -20,15 +20,19 @@ each job's share on as few hosts as it can.
   app demand) first; ``srsf``: shortest remaining service (remaining GPU-seconds) first, §6.1's
   "one GPU at a time" in SRSF order (an app's remaining service does not change within a round,
   so that is each app in turn up to what it can use).
+* ``optimus`` (§6.1 "Ideal Aggregate Throughput"): one GPU at a time to the highest throughput
+  scaling (``OptimusPolicy``).
 * ``fifo``: earliest submitted app first (not in Themis; the plain reference).
 
 Job-level baselines from their own papers (``shared.arbiter.job_baselines``): ``tiresias``
 (Tiresias's discretized 2D-LAS over jobs) and ``gandiva_fair`` (ticket-based stride scheduling
-between users). Themis §6.1's Optimus is not implemented.
+between users).
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -99,6 +103,54 @@ class GreedyPolicy:
         return AuctionOutcome(leases, rho, won_by_app=won, auction_ms=(time.perf_counter() - start) * 1e3)
 
 
+class OptimusPolicy(GreedyPolicy):
+    """Themis §6.1 "Ideal Aggregate Throughput Baseline - Optimus": "all apps report their
+    throughput scaling and we allocate resources in order of highest throughput scaling metric
+    first", one GPU at a time. An app's throughput scaling for one more GPU is its remaining time
+    on g GPUs over its remaining time on g + 1 (the agent's work model: the ratio of new to old
+    throughput); an app holding nothing scales infinitely and comes first (least GPU time first
+    among those). Each app's GPUs are then packed on as few hosts as possible (Optimus places an
+    app's tasks on the fewest servers)."""
+
+    def __init__(self, config: ArbiterConfig | None = None) -> None:
+        super().__init__(_placement, "optimus", config, placement_aware=True)
+
+    def auction(
+        self, now: float, apps: Sequence[AppReport], available: Sequence[GpuSlot], be_capacity_gpus: float
+    ) -> AuctionOutcome:
+        start = time.perf_counter()
+        agents = self._visibility.agents(now, apps, be_capacity_gpus)
+        rho = {a.app_id: a.rho_current for a in agents}
+        by_id = {a.app_id: a for a in agents}
+        counts = {a.app_id: 0 for a in agents if a.wants > 0}
+
+        def scaling(agent: AppAgent) -> float:
+            g = agent.held + counts[agent.app_id]
+            if g == 0:
+                return math.inf
+            after = agent.model.remaining(g + 1)
+            return agent.model.remaining(g) / after if after > 0 else 1.0
+
+        heap = [(-scaling(by_id[a]), by_id[a].report.gpu_seconds_used, a) for a in counts]
+        heapq.heapify(heap)
+        for _ in range(len(available)):
+            if not heap:
+                break
+            _, _, app_id = heapq.heappop(heap)
+            counts[app_id] += 1
+            agent = by_id[app_id]
+            if counts[app_id] < agent.wants:
+                heapq.heappush(heap, (-scaling(agent), agent.report.gpu_seconds_used, app_id))
+        shares = pack({a: n for a, n in counts.items() if n > 0}, sorted(available))
+        won = {a: len(slots) for a, slots in shares.items()}
+        leases = [
+            Lease(app_id, job_id, slots, now, now + self.config.lease_s)
+            for app_id, got in sorted(shares.items())
+            for job_id, slots in sorted(by_id[app_id].assign(got).items())
+        ]
+        return AuctionOutcome(leases, rho, won_by_app=won, auction_ms=(time.perf_counter() - start) * 1e3)
+
+
 def _remaining_time(agent: AppAgent, _lease_s: float) -> float:
     demand = max(1, agent.model.demand_max_gpus)
     return sum(w.seconds for p in agent.model.phases for w in p) / demand
@@ -149,6 +201,10 @@ def slaq(config: ArbiterConfig | None = None, time_scale: float = 1.0) -> Greedy
     return GreedyPolicy(_loss_decrease, "slaq", config, placement_aware=False)
 
 
+def optimus(config: ArbiterConfig | None = None, time_scale: float = 1.0) -> OptimusPolicy:
+    return OptimusPolicy(config)
+
+
 def tiresias(config: ArbiterConfig | None = None, time_scale: float = 1.0) -> TiresiasPolicy:
     """``time_scale``: the trace's time scale (the bench's 5% tasks): queue thresholds follow it."""
     return TiresiasPolicy(config, TiresiasParams().scaled(time_scale))
@@ -173,6 +229,7 @@ BASELINES: dict[str, Callable[[ArbiterConfig | None, float], BaselinePolicy]] = 
     "las_app": las_app,
     "gandiva": gandiva,
     "slaq": slaq,
+    "optimus": optimus,
     "srtf": srtf,
     "srsf": srsf,
     "fifo": fifo,

@@ -25,7 +25,18 @@ DEFAULT_POLICIES = "notebookos,reservation,batch,lcp"
 #: notebookos with best-effort training apps on the GPUs its cells leave idle (a mixed run)
 MIXED_POLICY = "notebookos+be"
 #: shared.simulator.be.POLICIES, spelled out so that parsing the CLI does not import scipy
-BE_POLICIES = ("themis", "tiresias", "gandiva_fair", "las_app", "gandiva", "slaq", "srtf", "srsf", "fifo")
+BE_POLICIES = (
+    "themis",
+    "tiresias",
+    "gandiva_fair",
+    "las_app",
+    "gandiva",
+    "slaq",
+    "optimus",
+    "srtf",
+    "srsf",
+    "fifo",
+)
 JSON_KEYS = (
     "gpu_hours",
     "gpu_hours_saved_vs_reservation",

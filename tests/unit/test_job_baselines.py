@@ -138,3 +138,16 @@ def test_gandiva_fair_an_app_back_from_idle_does_not_bank_its_idle_time() -> Non
         for lease in policy.auction(r * LEASE_S, reports, _gpus(1, 1), 2.0).leases:
             got[lease.app_id] += 1
     assert got["a"] == got["b"] == 10
+
+
+def test_optimus_gives_each_gpu_to_the_highest_throughput_scaling() -> None:
+    """Themis §6.1's Optimus: an app with nothing scales infinitely; then "wide" (eight 1-GPU jobs
+    on 1 GPU: 2x with one more) before "narrow" (one 4-GPU job on 3: 4/3x)."""
+    wide = AppReport(
+        "wide", 0.0, [JobReport(f"w{i}", "wide", int(i == 0), 1, 0, 1000, 1.0) for i in range(8)]
+    )
+    narrow = AppReport("narrow", 0.0, [JobReport("n0", "narrow", 3, 4, 0, 1000, 1.0)])
+    fresh = _app("fresh", 0.0, [(0, 1)])
+    policy = make_policy("optimus", CONFIG)
+    assert policy.auction(0.0, [narrow, wide, fresh], _gpus(1), 8.0).won_by_app == {"fresh": 1}
+    assert policy.auction(0.0, [narrow, wide], _gpus(1), 8.0).won_by_app == {"wide": 1}
