@@ -79,10 +79,22 @@ class GreedyPolicy:
         start = time.perf_counter()
         agents = self._visibility.agents(now, apps, be_capacity_gpus)
         rho = {a.app_id: a.rho_current for a in agents}
-        left = sorted(available)
+        shares = self.shares(now, agents, sorted(available))
+        by_id = {a.app_id: a for a in agents}
+        leases = [
+            Lease(app_id, job_id, slots, now, now + self.config.lease_s)
+            for app_id, got in sorted(shares.items())
+            for job_id, slots in sorted(by_id[app_id].assign(got).items())
+        ]
+        won = {app_id: len(got) for app_id, got in shares.items()}
+        return AuctionOutcome(leases, rho, won_by_app=won, auction_ms=(time.perf_counter() - start) * 1e3)
+
+    def shares(
+        self, now: float, agents: Sequence[AppAgent], left: list[GpuSlot]
+    ) -> dict[str, tuple[GpuSlot, ...]]:
+        """The GPUs each app gets this round: in ``key`` order, each up to what it can use."""
         rng = random.Random(f"{self.config.seed}:{now!r}")
-        leases: list[Lease] = []
-        won: dict[str, int] = {}
+        out: dict[str, tuple[GpuSlot, ...]] = {}
         for agent in sorted(agents, key=lambda a: (self.key(a, self.config.lease_s), a.app_id)):
             if not left:
                 break
@@ -95,12 +107,8 @@ class GreedyPolicy:
                 got = tuple(rng.sample(left, need))
             taken = set(got)
             left = [s for s in left if s not in taken]
-            won[agent.app_id] = len(got)
-            leases += [
-                Lease(agent.app_id, job_id, slots, now, now + self.config.lease_s)
-                for job_id, slots in sorted(agent.assign(got).items())
-            ]
-        return AuctionOutcome(leases, rho, won_by_app=won, auction_ms=(time.perf_counter() - start) * 1e3)
+            out[agent.app_id] = got
+        return out
 
 
 class OptimusPolicy(GreedyPolicy):
@@ -115,12 +123,10 @@ class OptimusPolicy(GreedyPolicy):
     def __init__(self, config: ArbiterConfig | None = None) -> None:
         super().__init__(_placement, "optimus", config, placement_aware=True)
 
-    def auction(
-        self, now: float, apps: Sequence[AppReport], available: Sequence[GpuSlot], be_capacity_gpus: float
-    ) -> AuctionOutcome:
-        start = time.perf_counter()
-        agents = self._visibility.agents(now, apps, be_capacity_gpus)
-        rho = {a.app_id: a.rho_current for a in agents}
+    def shares(
+        self, now: float, agents: Sequence[AppAgent], left: list[GpuSlot]
+    ) -> dict[str, tuple[GpuSlot, ...]]:
+        """One GPU at a time to the highest scaling, then each app's count packed."""
         by_id = {a.app_id: a for a in agents}
         counts = {a.app_id: 0 for a in agents if a.wants > 0}
 
@@ -133,7 +139,7 @@ class OptimusPolicy(GreedyPolicy):
 
         heap = [(-scaling(by_id[a]), by_id[a].report.gpu_seconds_used, a) for a in counts]
         heapq.heapify(heap)
-        for _ in range(len(available)):
+        for _ in range(len(left)):
             if not heap:
                 break
             _, _, app_id = heapq.heappop(heap)
@@ -141,14 +147,7 @@ class OptimusPolicy(GreedyPolicy):
             agent = by_id[app_id]
             if counts[app_id] < agent.wants:
                 heapq.heappush(heap, (-scaling(agent), agent.report.gpu_seconds_used, app_id))
-        shares = pack({a: n for a, n in counts.items() if n > 0}, sorted(available))
-        won = {a: len(slots) for a, slots in shares.items()}
-        leases = [
-            Lease(app_id, job_id, slots, now, now + self.config.lease_s)
-            for app_id, got in sorted(shares.items())
-            for job_id, slots in sorted(by_id[app_id].assign(got).items())
-        ]
-        return AuctionOutcome(leases, rho, won_by_app=won, auction_ms=(time.perf_counter() - start) * 1e3)
+        return pack({a: n for a, n in counts.items() if n > 0}, left)
 
 
 def _remaining_time(agent: AppAgent, _lease_s: float) -> float:
