@@ -275,6 +275,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # Best-effort training jobs on the GPUs no cell holds, leased by finish-time-fair auctions
         # (Themis; services/arbiter over the pure core shared/arbiter).
         "round_s": 5.0,  # an auction round this often (leases that expired are re-auctioned)
+        # the allocation policy: themis, or a baseline of shared.arbiter.baselines (tiresias,
+        # gandiva_fair, las_app, gandiva, slaq, optimus, srtf, srsf, fifo) for live comparisons
+        "policy": "themis",
         "lease_s": 600.0,  # a lease's length (Themis §6.4: 10 minutes)
         "fairness_knob": 0.8,  # Themis f: the worst ceil((1 - f) * N) apps bid each round
         "leftovers_to_bidders": True,  # GPUs no non-bidder can use go to bidders still short

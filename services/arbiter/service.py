@@ -29,8 +29,9 @@ from services.arbiter.metrics import arbiter_exporter
 from services.arbiter.registry import JobRecord, Registry, RegistryError
 from services.arbiter.usage import UsageMeter
 from shared import messages
-from shared.arbiter import Arbiter, ArbiterConfig, CapacityMeter, GpuSlot, Lease
+from shared.arbiter import ArbiterConfig, CapacityMeter, GpuSlot, Lease
 from shared.arbiter.affinity import keep_jobs_in_place
+from shared.arbiter.baselines import make_policy
 from shared.arbiter.slots import host_counts
 from shared.config import Config
 from shared.envelope import Envelope
@@ -54,14 +55,15 @@ class ArbiterService(ClusterServerShell):
         section = cfg["arbiter"]
         self.round_s = float(section["round_s"])
         self.stop_grace_s = float(section["stop_grace_s"])
-        self.core = Arbiter(
+        self.core = make_policy(
+            str(section["policy"]),
             ArbiterConfig(
                 fairness_knob=float(section["fairness_knob"]),
                 lease_s=float(section["lease_s"]),
                 leftovers_to_bidders=bool(section["leftovers_to_bidders"]),
                 seed=int(section["seed"]),
                 single_host_jobs=True,  # a live job is one process: its GPUs on one host
-            )
+            ),
         )
         report_s = float(section["report_interval_s"])
         self.usage = UsageMeter(stale_s=max(3 * report_s, 3.0))

@@ -26,25 +26,25 @@ app's life, the same formula for every policy.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import os
 import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TextIO
+from typing import Protocol
 
-from shared.arbiter import AppReport, Arbiter, ArbiterConfig, AuctionOutcome, GpuSlot, JobReport, Lease
+from shared.arbiter import AppReport, ArbiterConfig, AuctionOutcome, GpuSlot, JobReport, Lease
 from shared.arbiter.baselines import BASELINES
+from shared.arbiter.baselines import make_policy as make_baseline_policy
 from shared.arbiter.capacity import CapacityMeter
 from shared.arbiter.estimate import FinishTimeModel
 from shared.arbiter.halving import SuccessiveHalving
 from shared.arbiter.reports import APP_SUCCESSIVE_HALVING
 from shared.arbiter.slots import spans_hosts
+from shared.result_stdout import result_stdout
 from shared.workload.be_model import BeApp, BeJob, BeWorkload
 
 POLICIES = ("themis", *BASELINES)
@@ -108,12 +108,9 @@ THEMIS_256 = (8,) * 24 + (4,) * 12 + (1,) * 16
 THEMIS_64 = (2,) * 8 + (4,) * 12
 
 
-def make_policy(name: str, config: ArbiterConfig) -> AllocationPolicy:
-    if name == "themis":
-        return Arbiter(config)
-    if name not in BASELINES:
-        raise ValueError(f"unknown BE policy {name!r}; one of {POLICIES}")
-    return BASELINES[name](config)
+def make_policy(name: str, config: ArbiterConfig, time_scale: float = 1.0) -> AllocationPolicy:
+    """Themis's arbiter or a baseline (``shared.arbiter.baselines.make_policy``)."""
+    return make_baseline_policy(name, config, time_scale)
 
 
 @dataclass(frozen=True)
@@ -125,6 +122,9 @@ class BeSimParams:
     max_time_s: float = math.inf
     seed: int = 0
     lifetime_contention: bool = True
+    #: the trace's time scale (the bench runs tasks at 5% of their length): baselines with time
+    #: constants in their definition (Tiresias's queue thresholds) scale them by it
+    time_scale: float = 1.0
 
     def arbiter_config(self) -> ArbiterConfig:
         return ArbiterConfig(
@@ -172,6 +172,9 @@ class BeRunResult:
     wall_s: float
     lost_gpu_seconds: float = 0.0  # progress lost when a cell took a leased GPU (since the last step)
     cuts: int = 0  # leases a cell ended at once
+    #: CPU time of each round's policy call (this process, all its threads): what the auction
+    #: costs, which its wall time (``auction_ms``) shows only on a machine nothing else loads
+    auction_cpu_ms: list[float] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -193,10 +196,11 @@ class BeRunResult:
     def utilization(self) -> float:
         return self.gpu_seconds_allocated / self.usable_gpu_seconds if self.usable_gpu_seconds else 0.0
 
-    def auction_percentile_ms(self, q: float) -> float:
-        if not self.auction_ms:
+    def auction_percentile_ms(self, q: float, *, cpu: bool = False) -> float:
+        times = self.auction_cpu_ms if cpu else self.auction_ms
+        if not times:
             return 0.0
-        ordered = sorted(self.auction_ms)
+        ordered = sorted(times)
         return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
     def summary(self) -> dict[str, float | str | int | bool]:
@@ -211,6 +215,7 @@ class BeRunResult:
             "rounds": self.rounds,
             "auction_p50_ms": self.auction_percentile_ms(0.5),
             "auction_p95_ms": self.auction_percentile_ms(0.95),
+            "auction_cpu_p50_ms": self.auction_percentile_ms(0.5, cpu=True),
             "finished": self.finished,
             "wall_s": self.wall_s,
         }
@@ -363,12 +368,13 @@ def run_be(
     wall = time.perf_counter()
     p = params or BeSimParams()
     tl: GpuTimeline = timeline or StaticCluster(cluster(hosts or THEMIS_256))
-    pol = policy or make_policy(policy_name, p.arbiter_config())
+    pol = policy or make_policy(policy_name, p.arbiter_config(), p.time_scale)
     pending = deque(sorted(workload.apps, key=lambda a: (a.submitted_at, a.app_id)))
     active: dict[str, _App] = {}
     done: list[_App] = []
     series: dict[str, list[tuple[float, float]]] = {}
     auction_ms: list[float] = []
+    auction_cpu_ms: list[float] = []
     rounds = 0
     now = pending[0].submitted_at if pending else 0.0
     start = now
@@ -423,9 +429,10 @@ def run_be(
         capacity = meter.observe(now, len(usable))
         wanting = any(j.gpus < j.spec.max_gpus for a in active.values() for j in a.live)
         if free and wanting:
-            outcome = pol.auction(
-                now, [a.report(releasing.get(i, 0)) for i, a in active.items()], free, capacity
-            )
+            reports = [a.report(releasing.get(i, 0)) for i, a in active.items()]
+            cpu = time.process_time()
+            outcome = pol.auction(now, reports, free, capacity)
+            auction_cpu_ms.append((time.process_time() - cpu) * 1e3)
             rounds += 1
             auction_ms.append(outcome.auction_ms)
             for lease in outcome.leases:
@@ -484,6 +491,7 @@ def run_be(
         time.perf_counter() - wall,
         lost,
         cuts,
+        auction_cpu_ms,
     )
 
 
@@ -573,31 +581,6 @@ def run_all(
     return out
 
 
-@contextlib.contextmanager
-def json_stdout() -> Iterator[TextIO]:
-    """A stream to the real stdout while the process's fd 1 points at stderr: scipy 1.17's HiGHS
-    prints a debug line ("HighsMipSolverData::transformNewIntegerFeasibleSolution") on fd 1 for
-    some MIPs, which would break one-JSON-line output. Leaves a non-file stdout (pytest's capture)
-    alone."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):
-        yield sys.stdout
-        return
-    sys.stdout.flush()
-    saved = os.dup(fd)
-    os.dup2(sys.stderr.fileno(), fd)
-    stream = os.fdopen(os.dup(saved), "w")
-    try:
-        yield stream
-    finally:
-        stream.flush()
-        stream.close()
-        sys.stdout.flush()
-        os.dup2(saved, fd)
-        os.close(saved)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m shared.simulator.be``: BE apps under Themis and the baselines, one JSON line per
     policy (``--json``) or a table."""
@@ -634,10 +617,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         int(x) for x in args.hosts.split(",")
     )
     params = BeSimParams(
-        round_s=args.round_s, lease_s=args.lease_s, fairness_knob=args.fairness_knob, seed=args.seed
+        round_s=args.round_s,
+        lease_s=args.lease_s,
+        fairness_knob=args.fairness_knob,
+        seed=args.seed,
+        time_scale=1.0 if args.trace else args.work_scale,
     )
 
-    with json_stdout() as out:
+    with result_stdout() as out:
 
         def show(r: BeRunResult) -> None:
             s = r.summary()

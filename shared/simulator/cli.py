@@ -25,7 +25,18 @@ DEFAULT_POLICIES = "notebookos,reservation,batch,lcp"
 #: notebookos with best-effort training apps on the GPUs its cells leave idle (a mixed run)
 MIXED_POLICY = "notebookos+be"
 #: shared.simulator.be.POLICIES, spelled out so that parsing the CLI does not import scipy
-BE_POLICIES = ("themis", "gandiva", "tiresias", "slaq", "srtf", "fifo")
+BE_POLICIES = (
+    "themis",
+    "tiresias",
+    "gandiva_fair",
+    "las_app",
+    "gandiva",
+    "slaq",
+    "optimus",
+    "srtf",
+    "srsf",
+    "fifo",
+)
 JSON_KEYS = (
     "gpu_hours",
     "gpu_hours_saved_vs_reservation",
@@ -275,6 +286,16 @@ def _json_default(value: Any) -> Any:
 
 
 def cmd_sim(args: argparse.Namespace, cfg: Config) -> int:
+    """Run, plot, print the table and (``--json``) the JSON line. C libraries' writes to fd 1
+    (HiGHS's debug prints in a mixed run's auctions) go to stderr: stdout stays the table and
+    one parsable JSON line (``shared.result_stdout``)."""
+    from shared.result_stdout import result_stdout
+
+    with result_stdout():
+        return _cmd_sim(args, cfg)
+
+
+def _cmd_sim(args: argparse.Namespace, cfg: Config) -> int:
     from shared.workload.trace_csv import TraceCsvError
 
     try:

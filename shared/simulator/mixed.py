@@ -119,11 +119,13 @@ class CellTimeline:
         return committed, usable
 
 
-def be_workload_for(usable_gpu_s: float, window_s: float, *, load: float, seed: int) -> BeWorkload:
+def be_workload_for(
+    usable_gpu_s: float, window_s: float, *, load: float, seed: int
+) -> tuple[BeWorkload, float]:
     """Themis Workload 1 scaled to this cluster: apps in proportion to the mean BE-usable GPUs
     (85 apps for 256 GPUs, at least 4), arrivals uniform over the first 3/4 of the window, task
     lengths scaled so the BE work is ``load`` times the BE-usable GPU-time (load > 1: more work
-    than idle GPUs, as the issue's "idle GPUs run BE" wants)."""
+    than idle GPUs, as the issue's "idle GPUs run BE" wants). Returns it and the task scale."""
     mean_gpus = usable_gpu_s / window_s if window_s > 0 else 0.0
     n_apps = max(4, round(THEMIS_APPS * mean_gpus / THEMIS_CLUSTER_GPUS))
     base = ThemisWorkloadParams(n_apps=n_apps, arrival_span_s=0.75 * window_s, seed=seed)
@@ -131,7 +133,7 @@ def be_workload_for(usable_gpu_s: float, window_s: float, *, load: float, seed: 
     scale = load * usable_gpu_s / unit if unit > 0 else 1.0
     return generate_themis_workload(
         ThemisWorkloadParams(n_apps=n_apps, arrival_span_s=0.75 * window_s, work_scale=scale, seed=seed)
-    )
+    ), scale
 
 
 @dataclass(frozen=True)
@@ -187,8 +189,8 @@ def run_be_on_cells(
     left uncommitted, up to ``window_s``."""
     timeline = recorder.timeline()
     cell_s, usable_s = timeline.integrals(window_s)
-    workload = be_workload_for(usable_s, window_s, load=load, seed=seed)
-    p = params or BeSimParams(seed=seed)
+    workload, scale = be_workload_for(usable_s, window_s, load=load, seed=seed)
+    p = params or BeSimParams(seed=seed, time_scale=scale)
     p = dataclasses.replace(p, max_time_s=min(p.max_time_s, window_s))
     be = run_be(workload, policy, params=p, timeline=timeline, observer=observer)
     return MixedResult(be, workload, window_s, cell_s, usable_s)
