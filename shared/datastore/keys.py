@@ -20,6 +20,7 @@ Two hashes, each where it pays (single-thread throughput on this project's 2-cor
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -72,6 +73,9 @@ def content_id(chunks: Iterable[Buffer]) -> ContentId:
 # fetches the next one (BLAKE3 runs at a fraction of a page-cache read's speed on one core).
 _OVERLAP_BYTES = 4 * 1024 * 1024
 _ADDRESS_HASHERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="read-address")
+# Large chunks a read may have handed on before their address hash ran: a reader faster than
+# the hash waits here, or a streamed object would be held whole by the queue behind it
+_HASHES_BEHIND = 2
 
 
 class ChecksumVerifier:
@@ -79,12 +83,13 @@ class ChecksumVerifier:
     bytes written (the address: why they are not the bytes the reference names). A chunk must
     stay unchanged until ``mismatch`` (large ones are hashed behind the reader's back)."""
 
-    __slots__ = ("_address", "_checksum", "_hashing", "_size")
+    __slots__ = ("_address", "_behind", "_checksum", "_hashing", "_size")
 
     def __init__(self) -> None:
         self._address = blake3(max_threads=blake3.AUTO)  # a read waits on it: every core helps
         self._checksum = xxhash.xxh3_128()
         self._hashing: Future[None] | None = None  # the address hash of the last large chunk
+        self._behind: deque[Future[None]] = deque()  # large chunks' hashes not known to be done
         self._size = 0
 
     def update(self, chunk: Buffer) -> None:
@@ -94,6 +99,9 @@ class ChecksumVerifier:
             self._address.update(chunk)
         else:  # in order: each chunk's hash waits for the one before (submitted, so started, first)
             self._hashing = _ADDRESS_HASHERS.submit(self._hash_after, self._hashing, chunk)
+            self._behind.append(self._hashing)
+            while len(self._behind) > _HASHES_BEHIND:
+                self._behind.popleft().result()
 
     def _hash_after(self, previous: Future[None] | None, chunk: Buffer) -> None:
         if previous is not None:
