@@ -27,7 +27,7 @@ from shared.checkpoint.cow import UNDECLARED_WRITES, WriteGuard, WriteRule
 from shared.checkpoint.manifest import Manifest
 from shared.checkpoint.pusher import StoreLink
 from shared.checkpoint.staging import Staging
-from shared.checkpoint.state import TrainingState
+from shared.checkpoint.state import Structure, TrainingState
 from shared.datastore import ObjectRef
 
 DEFAULT_PIECE_BYTES = 64 * 1024
@@ -87,6 +87,8 @@ class CheckpointAgent:
         self._guard: WriteGuard | None = None
         self._known: dict[str, Known] = known_pieces(last)
         self._layouts: dict[int, Layout] = {}
+        # The last structure walked: reused at begin, checked by the copier (a stale one retakes).
+        self._structure: Structure | None = None
         self._staging = Staging(max(pack_bytes, piece_bytes))
         self._dense: frozenset[str] = frozenset()  # tensors whose every piece changed last time
         # One long-lived copier thread: starting a thread per checkpoint costs the training thread
@@ -111,16 +113,17 @@ class CheckpointAgent:
             raise RuntimeError("a checkpoint is already in flight")
         started = self._clock.start()
         self._attempts += 1
+        cached = self._structure
+        structure = cached if cached is not None else self.state.structure()
+        self._structure = structure
         eager = (
-            {name for name, _ in self.state.tensors()}
-            if self._attempts > self.max_retakes + 1
-            else self.unsafe
+            {name for name, _ in structure.tensors} if self._attempts > self.max_retakes + 1 else self.unsafe
         )
         self.capture = Capture(
             job=self.job,
             step=self.state.step,
-            tensors=self.state.tensors(),
-            meta=self.state.meta(),
+            structure=structure,
+            meta=self.state.instant_meta(structure),
             link=self.link,
             known=self._known,
             eager=eager,
@@ -132,9 +135,9 @@ class CheckpointAgent:
             parent=self.last_ref.digest if self.last_ref is not None else None,
             pacer=self.pacer,
             layouts=self._layouts,
+            walk=self.state.structure if cached is not None else None,
         )
-        self._layouts = self.capture.layouts
-        self._guard = WriteGuard(self.capture.before_write, self.rules)
+        self._guard = WriteGuard(self.capture.before_writes, self.rules)
         self._guard.__enter__()
         self._copier.submit(self.capture.run)
         self._clock.stop(started)
@@ -204,6 +207,14 @@ class CheckpointAgent:
             raise
         self._written |= outcome.written
         self._dense = outcome.dense
+        if capture.layouts:
+            self._layouts = capture.layouts
+        if outcome.stale:
+            # The model or the optimizer changed shape since the last walk: walk again, retake now.
+            self._structure = None
+            self._known = outcome.known
+            self.begin()
+            return None
         if outcome.manifest is None or outcome.manifest_ref is None:
             # Torn: those tensors are written where the dispatcher cannot see; clone them at begin.
             self.unsafe |= set(outcome.torn)
