@@ -18,7 +18,10 @@ in the background every ``every`` steps; on the stop word (lease over, moved, ho
 takes the image of that step boundary (an image in flight is committed first), and the process
 exits at once (``exit_on_stop``; the interpreter's own teardown would hold the GPUs for seconds).
 Each committed image is announced in ``checkpoint.json`` in the job's directory, which the host
-relays to the checkpoint service; only then does the host release the job's GPUs. A job
+relays to the checkpoint service; only then does the host release the job's GPUs. Every object
+the agent stores is journaled (``checkpoint-written.log``); once the process has exited, the host
+hands the journal to the service, which collects what no kept image needs (a capture killed
+mid-way leaves packs no commit names). A job
 killed without a stop (SIGKILL, host lost) restarts from its last committed image, losing at most
 the steps since. Outside Tandem (no store in the environment) nothing is checkpointed.
 """
@@ -31,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from tandem_job import Job, write_atomically
 
@@ -41,6 +44,9 @@ if TYPE_CHECKING:
 ENV_STORE = "TANDEM_CHECKPOINT_STORE"  # JSON: the [datastore] section, its path absolute
 ENV_IMAGE = "TANDEM_CHECKPOINT"  # JSON: the manifest's ObjectRef of the image to restore
 ANNOUNCE_FILE = "checkpoint.json"
+# Every object the agent stores, a digest a line, written as the store answers: a process killed
+# mid-capture leaves packs no commit will name, and the host hands these to the service to collect.
+JOURNAL_FILE = "checkpoint-written.log"
 DEFAULT_EVERY = 100
 
 
@@ -63,6 +69,7 @@ class Checkpoints:
         self._agent: CheckpointAgent | None = None
         self._restore: Restore | None = None
         self._restore_started = 0.0
+        self._journal: IO[str] | None = None
 
     def __enter__(self) -> Checkpoints:
         raw_store = os.environ.get(ENV_STORE)
@@ -74,6 +81,9 @@ class Checkpoints:
 
         config = config_from_json(json.dumps({"datastore": json.loads(raw_store)}))
         self._link = link = StoreLink.start(lambda: open_datastore(config))
+        if self._dir is not None:
+            journal = self._journal = open(self._dir / JOURNAL_FILE, "a", buffering=1)
+            link.on_stored = lambda ref: journal.write(ref.digest + "\n")
         raw_image = os.environ.get(ENV_IMAGE)
         last = last_ref = None
         if raw_image:
@@ -101,6 +111,8 @@ class Checkpoints:
             self._agent.close()
         if self._link is not None:
             self._link.close()
+        if self._journal is not None:
+            self._journal.close()
 
     def _finish_restore(self) -> None:
         if self._restore is not None:
