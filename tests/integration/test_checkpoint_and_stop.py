@@ -209,14 +209,12 @@ def test_packs_of_a_capture_killed_mid_way_are_collected_and_the_latest_image_st
             run = a.jobs.runs["job-4"]
             journal, announced = run.process.directory / JOURNAL_FILE, run.process.directory / ANNOUNCE_FILE
             await until(lambda: announced.exists())
-            # kill once two objects were stored since the last announcement: a capture is mid-way
-            last, base = None, 0
+            # kill once the journal holds two objects the last announcement does not account for
+            # (its packs, its manifest; its meta is the one more): a capture is mid-way
             while True:
-                stamp = announced.stat().st_mtime_ns
-                lines = journal.read_text().split()
-                if stamp != last:
-                    last, base = stamp, len(lines)
-                elif len(lines) >= base + 2:
+                announcement = json.loads(announced.read_text())
+                accounted = {*announcement["written"], announcement["manifest"]["digest"]}
+                if len(set(journal.read_text().split()) - accounted) >= 2:
                     break
                 await asyncio.sleep(0.005)
             run.process.kill_now()
