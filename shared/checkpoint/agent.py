@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from shared.checkpoint.capture import Capture, CaptureStats, Known, Layout, known_pieces
+from shared.checkpoint.capture import DENSE_PIECE_BYTES, Capture, CaptureStats, Known, Layout, known_pieces
 from shared.checkpoint.clock import StallClock
 from shared.checkpoint.cow import UNDECLARED_WRITES, WriteGuard, WriteRule
 from shared.checkpoint.manifest import Manifest
@@ -102,6 +102,16 @@ class CheckpointAgent:
     def _reset(self) -> None:
         """Forget the attempts of the checkpoint just ended (committed, failed or abandoned)."""
         self._attempts, self._torn, self._clock, self._written = 0, [], StallClock(), set()
+
+    def planned_pieces(self) -> int:
+        """How many pieces the next image is cut into (tensors that all changed in the last one in
+        big pieces): what a caller pacing or reporting the copier's progress counts."""
+        dense = min(DENSE_PIECE_BYTES, self._staging.slab_bytes)
+        tensors = self.state.tensors()
+        return sum(
+            max(1, -(-t.nbytes // (dense if name in self._dense else self.piece_bytes)))
+            for name, t in tensors
+        )
 
     @property
     def in_flight(self) -> bool:

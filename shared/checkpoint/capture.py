@@ -42,6 +42,7 @@ from shared.checkpoint.state import Structure, add_specs, encode_meta
 from shared.datastore import ObjectRef
 
 _POLL_S = 0.002  # how often a copier waiting for a step boundary looks
+DENSE_PIECE_BYTES = 1024 * 1024  # pieces of a tensor that changed everywhere last time (capped at a pack)
 
 # Where a piece's bytes are: in a stored pack, or at an offset of a pack this checkpoint is writing.
 Known = tuple[ObjectRef | int, int, int]
@@ -262,7 +263,7 @@ class Capture:
         piece_bytes: int,
         staging: Staging,
         dense: frozenset[str] = frozenset(),
-        dense_piece_bytes: int = 1024 * 1024,
+        dense_piece_bytes: int = DENSE_PIECE_BYTES,
         last: Manifest | None = None,
         group_bytes: int = 1024 * 1024,
         strict: bool,

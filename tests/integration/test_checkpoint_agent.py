@@ -188,14 +188,11 @@ def test_checkpoint_taken_while_training_equals_the_state_at_its_instant(kind: s
         job.step_fn()
         job.state.step = step
     rng = random.Random(kind)
-    pieces = _pieces(job.state, 512)
     # One agent for every trial, as a job has: from the second image on, begin reuses the walked
     # structure and the copier's layouts, and writes to wholly captured tensors take the fast path.
     agent = CheckpointAgent(job.state, link, job=kind, piece_bytes=512, pack_bytes=8192)
     for trial in range(TRIALS):
-        if agent.last is not None:  # cut as the last image was (tensors that all changed: big pieces)
-            pieces = sum(len(record.pieces) for record in agent.last.tensors)
-        gate = StepGate(rng, span=rng.randint(6, 9), pieces=pieces)
+        gate = StepGate(rng, span=rng.randint(6, 9), pieces=agent.planned_pieces())
         agent.pacer = gate.pace
         result, references, ran = checkpoint_while_training(job, agent, gate)
         assert ran >= 6, f"trial {trial}: only {ran} steps overlapped the checkpoint"
