@@ -222,6 +222,25 @@ def test_batch_norm_statistics_written_behind_the_op_schema_are_caught_and_retak
         assert_same(meta, image.meta())
 
 
+def test_the_copier_hands_the_gil_over_often_while_it_runs_and_puts_the_interval_back(
+    link: StoreLink,
+) -> None:
+    """XXH3 holds the GIL: while a copier runs, the switch interval is short, so the training
+    thread does not wait the default 5 ms for the GIL at every op; afterwards it is as it was."""
+    import sys
+
+    job = JOBS["sgd_momentum"]()
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+    agent = CheckpointAgent(
+        job.state, link, job="gil", piece_bytes=512, pacer=lambda: seen.append(sys.getswitchinterval())
+    )
+    agent.checkpoint()
+    agent.close()
+    assert seen and max(seen) <= 0.0002 < before
+    assert sys.getswitchinterval() == before
+
+
 def _grow(job: Job) -> nn.Parameter:
     """A parameter the model and the optimizer gain mid-training (a new head, an unfrozen layer)."""
     extra = nn.Parameter(torch.zeros(700))
