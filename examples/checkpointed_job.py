@@ -1,6 +1,6 @@
 """A deterministic CPU training job on the job-side API with Tandem's checkpoints.
 
-    tandem job submit -- python examples/checkpointed_job.py TOTAL OUT_FILE [EVERY [STEP_SLEEP_S]]
+    tandem job submit -- python examples/checkpointed_job.py TOTAL OUT_FILE [EVERY [STEP_SLEEP_S [WIDTH]]]
 
 An MLP with Adam on random batches drawn from torch's generator (restored with the image, so a
 resumed run draws the same batches). Once it reaches TOTAL it writes a digest of the model's and
@@ -24,10 +24,11 @@ from tandem_job.checkpoints import checkpoints
 STEP_SLEEP_S = 0.03  # a step's length beyond its arithmetic, so a stop lands between steps
 
 
-def build() -> TrainingState:
+def build(width: int = 256) -> TrainingState:
+    """``width``: the hidden layer (its image is ~1.5 KiB per unit with Adam's moments)."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    model = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 64))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     return TrainingState(model, optimizer)
 
@@ -53,8 +54,9 @@ def main() -> None:
     total, out = int(sys.argv[1]), sys.argv[2]
     every = int(sys.argv[3]) if len(sys.argv) > 3 else 5
     pause = float(sys.argv[4]) if len(sys.argv) > 4 else STEP_SLEEP_S
+    width = int(sys.argv[5]) if len(sys.argv) > 5 else 256
     with tandem_job.session(total=total) as job:
-        state = build()
+        state = build(width)
         with checkpoints(job, state, every=every) as images:
             for _ in job.steps():
                 train_step(state)

@@ -313,6 +313,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # checkpoint service (services/checkpoint_service) keeps each job's latest complete one.
         "keep": 1,  # images kept per job (the latest; the agent's next increment reuses its packs)
         "protect_s": 600.0,  # packs stored ahead of their manifest are kept at least this long
+        "collect_interval_s": 60.0,  # how often unneeded objects are collected (protections expire)
         "commit_timeout_s": 10.0,  # a host's relay of a commit, or its ask for the latest image
         "address": "",  # the service's ROUTER; empty: none (`tandem up` starts one and sets it)
     },

@@ -106,6 +106,9 @@ CHECKPOINT_COMMIT = "checkpoint.commit"  # a host relays its job's committed ima
 CHECKPOINT_LATEST = "checkpoint.latest"  # the job's latest complete image, for a restore
 CHECKPOINT_FORGET = "checkpoint.forget"  # the job is over: its images may be collected
 CHECKPOINT_STATUS = "checkpoint.status"
+CHECKPOINT_WRITTEN = (
+    "checkpoint.written"  # objects a job's agent stored that no commit may name (it died mid-capture)
+)
 
 CHANNELS = ("shell", "control", "stdin", "iopub")
 # cell_timings: the executor's per-cell step times (ms), sent after its reply (metrics only);
@@ -307,6 +310,7 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     CHECKPOINT_LATEST: {"job_id": (_str, True)},
     CHECKPOINT_FORGET: {"job_id": (_str, True)},
     CHECKPOINT_STATUS: {},
+    CHECKPOINT_WRITTEN: {"job_id": (_str, True), "digests": (_list, True)},
 }
 
 _CHECKED_CHANNEL = {JUPYTER_REQUEST, JUPYTER_REPLY}

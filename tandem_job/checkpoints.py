@@ -18,7 +18,10 @@ in the background every ``every`` steps; on the stop word (lease over, moved, ho
 takes the image of that step boundary (an image in flight is committed first), and the process
 exits at once (``exit_on_stop``; the interpreter's own teardown would hold the GPUs for seconds).
 Each committed image is announced in ``checkpoint.json`` in the job's directory, which the host
-relays to the checkpoint service; only then does the host release the job's GPUs. A job
+relays to the checkpoint service; only then does the host release the job's GPUs. Every object
+the agent stores until its next announcement is journaled (``checkpoint-written.log``); once the
+process has exited, the host hands the journal to the service, which collects what no kept image
+needs (a capture killed mid-way leaves packs no commit names). A job
 killed without a stop (SIGKILL, host lost) restarts from its last committed image, losing at most
 the steps since. Outside Tandem (no store in the environment) nothing is checkpointed.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -37,10 +41,38 @@ from tandem_job import Job, write_atomically
 
 if TYPE_CHECKING:
     from shared.checkpoint import CheckpointAgent, CommitResult, Restore, StoreLink, TrainingState
+    from shared.datastore import ObjectRef
 
 ENV_STORE = "TANDEM_CHECKPOINT_STORE"  # JSON: the [datastore] section, its path absolute
 ENV_IMAGE = "TANDEM_CHECKPOINT"  # JSON: the manifest's ObjectRef of the image to restore
 ANNOUNCE_FILE = "checkpoint.json"
+# Every object the agent stored since its last announcement, a digest a line, written as the store
+# answers: a process killed mid-capture leaves packs no commit will name, and once it has exited
+# the host hands these to the service to collect. An announcement accounts for everything stored
+# before it (its image, and its ``written`` packs of failed attempts), so it empties the journal.
+JOURNAL_FILE = "checkpoint-written.log"
+
+
+class Journal:
+    """``JOURNAL_FILE``: appended from the store's loop thread, emptied from the training thread."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
+        self._lock = threading.Lock()
+
+    def stored(self, ref: ObjectRef) -> None:
+        with self._lock:
+            self._file.write(ref.digest + "\n")
+
+    def announced(self) -> None:
+        with self._lock:
+            self._file.truncate(0)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
 DEFAULT_EVERY = 100
 
 
@@ -63,6 +95,7 @@ class Checkpoints:
         self._agent: CheckpointAgent | None = None
         self._restore: Restore | None = None
         self._restore_started = 0.0
+        self._journal: Journal | None = None
 
     def __enter__(self) -> Checkpoints:
         raw_store = os.environ.get(ENV_STORE)
@@ -74,6 +107,9 @@ class Checkpoints:
 
         config = config_from_json(json.dumps({"datastore": json.loads(raw_store)}))
         self._link = link = StoreLink.start(lambda: open_datastore(config))
+        if self._dir is not None:
+            self._journal = Journal(self._dir / JOURNAL_FILE)
+            link.on_stored = self._journal.stored
         raw_image = os.environ.get(ENV_IMAGE)
         last = last_ref = None
         if raw_image:
@@ -101,6 +137,8 @@ class Checkpoints:
             self._agent.close()
         if self._link is not None:
             self._link.close()
+        if self._journal is not None:
+            self._journal.close()
 
     def _finish_restore(self) -> None:
         if self._restore is not None:
@@ -158,6 +196,8 @@ class Checkpoints:
         self.job.reported.update(checkpoint_step=result.step)
         if self._dir is not None:
             write_atomically(self._dir / ANNOUNCE_FILE, json.dumps(announcement))
+            if self._journal is not None:
+                self._journal.announced()  # after the announcement: a kill between loses nothing
         self.job.report()
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import time
 from typing import Any
@@ -29,6 +30,7 @@ from shared.checkpoint.book import BookError, CheckpointBook
 from shared.checkpoint.manifest import Manifest
 from shared.config import Config
 from shared.datastore import DataStore, DataStoreError, ObjectRef, open_datastore
+from shared.datastore.keys import is_digest
 from shared.envelope import Envelope
 from shared.private_files import replace_private
 from shared.rpc import ClusterServerShell
@@ -49,6 +51,7 @@ class CheckpointService(ClusterServerShell):
         section = cfg["checkpoint"]
         self._path = cfg.state_dir() / "checkpoint" / "book.json"
         self.book = self._load(int(section["keep"]), float(section["protect_s"]))
+        self.collect_interval_s = float(section["collect_interval_s"])
         self.store = store
         self._owns_store = store is None
         self._lock = asyncio.Lock()  # commits of one job are applied in arrival order, one at a time
@@ -79,7 +82,13 @@ class CheckpointService(ClusterServerShell):
         log.info("started", address=self.address, jobs=len(self.book.jobs), stored=len(self.book.stored))
         try:
             await self._collect(time.time())  # what a crash left between a commit and its deletes
-            await stop.wait()
+            while not stop.is_set():
+                # Protections expire with no commit to notice: journaled packs of a capture
+                # killed mid-way, packs of a job that never committed again.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.collect_interval_s)
+                if not stop.is_set():
+                    await self._collect(time.time())
         finally:
             await asyncio.gather(*self._deleting, return_exceptions=True)
             self._save()
@@ -112,6 +121,8 @@ class CheckpointService(ClusterServerShell):
             return self._forget(env)
         if env.type == messages.CHECKPOINT_STATUS:
             return env.reply(self.status())
+        if env.type == messages.CHECKPOINT_WRITTEN:
+            return self._written(env)
         return env.error(f"the checkpoint service does not handle {env.type!r}", code="unsupported")
 
     async def _commit(self, env: Envelope) -> Envelope:
@@ -165,6 +176,19 @@ class CheckpointService(ClusterServerShell):
                 f"image of step {manifest.step} is incomplete: {len(missing)} objects missing ({missing[:3]})"
             )
         return manifest
+
+    async def _written(self, env: Envelope) -> Envelope:
+        """A job's process exited: every object its agent stored. Those no kept image needs are
+        collected once their protection ends (an agent of another job may have stored the same
+        content and not committed yet)."""
+        digests = [str(d) for d in env.body["digests"]]
+        if not all(is_digest(d) for d in digests):
+            return env.error("checkpoint.written takes content digests", code="bad_request")
+        async with self._lock:
+            self.book.written(digests, time.time(), job_id=str(env.body["job_id"]))
+            self._save()
+        log.info("checkpoint_journal", job=env.body["job_id"], objects=len(digests))
+        return env.reply({"job_id": env.body["job_id"], "protected": len(digests)})
 
     async def _forget(self, env: Envelope) -> Envelope:
         job_id = env.body["job_id"]

@@ -78,7 +78,7 @@ from shared.policies.preemption import (
 )
 from shared.resources import Resources
 from shared.rpc import RpcError, RpcTimeout
-from tandem_job.checkpoints import ANNOUNCE_FILE, ENV_IMAGE
+from tandem_job.checkpoints import ANNOUNCE_FILE, ENV_IMAGE, JOURNAL_FILE
 
 log = structlog.get_logger("batch_jobs")
 
@@ -407,9 +407,30 @@ class BatchJobs:
                 except RpcTimeout:  # the service is away: retried at the next look
                     log.warning("checkpoint_commit_timed_out", job=run.job_id, host=self.host_id)
             if exited:
+                await self._relay_journal(run)
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(run.process.exited.wait(), RELAY_POLL_S)
+
+    async def _relay_journal(self, run: Run) -> None:
+        """The process has exited: hand the service every object its agent stored (journaled as
+        the store answered), so the packs of a capture killed mid-way are collected once their
+        protection ends; those a kept image names stay. Relayed once: the journal goes."""
+        assert self.checkpoints is not None
+        path = run.process.directory / JOURNAL_FILE
+        try:
+            digests = sorted({line for line in path.read_text().split() if line})
+        except OSError:
+            return
+        if digests:
+            try:
+                await self.checkpoints.written(run.job_id, digests)
+            except (RpcError, RpcTimeout) as exc:  # left for the next run of the job to relay
+                log.warning(
+                    "checkpoint_journal_not_relayed", job=run.job_id, host=self.host_id, reason=str(exc)
+                )
+                return
+        path.unlink(missing_ok=True)
 
     async def _forget_images(self, run: Run) -> None:
         """The job finished or was cancelled: nothing will restart from its images."""

@@ -23,6 +23,7 @@ class CheckpointLink(Protocol):
     async def commit(self, job_id: str, announcement: dict[str, Any]) -> dict[str, Any]: ...
     async def latest(self, job_id: str) -> dict[str, Any] | None: ...
     async def forget(self, job_id: str) -> None: ...
+    async def written(self, job_id: str, digests: list[str]) -> None: ...
 
 
 class ServiceLink:
@@ -62,6 +63,12 @@ class ServiceLink:
     async def forget(self, job_id: str) -> None:
         await self._client.request(
             Envelope(messages.CHECKPOINT_FORGET, {"job_id": job_id}), timeout=self.timeout_s
+        )
+
+    async def written(self, job_id: str, digests: list[str]) -> None:
+        await self._client.request(
+            Envelope(messages.CHECKPOINT_WRITTEN, {"job_id": job_id, "digests": digests}),
+            timeout=self.timeout_s,
         )
 
     async def close(self) -> None:

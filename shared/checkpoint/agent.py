@@ -21,13 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from shared.checkpoint.capture import Capture, CaptureStats, Known, Layout, known_pieces
+from shared.checkpoint.capture import DENSE_PIECE_BYTES, Capture, CaptureStats, Known, Layout, known_pieces
 from shared.checkpoint.clock import StallClock
 from shared.checkpoint.cow import UNDECLARED_WRITES, WriteGuard, WriteRule
 from shared.checkpoint.manifest import Manifest
 from shared.checkpoint.pusher import StoreLink
 from shared.checkpoint.staging import Staging
-from shared.checkpoint.state import TrainingState
+from shared.checkpoint.state import Structure, TrainingState
 from shared.datastore import ObjectRef
 
 DEFAULT_PIECE_BYTES = 64 * 1024
@@ -87,6 +87,8 @@ class CheckpointAgent:
         self._guard: WriteGuard | None = None
         self._known: dict[str, Known] = known_pieces(last)
         self._layouts: dict[int, Layout] = {}
+        # The last structure walked: reused at begin, checked by the copier (a stale one retakes).
+        self._structure: Structure | None = None
         self._staging = Staging(max(pack_bytes, piece_bytes))
         self._dense: frozenset[str] = frozenset()  # tensors whose every piece changed last time
         # One long-lived copier thread: starting a thread per checkpoint costs the training thread
@@ -101,6 +103,16 @@ class CheckpointAgent:
         """Forget the attempts of the checkpoint just ended (committed, failed or abandoned)."""
         self._attempts, self._torn, self._clock, self._written = 0, [], StallClock(), set()
 
+    def planned_pieces(self) -> int:
+        """How many pieces the next image is cut into (tensors that all changed in the last one in
+        big pieces): what a caller pacing or reporting the copier's progress counts."""
+        dense = min(DENSE_PIECE_BYTES, self._staging.slab_bytes)
+        tensors = self.state.tensors()
+        return sum(
+            max(1, -(-t.nbytes // (dense if name in self._dense else self.piece_bytes)))
+            for name, t in tensors
+        )
+
     @property
     def in_flight(self) -> bool:
         return self.capture is not None
@@ -111,16 +123,17 @@ class CheckpointAgent:
             raise RuntimeError("a checkpoint is already in flight")
         started = self._clock.start()
         self._attempts += 1
+        cached = self._structure
+        structure = cached if cached is not None else self.state.structure()
+        self._structure = structure
         eager = (
-            {name for name, _ in self.state.tensors()}
-            if self._attempts > self.max_retakes + 1
-            else self.unsafe
+            {name for name, _ in structure.tensors} if self._attempts > self.max_retakes + 1 else self.unsafe
         )
         self.capture = Capture(
             job=self.job,
             step=self.state.step,
-            tensors=self.state.tensors(),
-            meta=self.state.meta(),
+            structure=structure,
+            meta=self.state.instant_meta(structure),
             link=self.link,
             known=self._known,
             eager=eager,
@@ -132,9 +145,9 @@ class CheckpointAgent:
             parent=self.last_ref.digest if self.last_ref is not None else None,
             pacer=self.pacer,
             layouts=self._layouts,
+            walk=self.state.structure if cached is not None else None,
         )
-        self._layouts = self.capture.layouts
-        self._guard = WriteGuard(self.capture.before_write, self.rules)
+        self._guard = WriteGuard(self.capture.before_writes, self.rules)
         self._guard.__enter__()
         self._copier.submit(self.capture.run)
         self._clock.stop(started)
@@ -204,6 +217,14 @@ class CheckpointAgent:
             raise
         self._written |= outcome.written
         self._dense = outcome.dense
+        if capture.layouts:
+            self._layouts = capture.layouts
+        if outcome.stale:
+            # The model or the optimizer changed shape since the last walk: walk again, retake now.
+            self._structure = None
+            self._known = outcome.known
+            self.begin()
+            return None
         if outcome.manifest is None or outcome.manifest_ref is None:
             # Torn: those tensors are written where the dispatcher cannot see; clone them at begin.
             self.unsafe |= set(outcome.torn)

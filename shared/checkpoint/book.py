@@ -89,6 +89,9 @@ class CheckpointBook:
     jobs: dict[str, list[Entry]] = field(default_factory=dict)  # oldest first; the last is the latest
     protected: dict[str, float] = field(default_factory=dict)  # digest -> protected until
     stored: set[str] = field(default_factory=set)  # every digest the book knows to be in the store
+    # Per job, what its exited processes journaled: protected like any pack written ahead of its
+    # manifest, and released when the job is forgotten (nothing of it will be committed again).
+    journaled: dict[str, set[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.keep < 1:
@@ -98,12 +101,17 @@ class CheckpointBook:
         entries = self.jobs.get(job_id)
         return entries[-1] if entries else None
 
-    def written(self, digests: Iterable[str], now: float) -> None:
-        """Objects an agent stored ahead of its manifest: kept ``protect_s`` even if unreferenced."""
+    def written(self, digests: Iterable[str], now: float, *, job_id: str | None = None) -> None:
+        """Objects an agent stored ahead of its manifest: kept ``protect_s`` even if unreferenced
+        (another job's agent may have stored the same content and not committed yet). ``job_id``:
+        the journal of a job's exited process (what a capture killed mid-way left included)."""
         until = now + self.protect_s
+        digests = set(digests)
         for digest in digests:
             self.stored.add(digest)
             self.protected[digest] = max(until, self.protected.get(digest, until))
+        if job_id is not None:
+            self.journaled.setdefault(job_id, set()).update(digests)
 
     def commit(
         self,
@@ -140,6 +148,8 @@ class CheckpointBook:
     def forget(self, job_id: str, now: float) -> frozenset[str]:
         """The job is over (finished or cancelled): its images go; what they alone needed is collectable."""
         self.jobs.pop(job_id, None)
+        for digest in self.journaled.pop(job_id, set()):
+            self.protected.pop(digest, None)
         return frozenset(self.collectable(now))
 
     def needed(self, now: float) -> set[str]:
@@ -155,9 +165,14 @@ class CheckpointBook:
 
     def deleted(self, digests: Iterable[str]) -> None:
         """The shell deleted these (or found them gone): forget them."""
+        digests = set(digests)
         for digest in digests:
             self.stored.discard(digest)
             self.protected.pop(digest, None)
+        for job_id in list(self.journaled):
+            self.journaled[job_id] -= digests
+            if not self.journaled[job_id]:
+                del self.journaled[job_id]
 
     # ---- persistence (the shell writes this JSON atomically after every change) ----------------
 
@@ -168,6 +183,7 @@ class CheckpointBook:
             "jobs": {job: [e.to_dict() for e in entries] for job, entries in self.jobs.items()},
             "protected": dict(self.protected),
             "stored": sorted(self.stored),
+            "journaled": {job: sorted(digests) for job, digests in self.journaled.items()},
         }
 
     @classmethod
@@ -183,6 +199,7 @@ class CheckpointBook:
             },
             protected={str(d): float(t) for d, t in data.get("protected", {}).items()},
             stored={str(d) for d in data.get("stored", [])},
+            journaled={str(job): {str(d) for d in ds} for job, ds in data.get("journaled", {}).items()},
         )
         for job, entries in book.jobs.items():
             book.jobs[job] = entries[-book.keep :]

@@ -23,6 +23,8 @@ closes that gap at the cost of one XXH3 pass over the image on the training thre
 
 from __future__ import annotations
 
+import bisect
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,10 +39,40 @@ from shared.checkpoint.manifest import Manifest, PieceLocation, TensorRecord
 from shared.checkpoint.pieces import byte_extent, byte_view, fingerprint, storage_key
 from shared.checkpoint.pusher import StoreLink
 from shared.checkpoint.staging import Arena, Staging
-from shared.checkpoint.state import encode_meta
+from shared.checkpoint.state import Structure, add_specs, encode_meta
 from shared.datastore import ObjectRef
 
 _POLL_S = 0.002  # how often a copier waiting for a step boundary looks
+DENSE_PIECE_BYTES = 1024 * 1024  # pieces of a tensor that changed everywhere last time (capped at a pack)
+COPIER_SWITCH_S = 0.0002  # the interpreter's switch interval while a copier runs (default 5 ms)
+
+
+class ShortSwitch:
+    """While any copier runs, the interpreter hands the GIL over every ``COPIER_SWITCH_S``.
+
+    The copier is Python between GIL-holding calls (XXH3 does not release it, measured), so a
+    training thread coming back from a torch op waited up to the default 5 ms for the GIL, at
+    every op: steps ran up to ~1.3x slower during a capture, and a write bookkeeping call of
+    0.1 ms CPU took 5-12 ms. The interval is process-wide: set while copiers run (counted), put
+    back after the last."""
+
+    _lock = threading.Lock()
+    _running = 0
+    _saved = 0.005
+
+    def __enter__(self) -> None:
+        with ShortSwitch._lock:
+            if ShortSwitch._running == 0:
+                ShortSwitch._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(COPIER_SWITCH_S, ShortSwitch._saved))
+            ShortSwitch._running += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with ShortSwitch._lock:
+            ShortSwitch._running -= 1
+            if ShortSwitch._running == 0:
+                sys.setswitchinterval(ShortSwitch._saved)
+
 
 # Where a piece's bytes are: in a stored pack, or at an offset of a pack this checkpoint is writing.
 Known = tuple[ObjectRef | int, int, int]
@@ -72,6 +104,13 @@ class Layout:
         return layout
 
 
+def _data_ptr(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.data_ptr()
+    except RuntimeError:
+        return None
+
+
 class Entry:
     """A tracked tensor: its live bytes, per-piece capture state, and the lock that orders the
     copier against copy-on-write. Per-piece state is flat (bytearrays, a dict of copies): begin
@@ -97,9 +136,12 @@ class Entry:
         "storage",
         "tensor",
         "version0",
+        "written",
     )
 
-    def __init__(self, name: str, layout: Layout, piece_bytes: int, arena: Arena, *, eager: bool) -> None:
+    def __init__(
+        self, name: str, layout: Layout, piece_bytes: int, arena: Arena, *, eager: bool, version0: int
+    ) -> None:
         tensor = layout.tensor
         self.name = name
         self.tensor = tensor
@@ -116,7 +158,8 @@ class Entry:
         self.dirty = bytearray(self.pieces)  # a declared write touched the piece during the checkpoint
         self.fps: list[str | None] = [None] * self.pieces
         self.begin_fps: list[str] | None = None
-        self.version0 = tensor._version
+        self.version0 = version0  # read at begin
+        self.written = False  # a declared write covered the whole tensor after it was captured
         self.new = 0  # pieces the store did not hold
         self.alone = True  # no other tracked tensor shares its storage
         self.eager = eager or tensor.device.type != "cpu"
@@ -184,6 +227,7 @@ class CaptureResult:
     known: dict[str, Known] = field(default_factory=dict)  # pieces the next attempt need not store
     written: frozenset[str] = frozenset()  # digests of the packs this attempt stored
     dense: frozenset[str] = frozenset()  # tensors of several pieces that all changed
+    stale: bool = False  # the cached structure no longer held at the instant: retake with a fresh one
 
 
 class Packer:
@@ -241,7 +285,7 @@ class Capture:
         *,
         job: str,
         step: int,
-        tensors: list[tuple[str, torch.Tensor]],
+        structure: Structure,
         meta: dict[str, Any],
         link: StoreLink,
         known: dict[str, Known],
@@ -249,47 +293,91 @@ class Capture:
         piece_bytes: int,
         staging: Staging,
         dense: frozenset[str] = frozenset(),
-        dense_piece_bytes: int = 1024 * 1024,
+        dense_piece_bytes: int = DENSE_PIECE_BYTES,
         last: Manifest | None = None,
         group_bytes: int = 1024 * 1024,
         strict: bool,
         parent: str | None,
         pacer: Callable[[], None] | None = None,
         layouts: dict[int, Layout] | None = None,
+        walk: Callable[[], Structure] | None = None,
     ) -> None:
+        """Marks the instant (version counters and addresses of every tensor) and nothing else the
+        copier can do: the per-tensor bookkeeping is built on the copier thread (``_prepare``),
+        unless something must be copied at the instant (eager tensors, device memory, ``strict``
+        fingerprints). ``walk`` re-reads the structure on the copier when ``structure`` is a
+        cached one: if it no longer holds, the attempt ends ``stale`` and is retaken."""
         self.job = job
         self.step = step
+        self.structure = structure
         self.meta = meta
         self.link = link
         self._known_before = known  # copied on the copier thread: begin must stay cheap
         self.known: dict[str, Known] = {}
         self.piece_bytes = piece_bytes
+        self.dense_piece_bytes = min(dense_piece_bytes, staging.slab_bytes)  # a piece fits a pack
         self.group_bytes = group_bytes
         self.strict = strict
         self.parent = parent
         self.pacer = pacer
         self.dense = dense
+        self.eager = eager
         self._last = last
+        self._walk = walk
+        self._cache = layouts
+        # The instant: each tensor's version counter and address (a ``p.data = x`` swap is seen).
+        self.marks = [(t._version, t.data_ptr()) for _, t in structure.tensors]
         self.previous: dict[str, int] = {}  # piece size of each tensor cut in pieces in the last image
         self.stats = CaptureStats()
         self.packer = Packer(link, staging)
         self.arena = Arena(staging)
+        self.layouts: dict[int, Layout] = {}
+        self.entries: list[Entry] = []
+        self.by_storage: dict[int, list[Entry]] = {}
+        self.by_ptr: dict[int, Entry] = {}
+        self._starts: list[int] = []  # tracked storages' address ranges, sorted, for writes' fast path
+        self._ends: list[int] = []
+        self._outside: set[int] = set()  # addresses seen written that lie outside every tracked storage
+        # Tensors alone in their storage whose every piece is captured, by address: a write to
+        # one marks it written as a whole and settles it, in a lookup.
+        self._whole: dict[int, Entry] = {}
+        self.clock = StallClock()  # training-thread time in copy-on-write
+        self._settled: set[int] = set()
+        self._boundaries = 0
+        self._quiesced = False
+        self._cancelled = False
+        self._ready = threading.Event()  # entries built: copy-on-write can run
+        self.captured = threading.Event()  # every piece captured (tests inject writes after it)
+        self.future: Future[CaptureResult] = Future()
+        if strict or eager or structure.on_device:
+            self._prepare()
+
+    def _prepare(self) -> None:
+        """Per-tensor bookkeeping: layouts, entries (eager ones cloned), the storage index."""
+        if self._ready.is_set():
+            return
+        tensors = self.structure.tensors
         # The layouts of this checkpoint's tensors only, so replaced tensors are not kept alive.
-        self.layouts = {id(t): Layout.of(t, layouts) for _, t in tensors}
+        self.layouts = {id(t): Layout.of(t, self._cache) for _, t in tensors}
         self.entries = [
             Entry(
                 name,
                 self.layouts[id(t)],
-                dense_piece_bytes if name in dense else piece_bytes,
+                self.dense_piece_bytes if name in self.dense else self.piece_bytes,
                 self.arena,
-                eager=name in eager,
+                eager=name in self.eager,
+                version0=version,
             )
-            for name, t in tensors
+            for (name, t), (version, _) in zip(tensors, self.marks, strict=True)
         ]
-        self.by_storage: dict[int, list[Entry]] = {}
+        ranges: dict[int, int] = {}
         for entry in self.entries:
             if entry.storage is not None:
                 self.by_storage.setdefault(entry.storage, []).append(entry)
+                ranges[entry.storage] = entry.tensor.untyped_storage().nbytes()
+        for start in sorted(ranges):
+            self._starts.append(start)
+            self._ends.append(start + ranges[start])
         for shared in self.by_storage.values():
             if len(shared) > 1:
                 for entry in shared:
@@ -297,40 +385,79 @@ class Capture:
         # Writes through the tracked tensor itself (the usual case) skip the storage lookup.
         self.by_ptr = {e.tensor.data_ptr(): e for e in self.entries if e.alone and e.storage is not None}
         for entry in self.entries:
-            if strict and not entry.eager and entry.array is not None:
+            if self.strict and not entry.eager and entry.array is not None:
                 array = entry.array
                 entry.begin_fps = [fingerprint(array[slice(*entry.span(i))]) for i in range(entry.pieces)]
-        self.clock = StallClock()  # training-thread time in copy-on-write
-        self._settled: set[int] = set()
-        self._boundaries = 0
-        self._quiesced = False
-        self._cancelled = False
-        self.captured = threading.Event()  # every piece captured (tests inject writes after it)
-        self.future: Future[CaptureResult] = Future()
+        self._ready.set()
+
+    def _moved(self) -> bool:
+        """The structure or a tensor's memory changed between the cached structure and the instant."""
+        tensors = self.structure.tensors
+        if any(
+            self.layouts[id(t)].data_ptr != ptr for (_, t), (_, ptr) in zip(tensors, self.marks, strict=True)
+        ):
+            return True
+        if self._walk is None:
+            return False
+        try:
+            return not self._walk().same_as(self.structure)
+        except RuntimeError:  # the optimizer's state grew while it was walked
+            return True
 
     def run(self) -> None:
         """The copier's work, on the agent's copier thread; the outcome lands in ``future``."""
         try:
-            self.future.set_result(self._capture_validate_commit())
+            with ShortSwitch():
+                outcome = self._capture_validate_commit()
+            self.future.set_result(outcome)
         except BaseException as exc:
             self.future.set_exception(exc)
+        finally:
+            self._ready.set()  # a write waiting for the entries goes on; the agent sees the failure
 
     # ----- training thread --------------------------------------------------------------------
 
-    def before_write(self, tensor: torch.Tensor) -> None:
-        """Soft copy-on-write: clone the pieces of tracked tensors that ``tensor``'s bytes overlap
-        and the copier has not captured yet; mark them written."""
-        try:
-            if tensor.data_ptr() in self._settled:
-                return  # the common case once a step has run: nothing left to copy or mark
-        except RuntimeError:  # sparse and other storage-less tensors
-            return
+    def before_writes(self, tensors: list[torch.Tensor]) -> None:
+        """Soft copy-on-write for the tensors one op is about to write: clone the pieces of tracked
+        tensors their bytes overlap that the copier has not captured yet; mark them written. Most
+        writes cost a lookup: to settled tensors, to tensors the copier has wholly captured (marked
+        written, then settled), or to memory no tracked tensor lives in."""
         started = self.clock.start()
-        whole = self.by_ptr.get(tensor.data_ptr())
+        settled, outside, whole = self._settled, self._outside, self._whole
+        try:
+            ptrs = [t.data_ptr() for t in tensors]
+        except RuntimeError:  # sparse and other storage-less tensors: one at a time below
+            ptrs = [_data_ptr(t) for t in tensors]
+        if settled.issuperset(ptrs):  # a foreach optimizer op once the first step has run
+            self.clock.stop(started)
+            return
+        for tensor, ptr in zip(tensors, ptrs, strict=True):
+            if ptr is None or ptr in settled or ptr in outside:
+                continue
+            entry = whole.get(ptr)
+            if entry is not None and tensor.nbytes == entry.nbytes and tensor.is_contiguous():
+                with entry.lock:  # validation fingerprints a piece under it: never mid-write
+                    entry.written = True
+                settled.add(ptr)
+                continue
+            self._before_write(tensor, ptr)
+        self.clock.stop(started)
+
+    def _before_write(self, tensor: torch.Tensor, ptr: int) -> None:
+        if not self._ready.is_set():
+            self._ready.wait()  # the copier is still building the entries (begin left it to it)
+        whole = self.by_ptr.get(ptr)
         if whole is not None and tensor.is_contiguous() and tensor.nbytes == whole.nbytes:
             entries: list[Entry] | None = [whole]  # the tracked tensor itself (or an alias of it)
             start, end = whole.extent
         else:
+            at = bisect.bisect_right(self._starts, ptr) - 1
+            if at < 0 or ptr >= self._ends[at]:
+                # Storages never overlap: a tensor starting outside every tracked one touches none.
+                if len(self._outside) > 1 << 16:
+                    self._outside.clear()
+                self._outside.add(ptr)
+                return
             key = storage_key(tensor)
             entries = self.by_storage.get(key) if key is not None else None
             start, end = byte_extent(tensor) if entries else (0, 0)
@@ -352,7 +479,6 @@ class Capture:
                     # Alone in its storage, every piece copied and marked written: later writes
                     # through the tensor itself need nothing (views elsewhere take the slow path).
                     self._settled.add(entry.tensor.data_ptr())
-        self.clock.stop(started)
 
     def boundary(self) -> None:
         """A step boundary passed (validation waits for one after the capture, so a per-step
@@ -403,6 +529,10 @@ class Capture:
                 self._store_piece(entry, i, fingerprint(data), data)
 
     def _capture_validate_commit(self) -> CaptureResult:
+        self._prepare()
+        if self._moved():
+            known = dict(self._known_before)
+            return CaptureResult(self.step, None, None, (), self.stats, known, dense=self.dense, stale=True)
         self.known = dict(self._known_before)
         self.previous = piece_sizes(self._last)
         # Capture: live pieces not yet copied by copy-on-write or at begin.
@@ -418,6 +548,8 @@ class Capture:
                 if self.pacer is not None:
                     self.pacer()
                 self._capture_group(entry, first, min(first + group, entry.pieces), array)
+            if entry.alone and entry.storage is not None:
+                self._whole[entry.tensor.data_ptr()] = entry
         # Pieces copied by copy-on-write or at begin: fingerprint and pack them now (no write
         # can add any: every piece is captured).
         for entry in self.entries:
@@ -471,19 +603,19 @@ class Capture:
             array = entry.live.numpy()
             for i in range(entry.pieces):
                 with entry.lock:
-                    if entry.dirty[i]:
+                    if entry.written or entry.dirty[i]:
                         continue
                     a, b = entry.span(i)
                     if fingerprint(array[a:b]) != entry.fps[i]:
                         torn.add(entry.name)
                         break
             with entry.lock:
-                if entry.tensor._version != entry.version0 and not any(entry.dirty):
+                if entry.tensor._version != entry.version0 and not (entry.written or any(entry.dirty)):
                     torn.add(entry.name)  # a write the dispatch mode did not see
         return torn
 
     def _manifest(self, stored: dict[str, tuple[ObjectRef, int, int]]) -> Manifest:
-        meta_ref = self.link.put_many([encode_meta(self.meta)]).result()
+        meta_ref = self.link.put_many([encode_meta(add_specs(self.meta, self.structure))]).result()
         pack_index: dict[str, int] = {}
         packs: list[ObjectRef] = []
         records: list[TensorRecord] = []

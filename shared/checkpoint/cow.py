@@ -45,15 +45,18 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 class WriteGuard(TorchDispatchMode):
-    """Calls ``before_write(tensor)`` for each tensor an op is about to write, then runs the op.
+    """Calls ``before_writes(tensors)`` with the tensors an op is about to write (once per op that
+    writes any: a foreach optimizer op hands its whole list at once), then runs the op.
 
     Pushed on the training thread for the duration of a checkpoint only (dispatch modes are
     thread-local: the copying thread's own ops are not intercepted).
     """
 
-    def __init__(self, before_write: Callable[[torch.Tensor], None], rules: dict[Any, WriteRule]) -> None:
+    def __init__(
+        self, before_writes: Callable[[list[torch.Tensor]], None], rules: dict[Any, WriteRule]
+    ) -> None:
         super().__init__()
-        self._before_write = before_write
+        self._before_writes = before_writes
         self._rules = rules
         self._declared: dict[Any, tuple[tuple[int, str], ...]] = {}
 
@@ -72,14 +75,18 @@ class WriteGuard(TorchDispatchMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        written: list[torch.Tensor] = []
         for index, name in self._written_positions(func):
             value = args[index] if index < len(args) else kwargs.get(name)
-            for tensor in _tensors(value):
-                self._before_write(tensor)
+            if isinstance(value, torch.Tensor):
+                written.append(value)
+            elif isinstance(value, list | tuple):
+                written.extend(_tensors(value))
         rule = self._rules.get(func)
         if rule is not None:
-            for tensor in rule(args, kwargs):
-                self._before_write(tensor)
+            written.extend(rule(args, kwargs))
+        if written:
+            self._before_writes(written)
         return func(*args, **kwargs)
 
 

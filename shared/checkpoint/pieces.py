@@ -24,7 +24,8 @@ def piece_ranges(nbytes: int, piece_bytes: int) -> list[tuple[int, int]]:
 
 
 def fingerprint(data: Buffer) -> str:
-    """XXH3-128 of the bytes: ~30 GB/s and releases the GIL, so validation costs little.
+    """XXH3-128 of the bytes: ~30 GB/s, so validation costs little. It holds the GIL while it
+    hashes (``capture.ShortSwitch`` keeps a copier from starving the training thread of it).
 
     Not a content address (a job could craft collisions against itself only); store addresses
     stay BLAKE3, computed by the data store.

@@ -40,6 +40,9 @@ class StoreLink:
         self._limit = inflight_bytes
         self._inflight = 0
         self._room = threading.Condition()
+        # Told of every object a put stored (on the store's loop thread): a job journals them, so
+        # what a capture killed mid-way stored is known and collected (no commit will name it).
+        self.on_stored: Callable[[ObjectRef], None] | None = None
 
     @classmethod
     def start(
@@ -65,7 +68,7 @@ class StoreLink:
             self._room.wait_for(lambda: self._inflight == 0 or self._inflight + size <= self._limit)
             self._inflight += size
         future = self._submit(self.store.put(data))
-        future.add_done_callback(lambda _: self._release(size))
+        future.add_done_callback(lambda done: self._stored(done, size))
         return future
 
     def put_many(self, buffers: list[Any]) -> Future[ObjectRef]:
@@ -76,13 +79,15 @@ class StoreLink:
             self._room.wait_for(lambda: self._inflight == 0 or self._inflight + size <= self._limit)
             self._inflight += size
         future = self._submit(self.store.put_stream(views, size_hint=size))
-        future.add_done_callback(lambda _: self._release(size))
+        future.add_done_callback(lambda done: self._stored(done, size))
         return future
 
-    def _release(self, size: int) -> None:
+    def _stored(self, done: Future[ObjectRef], size: int) -> None:
         with self._room:
             self._inflight -= size
             self._room.notify_all()
+        if self.on_stored is not None and not done.cancelled() and done.exception() is None:
+            self.on_stored(done.result())
 
     def get(self, ref: ObjectRef) -> Future[memoryview]:
         return self._submit(self.store.get(ref))

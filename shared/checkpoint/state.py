@@ -27,6 +27,43 @@ class Stateful(Protocol):
 _TENSOR = "__tensor__"
 
 
+@dataclass(frozen=True)
+class Structure:
+    """Which objects an image is read from: every tensor by name (load-priority order), and the
+    optimizer's per-parameter state dicts by parameter index. Walking the model for it costs
+    ~1 ms for a few hundred tensors, so the agent reuses the last one at begin and checks it on
+    the copier thread (``same_as``): a changed structure makes the attempt a retake."""
+
+    tensors: tuple[tuple[str, torch.Tensor], ...]
+    states: tuple[tuple[int, dict[str, Any]], ...]
+    on_device: bool = False  # some tensor is in device memory (cloned at begin, stream ordered)
+
+    def same_as(self, other: Structure) -> bool:
+        """The same tensor objects under the same names, and the same optimizer state dicts."""
+        return (
+            len(self.tensors) == len(other.tensors)
+            and all(a[0] == b[0] and a[1] is b[1] for a, b in zip(self.tensors, other.tensors, strict=True))
+            and len(self.states) == len(other.states)
+            and all(a[0] == b[0] and a[1] is b[1] for a, b in zip(self.states, other.states, strict=True))
+        )
+
+
+def add_specs(meta: dict[str, Any], structure: Structure) -> dict[str, Any]:
+    """Complete an instant meta with the optimizer tensors' dtypes, shapes and devices (fixed for
+    a given tensor object, so derived off the training thread)."""
+    if "optimizer" in meta:
+        meta["specs"] = {
+            name: {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "device": t.device.type,
+            }
+            for name, t in structure.tensors
+            if name.startswith("optim.")
+        }
+    return meta
+
+
 @dataclass
 class TrainingState:
     """The live objects of one job. The runner sets ``step`` at each step boundary."""
@@ -58,27 +95,39 @@ class TrainingState:
             return []
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def optimizer_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        if self.optimizer is None:
-            return []
-        out: list[tuple[str, torch.Tensor]] = []
-        for index, param in enumerate(self.optimizer_params()):
-            for key, value in sorted(self.optimizer.state.get(param, {}).items()):
-                if isinstance(value, torch.Tensor):
-                    out.append((f"optim.{index}.{key}", value))
-        return out
-
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor of the image, by name, in load-priority order."""
-        return [(name, t) for name, _, t in self.module_tensors()] + self.optimizer_tensors()
+        return list(self.structure().tensors)
 
-    def meta(self) -> dict[str, Any]:
+    def structure(self) -> Structure:
+        """The objects an image is read from, found by walking the model and the optimizer."""
+        tensors = [(name, t) for name, _, t in self.module_tensors()]
+        states: list[tuple[int, dict[str, Any]]] = []
+        for index, param in enumerate(self.optimizer_params()):
+            assert self.optimizer is not None
+            st = self.optimizer.state.get(param)
+            if st is None:
+                continue
+            states.append((index, st))
+            for key, value in sorted(st.items()):
+                if isinstance(value, torch.Tensor):
+                    tensors.append((f"optim.{index}.{key}", value))
+        on_device = any(t.device.type != "cpu" for _, t in tensors)
+        return Structure(tuple(tensors), tuple(states), on_device)
+
+    def meta(self, structure: Structure | None = None) -> dict[str, Any]:
         """The small state, copied now (the live objects keep changing once training resumes)."""
+        structure = structure or self.structure()
+        return add_specs(self.instant_meta(structure), structure)
+
+    def instant_meta(self, structure: Structure) -> dict[str, Any]:
+        """What of the small state must be copied at the checkpoint's instant, on the training
+        thread: step, RNG, hyper-parameters, non-tensor optimizer state, scheduler, scaler, loader.
+        ``structure`` is a cached one; the copier checks it still holds (``add_specs`` and the
+        rest of the layout are derived from it there)."""
         meta: dict[str, Any] = {"step": self.step, "rng": rng_state()}
         if self.optimizer is not None:
-            # optimizer.state_dict() by hand: the same structure without its per-call overhead.
-            params = self.optimizer_params()
-            index = {id(p): i for i, p in enumerate(params)}
+            index = {id(p): i for i, p in enumerate(self.optimizer_params())}
             groups = [
                 {
                     **copy.deepcopy({k: v for k, v in group.items() if k != "params"}),
@@ -87,20 +136,10 @@ class TrainingState:
                 for group in self.optimizer.param_groups
             ]
             state = {
-                index[id(p)]: {
-                    k: (_TENSOR if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in st.items()
-                }
-                for p, st in self.optimizer.state.items()
+                i: {k: (_TENSOR if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in st.items()}
+                for i, st in structure.states
             }
             meta["optimizer"] = {"state": state, "param_groups": groups}
-            meta["specs"] = {
-                name: {
-                    "dtype": str(t.dtype).removeprefix("torch."),
-                    "shape": list(t.shape),
-                    "device": t.device.type,
-                }
-                for name, t in self.optimizer_tensors()
-            }
         for key in ("scheduler", "scaler", "loader"):
             obj = getattr(self, key)
             if obj is not None:

@@ -81,9 +81,16 @@ SERVING_ACCEPTS: dict[str, frozenset[str]] = {
 
 CHECKPOINT_ACCEPTS: dict[str, frozenset[str]] = {
     # a host relays what its jobs' agents committed, asks for the image a job restarts from, and
-    # forgets the images of a job that finished or was cancelled on it
+    # forgets the images of a job that finished or was cancelled on it; when a job's process has
+    # exited, it hands over what its agent stored (the packs of a capture killed mid-way)
     HOST: frozenset(
-        _ANSWERS | {messages.CHECKPOINT_COMMIT, messages.CHECKPOINT_LATEST, messages.CHECKPOINT_FORGET}
+        _ANSWERS
+        | {
+            messages.CHECKPOINT_COMMIT,
+            messages.CHECKPOINT_LATEST,
+            messages.CHECKPOINT_FORGET,
+            messages.CHECKPOINT_WRITTEN,  # what a job that died mid-capture had stored
+        }
     ),
     OPERATOR: frozenset({messages.CHECKPOINT_LATEST, messages.CHECKPOINT_FORGET, messages.CHECKPOINT_STATUS}),
 }

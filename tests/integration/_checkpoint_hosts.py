@@ -57,13 +57,13 @@ class Host:
 
 @contextlib.asynccontextmanager
 async def cluster(
-    tmp_path: Path, *, pause_grace_s: float = 2.0, gpus: int = 2
+    tmp_path: Path, *, pause_grace_s: float = 2.0, gpus: int = 2, overrides: dict[str, Any] | None = None
 ) -> AsyncIterator[tuple[CheckpointService, Host, Host]]:
     # TANDEM_STATE_DIR wins over cluster.state_dir: a session cluster's (set by an earlier test's
     # fixture) would take the jobs' files and keys, and the test would read its own dir in vain
     outer = os.environ.pop("TANDEM_STATE_DIR", None)
     try:
-        async with _cluster(tmp_path / "state", pause_grace_s, gpus) as parts:
+        async with _cluster(tmp_path / "state", pause_grace_s, gpus, overrides or {}) as parts:
             yield parts
     finally:
         if outer is not None:
@@ -72,9 +72,11 @@ async def cluster(
 
 @contextlib.asynccontextmanager
 async def _cluster(
-    state_dir: Path, pause_grace_s: float, gpus: int
+    state_dir: Path, pause_grace_s: float, gpus: int, overrides: dict[str, Any]
 ) -> AsyncIterator[tuple[CheckpointService, Host, Host]]:
-    cfg = load_config(overrides={"cluster.state_dir": str(state_dir), "checkpoint.commit_timeout_s": 5.0})
+    cfg = load_config(
+        overrides={"cluster.state_dir": str(state_dir), "checkpoint.commit_timeout_s": 5.0, **overrides}
+    )
     curve.ensure_cluster_keys(cfg.keys_dir())
     for host_id in ("host-a", "host-b"):
         curve.issue(cfg.keys_dir(), curve.host_principal(host_id))
@@ -96,10 +98,10 @@ async def _cluster(
 
 
 def grant(
-    job_id: str, out: Path, cwd: Path, *, total: int, every: int, step_s: float = 0.03
+    job_id: str, out: Path, cwd: Path, *, total: int, every: int, step_s: float = 0.03, width: int = 256
 ) -> dict[str, Any]:
     """``lease.grant``'s body for a run of ``examples/checkpointed_job.py``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    argv = [sys.executable, str(JOB), str(total), str(out), str(every), str(step_s)]
+    argv = [sys.executable, str(JOB), str(total), str(out), str(every), str(step_s), str(width)]
     job = {"job_id": job_id, "argv": argv, "cwd": str(cwd), "env": env, "start_iteration": 0}
     return {"job_id": job_id, "app_id": "app", "gpus": 1, "expires_at": time.time() + 3600, "job": job}

@@ -188,10 +188,12 @@ def test_checkpoint_taken_while_training_equals_the_state_at_its_instant(kind: s
         job.step_fn()
         job.state.step = step
     rng = random.Random(kind)
-    pieces = _pieces(job.state, 512)
+    # One agent for every trial, as a job has: from the second image on, begin reuses the walked
+    # structure and the copier's layouts, and writes to wholly captured tensors take the fast path.
+    agent = CheckpointAgent(job.state, link, job=kind, piece_bytes=512, pack_bytes=8192)
     for trial in range(TRIALS):
-        gate = StepGate(rng, span=rng.randint(6, 9), pieces=pieces)
-        agent = CheckpointAgent(job.state, link, job=kind, piece_bytes=512, pack_bytes=8192, pacer=gate.pace)
+        gate = StepGate(rng, span=rng.randint(6, 9), pieces=agent.planned_pieces())
+        agent.pacer = gate.pace
         result, references, ran = checkpoint_while_training(job, agent, gate)
         assert ran >= 6, f"trial {trial}: only {ran} steps overlapped the checkpoint"
         assert result.attempts == 1 and result.torn == ()
@@ -218,6 +220,65 @@ def test_batch_norm_statistics_written_behind_the_op_schema_are_caught_and_retak
         image = restored(JOBS["batch_norm"], link, result)
         assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()}, f"trial {trial}")
         assert_same(meta, image.meta())
+
+
+def test_the_copier_hands_the_gil_over_often_while_it_runs_and_puts_the_interval_back(
+    link: StoreLink,
+) -> None:
+    """XXH3 holds the GIL: while a copier runs, the switch interval is short, so the training
+    thread does not wait the default 5 ms for the GIL at every op; afterwards it is as it was."""
+    import sys
+
+    job = JOBS["sgd_momentum"]()
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+    agent = CheckpointAgent(
+        job.state, link, job="gil", piece_bytes=512, pacer=lambda: seen.append(sys.getswitchinterval())
+    )
+    agent.checkpoint()
+    agent.close()
+    assert seen and max(seen) <= 0.0002 < before
+    assert sys.getswitchinterval() == before
+
+
+def _grow(job: Job) -> nn.Parameter:
+    """A parameter the model and the optimizer gain mid-training (a new head, an unfrozen layer)."""
+    extra = nn.Parameter(torch.zeros(700))
+    job.state.model.register_parameter("extra", extra)
+    assert job.state.optimizer is not None
+    job.state.optimizer.add_param_group({"params": [extra]})
+    return extra
+
+
+def test_a_structure_changed_since_the_last_walk_is_walked_again_and_the_retake_holds_it(
+    link: StoreLink,
+) -> None:
+    """begin reuses the structure walked for the last image; the copier walks again and finds a
+    new parameter: that attempt is dropped and retaken with a fresh walk, at a later boundary."""
+    torch.manual_seed(6)
+    job = JOBS["adam_foreach"]()
+    agent = CheckpointAgent(job.state, link, job="grow", piece_bytes=512)
+    job.step_fn()
+    job.state.step = 1
+    agent.checkpoint()
+    extra = _grow(job)
+    with torch.no_grad():
+        extra.add_(1.5)
+    gate = StepGate(random.Random(6), span=3, pieces=_pieces(job.state, 512))
+    agent.pacer = gate.pace
+    result, references, _ = checkpoint_while_training(job, agent, gate)
+    assert result.attempts == 2 and result.step > 1
+    assert "model.extra" in {record.name for record in result.manifest.tensors}
+    tensors, meta = references[result.step]
+
+    def grown() -> Job:
+        fresh = JOBS["adam_foreach"]()
+        _grow(fresh)
+        return fresh
+
+    image = restored(grown, link, result)
+    assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()})
+    assert_same(meta, image.meta())
 
 
 def _pieces(state: TrainingState, piece_bytes: int) -> int:

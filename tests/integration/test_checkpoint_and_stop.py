@@ -182,3 +182,56 @@ def test_the_service_never_points_a_job_at_an_incomplete_or_older_image(tmp_path
             assert latest is not None and latest["step"] == 5 and latest["manifest"] == complete["manifest"]
 
     asyncio.run(scenario())
+
+
+def test_packs_of_a_capture_killed_mid_way_are_collected_and_the_latest_image_stays(tmp_path: Path) -> None:
+    """A job killed (SIGKILL) while a capture is storing its packs leaves objects no commit will
+    name. The job journals every object as the store answers; once the process is gone its host
+    hands the journal to the service, which deletes what no kept image needs when the protection
+    ends, and keeps every object of the job's latest image."""
+    from shared.datastore import ObjectRef
+    from tandem_job.checkpoints import ANNOUNCE_FILE, JOURNAL_FILE
+
+    async def scenario() -> tuple[int, int]:
+        overrides = {"checkpoint.protect_s": 0.5, "checkpoint.collect_interval_s": 0.1}
+        async with cluster(tmp_path, overrides=overrides) as (service, a, _):
+            store = service.store
+            assert store is not None
+
+            async def stored(digest: str) -> bool:
+                return await store.exists(ObjectRef(store.backend, store.key_for(digest), digest, 0, ""))
+
+            # every step an image of ~12 MiB (3 packs, then the meta and the manifest)
+            job = grant(
+                "job-4", tmp_path / "unused", tmp_path, total=100_000, every=1, step_s=0.0, width=8192
+            )
+            await a.jobs.grant(job)
+            run = a.jobs.runs["job-4"]
+            journal, announced = run.process.directory / JOURNAL_FILE, run.process.directory / ANNOUNCE_FILE
+            await until(lambda: announced.exists())
+            # kill once the journal holds two objects the last announcement does not account for
+            # (its packs, its manifest; its meta is the one more): a capture is mid-way
+            while True:
+                announcement = json.loads(announced.read_text())
+                accounted = {*announcement["written"], announcement["manifest"]["digest"]}
+                if len(set(journal.read_text().split()) - accounted) >= 2:
+                    break
+                await asyncio.sleep(0.005)
+            run.process.kill_now()
+            journaled = set(journal.read_text().split())
+            await asyncio.wait_for(run.process.exited.wait(), 30)
+            await until(lambda: not journal.exists())  # relayed to the service
+            latest = service.book.latest("job-4")
+            assert latest is not None
+            orphans = journaled - latest.digests
+            assert orphans, "the kill landed between captures"
+            deadline = time.monotonic() + 30
+            while any([await stored(d) for d in orphans]):
+                assert time.monotonic() < deadline, "orphaned packs were not collected"
+                await asyncio.sleep(0.05)
+            assert all([await stored(d) for d in latest.digests])
+            assert service.book.latest("job-4") == latest
+            return len(orphans), len(latest.digests)
+
+    orphans, kept = asyncio.run(scenario())
+    print(json.dumps({"orphans_collected": orphans, "latest_image_objects_kept": kept}))

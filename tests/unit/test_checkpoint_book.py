@@ -92,6 +92,22 @@ def test_packs_written_ahead_of_their_manifest_are_protected_until_committed_or_
     assert _ref("torn").digest in committed.collect and _ref("q").digest not in committed.collect
 
 
+def test_a_dead_process_journal_is_collected_after_protection_or_when_its_job_is_forgotten() -> None:
+    """What an exited process stored: its latest image's objects stay; the packs of a capture
+    killed mid-way go once protected long enough, or at once when the job is forgotten."""
+    book = CheckpointBook(protect_s=10.0)
+    ref, manifest = _image("j", 1, ["kept"])
+    book.commit("j", ref, manifest, 0.0)
+    journal = [_ref("kept").digest, ref.digest, _ref("orphan").digest]
+    book.written(journal, 1.0, job_id="j")
+    assert book.collectable(5.0) == set()
+    assert book.collectable(12.0) == {_ref("orphan").digest}
+    book.written([_ref("orphan2").digest], 13.0, job_id="j")
+    assert _ref("orphan2").digest in book.forget("j", 14.0)  # nothing of j will be committed again
+    book.deleted(book.collectable(14.0))
+    assert not book.stored and not book.journaled
+
+
 def test_keep_two_holds_the_previous_image_too() -> None:
     book = CheckpointBook(keep=2)
     images = [_image("j", s, [f"p{s}"]) for s in (1, 2, 3)]
@@ -105,6 +121,7 @@ def test_the_book_survives_its_json_round_trip() -> None:
     ref, manifest = _image("j", 4, ["a", "b"])
     book.commit("j", ref, manifest, 1.0)
     book.written(["ff" * 32], 2.0)
+    book.written(["ee" * 32], 3.0, job_id="j")
     again = CheckpointBook.from_dict(book.to_dict())
     assert again == book
 

@@ -17,7 +17,7 @@ from shared.checkpoint.sampler import ResumableSampler
 
 def _written_by(step: object, rules: dict | None = None) -> list[torch.Tensor]:  # type: ignore[type-arg]
     seen: list[torch.Tensor] = []
-    with WriteGuard(seen.append, UNDECLARED_WRITES if rules is None else rules):
+    with WriteGuard(seen.extend, UNDECLARED_WRITES if rules is None else rules):
         step()  # type: ignore[operator]
     return seen
 
