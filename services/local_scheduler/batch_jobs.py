@@ -56,7 +56,13 @@ import structlog
 
 from services.local_scheduler.checkpoints import CheckpointLink
 from services.local_scheduler.job_process import LOG_FILE, JobProcess, JobSpec, job_dir
-from services.local_scheduler.packing import Coordinator, PackingSettings, describe, write_share
+from services.local_scheduler.packing import (
+    Coordinator,
+    PackingSettings,
+    describe,
+    write_packing,
+    write_share,
+)
 from shared.cluster_core.gpu_ledger import Commit, GpuLedger, LedgerError
 from shared.policies.packing import FULL, Placement, packable_gpus
 from shared.policies.preemption import (
@@ -304,7 +310,12 @@ class BatchJobs:
             for r in members:
                 with contextlib.suppress(OSError):
                     write_share(r.process, FULL)  # alone again: full speed
+                    write_packing(r.process, None, {})
             return
+        for r in members:
+            partners = {o.job_id: o.process.device_ids for o in members if o is not r}
+            with contextlib.suppress(OSError):  # its directory is gone: it exited
+                write_packing(r.process, jmax, partners)
         coordinator = Coordinator(
             self.packing,
             {r.job_id: r.process for r in members},
