@@ -98,7 +98,8 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(rank_main, args=(world, port, out, go), nprocs=world, start_method="spawn")
+    # fork: the ranks inherit the imported torch (spawn would import it once per rank again)
+    mp.start_processes(rank_main, args=(world, port, out, go), nprocs=world, start_method="fork")
 
 
 if __name__ == "__main__":

@@ -97,21 +97,25 @@ def test_a_packed_data_parallel_job_in_the_job_runner_steals_and_trains_as_unpac
 
     async def main() -> dict[str, dict[str, Any]]:
         jobs = BatchJobs(
-            GpuLedger([0, 1]), host_id="h0", state_dir=tmp_path / "state", stop_grace_s=5.0,
+            GpuLedger([0, 1, 2, 3]), host_id="h0", state_dir=tmp_path / "state", stop_grace_s=5.0,
             overdue_s=300.0, keep_paused_s=0.0, cell_reserve=0, on_exit=lambda: None,
             packing=PackingSettings(enabled=True, trial_s=0.5, settle_s=0.1),
         )  # fmt: skip
         try:
-            await jobs.grant(_job("dp.1", dp["alone"], tmp_path, 2))
-            gos["alone"].touch()
-            await _until(lambda: outs["alone"].exists() and "dp.1" not in jobs.runs)
+            # the two runs side by side on GPUs of their own: the guest first joins dp.2, then
+            # dp.1 starts on the other two GPUs
             await jobs.grant(_job("dp.2", dp["packed"], tmp_path, 2))
             guest = await jobs.grant(_job("g.1", [sys.executable, str(sleeper)], tmp_path, 1, packed=True))
-            packing = jobs.runs["dp.2"].process.directory / tandem_job.PACKING_FILE
-            info = tandem_job.packing(packing.parent)
+            await jobs.grant(_job("dp.1", dp["alone"], tmp_path, 2))
+            assert jobs.runs["g.1"].packed_on == "dp.2"
+            info = tandem_job.packing(jobs.runs["dp.2"].process.directory)
             assert info["with"] == ["g.1"] and info["shared_device_ids"] == guest["device_ids"]
-            gos["packed"].touch()
-            await _until(lambda: outs["packed"].exists() and "dp.2" not in jobs.runs)
+            assert tandem_job.packing(jobs.runs["dp.1"].process.directory) == {}
+            for go in gos.values():
+                go.touch()
+            await _until(
+                lambda: all(o.exists() for o in outs.values()) and not {"dp.1", "dp.2"} & set(jobs.runs)
+            )
             # the set dissolved when J_max ended: the guest is told it runs alone
             assert tandem_job.packing(jobs.runs["g.1"].process.directory) == {}
             return {run: json.loads(out.read_text()) for run, out in outs.items()}
