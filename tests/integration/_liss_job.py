@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _liss_worker import DATASET, EPOCHS, FEATURES, GLOBAL_BATCH, _data
+from _liss_worker import DATASET, EPOCHS, GLOBAL_BATCH, setup
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 import tandem_job
 from shared.packing.liss import DataParallelLiss
@@ -39,11 +38,7 @@ def rank_main(rank: int, world: int, port: int, out: str, go: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     my_gpu = tandem_job.gpu_ids()[rank]
     try:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1)).double()
-        ddp = DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        x, y = _data()
+        model, ddp, opt, x, y = setup()
         liss = DataParallelLiss(DATASET, GLOBAL_BATCH, seed=1)
         while not Path(go).exists():
             time.sleep(0.01)
