@@ -128,6 +128,7 @@ class Coordinator:
     processes: dict[str, JobProcess]
     gpus: dict[str, tuple[int, ...]]
     running: Callable[[], bool]
+    solo: dict[str, float] = field(default_factory=dict)  # steps/s alone (J_max before it was packed)
     shares: dict[str, int] = field(default_factory=dict)
     trials: list[dict[str, Any]] = field(default_factory=list)
     searches: int = 0
@@ -172,6 +173,7 @@ class Coordinator:
                 j,
                 tuple(str(d) for d in self.gpus[j]),
                 float(max(1, _remaining(p, first[j]))),
+                solo_throughput=self.solo.get(j),
             )
             for j, p in self.processes.items()
         ]

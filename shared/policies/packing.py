@@ -233,9 +233,19 @@ class SequencedJctObjective(JctObjective):
     sees that a squeezed job speeds up to its solo throughput once its partner finishes; squeezing
     one side hard (close to running the pair one after the other) then always looks bad. This
     variant plays the set out: jobs finish in ETA order; when one job is left it runs at
-    ``solo_throughput`` (others keep their measured throughput). Mean completion time."""
+    ``solo_throughput`` (others keep their measured throughput). Mean completion time.
+
+    Its priority is shortest remaining time alone first (SRPT, what minimizes mean JCT), not Eq. 2's
+    low utilization first: two jobs that both keep the device busy have the same utilization, so
+    Eq. 2 picked the side to squeeze by noise (the live compute-bound pair squeezed its short job,
+    1.35x free competition). In the live underusing pair both rules swell the same job (the one
+    waiting for its input is also the shorter)."""
 
     name = "jct_sequenced"
+
+    def priority(self, job: JobInfo, measured: JobMeasurement) -> float:
+        speed = job.solo_throughput or measured.throughput
+        return -job.remaining_steps / speed if speed > 0 else float("-inf")
 
     def value(self, jobs: Sequence[JobInfo], measured: Measurement) -> float:
         left = {j.job_id: j.remaining_steps for j in jobs}
