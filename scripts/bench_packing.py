@@ -2,16 +2,20 @@
 """Packing benchmark (issue #18): Gimbal's squeeze/swell, LISS-aware coordination search and
 packing, live on this machine and in the simulator. Prints ONE JSON line.
 
-Live (the CPU cores are the "GPU"): two small CPU training jobs (``shared.packing.cpu_job``, one
-torch thread each, real processes) run one after the other (shortest first), then together under
-free competition, then together under Gimbal: Algorithm 1 (``shared.policies.packing``, JCT
-objective) proposes caps, the duty-cycle governor in each job applies them at its next step, and
-this script is the runtime monitor (throughput and CPU utilization from each job's progress file
-over a trial window). Process and torch start-up happen before the start line and are not counted.
-Keys: ``jct_sequential_s``, ``jct_free_competition_s``, ``jct_gimbal_s`` (mean JCT of the two jobs,
-median of ``--repeats`` interleaved repeats), ``share_error_max`` (one job alone at shares
-30..100%: max |throughput / throughput at 100% - share|, medians of repeats), the per-share errors,
-and the search the live Gimbal run made.
+Live (one core is the "GPU": both jobs of a pair are pinned to it): for each pair (``PAIRS``:
+``underusing``, a job that waits for its input every step beside a compute-bound job, the headline;
+``compute_bound``, two jobs that keep the device busy), the two small CPU training jobs
+(``shared.packing.cpu_job``, one torch thread each, real processes) run one after the other
+(shortest first, from their measured solo times), then together under free competition, then
+together under Gimbal: Algorithm 1 (``shared.policies.packing``; objective ``--objective``, default
+``jct_sequenced`` with each job's solo speed profiled once) proposes caps, the duty-cycle governor
+in each job applies them at its next step, and this script is the runtime monitor (throughput and
+CPU utilization from each job's progress file over a trial window). Process and torch start-up
+happen before the start line and are not counted. Keys: ``jct_sequential_s``,
+``jct_free_competition_s``, ``jct_gimbal_s`` (the underusing pair; ``compute_bound_jct_*`` the
+other; mean JCT of the two jobs, median of ``--repeats`` interleaved repeats; every figure and each
+search's trials under ``pairs``), ``share_error_max`` (one job alone at shares 30..100%: max
+|throughput / throughput at 100% - share|, medians of repeats), the per-share errors.
 
 Simulated (``shared.simulator.packing_sim``, Philly-like 150-job trace on 32 GPUs, pair slowdowns
 MODELLED): ``jct_ratio_vs_no_packing``, ``jct_ratio_vs_naive``, ``deadlines_met_<policy>``,
@@ -22,7 +26,8 @@ Targets: live jct_gimbal_s <= 0.85 x sequential and <= free competition; share_e
 simulated JCT <= 0.85 x no packing; search within 1% of exhaustive in <= 55% of its trials.
 The machine is shared with other work: live numbers are noisy, hence medians.
 
-Usage: ``python scripts/bench_packing.py [--quick] [--repeats 3] [--seeds 3] [--no-live | --no-sim]``
+Usage: ``python scripts/bench_packing.py [--quick] [--repeats 3] [--seeds 3] [--no-live | --no-sim]
+[--pairs underusing,compute_bound] [--objective jct_sequenced]``
 """
 
 from __future__ import annotations
