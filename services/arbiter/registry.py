@@ -224,6 +224,7 @@ class Registry:
         """A host's ``agent.report``: progress of its jobs, and runs that ended (acknowledged by
         the returned ids). A job leased there but absent from the report lost its run."""
         host = str(report["host_id"])
+        self.account(now)  # charged up to now at the old rates (shares, suspensions)
         seen: set[str] = set()
         ended: list[str] = []
         for entry in report["jobs"]:
@@ -237,7 +238,6 @@ class Registry:
                 continue
             self._progress(record, entry.get("progress") or {})
             if record.host == host:
-                self.account(now)  # charged up to now at the old rates (shares, suspension)
                 packing = entry.get("packing")
                 record.packing = packing if isinstance(packing, dict) else None
                 record.suspended = bool(entry.get("suspended"))
