@@ -166,6 +166,24 @@ class DataParallelLiss:
     def loss_scale(self, local_count: int) -> float:
         return loss_scale(local_count, self.global_batch, self.world_size)
 
+    def go(self, more: bool = True) -> bool:
+        """Before a step, on every rank: whether it is taken (rank 0's ``more``; the others' is
+        ignored). Rank 0 runs the job-side step loop and learns of a stop word there; without
+        this the other ranks would wait in their next collective for good::
+
+            if rank == 0:
+                for _ in job.steps():
+                    liss.go(); step()
+                liss.go(False)                  # stopped or done: the others leave too
+            else:
+                while liss.go(): step()
+        """
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if more and self.rank == 0 else 0.0], dtype=torch.float64)
+        dist.broadcast(flag, src=0)
+        return bool(flag[0] > 0)
+
     def exchange(self, forward_s: float) -> list[int]:
         """After a step: agree on the split of the next one."""
         import torch.distributed as dist

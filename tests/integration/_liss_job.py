@@ -4,7 +4,7 @@ process starts one gloo rank per GPU of its lease, each training the float64 MLP
 while the local scheduler says the job is packed). A rank whose GPU another job shares is slowed
 (sleeps per sample in its forward pass), as the co-located job would slow it on a GPU.
 
-    python _liss_job.py OUT GO
+    python _liss_job.py OUT GO [EPOCHS]
 
 Rank 0 runs the job-side API's step loop (progress, share, control word); the ranks wait for the
 file GO before the first step; rank 0 writes OUT (JSON): the global batches seen, the split each
@@ -32,7 +32,7 @@ from shared.packing.liss import DataParallelLiss
 SLOW_S_PER_SAMPLE = 0.004
 
 
-def rank_main(rank: int, world: int, port: int, out: str, go: str) -> None:
+def rank_main(rank: int, world: int, port: int, out: str, go: str, epochs: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -44,12 +44,12 @@ def rank_main(rank: int, world: int, port: int, out: str, go: str) -> None:
             time.sleep(0.01)
 
         def batches():
-            for epoch in range(EPOCHS):
+            for epoch in range(epochs):
                 liss.sampler.set_epoch(epoch)
                 yield from liss.sampler
 
         seen, stealing = [], []
-        total = EPOCHS * len(liss.sampler)
+        total = epochs * len(liss.sampler)
         local_batches = batches()
 
         def step() -> None:
@@ -72,13 +72,15 @@ def rank_main(rank: int, world: int, port: int, out: str, go: str) -> None:
         if rank == 0:
             with tandem_job.session(total=total) as job:
                 for _ in job.steps():
+                    liss.go()
                     step()
+                liss.go(False)  # done, or stopped by the runner: the other ranks leave too
             params = [p.detach().flatten().tolist() for p in model.parameters()]
             result = {"seen": seen, "counts": liss.history, "stealing": stealing, "params": params,
-                      "moves": liss.balancer.moves}  # fmt: skip
+                      "moves": liss.balancer.moves, "stopped": job.stopped}  # fmt: skip
             tandem_job.write_atomically(Path(out), json.dumps(result))
         else:
-            for _ in range(total):
+            while liss.go():
                 step()
         dist.barrier()  # no rank tears gloo down while its peer still has a collective in flight
     finally:
@@ -89,12 +91,13 @@ def rank_main(rank: int, world: int, port: int, out: str, go: str) -> None:
 
 def main() -> None:
     out, go = sys.argv[1], sys.argv[2]
+    epochs = int(sys.argv[3]) if len(sys.argv) > 3 else EPOCHS
     world = len(tandem_job.gpu_ids())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # fork: the ranks inherit the imported torch (spawn would import it once per rank again)
-    mp.start_processes(rank_main, args=(world, port, out, go), nprocs=world, start_method="fork")
+    mp.start_processes(rank_main, args=(world, port, out, go, epochs), nprocs=world, start_method="fork")
 
 
 if __name__ == "__main__":

@@ -131,3 +131,34 @@ def test_a_packed_data_parallel_job_in_the_job_runner_steals_and_trains_as_unpac
     assert packed["seen"] == alone["seen"]  # every global batch, step by step
     for a, b in zip(packed["params"], alone["params"], strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-12)
+
+
+@pytest.mark.timeout(120)
+def test_a_data_parallel_job_stopped_by_the_runner_stops_every_rank_at_a_step_boundary(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 reads the stop word in the job-side step loop; ``DataParallelLiss.go`` carries it to
+    the other ranks, so the whole job leaves at a boundary (exit code 0), not by a signal."""
+    script = Path(__file__).with_name("_liss_job.py")
+    out, go = tmp_path / "out.json", tmp_path / "go"
+
+    async def main() -> dict[str, Any]:
+        jobs = BatchJobs(
+            GpuLedger([0, 1]), host_id="h0", state_dir=tmp_path / "state", stop_grace_s=10.0,
+            overdue_s=300.0, keep_paused_s=0.0, cell_reserve=0, on_exit=lambda: None,
+        )  # fmt: skip
+        try:
+            await jobs.grant(
+                _job("dp.1", [sys.executable, str(script), str(out), str(go), "1000"], tmp_path, 2)
+            )
+            go.touch()
+            run = jobs.runs["dp.1"]
+            await _until(lambda: (run.process.progress() or {}).get("iterations_done", 0) >= 3)
+            return await jobs.end("dp.1", reason="cancelled")
+        finally:
+            await jobs.close()
+
+    entry = asyncio.run(main())
+    assert entry["outcome"] == "stopped" and entry["returncode"] == 0, entry
+    result = json.loads(out.read_text())
+    assert result["stopped"] and 3 <= len(result["seen"]) < 1000 * 6
