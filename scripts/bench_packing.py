@@ -2,16 +2,20 @@
 """Packing benchmark (issue #18): Gimbal's squeeze/swell, LISS-aware coordination search and
 packing, live on this machine and in the simulator. Prints ONE JSON line.
 
-Live (the CPU cores are the "GPU"): two small CPU training jobs (``shared.packing.cpu_job``, one
-torch thread each, real processes) run one after the other (shortest first), then together under
-free competition, then together under Gimbal: Algorithm 1 (``shared.policies.packing``, JCT
-objective) proposes caps, the duty-cycle governor in each job applies them at its next step, and
-this script is the runtime monitor (throughput and CPU utilization from each job's progress file
-over a trial window). Process and torch start-up happen before the start line and are not counted.
-Keys: ``jct_sequential_s``, ``jct_free_competition_s``, ``jct_gimbal_s`` (mean JCT of the two jobs,
-median of ``--repeats`` interleaved repeats), ``share_error_max`` (one job alone at shares
-30..100%: max |throughput / throughput at 100% - share|, medians of repeats), the per-share errors,
-and the search the live Gimbal run made.
+Live (one core is the "GPU": both jobs of a pair are pinned to it): for each pair (``PAIRS``:
+``underusing``, a job that waits for its input every step beside a compute-bound job, the headline;
+``compute_bound``, two jobs that keep the device busy), the two small CPU training jobs
+(``shared.packing.cpu_job``, one torch thread each, real processes) run one after the other
+(shortest first, from their measured solo times), then together under free competition, then
+together under Gimbal: Algorithm 1 (``shared.policies.packing``; objective ``--objective``, default
+``jct_sequenced`` with each job's solo speed profiled once) proposes caps, the duty-cycle governor
+in each job applies them at its next step, and this script is the runtime monitor (throughput and
+CPU utilization from each job's progress file over a trial window). Process and torch start-up
+happen before the start line and are not counted. Keys: ``jct_sequential_s``,
+``jct_free_competition_s``, ``jct_gimbal_s`` (the underusing pair; ``compute_bound_jct_*`` the
+other; mean JCT of the two jobs, median of ``--repeats`` interleaved repeats; every figure and each
+search's trials under ``pairs``), ``share_error_max`` (one job alone at shares 30..100%: max
+|throughput / throughput at 100% - share|, medians of repeats), the per-share errors.
 
 Simulated (``shared.simulator.packing_sim``, Philly-like 150-job trace on 32 GPUs, pair slowdowns
 MODELLED): ``jct_ratio_vs_no_packing``, ``jct_ratio_vs_naive``, ``deadlines_met_<policy>``,
@@ -22,12 +26,15 @@ Targets: live jct_gimbal_s <= 0.85 x sequential and <= free competition; share_e
 simulated JCT <= 0.85 x no packing; search within 1% of exhaustive in <= 55% of its trials.
 The machine is shared with other work: live numbers are noisy, hence medians.
 
-Usage: ``python scripts/bench_packing.py [--quick] [--repeats 3] [--seeds 3] [--no-live | --no-sim]``
+Usage: ``python scripts/bench_packing.py [--quick] [--repeats 3] [--seeds 3] [--no-live | --no-sim]
+[--pairs underusing,compute_bound] [--objective jct_sequenced]``
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -42,12 +49,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.packing.governor import write_share
-from shared.policies.packing import CoordinationSearch, JctObjective, JobInfo, JobMeasurement
+from shared.policies.packing import OBJECTIVES, CoordinationSearch, JobInfo, JobMeasurement
 from shared.simulator.packing_sim import SLOWDOWN_SOURCE, TraceParams, model_pairs_gaining, run_all
 
 ROOT = Path(__file__).resolve().parents[1]
-CORES = os.cpu_count() or 1  # the "GPU" is all of this machine's cores
+# the "GPU": one core, both jobs of a pair pinned to it (a device they time-share, as two jobs
+# share a GPU; the other cores play the host's CPUs, where the rest of the machine's load runs)
+DEVICE_CPU = max(os.sched_getaffinity(0))
+CORES = 1
 MIN_GAIN = 0.03  # as the job runner's default ([packing] min_gain)
+PROFILE_S = 1.5  # each job's solo profile, once per pair
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class JobSpec:
     name: str
     steps: int
     width: int
+    load_ms: float = 0.0  # input wait before each step: the device idles (see cpu_job)
 
 
 class LiveJob:
@@ -81,6 +93,10 @@ class LiveJob:
                 str(self.progress_file),
                 "--go-file",
                 str(go),
+                "--load-ms",
+                str(spec.load_ms),
+                "--cpu",
+                str(DEVICE_CPU),
             ],
             env=env,
             cwd=ROOT,
@@ -121,45 +137,72 @@ def _go(go: Path) -> float:
     return t
 
 
-def run_sequential(specs: Sequence[JobSpec], workdir: Path, tag: str) -> float:
-    """Shortest first; both processes start (and import torch) before the start line."""
-    order = sorted(specs, key=lambda s: s.steps * s.width)
-    gos = [workdir / f"go-{tag}-{i}" for i in range(len(order))]
-    jobs = [LiveJob(spec, workdir, go) for spec, go in zip(order, gos, strict=True)]
-    while not all(j.ready() for j in jobs):
-        time.sleep(0.02)
-    t0 = _go(gos[0])
-    finishes = []
-    for i, job in enumerate(jobs):
-        finishes.append(job.finish_time() - t0)
-        if i + 1 < len(jobs):
-            gos[i + 1].touch()
-    return statistics.fmean(finishes)
+def run_sequential(specs: Sequence[JobSpec], workdir: Path, tag: str) -> tuple[float, dict[str, float]]:
+    """One after the other, shortest first: each job runs alone (its process and torch started
+    before its start line), and the mean JCT is that of the shortest-first order of the measured
+    solo times (the second job's completion is the sum of both). Ordering by the measured times is
+    an oracle no scheduler has: it favours the baseline. Also returns the solo times."""
+    solo: dict[str, float] = {}
+    for i, spec in enumerate(specs):
+        go = workdir / f"go-{tag}-{i}"
+        (job,) = _start([spec], workdir, go)
+        t0 = _go(go)
+        solo[spec.name] = job.finish_time() - t0
+    finishes = list(itertools.accumulate(sorted(solo.values())))
+    return statistics.fmean(finishes), solo
+
+
+def profile_solo(spec: JobSpec, workdir: Path, seconds: float) -> float:
+    """Steps per second of the job alone over ``seconds`` (after its first steps): the profile a
+    packing scheduler has of a job before it packs it (Lucid profiles each job; the job runner
+    has J_max's own speed from before its guest came)."""
+    go = workdir / f"go-profile-{spec.name}-{time.monotonic_ns()}"
+    (job,) = _start([dataclasses.replace(spec, steps=10**7)], workdir, go)
+    _go(go)
+    time.sleep(0.3)  # first steps (allocation, caches) are not the job's speed
+    s0, t0, _ = job.progress()
+    time.sleep(seconds)
+    s1, t1, _ = job.progress()
+    job.proc.kill()
+    job.proc.wait()
+    return (s1 - s0) / max(t1 - t0, 1e-6)
 
 
 def run_together(
-    specs: Sequence[JobSpec], workdir: Path, tag: str, gimbal: bool, trial_s: float
+    specs: Sequence[JobSpec],
+    workdir: Path,
+    tag: str,
+    gimbal: bool,
+    trial_s: float,
+    solo: dict[str, float] | None = None,
+    objective: str = "jct_sequenced",
 ) -> tuple[float, dict]:
     go = workdir / f"go-{tag}"
     jobs = _start(specs, workdir, go)
     t0 = _go(go)
     info: dict = {}
     if gimbal:
-        info = _coordinate(jobs, trial_s)
+        info = _coordinate(jobs, trial_s, solo or {}, objective)
     return statistics.fmean(j.finish_time() - t0 for j in jobs), info
 
 
-def _coordinate(jobs: Sequence[LiveJob], trial_s: float) -> dict:
+def _coordinate(jobs: Sequence[LiveJob], trial_s: float, solo: dict[str, float], objective: str) -> dict:
     """The runtime monitor and coordinator: Algorithm 1 against live measurements."""
     by_name = {j.spec.name: j for j in jobs}
     start = {j.spec.name: j.progress() for j in jobs}
     infos = [
-        JobInfo(j.spec.name, (f"cpu/{j.spec.name}",), j.spec.steps - start[j.spec.name][0]) for j in jobs
+        JobInfo(
+            j.spec.name,
+            (f"cpu/{j.spec.name}",),
+            j.spec.steps - start[j.spec.name][0],
+            solo_throughput=solo.get(j.spec.name),
+        )
+        for j in jobs
     ]
     # The duty cycle caps a share of the job's own full speed: every cap below 100% binds, there is
     # no slack above a use to skip (that is a GPU notion), so the literal 10% steps apply.
     # min_gain: a trial must beat the best by more than the noise of a window on a shared machine
-    search = CoordinationSearch(infos, JctObjective(), skip_slack=False, min_gain=MIN_GAIN)
+    search = CoordinationSearch(infos, OBJECTIVES[objective](), skip_slack=False, min_gain=MIN_GAIN)
     trials: list[dict] = []
     while (config := search.propose()) is not None:
         if any(j.done() for j in jobs):
@@ -230,31 +273,44 @@ def measure_shares(spec: JobSpec, workdir: Path, window_s: float, cycles: int = 
     return relative
 
 
-def live(repeats: int, quick: bool) -> dict:
-    scale = 0.5 if quick else 1.0
-    specs = [JobSpec("large", int(600 * scale), 384), JobSpec("small", int(400 * scale), 128)]
-    # about 50-150 steps of these jobs (the paper: up to 60 s or 5 steps); 0.5 s windows let
-    # the machine's load swing a trial by more than a 10% squeeze changes it
-    trial_s = 1.0 if quick else 1.5
-    seq, free, gim, searches = [], [], [], []
-    errors: dict[int, list[float]] = {}
-    with tempfile.TemporaryDirectory() as d:
-        workdir = Path(d)
-        for r in range(repeats):
-            # the three variants in a rotating order: load that drifts over a repeat does not
-            # always favour the same one
-            for variant in ("seq", "free", "gimbal")[r % 3 :] + ("seq", "free", "gimbal")[: r % 3]:
-                if variant == "seq":
-                    seq.append(run_sequential(specs, workdir, f"seq-{r}"))
-                elif variant == "free":
-                    free.append(run_together(specs, workdir, f"free-{r}", False, trial_s)[0])
-                else:
-                    jct, info = run_together(specs, workdir, f"gimbal-{r}", True, trial_s)
-                    gim.append(jct)
-                    searches.append(info)
-            for share, rel in measure_shares(JobSpec("probe", 10**7, 256), workdir, 0.4).items():
-                errors.setdefault(share, []).append(abs(rel - share / 100))
-    share_err = {s: statistics.median(v) for s, v in sorted(errors.items())}
+# The pairs, each one job per process on the one "GPU" core. ``underusing`` is the kind Gimbal
+# packs (§2, Fig. 2: jobs that leave the device idle part of each step): a training job that
+# waits for its input every step (the device idles ~3/4 of the time) beside a compute-bound job.
+# ``compute_bound``: two jobs that keep the device busy all the time; packing cannot beat
+# running them one after the other (the device has no idle time to harvest), it is kept to show
+# what the coordinator does when there is nothing to gain.
+# Jobs of ~20-30 s alone: the search's trials (1.5 s each, the last three of them lost) are then a
+# small part of a job's run, as the paper's 60 s trials are of jobs that run for hours.
+PAIRS: dict[str, tuple[JobSpec, JobSpec]] = {
+    "underusing": (JobSpec("loader", 900, 256, load_ms=24.0), JobSpec("compute", 3000, 384)),
+    "compute_bound": (JobSpec("large", 1500, 384), JobSpec("small", 2000, 128)),
+}
+PRIMARY = "underusing"  # its figures are the bench's headline keys
+
+
+def live_pair(
+    specs: Sequence[JobSpec], workdir: Path, repeats: int, trial_s: float, tag: str, objective: str
+) -> dict:
+    """Sequential, free competition and Gimbal for one pair, ``repeats`` interleaved repeats; the
+    jobs' solo speeds profiled once first (``PROFILE_S`` each, not counted in any JCT)."""
+    profile = {spec.name: profile_solo(spec, workdir, PROFILE_S) for spec in specs}
+    seq, free, gim, searches, solos = [], [], [], [], []
+    for r in range(repeats):
+        # the three variants in a rotating order: load that drifts over a repeat does not always
+        # favour the same one
+        for variant in ("seq", "free", "gimbal")[r % 3 :] + ("seq", "free", "gimbal")[: r % 3]:
+            if variant == "seq":
+                jct, solo = run_sequential(specs, workdir, f"{tag}-seq-{r}")
+                seq.append(jct)
+                solos.append(solo)
+            elif variant == "free":
+                free.append(run_together(specs, workdir, f"{tag}-free-{r}", False, trial_s)[0])
+            else:
+                jct, info = run_together(
+                    specs, workdir, f"{tag}-gimbal-{r}", True, trial_s, profile, objective
+                )
+                gim.append(jct)
+                searches.append(info)
     return {
         "jct_sequential_s": statistics.median(seq),
         "jct_free_competition_s": statistics.median(free),
@@ -262,14 +318,48 @@ def live(repeats: int, quick: bool) -> dict:
         "jct_sequential_runs_s": seq,
         "jct_free_competition_runs_s": free,
         "jct_gimbal_runs_s": gim,
-        "live_gimbal_vs_sequential": statistics.median(gim) / statistics.median(seq),
-        "live_gimbal_vs_free": statistics.median(gim) / statistics.median(free),
-        "share_error_max": max(share_err.values()),
-        **{f"share_error_{s}": round(e, 4) for s, e in share_err.items()},
-        "live_search_trials": [len(s["trials"]) for s in searches],
-        "live_search_best_caps": [s["best_caps"] for s in searches],
-        "load_avg_1m": os.getloadavg()[0],
+        "solo_s": {n: statistics.median(s[n] for s in solos) for n in solos[0]},
+        "profiled_steps_per_s": {n: round(v, 2) for n, v in profile.items()},
+        "objective": objective,
+        "gimbal_vs_sequential": statistics.median(gim) / statistics.median(seq),
+        "gimbal_vs_free": statistics.median(gim) / statistics.median(free),
+        "free_vs_sequential": statistics.median(free) / statistics.median(seq),
+        "search_trials": [len(s["trials"]) for s in searches],
+        "search_best_caps": [s["best_caps"] for s in searches],
+        "searches": searches,
     }
+
+
+def live(repeats: int, quick: bool, pairs: Sequence[str], objective: str) -> dict:
+    scale = 0.5 if quick else 1.0
+    # about 50-150 steps of these jobs (the paper: up to 60 s or 5 steps); 0.5 s windows let
+    # the machine's load swing a trial by more than a 10% squeeze changes it
+    trial_s = 1.0 if quick else 1.5
+    out: dict = {"device": f"core {DEVICE_CPU} of {os.cpu_count()}", "pairs": {}}
+    errors: dict[int, list[float]] = {}
+    with tempfile.TemporaryDirectory() as d:
+        workdir = Path(d)
+        for name in pairs:
+            specs = [dataclasses.replace(s, steps=int(s.steps * scale)) for s in PAIRS[name]]
+            result = live_pair(specs, workdir, repeats, trial_s, name, objective)
+            result["jobs"] = [dataclasses.asdict(s) for s in specs]
+            out["pairs"][name] = result
+        for _ in range(repeats):
+            for share, rel in measure_shares(JobSpec("probe", 10**7, 256), workdir, 0.4).items():
+                errors.setdefault(share, []).append(abs(rel - share / 100))
+    share_err = {s: statistics.median(v) for s, v in sorted(errors.items())}
+    headline = out["pairs"].get(PRIMARY) or next(iter(out["pairs"].values()))
+    keys = ("jct_sequential_s", "jct_free_competition_s", "jct_gimbal_s")
+    out.update({k: headline[k] for k in keys})
+    out["live_gimbal_vs_sequential"] = headline["gimbal_vs_sequential"]
+    out["live_gimbal_vs_free"] = headline["gimbal_vs_free"]
+    for name, result in out["pairs"].items():
+        if result is not headline:
+            out.update({f"{name}_{k}": result[k] for k in keys})
+    out["share_error_max"] = max(share_err.values())
+    out.update({f"share_error_{s}": round(e, 4) for s, e in share_err.items()})
+    out["load_avg_1m"] = os.getloadavg()[0]
+    return out
 
 
 def simulated(seeds: int) -> dict:
@@ -288,11 +378,22 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=None, help="simulated traces (default 3; quick 1)")
     parser.add_argument("--no-live", action="store_true", help="simulation only")
     parser.add_argument("--no-sim", action="store_true", help="live part only")
+    parser.add_argument(
+        "--objective",
+        default="jct_sequenced",
+        choices=sorted(OBJECTIVES),
+        help="the live coordinator's objective (jct: the paper's Eq. 1)",
+    )
+    parser.add_argument(
+        "--pairs", default=",".join(PAIRS), help=f"live pairs, comma-separated (of {', '.join(PAIRS)})"
+    )
     args = parser.parse_args()
     t0 = time.monotonic()
     out: dict = {}
     if not args.no_live:
-        out.update(live(args.repeats or (1 if args.quick else 3), args.quick))
+        out.update(
+            live(args.repeats or (1 if args.quick else 3), args.quick, args.pairs.split(","), args.objective)
+        )
     if not args.no_sim:
         out.update(simulated(args.seeds or (1 if args.quick else 3)))
     out["wall_s"] = round(time.monotonic() - t0, 1)

@@ -301,7 +301,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "packing": {
         # Two best-effort jobs per GPU, coordinated by Gimbal's search (issue #18, docs/packing.md).
-        # Off: the live bench on this CPU-only machine shows no gain over sequential yet.
+        # Off: the live bench on this shared CPU-only machine has not shown its gain over sequential
+        # (docs/packing.md: second round).
         "enabled": False,
         "trial_s": 3.0,  # one trial of the coordination search (the paper: up to 60 s or 5 steps)
         "settle_s": 0.5,  # after a new share, before measuring (the step in flight ends)

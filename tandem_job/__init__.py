@@ -25,7 +25,10 @@ file, ``share`` (10..100, LGRR steps), which the loop reads at each step boundar
 word (one ``stat``): below 100 a duty cycle (``shared.packing.governor``) pauses after each step so
 the job runs at that share of its full-speed step rate, and, when the job has imported torch, its
 intra-op threads shrink to the cores the share covers. The share in force is in each progress
-report (``share``), so the scheduler's runtime monitor sees what it measured.
+report (``share``), so the scheduler's runtime monitor sees what it measured. A fourth file,
+``packing.json``, says with whom the job is packed and which of its GPUs it shares (``packing()``;
+empty when it has its GPUs alone): a data-parallel job steals samples across its workers (LISS,
+``shared.packing.liss.DataParallelLiss``) only while it is packed.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Any, Protocol
 CONTROL_FILE = "control"
 PROGRESS_FILE = "progress.json"
 SHARE_FILE = "share"
+PACKING_FILE = "packing.json"
 RUN, PAUSE, STOP = "run", "pause", "stop"
 CONTROL_WORDS = (RUN, PAUSE, STOP)
 # progress.json is rewritten at most this often (and at every state change)
@@ -55,6 +59,22 @@ def gpu_ids() -> list[int]:
     """The host GPU ids this job's lease holds (also ``CUDA_VISIBLE_DEVICES``)."""
     raw = os.environ.get("TANDEM_GPU_IDS", "")
     return [int(part) for part in raw.split(",") if part.strip()]
+
+
+def packing(job_dir: Path | None = None) -> dict[str, Any]:
+    """With whom this job is packed now, as the local scheduler wrote it (``jmax``, ``with``,
+    ``shared_device_ids``: its GPUs another job runs on too); empty when it runs alone or outside
+    Tandem. Any process of the job may read it (the ranks of a data-parallel job)."""
+    if job_dir is None:
+        raw = os.environ.get("TANDEM_JOB_DIR")
+        if not raw:
+            return {}
+        job_dir = Path(raw)
+    try:
+        found = json.loads((job_dir / PACKING_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def read_control(job_dir: Path) -> str:

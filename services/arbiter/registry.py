@@ -2,7 +2,8 @@
 
 Every decision of who gets GPUs is the auction's (``shared/arbiter``); this records what was
 submitted, what each lease holder reports, and how much GPU time each job has held (the time a
-lease was held, times its GPUs), and says what the auction needs to know (``app_reports``). It is
+lease was held, times its GPUs; a GPU packed with another job, issue #18, is split between the
+two by their shares: ``charged_gpus``), and says what the auction needs to know (``app_reports``). It is
 a plain dict for the shell to persist (``to_dict`` / ``from_dict``), so a restarted arbiter loses
 no job.
 
@@ -51,7 +52,7 @@ class JobRecord:
     seconds_per_iteration: float | None = None
     uses_api: bool = False
     run_seconds: float = 0.0  # process time on leases, over all runs
-    gpu_seconds: float = 0.0  # GPUs x seconds leased, over all leases
+    gpu_seconds: float = 0.0  # GPUs x seconds leased, over all leases (a packed GPU: its share)
     runs: int = 0
     host: str | None = None
     device_ids: list[int] = field(default_factory=list)
@@ -77,6 +78,12 @@ class JobRecord:
         out.pop("env")
         out["command"] = shlex.join(self.argv)
         return out
+
+
+def _share(record: JobRecord) -> float:
+    """The share of its GPUs a job runs at (its host's report; 100 unless packed and squeezed)."""
+    share = (record.packing or {}).get("share")
+    return float(share) if isinstance(share, int | float) and share > 0 else 100.0
 
 
 class Registry:
@@ -156,21 +163,43 @@ class Registry:
             record.state = QUEUED
 
     def _close_lease(self, record: JobRecord, now: float) -> None:
+        self.account(now)  # its partner on a packed GPU is charged at the shared rate up to now
         record.packing = None
         if record.host is None:
             return
-        self._account(record, now)
         record.host, record.device_ids, record.pid = None, [], None
         record.lease_granted_at = record.lease_expires_at = record.accounted_at = None
         record.suspended = False
 
     def account(self, now: float) -> None:
-        """GPU time of every lease held, up to ``now``."""
+        """GPU time of every lease held, up to ``now``, at the rates of the leases as they are."""
+        charged = self.charged_gpus()
         for record in self.jobs.values():
-            self._account(record, now)
+            self._account(record, now, charged.get(record.job_id, 0.0))
+
+    def charged_gpus(self) -> dict[str, float]:
+        """The GPUs each leased job is charged for now: each GPU it holds alone counts whole; a GPU
+        two jobs are packed on (issue #18) is split between them in proportion to their shares
+        (J_max at 100% beside a guest squeezed to 60%: 0.625 and 0.375; free competition, both at
+        100%: half each), so the GPU's time is charged once, not to each job in full. A job whose
+        lease a cell suspended is charged nothing, and leaves its GPU to its partner."""
+        weights: dict[str, float] = {}
+        occupants: dict[tuple[str, int], list[str]] = {}
+        for record in self.jobs.values():
+            if record.host is None or record.suspended:
+                continue
+            weights[record.job_id] = _share(record)
+            for device in record.device_ids:
+                occupants.setdefault((record.host, device), []).append(record.job_id)
+        charged = dict.fromkeys(weights, 0.0)
+        for jobs in occupants.values():
+            total = sum(weights[j] for j in jobs)
+            for job_id in jobs:
+                charged[job_id] += weights[job_id] / total
+        return charged
 
     @staticmethod
-    def _account(record: JobRecord, now: float) -> None:
+    def _account(record: JobRecord, now: float, gpus: float) -> None:
         if record.accounted_at is None or now <= record.accounted_at:
             return
         seconds = now - record.accounted_at
@@ -179,7 +208,7 @@ class Registry:
                 record.lease_expires_at += seconds
             record.accounted_at = now
             return
-        record.gpu_seconds += seconds * len(record.device_ids)
+        record.gpu_seconds += seconds * gpus
         record.run_seconds += seconds
         record.accounted_at = now
 
@@ -195,6 +224,7 @@ class Registry:
         """A host's ``agent.report``: progress of its jobs, and runs that ended (acknowledged by
         the returned ids). A job leased there but absent from the report lost its run."""
         host = str(report["host_id"])
+        self.account(now)  # charged up to now at the old rates (shares, suspensions)
         seen: set[str] = set()
         ended: list[str] = []
         for entry in report["jobs"]:
@@ -210,8 +240,6 @@ class Registry:
             if record.host == host:
                 packing = entry.get("packing")
                 record.packing = packing if isinstance(packing, dict) else None
-            if record.host == host and bool(entry.get("suspended")) != record.suspended:
-                self._account(record, now)  # charged up to now at the old rate
                 record.suspended = bool(entry.get("suspended"))
             if not entry.get("running"):
                 ended.append(job_id)
@@ -322,10 +350,11 @@ class Registry:
     def apps(self) -> dict[str, dict[str, Any]]:
         """Per app: GPU time held, GPUs held now, jobs by state."""
         out: dict[str, dict[str, Any]] = {}
+        charged = self.charged_gpus()
         for record in self.jobs.values():
-            app = out.setdefault(record.app_id, {"gpu_seconds": 0.0, "gpus_now": 0, "jobs": {}})
+            app = out.setdefault(record.app_id, {"gpu_seconds": 0.0, "gpus_now": 0.0, "jobs": {}})
             app["gpu_seconds"] += record.gpu_seconds
-            app["gpus_now"] += len(record.device_ids)
+            app["gpus_now"] = round(app["gpus_now"] + charged.get(record.job_id, 0.0), 3)
             app["jobs"][record.state] = app["jobs"].get(record.state, 0) + 1
         return out
 

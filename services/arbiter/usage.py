@@ -36,7 +36,8 @@ class UsageMeter:
         """A host's ``agent.report``: its GPUs by use."""
         self.advance(now)
         jobs = [j for j in report["jobs"] if isinstance(j, dict) and j.get("running")]
-        leased = sum(len(j.get("device_ids") or []) for j in jobs)
+        # distinct devices: two jobs packed on one GPU (issue #18) lease it once
+        leased = len({int(d) for j in jobs for d in j.get("device_ids") or []})
         self.hosts[str(report["host_id"])] = HostUse(
             int(report["gpus"]),
             int(report["committed"]),

@@ -63,7 +63,13 @@ from services.local_scheduler.job_process import (
     open_job_file,
     read_job_file,
 )
-from services.local_scheduler.packing import Coordinator, PackingSettings, describe, write_share
+from services.local_scheduler.packing import (
+    Coordinator,
+    PackingSettings,
+    describe,
+    write_packing,
+    write_share,
+)
 from shared.cluster_core.gpu_ledger import Commit, GpuLedger, LedgerError
 from shared.policies.packing import FULL, Placement, packable_gpus
 from shared.policies.preemption import (
@@ -118,6 +124,7 @@ class Run:
     killed_s: float | None = None  # measured: SIGKILL -> gone, at its last rewind
     preemptions: int = 0
     packed_on: str | None = None  # packed beside this job (its J_max), on GPUs it leases
+    solo_rate: float | None = None  # steps/s it ran at alone, before its first guest came
     relay: asyncio.Future[None] | None = None  # relays the job's committed images to the service
     checkpoint_step: int | None = None  # the latest image the checkpoint service has recorded
     restored_step: int | None = None  # the image this run started from
@@ -323,12 +330,22 @@ class BatchJobs:
             for r in members:
                 with contextlib.suppress(OSError):
                     write_share(r.process, FULL)  # alone again: full speed
+                    write_packing(r.process, None, {})
             return
+        if old is None and host.solo_rate is None:  # J_max ran alone until now: its speed alone
+            spi = (host.process.progress() or {}).get("seconds_per_iteration")
+            if isinstance(spi, int | float) and spi > 0:
+                host.solo_rate = 1.0 / spi
+        for r in members:
+            partners = {o.job_id: o.process.device_ids for o in members if o is not r}
+            with contextlib.suppress(OSError):  # its directory is gone: it exited
+                write_packing(r.process, jmax, partners)
         coordinator = Coordinator(
             self.packing,
             {r.job_id: r.process for r in members},
             {r.job_id: tuple(r.process.device_ids) for r in members},
             lambda: all(r.leased and not r.process.exited.is_set() for r in members),
+            solo={r.job_id: r.solo_rate for r in members if r.solo_rate is not None},
         )
         self.sets[jmax] = coordinator
         coordinator.start()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ from shared.policies.packing import (
     JobMeasurement,
     PackingConfig,
 )
-from tandem_job import SHARE_FILE, write_atomically
+from tandem_job import PACKING_FILE, SHARE_FILE, write_atomically
 
 log = structlog.get_logger("packing")
 
@@ -64,6 +65,16 @@ class PackingSettings:
 def write_share(process: JobProcess, percent: int) -> None:
     """Squeeze or swell a job: it reads the file at its next step boundary."""
     write_atomically(process.directory / SHARE_FILE, f"{int(percent)}\n")
+
+
+def write_packing(process: JobProcess, jmax: str | None, partners: dict[str, Sequence[int]]) -> None:
+    """Tell a job with whom it is packed and which of its GPUs they share (``tandem_job.packing``;
+    a data-parallel job steals samples across its workers only while packed). ``partners`` empty:
+    it runs alone again."""
+    mine = set(process.device_ids)
+    shared = sorted(mine & {d for devices in partners.values() for d in devices})
+    info = {"jmax": jmax, "with": sorted(partners), "shared_device_ids": shared} if partners else {}
+    write_atomically(process.directory / PACKING_FILE, json.dumps(info))
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +128,7 @@ class Coordinator:
     processes: dict[str, JobProcess]
     gpus: dict[str, tuple[int, ...]]
     running: Callable[[], bool]
+    solo: dict[str, float] = field(default_factory=dict)  # steps/s alone (J_max before it was packed)
     shares: dict[str, int] = field(default_factory=dict)
     trials: list[dict[str, Any]] = field(default_factory=list)
     searches: int = 0
@@ -161,6 +173,7 @@ class Coordinator:
                 j,
                 tuple(str(d) for d in self.gpus[j]),
                 float(max(1, _remaining(p, first[j]))),
+                solo_throughput=self.solo.get(j),
             )
             for j, p in self.processes.items()
         ]

@@ -5,7 +5,13 @@ builds an MLP regression on synthetic data (torch, CPU), waits until ``G`` exist
 torch start-up stay out of the measured completion time), then trains ``N`` steps, each inside
 ``DutyCycleGovernor.step()`` reading its share from ``S``. After every step it atomically writes
 ``steps monotonic_s process_cpu_s share paused_s`` to ``P``: the runtime monitor's view (throughput from steps over
-time, utilization from CPU seconds over wall seconds)."""
+time, utilization from CPU seconds over wall seconds).
+
+``--load-ms``: before each step the job waits that long for its batch (a synchronous input fetch
+from remote storage with no prefetch, modelled as an I/O wait): the device idles meanwhile, the way
+the paper's underusing jobs leave a GPU idle (§2). The wait is outside the governor's step: an MPS
+cap slows the job's kernels, not its input pipeline. ``--cpu``: pin the job to that core (the
+bench's one "GPU", shared by both jobs of a pair)."""
 
 from __future__ import annotations
 
@@ -36,7 +42,12 @@ def main() -> None:
     p.add_argument("--progress-file", type=Path, required=True)
     p.add_argument("--go-file", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load-ms", type=float, default=0.0, help="input wait before each step")
+    p.add_argument("--cpu", type=int, default=None, help="pin to this core (the shared device)")
     args = p.parse_args()
+
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -55,6 +66,8 @@ def main() -> None:
     while not args.go_file.exists():
         time.sleep(0.002)
     for step in range(args.steps):
+        if args.load_ms > 0:
+            time.sleep(args.load_ms / 1000)  # the batch arrives: the device was idle meanwhile
         with governor.step():
             i = (step % 8) * args.batch
             loss = nn.functional.mse_loss(model(x[i : i + args.batch]), y[i : i + args.batch])

@@ -14,13 +14,17 @@ Three parts:
 - ``loss_scale``: the factor on a rank's mean loss that makes DDP's averaged gradient the mean over
   the global batch when local batches differ in size.
 
+- ``DataParallelLiss``: the three together for one rank of a DDP job (gloo or NCCL), with the
+  per-step exchange of forward times; stealing is on only while the job is packed (the local
+  scheduler says so, ``tandem_job.packing``), as rank 0 sees it, so every rank agrees at every step.
+
 Stealing changes only how the global batch's gradient sum is partitioned, so the trained result
 equals the unpacked run's up to floating-point summation order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import Sampler
@@ -52,6 +56,14 @@ class LissBalancer:
         self.counts = split_counts(global_batch, [1.0] * world_size)
         self._threshold = threshold
         self.moves = 0
+
+    def reset(self) -> list[int]:
+        """The equal split of the unpacked job (no one steals)."""
+        equal = split_counts(self.global_batch, [1.0] * len(self.counts))
+        if equal != self.counts:
+            self.counts = equal
+            self.moves += 1
+        return self.counts
 
     def observe(self, forward_s: Sequence[float]) -> list[int]:
         """Rebalance (speed = samples / forward time) when the spread passes the threshold."""
@@ -107,3 +119,82 @@ class LissBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return self._n // self._batch
+
+
+def _packed_now() -> bool:
+    from tandem_job import packing
+
+    return bool(packing())
+
+
+class DataParallelLiss:
+    """LISS for one rank of a data-parallel job (``torch.distributed`` initialised)::
+
+        liss = DataParallelLiss(len(dataset), global_batch, seed=1)
+        for epoch in ...:
+            liss.sampler.set_epoch(epoch)
+            for local in liss.sampler:          # this rank's slice of the global batch
+                t0 = time.perf_counter(); out = ddp(x[local]); forward_s = time.perf_counter() - t0
+                loss = criterion(out, y[local]) * liss.loss_scale(len(local))
+                ...backward, step...
+                liss.exchange(forward_s)        # every rank, every step: the next step's split
+
+    ``exchange`` is one all-reduce of every rank's forward time plus rank 0's ``packed()`` (the
+    local scheduler's word, read once per step); packed, the balancer moves samples from slow
+    ranks to fast ones; alone, the split goes back to equal. Either way every rank applies the
+    same counts to the next global batch, which stays the unpacked job's."""
+
+    def __init__(
+        self,
+        dataset_len: int,
+        global_batch: int,
+        *,
+        seed: int = 0,
+        packed: Callable[[], bool] = _packed_now,
+        threshold: float = REBALANCE_THRESHOLD,
+    ) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.global_batch = global_batch
+        self.balancer = LissBalancer(global_batch, self.world_size, threshold)
+        self.sampler = LissBatchSampler(dataset_len, global_batch, self.rank, self.balancer, seed)
+        self._packed = packed
+        self.stealing = False  # as of the last exchange
+        self.history: list[list[int]] = []  # the split each step ran with
+
+    def loss_scale(self, local_count: int) -> float:
+        return loss_scale(local_count, self.global_batch, self.world_size)
+
+    def go(self, more: bool = True) -> bool:
+        """Before a step, on every rank: whether it is taken (rank 0's ``more``; the others' is
+        ignored). Rank 0 runs the job-side step loop and learns of a stop word there; without
+        this the other ranks would wait in their next collective for good::
+
+            if rank == 0:
+                for _ in job.steps():
+                    liss.go(); step()
+                liss.go(False)                  # stopped or done: the others leave too
+            else:
+                while liss.go(): step()
+        """
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if more and self.rank == 0 else 0.0], dtype=torch.float64)
+        dist.broadcast(flag, src=0)
+        return bool(flag[0] > 0)
+
+    def exchange(self, forward_s: float) -> list[int]:
+        """After a step: agree on the split of the next one."""
+        import torch.distributed as dist
+
+        self.history.append(list(self.balancer.counts))
+        shared = torch.zeros(self.world_size + 1, dtype=torch.float64)
+        shared[self.rank] = forward_s
+        if self.rank == 0:
+            shared[self.world_size] = 1.0 if self._packed() else 0.0
+        dist.all_reduce(shared)
+        self.stealing = bool(shared[self.world_size] > 0)
+        if self.stealing:
+            return self.balancer.observe(shared[: self.world_size].tolist())
+        return self.balancer.reset()

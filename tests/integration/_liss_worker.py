@@ -28,17 +28,23 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+def setup() -> tuple[nn.Module, DistributedDataParallel, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    """The seeded model under DDP, its optimizer and the data set (gloo initialised)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    x, y = _data()
+    return model, ddp, opt, x, y
+
+
 def train(rank: int, world: int, port: int, steal: bool, slow_rank_s_per_sample: float, out: Any) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1)).double()
-        ddp = DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        x, y = _data()
+        model, ddp, opt, x, y = setup()
         balancer = LissBalancer(GLOBAL_BATCH, world)
         sampler = LissBatchSampler(DATASET, GLOBAL_BATCH, rank, balancer, seed=1)
         seen: list[list[int]] = []

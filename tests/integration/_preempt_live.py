@@ -82,9 +82,9 @@ def tandem(cluster: ClusterHandle, *args: str, timeout: float = 60.0) -> subproc
 
 
 def submit_jobs(
-    cluster: ClusterHandle, workdir: Path, count: int, steps: int = 100_000
+    cluster: ClusterHandle, workdir: Path, count: int, steps: int = 100_000, app: str = "be"
 ) -> tuple[list[str], Path]:
-    """``count`` one-GPU jobs of app ``be``; their ids and the record file."""
+    """``count`` one-GPU jobs of ``app``; their ids and the record file."""
     script, record = workdir / "be_job.py", workdir / "steps.txt"
     script.write_text(JOB)
     submits = [
@@ -98,7 +98,7 @@ def submit_jobs(
                 "--state-dir",
                 str(cluster.state_dir),
                 "--app",
-                "be",
+                app,
                 "--iterations",
                 str(steps),
                 "--",

@@ -47,3 +47,11 @@ def test_each_live_host_reports_its_gpus_by_use() -> None:
     meter.observe(report("h0", gpus=2, committed=0, leased=[], idle=[1], reserved=1), 4.0)
     assert meter.report(8.0)["hosts"] == {"h0": {"gpus": 2, "cells": 0, "be": 0, "free": 1, "reserved": 1}}
     assert list(meter.by_host(4.0)) == ["h0", "h1"]
+
+
+def test_a_gpu_two_packed_jobs_share_is_one_leased_gpu() -> None:
+    meter = UsageMeter(stale_s=5.0)
+    body = report("h0", gpus=2, committed=0, leased=[], idle=[1], reserved=0)
+    body["jobs"] = [{"job_id": j, "running": True, "device_ids": [0]} for j in ("a.1", "a.2")]
+    meter.observe(body, 0.0)
+    assert meter.split(0.0) == {"cells": 0, "be": 1, "idle": 1, "provisioned": 2}

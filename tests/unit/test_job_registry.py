@@ -177,3 +177,33 @@ def test_a_lease_a_cell_revoked_is_not_charged_and_its_clock_stops() -> None:
     registry.account(107.0)
     assert job.gpu_seconds == pytest.approx(3.0)  # 100-102 and 106-107
     assert job.lease_expires_at == pytest.approx(114.0)  # 4 s suspended
+
+
+def test_a_packed_gpu_is_charged_once_split_between_its_two_jobs_by_their_shares() -> None:
+    registry = Registry()
+    jmax = registry.submit({**BODY, "app": "big", "gpus": 2}, 0.0)
+    guest = registry.submit({**BODY, "app": "small"}, 0.0)
+    running(registry, jmax.job_id, devices=(0, 1))  # at 100
+    running(registry, guest.job_id, devices=(1,))  # packed on GPU 1, J_max's
+
+    def report(at: float, jmax_share: int, guest_share: int) -> None:
+        entries = [
+            {"job_id": jmax.job_id, "running": True, "packing": {"with": guest.job_id, "share": jmax_share}},
+            {"job_id": guest.job_id, "running": True, "packing": {"with": jmax.job_id, "share": guest_share}},
+        ]
+        registry.on_report({"host_id": "host-0", "jobs": entries, "at": at}, at)
+
+    report(100.0, 100, 100)  # free competition: GPU 1 half each
+    registry.account(104.0)
+    assert (jmax.gpu_seconds, guest.gpu_seconds) == pytest.approx((6.0, 2.0))
+    report(104.0, 100, 60)  # the guest squeezed to 60%: GPU 1 is 100:60 from now on
+    registry.account(112.0)
+    assert jmax.gpu_seconds == pytest.approx(6.0 + 8 * (1 + 100 / 160))
+    assert guest.gpu_seconds == pytest.approx(2.0 + 8 * 60 / 160)
+    # the two GPUs' time is charged once in all, and each app is charged its job's part now
+    assert jmax.gpu_seconds + guest.gpu_seconds == pytest.approx(2 * 12.0)
+    apps = registry.apps()
+    assert (apps["big"]["gpus_now"], apps["small"]["gpus_now"]) == (1.625, 0.375)
+    registry.lease_ended(guest.job_id, 112.0)  # alone again: J_max is charged both GPUs
+    registry.account(114.0)
+    assert jmax.gpu_seconds == pytest.approx(6.0 + 8 * (1 + 100 / 160) + 4.0)

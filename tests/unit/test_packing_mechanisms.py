@@ -125,6 +125,13 @@ def test_balancer_moves_samples_to_the_faster_worker_and_ignores_jitter() -> Non
     assert b.observe([0.120, 0.120]) == [24, 8]  # balanced: stays
 
 
+def test_an_unpacked_job_goes_back_to_the_equal_split() -> None:
+    balancer = LissBalancer(16, 2)
+    assert balancer.observe([0.010, 0.030]) != [8, 8]
+    assert balancer.reset() == [8, 8] and balancer.moves == 2
+    assert balancer.reset() == [8, 8] and balancer.moves == 2  # already equal: no move
+
+
 @given(counts=st.lists(st.integers(1, 10), min_size=1, max_size=5), epoch=st.integers(0, 3))
 def test_rank_slices_tile_every_global_batch(counts: list[int], epoch: int) -> None:
     batch = sum(counts)

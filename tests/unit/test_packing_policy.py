@@ -23,6 +23,7 @@ from shared.policies.packing import (
     MakespanObjective,
     PackingConfig,
     Placement,
+    SequencedJctObjective,
     packable_gpus,
     packing_sets,
     run_search,
@@ -188,6 +189,27 @@ def test_objectives_rank_as_their_text_says() -> None:
     ms = MakespanObjective()
     assert ms.priority(b, m["b"]) > ms.priority(a, m["a"])  # the longer job is swelled
     assert ms.value([a, b], m) == pytest.approx(200.0)
+
+
+def test_sequenced_jct_swells_the_job_with_least_device_work_left() -> None:
+    """Of two busy jobs the shorter is swelled (SRPT); a job that waits for its input most of the
+    time is swelled even when it runs longer: it needs less of the device to finish."""
+
+    def squeezed(jobs: list[JobInfo], measured: dict[str, JobMeasurement]) -> frozenset[str]:
+        search = CoordinationSearch(jobs, SequencedJctObjective())
+        search.propose()
+        search.observe(measured)
+        return search.low_priority
+
+    busy = [
+        JobInfo("long", ("g0",), 2000.0, solo_throughput=100.0),
+        JobInfo("short", ("g0",), 500.0, solo_throughput=100.0),
+    ]
+    assert squeezed(busy, {"long": JobMeasurement(50.0, 0.5), "short": JobMeasurement(50.0, 0.5)}) == {"long"}
+    loader = JobInfo("loader", ("g0",), 900.0, solo_throughput=35.0)  # 26 s alone, 20% of the device
+    compute = JobInfo("compute", ("g0",), 3000.0, solo_throughput=240.0)  # 12.5 s alone, all of it
+    measured = {"loader": JobMeasurement(28.0, 0.2), "compute": JobMeasurement(170.0, 0.8)}
+    assert squeezed([loader, compute], measured) == {"compute"}
 
 
 def test_a_squeeze_skips_the_slack_above_what_a_job_uses() -> None:
