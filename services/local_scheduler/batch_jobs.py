@@ -436,8 +436,12 @@ class BatchJobs:
         assert self.checkpoints is not None
         path = run.process.directory / JOURNAL_FILE
         try:
-            digests = sorted({line for line in path.read_text().split() if line})
-        except OSError:
+            digests = sorted({line for line in read_job_file(path).decode(errors="replace").split() if line})
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:  # a FIFO, a link, an oversized file: not relayed
+            log.warning("checkpoint_journal_unreadable", job=run.job_id, host=self.host_id, reason=str(exc))
+            path.unlink(missing_ok=True)
             return
         if digests:
             try:
