@@ -46,6 +46,12 @@ FAST_AUTOSCALING = (
 )  # fmt: skip
 
 
+# For a cluster whose tests never speak to the Kernel Gateway HTTP API: Jupyter Server is the
+# costliest service to start (two CPU-seconds of imports) and to stop (its kernels first). The
+# session cluster, and the tests of the API, of `tandem up` and of the state dir, keep it.
+WITHOUT_HTTP_API = ("--set", "http.enabled=false")
+
+
 @dataclass
 class ClusterHandle:
     """A running embedded cluster: where it lives and how to reach it."""

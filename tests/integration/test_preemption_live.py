@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _cluster import running_cluster
+from _cluster import WITHOUT_HTTP_API, running_cluster
 from _kernels import tandem_kernel
 from _preempt_live import (
     CONFIG,
@@ -34,7 +34,10 @@ PROMPT_S = 2.0  # request sent -> user code running, with every GPU leased (targ
 def test_a_cell_revokes_a_leased_gpu_and_the_job_resumes_without_loss(
     tandem_kernelspec: Path, tmp_path: Path
 ) -> None:
-    with running_cluster(tmp_path / "state", *CONFIG) as cluster, tandem_kernel() as (_, client):
+    with (
+        running_cluster(tmp_path / "state", *CONFIG, *WITHOUT_HTTP_API) as cluster,
+        tandem_kernel() as (_, client),
+    ):
         timed_cell(client)  # warm: imports, first election
         # `tandem up` started the checkpoint service; the operator's key reads it
         assert cluster.status()["checkpoints"]["jobs"] == {}
