@@ -725,6 +725,9 @@ def run_notebook(
     ``after_cell`` (async) sees each cell's row as soon as it ran: the demo uses it to cordon the
     executor's host mid-notebook and show the namespace following the new executor.
     """
+    from services.jsonschema_formats import skip_iri_grammar
+
+    skip_iri_grammar()  # before nbformat loads jsonschema: a CPU-second of every `tandem run`
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError

@@ -1,8 +1,9 @@
 """The embedded cluster behind ``tandem up``: every service as a real OS process on loopback.
 
-Start order: arbiter (best-effort jobs' leases), serving controller (warm runtimes), global scheduler, gateway, N local schedulers
-(virtual GPUs), the Kernel Gateway HTTP API (``http.enabled``); then wait until every host has
-registered and the API serves, write ``cluster.json`` and hand control back. Stop order is the
+Start order: the Kernel Gateway HTTP API (``http.enabled``: the slowest to import, it needs no
+address), then the arbiter (best-effort jobs' leases), the checkpoint service and the serving
+controller (warm runtimes) side by side, the global scheduler, then the gateway and N local
+schedulers (virtual GPUs); then wait until every host has registered and the API serves, write ``cluster.json`` and hand control back. Stop order is the
 reverse (the API first, while the gateway still stops its kernels), and
 the "no orphans, ever" rule is enforced three ways, because each alone has a hole:
 
@@ -48,6 +49,7 @@ STOP_GRACE_S = 10.0
 GATEWAY_RESTARTS_PER_WINDOW = 5
 GATEWAY_RESTART_WINDOW_S = 60.0
 HTTP_SERVICE = "http-gateway"
+HTTP_SESSIONS = Path("http") / "sessions"  # the HTTP API's kernel records (services/http_gateway/app.py)
 HTTP_STOP_GRACE_S = 8.0  # its kernels' shutdowns run concurrently, each a gateway round trip
 
 
@@ -192,9 +194,17 @@ class EmbeddedCluster:
             curve.issue(self.keys_dir, curve.host_principal(f"host-{index}"))
         log_format = ["--log-format", self.cfg.get("log.format")]
         deadline = time.monotonic() + float(self.cfg.get("embedded.ready_timeout_s"))
-        # The arbiter first: every other service is told its address (hosts report to it). Like
+        forget_kernel_table(self.state_dir)  # no kernel outlives the cluster that ran it
+        # The HTTP API first: importing Jupyter Server is the longest start of all, and it needs
+        # no other service's address (it finds the gateway through cluster.json, per request).
+        # It serves once cluster.json names it; the others start meanwhile.
+        self._http_args = ["-m", "services.http_gateway", "--config-json", self._child_config(), *log_format]
+        http_child = self._start_http() if self.cfg.get("http.enabled") else None
+        # The arbiter next: every other service is told its address (hosts report to it). Like
         # the scheduler, it binds a port the OS picks and announces it.
-        # The checkpoint service (jobs' images; hosts relay to it) starts beside it.
+        # The checkpoint service (jobs' images; hosts relay to it) and the serving controller
+        # (warm runtimes: hosts report their pools to it, the scheduler asks it for runtimes)
+        # start beside it: none of the three needs another's address.
         arbiter_log = self.log_dir / "arbiter.log"
         offset = arbiter_log.stat().st_size if arbiter_log.exists() else 0
         self._arbiter_args = ["-m", "services.arbiter", "--config-json", self._child_config(), *log_format]
@@ -205,11 +215,8 @@ class EmbeddedCluster:
         checkpoint = self._spawn(
             "checkpoint", [*self._checkpoint_args, "--bind", f"tcp://{self.ip}:0"], critical=True
         )
-        self.arbiter_address = self._wait_for_announcement(arbiter, offset, deadline)
-        # The serving controller next: hosts report their warm pools to it, the scheduler asks it
-        # for runtimes.
         serving_log = self.log_dir / "serving-controller.log"
-        offset = serving_log.stat().st_size if serving_log.exists() else 0
+        serving_offset = serving_log.stat().st_size if serving_log.exists() else 0
         self._serving_args = [
             "-m",
             "services.serving_controller",
@@ -220,10 +227,10 @@ class EmbeddedCluster:
         serving = self._spawn(
             "serving-controller", [*self._serving_args, "--bind", f"tcp://{self.ip}:0"], critical=True
         )
-        self.serving_address = self._wait_for_announcement(serving, offset, deadline)
+        self.arbiter_address = self._wait_for_announcement(arbiter, offset, deadline)
+        self.serving_address = self._wait_for_announcement(serving, serving_offset, deadline)
         self.checkpoint_address = self._wait_for_announcement(checkpoint, checkpoint_offset, deadline)
         config_json = self._child_config(self.arbiter_address, self.serving_address, self.checkpoint_address)
-        forget_kernel_table(self.state_dir)  # no kernel outlives the cluster that ran it
         # The scheduler binds a port the OS picks at bind time and announces it; a port chosen here
         # and bound there later could be taken in between (by any process, or as the ephemeral
         # source port of an outgoing connection).
@@ -251,9 +258,8 @@ class EmbeddedCluster:
                  "--config-json", config_json, *log_format],
                 critical=False,
             )  # fmt: skip
-        # the HTTP API imports Jupyter Server meanwhile; it serves once cluster.json names it
+        # a restarted HTTP API gets the whole configuration, as every later start of a service does
         self._http_args = ["-m", "services.http_gateway", "--config-json", config_json, *log_format]
-        http_child = self._start_http() if self.cfg.get("http.enabled") else None
         self.gateway_address = self._wait_for_file(address_file, deadline)
         hosts = self._wait_for_hosts(deadline)
         if http_child is not None:
@@ -635,9 +641,13 @@ def run_foreground(cluster: EmbeddedCluster, *, on_ready: Any = None) -> int:
 
 def forget_kernel_table(state_dir: Path) -> None:
     """A new cluster starts with no kernel: the previous gateway's table must not be restored,
-    nor the previous scheduler's hibernated kernels resumed."""
+    nor the previous scheduler's hibernated kernels resumed, nor the previous HTTP API's kernels
+    re-adopted (its records would only be dropped once the re-attach failed, by asking a cluster
+    that is not up yet: the API starts first)."""
     with contextlib.suppress(FileNotFoundError):
         (state_dir / "gateway" / "kernels.json").unlink()
+    for record in (state_dir / HTTP_SESSIONS).glob("*.json"):
+        record.unlink(missing_ok=True)
     forget_hibernated(state_dir)
 
 

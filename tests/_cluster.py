@@ -9,6 +9,7 @@ checks that no process of the cluster survived.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -23,9 +24,10 @@ from typing import Any
 
 import pytest
 
-from services.cluster_file import ask_sync
+from services.cluster_file import ClusterNotRunning, ask_sync, cluster_status, read_cluster
 from services.embedded import die_with_parent
 from shared import messages
+from shared.rpc import RpcError, RpcTimeout
 from shared.security import curve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +44,12 @@ FAST_AUTOSCALING = (
     "--set", "autoscale.scale_in_idle_s=0.5",
     "--set", "autoscale.scale_out_timeout_s=60",
 )  # fmt: skip
+
+
+# For a cluster whose tests never speak to the Kernel Gateway HTTP API: Jupyter Server is the
+# costliest service to start (two CPU-seconds of imports) and to stop (its kernels first). The
+# session cluster, and the tests of the API, of `tandem up` and of the state dir, keep it.
+WITHOUT_HTTP_API = ("--set", "http.enabled=false")
 
 
 @dataclass
@@ -124,17 +132,27 @@ class ClusterHandle:
         assert result.returncode == 0, result.stderr
         return dict(json.loads(result.stdout))
 
+    def status_here(self) -> dict[str, Any]:
+        """What ``tandem status --json`` prints, computed in this process by the code the CLI
+        runs (``cluster_file.cluster_status``): for polling, where a CLI process per poll costs a
+        Python start-up each time (a third of a CPU-second, on two cores shared with the cluster)."""
+        report = asyncio.run(cluster_status(read_cluster(self.state_dir)))
+        return dict(json.loads(json.dumps(report, default=str)))
+
     def wait_for_status(
         self, predicate: Callable[[dict[str, Any]], Any], what: str, timeout: float = 60.0
     ) -> dict[str, Any]:
-        """Polls ``tandem status --json`` until ``predicate`` holds (a status that cannot be read,
-        as while the scheduler restarts, is polled again) and returns that status."""
+        """Polls ``tandem status --json``'s report (``status_here``) until ``predicate`` holds (a
+        status that cannot be read, as while the scheduler restarts, is polled again) and
+        returns that status."""
         deadline = time.monotonic() + timeout
         current: dict[str, Any] = {}
         while time.monotonic() < deadline:
-            result = self.cli("status", "--json")
-            if result.returncode == 0:
-                current = json.loads(result.stdout)
+            try:
+                current = self.status_here()
+            except (ClusterNotRunning, RpcError, RpcTimeout, OSError, ValueError):
+                pass
+            else:
                 if predicate(current):
                     return current
             time.sleep(0.3)

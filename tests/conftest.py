@@ -16,6 +16,10 @@ from pathlib import Path
 import pytest
 from _cluster import ClusterHandle, running_cluster
 
+from services.jsonschema_formats import skip_iri_grammar
+
+skip_iri_grammar()  # the tests' nbformat loads jsonschema without its IRI grammar, as tandem run does
+
 
 @pytest.fixture(scope="session")
 def tandem_kernelspec(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:

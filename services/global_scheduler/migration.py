@@ -37,13 +37,15 @@ from services.global_scheduler.metrics import SchedulerMetrics
 from services.global_scheduler.reply_merger import Failed, Forward
 from shared import messages
 from shared.cluster_core.core import ClusterCore
-from shared.cluster_core.held import HELD_POLL_S, HeldFailure, HeldLook, SendOn, WaitUntil
+from shared.cluster_core.held import HELD_POLL_S, HeldFailure, HeldLook, SendOn, WaitUntil, held_again
 from shared.cluster_core.moves import (
     Abort,
+    Member,
     ReplacementLook,
     ReplicaOnHost,
     explain,
     failed_election_verdict,
+    membership_contact,
     replicas_to_drain,
 )
 from shared.config import Config
@@ -147,7 +149,7 @@ class Migrator:
         kernel.router.withdraw(msg_id)
         kernel.held = [frames]
         cell = self._held.get(kernel.kernel_id)
-        if cell is None or cell.msg_id != msg_id:  # else held again: keep its attempts and deadline
+        if cell is None or not held_again(cell.msg_id, msg_id):
             self._held[kernel.kernel_id] = HeldCell(msg_id, header, self._clock())
             log.info("cell_held", kernel=kernel.kernel_id, msg_id=msg_id, reason=REASON_ALL_YIELD)
         self.persist(kernel)
@@ -559,11 +561,12 @@ class Migrator:
         return new.replica_id
 
     def _contact(self, kernel: KernelRecord, *, exclude: set[str]) -> ReplicaRecord:
-        """A live member to propose the changes through: the Raft leader if we know it."""
-        live = [r for r in kernel.replicas.values() if r.alive and r.started and r.replica_id not in exclude]
-        if not live:
+        """The live member to propose the changes through (the core chooses: ``membership_contact``)."""
+        members = [Member(r.replica_id, r.role, r.alive and r.started) for r in kernel.replicas.values()]
+        chosen = membership_contact(members, exclude)
+        if chosen is None:
             raise MigrationError("no live member of the kernel's Raft group to propose the change")
-        return min(live, key=lambda r: (r.role != "leader", r.replica_id))
+        return kernel.replicas[chosen]
 
     async def _membership(
         self, kernel: KernelRecord, via: ReplicaRecord, action: str, member: str = "", address: str = ""

@@ -39,7 +39,6 @@ from services.host_provider import NoHostProvider, make_host_provider
 from shared import messages
 from shared.cluster_core.core import ClusterCore, CoreConfig
 from shared.cluster_core.lifecycle import (
-    ACTIVE,
     HIBERNATED,
     HIBERNATING,
     OVER,
@@ -48,7 +47,10 @@ from shared.cluster_core.lifecycle import (
     RestartLook,
     after_replica_lost,
     keeps_reported_replica,
+    rebuilding,
+    replicas_may_still_come,
     restart_refusal,
+    shutdown_stops,
     start_verdict,
     stops_on_request,
     tells_members_lost,
@@ -370,14 +372,12 @@ class GlobalScheduler:
         return None
 
     def _rebuilding(self) -> bool:
-        """A restarted scheduler learns its kernels from the hosts' registrations: until they all
-        had time to register again, an unknown kernel may still be one of ours."""
-        return self._clock() - self._started_at < self._heartbeat_timeout * 2
+        """Whether this (restarted) scheduler is in its rebuilding window now (the core decides:
+        ``lifecycle.rebuilding``)."""
+        return rebuilding(self._clock(), self._started_at, self._heartbeat_timeout)
 
     def _replicas_may_still_come(self, kernel: KernelRecord) -> bool:
-        """In the rebuilding window, a kernel adopted from the first host that reported it may
-        still get its other replicas back; a dead or hibernated kernel has none to wait for."""
-        return not kernel.alive and kernel.state not in (DEAD, HIBERNATING, HIBERNATED) and self._rebuilding()
+        return replicas_may_still_come(kernel.alive, kernel.state, rebuilding=self._rebuilding())
 
     def _keep_until_adopted(self, kernel_id: str, channel: str, frames: list[bytes]) -> None:
         """A request for a kernel this restarted scheduler has not adopted yet (the gateway's
@@ -1185,7 +1185,7 @@ class GlobalScheduler:
             self._save_hibernated()
             self._fail_held_for_resume(kernel, "kernel was shut down")
             return env.reply({"state": kernel.state})
-        if kernel.state in ACTIVE or kernel.state == HIBERNATING:
+        if shutdown_stops(kernel.state):
             transition(kernel, STOPPING)
         log.info("kernel_shutdown", kernel=kernel.kernel_id, restart=env.body.get("restart", False))
         await asyncio.gather(

@@ -191,3 +191,10 @@ class HeldScaleOut:
         self._failed.pop(key, None)
         self.autoscaler.cancel(key)
         self.arrived.done(key)
+
+
+def held_again(held_msg_id: str | None, msg_id: str) -> bool:
+    """The cell being held is the one already held (its election failed again, or its migration
+    sent it on and no replica could run it): it keeps its attempts and its deadline, so a cell
+    that keeps failing is still given up in time."""
+    return held_msg_id == msg_id

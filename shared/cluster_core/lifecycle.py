@@ -142,3 +142,23 @@ def tells_members_lost(state: str, *, restarting: bool) -> bool:
     """A replica's process exited: its surviving members hear it at once (a running kernel whose
     replica is not being restarted in place), rather than after a silence timeout."""
     return state == RUNNING and not restarting
+
+
+def shutdown_stops(state: str) -> bool:
+    """A shutdown moves a kernel that may still run cells, or one saving its image, to
+    ``stopping`` (and to ``stopped`` once its replicas are stopped); one already stopping, stopped
+    or dead keeps its state, and the shutdown only stops what is left of it."""
+    return state in ACTIVE or state == HIBERNATING
+
+
+def rebuilding(now: float, started_at: float, heartbeat_timeout: float) -> bool:
+    """A restarted scheduler learns its kernels from the hosts' registrations: until every host
+    had time to register again (two heartbeat timeouts), an unknown kernel may still be one of
+    ours and a kernel back with fewer replicas may get the others back."""
+    return now - started_at < heartbeat_timeout * 2
+
+
+def replicas_may_still_come(alive: bool, state: str, *, rebuilding: bool) -> bool:
+    """In the rebuilding window, a kernel adopted from the first host that reported it may still
+    get its other replicas back; a dead or hibernated kernel has none to wait for."""
+    return not alive and state not in (DEAD, HIBERNATING, HIBERNATED) and rebuilding

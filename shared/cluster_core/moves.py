@@ -192,6 +192,26 @@ def failed_election_verdict(kernel_id: str, kernel_state: str, round_: int) -> s
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A replica of a kernel as a membership change sees it."""
+
+    replica_id: str
+    role: str | None
+    reachable: bool  # alive, and its replica.start answered
+
+
+def membership_contact(members: Iterable[Member], exclude: Iterable[str] = ()) -> str | None:
+    """The member to propose a membership change through: the Raft leader if we know it (a
+    follower would only forward the proposal), else the lowest id (the same one each time); None
+    when no reachable member is left."""
+    left = set(exclude)
+    live = [m for m in members if m.reachable and m.replica_id not in left]
+    if not live:
+        return None
+    return min(live, key=lambda m: (m.role != "leader", m.replica_id)).replica_id
+
+
 # ---- routing a cell -----------------------------------------------------------------------
 
 

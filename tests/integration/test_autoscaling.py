@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cluster import FAST_AUTOSCALING, ClusterHandle, running_cluster, start_cluster, stop_cluster
+from _cluster import (
+    FAST_AUTOSCALING,
+    WITHOUT_HTTP_API,
+    ClusterHandle,
+    running_cluster,
+    start_cluster,
+    stop_cluster,
+)
 from _kernels import run, tandem_kernel
 from jupyter_client import BlockingKernelClient
 
@@ -41,6 +48,7 @@ def scaling_cluster(
     with running_cluster(
         state_dir,
         "--hosts", "3", "--max-hosts", "6", "--gpus-per-host", "1", *FAST_AUTOSCALING,
+        *WITHOUT_HTTP_API,
     ) as handle:  # fmt: skip
         yield handle
     assert not processes_of(handle.scheduler), "hosts the autoscaler added outlived the cluster"
@@ -178,7 +186,7 @@ def test_periodic_check_adds_hosts_for_the_scaling_buffer(tmp_path: Path) -> Non
         tmp_path / "state",
         "--hosts", "3", "--max-hosts", "4", "--gpus-per-host", "1",
         "--set", "autoscale.buffer_hosts=4", "--set", "autoscale.interval_s=0.3",
-        "--set", "autoscale.scale_in_idle_s=0.5", "--metrics-port", "0",
+        "--set", "autoscale.scale_in_idle_s=0.5", "--metrics-port", "0", *WITHOUT_HTTP_API,
     )  # fmt: skip
     try:
         report = handle.wait_for_status(lambda s: len(host_ids(s)) == 4, "a buffer host", SCALE_TIMEOUT_S)

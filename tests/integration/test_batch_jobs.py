@@ -20,7 +20,7 @@ from statistics import median
 from typing import Any
 
 import pytest
-from _cluster import ROOT, ClusterHandle, eventually, running_cluster
+from _cluster import ROOT, WITHOUT_HTTP_API, ClusterHandle, eventually, running_cluster
 from _kernels import run, tandem_kernel
 
 # cluster, notebooks and torch imported at the lowest CPU priority: about a minute on an idle
@@ -35,6 +35,7 @@ CONFIG = (
     "--set", "arbiter.stop_grace_s=3",
     "--set", "arbiter.keep_paused_s=60",
     "--set", "arbiter.cell_reserve_gpus=1",
+    *WITHOUT_HTTP_API,
 )  # fmt: skip
 TRAIN = Path(__file__).with_name("_train_job.py")
 RUN_S = 20.0  # more of cells and jobs side by side once every job has started its steps

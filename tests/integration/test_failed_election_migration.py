@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _cluster import ClusterHandle, running_cluster
+from _cluster import WITHOUT_HTTP_API, ClusterHandle, running_cluster
 from _kernels import run, tandem_kernel
 from test_migration import (
     FAST_HEARTBEAT,
@@ -48,6 +48,7 @@ def three_hosts(tmp_path_factory: pytest.TempPathFactory, tandem_kernelspec: Pat
         "--set", "scheduler.request_timeout_s=60",
         "--set", "scheduler.candidate_silence_s=1.0",  # default 3 s: the stopped candidate's wait
         *FAST_HEARTBEAT,
+        *WITHOUT_HTTP_API,
     ) as handle:  # fmt: skip
         yield handle
 

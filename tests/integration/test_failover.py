@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cluster import ClusterHandle, running_cluster
+from _cluster import WITHOUT_HTTP_API, ClusterHandle, running_cluster
 from _kernels import run, tandem_kernel
 
 pytestmark = pytest.mark.integration
@@ -146,8 +146,9 @@ def unreplaced_cluster(tmp_path: Path, tandem_kernelspec: Path) -> Iterator[Clus
     """Dead replicas are not replaced here, so nothing but the scheduler's notice of the death
     (not a membership change) can end the standbys' wait for a dead executor's DONE."""
     with running_cluster(
-        tmp_path / "state", "--hosts", "3", "--set", "scheduler.replace_dead_replicas=false"
-    ) as handle:
+        tmp_path / "state",
+        "--hosts", "3", "--set", "scheduler.replace_dead_replicas=false", *WITHOUT_HTTP_API,
+    ) as handle:  # fmt: skip
         yield handle
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cluster import ClusterHandle, running_cluster
+from _cluster import WITHOUT_HTTP_API, ClusterHandle, running_cluster
 from _kernels import CellResult, run, tandem_kernel
 
 from shared import messages
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, tandem_kernelspec: Path) -> Iterator[ClusterHandle]:
     state_dir = tmp_path_factory.mktemp("gateway-restart")
-    with running_cluster(state_dir, "--hosts", "3") as handle:
+    with running_cluster(state_dir, "--hosts", "3", *WITHOUT_HTTP_API) as handle:
         yield handle
     # every process of it, restarted gateways and replicas included, is gone
     assert not processes_with_state_dir(state_dir), processes_with_state_dir(state_dir)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _cluster import ClusterHandle, running_cluster
+from _cluster import WITHOUT_HTTP_API, ClusterHandle, running_cluster
 from _kernels import run, tandem_kernel
 from test_migration import BackgroundCell, busy_hosts, settle, wait_for
 
@@ -42,6 +42,7 @@ def growing_cluster(
         "--set", "autoscale.interval_s=0.5",
         "--set", "autoscale.scale_out_timeout_s=90",
         "--set", f"scheduler.migration_deadline_s={MIGRATION_DEADLINE_S}",
+        *WITHOUT_HTTP_API,
     ) as handle:  # fmt: skip
         yield handle
 

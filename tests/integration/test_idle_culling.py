@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _cluster import ClusterHandle, eventually, running_cluster
+from _cluster import WITHOUT_HTTP_API, ClusterHandle, eventually, running_cluster
 from _kernels import tandem_kernel
 
 pytestmark = pytest.mark.integration
@@ -25,7 +25,9 @@ def culling_cluster(
         "kernel.cull_connected": "true",
     }
     flags = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
-    with running_cluster(tmp_path_factory.mktemp("culling-state"), "--hosts", "3", *flags) as handle:
+    with running_cluster(
+        tmp_path_factory.mktemp("culling-state"), "--hosts", "3", *flags, *WITHOUT_HTTP_API
+    ) as handle:
         yield handle
 
 

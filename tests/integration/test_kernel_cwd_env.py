@@ -15,7 +15,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from _cluster import ClusterHandle, eventually, running_cluster
+from _cluster import WITHOUT_HTTP_API, ClusterHandle, eventually, running_cluster
 from _kernels import run
 from nbclient import NotebookClient
 
@@ -27,6 +27,7 @@ PREWARM = (
     "--hosts", "4",
     "--set", "prewarm.policy=fixed", "--set", "prewarm.per_host=1",
     "--set", "prewarm.interval_s=0.3", "--set", "prewarm.imports=[]",
+    *WITHOUT_HTTP_API,
 )  # fmt: skip
 
 

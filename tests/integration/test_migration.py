@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cluster import ClusterHandle, running_cluster
+from _cluster import WITHOUT_HTTP_API, ClusterHandle, running_cluster
 from _kernels import CellResult, run, tandem_kernel
 from jupyter_client import BlockingKernelClient, KernelManager
 
@@ -50,6 +50,7 @@ def small_cluster(
         "--set", f"scheduler.migration_deadline_s={MIGRATION_DEADLINE_S}",
         "--set", "scheduler.heartbeat_timeout_s=3.0",
         *FAST_HEARTBEAT,
+        *WITHOUT_HTTP_API,
     ) as handle:  # fmt: skip
         yield handle
 

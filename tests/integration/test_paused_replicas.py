@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _cluster import ClusterHandle, running_cluster
+from _cluster import WITHOUT_HTTP_API, ClusterHandle, running_cluster
 from _kernels import run, tandem_kernel
 
 pytestmark = pytest.mark.integration
@@ -33,6 +33,7 @@ def pausing_cluster(tmp_path: Path, tandem_kernelspec: Path) -> Iterator[Cluster
         "--hosts", "3",
         "--set", f"scheduler.candidate_silence_s={CANDIDATE_SILENCE_S}",
         "--set", f"election.executor_silence_s={EXECUTOR_SILENCE_S}",
+        *WITHOUT_HTTP_API,
     ) as handle:  # fmt: skip
         yield handle
 

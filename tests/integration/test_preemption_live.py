@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from _cluster import ClusterHandle, eventually, running_cluster
+from _cluster import WITHOUT_HTTP_API, ClusterHandle, eventually, running_cluster
 from _kernels import tandem_kernel
 from _preempt_live import (
     CONFIG,
@@ -56,7 +56,7 @@ class Leased:
 @pytest.fixture(scope="module")
 def leased(tandem_kernelspec: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Leased]:
     workdir = tmp_path_factory.mktemp("preempt-live")
-    with running_cluster(workdir / "state", *CONFIG, *PACKING) as cluster:
+    with running_cluster(workdir / "state", *CONFIG, *PACKING, *WITHOUT_HTTP_API) as cluster:
         yield Leased(cluster, workdir)
 
 

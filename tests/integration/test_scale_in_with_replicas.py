@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cluster import FAST_AUTOSCALING, ClusterHandle, running_cluster
+from _cluster import FAST_AUTOSCALING, WITHOUT_HTTP_API, ClusterHandle, running_cluster
 from _kernels import run, tandem_kernel
 
 from shared import messages
@@ -38,6 +38,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tandem_kernelspec: Path) -
     with running_cluster(
         tmp_path_factory.mktemp("scale-in-replicas"),
         "--hosts", "3", "--max-hosts", "6", "--gpus-per-host", "2", *FAST_AUTOSCALING,
+        *WITHOUT_HTTP_API,
     ) as handle:  # fmt: skip
         yield handle
 

@@ -80,34 +80,58 @@ class Cluster:
     settings: list[str]
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def _launch(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         env = dict(os.environ, TANDEM_STATE_DIR=str(self.tmp / "state"), PYTHONPATH=str(REPO))
         log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the process
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-m", *argv, *self.settings],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,
             stderr=log,
         )
+
+    def _announced(self, name: str, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # the one JSON line announcing the address
         assert line, f"{name} exited: {(self.tmp / f'{name}.log').read_text()[-2000:]}"
         assert json.loads(line)["event"] == "listening"
         self.procs[name] = proc
-        return proc
 
     def start_scheduler(self) -> None:
-        self._spawn("global", ["services.global_scheduler", "--bind", self.address])
+        self._announced(
+            "global", self._launch("global", ["services.global_scheduler", "--bind", self.address])
+        )
+
+    def start_hosts(self, *host_ids: str) -> None:
+        """Every host's process at once, then each one's announcement: their start-ups overlap."""
+        launched = []
+        for host_id in host_ids:
+            curve.issue(self.tmp / "state" / "keys", curve.host_principal(host_id))  # as `tandem keys host`
+            argv = ["services.local_scheduler", "--host-id", host_id, "--scheduler", self.address]
+            launched.append((host_id, self._launch(host_id, argv)))
+        for host_id, proc in launched:
+            self._announced(host_id, proc)
 
     def start_host(self, host_id: str) -> None:
-        curve.issue(self.tmp / "state" / "keys", curve.host_principal(host_id))  # as `tandem keys host`
-        self._spawn(host_id, ["services.local_scheduler", "--host-id", host_id, "--scheduler", self.address])
+        self.start_hosts(host_id)
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
         proc = self.procs.pop(name)
         proc.send_signal(sig)
         return proc.wait(timeout)
+
+    def stop_all(self, names: list[str], timeout: float = 15.0) -> None:
+        """SIGTERM to each of ``names`` at once, then wait for each (they stop side by side)."""
+        stopping = [self.procs.pop(name) for name in names]
+        for proc in stopping:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        for proc in stopping:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text()
@@ -128,13 +152,11 @@ def cluster(tmp: Path, hosts: int = 3, gpus: int = 4, **extra: Any) -> Iterator[
     c = Cluster(tmp, f"tcp://127.0.0.1:{free_port()}", [f"--set={k}={v}" for k, v in settings.items()])
     try:
         c.start_scheduler()
-        for n in range(1, hosts + 1):
-            c.start_host(f"h{n}")
+        c.start_hosts(*(f"h{n}" for n in range(1, hosts + 1)))
         yield c
     finally:
-        for name in [n for n in c.procs if n != "global"]:
-            with contextlib.suppress(Exception):
-                c.stop(name)
+        with contextlib.suppress(Exception):
+            c.stop_all([n for n in c.procs if n != "global"])
         if "global" in c.procs:
             with contextlib.suppress(Exception):
                 c.stop("global")

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import xxhash
-from _cluster import ClusterHandle, start_cluster, stop_cluster
+from _cluster import WITHOUT_HTTP_API, ClusterHandle, start_cluster, stop_cluster
 from _kernels import CellResult, run, tandem_kernel
 from blake3 import blake3
 from datastore_fixtures import S3_ENV, redis_url, s3_endpoint  # noqa: F401 - fixtures
@@ -182,7 +182,7 @@ def backend_cluster(
     with pytest.MonkeyPatch.context() as patch:
         for name, value in env.items():  # replicas inherit them through tandem up
             patch.setenv(name, value)
-        cluster = start_cluster(state_dir, "--config", str(config), "--hosts", "3")
+        cluster = start_cluster(state_dir, "--config", str(config), "--hosts", "3", *WITHOUT_HTTP_API)
         patch.setenv("TANDEM_STATE_DIR", str(state_dir))
         try:
             yield BackendCluster(backend, cluster, settings)

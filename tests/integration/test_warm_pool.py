@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cluster import ClusterHandle, eventually, running_cluster
+from _cluster import WITHOUT_HTTP_API, ClusterHandle, eventually, running_cluster
 from _kernels import run, tandem_kernel
 
 from shared import messages
@@ -44,6 +44,7 @@ def warm_cluster(
         "--set", "prewarm.policy=fixed", "--set", "prewarm.per_host=1",
         "--set", "prewarm.interval_s=0.3", "--set", "prewarm.imports=[]", "--set", "prewarm.template=true",
         "--set", f"kernel.hibernate_after_s={HIBERNATE_AFTER_S}", "--set", "kernel.hibernate_interval_s=0.5",
+        *WITHOUT_HTTP_API,
     ) as handle:  # fmt: skip
         yield handle
 

@@ -52,6 +52,9 @@ def _run_seeds(first: int, count: int) -> list[str]:
         return [f for part in parts for f in part]
 
 
+# 2,000 seeds take ~100 s of a loaded 2-core machine: past the suite's 180 s per-test limit
+# (whose thread method ends the whole session) only when it is far more loaded than CI
+@pytest.mark.timeout(600)
 def test_the_election_keeps_every_invariant_across_2000_seeds_of_faults() -> None:
     failures = _run_seeds(0, CI_SEEDS)
     assert not failures, "\n".join(failures[:10])

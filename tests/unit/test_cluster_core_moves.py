@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from shared.cluster_core import lifecycle, moves, starts
 from shared.cluster_core.core import ClusterCore, CoreConfig
-from shared.cluster_core.held import HeldLook, SendOn, TryMigration, WaitUntil, held_step
+from shared.cluster_core.held import HeldLook, SendOn, TryMigration, WaitUntil, held_again, held_step
 from shared.cluster_core.lifecycle import DEAD, OVER, RUNNING, STARTING, STOPPED, STOPPING
 from shared.cluster_core.moves import Abort, Plan, ReplacementLook, ReplicaOnHost
 from shared.policies.autoscale import AutoscaleConfig, Autoscaler, NoScale, ScaleOut
@@ -265,3 +265,75 @@ def test_a_restored_held_queue_waits_for_its_replicas_only_while_the_scheduler_r
     rebuilding: bool, live: int
 ) -> None:
     assert moves.resumes_restored(rebuilding, live, 3) == (not rebuilding or live == 3)
+
+
+# ---- membership changes, a restarted scheduler's window, shutdown, held cells ------------------
+
+
+def test_a_membership_change_goes_through_the_leader_else_the_lowest_live_id() -> None:
+    members = [
+        moves.Member("r1", "follower", True),
+        moves.Member("r2", "leader", True),
+        moves.Member("r3", None, True),
+    ]
+    assert moves.membership_contact(members) == "r2"
+    assert moves.membership_contact(members, {"r2"}) == "r1"
+    unreachable_leader = [moves.Member("r2", "leader", False), moves.Member("r3", "follower", True)]
+    assert moves.membership_contact(unreachable_leader) == "r3"
+    assert moves.membership_contact(members, {"r1", "r2", "r3"}) is None
+    assert moves.membership_contact([]) is None
+
+
+@given(
+    members=st.lists(
+        st.builds(
+            moves.Member,
+            st.sampled_from(["r1", "r2", "r3", "r4", "r5"]),
+            st.sampled_from([None, "follower", "candidate", "leader"]),
+            st.booleans(),
+        ),
+        max_size=5,
+        unique_by=lambda m: m.replica_id,
+    ),
+    exclude=st.sets(st.sampled_from(["r1", "r2", "r3", "r4", "r5"])),
+)
+def test_the_contact_is_a_reachable_member_not_excluded_and_a_known_leader_wins(
+    members: list[moves.Member], exclude: set[str]
+) -> None:
+    chosen = moves.membership_contact(members, exclude)
+    candidates = [m for m in members if m.reachable and m.replica_id not in exclude]
+    if not candidates:
+        assert chosen is None
+        return
+    assert chosen in {m.replica_id for m in candidates}
+    leaders = sorted(m.replica_id for m in candidates if m.role == "leader")
+    assert chosen == (leaders or sorted(m.replica_id for m in candidates))[0]
+
+
+def test_a_restarted_scheduler_rebuilds_for_two_heartbeat_timeouts() -> None:
+    assert lifecycle.rebuilding(100.0, 100.0, 5.0)
+    assert lifecycle.rebuilding(109.9, 100.0, 5.0)
+    assert not lifecycle.rebuilding(110.0, 100.0, 5.0)
+
+
+@given(alive=st.booleans(), state=st.sampled_from(sorted(lifecycle.TRANSITIONS)), window=st.booleans())
+def test_only_a_kernel_short_of_replicas_in_the_window_waits_for_them(
+    alive: bool, state: str, window: bool
+) -> None:
+    waits = lifecycle.replicas_may_still_come(alive, state, rebuilding=window)
+    has_replicas = state not in (lifecycle.DEAD, lifecycle.HIBERNATING, lifecycle.HIBERNATED)
+    assert waits == (window and not alive and has_replicas)
+
+
+@given(state=st.sampled_from(sorted(lifecycle.TRANSITIONS)))
+def test_a_shutdown_stops_what_may_run_or_is_saving_and_leaves_an_ending_kernel_as_it_is(state: str) -> None:
+    stops = lifecycle.shutdown_stops(state)
+    assert stops == (state in (STARTING, RUNNING, lifecycle.HIBERNATING))
+    if stops:
+        lifecycle.check("k", state, STOPPING)  # a move the table allows
+
+
+def test_the_same_cell_held_again_keeps_its_attempts_another_starts_afresh() -> None:
+    assert held_again("m1", "m1")
+    assert not held_again("m1", "m2")
+    assert not held_again(None, "m1")

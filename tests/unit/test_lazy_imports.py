@@ -75,3 +75,36 @@ def test_type_checks_see_arrays_and_tensors_once_their_library_is_imported() -> 
     assert is_ndarray(np.zeros(1)) and not is_ndarray([0.0]) and not is_ndarray(torch.zeros(1))
     assert is_tensor(torch.zeros(1)) and not is_tensor(np.zeros(1))
     assert Deferred("math").sqrt(4.0) == 2.0
+
+
+def test_the_http_api_and_tandem_run_skip_jsonschemas_iri_grammar_and_still_validate() -> None:
+    """A second of CPU at every start of the HTTP API (services/jsonschema_formats.py): its
+    process loads Jupyter Server without the RFC 3987 grammar, and notebooks and Jupyter's events
+    are still validated (a notebook missing a required field is refused)."""
+    loaded = _fresh(
+        "import sys\n"
+        "import services.http_gateway.app\n"
+        "import jsonschema, nbformat\n"
+        "from jupyter_events import EventLogger\n"
+        "nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell('1')])\n"
+        "nbformat.validate(nb)\n"
+        "del nb['cells'][0]['source']\n"
+        "try:\n"
+        "    nbformat.validate(nb)\n"
+        "except nbformat.ValidationError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise SystemExit('an invalid notebook passed')\n"
+        "print(sys.modules.get('rfc3987_syntax', 'loaded') is None)"
+    )
+    assert loaded == "True"
+
+
+def test_skipping_the_iri_grammar_changes_nothing_once_jsonschema_is_loaded() -> None:
+    import jsonschema  # noqa: F401  (this process has it loaded, as any process may)
+
+    from services.jsonschema_formats import IRI_GRAMMAR, skip_iri_grammar
+
+    before = sys.modules.get(IRI_GRAMMAR, "absent")
+    assert skip_iri_grammar() is False
+    assert sys.modules.get(IRI_GRAMMAR, "absent") is before

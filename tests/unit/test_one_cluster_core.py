@@ -263,8 +263,17 @@ CORE_FUNCTIONS: dict[str, set[str]] = {
         "tells_members_lost",
         "stops_on_request",
         "transition",
+        "rebuilding",
+        "replicas_may_still_come",
+        "shutdown_stops",
     },
-    "services/global_scheduler/migration.py": {"failed_election_verdict", "replicas_to_drain", "explain"},
+    "services/global_scheduler/migration.py": {
+        "failed_election_verdict",
+        "replicas_to_drain",
+        "explain",
+        "membership_contact",
+        "held_again",
+    },
     "services/global_scheduler/autoscaling.py": {"kernel_facts"},
     "shared/simulator/engine.py": {"kernel_facts"},
 }
