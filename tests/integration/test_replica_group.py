@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import zmq
+from _cluster import eventually
 from jupyter_client import BlockingKernelClient
 
 from shared import messages
@@ -400,6 +401,10 @@ def test_a_designated_leader_runs_on_gpus_bound_ahead_without_asking(cluster: Cl
     assert sorted(roles(replies).values()) == ["executor", "standby", "standby"]
     assert all(r["content"]["status"] == "ok" for r in replies.values())
     assert (leader, msg_id) not in cluster.scheduler.commits
+    # the replica announces itself elected beside the cell, not before its reply: wait for it
+    assert eventually(
+        lambda: any(e["event"] == "elected" and e["msg_id"] == msg_id for e in cluster.scheduler.events)
+    )
     elected = [e for e in cluster.scheduler.events if e["event"] == "elected" and e["msg_id"] == msg_id]
     assert [(e["replica_id"], e["detail"]["gpus"]) for e in elected] == [(leader, [7])]
     outputs = cluster.iopub(leader, msg_id)
