@@ -93,6 +93,11 @@ def main() -> int:
         action="store_true",
         help="Themis's rho estimates use N_avg so far, not over the app's life (the pre-fix estimate)",
     )
+    ap.add_argument(
+        "--no-starving-first",
+        action="store_true",
+        help="Themis ranks starving apps by their fair-share rho, not before every holder (ArbiterConfig)",
+    )
     args = ap.parse_args()
     start = time.perf_counter()
     if args.full:
@@ -117,6 +122,7 @@ def main() -> int:
                 fairness_knob=args.fairness_knob,
                 seed=seed,
                 lifetime_contention=not args.past_contention,
+                starving_first=not args.no_starving_first,
                 time_scale=work_scale,
             )
             results = run_all(workload, policies, hosts, params)

@@ -190,13 +190,14 @@ class Arbiter:
         )
 
     def _bid_order(self, now: float, rho: dict[str, float]) -> Callable[[AppAgent], tuple[object, ...]]:
-        """Worst rho first (starving apps before all); a tie (rho equal to 1e-9) goes to the app
+        """Worst rho first (starving apps before all, unless ``config.starving_first`` is off); a tie (rho equal to 1e-9) goes to the app
         that has received the least GPU time, then to a seeded random order, never to the app id
         (which let the alphabetically first app win every tie)."""
         rng = random.Random(f"{self.config.seed}:{now!r}:ties")
 
         def key(a: AppAgent) -> tuple[object, ...]:
-            return (not a.starving, -round(rho[a.app_id], 9), a.report.gpu_seconds_used, rng_rank[a.app_id])
+            starving_rank = not a.starving if self.config.starving_first else False
+            return (starving_rank, -round(rho[a.app_id], 9), a.report.gpu_seconds_used, rng_rank[a.app_id])
 
         rng_rank: dict[str, float] = {}
         for app_id in sorted(rho):

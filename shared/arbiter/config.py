@@ -27,6 +27,12 @@ class ArbiterConfig:
     that is exponential, so a bid lists these representatives and the MILP picks among them.
     ``lifetime_contention``: rho estimates take N_avg over the app's whole life, the part still to
     come at today's count (``AppAgent.rho``); off, the average so far.
+    ``starving_first``: starving apps (no GPU, work left: rho(0) is unbounded by Themis Eq. 1,
+    §4.3.1) rank before every app that holds GPUs in the visibility phase's filter (§3.3.2), the
+    paper's literal reading. False ranks them by their finite fair-share rho among all apps (the
+    PF objective still values their getting nothing as ``STARVING_RHO``). Measured in
+    docs/arbiter.md: on the default bench trace False lowers Themis's max rho 1.370 -> 1.148, on
+    quick seed 2 it raises it 1.538 -> 1.903; the default stays the paper's.
     ``seed``: leftovers go to non-bidders "at random" (Themis §3.3.2), drawn from this seed and
     the round's time, so a round is reproducible.
     """
@@ -41,6 +47,7 @@ class ArbiterConfig:
     max_bundle_sizes: int = 8
     packed_hosts_per_size: int = 4
     lifetime_contention: bool = True
+    starving_first: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -115,6 +115,19 @@ def test_a_starving_sweep_with_little_left_outranks_a_fed_one() -> None:
     assert out.bidders == ["w"]
 
 
+def test_starving_apps_bid_first_unless_configured_to_rank_by_their_finite_rho() -> None:
+    """Themis Eq. 1 makes rho(0) unbounded, so by default a fresh app with no GPU bids before a
+    holder however far behind that holder is; with ``starving_first`` off the filter ranks the
+    fresh app by its fair-share rho (0.5 here) and the holder (rho ~6) bids instead."""
+    fresh = AppReport("s", 0.0, [JobReport("s1", "s", 0, 1, 0, 100, 10.0)])
+    behind = AppReport("h", -5000.0, [JobReport("h1", "h", 1, 2, 0, 100, 10.0)])
+    paper = Arbiter(ArbiterConfig(fairness_knob=0.5)).auction(0.0, [fresh, behind], _slots(1, 2), 2)
+    assert paper.bidders == ["s"]
+    assert paper.rho_by_app["s"] < 1.0 < paper.rho_by_app["h"]
+    ranked = Arbiter(ArbiterConfig(fairness_knob=0.5, starving_first=False))
+    assert ranked.auction(0.0, [fresh, behind], _slots(1, 2), 2).bidders == ["h"]
+
+
 def test_lifetime_contention_counts_the_rest_of_the_life_at_todays_count() -> None:
     # 1 app for the first hour, 9 now; 3 more hours to go: (3600 * 1 + 10800 * 9) / 14400 = 7.
     assert Contention(area=3600.0, seen_s=3600.0, now=9).lifetime_average(10_800.0) == pytest.approx(7.0)
