@@ -57,6 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shared.arbiter.baselines import BASELINES
+from shared.arbiter.config import STARVING_PRIORITIES
 from shared.result_stdout import result_stdout
 from shared.simulator.be import (
     POLICIES,
@@ -93,6 +94,12 @@ def main() -> int:
         action="store_true",
         help="Themis's rho estimates use N_avg so far, not over the app's life (the pre-fix estimate)",
     )
+    ap.add_argument(
+        "--starving-priority",
+        choices=STARVING_PRIORITIES,
+        default="all",
+        help="which starving apps Themis's filter ranks before every holder (ArbiterConfig)",
+    )
     args = ap.parse_args()
     start = time.perf_counter()
     if args.full:
@@ -117,6 +124,7 @@ def main() -> int:
                 fairness_knob=args.fairness_knob,
                 seed=seed,
                 lifetime_contention=not args.past_contention,
+                starving_priority=args.starving_priority,
                 time_scale=work_scale,
             )
             results = run_all(workload, policies, hosts, params)

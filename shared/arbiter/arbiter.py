@@ -190,13 +190,19 @@ class Arbiter:
         )
 
     def _bid_order(self, now: float, rho: dict[str, float]) -> Callable[[AppAgent], tuple[object, ...]]:
-        """Worst rho first (starving apps before all); a tie (rho equal to 1e-9) goes to the app
+        """Worst rho first (starving apps before all holders, as ``config.starving_priority`` says); a tie (rho equal to 1e-9) goes to the app
         that has received the least GPU time, then to a seeded random order, never to the app id
         (which let the alphabetically first app win every tie)."""
         rng = random.Random(f"{self.config.seed}:{now!r}:ties")
 
         def key(a: AppAgent) -> tuple[object, ...]:
-            return (not a.starving, -round(rho[a.app_id], 9), a.report.gpu_seconds_used, rng_rank[a.app_id])
+            return (not first(a), -round(rho[a.app_id], 9), a.report.gpu_seconds_used, rng_rank[a.app_id])
+
+        def first(a: AppAgent) -> bool:
+            mode = self.config.starving_priority
+            if not a.starving or mode == "none":
+                return False
+            return mode == "all" or rho[a.app_id] >= 1.0 or a.report.gpu_seconds_used == 0
 
         rng_rank: dict[str, float] = {}
         for app_id in sorted(rho):

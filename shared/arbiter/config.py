@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: ``ArbiterConfig.starving_priority`` values
+STARVING_PRIORITIES = ("all", "at_risk", "none")
+
 
 @dataclass(frozen=True)
 class ArbiterConfig:
@@ -27,6 +30,14 @@ class ArbiterConfig:
     that is exponential, so a bid lists these representatives and the MILP picks among them.
     ``lifetime_contention``: rho estimates take N_avg over the app's whole life, the part still to
     come at today's count (``AppAgent.rho``); off, the average so far.
+    ``starving_priority``: which starving apps (no GPU, work left: rho(0) is unbounded by Themis
+    Eq. 1, §4.3.1) rank before every app that holds GPUs in the visibility phase's filter
+    (§3.3.2). ``"all"``: every one, the paper's literal reading. ``"at_risk"``: those whose
+    fair-share rho is >= 1 (at risk of not meeting sharing incentive, the apps §3.3.2's filter is
+    for) and new arrivals with no GPU time yet; other starving apps rank by that finite rho among
+    all. ``"none"``: all rank by their finite rho. The PF objective values a starving bidder's
+    getting nothing as ``STARVING_RHO`` in every mode. Measured in docs/arbiter.md ("Why equal
+    sharing beats our Themis on the bench").
     ``seed``: leftovers go to non-bidders "at random" (Themis §3.3.2), drawn from this seed and
     the round's time, so a round is reproducible.
     """
@@ -41,10 +52,15 @@ class ArbiterConfig:
     max_bundle_sizes: int = 8
     packed_hosts_per_size: int = 4
     lifetime_contention: bool = True
+    starving_priority: str = "all"
     seed: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fairness_knob < 1.0:
             raise ValueError(f"fairness_knob f must be in [0, 1), got {self.fairness_knob}")
+        if self.starving_priority not in STARVING_PRIORITIES:
+            raise ValueError(
+                f"starving_priority must be one of {STARVING_PRIORITIES}, got {self.starving_priority!r}"
+            )
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")

@@ -122,6 +122,7 @@ class BeSimParams:
     max_time_s: float = math.inf
     seed: int = 0
     lifetime_contention: bool = True
+    starving_priority: str = "all"
     #: the trace's time scale (the bench runs tasks at 5% of their length): baselines with time
     #: constants in their definition (Tiresias's queue thresholds) scale them by it
     time_scale: float = 1.0
@@ -132,6 +133,7 @@ class BeSimParams:
             lease_s=self.lease_s,
             seed=self.seed,
             lifetime_contention=self.lifetime_contention,
+            starving_priority=self.starving_priority,
         )
 
 

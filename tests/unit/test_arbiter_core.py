@@ -115,6 +115,28 @@ def test_a_starving_sweep_with_little_left_outranks_a_fed_one() -> None:
     assert out.bidders == ["w"]
 
 
+def test_which_starving_apps_bid_before_holders_follows_starving_priority() -> None:
+    """Themis Eq. 1 makes rho(0) unbounded, so with "all" a starving app with no GPU bids before
+    a holder however far behind that holder is. "none" ranks it by its fair-share rho (0.5 here)
+    and the holder (rho ~6) bids; "at_risk" likewise once it has had GPU time, but a new arrival
+    (no GPU time yet) still bids first."""
+    fed = AppReport("s", 0.0, [JobReport("s1", "s", 0, 1, 0, 100, 10.0)], gpu_seconds_used=30.0)
+    behind = AppReport("h", -5000.0, [JobReport("h1", "h", 1, 2, 0, 100, 10.0)])
+
+    def bidders(mode: str, starving: AppReport) -> list[str]:
+        arbiter = Arbiter(ArbiterConfig(fairness_knob=0.5, starving_priority=mode))
+        out = arbiter.auction(0.0, [starving, behind], _slots(1, 2), 2)
+        assert out.rho_by_app["s"] < 1.0 < out.rho_by_app["h"]
+        return out.bidders
+
+    assert bidders("all", fed) == ["s"]
+    assert bidders("none", fed) == ["h"]
+    assert bidders("at_risk", fed) == ["h"]
+    assert bidders("at_risk", dataclasses.replace(fed, gpu_seconds_used=0.0)) == ["s"]
+    with pytest.raises(ValueError, match="starving_priority"):
+        ArbiterConfig(starving_priority="some")
+
+
 def test_lifetime_contention_counts_the_rest_of_the_life_at_todays_count() -> None:
     # 1 app for the first hour, 9 now; 3 more hours to go: (3600 * 1 + 10800 * 9) / 14400 = 7.
     assert Contention(area=3600.0, seen_s=3600.0, now=9).lifetime_average(10_800.0) == pytest.approx(7.0)
