@@ -68,8 +68,17 @@ def test_replica_start_takes_a_warm_runtime_and_the_pool_refills(warm_cluster: C
         assert cell.status == "ok", cell.errors
         host, warm_started = ast.literal_eval(cell.results[0])
         assert host.startswith("host-") and warm_started is True
-        after = warm_cluster.status()
-        assert sum(h["warm_pool"]["taken"] for h in after["hosts"]) == 3
+        # hosts report their pools with their heartbeats: the status may not show the take yet
+        seen: list[dict[str, Any]] = [warm_cluster.status()]
+
+        def taken_by_all() -> bool:
+            seen.append(warm_cluster.status())
+            report = seen[-1]
+            warm_starts = report["metrics"]["replica_start_ms"].get("warm", {}).get("count")
+            return sum(h["warm_pool"]["taken"] for h in report["hosts"]) == 3 and warm_starts == 3
+
+        assert eventually(taken_by_all, timeout=10.0), [h["warm_pool"] for h in seen[-1]["hosts"]]
+        after = seen[-1]
         # the serving controller decided the pools (one per host, cluster-wide) and was asked
         # for a runtime before each replica start
         serving = after["serving"]
