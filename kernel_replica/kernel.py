@@ -73,6 +73,9 @@ from shared.datastore.base import DataStore
 from shared.election_round import OUTCOME_FIELD, SILENT_FIELD, election_key, round_of
 from shared.raft.driver import RaftError
 
+if t.TYPE_CHECKING:
+    from kernel_replica.state_image import StateImager
+
 EXECUTOR = "executor"
 # A standby learns a cell from its DONE; its input history and function registry catch up on
 # the next request it handles, or once this many cells are waiting (off the critical path).
@@ -118,6 +121,9 @@ class TandemKernel(IPythonKernel):
         self._codec: ObjectCodec | None = None
         self._store_timer: _TimedStore | None = None
         self._behind_store: DataStore | None = None  # write-behind: a store on the Raft thread's loop
+        # datastore.background_image: large objects copied after the reply (state_image.py), made
+        # on the first cell that needs one (it imports torch)
+        self._imager: StateImager | None = None
         self._registry: dict[str, FunctionFacts] = {}  # notebook functions seen in cells (any role)
         self._warned: set[str] = set()  # names reported as not replicated, once each
         self._idle_sent: str | None = None  # msg_id whose idle went out before its handler ended
@@ -458,6 +464,7 @@ class TandemKernel(IPythonKernel):
         saved_env = {k: os.environ.get(k) for k in ("TANDEM_GPU_IDS",)}
         os.environ["TANDEM_GPU_IDS"] = ",".join(str(d) for d in device_ids)
         helper._bind(device_ids)
+        self._before_user_code()
         self._residency.before_cell(self.shell.user_ns, device_ids)  # notebook tensors to the GPU
         try:
             if self._interrupt_pending:
@@ -593,6 +600,7 @@ class TandemKernel(IPythonKernel):
                 else None,
                 retry=self._own.retry_names(time.monotonic()),
                 unprotected={*self._own.names, *bridge.core.namespace.unprotected()},
+                images=self._images_wanted(),
             )
             plan.timings["analysis_ms"] += analysed_ms
         except Exception as exc:  # never leave the group waiting for a STATE that will not come
@@ -618,8 +626,11 @@ class TandemKernel(IPythonKernel):
                 pending.pop(name, None)
             self._pending_digests = pending
         written = None
-        if plan.deferred and self._behind_store is not None:  # write-behind, on the Raft thread
-            written = bridge.thread.submit(complete_state(state, plan.deferred, self._behind_store, log))
+        images = self._begin_images(plan, log)
+        if (plan.deferred or images) and self._behind_store is not None:  # behind, on the Raft thread
+            written = bridge.thread.submit(
+                complete_state(state, plan.deferred, self._behind_store, log, images=images)
+            )
         self._settling.append((written if written is not None else state, plan.retried))
         replicated: concurrent.futures.Future[None] = concurrent.futures.Future()
         proposed_at = time.time()
@@ -690,6 +701,7 @@ class TandemKernel(IPythonKernel):
         slider moved between cells must not be lost if the next cell runs elsewhere)."""
         await self._state_applied(self._slog)
         comm_sync.set_owner(self.comm_manager.comms, self)
+        self._before_user_code()  # a comm handler is user code: it may write what is being imaged
         msg_type = parent["header"]["msg_type"]
         if msg_type == "comm_open":
             content = parent.get("content") or {}
@@ -763,6 +775,50 @@ class TandemKernel(IPythonKernel):
                 self._slog.warning("write_behind_unavailable", error=f"{exc.__class__.__name__}: {exc}")
         self._store_timer = _TimedStore(store)
         codec.store, codec.store_error = self._store_timer, ""  # type: ignore[assignment]
+
+    # ---- large objects imaged after the reply (kernel_replica/state_image.py) ------------------------
+    def _images_wanted(self) -> bool:
+        """Whether this cell's large groups go to a background image: configured, written behind
+        (a store on the Raft thread to propose from), the store not failing (then the write's
+        outcome belongs on the cell's own output), and torch already imported (the image is
+        torch's machinery; a notebook without torch does not pay for importing it)."""
+        config = self._config
+        return (
+            config is not None
+            and bool(config.get("datastore.background_image"))
+            and self._behind_store is not None
+            and not self._own.backoff.failing
+            and "torch" in sys.modules
+        )
+
+    def _begin_images(self, plan: StatePlan, log: t.Any) -> dict[int, concurrent.futures.Future[t.Any]]:
+        """Mark the instant of each large group of ``plan`` and copy it in the background; a group
+        whose image cannot even begin fails like a write that failed (it is reported unstored)."""
+        if not plan.images:
+            return {}
+        started = time.perf_counter()
+        if self._imager is None:
+            from kernel_replica.state_image import StateImager  # imports torch (already imported)
+
+            config = self._config
+            assert config is not None
+            self._imager = StateImager(lambda: open_replica_datastore(config), kernel=self.kernel_id)
+        images: dict[int, concurrent.futures.Future[t.Any]] = {}
+        for index, views in plan.images.items():
+            try:
+                images[index] = self._imager.begin(plan.groups[index]["names"], views, self._count())
+            except Exception as exc:
+                log.exception("state_image_not_begun")
+                images[index] = concurrent.futures.Future()
+                images[index].set_exception(exc)
+        plan.images = {}  # the live views are the image's now
+        plan.timings["image_begin_ms"] = (time.perf_counter() - started) * 1000
+        return images
+
+    def _before_user_code(self) -> None:
+        """User code runs next: images in flight clone what no write guard would see first."""
+        if self._imager is not None:
+            self._imager.before_user_code()
 
     # ---- no ok without durability (kernel_replica/durability.py) ------------------------------------
     def _settle_written(self) -> None:
@@ -1128,6 +1184,8 @@ class TandemKernel(IPythonKernel):
     # ---- shutdown ------------------------------------------------------------------------------------
     def do_shutdown(self, restart: bool) -> dict[str, t.Any]:
         self._slog.info("shutdown_request", restart=restart)
+        if self._imager is not None:
+            self._imager.abandon()
         if self._bridge is not None:
             self._bridge.shutdown()
         return super().do_shutdown(restart)

@@ -93,6 +93,10 @@ class EncodedGroup:
     inline: bytes | None = None  # the concatenated payload, for small groups
     pointer: dict[str, Any] | None = None  # ObjectRef.to_dict() of the payload in the data store
     aligned: bool = True  # parts at ALIGN-byte offsets (FORMAT); False: a /1 record, packed
+    # ObjectRef.to_dict() of a checkpoint manifest (shared/checkpoint) whose tensor "part.<i>" holds
+    # part i (the pickle, then each buffer): copied in the background after the reply
+    # (kernel_replica/state_image.py), content-addressed, so unchanged pieces are not stored again
+    image: dict[str, Any] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -106,6 +110,7 @@ class EncodedGroup:
             "sizes": list(self.sizes),
             "inline": self.inline,
             "pointer": self.pointer,
+            **({"image": self.image} if self.image is not None else {}),
         }
 
     @classmethod
@@ -113,9 +118,10 @@ class EncodedGroup:
         aligned = _FORMATS.get(data.get("format"))  # type: ignore[arg-type]
         if aligned is None:
             raise ValueError(f"unknown group format {data.get('format')!r}")
-        pointer = data.get("pointer")
-        if pointer is not None:
-            ObjectRef.from_dict(dict(pointer))  # validate early
+        pointer, image = data.get("pointer"), data.get("image")
+        for ref in (pointer, image):
+            if ref is not None:
+                ObjectRef.from_dict(dict(ref))  # validate early
         inline = data.get("inline")
         return cls(
             tuple(data["names"]),
@@ -123,6 +129,7 @@ class EncodedGroup:
             bytes(inline) if inline is not None else None,
             dict(pointer) if pointer is not None else None,
             aligned,
+            dict(image) if image is not None else None,
         )
 
 
@@ -163,6 +170,10 @@ class EncodeResult:
     # name -> why its group could not be stored (store write failed, too large to go inline
     # without a store): not in ``groups``, so not replicated; the executor retries it later
     unstored: dict[str, str] = field(default_factory=dict)
+    # encode(images=True): group index -> its parts as live views (the pickle, then each buffer),
+    # for ``state_image.StateImager.begin`` to copy in the background; the group has neither
+    # inline bytes nor a pointer nor an image until that copy commits
+    images: dict[int, list[memoryview]] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -653,8 +664,15 @@ def memo_pass(value: Any, namespace: Mapping[str, Any] | None = None) -> set[Any
     return pickler.finish()
 
 
+class TornImage(Exception):
+    """A background image (``state_image``) saw a write it could not order before its copy: the
+    image is not the state at the cell's end, so it is not committed."""
+
+
 def store_failure(exc: BaseException) -> str:
-    """The reason recorded for a group whose data store write failed."""
+    """The reason recorded for a group whose data store write (or background image) failed."""
+    if isinstance(exc, TornImage):
+        return str(exc)
     return f"data store write failed: {exc.__class__.__name__}: {exc}"
 
 
@@ -901,6 +919,7 @@ class ObjectCodec:
         universe: Iterable[str] = (),
         defer_large: bool = False,
         defer_max_bytes: int | None = None,
+        images: bool = False,
     ) -> EncodeResult:
         """Encode ``names`` (and names sharing objects with them) from ``namespace``.
 
@@ -910,7 +929,9 @@ class ObjectCodec:
         copy doubles the group's memory, so at most ``defer_max_bytes`` (None: no limit) are
         copied aside per call; larger groups are streamed to the store here. A group whose write
         fails, or that is too large to go inline when there is no store, is left out and its
-        names reported in ``unstored``: the other groups of the cell are still replicated."""
+        names reported in ``unstored``: the other groups of the cell are still replicated.
+        ``images``: a group for the store is handed over as live views (``EncodeResult.images``),
+        neither copied nor written here: a concurrent checkpoint copies it (``state_image``)."""
         plan, skipped, singles = self._plan(namespace, names, universe)
         result = EncodeResult(skipped=skipped)
         deferred_bytes = 0
@@ -935,6 +956,9 @@ class ObjectCodec:
                 why = f"{total} bytes is too large for the Raft log (at most {self.max_inline_bytes})"
                 why += f" and there is no data store ({self.store_error or 'none configured'})"
                 result.unstored.update(dict.fromkeys(group, why))
+            elif images:
+                result.images[len(result.groups)] = views
+                result.groups.append(EncodedGroup(group, sizes))
             elif defer_large and (defer_max_bytes is None or deferred_bytes + total <= defer_max_bytes):
                 deferred_bytes += total
                 result.deferred[len(result.groups)] = copy_aside(payload)
@@ -968,6 +992,12 @@ class ObjectCodec:
             if ref.size != received.nbytes:
                 raise ValueError(f"stored group has {ref.size} bytes, its record says {received.nbytes}")
             await self.store.get_into(ref, received)
+        elif group.image is not None:
+            if self.store is None:
+                raise ValueError("a group in the data store needs a store to decode")
+            from kernel_replica.state_image import read_image  # imports torch: only for an image
+
+            await read_image(self.store, ObjectRef.from_dict(group.image), whole, offsets, group.sizes)
         else:
             raise ValueError("group has neither inline bytes nor a pointer")
         if not group.aligned:

@@ -16,6 +16,8 @@ log suffix.
 from __future__ import annotations
 
 import ast
+import asyncio
+import concurrent.futures
 import dataclasses
 import importlib.util
 import sys
@@ -135,6 +137,8 @@ class StatePlan:
     skipped: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     deferred: dict[int, memoryview] = field(default_factory=dict)  # group index -> payload to write
+    # group index -> its parts as live views, for a background image (``state_image``)
+    images: dict[int, list[memoryview]] = field(default_factory=dict)
     unstored: dict[str, str] = field(default_factory=dict)  # changed, but the store write failed
     retried: tuple[str, ...] = ()  # unstored names of earlier cells encoded again by this one
 
@@ -172,6 +176,7 @@ async def plan_state(
     defer_max_bytes: int | None = None,
     retry: Collection[str] = (),
     unprotected: Collection[str] = (),
+    images: bool = False,
 ) -> StatePlan:
     """The executor's side of step 7: which names changed, and their encoded groups.
 
@@ -183,7 +188,8 @@ async def plan_state(
     earlier cell could not store, encoded again whatever their fingerprint says (the next
     attempt). ``unprotected``: names the log holds no current value of (unstored, unpicklable);
     one that is gone from the namespace is listed as deleted, so no later executor reports it
-    missing."""
+    missing. ``images``: groups for the data store are left as live views (``StatePlan.images``)
+    for a background image (``state_image.StateImager``) instead of being copied or written."""
     plan = StatePlan()
     started = time.perf_counter()
     replicable = replicable_names(namespace, hidden)
@@ -241,10 +247,16 @@ async def plan_state(
     store_before = store_seconds() if store_seconds is not None else 0.0
     if changed:
         result = await codec.encode(
-            namespace, changed, universe=replicable, defer_large=defer_large, defer_max_bytes=defer_max_bytes
+            namespace,
+            changed,
+            universe=replicable,
+            defer_large=defer_large,
+            defer_max_bytes=defer_max_bytes,
+            images=images,
         )
         plan.groups = [group.to_dict() for group in result.groups]
         plan.deferred = result.deferred
+        plan.images = result.images
         plan.skipped = {s.name: s.reason for s in result.skipped}
         plan.unstored = dict(result.unstored)
         plan.retried = tuple(sorted(retrying & set(changed)))
@@ -269,18 +281,39 @@ async def plan_state(
 
 
 async def complete_state(
-    state: State, deferred: Mapping[int, memoryview], store: DataStore, log: Any
+    state: State,
+    deferred: Mapping[int, memoryview],
+    store: DataStore | None,
+    log: Any,
+    images: Mapping[int, concurrent.futures.Future[Any]] | None = None,
 ) -> State:
     """Write-behind (``datastore.write_behind``), on the Raft thread after the reply: write each
     copied-aside group to the data store and put its pointer into the STATE entry, which is only
-    proposed then (a standby must never see a pointer to an object not yet written). A group
-    whose write fails is left out with its names, fingerprints included, and they are listed
-    in ``unstored`` with the reason: the executor retries them, and any other replica that
-    executes next tells its user they are missing. The standbys keep their previous values
-    meanwhile. Never raises."""
+    proposed then (a standby must never see a pointer to an object not yet written); ``images``:
+    groups copied by a background image (``state_image``), whose manifest refs go in once each
+    image has committed. A group whose write (or image) fails is left out with its names,
+    fingerprints included, and they are listed in ``unstored`` with the reason: the executor
+    retries them, and any other replica that executes next tells its user they are missing. The
+    standbys keep their previous values meanwhile. Never raises."""
     groups = list(state.groups)
     failed: dict[int, str] = {}
+    for index, image in sorted((images or {}).items()):
+        try:
+            result = await asyncio.wrap_future(image)
+        except Exception as exc:
+            failed[index] = store_failure(exc)
+            log.warning("state_write_failed", names=groups[index]["names"], reason=failed[index])
+            continue
+        groups[index] = {**groups[index], "image": result.ref.to_dict()}
+        log.debug(
+            "state_imaged",
+            names=groups[index]["names"],
+            bytes=result.image_bytes,
+            new_bytes=result.new_bytes,
+            cow_bytes=result.cow_bytes,
+        )
     for index, payload in sorted(deferred.items()):
+        assert store is not None
         started = time.perf_counter()
         try:
             ref = await store.put_stream([payload], size_hint=payload.nbytes)

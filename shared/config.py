@@ -226,6 +226,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # next cell then waits for a memory copy, not for the write. false: written before the
         # next cell may start (no second copy in memory).
         "write_behind": True,
+        # With write_behind, the large objects of a cell that has torch imported are not copied
+        # aside before the reply: the executor marks the instant and a concurrent checkpoint
+        # (kernel_replica/state_image.py, issue #17) copies them after it, content-addressed,
+        # while the next cell may already change them (copy-on-write of what it writes first).
+        "background_image": True,
         # At most this many bytes per cell are copied aside (the copy doubles their memory); a
         # larger model or dataset is streamed to the store before the next cell, held once.
         "write_behind_max_bytes": 536_870_912,
