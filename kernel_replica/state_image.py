@@ -106,8 +106,11 @@ class StateImager:
         kernel: str,
         piece_bytes: int = DEFAULT_PIECE_BYTES,
         pack_bytes: int = DEFAULT_PACK_BYTES,
+        pacer: Callable[[], None] | None = None,
     ) -> None:
+        """``pacer``: called by the copier before each piece (tests hold it mid-copy)."""
         self._open_store = open_store
+        self._pacer = pacer
         self.kernel = kernel
         self.piece_bytes = piece_bytes
         self._staging = Staging(pack_bytes)
@@ -163,6 +166,7 @@ class StateImager:
             staging=self._staging,
             strict=True,  # every piece's fingerprint at the instant: a torn image is always found
             parent=None,
+            pacer=self._pacer,
         )
         capture.quiesce()  # no step boundaries here: validate as soon as everything is copied
         self._inflight.append(_InFlight(capture, untracked))
