@@ -279,3 +279,51 @@ def test_a_pinned_kernel_runs_where_its_unpicklable_objects_live_until_that_host
     unpinned = run(kc, "%tandem unpin", timeout=60)
     assert "not pinned any more" in unpinned.stdout
     assert eventually(lambda: _kernel_status(tandem_cluster, kernel_id)["pinned"] is None)
+
+
+_DIGESTS = (
+    "import hashlib\n"
+    "print(hashlib.sha256(big.numpy().tobytes()).hexdigest(), hashlib.sha256(arr.tobytes()).hexdigest())"
+)
+
+
+def test_large_objects_imaged_after_the_reply_reach_the_next_executor_as_the_cell_left_them(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    """A cell makes a 200 MB tensor and a 40 MB array; its reply does not wait for their copy
+    (kernel_replica/state_image.py). The next cell, at once, writes both in place while the copy
+    runs (and puts them back bitwise, so it sends nothing itself): the next executor must get
+    exactly the bytes the first cell left."""
+    kc, hosts, _ = kernel
+    first, second = hosts[0], hosts[1]
+    made = _on(
+        tandem_cluster,
+        kc,
+        first,
+        "import numpy as np, torch\n"
+        "big = torch.randn(50_000_000, generator=torch.Generator().manual_seed(7))\n"
+        "arr = np.random.default_rng(7).random(5_000_000)\n" + _DIGESTS,
+    )
+    written = _on(
+        tandem_cluster,
+        kc,
+        first,
+        "in_flight = get_ipython().kernel._imager.in_flight()\n"
+        "big.mul_(2); big[:1000] = 0.5; arr *= 4\n"
+        "big.div_(2); big[:1000] = torch.randn(50_000_000, generator=torch.Generator().manual_seed(7))[:1000]\n"
+        "arr /= 4\n"
+        "print(in_flight)\n" + _DIGESTS,
+    )
+    assert written.stdout.split()[1:] == made.stdout.split(), "the in-place writes are not undone exactly"
+    moved = _on(
+        tandem_cluster,
+        kc,
+        second,
+        _DIGESTS + "\n"
+        "groups = get_ipython().kernel._bridge.core.namespace.contents()[1]\n"
+        "print(sorted(n for g, names in groups if g.get('image') for n in names))",
+    )
+    lines = moved.stdout.splitlines()
+    assert lines[0].split() == made.stdout.split()
+    assert lines[1] == "['arr', 'big']"
+    print("images in flight when the next cell started:", written.stdout.split()[0])
