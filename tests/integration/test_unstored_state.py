@@ -112,6 +112,34 @@ def test_unstored_variable_is_named_on_the_cell_and_protected_once_the_store_wor
         assert "WARNING" not in after.stdout, after.stdout
 
 
+def test_a_tensor_whose_background_image_fails_is_named_and_stored_again(
+    tandem_cluster: ClusterHandle,
+) -> None:
+    """With torch imported a large tensor is copied after the reply (kernel_replica/state_image.py):
+    an image the store refuses is told on a cell all the same, and stored once the store works."""
+    with tandem_kernel() as (_km, kc):
+        _settle(kc, "import os\nimport torch\nopened = torch.zeros(300_000)")
+        with unwritable_store(tandem_cluster) as tmp:
+            made = run(kc, "big = torch.arange(5 * 2**20 // 8, dtype=torch.float64)")
+            assert made.status == "ok", made.reply["content"]
+            later = run(kc, "small = 1")
+            told = made.stdout + later.stdout
+            assert "NOT protected" in told and "'big'" in told and "NotADirectoryError" in told, told
+            restore(tmp)
+            time.sleep(1.5)  # past the retry backoff
+            stored = run(kc, "n = 3")
+            assert "'big' now protected" in stored.stdout or "'big'" not in stored.stdout, stored.stdout
+            quiet = run(kc, "n += 1")
+            assert "NOT protected" not in quiet.stdout, quiet.stdout
+        executor = _pid(kc)
+        os.kill(executor, signal.SIGKILL)
+        after = run(kc, "print('got', big.sum().item(), os.getpid())", timeout=30)
+        assert after.status == "ok", after.reply["content"]
+        total, pid = _line(after.stdout, "got")[1:]
+        assert float(total) == BIG_SUM and int(pid) != executor
+        assert "WARNING" not in after.stdout, after.stdout
+
+
 def test_next_executor_names_the_variables_that_died_with_the_previous_one(
     tandem_cluster: ClusterHandle,
 ) -> None:
