@@ -18,6 +18,7 @@ be going). The paths, each on a cluster of its own:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -101,9 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hosts", type=int, default=3)
     parser.add_argument("--paths", default="write,aside,image")
     parser.add_argument("--set", action="append", default=[], help="extra config overrides key=value")
+    parser.add_argument("--keep", default="", help="run in this directory and keep it (the replicas' logs)")
     args = parser.parse_args(argv)
     result: dict[str, Any] = {"mb": args.mb, "repeat": args.repeat}
-    with tempfile.TemporaryDirectory(prefix="bench-state-image-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-state-image-"))
         for name in args.paths.split(","):
             cluster, _ = embedded_cluster(args, Path(tmp) / name, **PATHS[name])
             try:
