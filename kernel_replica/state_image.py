@@ -54,6 +54,8 @@ from shared.datastore import DataStore, ObjectRef
 # copier holding the GIL makes each call wait for it (4 s for 800 pieces at load 14 on 2 cores)
 DEFAULT_PIECE_BYTES = 1024 * 1024
 DEFAULT_PACK_BYTES = 4 * 1024 * 1024
+RETAIN_BYTES = 32 * 1024 * 1024
+PREFETCH_PACKS = 4  # packs read ahead of the one being copied out (a store's latency overlaps)
 KNOWN_GROUPS = 64  # groups whose last image's pieces are remembered (not stored again)
 
 
@@ -113,7 +115,8 @@ class StateImager:
         self._pacer = pacer
         self.kernel = kernel
         self.piece_bytes = piece_bytes
-        self._staging = Staging(pack_bytes)
+        # a kernel idles between cells: keep few free slabs (a job keeps 256 MiB for its next step)
+        self._staging = Staging(pack_bytes, retain_bytes=RETAIN_BYTES)
         self._link: StoreLink | None = None
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-image")
         self._inflight: list[_InFlight] = []  # main thread only
@@ -253,29 +256,53 @@ async def read_image(
     store: DataStore, ref: ObjectRef, whole: memoryview, offsets: Sequence[int], sizes: Sequence[int]
 ) -> None:
     """Fill ``whole`` (a group's payload buffer) with the image's parts at ``offsets``: each pack
-    read once, and let go once its last piece is in place (a 200 MB group is not held twice)."""
+    read once, ``PREFETCH_PACKS`` ahead, and let go once its last piece is in place (a 200 MB
+    group is not held twice). Every object read is checked against its BLAKE3 address by the
+    store, the manifest's against the ref in the (authenticated) STATE entry, the packs' against
+    the refs in the manifest."""
     manifest = Manifest.from_json(await store.get(ref))  # checked: pieces inside their packs
     if len(manifest.tensors) != len(sizes):
         raise ValueError(f"image has {len(manifest.tensors)} parts, the group {len(sizes)}")
     records = [manifest.record(part_name(index)) for index in range(len(sizes))]
     uses: dict[int, int] = {}
+    order: list[int] = []  # packs in the order their pieces are copied out
     for record, size in zip(records, sizes, strict=True):
         if record.nbytes != size:
             raise ValueError(f"image part {record.name} has {record.nbytes} bytes, the group {size}")
         for piece in record.pieces:
+            if piece.pack not in uses:
+                order.append(piece.pack)
             uses[piece.pack] = uses.get(piece.pack, 0) + 1
     target = np.frombuffer(whole, dtype=np.uint8)
-    packs: dict[int, memoryview] = {}
-    for record, offset in zip(records, offsets, strict=True):
-        at = offset
-        for piece in record.pieces:
-            pack = packs.get(piece.pack)
-            if pack is None:
-                pack = packs[piece.pack] = await store.get(manifest.packs[piece.pack])
-            target[at : at + piece.length] = np.frombuffer(
-                pack, dtype=np.uint8, count=piece.length, offset=piece.offset
-            )
-            at += piece.length
-            uses[piece.pack] -= 1
-            if not uses[piece.pack]:
-                del packs[piece.pack]
+    reads: dict[int, asyncio.Task[memoryview]] = {}
+    ahead = iter(order)
+
+    def read(index: int) -> None:
+        reads[index] = asyncio.ensure_future(store.get(manifest.packs[index]))
+
+    def read_ahead(needed: int) -> None:
+        if needed not in reads:  # a window full of packs still in use: read it anyway
+            read(needed)
+        while len(reads) < PREFETCH_PACKS + 1:
+            index = next(ahead, None)
+            if index is None:
+                return
+            if index not in reads and uses[index]:
+                read(index)
+
+    try:
+        for record, offset in zip(records, offsets, strict=True):
+            at = offset
+            for piece in record.pieces:
+                read_ahead(piece.pack)
+                pack = await reads[piece.pack]
+                target[at : at + piece.length] = np.frombuffer(
+                    pack, dtype=np.uint8, count=piece.length, offset=piece.offset
+                )
+                at += piece.length
+                uses[piece.pack] -= 1
+                if not uses[piece.pack]:
+                    del reads[piece.pack]
+    finally:
+        for task in reads.values():
+            task.cancel()

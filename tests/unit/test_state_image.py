@@ -104,11 +104,11 @@ def store_dir(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "store"
 
 
-def _imager(root: Path, pacer: Callable[[], None] | None = None) -> StateImager:
+def _imager(root: Path, pacer: Callable[[], None] | None = None, pack_bytes: int = 4 << 20) -> StateImager:
     async def open_store() -> LocalStore:
         return LocalStore(root)
 
-    return StateImager(open_store, kernel="k", piece_bytes=PIECE, pacer=pacer)
+    return StateImager(open_store, kernel="k", piece_bytes=PIECE, pack_bytes=pack_bytes, pacer=pacer)
 
 
 async def _image_all(
@@ -189,7 +189,7 @@ def test_unchanged_pieces_are_not_stored_again_and_the_guard_leaves_with_the_las
     store_dir: Path,
 ) -> None:
     async def trial() -> None:
-        imager = _imager(store_dir)
+        imager = _imager(store_dir, pack_bytes=2 * PIECE)  # 19 packs: reads run ahead of copies
         codec = ObjectCodec(LocalStore(store_dir), large_object_bytes=64 * 1024)
         ns = {"t": torch.randn(600_000)}
         try:
@@ -197,10 +197,14 @@ def test_unchanged_pieces_are_not_stored_again_and_the_guard_leaves_with_the_las
             assert torch._C._len_torch_dispatch_stack() == 1  # the write guard, while it copies
             assert (await asyncio.wrap_future(first[0])).new_bytes >= ns["t"].nbytes
             ns["t"][0] += 1
-            _, second = await _image_all(imager, codec, ns, ["t"])
+            ns["t"][-1] += 1
+            want = ns["t"].clone()
+            groups, second = await _image_all(imager, codec, ns, ["t"])
             image = await asyncio.wrap_future(second[0])
             assert image.image_bytes > ns["t"].nbytes
-            assert image.new_bytes <= PIECE  # one changed piece (the pickle is unchanged)
+            assert image.new_bytes <= 2 * PIECE  # two changed pieces (the pickle is unchanged)
+            got = await _decoded(codec, groups, {0: second[0]})  # pieces from old and new packs
+            assert torch.equal(got["t"], want)
             for _ in range(100):
                 await asyncio.sleep(0.01)
                 if imager.in_flight() == 0:
