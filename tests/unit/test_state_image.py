@@ -111,6 +111,11 @@ def _imager(root: Path, pacer: Callable[[], None] | None = None, pack_bytes: int
     return StateImager(open_store, kernel="k", piece_bytes=PIECE, pack_bytes=pack_bytes, pacer=pacer)
 
 
+def _paths(store_dir: Path, **imager: Any) -> tuple[StateImager, ObjectCodec]:
+    """An imager and an executor's codec over one local store (groups over 64 KiB are large)."""
+    return _imager(store_dir, **imager), ObjectCodec(LocalStore(store_dir), large_object_bytes=64 * 1024)
+
+
 async def _image_all(
     imager: StateImager, codec: ObjectCodec, ns: dict[str, Any], names: list[str]
 ) -> tuple[list[EncodedGroup], dict[int, Any]]:
@@ -139,8 +144,7 @@ def test_image_is_the_state_at_the_cells_end_though_the_next_cell_writes_it_duri
 ) -> None:
     async def trial() -> None:
         gate = Gate(hold)
-        imager = _imager(store_dir, gate)
-        codec = ObjectCodec(LocalStore(store_dir), large_object_bytes=64 * 1024)
+        imager, codec = _paths(store_dir, pacer=gate)
         ns = _namespace(seed)
         want = {name: _snapshot(value) for name, value in ns.items()}
         try:
@@ -167,8 +171,7 @@ def test_image_is_the_state_at_the_cells_end_though_the_next_cell_writes_it_duri
 def test_a_torch_write_no_dispatcher_sees_makes_the_image_torn_not_wrong(store_dir: Path) -> None:
     async def trial() -> None:
         gate = Gate(0)
-        imager = _imager(store_dir, gate)
-        codec = ObjectCodec(LocalStore(store_dir), large_object_bytes=64 * 1024)
+        imager, codec = _paths(store_dir, pacer=gate)
         ns = {"t": torch.randn(600_000)}
         try:
             _, futures = await _image_all(imager, codec, ns, ["t"])
@@ -189,8 +192,7 @@ def test_unchanged_pieces_are_not_stored_again_and_the_guard_leaves_with_the_las
     store_dir: Path,
 ) -> None:
     async def trial() -> None:
-        imager = _imager(store_dir, pack_bytes=2 * PIECE)  # 19 packs: reads run ahead of copies
-        codec = ObjectCodec(LocalStore(store_dir), large_object_bytes=64 * 1024)
+        imager, codec = _paths(store_dir, pack_bytes=2 * PIECE)  # 19 packs: reads run ahead of copies
         ns = {"t": torch.randn(600_000)}
         try:
             _, first = await _image_all(imager, codec, ns, ["t"])
@@ -221,9 +223,7 @@ def test_state_carries_the_image_once_committed_and_a_failed_image_is_reported_u
     store_dir: Path,
 ) -> None:
     async def trial() -> None:
-        imager = _imager(store_dir)
-        store = LocalStore(store_dir)
-        codec = ObjectCodec(store, large_object_bytes=64 * 1024)
+        imager, codec = _paths(store_dir)
         ns = {"t": torch.randn(600_000), "a": np.arange(300_000.0)}
         try:
             groups, futures = await _image_all(imager, codec, ns, ["a", "t"])
@@ -232,7 +232,7 @@ def test_state_carries_the_image_once_committed_and_a_failed_image_is_reported_u
             lost: concurrent.futures.Future[Any] = concurrent.futures.Future()
             lost.set_exception(OSError("disk full"))
             images = {by_name["t"]: futures[by_name["t"]], by_name["a"]: lost}
-            done = await complete_state(state, {}, store, structlog.get_logger(), images=images)
+            done = await complete_state(state, {}, codec.store, structlog.get_logger(), images=images)
         finally:
             imager.close()
         assert [g["names"] for g in done.groups] == [["t"]] and done.groups[0]["image"]
