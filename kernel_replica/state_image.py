@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from kernel_replica.object_codec import TornImage
 from shared.checkpoint.capture import Capture, CaptureResult, Known, known_pieces
@@ -197,11 +198,13 @@ class StateImager:
         return len(self._inflight)
 
     def settle(self) -> None:
-        """Forget finished images; pop the write guard once none is in flight (main thread)."""
+        """Forget finished images; pop the write guard once none is in flight (main thread), if
+        it is the innermost dispatch mode: a cell awaiting inside its own ``with`` mode (top-level
+        await lets this run mid-cell) keeps it until a later settle (dispatch modes pop in order)."""
         if threading.get_ident() != self._main:
             return
         self._inflight = [f for f in self._inflight if not f.capture.done()]
-        if not self._inflight and self._guard is not None:
+        if not self._inflight and self._guard is not None and _get_current_dispatch_mode() is self._guard:
             guard, self._guard = self._guard, None
             guard.__exit__(None, None, None)
 

@@ -8,16 +8,22 @@ name already is, so a rewritten object is refused (``CorruptObject``) and never 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from _cluster import ClusterHandle
 from _kernels import run, tandem_kernel
 from _xxh3_forge import forge
 
+from kernel_replica.object_codec import EncodedGroup, ObjectCodec
+from kernel_replica.state_image import StateImager
+from shared.checkpoint.manifest import Manifest
 from shared.datastore.keys import ChecksumVerifier, content_id
+from shared.datastore.local_backend import LocalStore
 
 
 def _payload(marker: Path) -> bytes:
@@ -71,3 +77,33 @@ def test_a_store_object_rewritten_with_the_same_checksum_is_never_unpickled(
             for p in tandem_cluster.state_dir.glob(f"hosts/*/{km.kernel_id}/*/replica.log")
         )
         assert "blake3" in replica_logs
+
+
+def test_a_kernel_image_pack_rewritten_with_the_same_checksum_is_never_unpickled(tmp_path: Path) -> None:
+    """The background image of a large group (kernel_replica/state_image.py) keeps the pickle in a
+    pack the manifest names by its BLAKE3 address: a pack rewritten with the same size and
+    XXH3 checksum is refused on the standby before anything in it is unpickled."""
+    root, marker = tmp_path / "store", tmp_path / "ran-the-store-writers-code"
+
+    async def attack() -> None:
+        async def open_store() -> LocalStore:
+            return LocalStore(root)
+
+        imager = StateImager(open_store, kernel="k")
+        codec = ObjectCodec(LocalStore(root), large_object_bytes=64 * 1024)
+        try:
+            encoded = await codec.encode({"t": torch.randn(600_000)}, ["t"], images=True)
+            image = await asyncio.wrap_future(imager.begin(("t",), encoded.images[0], 1))
+        finally:
+            imager.close()
+        manifest = Manifest.from_json((root / image.ref.key).read_bytes())
+        first = manifest.record("part.0").pieces[0]  # the pickle, where the pack starts
+        assert first.offset == 0
+        pack = root / manifest.packs[first.pack].key
+        pack.write_bytes(forge(pack.read_bytes(), _payload(marker)))
+        group = EncodedGroup(encoded.groups[0].names, encoded.groups[0].sizes, image=image.ref.to_dict())
+        with pytest.raises(Exception, match="blake3"):
+            await ObjectCodec(LocalStore(root)).decode(group, {})
+
+    asyncio.run(attack())
+    assert not marker.exists(), "a replica unpickled what the store's writer wrote"
