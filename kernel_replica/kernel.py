@@ -37,7 +37,7 @@ from ipykernel.ipkernel import IPythonKernel
 from ipykernel.jsonutil import json_clean
 
 from kernel_replica import comm_sync, helper
-from kernel_replica.cell_analysis import FunctionFacts, analyse_cell, update_registry
+from kernel_replica.cell_analysis import FunctionFacts, analyse_cell, names_to_check, update_registry
 from kernel_replica.device_residency import GpuResidency
 from kernel_replica.durability import (
     Backoff,
@@ -464,7 +464,7 @@ class TandemKernel(IPythonKernel):
         saved_env = {k: os.environ.get(k) for k in ("TANDEM_GPU_IDS",)}
         os.environ["TANDEM_GPU_IDS"] = ",".join(str(d) for d in device_ids)
         helper._bind(device_ids)
-        self._before_user_code()
+        self._before_user_code(args["code"])
         self._residency.before_cell(self.shell.user_ns, device_ids)  # notebook tensors to the GPU
         try:
             if self._interrupt_pending:
@@ -815,10 +815,23 @@ class TandemKernel(IPythonKernel):
         plan.timings["image_begin_ms"] = (time.perf_counter() - started) * 1000
         return images
 
-    def _before_user_code(self) -> None:
-        """User code runs next: images in flight clone what no write guard would see first."""
-        if self._imager is not None:
-            self._imager.before_user_code()
+    def _before_user_code(self, code: str | None = None) -> None:
+        """User code runs next: images in flight clone what no write guard would see first, of
+        the groups ``code`` may change (the analysis the cell's replication trusts too, with
+        its fallbacks: every name when it cannot tell); every group for other code (a comm
+        handler)."""
+        imager = self._imager
+        if imager is None or not imager.untracked_in_flight():
+            return
+        names = None
+        if code is not None and self.shell is not None:
+            try:
+                effects = analyse_cell(code, self._registry)
+                sharing = self._codec.sharing() if self._codec is not None else None
+                names = names_to_check(effects, self.shell.user_ns, shared_with=sharing)
+            except Exception as exc:  # the safe side: every group
+                self._slog.debug("cell_not_analysed", error=repr(exc))
+        imager.before_user_code(names)
 
     # ---- no ok without durability (kernel_replica/durability.py) ------------------------------------
     def _settle_written(self) -> None:

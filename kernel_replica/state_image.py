@@ -33,7 +33,7 @@ import asyncio
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -77,6 +77,7 @@ class ImageResult:
 @dataclass
 class _InFlight:
     capture: Capture
+    names: frozenset[str]  # the group's names
     untracked: list[torch.Tensor]  # parts whose writers no dispatcher sees (numpy memory)
 
 
@@ -173,7 +174,7 @@ class StateImager:
             pacer=self._pacer,
         )
         capture.quiesce()  # no step boundaries here: validate as soon as everything is copied
-        self._inflight.append(_InFlight(capture, untracked))
+        self._inflight.append(_InFlight(capture, frozenset(names), untracked))
         if self._guard is None:
             self._guard = WriteGuard(self._before_writes, UNDECLARED_WRITES)
             self._guard.__enter__()
@@ -188,12 +189,19 @@ class StateImager:
             if not flight.capture.done():
                 flight.capture.before_writes(tensors)
 
-    def before_user_code(self) -> int:
+    def untracked_in_flight(self) -> bool:
+        """Whether an image in flight has parts no write guard sees (``before_user_code`` work)."""
+        return any(f.untracked and not f.capture.done() for f in self._inflight)
+
+    def before_user_code(self, names: Collection[str] | None = None) -> int:
         """User code is about to run (a cell, a comm message): clone the numpy parts' pieces the
-        copier has not reached (no dispatcher sees numpy writes). Returns the images in flight."""
+        copier has not reached (no dispatcher sees numpy writes), of the groups with a name in
+        ``names`` (those the code may change, ``cell_analysis.names_to_check``; None: every
+        group). Returns the images in flight."""
         self.settle()
         for flight in self._inflight:
-            if flight.untracked and not flight.capture.done():
+            wanted = names is None or not flight.names.isdisjoint(names)
+            if wanted and flight.untracked and not flight.capture.done():
                 flight.capture.before_writes(flight.untracked)
         return len(self._inflight)
 

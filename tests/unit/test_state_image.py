@@ -245,3 +245,29 @@ def test_state_carries_the_image_once_committed_and_a_failed_image_is_reported_u
         assert failures == [] and torch.equal(standby["t"], ns["t"])
 
     asyncio.run(trial())
+
+
+def test_only_the_numpy_groups_the_next_cell_may_change_are_cloned_before_it(store_dir: Path) -> None:
+    async def trial() -> None:
+        gate = Gate(0)
+        imager, codec = _paths(store_dir, pacer=gate)
+        ns = {"a": np.arange(300_000.0), "b": np.arange(300_000.0) + 1, "t": torch.randn(300_000)}
+        want = {name: _snapshot(value) for name, value in ns.items()}
+        try:
+            groups, futures = await _image_all(imager, codec, ns, sorted(ns))
+            await asyncio.to_thread(gate.reached.wait, 10)
+            assert imager.untracked_in_flight()
+            imager.before_user_code({"a"})  # the next cell may change 'a' only
+            ns["a"] *= 2
+            gate.go.set()
+            got = await _decoded(codec, groups, futures)
+            cloned = {
+                groups[i].names[0]: (await asyncio.wrap_future(f)).cow_bytes for i, f in futures.items()
+            }
+        finally:
+            gate.go.set()
+            imager.close()
+        assert cloned["a"] >= ns["a"].nbytes - PIECE and cloned["b"] == 0 and cloned["t"] == 0
+        assert all(_same(got[name], want[name]) for name in ns)
+
+    asyncio.run(trial())
