@@ -17,10 +17,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kernel_replica import log_entries
 from kernel_replica.log_entries import State
 from kernel_replica.object_codec import EncodedGroup, ObjectCodec, TornImage
 from kernel_replica.state_image import ImageResult, StateImager
-from kernel_replica.state_sync import apply_state, complete_state
+from kernel_replica.state_sync import ReplicatedNamespace, apply_state, complete_state
 from shared.datastore.local_backend import LocalStore
 
 PIECE = 64 * 1024
@@ -243,6 +244,17 @@ def test_state_carries_the_image_once_committed_and_a_failed_image_is_reported_u
             standby, ObjectCodec(LocalStore(store_dir)), [], [(done.groups[0], None)]
         )
         assert failures == [] and torch.equal(standby["t"], ns["t"])
+        # a replica restored from a Raft snapshot (restart, migration) reads the same image
+        entry = log_entries.decode(log_entries.encode(done))  # as the Raft log carries it
+        assert isinstance(entry, State)
+        log = ReplicatedNamespace()
+        log.apply(entry)
+        restored = ReplicatedNamespace()
+        restored.restore(log.to_snapshot())
+        imports, kept = restored.contents()
+        fresh: dict[str, Any] = {}
+        assert await apply_state(fresh, ObjectCodec(LocalStore(store_dir)), imports, kept) == []
+        assert torch.equal(fresh["t"], ns["t"]) and set(fresh) == {"t"}
 
     asyncio.run(trial())
 
