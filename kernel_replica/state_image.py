@@ -224,8 +224,8 @@ class StateImager:
             outcome = done.result()
             if outcome.manifest is None or outcome.manifest_ref is None:
                 raise TornImage(
-                    "changed during its background copy by a write Tandem could not intercept "
-                    f"({', '.join(outcome.torn)})"
+                    "changed during its background copy by a write Tandem could not see first "
+                    "(through a numpy view of a tensor, or from another thread)"
                 )
             with self._lock:
                 self._known[key] = known_pieces(outcome.manifest)

@@ -180,7 +180,7 @@ def test_a_torch_write_no_dispatcher_sees_makes_the_image_torn_not_wrong(store_d
             imager.before_user_code()
             ns["t"].numpy()[-10:] = 5.0  # behind the dispatcher, before the copier got there
             gate.go.set()
-            with pytest.raises(TornImage, match="could not intercept"):
+            with pytest.raises(TornImage, match="could not see first"):
                 await asyncio.wrap_future(futures[0])
         finally:
             gate.go.set()
