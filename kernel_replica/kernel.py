@@ -464,7 +464,8 @@ class TandemKernel(IPythonKernel):
         saved_env = {k: os.environ.get(k) for k in ("TANDEM_GPU_IDS",)}
         os.environ["TANDEM_GPU_IDS"] = ",".join(str(d) for d in device_ids)
         helper._bind(device_ids)
-        self._before_user_code(args["code"])
+        # the cell and its user expressions (a front end's, evaluated after it: they may call code)
+        self._before_user_code("\n".join([args["code"], *map(str, args["user_expressions"].values())]))
         self._residency.before_cell(self.shell.user_ns, device_ids)  # notebook tensors to the GPU
         try:
             if self._interrupt_pending:
