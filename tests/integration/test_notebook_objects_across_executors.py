@@ -292,8 +292,8 @@ def test_large_objects_imaged_after_the_reply_reach_the_next_executor_as_the_cel
 ) -> None:
     """A cell makes a 200 MB tensor and a 40 MB array; its reply does not wait for their copy
     (kernel_replica/state_image.py). The next cell, at once, writes both in place while the copy
-    runs (and puts them back bitwise, so it sends nothing itself): the next executor must get
-    exactly the bytes the first cell left."""
+    runs (and puts them back bitwise, so it sends nothing itself; the array through a notebook
+    function): the next executor must get exactly the bytes the first cell left."""
     kc, hosts, _ = kernel
     first, second = hosts[0], hosts[1]
     made = _on(
@@ -302,16 +302,17 @@ def test_large_objects_imaged_after_the_reply_reach_the_next_executor_as_the_cel
         first,
         "import numpy as np, torch\n"
         "big = torch.randn(50_000_000, generator=torch.Generator().manual_seed(7))\n"
-        "arr = np.random.default_rng(7).random(5_000_000)\n" + _DIGESTS,
+        "arr = np.random.default_rng(7).random(5_000_000)\n"
+        "def scale(k):\n    arr[:] *= k\n\n" + _DIGESTS,
     )
     written = _on(
         tandem_cluster,
         kc,
         first,
         "in_flight = get_ipython().kernel._imager.in_flight()\n"
-        "big.mul_(2); big[:1000] = 0.5; arr *= 4\n"
+        "big.mul_(2); big[:1000] = 0.5; scale(4)\n"
         "big.div_(2); big[:1000] = torch.randn(50_000_000, generator=torch.Generator().manual_seed(7))[:1000]\n"
-        "arr /= 4\n"
+        "scale(0.25)\n"
         "print(in_flight)\n" + _DIGESTS,
     )
     assert written.stdout.split()[1:] == made.stdout.split(), "the in-place writes are not undone exactly"
