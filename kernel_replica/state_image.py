@@ -57,7 +57,11 @@ DEFAULT_PIECE_BYTES = 1024 * 1024
 DEFAULT_PACK_BYTES = 4 * 1024 * 1024
 RETAIN_BYTES = 32 * 1024 * 1024
 PREFETCH_PACKS = 4  # packs read ahead of the one being copied out (a store's latency overlaps)
-KNOWN_GROUPS = 64  # groups whose last image's pieces are remembered (not stored again)
+KNOWN_GROUPS = 64
+# Cells whose images may be in flight at once: an image copies on write what later cells change
+# before it is done, so cells faster than the copier would hold a copy per cell; the next cell's
+# first begin waits for the oldest cell's images instead.
+MAX_IN_FLIGHT = 2  # groups whose last image's pieces are remembered (not stored again)
 
 
 def part_name(index: int) -> str:
@@ -77,6 +81,7 @@ class ImageResult:
 @dataclass
 class _InFlight:
     capture: Capture
+    step: int  # the cell's
     names: frozenset[str]  # the group's names
     untracked: list[torch.Tensor]  # parts whose writers no dispatcher sees (numpy memory)
 
@@ -111,8 +116,10 @@ class StateImager:
         piece_bytes: int = DEFAULT_PIECE_BYTES,
         pack_bytes: int = DEFAULT_PACK_BYTES,
         pacer: Callable[[], None] | None = None,
+        max_in_flight: int = MAX_IN_FLIGHT,
     ) -> None:
         """``pacer``: called by the copier before each piece (tests hold it mid-copy)."""
+        self.max_in_flight = max_in_flight
         self._open_store = open_store
         self._pacer = pacer
         self.kernel = kernel
@@ -145,6 +152,10 @@ class StateImager:
             raise RuntimeError("a state image begins on the thread cells run on")
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
+        self.settle()
+        while len({f.step for f in self._inflight if f.step != step}) >= self.max_in_flight:
+            self._inflight[0].capture.future.exception()  # back-pressure: the oldest cell's images
+            self.settle()
         parts: list[tuple[str, torch.Tensor]] = []
         untracked: list[torch.Tensor] = []
         for index, view in enumerate(views):
@@ -174,7 +185,7 @@ class StateImager:
             pacer=self._pacer,
         )
         capture.quiesce()  # no step boundaries here: validate as soon as everything is copied
-        self._inflight.append(_InFlight(capture, frozenset(names), untracked))
+        self._inflight.append(_InFlight(capture, step, frozenset(names), untracked))
         if self._guard is None:
             self._guard = WriteGuard(self._before_writes, UNDECLARED_WRITES)
             self._guard.__enter__()

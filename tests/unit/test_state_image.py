@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -105,11 +106,11 @@ def store_dir(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "store"
 
 
-def _imager(root: Path, pacer: Callable[[], None] | None = None, pack_bytes: int = 4 << 20) -> StateImager:
+def _imager(root: Path, **options: Any) -> StateImager:
     async def open_store() -> LocalStore:
         return LocalStore(root)
 
-    return StateImager(open_store, kernel="k", piece_bytes=PIECE, pack_bytes=pack_bytes, pacer=pacer)
+    return StateImager(open_store, kernel="k", **{"piece_bytes": PIECE, **options})
 
 
 def _paths(store_dir: Path, **imager: Any) -> tuple[StateImager, ObjectCodec]:
@@ -281,5 +282,30 @@ def test_only_the_numpy_groups_the_next_cell_may_change_are_cloned_before_it(sto
             imager.close()
         assert cloned["a"] >= ns["a"].nbytes - PIECE and cloned["b"] == 0 and cloned["t"] == 0
         assert all(_same(got[name], want[name]) for name in ns)
+
+    asyncio.run(trial())
+
+
+def test_a_begin_past_the_images_in_flight_waits_for_the_oldest(store_dir: Path) -> None:
+    async def trial() -> None:
+        gate = Gate(0)
+        imager, codec = _paths(store_dir, pacer=gate, max_in_flight=1)
+        ns = {"t": torch.randn(300_000), "u": torch.randn(300_000)}
+        try:
+            first = await codec.encode(ns, ["t"], images=True)
+            imager.begin(("t",), first.images[0], 1)
+            await asyncio.to_thread(gate.reached.wait, 10)
+            second = await codec.encode(ns, ["u"], images=True)
+            threading.Timer(0.3, gate.go.set).start()
+            started = time.perf_counter()
+            alongside = imager.begin(("t",), first.images[0], 1)  # the same cell: no wait
+            assert time.perf_counter() - started < 0.25
+            later = imager.begin(("u",), second.images[0], 2)
+            assert time.perf_counter() - started >= 0.25 and imager.in_flight() == 1
+            await asyncio.wrap_future(later)
+            await asyncio.wrap_future(alongside)
+        finally:
+            gate.go.set()
+            imager.close()
 
     asyncio.run(trial())
