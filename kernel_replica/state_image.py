@@ -15,8 +15,9 @@ run and change it:
 - torch writes: the job agent's ``WriteGuard`` (a ``TorchDispatchMode`` on the main thread, where
   cells run) copies each piece an op is about to write before the copier reached it;
 - numpy arrays (writes no dispatcher sees): before any user code runs again (a cell, a comm
-  message), the pieces of numpy parts the copier has not reached yet are cloned at once
-  (``before_user_code``): the fallback, paid only when the next cell comes before the copy ended;
+  message), the pieces of numpy parts the copier has not reached yet are cloned at once, of the
+  groups that code may change (``before_user_code``): the fallback, paid only when the next cell
+  comes before the copy ended;
 - anything else (a torch tensor written through a numpy view of it): ``strict`` validation (every
   piece's XXH3 at the instant, compared with what was copied) finds the image torn. There is no
   later instant to retake at, so the group's names are reported unstored with the reason
@@ -51,17 +52,18 @@ from shared.checkpoint.staging import Staging
 from shared.checkpoint.state import Structure
 from shared.datastore import DataStore, ObjectRef
 
-# 200 pieces for 200 MB: begin fingerprints each piece at the instant on the main thread, and a
-# copier holding the GIL makes each call wait for it (4 s for 800 pieces at load 14 on 2 cores)
+# 200 pieces for 200 MB: begin fingerprints each piece at the instant on the main thread, and
+# behind a running copy each call waits for the GIL (800 pieces of 256 KiB: 4 s at load 14 on 2
+# cores, 8 ms alone)
 DEFAULT_PIECE_BYTES = 1024 * 1024
 DEFAULT_PACK_BYTES = 4 * 1024 * 1024
 RETAIN_BYTES = 32 * 1024 * 1024
 PREFETCH_PACKS = 4  # packs read ahead of the one being copied out (a store's latency overlaps)
-KNOWN_GROUPS = 64
+KNOWN_GROUPS = 64  # groups whose last image's pieces are remembered (not stored again)
 # Cells whose images may be in flight at once: an image copies on write what later cells change
 # before it is done, so cells faster than the copier would hold a copy per cell; the next cell's
 # first begin waits for the oldest cell's images instead.
-MAX_IN_FLIGHT = 2  # groups whose last image's pieces are remembered (not stored again)
+MAX_IN_FLIGHT = 2
 
 
 def part_name(index: int) -> str:
