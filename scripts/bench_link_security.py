@@ -156,7 +156,9 @@ LINKS: dict[str, Callable[[int, bool], Coroutine[Any, Any, tuple[float, float]]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--round-trips", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per link and mode")
     args = parser.parse_args(argv)
@@ -170,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
                 cpu_s, wall_s = uvloop.run(run(args.round_trips, mode == "secure"))
                 cpu[link][mode].append(cpu_s * 1e6)
                 wall[link][mode].append(wall_s * 1e6)
-    result: dict[str, Any] = {"bench": "link_security", "round_trips": args.round_trips, "repeats": args.repeats}
+    result: dict[str, Any] = {
+        "bench": "link_security",
+        "round_trips": args.round_trips,
+        "repeats": args.repeats,
+    }
     for link in LINKS:
         plain, secure = (statistics.median(cpu[link][m]) for m in ("plain", "secure"))
         result[link] = {
