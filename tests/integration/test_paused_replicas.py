@@ -26,10 +26,14 @@ PAUSE_S = 1.5  # longer than that, a Raft election and the takeover's own electi
 EXECUTOR_SILENCE_S = 2.5  # standbys give up on a silent executor's running cell after this
 
 
-@pytest.fixture
-def pausing_cluster(tmp_path: Path, tandem_kernelspec: Path) -> Iterator[ClusterHandle]:
+@pytest.fixture(scope="module")
+def pausing_cluster(
+    tmp_path_factory: pytest.TempPathFactory, tandem_kernelspec: Path
+) -> Iterator[ClusterHandle]:
+    """One cluster for both tests: each pauses the replicas of a kernel of its own (and resumes
+    every one it paused), so neither leaves the other anything but an idle cluster."""
     with running_cluster(
-        tmp_path / "state",
+        tmp_path_factory.mktemp("pausing-state"),
         "--hosts", "3",
         "--set", f"scheduler.candidate_silence_s={CANDIDATE_SILENCE_S}",
         "--set", f"election.executor_silence_s={EXECUTOR_SILENCE_S}",
