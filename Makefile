@@ -56,9 +56,17 @@ test-deps:
 		fi; \
 	done
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist; 0: in pytest's own): half its time is
+# waiting (cluster and kernel starts, elections, heartbeats), so two workers fill two cores. A
+# worker takes a whole file at a time (--dist loadfile: a module's cluster and its tests' order stay
+# in one process), in collection order (integration first, the many short unit files last to even
+# out the end; xdist's default reorder by test count left the one-test integration files, the
+# longest, for last).
+TEST_WORKERS ?= 2
+
 test: setup test-deps
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The regression guard (under a minute): small-state sync against scripts/baselines/, then the
 # trivial cell against a stock ipykernel. Run after every change to the replica core, Raft or state.

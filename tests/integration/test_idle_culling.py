@@ -12,7 +12,9 @@ from _cluster import WITHOUT_HTTP_API, ClusterHandle, eventually, running_cluste
 from _kernels import tandem_kernel
 
 pytestmark = pytest.mark.integration
-CULL_IDLE_S = 4.0
+# long enough for the busy kernel's start, wait_for_ready and execute (each counts as activity) on
+# a loaded machine; its cell (3x) outlives the 2x wait below
+CULL_IDLE_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def test_an_idle_kernel_is_culled_and_a_busy_one_only_once_its_cell_ended(
     cluster = culling_cluster
     with tandem_kernel() as (idle_km, _idle_kc), tandem_kernel() as (busy_km, busy_kc):
         idle_id, busy_id = idle_km.kernel_id, busy_km.kernel_id
-        msg_id = busy_kc.execute("import time; time.sleep(12)")
+        msg_id = busy_kc.execute(f"import time; time.sleep({3 * CULL_IDLE_S})")
         cell_started = time.monotonic()
 
         assert eventually(lambda: not cluster.replica_pids(idle_id), timeout=CULL_IDLE_S + 10)

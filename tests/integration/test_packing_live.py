@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 # (what the test recomputes cheaply), then 10 ms more (a quiet machine ran all 300 steps of a.1 in
 # 1 s, before the search's first squeeze); it records the share it ran at and the time it ended
 SCRIPT = """
-import json, sys, time, tandem_job
+import json, os, sys, time, tandem_job
 total, out = int(sys.argv[1]), sys.argv[2]
 w, check, steps = 0.0, 0, []
 with tandem_job.session(total=total) as job:
@@ -37,8 +37,9 @@ with tandem_job.session(total=total) as job:
         check = (check + sum(i * i for i in range(BURN + step))) % 1_000_003
         time.sleep(0.01)  # a step lasts >= 10 ms on any machine: the search gets its trials in
         steps.append((time.time(), job.share))
-with open(out, "w") as f:
+with open(out + ".part", "w") as f:
     json.dump({"w": w, "check": check, "done": job.done, "stopped": job.stopped, "steps": steps}, f)
+os.replace(out + ".part", out)  # whole or absent: the test reads it once it exists
 """
 SGD = """
 def sgd(w, step):

@@ -6,30 +6,38 @@ designated Raft leader started the cell before its LEAD committed, and each paus
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from _cluster import WITHOUT_HTTP_API, ClusterHandle, running_cluster
 from _kernels import run, tandem_kernel
+from jupyter_client import BlockingKernelClient
 
 pytestmark = pytest.mark.integration
 
 PAUSED_CELLS = 20
+KERNELS = 2  # the paused cells are split between kernels that run side by side
 CANDIDATE_SILENCE_S = 0.5  # the scheduler gives the cell to the others after this much silence
 PAUSE_S = 1.5  # longer than that, a Raft election and the takeover's own election together
 EXECUTOR_SILENCE_S = 2.5  # standbys give up on a silent executor's running cell after this
 
 
-@pytest.fixture
-def pausing_cluster(tmp_path: Path, tandem_kernelspec: Path) -> Iterator[ClusterHandle]:
+@pytest.fixture(scope="module")
+def pausing_cluster(
+    tmp_path_factory: pytest.TempPathFactory, tandem_kernelspec: Path
+) -> Iterator[ClusterHandle]:
+    """One cluster for both tests: each pauses the replicas of a kernel of its own (and resumes
+    every one it paused), so neither leaves the other anything but an idle cluster."""
     with running_cluster(
-        tmp_path / "state",
+        tmp_path_factory.mktemp("pausing-state"),
         "--hosts", "3",
         "--set", f"scheduler.candidate_silence_s={CANDIDATE_SILENCE_S}",
         "--set", f"election.executor_silence_s={EXECUTOR_SILENCE_S}",
@@ -49,36 +57,52 @@ def _paused(pid: int, seconds: float) -> threading.Timer:
     return timer
 
 
+def _cells_sent_to_paused_executors(kc: BlockingKernelClient, ledger: Path, count: int) -> dict[str, str]:
+    """``count`` cells, each sent while the kernel's last executor is paused for ``PAUSE_S``; each
+    cell's status by the line it appends to ``ledger`` when it runs."""
+    answered: dict[str, str] = {}
+    first = run(kc, _append(ledger, "warm-up"), timeout=30)
+    assert first.status == "ok", first.errors
+    executor = int(first.stdout.strip())
+    for i in range(count):
+        timer = _paused(executor, PAUSE_S)
+        try:
+            cell = run(kc, _append(ledger, f"cell-{i}"), timeout=60)
+        finally:
+            timer.join()
+            os.kill(executor, signal.SIGCONT)  # never leave a process stopped
+        answered[f"cell-{i}"] = cell.status
+        if cell.status == "ok":
+            executor = int(cell.stdout.strip())
+        time.sleep(0.2)  # the resumed replica reads the cell it was sent, and the log
+    time.sleep(PAUSE_S)  # anything a resumed replica might still run would be written by now
+    after = run(kc, _append(ledger, "after"), timeout=30)
+    assert after.status == "ok", after.errors
+    return answered
+
+
 def test_a_cell_sent_to_a_paused_replica_runs_exactly_once(
     pausing_cluster: ClusterHandle, tmp_path: Path
 ) -> None:
-    ledger = tmp_path / "ledger.txt"
-    answered: dict[str, str] = {}
-    with tandem_kernel() as (_km, kc):
-        first = run(kc, _append(ledger, "warm-up"), timeout=30)
-        assert first.status == "ok", first.errors
-        executor = int(first.stdout.strip())
-        for i in range(PAUSED_CELLS):
-            timer = _paused(executor, PAUSE_S)
-            try:
-                cell = run(kc, _append(ledger, f"cell-{i}"), timeout=60)
-            finally:
-                timer.join()
-                os.kill(executor, signal.SIGCONT)  # never leave a process stopped
-            answered[f"cell-{i}"] = cell.status
-            if cell.status == "ok":
-                executor = int(cell.stdout.strip())
-            time.sleep(0.2)  # the resumed replica reads the cell it was sent, and the log
-        time.sleep(PAUSE_S)  # anything a resumed replica might still run would be written by now
-        after = run(kc, _append(ledger, "after"), timeout=30)
-        assert after.status == "ok", after.errors
-    lines = Counter(ledger.read_text().split())
-    duplicates = {line: n for line, n in lines.items() if n > 1}
-    assert duplicates == {}, f"cells ran more than once: {duplicates}"
-    for line, status in answered.items():
-        # ok means it ran (once); an error reply means it did not run at all
-        assert lines[line] == (1 if status == "ok" else 0), (line, status)
-    assert sum(1 for s in answered.values() if s == "ok") >= PAUSED_CELLS // 2, answered
+    """PAUSED_CELLS in all, split between KERNELS kernels side by side: a pause is mostly waiting."""
+    ledgers = [tmp_path / f"ledger-{n}.txt" for n in range(KERNELS)]
+    with contextlib.ExitStack() as stack:
+        clients = [stack.enter_context(tandem_kernel())[1] for _ in ledgers]
+        with ThreadPoolExecutor(len(clients)) as pool:
+            each = list(
+                pool.map(
+                    _cells_sent_to_paused_executors, clients, ledgers, [PAUSED_CELLS // KERNELS] * KERNELS
+                )
+            )
+    for ledger, answered in zip(ledgers, each, strict=True):
+        lines = Counter(ledger.read_text().split())
+        duplicates = {line: n for line, n in lines.items() if n > 1}
+        assert duplicates == {}, f"cells ran more than once: {duplicates}"
+        for line, status in answered.items():
+            # ok means it ran (once); an error reply means it did not run at all
+            assert lines[line] == (1 if status == "ok" else 0), (line, status)
+    statuses = [status for answered in each for status in answered.values()]
+    assert len(statuses) == PAUSED_CELLS and statuses.count("ok") >= PAUSED_CELLS // 2, each
 
 
 def test_a_cell_whose_executor_is_paused_inside_it_runs_once_and_the_kernel_goes_on(
