@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.raft.core import (
+    COMMIT_NOTICE_CONTEXT,
     CONF_CHANGE_PENDING,
     LEADERSHIP_LOST,
     NO_LEADER,
@@ -588,6 +589,41 @@ def test_lazy_commit_notice_tells_followers_when_the_driver_asks_and_only_then()
         net.nodes[m.to].step(m)
     assert net.nodes["b"].log.committed == net.nodes["c"].log.committed == 3
     assert not a.commit_notice_owed()
+
+
+def test_a_commit_notice_is_applied_without_an_answer() -> None:
+    net = Net.cluster(config=RaftConfig(election_ticks=E, heartbeat_ticks=1, eager_commit=False))
+    a = net.elect("a")
+    a.propose(b"x", "p1")
+    net.deliver()
+    net.deliver()
+    a.send_commit_notices()
+    notices = net.take()
+    assert notices and all(m.context == COMMIT_NOTICE_CONTEXT for m in notices)
+    for m in notices:
+        net.nodes[m.to].step(m)
+    assert net.nodes["b"].log.committed == net.nodes["c"].log.committed == 3
+    assert net.take() == []  # each answer would only repeat the match index the leader sent
+
+
+def test_a_commit_notice_that_does_not_match_the_followers_log_is_still_rejected() -> None:
+    b = RaftNode("b", restored=restored_log([1, 1], term=2), rand=random.Random(0), config=CFG)
+    b.step(Message(MT.APPEND, "b", "a", 2, log_term=2, index=3, commit=3, context=COMMIT_NOTICE_CONTEXT))
+    (reply,) = b.ready().messages
+    assert (reply.type, reply.reject) == (MT.APPEND_RESP, True)
+
+
+def test_a_leader_whose_commit_notices_go_unanswered_keeps_leading_on_heartbeats() -> None:
+    net = Net.cluster(config=RaftConfig(election_ticks=E, heartbeat_ticks=1, eager_commit=False))
+    a = net.elect("a")
+    for i in range(5 * E):
+        a.propose(f"x{i}".encode(), f"p{i}")
+        net.deliver()
+        net.deliver()
+        a.send_commit_notices()
+        net.tick()
+    assert a.role == Role.LEADER
+    assert net.nodes["b"].log.committed == net.nodes["c"].log.committed == a.log.committed
 
 
 def test_lazy_commit_notice_is_not_owed_once_an_append_carried_the_commit() -> None:
