@@ -573,12 +573,18 @@ def test_lazy_commit_still_tells_a_follower_whose_proposal_committed_at_once() -
     assert net.nodes["c"].log.committed < net.nodes["a"].log.committed
 
 
-def test_lazy_commit_notice_tells_followers_when_the_driver_asks_and_only_then() -> None:
+def _lazy_leader_with_a_new_commit() -> tuple[Net, RaftNode]:
+    """A group without eager commits whose leader "a" just committed entry 3 (not told yet)."""
     net = Net.cluster(config=RaftConfig(election_ticks=E, heartbeat_ticks=1, eager_commit=False))
     a = net.elect("a")
     a.propose(b"x", "p1")
     net.deliver()  # the append reaches b and c
     net.deliver()  # their responses commit it at a
+    return net, a
+
+
+def test_lazy_commit_notice_tells_followers_when_the_driver_asks_and_only_then() -> None:
+    net, a = _lazy_leader_with_a_new_commit()
     assert a.commit_notice_owed()
     assert not net.nodes["b"].commit_notice_owed()  # a follower owes nobody
     a.send_commit_notices()
@@ -592,11 +598,7 @@ def test_lazy_commit_notice_tells_followers_when_the_driver_asks_and_only_then()
 
 
 def test_a_commit_notice_is_applied_without_an_answer() -> None:
-    net = Net.cluster(config=RaftConfig(election_ticks=E, heartbeat_ticks=1, eager_commit=False))
-    a = net.elect("a")
-    a.propose(b"x", "p1")
-    net.deliver()
-    net.deliver()
+    net, a = _lazy_leader_with_a_new_commit()
     a.send_commit_notices()
     notices = net.take()
     assert notices and all(m.context == COMMIT_NOTICE_CONTEXT for m in notices)
@@ -627,11 +629,7 @@ def test_a_leader_whose_commit_notices_go_unanswered_keeps_leading_on_heartbeats
 
 
 def test_lazy_commit_notice_is_not_owed_once_an_append_carried_the_commit() -> None:
-    net = Net.cluster(config=RaftConfig(election_ticks=E, heartbeat_ticks=1, eager_commit=False))
-    a = net.elect("a")
-    a.propose(b"x", "p1")
-    net.deliver()
-    net.deliver()
+    net, a = _lazy_leader_with_a_new_commit()
     a.propose(b"y", "p2")
     appends = net.take()  # the Ready: its appends carry commit 3 to both followers
     assert sorted(m.to for m in appends if m.entries and m.commit == 3) == ["b", "c"]
