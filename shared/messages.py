@@ -13,7 +13,8 @@ C = CLI / provisioner):
              kernel.resume
     S -> G   jupyter.reply, kernel.dead
     C -> S   cluster.status, host.cordon, host.uncordon, host.drain, replica.restart
-    L -> S   host.register, host.heartbeat, jupyter.reply, replica.event
+    L -> S   host.register, host.heartbeat, jupyter.reply, replica.event, batch (of the last
+             two, to a scheduler whose host.register answer said it takes them)
     S -> L   replica.start, replica.configure, replica.stop, replica.membership, replica.restart,
              replica.hibernate, jupyter.request
     R -> L   replica.register, gpu.commit, gpu.release, replica.event
@@ -40,6 +41,11 @@ from typing import Any
 # ---- generic answers -------------------------------------------------------------------------
 REPLY = "reply"
 ERROR = "error"
+# Envelopes one loop turn had for the same peer, in order, as one message (``items``: each one
+# encoded): a link pays its CURVE box and its frame handling once. The receiver validates and
+# authorises each item as if it had come alone; a batch never holds a batch.
+BATCH = "batch"
+MAX_BATCH_ITEMS = 1_024
 
 # ---- kernels (client-facing lifecycle) -------------------------------------------------------
 KERNEL_START = "kernel.start"
@@ -137,6 +143,7 @@ _opt_int = (int, type(None))
 _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     REPLY: {},
     ERROR: {"reason": (_str, True), "code": (_str, False)},
+    BATCH: {"items": (_list, True)},
     KERNEL_START: {
         "kernel_id": (_str, True),
         "key": (_str, True),
@@ -400,6 +407,10 @@ def validate(msg_type: str, body: dict[str, Any]) -> str | None:
                 return "each of 'more' must be [channel, frames]"
             if (problem := _jupyter_problem(item[0], item[1])) is not None:
                 return f"in 'more': {problem}"
+    if msg_type == BATCH:
+        items = body["items"]
+        if not items or len(items) > MAX_BATCH_ITEMS or not all(type(item) is bytes for item in items):
+            return f"'items' must be 1 to {MAX_BATCH_ITEMS} encoded envelopes"
     if msg_type == REPLICA_MEMBERSHIP and body["action"] not in MEMBERSHIP_ACTIONS:
         return f"unknown membership action {body['action']!r}"
     if msg_type == REPLICA_MEMBERSHIP and body["action"] != "status" and not body.get("member"):

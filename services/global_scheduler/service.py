@@ -763,7 +763,8 @@ class GlobalScheduler:
             gpu_kind=host.gpu_kind,
             cordoned=host.cordoned,
         )
-        return env.reply({"host_id": host_id, "cordoned": host.cordoned})
+        # batch: it may send its Jupyter replies and replica events as ``batch`` envelopes
+        return env.reply({"host_id": host_id, "cordoned": host.cordoned, "batch": True})
 
     def _reconcile_host(self, host_id: str, reported: list[Any]) -> None:
         """Rebuild our view from what a (re)registering host says it runs."""

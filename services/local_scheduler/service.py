@@ -107,6 +107,7 @@ class LocalScheduler:
         self._outbound = OutboundRequests(self._server)
         # replicas' Jupyter messages of this loop turn, for _flush_upstream: ((kernel, replica), channel, frames)
         self._outgoing: list[tuple[tuple[str, str], str, list[bytes]]] = []
+        self._batch_upstream = False  # the scheduler's host.register answer says it takes batches
         self._registered = asyncio.Event()
         # absolute: a replica starts in its kernel's working directory (shared/kernel_launch.py)
         self._data_root = cfg.state_dir().absolute() / "hosts" / host_id
@@ -257,9 +258,10 @@ class LocalScheduler:
             "gpu_kind": self.gpus.kind,
             "replicas": [r.describe() for r in self.replicas.values() if r.running and r.registered.done()],
         }
-        await self._upstream.request(
+        answer = await self._upstream.request(
             Envelope(messages.HOST_REGISTER, body), timeout=max(self._heartbeat_interval, 1.0)
         )
+        self._batch_upstream = answer.body.get("batch") is True
         self._registered.set()
         self.log.info("registered", scheduler=self.scheduler_address, replicas=len(body["replicas"]))
 
@@ -492,18 +494,26 @@ class LocalScheduler:
         """Send ``env`` behind the replicas' Jupyter messages not flushed yet: the scheduler
         reads the link in order (an ``exited`` event must not overtake the replica's reply)."""
         if self._outgoing:
-            self._flush_upstream()
-        self._upstream.send(env)
+            self._flush_upstream(env)  # with them: the executor's ``elected`` often comes with its busy
+        else:
+            self._upstream.send(env)
 
-    def _flush_upstream(self) -> None:
+    def _flush_upstream(self, then: Envelope | None = None) -> None:
         """Send what the replicas said in this loop turn: one ``jupyter.reply`` per run of one
-        replica's messages, in arrival order. A cell's messages come in pairs (busy and its
-        input, the reply and idle, on two sockets that wake in the same turn), and every envelope
-        costs each hop a CURVE box each way and a decode."""
+        replica's messages, in arrival order, then ``then``. A cell's messages come in pairs (busy
+        and its input, the reply and idle, on two sockets that wake in the same turn), and every
+        envelope costs each hop a CURVE box each way and a decode: to a scheduler that takes
+        batches, all of them go as one ``batch``."""
         outgoing = self._outgoing.copy()  # the sinks hold this list: emptied in place
         self._outgoing.clear()
-        for body in messages.jupyter_replies(outgoing):
-            self._upstream.send(Envelope(messages.JUPYTER_REPLY, body))
+        envs = [Envelope(messages.JUPYTER_REPLY, body) for body in messages.jupyter_replies(outgoing)]
+        if then is not None:
+            envs.append(then)
+        if self._batch_upstream:
+            self._upstream.send_batch(envs)
+        else:
+            for env in envs:
+                self._upstream.send(env)
 
     def _release_on_reply(self, kernel_id: str, replica_id: str, frames: list[bytes]) -> None:
         """The cell is over on this replica once it replies (its tensors went to host memory

@@ -52,9 +52,20 @@ from shared.raft.types import (
     encode_conf_change,
 )
 
-__all__ = ["BOOTSTRAP_INDEX", "BOOTSTRAP_TERM", "TRANSFER_CONTEXT", "RaftInvariantError", "RaftNode"]
+__all__ = [
+    "BOOTSTRAP_INDEX",
+    "BOOTSTRAP_TERM",
+    "COMMIT_NOTICE_CONTEXT",
+    "TRANSFER_CONTEXT",
+    "RaftInvariantError",
+    "RaftNode",
+]
 
 TRANSFER_CONTEXT = b"transfer"  # on VOTE: a campaign caused by TIMEOUT_NOW; bypasses the leader lease
+# On an empty APPEND anchored at the follower's known match index (a commit notice): the follower
+# applies the commit and answers nothing, since its answer (that same index) would be no news to
+# the leader; its heartbeat responses keep it counted as active. A rejection is still answered.
+COMMIT_NOTICE_CONTEXT = b"commit"
 BOOTSTRAP_INDEX = 1
 BOOTSTRAP_TERM = 1
 
@@ -645,7 +656,9 @@ class RaftNode:
         """Tell a follower we may not stream to right now that its entries committed.
 
         An empty append anchored at its match index is always accepted and cannot disturb the
-        appends in flight; without it the commit would wait for the next heartbeat.
+        appends in flight; without it the commit would wait for the next heartbeat. It is marked
+        ``COMMIT_NOTICE_CONTEXT``: its response could only repeat that match index, so none is
+        sent (on the replicas' TLS links a record each way per follower and commit otherwise).
         """
         log = self.log
         commit = log.committed
@@ -654,7 +667,17 @@ class RaftNode:
         match_term = log.term(pr.match)
         if match_term is None:
             return
-        self._msgs.append(Message(_APPEND, to, self.id, self._term, match_term, pr.match, (), commit))
+        notice = Message(
+            _APPEND,
+            to,
+            self.id,
+            self._term,
+            match_term,
+            pr.match,
+            commit=commit,
+            context=COMMIT_NOTICE_CONTEXT,
+        )
+        self._msgs.append(notice)
         pr.sent_commit = commit
 
     def _replicate(self, to: str) -> None:
@@ -829,6 +852,8 @@ class RaftNode:
             for e in m.entries[first_written - m.index - 1 :]:
                 if e.type == _CONF_CHANGE:
                     self._record_conf_entry(e)
+        if m.context == COMMIT_NOTICE_CONTEXT and not m.entries:
+            return  # the leader already knows we hold m.index (see COMMIT_NOTICE_CONTEXT)
         self._send(Message(_APPEND_RESP, m.frm, self.id, self._term, index=last_new))
 
     def _on_heartbeat(self, m: Message) -> None:

@@ -47,7 +47,13 @@ SCHEDULER_ACCEPTS: dict[str, frozenset[str]] = {
     OPERATOR: frozenset(_OPERATIONS | _KERNEL_LIFECYCLE),  # the cluster's administrator
     HOST: frozenset(
         _ANSWERS
-        | {messages.HOST_REGISTER, messages.HOST_HEARTBEAT, messages.JUPYTER_REPLY, messages.REPLICA_EVENT}
+        | {
+            messages.HOST_REGISTER,
+            messages.HOST_HEARTBEAT,
+            messages.JUPYTER_REPLY,
+            messages.REPLICA_EVENT,
+            messages.BATCH,  # each item is then authorised on its own (shared.rpc)
+        }
     ),
 }
 GATEWAY_ACCEPTS: dict[str, frozenset[str]] = {

@@ -135,16 +135,27 @@ def test_a_host_may_not_register_or_heartbeat_under_another_hosts_id(
     assert "unauthorized" in tandem_cluster.log_text("global-scheduler")
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "in_a_batch"])
 def test_spoofed_replica_exits_from_another_host_do_not_kill_a_kernel(
-    tandem_cluster: ClusterHandle, rogue_host: Any
+    tandem_cluster: ClusterHandle, rogue_host: Any, batched: bool
 ) -> None:
+    """Also inside a ``batch``: each item is authorised as if it had come alone."""
     with tandem_kernel() as (km, kc):
         assert run(kc, "n = 41").status == "ok"
         status = tandem_cluster.status()
         (kernel,) = [k for k in status["kernels"] if k["id"] == km.kernel_id]
-        for replica in kernel["replicas"][:2]:
-            body = {"kernel_id": km.kernel_id, "replica_id": replica["id"], "event": "exited", "detail": {}}
-            rogue_host.send(Envelope(messages.REPLICA_EVENT, body).encode())
+        spoofed = [
+            Envelope(
+                messages.REPLICA_EVENT,
+                {"kernel_id": km.kernel_id, "replica_id": replica["id"], "event": "exited", "detail": {}},
+            )
+            for replica in kernel["replicas"][:2]
+        ]
+        if batched:
+            rogue_host.send(Envelope(messages.BATCH, {"items": [env.encode() for env in spoofed]}).encode())
+        else:
+            for env in spoofed:
+                rogue_host.send(env.encode())
         answers = _answers(rogue_host)
         assert [a["body"]["code"] for a in answers] == ["unauthorized", "unauthorized"]
         assert "which runs on" in answers[0]["body"]["reason"]

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.raft.core import (
+    COMMIT_NOTICE_CONTEXT,
     CONF_CHANGE_PENDING,
     LEADERSHIP_LOST,
     NO_LEADER,
@@ -572,12 +573,18 @@ def test_lazy_commit_still_tells_a_follower_whose_proposal_committed_at_once() -
     assert net.nodes["c"].log.committed < net.nodes["a"].log.committed
 
 
-def test_lazy_commit_notice_tells_followers_when_the_driver_asks_and_only_then() -> None:
+def _lazy_leader_with_a_new_commit() -> tuple[Net, RaftNode]:
+    """A group without eager commits whose leader "a" just committed entry 3 (not told yet)."""
     net = Net.cluster(config=RaftConfig(election_ticks=E, heartbeat_ticks=1, eager_commit=False))
     a = net.elect("a")
     a.propose(b"x", "p1")
     net.deliver()  # the append reaches b and c
     net.deliver()  # their responses commit it at a
+    return net, a
+
+
+def test_lazy_commit_notice_tells_followers_when_the_driver_asks_and_only_then() -> None:
+    net, a = _lazy_leader_with_a_new_commit()
     assert a.commit_notice_owed()
     assert not net.nodes["b"].commit_notice_owed()  # a follower owes nobody
     a.send_commit_notices()
@@ -590,12 +597,39 @@ def test_lazy_commit_notice_tells_followers_when_the_driver_asks_and_only_then()
     assert not a.commit_notice_owed()
 
 
-def test_lazy_commit_notice_is_not_owed_once_an_append_carried_the_commit() -> None:
+def test_a_commit_notice_is_applied_without_an_answer() -> None:
+    net, a = _lazy_leader_with_a_new_commit()
+    a.send_commit_notices()
+    notices = net.take()
+    assert notices and all(m.context == COMMIT_NOTICE_CONTEXT for m in notices)
+    for m in notices:
+        net.nodes[m.to].step(m)
+    assert net.nodes["b"].log.committed == net.nodes["c"].log.committed == 3
+    assert net.take() == []  # each answer would only repeat the match index the leader sent
+
+
+def test_a_commit_notice_that_does_not_match_the_followers_log_is_still_rejected() -> None:
+    b = RaftNode("b", restored=restored_log([1, 1], term=2), rand=random.Random(0), config=CFG)
+    b.step(Message(MT.APPEND, "b", "a", 2, log_term=2, index=3, commit=3, context=COMMIT_NOTICE_CONTEXT))
+    (reply,) = b.ready().messages
+    assert (reply.type, reply.reject) == (MT.APPEND_RESP, True)
+
+
+def test_a_leader_whose_commit_notices_go_unanswered_keeps_leading_on_heartbeats() -> None:
     net = Net.cluster(config=RaftConfig(election_ticks=E, heartbeat_ticks=1, eager_commit=False))
     a = net.elect("a")
-    a.propose(b"x", "p1")
-    net.deliver()
-    net.deliver()
+    for i in range(5 * E):
+        a.propose(f"x{i}".encode(), f"p{i}")
+        net.deliver()
+        net.deliver()
+        a.send_commit_notices()
+        net.tick()
+    assert a.role == Role.LEADER
+    assert net.nodes["b"].log.committed == net.nodes["c"].log.committed == a.log.committed
+
+
+def test_lazy_commit_notice_is_not_owed_once_an_append_carried_the_commit() -> None:
+    net, a = _lazy_leader_with_a_new_commit()
     a.propose(b"y", "p2")
     appends = net.take()  # the Ready: its appends carry commit 3 to both followers
     assert sorted(m.to for m in appends if m.entries and m.commit == 3) == ["b", "c"]

@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from shared import messages
 from shared.envelope import Envelope
-from shared.rpc import RpcClient, RpcError, RpcServer, RpcTimeout
+from shared.rpc import Authorizer, RpcClient, RpcError, RpcServer, RpcTimeout
 
 
 def _status(kernel_id: str) -> Envelope:
@@ -24,10 +24,12 @@ def _status(kernel_id: str) -> Envelope:
 
 @asynccontextmanager
 async def _link(
-    handler: Callable[[bytes, Envelope], Any], on_message: Callable[[Envelope], Any] | None = None
+    handler: Callable[[bytes, Envelope], Any],
+    on_message: Callable[[Envelope], Any] | None = None,
+    authorize: Authorizer | None = None,
 ) -> AsyncIterator[tuple[RpcServer, RpcClient]]:
     ctx = zmq.asyncio.Context()
-    server = RpcServer(ctx, handler, name="test-server")
+    server = RpcServer(ctx, handler, name="test-server", authorize=authorize)
     address = server.bind("tcp://127.0.0.1:0")
     server.start()
     client = RpcClient(ctx, identity=b"client", on_message=on_message, name="test-client")
@@ -210,3 +212,72 @@ def test_close_cancels_waiting_requests_and_running_handlers(run: Callable[[Awai
         ctx.destroy(linger=0)  # would hang if a socket were left open
 
     run(main())
+
+
+def _batch_run(
+    run: Callable[[Awaitable[Any]], Any], send: Callable[[RpcClient], None]
+) -> tuple[list[str], list[str], int]:
+    """What a server saw of the batch ``send`` sent: the kernel ids its handler ran, in order,
+    the envelope types its authoriser judged, and how many it refused (kernel id ``refused``)."""
+    ran: list[str] = []
+    judged: list[str] = []
+    refused = 0
+
+    def handler(identity: bytes, env: Envelope) -> Envelope | None:
+        ran.append(env.body["kernel_id"])
+        return env.reply() if env.body["kernel_id"] == "last" else None
+
+    def authorize(principal: str, identity: bytes, env: Envelope) -> str | None:
+        judged.append(env.type)
+        return "not this one" if env.body.get("kernel_id") == "refused" else None
+
+    async def main() -> None:
+        nonlocal refused
+        async with _link(handler, authorize=authorize) as (server, client):
+            send(client)
+            await client.request(_status("last"), timeout=5)
+            refused = server.refused
+
+    run(main())
+    return ran[:-1], judged[:-1], refused
+
+
+def test_a_batch_runs_its_items_in_order_each_authorised_as_if_it_came_alone(
+    run: Callable[[Awaitable[Any]], Any],
+) -> None:
+    envs = [_status("k1"), _status("refused"), _status("k2")]
+    ran, judged, refused = _batch_run(run, lambda client: client.send_batch(envs))
+    assert ran == ["k1", "k2"]
+    assert judged == [messages.BATCH, *[messages.KERNEL_STATUS] * 3]
+    assert refused == 1
+
+
+def test_more_items_than_a_batch_holds_go_in_several_batches_in_order(
+    run: Callable[[Awaitable[Any]], Any],
+) -> None:
+    envs = [_status(str(i)) for i in range(messages.MAX_BATCH_ITEMS + 5)]
+    ran, judged, _ = _batch_run(run, lambda client: client.send_batch(envs))
+    assert ran == [str(i) for i in range(len(envs))]
+    assert judged.count(messages.BATCH) == 2
+
+
+def test_a_batch_of_one_goes_as_that_envelope(run: Callable[[Awaitable[Any]], Any]) -> None:
+    ran, judged, _ = _batch_run(run, lambda client: client.send_batch([_status("k1")]))
+    assert (ran, judged) == (["k1"], [messages.KERNEL_STATUS])
+
+
+def test_a_batch_inside_a_batch_and_an_invalid_item_are_refused_and_the_rest_runs(
+    run: Callable[[Awaitable[Any]], Any],
+) -> None:
+    nested = Envelope(messages.BATCH, {"items": [_status("nested").encode()]})
+    items = [nested.encode(), b"not an envelope", _status("k1").encode()]
+    ran, _, _ = _batch_run(run, lambda client: client.send(Envelope(messages.BATCH, {"items": items})))
+    assert ran == ["k1"]
+
+
+def test_a_batch_must_hold_one_to_the_most_items_all_bytes() -> None:
+    one = _status("k1").encode()
+    assert messages.validate(messages.BATCH, {"items": [one]}) is None
+    assert messages.validate(messages.BATCH, {"items": []}) is not None
+    assert messages.validate(messages.BATCH, {"items": ["text"]}) is not None
+    assert messages.validate(messages.BATCH, {"items": [one] * (messages.MAX_BATCH_ITEMS + 1)}) is not None
