@@ -24,6 +24,7 @@ closes that gap at the cost of one XXH3 pass over the image on the training thre
 from __future__ import annotations
 
 import bisect
+import operator
 import sys
 import threading
 import time
@@ -44,6 +45,7 @@ from shared.datastore import ObjectRef
 
 _POLL_S = 0.002  # how often a copier waiting for a step boundary looks
 DENSE_PIECE_BYTES = 1024 * 1024  # pieces of a tensor that changed everywhere last time (capped at a pack)
+_VERSION = operator.attrgetter("_version")
 COPIER_SWITCH_S = 0.0002  # the interpreter's switch interval while a copier runs (default 5 ms)
 
 
@@ -325,7 +327,10 @@ class Capture:
         self._walk = walk
         self._cache = layouts
         # The instant: each tensor's version counter and address (a ``p.data = x`` swap is seen).
-        self.marks = [(t._version, t.data_ptr()) for _, t in structure.tensors]
+        # Two C-level passes over the tensors (no bytecode per tensor).
+        objects = structure.objects
+        self.versions: list[int] = list(map(_VERSION, objects))
+        self.ptrs: list[int] = list(map(torch.Tensor.data_ptr, objects))
         self.previous: dict[str, int] = {}  # piece size of each tensor cut in pieces in the last image
         self.stats = CaptureStats()
         self.packer = Packer(link, staging)
@@ -374,7 +379,7 @@ class Capture:
                 eager=name in self.eager,
                 version0=version,
             )
-            for (name, t), (version, _) in zip(tensors, self.marks, strict=True)
+            for (name, t), version in zip(tensors, self.versions, strict=True)
         ]
         ranges: dict[int, int] = {}
         for entry in self.entries:
@@ -402,14 +407,12 @@ class Capture:
     def _moved(self) -> bool:
         """The structure or a tensor's memory changed between the cached structure and the instant."""
         tensors = self.structure.tensors
-        if any(
-            self.layouts[id(t)].data_ptr != ptr for (_, t), (_, ptr) in zip(tensors, self.marks, strict=True)
-        ):
+        if any(self.layouts[id(t)].data_ptr != ptr for (_, t), ptr in zip(tensors, self.ptrs, strict=True)):
             return True
         if self._walk is None:
             return False
         try:
-            return not self._walk().same_as(self.structure)
+            return not (self._walk().same_as(self.structure) and self.structure.template_holds())
         except RuntimeError:  # the optimizer's state grew while it was walked
             return True
 
