@@ -120,6 +120,11 @@ class CheckpointAgent:
     def in_flight(self) -> bool:
         return self.capture is not None
 
+    @property
+    def guarded(self) -> bool:
+        """The write guard is on (from begin until every tracked tensor is settled or the end)."""
+        return self._guard is not None
+
     def begin(self) -> None:
         """Take the image of this instant (call at a step boundary, training thread)."""
         if self.capture is not None:

@@ -281,6 +281,60 @@ def test_a_structure_changed_since_the_last_walk_is_walked_again_and_the_retake_
     assert_same(meta, image.meta())
 
 
+def test_the_write_guard_goes_once_every_tracked_tensor_is_written_whole_and_the_image_holds(
+    link: StoreLink,
+) -> None:
+    """After the copier has captured everything, the first optimizer step writes every parameter
+    and moment whole: each is settled in set operations, and at the next boundary the guard is
+    popped (the steps until validation run without it); the image is still the instant's."""
+    torch.manual_seed(8)
+    job = JOBS["adam_foreach"]()
+    agent = CheckpointAgent(job.state, link, job="settle", piece_bytes=512)
+    job.step_fn()
+    job.state.step = 1
+    agent.checkpoint()
+    tensors, meta = snapshot(job.state)
+    agent.begin()
+    assert agent.guarded and agent.capture is not None
+    assert agent.capture.captured.wait(10)
+    result = None
+    for step in range(2, 12):
+        job.step_fn()
+        job.state.step = step
+        result = agent.step_boundary(step)
+        if step == 2:
+            assert not agent.guarded, "every tensor was written whole: the guard should be gone"
+        if result is not None:
+            break
+    assert result is not None and result.step == 1 and result.attempts == 1
+    image = restored(JOBS["adam_foreach"], link, result)
+    assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()})
+    assert_same(meta, image.meta())
+
+
+def test_optimizer_state_gaining_a_plain_value_makes_the_reused_template_a_retake(link: StoreLink) -> None:
+    """begin reuses the meta of optimizer states that hold tensors only; a state that gains a
+    plain value is seen by the copier: the attempt is retaken and the image holds the value."""
+    torch.manual_seed(9)
+    job = JOBS["adam_foreach"]()
+    agent = CheckpointAgent(job.state, link, job="template", piece_bytes=512)
+    job.step_fn()
+    job.state.step = 1
+    agent.checkpoint()
+    assert job.state.optimizer is not None
+    for st in job.state.optimizer.state.values():
+        st["note"] = 0.25
+    gate = StepGate(random.Random(9), span=3, pieces=_pieces(job.state, 512))
+    agent.pacer = gate.pace
+    result, references, _ = checkpoint_while_training(job, agent, gate)
+    assert result.attempts == 2
+    tensors, meta = references[result.step]
+    assert all(st["note"] == 0.25 for st in meta["optimizer"]["state"].values())
+    image = restored(JOBS["adam_foreach"], link, result)
+    assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()})
+    assert_same(meta, image.meta())
+
+
 def _pieces(state: TrainingState, piece_bytes: int) -> int:
     return sum(max(1, -(-t.nbytes // piece_bytes)) for _, t in state.tensors())
 
