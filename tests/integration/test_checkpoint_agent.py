@@ -250,17 +250,23 @@ def _grow(job: Job) -> nn.Parameter:
     return extra
 
 
+def _adam_with_an_image(link: StoreLink, *, seed: int, name: str) -> tuple[Job, CheckpointAgent]:
+    """An Adam job one step in, whose agent has committed a first image (begin reuses its walk)."""
+    torch.manual_seed(seed)
+    job = JOBS["adam_foreach"]()
+    agent = CheckpointAgent(job.state, link, job=name, piece_bytes=512)
+    job.step_fn()
+    job.state.step = 1
+    agent.checkpoint()
+    return job, agent
+
+
 def test_a_structure_changed_since_the_last_walk_is_walked_again_and_the_retake_holds_it(
     link: StoreLink,
 ) -> None:
     """begin reuses the structure walked for the last image; the copier walks again and finds a
     new parameter: that attempt is dropped and retaken with a fresh walk, at a later boundary."""
-    torch.manual_seed(6)
-    job = JOBS["adam_foreach"]()
-    agent = CheckpointAgent(job.state, link, job="grow", piece_bytes=512)
-    job.step_fn()
-    job.state.step = 1
-    agent.checkpoint()
+    job, agent = _adam_with_an_image(link, seed=6, name="grow")
     extra = _grow(job)
     with torch.no_grad():
         extra.add_(1.5)
@@ -287,12 +293,7 @@ def test_the_write_guard_goes_once_every_tracked_tensor_is_written_whole_and_the
     """After the copier has captured everything, the first optimizer step writes every parameter
     and moment whole: each is settled in set operations, and at the next boundary the guard is
     popped (the steps until validation run without it); the image is still the instant's."""
-    torch.manual_seed(8)
-    job = JOBS["adam_foreach"]()
-    agent = CheckpointAgent(job.state, link, job="settle", piece_bytes=512)
-    job.step_fn()
-    job.state.step = 1
-    agent.checkpoint()
+    job, agent = _adam_with_an_image(link, seed=8, name="settle")
     tensors, meta = snapshot(job.state)
     agent.begin()
     assert agent.guarded and agent.capture is not None
@@ -315,12 +316,7 @@ def test_the_write_guard_goes_once_every_tracked_tensor_is_written_whole_and_the
 def test_optimizer_state_gaining_a_plain_value_makes_the_reused_template_a_retake(link: StoreLink) -> None:
     """begin reuses the meta of optimizer states that hold tensors only; a state that gains a
     plain value is seen by the copier: the attempt is retaken and the image holds the value."""
-    torch.manual_seed(9)
-    job = JOBS["adam_foreach"]()
-    agent = CheckpointAgent(job.state, link, job="template", piece_bytes=512)
-    job.step_fn()
-    job.state.step = 1
-    agent.checkpoint()
+    job, agent = _adam_with_an_image(link, seed=9, name="template")
     assert job.state.optimizer is not None
     for st in job.state.optimizer.state.values():
         st["note"] = 0.25
