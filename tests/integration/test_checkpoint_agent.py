@@ -299,15 +299,14 @@ def test_the_write_guard_goes_once_every_tracked_tensor_is_written_whole_and_the
     assert agent.guarded and agent.capture is not None
     assert agent.capture.captured.wait(10)
     result = None
-    for step in range(2, 12):
+    for step in range(2, 5):  # validation waits for two boundaries after the capture
         job.step_fn()
         job.state.step = step
-        result = agent.step_boundary(step)
+        result = result or agent.step_boundary(step)
         if step == 2:
             assert not agent.guarded, "every tensor was written whole: the guard should be gone"
-        if result is not None:
-            break
-    assert result is not None and result.step == 1 and result.attempts == 1
+    result = result or agent.wait()  # the store may still be writing: commit the image in flight
+    assert result.step == 1 and result.attempts == 1
     image = restored(JOBS["adam_foreach"], link, result)
     assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()})
     assert_same(meta, image.meta())
