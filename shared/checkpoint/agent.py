@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
 from shared.checkpoint.capture import DENSE_PIECE_BYTES, Capture, CaptureStats, Known, Layout, known_pieces
 from shared.checkpoint.clock import StallClock
 from shared.checkpoint.cow import UNDECLARED_WRITES, WriteGuard, WriteRule
@@ -87,6 +89,7 @@ class CheckpointAgent:
         self._guard: WriteGuard | None = None
         self._known: dict[str, Known] = known_pieces(last)
         self._layouts: dict[int, Layout] = {}
+        self._outside: set[int] = set()  # addresses written outside the last image's tensors
         # The last structure walked: reused at begin, checked by the copier (a stale one retakes).
         self._structure: Structure | None = None
         self._staging = Staging(max(pack_bytes, piece_bytes))
@@ -117,6 +120,11 @@ class CheckpointAgent:
     def in_flight(self) -> bool:
         return self.capture is not None
 
+    @property
+    def guarded(self) -> bool:
+        """The write guard is on (from begin until every tracked tensor is settled or the end)."""
+        return self._guard is not None
+
     def begin(self) -> None:
         """Take the image of this instant (call at a step boundary, training thread)."""
         if self.capture is not None:
@@ -146,6 +154,7 @@ class CheckpointAgent:
             pacer=self.pacer,
             layouts=self._layouts,
             walk=self.state.structure if cached is not None else None,
+            outside=self._outside,
         )
         self._guard = WriteGuard(self.capture.before_writes, self.rules)
         self._guard.__enter__()
@@ -160,9 +169,24 @@ class CheckpointAgent:
             return None
         started = self._clock.start()
         capture.boundary()
-        result = self._finish() if capture.done() else None
+        if capture.done():
+            result = self._finish()
+        else:
+            result = None
+            if self._guard is not None and capture.settled():
+                # Every tracked tensor is copied and marked written: later writes need nothing
+                # from the guard, and the next steps run without its per-op dispatch cost.
+                self._drop_guard()
         self._clock.stop(started)
         return result
+
+    def _drop_guard(self) -> None:
+        """Pop the write guard (training thread). A mode pushed after it stays innermost: the guard
+        is popped under it only when the checkpoint ends (modes pop in order)."""
+        guard = self._guard
+        if guard is not None and _get_current_dispatch_mode() is guard:
+            self._guard = None
+            guard.__exit__(None, None, None)
 
     def checkpoint(self) -> CommitResult:
         """Checkpoint-and-stop: the image of this instant (training is paused). A checkpoint in
@@ -181,9 +205,10 @@ class CheckpointAgent:
         """Drop the checkpoint in flight (the job is stopping without needing it); its copier ends
         at once and what it stored is left to the service's garbage collection."""
         capture, guard = self.capture, self._guard
-        if capture is None or guard is None:
+        if capture is None:
             return
-        guard.__exit__(None, None, None)
+        if guard is not None:
+            guard.__exit__(None, None, None)
         self.capture, self._guard = None, None
         capture.cancel()
         capture.future.exception()
@@ -205,9 +230,10 @@ class CheckpointAgent:
 
     def _finish(self) -> CommitResult | None:
         capture = self.capture
-        assert capture is not None and self._guard is not None
-        self._guard.__exit__(None, None, None)
-        self._guard = None
+        assert capture is not None
+        if self._guard is not None:
+            self._guard.__exit__(None, None, None)
+            self._guard = None
         self.capture = None
         self._clock.add(capture.clock)
         try:
@@ -219,6 +245,7 @@ class CheckpointAgent:
         self._dense = outcome.dense
         if capture.layouts:
             self._layouts = capture.layouts
+        self._outside = capture.outside_seen()
         if outcome.stale:
             # The model or the optimizer changed shape since the last walk: walk again, retake now.
             self._structure = None

@@ -24,6 +24,7 @@ closes that gap at the cost of one XXH3 pass over the image on the training thre
 from __future__ import annotations
 
 import bisect
+import operator
 import sys
 import threading
 import time
@@ -44,6 +45,7 @@ from shared.datastore import ObjectRef
 
 _POLL_S = 0.002  # how often a copier waiting for a step boundary looks
 DENSE_PIECE_BYTES = 1024 * 1024  # pieces of a tensor that changed everywhere last time (capped at a pack)
+_VERSION = operator.attrgetter("_version")
 COPIER_SWITCH_S = 0.0002  # the interpreter's switch interval while a copier runs (default 5 ms)
 
 
@@ -136,7 +138,6 @@ class Entry:
         "storage",
         "tensor",
         "version0",
-        "written",
     )
 
     def __init__(
@@ -159,7 +160,6 @@ class Entry:
         self.fps: list[str | None] = [None] * self.pieces
         self.begin_fps: list[str] | None = None
         self.version0 = version0  # read at begin
-        self.written = False  # a declared write covered the whole tensor after it was captured
         self.new = 0  # pieces the store did not hold
         self.alone = True  # no other tracked tensor shares its storage
         self.eager = eager or tensor.device.type != "cpu"
@@ -301,6 +301,7 @@ class Capture:
         pacer: Callable[[], None] | None = None,
         layouts: dict[int, Layout] | None = None,
         walk: Callable[[], Structure] | None = None,
+        outside: set[int] | None = None,
     ) -> None:
         """Marks the instant (version counters and addresses of every tensor) and nothing else the
         copier can do: the per-tensor bookkeeping is built on the copier thread (``_prepare``),
@@ -326,7 +327,10 @@ class Capture:
         self._walk = walk
         self._cache = layouts
         # The instant: each tensor's version counter and address (a ``p.data = x`` swap is seen).
-        self.marks = [(t._version, t.data_ptr()) for _, t in structure.tensors]
+        # Two C-level passes over the tensors (no bytecode per tensor).
+        objects = structure.objects
+        self.versions: list[int] = list(map(_VERSION, objects))
+        self.ptrs: list[int] = list(map(torch.Tensor.data_ptr, objects))
         self.previous: dict[str, int] = {}  # piece size of each tensor cut in pieces in the last image
         self.stats = CaptureStats()
         self.packer = Packer(link, staging)
@@ -337,12 +341,19 @@ class Capture:
         self.by_ptr: dict[int, Entry] = {}
         self._starts: list[int] = []  # tracked storages' address ranges, sorted, for writes' fast path
         self._ends: list[int] = []
-        self._outside: set[int] = set()  # addresses seen written that lie outside every tracked storage
-        # Tensors alone in their storage whose every piece is captured, by address: a write to
-        # one marks it written as a whole and settles it, in a lookup.
+        # Addresses written that lie outside every tracked storage (temporaries): seeded on the
+        # copier with the last capture's that are still outside, so the first optimizer step's
+        # temporaries, at addresses malloc hands out again each step, cost a set lookup.
+        self._outside_hint = outside if outside is not None else set()
+        self._outside: set[int] = set()
+        # Tensors alone in their storage whose every piece is captured, by ``id``: a write through
+        # the tracked tensor object itself marks it written as a whole and settles it, in bulk
+        # set operations for a whole foreach op (the dispatcher hands over the same objects).
         self._whole: dict[int, Entry] = {}
         self.clock = StallClock()  # training-thread time in copy-on-write
-        self._settled: set[int] = set()
+        self._settled: set[int] = set()  # by address: writes through these need nothing more
+        self._settled_ids: set[int] = set()  # the same tracked tensors, by ``id`` of the object
+        self._ids: set[int] = set()  # every tracked tensor object, by ``id``
         self._boundaries = 0
         self._quiesced = False
         self._cancelled = False
@@ -368,7 +379,7 @@ class Capture:
                 eager=name in self.eager,
                 version0=version,
             )
-            for (name, t), (version, _) in zip(tensors, self.marks, strict=True)
+            for (name, t), version in zip(tensors, self.versions, strict=True)
         ]
         ranges: dict[int, int] = {}
         for entry in self.entries:
@@ -378,6 +389,9 @@ class Capture:
         for start in sorted(ranges):
             self._starts.append(start)
             self._ends.append(start + ranges[start])
+        self._ids = {id(e.tensor) for e in self.entries}
+        hint = list(self._outside_hint)
+        self._outside = {p for p, inside in zip(hint, self._inside(hint), strict=True) if not inside}
         for shared in self.by_storage.values():
             if len(shared) > 1:
                 for entry in shared:
@@ -393,14 +407,12 @@ class Capture:
     def _moved(self) -> bool:
         """The structure or a tensor's memory changed between the cached structure and the instant."""
         tensors = self.structure.tensors
-        if any(
-            self.layouts[id(t)].data_ptr != ptr for (_, t), (_, ptr) in zip(tensors, self.marks, strict=True)
-        ):
+        if any(self.layouts[id(t)].data_ptr != ptr for (_, t), ptr in zip(tensors, self.ptrs, strict=True)):
             return True
         if self._walk is None:
             return False
         try:
-            return not self._walk().same_as(self.structure)
+            return not (self._walk().same_as(self.structure) and self.structure.template_holds())
         except RuntimeError:  # the optimizer's state grew while it was walked
             return True
 
@@ -419,45 +431,73 @@ class Capture:
 
     def before_writes(self, tensors: list[torch.Tensor]) -> None:
         """Soft copy-on-write for the tensors one op is about to write: clone the pieces of tracked
-        tensors their bytes overlap that the copier has not captured yet; mark them written. Most
-        writes cost a lookup: to settled tensors, to tensors the copier has wholly captured (marked
-        written, then settled), or to memory no tracked tensor lives in."""
+        tensors their bytes overlap that the copier has not captured yet; mark them written. The
+        usual writes cost set operations over the whole op, not Python per tensor: to settled
+        tensors, and to tracked tensors the copier has wholly captured (marked written, then
+        settled); temporaries are known by address after their first write."""
         started = self.clock.start()
-        settled, outside, whole = self._settled, self._outside, self._whole
+        ids = set(map(id, tensors))
+        ids -= self._settled_ids
+        if ids:
+            # Settling marks a whole tensor written (``_written``), before the op writes it:
+            # validation reads the marks again after a mismatch.
+            hit = self._whole.keys() & ids
+            if hit:
+                self._settled_ids |= hit
+                ids -= hit
+            if ids:
+                self._other_writes([t for t in tensors if id(t) in ids])
+        self.clock.stop(started)
+
+    def _written(self, entry: Entry) -> bool:
+        """A declared write covered the whole tensor after the copier captured it (settled)."""
+        return id(entry.tensor) in self._settled_ids
+
+    def outside_seen(self) -> set[int]:
+        """Addresses written during this capture outside every tracked storage (the next
+        capture's hint; it checks them against its own storages)."""
+        return self._outside
+
+    def settled(self) -> bool:
+        """Every tracked tensor is settled: no write can need anything more from this capture (its
+        pieces are all copied and it is marked written), so the write guard may go."""
+        return self._ready.is_set() and len(self._settled_ids) == len(self._ids)
+
+    def _other_writes(self, tensors: list[torch.Tensor]) -> None:
+        """Writes through other objects than wholly captured tracked tensors: temporaries (most of
+        them), views and ``.data`` aliases, tensors the copier has not reached."""
+        if not self._ready.is_set():
+            self._ready.wait()  # the copier is still building the entries (begin left it to it)
         try:
-            ptrs = [t.data_ptr() for t in tensors]
-        except RuntimeError:  # sparse and other storage-less tensors: one at a time below
+            ptrs: list[int | None] = list(map(torch.Tensor.data_ptr, tensors))
+        except RuntimeError:  # sparse and other storage-less tensors
             ptrs = [_data_ptr(t) for t in tensors]
-        if settled.issuperset(ptrs):  # a foreach optimizer op once the first step has run
-            self.clock.stop(started)
+        outside = self._outside
+        if outside.issuperset(ptrs):  # temporaries at addresses seen before (malloc reuses them)
             return
+        settled, starts, ends = self._settled, self._starts, self._ends
+        if len(outside) > 1 << 16:
+            outside.clear()
         for tensor, ptr in zip(tensors, ptrs, strict=True):
             if ptr is None or ptr in settled or ptr in outside:
                 continue
-            entry = whole.get(ptr)
-            if entry is not None and tensor.nbytes == entry.nbytes and tensor.is_contiguous():
-                with entry.lock:  # validation fingerprints a piece under it: never mid-write
-                    entry.written = True
-                settled.add(ptr)
-                continue
-            self._before_write(tensor, ptr)
-        self.clock.stop(started)
+            at = bisect.bisect_right(starts, ptr) - 1
+            if at >= 0 and ptr < ends[at]:
+                self._before_write(tensor, ptr)
+            else:
+                outside.add(ptr)  # storages never overlap: one starting outside all touches none
+
+    def _inside(self, ptrs: list[int]) -> list[bool]:
+        """Whether each address lies in a tracked storage."""
+        starts, ends = self._starts, self._ends
+        return [(at := bisect.bisect_right(starts, p) - 1) >= 0 and p < ends[at] for p in ptrs]
 
     def _before_write(self, tensor: torch.Tensor, ptr: int) -> None:
-        if not self._ready.is_set():
-            self._ready.wait()  # the copier is still building the entries (begin left it to it)
         whole = self.by_ptr.get(ptr)
         if whole is not None and tensor.is_contiguous() and tensor.nbytes == whole.nbytes:
             entries: list[Entry] | None = [whole]  # the tracked tensor itself (or an alias of it)
             start, end = whole.extent
         else:
-            at = bisect.bisect_right(self._starts, ptr) - 1
-            if at < 0 or ptr >= self._ends[at]:
-                # Storages never overlap: a tensor starting outside every tracked one touches none.
-                if len(self._outside) > 1 << 16:
-                    self._outside.clear()
-                self._outside.add(ptr)
-                return
             key = storage_key(tensor)
             entries = self.by_storage.get(key) if key is not None else None
             start, end = byte_extent(tensor) if entries else (0, 0)
@@ -479,6 +519,7 @@ class Capture:
                     # Alone in its storage, every piece copied and marked written: later writes
                     # through the tensor itself need nothing (views elsewhere take the slow path).
                     self._settled.add(entry.tensor.data_ptr())
+                    self._settled_ids.add(id(entry.tensor))
 
     def boundary(self) -> None:
         """A step boundary passed (validation waits for one after the capture, so a per-step
@@ -549,7 +590,7 @@ class Capture:
                     self.pacer()
                 self._capture_group(entry, first, min(first + group, entry.pieces), array)
             if entry.alone and entry.storage is not None:
-                self._whole[entry.tensor.data_ptr()] = entry
+                self._whole[id(entry.tensor)] = entry
         # Pieces copied by copy-on-write or at begin: fingerprint and pack them now (no write
         # can add any: every piece is captured).
         for entry in self.entries:
@@ -600,18 +641,21 @@ class Capture:
             if entry.begin_fps is not None and entry.fps != entry.begin_fps:
                 torn.add(entry.name)
                 continue
+            # Lock-free: a declared write is marked before it lands, so a piece read mid-write is
+            # seen marked when its marks are read again after the mismatch.
             array = entry.live.numpy()
             for i in range(entry.pieces):
-                with entry.lock:
-                    if entry.written or entry.dirty[i]:
-                        continue
-                    a, b = entry.span(i)
-                    if fingerprint(array[a:b]) != entry.fps[i]:
-                        torn.add(entry.name)
-                        break
-            with entry.lock:
-                if entry.tensor._version != entry.version0 and not (entry.written or any(entry.dirty)):
-                    torn.add(entry.name)  # a write the dispatch mode did not see
+                if self._written(entry):
+                    break
+                if entry.dirty[i]:
+                    continue
+                a, b = entry.span(i)
+                if fingerprint(array[a:b]) != entry.fps[i] and not (self._written(entry) or entry.dirty[i]):
+                    torn.add(entry.name)
+                    break
+            moved = entry.tensor._version != entry.version0  # read before the marks, as above
+            if moved and not (self._written(entry) or any(entry.dirty)):
+                torn.add(entry.name)  # a write the dispatch mode did not see
         return torn
 
     def _manifest(self, stored: dict[str, tuple[ObjectRef, int, int]]) -> Manifest:

@@ -9,6 +9,7 @@ step boundary itself, in microseconds.
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import random
 from dataclasses import dataclass
@@ -38,6 +39,27 @@ class Structure:
     states: tuple[tuple[int, dict[str, Any]], ...]
     on_device: bool = False  # some tensor is in device memory (cloned at begin, stream ordered)
 
+    @functools.cached_property
+    def objects(self) -> tuple[torch.Tensor, ...]:
+        """The tensors alone, in order (begin reads each one's version counter and address)."""
+        return tuple(t for _, t in self.tensors)
+
+    @functools.cached_property
+    def state_template(self) -> dict[int, dict[str, Any]]:
+        """The meta of the optimizer states whose every value is a tensor (each value stands for
+        a tensor the copier reads): fixed for these state dicts, so begin reuses it instead of
+        going over every state. Built when first used (at a begin); ``template_holds`` checks it
+        on the copier."""
+        return {i: dict.fromkeys(st, _TENSOR) for i, st in self.states if _all_tensors(st)}
+
+    def template_holds(self) -> bool:
+        """The states are still as ``state_template`` says (keys, and which values are tensors)."""
+        template = self.state_template
+        return all(
+            (i in template) == _all_tensors(st) and (i not in template or template[i].keys() == st.keys())
+            for i, st in self.states
+        )
+
     def same_as(self, other: Structure) -> bool:
         """The same tensor objects under the same names, and the same optimizer state dicts."""
         return (
@@ -46,6 +68,10 @@ class Structure:
             and len(self.states) == len(other.states)
             and all(a[0] == b[0] and a[1] is b[1] for a, b in zip(self.states, other.states, strict=True))
         )
+
+
+def _all_tensors(state: dict[str, Any]) -> bool:
+    return all(isinstance(v, torch.Tensor) for v in state.values())
 
 
 def add_specs(meta: dict[str, Any], structure: Structure) -> dict[str, Any]:
@@ -135,10 +161,20 @@ class TrainingState:
                 }
                 for group in self.optimizer.param_groups
             ]
-            state = {
-                i: {k: (_TENSOR if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in st.items()}
-                for i, st in structure.states
-            }
+            template = structure.state_template  # states of tensors only: nothing to copy now
+            state = (
+                dict(template)
+                if len(template) == len(structure.states)
+                else {
+                    i: template[i]
+                    if i in template
+                    else {
+                        k: (_TENSOR if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                        for k, v in st.items()
+                    }
+                    for i, st in structure.states
+                }
+            )
             meta["optimizer"] = {"state": state, "param_groups": groups}
         for key in ("scheduler", "scaler", "loader"):
             obj = getattr(self, key)

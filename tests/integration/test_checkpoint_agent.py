@@ -250,17 +250,23 @@ def _grow(job: Job) -> nn.Parameter:
     return extra
 
 
+def _adam_with_an_image(link: StoreLink, *, seed: int, name: str) -> tuple[Job, CheckpointAgent]:
+    """An Adam job one step in, whose agent has committed a first image (begin reuses its walk)."""
+    torch.manual_seed(seed)
+    job = JOBS["adam_foreach"]()
+    agent = CheckpointAgent(job.state, link, job=name, piece_bytes=512)
+    job.step_fn()
+    job.state.step = 1
+    agent.checkpoint()
+    return job, agent
+
+
 def test_a_structure_changed_since_the_last_walk_is_walked_again_and_the_retake_holds_it(
     link: StoreLink,
 ) -> None:
     """begin reuses the structure walked for the last image; the copier walks again and finds a
     new parameter: that attempt is dropped and retaken with a fresh walk, at a later boundary."""
-    torch.manual_seed(6)
-    job = JOBS["adam_foreach"]()
-    agent = CheckpointAgent(job.state, link, job="grow", piece_bytes=512)
-    job.step_fn()
-    job.state.step = 1
-    agent.checkpoint()
+    job, agent = _adam_with_an_image(link, seed=6, name="grow")
     extra = _grow(job)
     with torch.no_grad():
         extra.add_(1.5)
@@ -277,6 +283,49 @@ def test_a_structure_changed_since_the_last_walk_is_walked_again_and_the_retake_
         return fresh
 
     image = restored(grown, link, result)
+    assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()})
+    assert_same(meta, image.meta())
+
+
+def test_the_write_guard_goes_once_every_tracked_tensor_is_written_whole_and_the_image_holds(
+    link: StoreLink,
+) -> None:
+    """After the copier has captured everything, the first optimizer step writes every parameter
+    and moment whole: each is settled in set operations, and at the next boundary the guard is
+    popped (the steps until validation run without it); the image is still the instant's."""
+    job, agent = _adam_with_an_image(link, seed=8, name="settle")
+    tensors, meta = snapshot(job.state)
+    agent.begin()
+    assert agent.guarded and agent.capture is not None
+    assert agent.capture.captured.wait(10)
+    result = None
+    for step in range(2, 5):  # validation waits for two boundaries after the capture
+        job.step_fn()
+        job.state.step = step
+        result = result or agent.step_boundary(step)
+        if step == 2:
+            assert not agent.guarded, "every tensor was written whole: the guard should be gone"
+    result = result or agent.wait()  # the store may still be writing: commit the image in flight
+    assert result.step == 1 and result.attempts == 1
+    image = restored(JOBS["adam_foreach"], link, result)
+    assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()})
+    assert_same(meta, image.meta())
+
+
+def test_optimizer_state_gaining_a_plain_value_makes_the_reused_template_a_retake(link: StoreLink) -> None:
+    """begin reuses the meta of optimizer states that hold tensors only; a state that gains a
+    plain value is seen by the copier: the attempt is retaken and the image holds the value."""
+    job, agent = _adam_with_an_image(link, seed=9, name="template")
+    assert job.state.optimizer is not None
+    for st in job.state.optimizer.state.values():
+        st["note"] = 0.25
+    gate = StepGate(random.Random(9), span=3, pieces=_pieces(job.state, 512))
+    agent.pacer = gate.pace
+    result, references, _ = checkpoint_while_training(job, agent, gate)
+    assert result.attempts == 2
+    tensors, meta = references[result.step]
+    assert all(st["note"] == 0.25 for st in meta["optimizer"]["state"].values())
+    image = restored(JOBS["adam_foreach"], link, result)
     assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()})
     assert_same(meta, image.meta())
 
