@@ -15,6 +15,7 @@ rather than ``zmq.asyncio`` ones: no Future per message on the cell's hot path.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import OrderedDict
@@ -45,6 +46,11 @@ ForwardFn = Callable[[str, list[bytes]], None]
 MAX_PENDING_ROUTES = 10_000
 
 ROUTED_CHANNELS = ("shell", "control", "stdin")
+# A reply whose client is not connected (it is reconnecting to a restarted gateway, or its
+# connection dropped for a moment) is kept and sent again this often, for this long, in order per
+# client: ZMQ's ROUTER would drop it, and the client would wait for it forever.
+UNDELIVERED_RETRY_S = 0.1
+UNDELIVERED_KEEP_S = 60.0
 
 
 @dataclass(slots=True)
@@ -108,6 +114,9 @@ class KernelEndpoint:
         self.execution_state = "starting"  # from the kernel's iopub status messages
         self._peers: set[int] = set()  # fds of clients connected to iopub (socket monitor)
         self._monitor: DrainingSocket | None = None
+        # (channel, client identity) -> replies not yet taken, oldest first, with their deadline
+        self._undelivered: OrderedDict[tuple[str, bytes], list[tuple[float, list[bytes]]]] = OrderedDict()
+        self._retry: asyncio.TimerHandle | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -176,8 +185,8 @@ class KernelEndpoint:
         kind = zmq.PUB if channel == "iopub" else zmq.ROUTER
         sock: zmq.Socket[bytes] = self._ctx.socket(kind, socket_class=zmq.Socket)
         sock.setsockopt(zmq.LINGER, 0)
-        if kind == zmq.ROUTER:
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if kind == zmq.ROUTER:  # routed replies learn that their client is away (_send)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1 if channel in ROUTED_CHANNELS else 0)
         try:
             if port is None:
                 self.ports[channel] = sock.bind_to_random_port(f"tcp://{self.ip}")
@@ -221,6 +230,10 @@ class KernelEndpoint:
             self._monitor = None
         self._peers.clear()
         self._routes.clear()
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        self._undelivered.clear()
 
     # ---- client -> cluster -----------------------------------------------------------------
 
@@ -383,10 +396,53 @@ class KernelEndpoint:
         return [self._signer.sign(parts), *parts, *frames[5:]]
 
     def _send(self, channel: str, frames: list[bytes]) -> None:
+        if channel not in ROUTED_CHANNELS:
+            try:
+                self._sockets[channel].send_multipart(frames)
+            except zmq.ZMQError as exc:
+                self._log.warning("client_send_failed", channel=channel, error=str(exc))
+            return
+        key = (channel, frames[0])
+        waiting = self._undelivered.get(key)
+        if waiting is not None:  # behind this client's earlier replies, in order
+            waiting.append((time.monotonic() + UNDELIVERED_KEEP_S, frames))
+        elif not self._try_send(channel, frames):
+            self._undelivered[key] = [(time.monotonic() + UNDELIVERED_KEEP_S, frames)]
+            self._log.info("client_away_reply_kept", channel=channel)
+            self._schedule_retry()
+
+    def _try_send(self, channel: str, frames: list[bytes]) -> bool:
+        """False if the client is not connected now (EHOSTUNREACH) or not reading (Again)."""
+        sock = self._sockets.get(channel)
+        if sock is None:
+            return True  # closed: nobody to keep it for
         try:
-            self._sockets[channel].send_multipart(frames)
+            sock.send_multipart(frames)
         except zmq.ZMQError as exc:
+            if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                return False
             self._log.warning("client_send_failed", channel=channel, error=str(exc))
+        return True
+
+    def _schedule_retry(self) -> None:
+        if self._retry is None and self._undelivered:
+            self._retry = asyncio.get_running_loop().call_later(UNDELIVERED_RETRY_S, self._send_undelivered)
+
+    def _send_undelivered(self) -> None:
+        self._retry = None
+        now = time.monotonic()
+        for key in list(self._undelivered):
+            channel, _ = key
+            waiting = self._undelivered[key]
+            while waiting and self._try_send(channel, waiting[0][1]):
+                waiting.pop(0)
+            expired = [frames for deadline, frames in waiting if deadline <= now]
+            if expired:
+                waiting[:] = [item for item in waiting if item[0] > now]
+                self._log.warning("client_away_replies_dropped", channel=channel, count=len(expired))
+            if not waiting:
+                del self._undelivered[key]
+        self._schedule_retry()
 
     # ---- heartbeat -------------------------------------------------------------------------
 

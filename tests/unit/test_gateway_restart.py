@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from _gateway_double import Harness
+from jupyter_client import BlockingKernelClient
 from test_gateway import client_for
 
 from services.gateway.kernel_table import (
@@ -79,6 +80,38 @@ def test_a_reply_to_a_cell_the_previous_gateway_forwarded_reaches_its_client(har
         while reply["parent_header"]["msg_id"] != msg_id:  # a late kernel_info_reply of wait_for_ready
             reply = client.get_shell_msg(timeout=5)
         assert reply["content"]["status"] == "ok"
+    finally:
+        client.stop_channels()
+
+
+def test_a_reply_whose_client_is_still_reconnecting_is_kept_until_it_is_back(harness: Harness) -> None:
+    """ZMQ's ROUTER drops a message for a peer that is not connected: a reply played to a
+    restarted gateway before its client reconnected would be lost and the client would wait
+    forever (a loaded fresh-clone run took longer than the gateway's reconnect grace)."""
+    kernel_id, info = harness.start_kernel()
+    client = client_for(info)
+    try:
+        client.wait_for_ready(timeout=5)
+        harness.scheduler.silent = True
+        msg_id = client.execute("slow()")
+        wait_until(lambda: any(r["channel"] == "shell" for r in harness.scheduler.requests[-1:]), "the cell")
+        client.stop_channels()  # away while the gateway restarts and the reply comes
+        harness.restart_gateway()
+        asked = harness.scheduler.status_asked
+        wait_until(lambda: harness.scheduler.status_asked > asked, "the new gateway's first word")
+        harness.call(_play(harness, harness.scheduler.requests[-1]))
+        endpoint = harness.gateway.kernels[kernel_id]
+        wait_until(lambda: bool(endpoint._undelivered), "the reply kept for its client")
+        back = BlockingKernelClient(session=client.session)  # the same identity on shell
+        back.load_connection_info(client.get_connection_info())
+        back.start_channels()
+        try:
+            reply = back.get_shell_msg(timeout=5)
+            assert reply["parent_header"]["msg_id"] == msg_id
+            assert reply["content"]["status"] == "ok"
+            wait_until(lambda: not endpoint._undelivered, "nothing left kept")
+        finally:
+            back.stop_channels()
     finally:
         client.stop_channels()
 
