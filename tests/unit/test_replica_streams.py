@@ -24,6 +24,14 @@ def stream() -> Iterator[tuple[BarrierOutStream, IOPubThread, zmq.Socket[bytes]]
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{port}")
+    # PUB drops what it sends before the subscription reached it (a loaded run lost the cell's
+    # text): probe until the subscriber hears, then drain the probes
+    while True:
+        pub.send(b"probe")
+        if sub.poll(50):
+            break
+    while sub.poll(50):
+        sub.recv_multipart()
     thread = IOPubThread(pub)
     thread.start()
     out = BarrierOutStream(Session(key=b""), thread, "stdout", watchfd=False)
