@@ -465,7 +465,7 @@ class TandemKernel(IPythonKernel):
         os.environ["TANDEM_GPU_IDS"] = ",".join(str(d) for d in device_ids)
         helper._bind(device_ids)
         # the cell and its user expressions (a front end's, evaluated after it: they may call code)
-        self._before_user_code("\n".join([args["code"], *map(str, args["user_expressions"].values())]))
+        self._before_user_code(args["code"], args["user_expressions"].values())
         self._residency.before_cell(self.shell.user_ns, device_ids)  # notebook tensors to the GPU
         try:
             if self._interrupt_pending:
@@ -816,7 +816,7 @@ class TandemKernel(IPythonKernel):
         plan.timings["image_begin_ms"] = (time.perf_counter() - started) * 1000
         return images
 
-    def _before_user_code(self, code: str | None = None) -> None:
+    def _before_user_code(self, code: str | None = None, expressions: t.Iterable[t.Any] = ()) -> None:
         """User code runs next: images in flight clone what no write guard would see first, of
         the groups ``code`` may change (the analysis the cell's replication trusts too, with
         its fallbacks: every name when it cannot tell); every group for other code (a comm
@@ -827,7 +827,7 @@ class TandemKernel(IPythonKernel):
         names = None
         if code is not None and self.shell is not None:
             try:
-                effects = analyse_cell(code, self._registry)
+                effects = analyse_cell("\n".join([code, *map(str, expressions)]), self._registry)
                 sharing = self._codec.sharing() if self._codec is not None else None
                 names = names_to_check(effects, self.shell.user_ns, shared_with=sharing)
             except Exception as exc:  # the safe side: every group
