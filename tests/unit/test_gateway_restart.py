@@ -7,6 +7,7 @@ import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _gateway_double import Harness
@@ -22,6 +23,7 @@ from services.gateway.kernel_table import (
 )
 from shared import messages
 from shared.config import load_config
+from shared.jupyter_wire import header_of
 
 ENTRY = KernelEntry(
     "k1", "secret", "hmac-sha256", "127.0.0.1", {"shell": 1, "iopub": 2, "stdin": 3, "control": 4, "hb": 5}
@@ -69,13 +71,13 @@ def test_a_reply_to_a_cell_the_previous_gateway_forwarded_reaches_its_client(har
         client.wait_for_ready(timeout=5)
         harness.scheduler.silent = True  # the cell is still running when the gateway dies
         msg_id = client.execute("slow()")
-        wait_until(lambda: any(r["channel"] == "shell" for r in harness.scheduler.requests[-1:]), "the cell")
+        cell = _request(harness, msg_id)
         harness.restart_gateway()
         asked = harness.scheduler.status_asked
         # the new gateway speaks to the scheduler once its clients had time to reconnect (as the
         # real scheduler, the double answers pushes only then: gateway_outbox.py)
         wait_until(lambda: harness.scheduler.status_asked > asked, "the new gateway's first word")
-        harness.call(_play(harness, harness.scheduler.requests[-1]))
+        harness.call(_play(harness, cell))
         reply = client.get_shell_msg(timeout=5)
         while reply["parent_header"]["msg_id"] != msg_id:  # a late kernel_info_reply of wait_for_ready
             reply = client.get_shell_msg(timeout=5)
@@ -94,12 +96,12 @@ def test_a_reply_whose_client_is_still_reconnecting_is_kept_until_it_is_back(har
         client.wait_for_ready(timeout=5)
         harness.scheduler.silent = True
         msg_id = client.execute("slow()")
-        wait_until(lambda: any(r["channel"] == "shell" for r in harness.scheduler.requests[-1:]), "the cell")
+        cell = _request(harness, msg_id)
         client.stop_channels()  # away while the gateway restarts and the reply comes
         harness.restart_gateway()
         asked = harness.scheduler.status_asked
         wait_until(lambda: harness.scheduler.status_asked > asked, "the new gateway's first word")
-        harness.call(_play(harness, harness.scheduler.requests[-1]))
+        harness.call(_play(harness, cell))
         endpoint = harness.gateway.kernels[kernel_id]
         wait_until(lambda: bool(endpoint._undelivered), "the reply kept for its client")
         back = BlockingKernelClient(session=client.session)  # the same identity on shell
@@ -107,13 +109,29 @@ def test_a_reply_whose_client_is_still_reconnecting_is_kept_until_it_is_back(har
         back.start_channels()
         try:
             reply = back.get_shell_msg(timeout=5)
-            assert reply["parent_header"]["msg_id"] == msg_id
+            while reply["parent_header"]["msg_id"] != msg_id:  # a late kernel_info_reply of wait_for_ready
+                reply = back.get_shell_msg(timeout=5)
             assert reply["content"]["status"] == "ok"
             wait_until(lambda: not endpoint._undelivered, "nothing left kept")
         finally:
             back.stop_channels()
     finally:
         client.stop_channels()
+
+
+def _request(harness: Harness, msg_id: str) -> dict[str, Any]:
+    """The scheduler double's copy of the cell's request, once it arrived (the kernel_info request
+    of wait_for_ready is a shell request too, and may be the last one for a while under load)."""
+
+    def found() -> dict[str, Any] | None:
+        return next(
+            (r for r in harness.scheduler.requests if header_of(r["frames"])["msg_id"] == msg_id), None
+        )
+
+    wait_until(lambda: found() is not None, "the cell")
+    request = found()
+    assert request is not None
+    return request
 
 
 async def _play(harness: Harness, body: dict[str, object]) -> None:
