@@ -654,15 +654,20 @@ def names_to_load(
     if effects.unknown or effects.star_import:
         return None
     mentioned = set(_IDENTIFIER.findall(source)) | set(effects.candidates())
-    names = _reachable({n for n in mentioned if n in namespace or n in loading}, namespace, shared_with)
+    names = _reachable(
+        {n for n in mentioned if n in namespace or n in loading}, namespace, shared_with, loading
+    )
     return {name for name in names if name in loading}
 
 
 def _reachable(
-    names: set[str], namespace: Mapping[str, Any], shared_with: Mapping[str, Iterable[str]] | None
+    names: set[str],
+    namespace: Mapping[str, Any],
+    shared_with: Mapping[str, Iterable[str]] | None,
+    loading: Collection[str] = (),
 ) -> set[str]:
     """``names`` and every name a change through them may reach: their sharers, the globals of
-    notebook code among them, and other names bound to the same objects."""
+    notebook code among them (``loading`` ones too), and other names bound to the same objects."""
     if shared_with:
         todo = list(names)
         while todo:
@@ -672,10 +677,11 @@ def _reachable(
                     todo.append(other)
     todo = [name for name in names if name in namespace]
     while todo:  # notebook code reachable from a candidate may rebind or mutate what it names
-        for other in _code_globals(namespace[todo.pop()], namespace):
+        for other in _code_globals(namespace[todo.pop()], namespace, loading):
             if other not in names:
                 names.add(other)
-                todo.append(other)
+                if other in namespace:
+                    todo.append(other)
     ids = {id(namespace[name]) for name in names if name in namespace}
     names.update(name for name, value in namespace.items() if id(value) in ids)
     return names
@@ -689,7 +695,7 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _code_globals(value: Any, namespace: Mapping[str, Any]) -> set[str]:
+def _code_globals(value: Any, namespace: Mapping[str, Any], loading: Collection[str] = ()) -> set[str]:
     """Namespace names that the notebook code behind ``value`` mentions (its bytecode's global and
     attribute names: an over-approximation). Complements the registry for functions the AST cannot
     follow: aliases (``g = f``), callbacks, functions from cells analysed before this process."""
@@ -709,4 +715,4 @@ def _code_globals(value: Any, namespace: Mapping[str, Any]) -> set[str]:
     for function in functions:
         if function.__globals__ is namespace:
             names |= _code_names(function.__code__)
-    return {name for name in names if name in namespace}
+    return {name for name in names if name in namespace or name in loading}

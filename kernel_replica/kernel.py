@@ -54,7 +54,7 @@ from kernel_replica.durability import (
     unprotected_warning,
 )
 from kernel_replica.election_core import COMMITTED, DIVERGED_EXIT_CODE, SUPERSEDED, UNCOMMITTED
-from kernel_replica.lazy_load import LazyLoader, Load, LoopLag
+from kernel_replica.lazy_load import LazyLoader, Load, Silence
 from kernel_replica.log_entries import Done, State
 from kernel_replica.object_codec import DEFAULT_LARGE_OBJECT_BYTES, ObjectCodec, is_large
 from kernel_replica.raft_bridge import (
@@ -70,9 +70,11 @@ from kernel_replica.state_sync import (
     StatePlan,
     apply_state,
     complete_state,
+    not_imported,
     not_loaded_reason,
     open_replica_datastore,
     plan_state,
+    preimport,
     replicable_names,
     value_fingerprint,
 )
@@ -152,8 +154,8 @@ class TandemKernel(IPythonKernel):
         self._not_loaded: dict[str, str] = {}  # names whose logged value failed to load here, and why
         # datastore.lazy_load: large groups of applied STATEs read in the background (lazy_load.py)
         self._loader: LazyLoader | None = None
-        self._lags: tuple[LoopLag, LoopLag | None] | None = None  # main loop, Raft loop: silences
-        self._load_started = 0.0
+        self._loading_silence: Silence | None = None  # while the loader is busy
+        self.cell_loads: deque[dict[str, t.Any]] = deque(maxlen=100)  # ``_load_for``'s records
         self._store_retry = Backoff()  # reopening a data store that failed to open
         self._store_lock: asyncio.Lock | None = None
         self._write_outcome_wait_s = 0.005  # datastore.write_outcome_wait_s
@@ -323,7 +325,7 @@ class TandemKernel(IPythonKernel):
                     if self._not_loaded:  # the store may work again: load them before telling
                         await self._load_again(bridge, log)
                     waited = time.perf_counter()
-                    await self._load_for(code, execute_args["user_expressions"].values())
+                    await self._load_for(code, execute_args["user_expressions"].values(), msg_id=msg_id)
                     timing["load_wait_ms"] = (time.perf_counter() - waited) * 1000
                     self._tell_missing(bridge)
                     ended = bridge.core.election.ended_before_run(msg_id)
@@ -1145,13 +1147,16 @@ class TandemKernel(IPythonKernel):
         codec: ObjectCodec | None = None
         failures: list[str] = []
         lazy = self._get_loader()
-        eager_large = lazy is None and any(is_large(group) for group, _names in groups)
-        if eager_large:
-            self._watch_silence(True)
+        silence = self._silence() if lazy is None and any(is_large(g) for g, _names in groups) else None
         try:
             if comms[0] or comms[1]:  # before the namespace: names bound to widgets refer to them
                 self._load_comms(*comms)
             codec = await self._get_codec()
+            modules = not_imported(statement for _alias, statement in imports) if lazy else []
+            if modules:  # a cold import off this thread: it keeps answering meanwhile
+                importing = self._silence()
+                await asyncio.to_thread(preimport, modules)
+                self._log_silence("imports_loaded", importing, msg_id=msg_id, modules=modules)
             failures = await apply_state(
                 self.shell.user_ns, codec, imports, groups, deleted, self._not_loaded, lazy, msg_id
             )
@@ -1160,8 +1165,8 @@ class TandemKernel(IPythonKernel):
         except Exception as exc:
             failures.append(f"{exc.__class__.__name__}: {exc}")
         self.apply_ms.append((time.perf_counter() - started) * 1000)
-        if eager_large:
-            self._watch_silence(False, msg_id)
+        if silence is not None:
+            self._log_silence("state_loaded", silence, msg_id=msg_id, lazy=False)
         if codec is not None and deleted:
             codec.forget(deleted)
         for failure in failures:
@@ -1190,16 +1195,38 @@ class TandemKernel(IPythonKernel):
             self._loader = LazyLoader(
                 lambda: open_replica_datastore(config), self._take_loaded, lambda: shell.user_ns
             )
-            self._loader.on_busy = lambda: self._watch_silence(True)
-            self._loader.on_idle = lambda: self._watch_silence(False, "background")
+            self._loader.on_busy = self._loading_started
+            self._loader.on_idle = self._loading_ended
         return self._loader
 
-    async def _load_for(self, code: str | None, expressions: t.Iterable[t.Any] = ()) -> None:
+    async def _load_for(
+        self, code: str | None, expressions: t.Iterable[t.Any] = (), *, msg_id: str = ""
+    ) -> None:
         """Before user code runs here: load the names it may touch that are still loading
         (``cell_analysis.names_to_load``; every one for other code, a comm handler, or when the
-        analysis cannot tell), again until a loaded object's notebook code reaches no more."""
+        analysis cannot tell), again until a loaded object's notebook code reaches no more.
+        Recorded in ``cell_loads`` (and logged): what it waited for, what still loads."""
         loader = self._loader
-        while loader is not None and loader.pending and self.shell is not None:
+        if loader is None or not loader.pending:
+            return
+        started = time.perf_counter()
+        waited_for: set[str] = set()
+        try:
+            await self._demand(loader, code, expressions, waited_for)
+        finally:
+            record = {
+                "msg_id": msg_id,
+                "waited_for": sorted(waited_for),
+                "still_loading": sorted(loader.pending.names()),
+                "wait_ms": round((time.perf_counter() - started) * 1000, 1),
+            }
+            self.cell_loads.append(record)
+            self._slog.info("loaded_before_code", **record)
+
+    async def _demand(
+        self, loader: LazyLoader, code: str | None, expressions: t.Iterable[t.Any], waited_for: set[str]
+    ) -> None:
+        while loader.pending and self.shell is not None:
             names = None
             if code is not None:
                 try:
@@ -1215,6 +1242,7 @@ class TandemKernel(IPythonKernel):
                     self._slog.debug("cell_not_analysed", error=repr(exc))
             if names is not None and not names:
                 return
+            waited_for.update(loader.pending.names() if names is None else names)
             await loader.demand(names)
             if names is None:
                 return
@@ -1246,26 +1274,23 @@ class TandemKernel(IPythonKernel):
             self._not_loaded.pop(name, None)
         self._slog.debug("state_loaded_name", names=sorted(taken), msg_id=load.msg_id, bytes=load.nbytes)
 
-    def _watch_silence(self, start: bool, msg_id: str = "") -> None:
-        """Measure how long the main loop and the Raft loop go silent while large objects load
-        (``state_loaded``: ``main_lag_ms``, ``raft_lag_ms``, ``load_ms``)."""
-        if self._lags is None:
-            raft = LoopLag(self._bridge.thread.loop) if self._bridge is not None else None
-            self._lags = (LoopLag(asyncio.get_running_loop()), raft)
-        main, raft = self._lags
-        if start:
-            self._load_started = time.perf_counter()
-            main.start()
-            if raft is not None:
-                raft.start()
-            return
-        figures = {
-            "main_lag_ms": round(main.stop(), 1),
-            "raft_lag_ms": round(raft.stop(), 1) if raft is not None else None,
-            "load_ms": round((time.perf_counter() - self._load_started) * 1000, 1),
-        }
-        emit = self._slog.info if self._trace_sync else self._slog.debug
-        emit("state_loaded", msg_id=msg_id, lazy=self._loader is not None, **figures)
+    def _loading_started(self) -> None:
+        self._loading_silence = self._silence()
+
+    def _loading_ended(self) -> None:
+        if self._loading_silence is not None:
+            self._log_silence("state_loaded", self._loading_silence, msg_id="background", lazy=True)
+            self._loading_silence = None
+
+    def _silence(self) -> Silence:
+        """Watch how long the main loop (cells, the scheduler's requests) and the Raft loop go
+        without running while large objects load or imports replay here."""
+        raft = self._bridge.thread.loop if self._bridge is not None else None
+        return Silence(asyncio.get_running_loop(), raft)
+
+    def _log_silence(self, event: str, silence: Silence, **fields: t.Any) -> None:
+        figures = silence.end()
+        self._slog.info(event, **fields, **figures)
 
     def _load_comms(self, records: t.Mapping[str, dict[str, t.Any]], closed: t.Iterable[str]) -> None:
         """An entry's comm records and closed ids, applied here (``comm_sync.apply_comms``);

@@ -252,3 +252,22 @@ class LoopLag:
             else self.max_s
         )
         return max(0.0, silence) * 1000
+
+
+class Silence:
+    """How long the main loop and the Raft loop go silent during some work (``LoopLag`` each)."""
+
+    def __init__(self, main: asyncio.AbstractEventLoop, raft: asyncio.AbstractEventLoop | None) -> None:
+        self._lags = [LoopLag(loop) for loop in (main, raft) if loop is not None]
+        self._started = time.perf_counter()
+        for lag in self._lags:
+            lag.start()
+
+    def end(self) -> dict[str, float | None]:
+        """``main_lag_ms``, ``raft_lag_ms`` (None without a Raft loop), ``took_ms``."""
+        lags = [round(lag.stop(), 1) for lag in self._lags]
+        return {
+            "main_lag_ms": lags[0],
+            "raft_lag_ms": lags[1] if len(lags) > 1 else None,
+            "took_ms": round((time.perf_counter() - self._started) * 1000, 1),
+        }

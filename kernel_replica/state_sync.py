@@ -379,6 +379,39 @@ def star_imported(record: ImportRecord, namespace: Mapping[str, Any], replicable
     )
 
 
+def modules_of(statements: Iterable[str]) -> list[str]:
+    """The (absolute) modules import statements import, in order, each once."""
+    found: dict[str, None] = {}
+    for statement in statements:
+        try:
+            tree = ast.parse(statement)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found.update(dict.fromkeys(alias.name for alias in node.names))
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found[node.module] = None
+    return list(found)
+
+
+def not_imported(statements: Iterable[str]) -> list[str]:
+    """The modules of ``statements`` this process has not imported yet."""
+    return [module for module in modules_of(statements) if module not in sys.modules]
+
+
+def preimport(modules: Iterable[str]) -> None:
+    """Import ``modules`` on the calling thread, a worker's: the replay of their statements on
+    the namespace's thread is then a lookup, not seconds of a cold ``import torch`` during which
+    that thread answers nothing. A failure is left to the replay (it reports it; a module that
+    must be imported on the main thread is imported there)."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception:  # the replay on the main thread reports it
+            continue
+
+
 def replay_imports(
     namespace: dict[str, Any], imports: Iterable[tuple[str, str]], not_loaded: dict[str, str] | None = None
 ) -> list[str]:
@@ -570,18 +603,7 @@ class ReplicatedNamespace:
         template (services/local_scheduler/runtime_template.py) to import ahead."""
         with self._lock:
             statements = [value for kind, value in self._records.values() if kind == "i"]
-        found: set[str] = set()
-        for statement in statements:
-            try:
-                tree = ast.parse(statement)
-            except SyntaxError:
-                continue
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Import):
-                    found.update(alias.name.partition(".")[0] for alias in node.names)
-                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                    found.add(node.module.partition(".")[0])
-        return sorted(found)
+        return sorted({module.partition(".")[0] for module in modules_of(statements)})
 
     def gpu_resident(self) -> tuple[GpuResident, ...]:
         with self._lock:

@@ -1,0 +1,123 @@
+"""The standby's background loads of large objects (kernel_replica/lazy_load.py): ordering and
+selection in the pure ``PendingLoads`` core, and ``names_to_load``'s choice of what a cell needs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernel_replica.cell_analysis import analyse_cell, names_to_load
+from kernel_replica.lazy_load import LoopLag, PendingLoads
+
+NAMES = ["a", "b", "c", "d"]
+
+
+def _group(*names: str) -> dict[str, Any]:
+    return {"names": list(names), "sizes": [10], "image": {}}
+
+
+def test_a_later_entry_supersedes_a_name_still_loading_and_a_load_left_wanting_nothing_goes() -> None:
+    pending = PendingLoads()
+    first = pending.add(_group("a", "b"), ["a", "b"])
+    second = pending.add(_group("b"), ["b"])  # a later large group for b
+    assert first is not None and second is not None
+    assert first.names == {"a"} and second.names == {"b"}
+    pending.supersede(["a"])  # a small group or an import applied at once
+    assert not pending.pending(first)
+    assert pending.names() == {"b"}
+    assert pending.next() is second
+    assert pending.finish(second) == {"b"}
+    assert not pending
+
+
+def test_a_read_that_ends_after_its_names_were_superseded_takes_nothing() -> None:
+    pending = PendingLoads()
+    load = pending.add(_group("a"), ["a"])
+    assert load is not None and pending.next() is load  # being read
+    pending.supersede(["a"])  # deleted by a later entry meanwhile
+    assert pending.finish(load) == frozenset()
+
+
+def test_demanded_loads_go_first_in_log_order_and_none_demands_everything() -> None:
+    pending = PendingLoads()
+    a = pending.add(_group("a"), ["a"])
+    b = pending.add(_group("b"), ["b"])
+    c = pending.add(_group("c"), ["c"])
+    assert pending.next() is a
+    assert pending.demand(["c", "zzz"]) == [c]
+    assert pending.next() is c
+    assert pending.demand(None) == [a, b, c]
+    assert pending.next() is a
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("large"), st.lists(st.sampled_from(NAMES), min_size=1, unique=True)),
+            st.tuples(st.just("now"), st.lists(st.sampled_from(NAMES), min_size=1, unique=True)),
+            st.tuples(st.just("finish"), st.just([])),
+        ),
+        max_size=30,
+    )
+)
+def test_every_name_ends_with_the_value_of_the_last_entry_that_bound_it(
+    steps: list[tuple[str, list[str]]],
+) -> None:
+    """Entries applied in log order (large groups pending, the rest at once), reads finishing in
+    any order the core picks: the namespace ends as if every entry had been read at once."""
+    pending = PendingLoads()
+    namespace: dict[str, int] = {}
+    expected: dict[str, int] = {}
+    for seq, (kind, names) in enumerate(steps):
+        if kind == "large":
+            pending.add(_group(*names), names, str(seq))
+            for name in names:
+                namespace.pop(name, None)  # never a stale value while the newer one loads
+                expected[name] = seq
+        elif kind == "now":
+            pending.supersede(names)
+            for name in names:
+                namespace[name] = expected[name] = seq
+        else:
+            load = pending.next()
+            if load is not None:
+                for name in pending.finish(load):
+                    namespace[name] = int(load.msg_id)
+        for name in pending.names():
+            assert name not in namespace
+    while (load := pending.next()) is not None:
+        for name in pending.finish(load):
+            namespace[name] = int(load.msg_id)
+    assert namespace == expected
+
+
+def test_a_cell_waits_for_the_loading_names_it_mentions_or_reaches_through_notebook_code() -> None:
+    namespace: dict[str, Any] = {"x": 1}
+    exec("def total():\n    return big.sum() + x\n", namespace)
+    loading = {"big", "other"}
+
+    def needed(code: str) -> set[str] | None:
+        return names_to_load(analyse_cell(code), code, namespace, loading)
+
+    assert needed("x += 1") == set()
+    assert needed("print(big[0])") == {"big"}
+    assert needed("%timeit other.sum()") == {"other"}  # a name inside a magic's text
+    assert needed("y = total()") == {"big"}  # through the function's globals
+    assert needed("exec('big')") is None  # cannot tell: everything first
+
+
+def test_the_loop_lag_probe_sees_a_blocked_loop() -> None:
+    async def main() -> float:
+        lag = LoopLag(asyncio.get_running_loop(), interval_s=0.005)
+        lag.start()
+        await asyncio.sleep(0.03)
+        time.sleep(0.2)  # the loop's thread busy
+        await asyncio.sleep(0.03)
+        return lag.stop()
+
+    assert 150 <= asyncio.run(main()) < 1000
