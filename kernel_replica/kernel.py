@@ -1152,14 +1152,17 @@ class TandemKernel(IPythonKernel):
             if comms[0] or comms[1]:  # before the namespace: names bound to widgets refer to them
                 self._load_comms(*comms)
             codec = await self._get_codec()
-            modules = not_imported(statement for _alias, statement in imports) if lazy else []
-            if modules:  # a cold import off this thread: it keeps answering meanwhile
-                importing = self._silence()
+            modules = not_imported(statement for _alias, statement in imports)
+            importing = self._silence() if modules else None
+            if modules and lazy is not None:  # a cold import off this thread: it answers meanwhile
                 await asyncio.to_thread(preimport, modules)
-                self._log_silence("imports_loaded", importing, msg_id=msg_id, modules=modules)
             failures = await apply_state(
                 self.shell.user_ns, codec, imports, groups, deleted, self._not_loaded, lazy, msg_id
             )
+            if importing is not None:
+                self._log_silence(
+                    "imports_loaded", importing, msg_id=msg_id, modules=modules, lazy=bool(lazy)
+                )
             if comms[0]:
                 failures += self._comms_failed(comms[0])
         except Exception as exc:

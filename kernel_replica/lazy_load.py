@@ -230,7 +230,14 @@ class LoopLag:
     def start(self) -> None:
         self.max_s = 0.0
         self._watching = True
-        self.loop.call_soon_threadsafe(self._arm)
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:  # its own thread, which may block before the loop turns again
+            self._arm()
+        else:
+            self.loop.call_soon_threadsafe(self._arm)
 
     def _arm(self) -> None:
         if self._watching and self._handle is None:
