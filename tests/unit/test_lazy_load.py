@@ -1,17 +1,24 @@
 """The standby's background loads of large objects (kernel_replica/lazy_load.py): ordering and
-selection in the pure ``PendingLoads`` core, and ``names_to_load``'s choice of what a cell needs."""
+selection in the pure ``PendingLoads`` core, ``names_to_load``'s choice of what a cell needs, and
+the loader on a real local store."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernel_replica.cell_analysis import analyse_cell, names_to_load
-from kernel_replica.lazy_load import LoopLag, PendingLoads
+from kernel_replica.lazy_load import LazyLoader, LoopLag, PendingLoads
+from kernel_replica.object_codec import ObjectCodec
+from kernel_replica.state_sync import apply_state, not_loaded_reason
+from shared.datastore import DataStore, ObjectRef
+from shared.datastore.local_backend import LocalStore
 
 NAMES = ["a", "b", "c", "d"]
 
@@ -120,3 +127,58 @@ def test_the_loop_lag_probe_sees_a_blocked_loop() -> None:
         return lag.stop()
 
     assert 150 <= asyncio.run(main()) < 1000
+
+
+def test_a_standby_takes_the_latest_large_value_on_demand_and_names_a_value_it_cannot_read(
+    tmp_path: Path,
+) -> None:
+    """``apply_state`` with a ``LazyLoader`` on a real local store: a small name lands at once, a
+    large one only when read (the later entry's value, never the superseded one), and a read that
+    fails leaves the name out of the namespace and in ``not_loaded`` with the store's reason."""
+    root = tmp_path / "store"
+
+    async def open_store() -> DataStore:
+        return LocalStore(root, fsync=False)
+
+    async def main() -> None:
+        store = await open_store()
+        writer = ObjectCodec(store, large_object_bytes=1024)
+        first = await writer.encode({"big": np.arange(20_000.0), "small": [1, 2]}, ["big", "small"])
+        second = await ObjectCodec(store, large_object_bytes=1024).encode(
+            {"big": np.arange(20_000.0) * 2}, ["big"]
+        )
+        third = await ObjectCodec(store, large_object_bytes=1024).encode({"big": np.ones(30_000)}, ["big"])
+        standby: dict[str, Any] = {"__name__": "__main__", "big": "stale"}
+        not_loaded: dict[str, str] = {}
+        read: list[tuple[frozenset[str], BaseException | None]] = []
+
+        def take(load: Any, names: frozenset[str], values: Any, error: BaseException | None) -> None:
+            read.append((names, error))
+            if values is None:
+                not_loaded.update(dict.fromkeys(names, not_loaded_reason(error or RuntimeError())))
+            else:
+                standby.update({name: values[name] for name in names})
+
+        loader = LazyLoader(open_store, take, lambda: standby)
+        try:
+            for result in (first, second):
+                groups = [(group.to_dict(), None) for group in result.groups]
+                await apply_state(standby, ObjectCodec(None), [], groups, (), not_loaded, loader)
+                assert "big" not in standby  # never the stale value while the newer one loads
+            assert standby["small"] == [1, 2]
+            await loader.demand(["big"])
+            assert np.array_equal(standby["big"], np.arange(20_000.0) * 2)
+            assert frozenset({"big"}) in {names for names, _ in read}
+            assert all(names in (frozenset(), frozenset({"big"})) for names, _ in read)
+            pointer = ObjectRef.from_dict(third.groups[0].pointer or {})
+            await store.delete(pointer)
+            groups = [(group.to_dict(), None) for group in third.groups]
+            await apply_state(standby, ObjectCodec(None), [], groups, (), not_loaded, loader)
+            await loader.demand(None)
+            assert "big" not in standby and "could not be loaded here" in not_loaded["big"]
+            assert isinstance(read[-1][1], Exception)
+        finally:
+            loader.close()
+            await store.close()
+
+    asyncio.run(main())
