@@ -325,7 +325,11 @@ class TandemKernel(IPythonKernel):
                     if self._not_loaded:  # the store may work again: load them before telling
                         await self._load_again(bridge, log)
                     waited = time.perf_counter()
-                    await self._load_for(code, execute_args["user_expressions"].values(), msg_id=msg_id)
+                    # a GPU cell moves the notebook's GPU objects onto its GPU first: those too
+                    gpu = self._residency.names() if device_ids else set()
+                    await self._load_for(
+                        code, execute_args["user_expressions"].values(), msg_id=msg_id, also=gpu
+                    )
                     timing["load_wait_ms"] = (time.perf_counter() - waited) * 1000
                     self._tell_missing(bridge)
                     ended = bridge.core.election.ended_before_run(msg_id)
@@ -1203,19 +1207,25 @@ class TandemKernel(IPythonKernel):
         return self._loader
 
     async def _load_for(
-        self, code: str | None, expressions: t.Iterable[t.Any] = (), *, msg_id: str = ""
+        self,
+        code: str | None,
+        expressions: t.Iterable[t.Any] = (),
+        *,
+        msg_id: str = "",
+        also: t.Collection[str] = (),
     ) -> None:
         """Before user code runs here: load the names it may touch that are still loading
         (``cell_analysis.names_to_load``; every one for other code, a comm handler, or when the
-        analysis cannot tell), again until a loaded object's notebook code reaches no more.
-        Recorded in ``cell_loads`` (and logged): what it waited for, what still loads."""
+        analysis cannot tell), again until a loaded object's notebook code reaches no more;
+        ``also``: names needed besides. Recorded in ``cell_loads`` (and logged): what it waited
+        for, what still loads."""
         loader = self._loader
         if loader is None or not loader.pending:
             return
         started = time.perf_counter()
         waited_for: set[str] = set()
         try:
-            await self._demand(loader, code, expressions, waited_for)
+            await self._demand(loader, code, expressions, waited_for, also)
         finally:
             record = {
                 "msg_id": msg_id,
@@ -1227,7 +1237,12 @@ class TandemKernel(IPythonKernel):
             self._slog.info("loaded_before_code", **record)
 
     async def _demand(
-        self, loader: LazyLoader, code: str | None, expressions: t.Iterable[t.Any], waited_for: set[str]
+        self,
+        loader: LazyLoader,
+        code: str | None,
+        expressions: t.Iterable[t.Any],
+        waited_for: set[str],
+        also: t.Collection[str],
     ) -> None:
         while loader.pending and self.shell is not None:
             names = None
@@ -1243,6 +1258,8 @@ class TandemKernel(IPythonKernel):
                     )
                 except Exception as exc:  # the safe side: everything
                     self._slog.debug("cell_not_analysed", error=repr(exc))
+            if names is not None:
+                names |= loader.pending.names() & set(also)
             if names is not None and not names:
                 return
             waited_for.update(loader.pending.names() if names is None else names)
