@@ -5,6 +5,7 @@ the loader on a real local store."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -180,5 +181,37 @@ def test_a_standby_takes_the_latest_large_value_on_demand_and_names_a_value_it_c
         finally:
             loader.close()
             await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_store_that_does_not_open_names_the_values_and_leaves_no_thread_behind(tmp_path: Path) -> None:
+    async def unreachable() -> DataStore:
+        raise ConnectionRefusedError("store down")
+
+    async def main() -> None:
+        store = LocalStore(tmp_path / "store", fsync=False)
+        encoded = await ObjectCodec(store, large_object_bytes=1024).encode(
+            {"big": np.arange(20_000.0)}, ["big"]
+        )
+        failed: dict[str, str] = {}
+
+        def take(load: Any, names: frozenset[str], values: Any, error: BaseException | None) -> None:
+            assert values is None and error is not None
+            failed.update(dict.fromkeys(names, not_loaded_reason(error)))
+
+        loader = LazyLoader(unreachable, take, dict)
+        threads = {t.name for t in threading.enumerate()}
+        try:
+            for _ in range(3):  # each attempt opens the store again
+                loader.add(encoded.groups[0].to_dict(), ["big"])
+                await loader.demand(["big"])
+                assert "store down" in failed.pop("big")
+        finally:
+            loader.close()
+            await store.close()
+        assert [t.name for t in threading.enumerate() if t.name == "checkpoint-store"] == [
+            name for name in threads if name == "checkpoint-store"
+        ]
 
     asyncio.run(main())
