@@ -653,11 +653,16 @@ def names_to_load(
     methods may mention more)."""
     if effects.unknown or effects.star_import:
         return None
-    mentioned = set(_IDENTIFIER.findall(source)) | set(effects.candidates())
+    mentioned = mentioned_names(source) | set(effects.candidates())
     names = _reachable(
         {n for n in mentioned if n in namespace or n in loading}, namespace, shared_with, loading
     )
     return {name for name in names if name in loading}
+
+
+def mentioned_names(source: str) -> set[str]:
+    """Every identifier in the text (names in magics, strings and comments too)."""
+    return set(_IDENTIFIER.findall(source))
 
 
 def _reachable(

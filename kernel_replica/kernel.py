@@ -40,6 +40,7 @@ from kernel_replica import comm_sync, helper
 from kernel_replica.cell_analysis import (
     FunctionFacts,
     analyse_cell,
+    mentioned_names,
     names_to_check,
     names_to_load,
     update_registry,
@@ -1192,6 +1193,24 @@ class TandemKernel(IPythonKernel):
             self._catch_up_followed()
 
     # ---- large objects loaded in the background (kernel_replica/lazy_load.py) ---------------------------
+    async def inspect_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
+        """Inspection (``big?``, a front end's tooltip) reads the names it mentions: loaded first."""
+        await self._load_mentioned(parent)
+        await super().inspect_request(stream, ident, parent)
+
+    async def complete_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
+        """Completion (``big.<tab>``) reads the names it mentions: loaded first."""
+        await self._load_mentioned(parent)
+        await super().complete_request(stream, ident, parent)
+
+    async def _load_mentioned(self, parent: dict[str, t.Any]) -> None:
+        """The still-loading names a request's (often unfinished, unparsable) code mentions:
+        nothing runs, so the text is enough."""
+        loader = self._loader
+        if loader is not None and loader.pending:
+            code = str((parent.get("content") or {}).get("code", ""))
+            await loader.demand(mentioned_names(code) & loader.pending.names())
+
     def _get_loader(self) -> LazyLoader | None:
         """The background loader, when configured (``datastore.lazy_load``) with a data store."""
         config = self._config
