@@ -23,6 +23,11 @@ round reads only a small name (``first_small_ms``), the next reads the tensor (`
 from execute to reply. ``main_lag_ms``/``raft_lag_ms``: the longest a standby's main loop (cells,
 the scheduler's requests) and Raft loop went without running while a tensor loaded (their
 ``state_loaded`` log lines; max over standbys and rounds), ``load_ms`` how long the load took.
+
+``--resume``: the same loading modes for a hibernated kernel's first cell (restore-based start:
+its three new replicas rebuild the namespace from its image): ``resume_small_ms`` and
+``resume_big_ms`` from execute to reply, each after the kernel hibernated again, with the
+resumed executor's waits (``*_wait_ms``, its ``timings``).
 """
 
 from __future__ import annotations
@@ -201,6 +206,43 @@ def measure_executor_change(mb: int, repeat: int, settle_s: float, state_dir: Pa
     }
 
 
+RESUME = {"kernel.hibernate_after_s": "3", "kernel.hibernate_interval_s": "0.5"}
+
+
+def measure_resume(mb: int, repeat: int, state_dir: Path) -> dict[str, Any]:
+    km = KernelManager(kernel_name="tandem")
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    scheduler = _Scheduler(state_dir)
+    times: dict[str, list[float]] = {}
+    try:
+        kc.wait_for_ready(timeout=90)
+        run_cell(kc, f"import torch\nbig = torch.full(({mb * MB // 4},), 1.0)\nx = 1", timeout=300)
+        for round_ in range(2 * repeat):
+            deadline = time.monotonic() + 120
+            while scheduler.ask(messages.KERNEL_STATUS, {"kernel_id": km.kernel_id})["state"] != "hibernated":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the kernel did not hibernate")
+                time.sleep(0.2)
+            kind = "small" if round_ % 2 == 0 else "big"
+            elapsed, ran = _cell_on(kc, "print(x + 1)" if kind == "small" else "print(float(big[-1]))")
+            times.setdefault(f"resume_{kind}_ms", []).append(elapsed)
+            hosts = scheduler.replica_hosts(km.kernel_id)
+            scheduler.only_open(ran, hosts)  # its steps are in the probe's replica's ``timings``
+            steps = json.loads(
+                kc_eval(kc, "__import__('json').dumps(get_ipython().kernel.timings[-1])")[1:-1]
+            )
+            for host in hosts:
+                scheduler.ask(messages.HOST_UNCORDON, {"host_id": host})
+            for key in WAITS:
+                times.setdefault(f"resume_{kind}_{key}", []).append(steps.get(key, 0.0))
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    return {key: round(statistics.median(values), 1) for key, values in times.items()}
+
+
 def _events(state_dir: Path, kernel_id: str, name: str) -> list[dict[str, Any]]:
     """The kernel's replicas' ``name`` log events (``state_loaded``: large objects read)."""
     events = []
@@ -233,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--executor-change", default="", help="loading modes to compare after an executor change: eager,lazy"
     )
+    parser.add_argument(
+        "--resume", default="", help="loading modes to compare on a resumed kernel: eager,lazy"
+    )
     args = parser.parse_args(argv)
     result: dict[str, Any] = {"mb": args.mb, "repeat": args.repeat, "load1": round(os.getloadavg()[0], 1)}
     with contextlib.ExitStack() as stack:
@@ -245,7 +290,16 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 cluster.stop()
             result |= {f"{key}_{mode}": value for key, value in figures.items()}
-        for name in args.paths.split(",") if not args.executor_change else ():
+        for mode in filter(None, args.resume.split(",")):
+            overrides = {**PATHS["image"], **LOADING[mode], **RESUME}
+            cluster, state_dir = embedded_cluster(args, Path(tmp) / f"resume-{mode}", **overrides)
+            try:
+                cluster.start()
+                figures = measure_resume(args.mb, args.repeat, state_dir)
+            finally:
+                cluster.stop()
+            result |= {f"{key}_{mode}": value for key, value in figures.items()}
+        for name in args.paths.split(",") if not (args.executor_change or args.resume) else ():
             cluster, _ = embedded_cluster(args, Path(tmp) / name, **PATHS[name])
             try:
                 cluster.start()
