@@ -16,9 +16,10 @@ never overwrites a newer one, and a name is pending in at most one load.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,7 +139,6 @@ class LazyLoader:
         self._open_store = open_store
         self._take = take
         self._namespace = namespace
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazy-load")
         self._link: StoreLink | None = None
         self._task: asyncio.Future[None] | None = None
         self._changed = asyncio.Event()
@@ -187,7 +187,7 @@ class LazyLoader:
             error: BaseException | None = None
             try:
                 group = EncodedGroup.from_dict(load.group)
-                whole = await asyncio.wrap_future(self._thread.submit(self._fill, group))
+                whole = await asyncio.wrap_future(self._fill_behind(group))
                 if load.names:  # not superseded meanwhile: unpickle here (the namespace's thread)
                     values = group_values(group, whole, self._namespace())
             except Exception as exc:  # a store down, a module missing here: told, never silent
@@ -197,6 +197,21 @@ class LazyLoader:
                 self._take(load, taken, values, error)
             finally:
                 self._notify()
+
+    def _fill_behind(self, group: EncodedGroup) -> Future[memoryview]:
+        """``_fill`` on a daemon thread of its own (one group at a time: ``_load_all`` awaits it):
+        a read stuck on a store that went away never holds up the process's exit."""
+        future: Future[memoryview] = Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._fill(group))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+        threading.Thread(target=run, name="lazy-load", daemon=True).start()
+        return future
 
     def _fill(self, group: EncodedGroup) -> memoryview:
         """On the loader thread: the group's payload, read from the store."""
@@ -209,7 +224,6 @@ class LazyLoader:
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        self._thread.shutdown(wait=False, cancel_futures=True)
         if self._link is not None:
             self._link.close()
 
