@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernel_replica.object_codec import EncodedGroup, fill_group, group_values, payload_buffer
+from shared.checkpoint.manifest import ReadInterrupted
 from shared.checkpoint.pusher import StoreLink
 from shared.datastore import DataStore
 
@@ -37,6 +38,7 @@ class Load:
     names: set[str]
     msg_id: str = ""
     demanded: bool = False  # code waits for it: read before the others
+    interrupted: bool = False  # being read, but a demanded load must go first: give up, read later
 
     @property
     def nbytes(self) -> int:
@@ -133,14 +135,19 @@ class LazyLoader:
         open_store: Callable[[], Awaitable[DataStore]],
         take: Callable[[Load, frozenset[str], Mapping[str, Any] | None, BaseException | None], None],
         namespace: Callable[[], dict[str, Any] | None],
+        *,
+        pacer: Callable[[], None] | None = None,
     ) -> None:
-        """``take(load, names, values, error)``: values None and ``error`` set when the read failed."""
+        """``take(load, names, values, error)``: values None and ``error`` set when the read failed.
+        ``pacer``: called on the loader thread before each piece of an image (tests hold it)."""
         self.pending = PendingLoads()
         self._open_store = open_store
         self._take = take
         self._namespace = namespace
         self._link: StoreLink | None = None
         self._task: asyncio.Future[None] | None = None
+        self._current: Load | None = None  # being read
+        self._pacer = pacer
         self._changed = asyncio.Event()
         self.loading_since: float | None = None  # monotonic: when the pending set last became non-empty
         self.on_busy: Callable[[], None] | None = None  # the pending set became non-empty
@@ -164,6 +171,9 @@ class LazyLoader:
         loads = self.pending.demand(names)
         if not loads:
             return
+        current = self._current
+        if current is not None and not current.demanded:
+            current.interrupted = True  # read again after the demanded ones
         self._run()
         while any(self.pending.pending(load) for load in loads):
             changed = self._changed
@@ -185,20 +195,26 @@ class LazyLoader:
         while (load := self.pending.next()) is not None:
             values: Mapping[str, Any] | None = None
             error: BaseException | None = None
+            self._current = load
             try:
                 group = EncodedGroup.from_dict(load.group)
-                whole = await asyncio.wrap_future(self._fill_behind(group))
+                whole = await asyncio.wrap_future(self._fill_behind(group, load))
                 if load.names:  # not superseded meanwhile: unpickle here (the namespace's thread)
                     values = group_values(group, whole, self._namespace())
+            except ReadInterrupted:  # a demanded load goes first; this one stays pending
+                load.interrupted = False
+                continue
             except Exception as exc:  # a store down, a module missing here: told, never silent
                 error = exc
+            finally:
+                self._current = None
             taken = self.pending.finish(load)
             try:
                 self._take(load, taken, values, error)
             finally:
                 self._notify()
 
-    def _fill_behind(self, group: EncodedGroup) -> Future[memoryview]:
+    def _fill_behind(self, group: EncodedGroup, load: Load) -> Future[memoryview]:
         """``_fill`` on a daemon thread of its own (one group at a time: ``_load_all`` awaits it):
         a read stuck on a store that went away never holds up the process's exit."""
         future: Future[memoryview] = Future()
@@ -206,19 +222,25 @@ class LazyLoader:
         def run() -> None:
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(self._fill(group))
+                    future.set_result(self._fill(group, lambda: self._stop(load)))
                 except BaseException as exc:
                     future.set_exception(exc)
 
         threading.Thread(target=run, name="lazy-load", daemon=True).start()
         return future
 
-    def _fill(self, group: EncodedGroup) -> memoryview:
-        """On the loader thread: the group's payload, read from the store."""
+    def _stop(self, load: Load) -> bool:
+        """Before each piece of ``load``'s image: whether to give up for a demanded load."""
+        if self._pacer is not None:
+            self._pacer()
+        return load.interrupted
+
+    def _fill(self, group: EncodedGroup, stop: Callable[[], bool]) -> memoryview:
+        """On the loader thread: the group's payload, read from the store (``stop``: give up)."""
         if self._link is None:
             self._link = StoreLink.start(self._open_store)
         whole = payload_buffer(group)
-        fill_group(group, whole, self._link.get, self._link.get_into)
+        fill_group(group, whole, self._link.get, self._link.get_into, stop)
         return whole
 
     def close(self) -> None:

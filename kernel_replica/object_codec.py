@@ -1026,9 +1026,11 @@ def fill_group(
     whole: memoryview,
     get: Callable[[ObjectRef], concurrent.futures.Future[memoryview]],
     get_into: Callable[[ObjectRef, memoryview], concurrent.futures.Future[None]],
+    stop: Callable[[], bool] | None = None,
 ) -> None:
     """Fill ``whole`` (``payload_buffer``) with a large group's payload on the calling thread, from
-    the store behind ``get``/``get_into`` (``StoreLink``'s); ``group_values`` then unpickles it."""
+    the store behind ``get``/``get_into`` (``StoreLink``'s); ``group_values`` then unpickles it.
+    ``stop``: an image's read gives up between pieces once it says so (``ReadInterrupted``)."""
     offsets, _ = layout(group.sizes)
     received = whole if group.aligned else whole[: sum(group.sizes)]
     if group.pointer is not None:
@@ -1036,7 +1038,7 @@ def fill_group(
     elif group.image is not None:
         from kernel_replica.state_image import fill_image  # imports torch: only for an image
 
-        fill_image(get, ObjectRef.from_dict(group.image), whole, offsets, group.sizes)
+        fill_image(get, ObjectRef.from_dict(group.image), whole, offsets, group.sizes, stop)
     else:
         raise ValueError("group has neither a pointer nor an image")
     if not group.aligned:

@@ -296,10 +296,11 @@ def fill_image(
     whole: memoryview,
     offsets: Sequence[int],
     sizes: Sequence[int],
+    stop: Callable[[], bool] | None = None,
 ) -> None:
     """Fill ``whole`` (a group's payload buffer) with the image's parts at ``offsets``, on the
     calling thread (never the one that answers Raft or the scheduler); ``get`` reads an object
-    from the store (``StoreLink.get``). Each pack is read once, ``PREFETCH_PACKS`` ahead, and let
+    from the store (``StoreLink.get``); ``stop``: ``PackReader.copy``'s. Each pack is read once, ``PREFETCH_PACKS`` ahead, and let
     go once its last piece is in place (a 200 MB group is not held twice). Every object read is
     checked against its BLAKE3 address by the store, the manifest's against the ref in the
     (authenticated) STATE entry, the packs' against the refs in the manifest."""
@@ -315,6 +316,6 @@ def fill_image(
     target = np.frombuffer(whole, dtype=np.uint8)
     try:
         for record, offset in zip(records, offsets, strict=True):
-            reader.copy(record, target[offset : offset + record.nbytes])
+            reader.copy(record, target[offset : offset + record.nbytes], stop=stop)
     finally:
         reader.close()

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from shared.checkpoint.cow import AccessGuard
-from shared.checkpoint.manifest import Manifest, PieceLocation, TensorRecord
+from shared.checkpoint.manifest import Manifest, PieceLocation, ReadInterrupted, TensorRecord
 from shared.checkpoint.pieces import byte_view, storage_key
 from shared.checkpoint.pusher import StoreLink
 from shared.checkpoint.state import TrainingState, decode_meta
@@ -58,10 +58,19 @@ class PackReader:
             if index not in self._packs and self._uses.get(index, 0) > 0:
                 self._packs[index] = self._get(self.manifest.packs[index])
 
-    def copy(self, record: TensorRecord, dest: np.ndarray, upcoming: Iterable[int] | None = None) -> None:
-        """Fill ``dest`` (``record.nbytes`` uint8) with the record's pieces."""
+    def copy(
+        self,
+        record: TensorRecord,
+        dest: np.ndarray,
+        upcoming: Iterable[int] | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """Fill ``dest`` (``record.nbytes`` uint8) with the record's pieces; ``ReadInterrupted``
+        (``dest`` partly filled) as soon as ``stop()`` says so, checked before each piece."""
         at = 0
         for piece in record.pieces:
+            if stop is not None and stop():
+                raise ReadInterrupted(record.name)
             if piece.pack not in self._packs:
                 self._packs[piece.pack] = self._get(self.manifest.packs[piece.pack])
             self.read_ahead(upcoming)
