@@ -255,7 +255,7 @@ class LoopLag:
     (a loop that reads an image on its own thread cannot answer the scheduler or Raft meanwhile).
     ``start``/``stop`` from any thread; the probe ticks on ``loop`` every ``interval_s``."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float = 0.005) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float = 0.02) -> None:
         self.loop = loop
         self.interval_s = interval_s
         self.max_s = 0.0
