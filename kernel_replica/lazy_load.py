@@ -163,6 +163,9 @@ class LazyLoader:
 
     def supersede(self, names: Iterable[str]) -> None:
         self.pending.supersede(names)
+        current = self._current
+        if current is not None and not current.names:
+            current.interrupted = True  # no name left to take from it: stop reading it
         self._notify()
 
     async def demand(self, names: Collection[str] | None) -> None:
