@@ -312,12 +312,13 @@ def test_a_begin_past_the_images_in_flight_waits_for_the_oldest(store_dir: Path)
     asyncio.run(trial())
 
 
+@pytest.mark.parametrize("then", ["demand", "supersede"])
 def test_a_demanded_image_is_read_before_the_one_being_read_which_is_read_again_after(
-    store_dir: Path,
+    store_dir: Path, then: str
 ) -> None:
     """A standby's loader (kernel_replica/lazy_load.py) reading ``t``'s image when a cell needs
     ``u`` gives ``t`` up between pieces, reads ``u``, then ``t`` again from the start: both
-    bitwise the executor's."""
+    bitwise the executor's. When a later entry supersedes ``t`` instead, its read stops there."""
     gate = Gate(at=5)
 
     async def open_store() -> LocalStore:
@@ -345,6 +346,13 @@ def test_a_demanded_image_is_read_before_the_one_being_read_which_is_read_again_
             loader.add(raw["t"], ["t"])
             loader.add(raw["u"], ["u"])
             assert await asyncio.to_thread(gate.reached.wait, 10)  # t's read is at its 6th piece
+            if then == "supersede":
+                loader.supersede(["t"])
+                gate.go.set()
+                await loader.demand(None)
+                assert order == [["u"]] and "t" not in standby
+                assert gate.count < 37, gate.count  # t has 37 pieces: its read stopped at the 6th
+                return
             wanted = asyncio.ensure_future(loader.demand(["u"]))
             await asyncio.sleep(0)
             gate.go.set()
