@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import shlex
 import types
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Collection, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -629,7 +630,49 @@ def names_to_check(
     replicated_set = set(replicated)
     if effects.unknown or effects.star_import:
         return set(namespace) | replicated_set
-    names = set(effects.candidates())
+    names = _reachable(set(effects.candidates()), namespace, shared_with)
+    return {name for name in names if name in namespace or name in replicated_set}
+
+
+_IDENTIFIER = re.compile(r"[^\W\d]\w*")
+
+
+def names_to_load(
+    effects: CellEffects,
+    source: str,
+    namespace: Mapping[str, Any],
+    loading: Collection[str],
+    *,
+    shared_with: Mapping[str, Iterable[str]] | None = None,
+) -> set[str] | None:
+    """Of the names still ``loading`` here (a standby's large objects, ``lazy_load``), those the
+    code ``source`` (with ``effects``, its analysis) may read or change: to load before it runs.
+    None: every one (the analysis cannot bound what the code reaches). Conservative: every
+    identifier the text mentions (names in magics and strings too), what notebook code reachable
+    from them mentions, and their sharers; call again once those are loaded (a loaded object's
+    methods may mention more)."""
+    if effects.unknown or effects.star_import:
+        return None
+    mentioned = mentioned_names(source) | set(effects.candidates())
+    names = _reachable(
+        {n for n in mentioned if n in namespace or n in loading}, namespace, shared_with, loading
+    )
+    return {name for name in names if name in loading}
+
+
+def mentioned_names(source: str) -> set[str]:
+    """Every identifier in the text (names in magics, strings and comments too)."""
+    return set(_IDENTIFIER.findall(source))
+
+
+def _reachable(
+    names: set[str],
+    namespace: Mapping[str, Any],
+    shared_with: Mapping[str, Iterable[str]] | None,
+    loading: Collection[str] = (),
+) -> set[str]:
+    """``names`` and every name a change through them may reach: their sharers, the globals of
+    notebook code among them (``loading`` ones too), and other names bound to the same objects."""
     if shared_with:
         todo = list(names)
         while todo:
@@ -639,13 +682,14 @@ def names_to_check(
                     todo.append(other)
     todo = [name for name in names if name in namespace]
     while todo:  # notebook code reachable from a candidate may rebind or mutate what it names
-        for other in _code_globals(namespace[todo.pop()], namespace):
+        for other in _code_globals(namespace[todo.pop()], namespace, loading):
             if other not in names:
                 names.add(other)
-                todo.append(other)
+                if other in namespace:
+                    todo.append(other)
     ids = {id(namespace[name]) for name in names if name in namespace}
     names.update(name for name, value in namespace.items() if id(value) in ids)
-    return {name for name in names if name in namespace or name in replicated_set}
+    return names
 
 
 def _code_names(code: types.CodeType) -> set[str]:
@@ -656,7 +700,7 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _code_globals(value: Any, namespace: Mapping[str, Any]) -> set[str]:
+def _code_globals(value: Any, namespace: Mapping[str, Any], loading: Collection[str] = ()) -> set[str]:
     """Namespace names that the notebook code behind ``value`` mentions (its bytecode's global and
     attribute names: an over-approximation). Complements the registry for functions the AST cannot
     follow: aliases (``g = f``), callbacks, functions from cells analysed before this process."""
@@ -676,4 +720,4 @@ def _code_globals(value: Any, namespace: Mapping[str, Any]) -> set[str]:
     for function in functions:
         if function.__globals__ is namespace:
             names |= _code_names(function.__code__)
-    return {name for name in names if name in namespace}
+    return {name for name in names if name in namespace or name in loading}

@@ -526,6 +526,10 @@ class GpuResidency:
         if left:
             self.log.info("gpu_memory_left", device=str(self._device), bytes=left)
 
+    def names(self) -> set[str]:
+        """The names whose objects the next GPU cell moves onto its GPU first."""
+        return {loc.name for loc in self._record}
+
     def carried(self) -> tuple[GpuResident, ...]:
         """What the executor keeps in host memory for the GPU, as its STATE carries it to the
         standbys (locations whose keys are strings or integers; others stay in host memory on an

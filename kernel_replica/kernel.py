@@ -37,7 +37,14 @@ from ipykernel.ipkernel import IPythonKernel
 from ipykernel.jsonutil import json_clean
 
 from kernel_replica import comm_sync, helper
-from kernel_replica.cell_analysis import FunctionFacts, analyse_cell, names_to_check, update_registry
+from kernel_replica.cell_analysis import (
+    FunctionFacts,
+    analyse_cell,
+    mentioned_names,
+    names_to_check,
+    names_to_load,
+    update_registry,
+)
 from kernel_replica.device_residency import GpuResidency
 from kernel_replica.durability import (
     Backoff,
@@ -48,8 +55,9 @@ from kernel_replica.durability import (
     unprotected_warning,
 )
 from kernel_replica.election_core import COMMITTED, DIVERGED_EXIT_CODE, SUPERSEDED, UNCOMMITTED
+from kernel_replica.lazy_load import LazyLoader, Load, Silence
 from kernel_replica.log_entries import Done, State
-from kernel_replica.object_codec import DEFAULT_LARGE_OBJECT_BYTES, ObjectCodec
+from kernel_replica.object_codec import DEFAULT_LARGE_OBJECT_BYTES, ObjectCodec, is_large
 from kernel_replica.raft_bridge import (
     BindFailed,
     Execute,
@@ -63,8 +71,11 @@ from kernel_replica.state_sync import (
     StatePlan,
     apply_state,
     complete_state,
+    not_imported,
+    not_loaded_reason,
     open_replica_datastore,
     plan_state,
+    preimport,
     replicable_names,
     value_fingerprint,
 )
@@ -142,6 +153,10 @@ class TandemKernel(IPythonKernel):
         self._settling: deque[tuple[State | concurrent.futures.Future[State], tuple[str, ...]]] = deque()
         self._told: set[tuple[str, str]] = set()
         self._not_loaded: dict[str, str] = {}  # names whose logged value failed to load here, and why
+        # datastore.lazy_load: large groups of applied STATEs read in the background (lazy_load.py)
+        self._loader: LazyLoader | None = None
+        self._loading_silence: Silence | None = None  # while the loader is busy
+        self.cell_loads: deque[dict[str, t.Any]] = deque(maxlen=100)  # ``_load_for``'s records
         self._store_retry = Backoff()  # reopening a data store that failed to open
         self._store_lock: asyncio.Lock | None = None
         self._write_outcome_wait_s = 0.005  # datastore.write_outcome_wait_s
@@ -310,6 +325,13 @@ class TandemKernel(IPythonKernel):
                         self._catch_up_followed()
                     if self._not_loaded:  # the store may work again: load them before telling
                         await self._load_again(bridge, log)
+                    waited = time.perf_counter()
+                    # a GPU cell moves the notebook's GPU objects onto its GPU first: those too
+                    gpu = self._residency.names() if device_ids else set()
+                    await self._load_for(
+                        code, execute_args["user_expressions"].values(), msg_id=msg_id, also=gpu
+                    )
+                    timing["load_wait_ms"] = (time.perf_counter() - waited) * 1000
                     self._tell_missing(bridge)
                     ended = bridge.core.election.ended_before_run(msg_id)
                     if ended is not None:
@@ -602,6 +624,7 @@ class TandemKernel(IPythonKernel):
                 retry=self._own.retry_names(time.monotonic()),
                 unprotected={*self._own.names, *bridge.core.namespace.unprotected()},
                 images=self._images_wanted(),
+                loading=self._loader.pending.names() if self._loader is not None else (),
             )
             plan.timings["analysis_ms"] += analysed_ms
         except Exception as exc:  # never leave the group waiting for a STATE that will not come
@@ -701,6 +724,7 @@ class TandemKernel(IPythonKernel):
         ipykernel's comm manager handle the message, and replicates what it changed at once (a
         slider moved between cells must not be lost if the next cell runs elsewhere)."""
         await self._state_applied(self._slog)
+        await self._load_for(None)  # a comm handler may reach any name
         comm_sync.set_owner(self.comm_manager.comms, self)
         self._before_user_code()  # a comm handler is user code: it may write what is being imaged
         msg_type = parent["header"]["msg_type"]
@@ -1127,18 +1151,30 @@ class TandemKernel(IPythonKernel):
         started = time.perf_counter()
         codec: ObjectCodec | None = None
         failures: list[str] = []
+        lazy = self._get_loader()
+        silence = self._silence() if lazy is None and any(is_large(g) for g, _names in groups) else None
         try:
             if comms[0] or comms[1]:  # before the namespace: names bound to widgets refer to them
                 self._load_comms(*comms)
             codec = await self._get_codec()
+            modules = not_imported(statement for _alias, statement in imports)
+            importing = self._silence() if modules else None
+            if modules and lazy is not None:  # a cold import off this thread: it answers meanwhile
+                await asyncio.to_thread(preimport, modules)
             failures = await apply_state(
-                self.shell.user_ns, codec, imports, groups, deleted, self._not_loaded
+                self.shell.user_ns, codec, imports, groups, deleted, self._not_loaded, lazy, msg_id
             )
+            if importing is not None:
+                self._log_silence(
+                    "imports_loaded", importing, msg_id=msg_id, modules=modules, lazy=bool(lazy)
+                )
             if comms[0]:
                 failures += self._comms_failed(comms[0])
         except Exception as exc:
             failures.append(f"{exc.__class__.__name__}: {exc}")
         self.apply_ms.append((time.perf_counter() - started) * 1000)
+        if silence is not None:
+            self._log_silence("state_loaded", silence, msg_id=msg_id, lazy=False)
         if codec is not None and deleted:
             codec.forget(deleted)
         for failure in failures:
@@ -1155,6 +1191,145 @@ class TandemKernel(IPythonKernel):
             self._slog.debug("state_applied", msg_id=msg_id, apply_ms=round(self.apply_ms[-1], 3))
         if len(self._followed) >= FOLLOWED_CATCH_UP:
             self._catch_up_followed()
+
+    # ---- large objects loaded in the background (kernel_replica/lazy_load.py) ---------------------------
+    async def inspect_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
+        """Inspection (``big?``, a front end's tooltip) reads the names it mentions: loaded first."""
+        await self._load_mentioned(parent)
+        await super().inspect_request(stream, ident, parent)
+
+    async def complete_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
+        """Completion (``big.<tab>``) reads the names it mentions: loaded first."""
+        await self._load_mentioned(parent)
+        await super().complete_request(stream, ident, parent)
+
+    async def _load_mentioned(self, parent: dict[str, t.Any]) -> None:
+        """The still-loading names a request's (often unfinished, unparsable) code mentions:
+        nothing runs, so the text is enough."""
+        loader = self._loader
+        if loader is not None and loader.pending:
+            code = str((parent.get("content") or {}).get("code", ""))
+            await loader.demand(mentioned_names(code) & loader.pending.names())
+
+    def _get_loader(self) -> LazyLoader | None:
+        """The background loader, when configured (``datastore.lazy_load``) with a data store."""
+        config = self._config
+        if config is None or not config.get("datastore.lazy_load") or self.shell is None:
+            return None
+        if self._loader is None:
+            shell = self.shell
+            self._loader = LazyLoader(
+                lambda: open_replica_datastore(config), self._take_loaded, lambda: shell.user_ns
+            )
+            self._loader.on_busy = self._loading_started
+            self._loader.on_idle = self._loading_ended
+        return self._loader
+
+    async def _load_for(
+        self,
+        code: str | None,
+        expressions: t.Iterable[t.Any] = (),
+        *,
+        msg_id: str = "",
+        also: t.Collection[str] = (),
+    ) -> None:
+        """Before user code runs here: load the names it may touch that are still loading
+        (``cell_analysis.names_to_load``; every one for other code, a comm handler, or when the
+        analysis cannot tell), again until a loaded object's notebook code reaches no more;
+        ``also``: names needed besides. Recorded in ``cell_loads`` (and logged): what it waited
+        for, what still loads."""
+        loader = self._loader
+        if loader is None or not loader.pending:
+            return
+        started = time.perf_counter()
+        waited_for: set[str] = set()
+        try:
+            await self._demand(loader, code, expressions, waited_for, also)
+        finally:
+            record = {
+                "msg_id": msg_id,
+                "waited_for": sorted(waited_for),
+                "still_loading": sorted(loader.pending.names()),
+                "wait_ms": round((time.perf_counter() - started) * 1000, 1),
+            }
+            self.cell_loads.append(record)
+            self._slog.info("loaded_before_code", **record)
+
+    async def _demand(
+        self,
+        loader: LazyLoader,
+        code: str | None,
+        expressions: t.Iterable[t.Any],
+        waited_for: set[str],
+        also: t.Collection[str],
+    ) -> None:
+        while loader.pending and self.shell is not None:
+            names = None
+            if code is not None:
+                try:
+                    source = "\n".join([code, *map(str, expressions)])
+                    names = names_to_load(
+                        analyse_cell(source, self._registry),
+                        source,
+                        self.shell.user_ns,
+                        loader.pending.names(),
+                        shared_with=self._codec.sharing() if self._codec is not None else None,
+                    )
+                except Exception as exc:  # the safe side: everything
+                    self._slog.debug("cell_not_analysed", error=repr(exc))
+            if names is not None:
+                names |= loader.pending.names() & set(also)
+            if names is not None and not names:
+                return
+            waited_for.update(loader.pending.names() if names is None else names)
+            await loader.demand(names)
+            if names is None:
+                return
+
+    def _take_loaded(
+        self,
+        load: Load,
+        names: frozenset[str],
+        values: t.Mapping[str, t.Any] | None,
+        error: BaseException | None,
+    ) -> None:
+        """A background load ended: its still-wanted names into the namespace, or, if it failed,
+        into ``_not_loaded`` (told to the user when this replica executes, loaded again first)."""
+        if self.shell is None:
+            return
+        if values is None:
+            if names:
+                why = not_loaded_reason(error or RuntimeError("not read"))
+                self._not_loaded.update(dict.fromkeys(names, why))
+                self._slog.warning(
+                    "namespace_not_loaded", reason=why, names=sorted(names), msg_id=load.msg_id
+                )
+            return
+        taken = {name: values[name] for name in names if name in values}
+        self.shell.user_ns.update(taken)
+        if self._codec is not None:
+            self._codec.forget(taken)
+        for name in taken:
+            self._not_loaded.pop(name, None)
+        self._slog.debug("state_loaded_name", names=sorted(taken), msg_id=load.msg_id, bytes=load.nbytes)
+
+    def _loading_started(self) -> None:
+        self._loading_silence = self._silence()
+
+    def _loading_ended(self) -> None:
+        if self._loading_silence is not None:
+            self._log_silence("state_loaded", self._loading_silence, msg_id="background", lazy=True)
+            self._loading_silence = None
+
+    def _silence(self) -> Silence:
+        """Watch how long the main loop (cells, the scheduler's requests) and the Raft loop go
+        without running while large objects load or imports replay here."""
+        raft = self._bridge.thread.loop if self._bridge is not None else None
+        return Silence(asyncio.get_running_loop(), raft)
+
+    def _log_silence(self, event: str, silence: Silence, **fields: t.Any) -> None:
+        figures = silence.end()
+        self._slog.info(event, **fields, **figures)
 
     def _load_comms(self, records: t.Mapping[str, dict[str, t.Any]], closed: t.Iterable[str]) -> None:
         """An entry's comm records and closed ids, applied here (``comm_sync.apply_comms``);
@@ -1200,6 +1375,8 @@ class TandemKernel(IPythonKernel):
         self._slog.info("shutdown_request", restart=restart)
         if self._imager is not None:
             self._imager.abandon()
+        if self._loader is not None:
+            self._loader.close()
         if self._bridge is not None:
             self._bridge.shutdown()
         return super().do_shutdown(restart)

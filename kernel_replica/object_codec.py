@@ -28,6 +28,7 @@ sum of 1M elements differed in the last digit from the same sum on the executor.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copyreg
 import ctypes
@@ -39,7 +40,7 @@ import socket
 import sys
 import types
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -988,10 +989,7 @@ class ObjectCodec:
         elif group.pointer is not None:
             if self.store is None:
                 raise ValueError("a group in the data store needs a store to decode")
-            ref = ObjectRef.from_dict(group.pointer)
-            if ref.size != received.nbytes:
-                raise ValueError(f"stored group has {ref.size} bytes, its record says {received.nbytes}")
-            await self.store.get_into(ref, received)
+            await self.store.get_into(pointer_of(group, received), received)
         elif group.image is not None:
             if self.store is None:
                 raise ValueError("a group in the data store needs a store to decode")
@@ -1002,11 +1000,60 @@ class ObjectCodec:
             raise ValueError("group has neither inline bytes nor a pointer")
         if not group.aligned:
             _realign(whole, group.sizes, offsets)
-        parts = [whole[start : start + size] for start, size in zip(offsets, group.sizes, strict=True)]
-        values = loads(parts[0], parts[1:], namespace=namespace)
-        if not isinstance(values, dict):
-            raise ValueError("group payload is not a namespace mapping")
-        return values
+        return group_values(group, whole, namespace)
+
+
+def payload_buffer(group: EncodedGroup) -> memoryview:
+    """A private, aligned, writable buffer for the group's payload (``layout``)."""
+    return _aligned_writable(layout(group.sizes)[1])
+
+
+def pointer_of(group: EncodedGroup, received: memoryview) -> ObjectRef:
+    """The group's data store pointer, checked against the bytes its record says."""
+    ref = ObjectRef.from_dict(group.pointer or {})
+    if ref.size != received.nbytes:
+        raise ValueError(f"stored group has {ref.size} bytes, its record says {received.nbytes}")
+    return ref
+
+
+def is_large(group: Mapping[str, Any]) -> bool:
+    """Whether a group's payload is in the data store (a pointer or an image), not inline."""
+    return group.get("pointer") is not None or group.get("image") is not None
+
+
+def fill_group(
+    group: EncodedGroup,
+    whole: memoryview,
+    get: Callable[[ObjectRef], concurrent.futures.Future[memoryview]],
+    get_into: Callable[[ObjectRef, memoryview], concurrent.futures.Future[None]],
+    stop: Callable[[], bool] | None = None,
+) -> None:
+    """Fill ``whole`` (``payload_buffer``) with a large group's payload on the calling thread, from
+    the store behind ``get``/``get_into`` (``StoreLink``'s); ``group_values`` then unpickles it.
+    ``stop``: an image's read gives up between pieces once it says so (``ReadInterrupted``)."""
+    offsets, _ = layout(group.sizes)
+    received = whole if group.aligned else whole[: sum(group.sizes)]
+    if group.pointer is not None:
+        get_into(pointer_of(group, received), received).result()
+    elif group.image is not None:
+        from kernel_replica.state_image import fill_image  # imports torch: only for an image
+
+        fill_image(get, ObjectRef.from_dict(group.image), whole, offsets, group.sizes, stop)
+    else:
+        raise ValueError("group has neither a pointer nor an image")
+    if not group.aligned:
+        _realign(whole, group.sizes, offsets)
+
+
+def group_values(group: EncodedGroup, whole: memoryview, namespace: dict[str, Any] | None) -> dict[str, Any]:
+    """The names and values of a group whose (aligned) payload is in ``whole``: the unpickling,
+    on the thread that owns ``namespace`` (the buffers become the values, not copied)."""
+    offsets, _ = layout(group.sizes)
+    parts = [whole[start : start + size] for start, size in zip(offsets, group.sizes, strict=True)]
+    values = loads(parts[0], parts[1:], namespace=namespace)
+    if not isinstance(values, dict):
+        raise ValueError("group payload is not a namespace mapping")
+    return values
 
 
 async def decode_all(

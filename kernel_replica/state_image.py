@@ -48,6 +48,7 @@ from shared.checkpoint.capture import Capture, CaptureResult, Known, known_piece
 from shared.checkpoint.cow import UNDECLARED_WRITES, WriteGuard
 from shared.checkpoint.manifest import Manifest
 from shared.checkpoint.pusher import StoreLink
+from shared.checkpoint.restore import PackReader
 from shared.checkpoint.staging import Staging
 from shared.checkpoint.state import Structure
 from shared.datastore import DataStore, ObjectRef
@@ -279,54 +280,42 @@ class StateImager:
 async def read_image(
     store: DataStore, ref: ObjectRef, whole: memoryview, offsets: Sequence[int], sizes: Sequence[int]
 ) -> None:
-    """Fill ``whole`` (a group's payload buffer) with the image's parts at ``offsets``: each pack
-    read once, ``PREFETCH_PACKS`` ahead, and let go once its last piece is in place (a 200 MB
-    group is not held twice). Every object read is checked against its BLAKE3 address by the
-    store, the manifest's against the ref in the (authenticated) STATE entry, the packs' against
-    the refs in the manifest."""
-    manifest = Manifest.from_json(await store.get(ref))  # checked: pieces inside their packs
+    """``fill_image`` from ``store`` (a store of the running loop), the copying on a worker thread:
+    the loop answers meanwhile."""
+    loop = asyncio.get_running_loop()
+
+    def get(ref: ObjectRef) -> Future[memoryview]:
+        return asyncio.run_coroutine_threadsafe(store.get(ref), loop)
+
+    await asyncio.to_thread(fill_image, get, ref, whole, offsets, sizes)
+
+
+def fill_image(
+    get: Callable[[ObjectRef], Future[memoryview]],
+    ref: ObjectRef,
+    whole: memoryview,
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+    stop: Callable[[], bool] | None = None,
+) -> None:
+    """Fill ``whole`` (a group's payload buffer) with the image's parts at ``offsets``, on the
+    calling thread (never the one that answers Raft or the scheduler); ``get`` reads an object
+    from the store (``StoreLink.get``); ``stop``: ``PackReader.copy``'s. Each pack is read once, ``PREFETCH_PACKS`` ahead, and let
+    go once its last piece is in place (a 200 MB group is not held twice). Every object read is
+    checked against its BLAKE3 address by the store, the manifest's against the ref in the
+    (authenticated) STATE entry, the packs' against the refs in the manifest."""
+    manifest = Manifest.from_json(get(ref).result())  # checked: pieces inside their packs
     if len(manifest.tensors) != len(sizes):
         raise ValueError(f"image has {len(manifest.tensors)} parts, the group {len(sizes)}")
     records = [manifest.record(part_name(index)) for index in range(len(sizes))]
-    uses: dict[int, int] = {}
-    order: list[int] = []  # packs in the order their pieces are copied out
     for record, size in zip(records, sizes, strict=True):
         if record.nbytes != size:
             raise ValueError(f"image part {record.name} has {record.nbytes} bytes, the group {size}")
-        for piece in record.pieces:
-            if piece.pack not in uses:
-                order.append(piece.pack)
-            uses[piece.pack] = uses.get(piece.pack, 0) + 1
+    reader = PackReader(manifest, get, PREFETCH_PACKS)
+    reader.plan([piece for record in records for piece in record.pieces])
     target = np.frombuffer(whole, dtype=np.uint8)
-    reads: dict[int, asyncio.Task[memoryview]] = {}
-    ahead = iter(order)
-
-    def read(index: int) -> None:
-        reads[index] = asyncio.ensure_future(store.get(manifest.packs[index]))
-
-    def read_ahead(needed: int) -> None:
-        if needed not in reads:  # a window full of packs still in use: read it anyway
-            read(needed)
-        while len(reads) < PREFETCH_PACKS + 1:
-            index = next(ahead, None)
-            if index is None:
-                return
-            if index not in reads and uses[index]:
-                read(index)
-
     try:
         for record, offset in zip(records, offsets, strict=True):
-            at = offset
-            for piece in record.pieces:
-                read_ahead(piece.pack)
-                pack = await reads[piece.pack]
-                target[at : at + piece.length] = np.frombuffer(
-                    pack, dtype=np.uint8, count=piece.length, offset=piece.offset
-                )
-                at += piece.length
-                uses[piece.pack] -= 1
-                if not uses[piece.pack]:
-                    del reads[piece.pack]
+            reader.copy(record, target[offset : offset + record.nbytes], stop=stop)
     finally:
-        for task in reads.values():
-            task.cancel()
+        reader.close()

@@ -27,7 +27,7 @@ import types
 from collections.abc import Collection, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import xxhash
@@ -37,7 +37,7 @@ from kernel_replica.comm_sync import CommRecord, record_digest
 from kernel_replica.durability import Marker, apply_markers, apply_repair
 from kernel_replica.fingerprint import fingerprint
 from kernel_replica.log_entries import GpuResident, State, decode_gpu_resident, encode_gpu_resident
-from kernel_replica.object_codec import EncodedGroup, ObjectCodec, dumps, store_failure
+from kernel_replica.object_codec import EncodedGroup, ObjectCodec, dumps, is_large, store_failure
 from shared.config import Config
 from shared.datastore import DataStore, open_datastore
 
@@ -177,6 +177,7 @@ async def plan_state(
     retry: Collection[str] = (),
     unprotected: Collection[str] = (),
     images: bool = False,
+    loading: Collection[str] = (),
 ) -> StatePlan:
     """The executor's side of step 7: which names changed, and their encoded groups.
 
@@ -189,13 +190,16 @@ async def plan_state(
     attempt). ``unprotected``: names the log holds no current value of (unstored, unpicklable);
     one that is gone from the namespace is listed as deleted, so no later executor reports it
     missing. ``images``: groups for the data store are left as live views (``StatePlan.images``)
-    for a background image (``state_image.StateImager``) instead of being copied or written."""
+    for a background image (``state_image.StateImager``) instead of being copied or written.
+    ``loading``: names whose logged value this replica is still loading (``lazy_load``): absent
+    from the namespace, yet neither deleted nor changed (the cell could not touch them: the names
+    it may touch were loaded before it ran)."""
     plan = StatePlan()
     started = time.perf_counter()
     replicable = replicable_names(namespace, hidden)
     replicable_set = set(replicable)
     check = names_to_check(effects, namespace, replicated=replicated, shared_with=codec.sharing())
-    check = {name for name in check if name in replicable_set or name in replicated}
+    check = {name for name in check if (name in replicable_set or name in replicated) and name not in loading}
     retrying = {name for name in retry if name in replicable_set}
     check |= retrying
     module_aliases: set[str] = set()
@@ -216,7 +220,9 @@ async def plan_state(
         if isinstance(namespace[record.alias], types.ModuleType):
             module_aliases.add(record.alias)  # replayed, not pickled
             plan.fingerprints[record.alias] = import_fingerprint(statement)
-    plan.deleted = sorted(name for name in {*replicated, *unprotected} if name not in replicable_set)
+    plan.deleted = sorted(
+        name for name in {*replicated, *unprotected} if name not in replicable_set and name not in loading
+    )
     codec.forget(plan.deleted)
     plan.timings["analysis_ms"] = (time.perf_counter() - started) * 1000
 
@@ -373,6 +379,39 @@ def star_imported(record: ImportRecord, namespace: Mapping[str, Any], replicable
     )
 
 
+def modules_of(statements: Iterable[str]) -> list[str]:
+    """The (absolute) modules import statements import, in order, each once."""
+    found: dict[str, None] = {}
+    for statement in statements:
+        try:
+            tree = ast.parse(statement)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found.update(dict.fromkeys(alias.name for alias in node.names))
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found[node.module] = None
+    return list(found)
+
+
+def not_imported(statements: Iterable[str]) -> list[str]:
+    """The modules of ``statements`` this process has not imported yet."""
+    return [module for module in modules_of(statements) if module not in sys.modules]
+
+
+def preimport(modules: Iterable[str]) -> None:
+    """Import ``modules`` on the calling thread, a worker's: the replay of their statements on
+    the namespace's thread is then a lookup, not seconds of a cold ``import torch`` during which
+    that thread answers nothing. A failure is left to the replay (it reports it; a module that
+    must be imported on the main thread is imported there)."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception:  # the replay on the main thread reports it
+            continue
+
+
 def replay_imports(
     namespace: dict[str, Any], imports: Iterable[tuple[str, str]], not_loaded: dict[str, str] | None = None
 ) -> list[str]:
@@ -399,6 +438,14 @@ def replay_imports(
     return failures
 
 
+class Deferrer(Protocol):
+    """Where a standby's large groups go instead of being read at once (``lazy_load.LazyLoader``)."""
+
+    def add(self, group: Mapping[str, Any], names: Iterable[str], msg_id: str = "") -> None: ...
+
+    def supersede(self, names: Iterable[str]) -> None: ...
+
+
 async def apply_state(
     namespace: dict[str, Any],
     codec: ObjectCodec,
@@ -406,22 +453,39 @@ async def apply_state(
     groups: Iterable[tuple[Mapping[str, Any], Iterable[str] | None]],
     deleted: Iterable[str] = (),
     not_loaded: dict[str, str] | None = None,
+    lazy: Deferrer | None = None,
+    msg_id: str = "",
 ) -> list[str]:
     """A standby's side: replay imports, decode groups in log order (taking ``names`` of each, or
     all when None), then drop ``deleted``. Returns the failures (the rest is still applied).
     ``not_loaded``: name -> why this replica lacks the log's value of it, kept up to date (a
-    name loaded or deleted later leaves it), so that it can be loaded again or told."""
+    name loaded or deleted later leaves it), so that it can be loaded again or told. ``lazy``:
+    large groups (in the data store) are handed to it instead of read here, their names' older
+    values removed meanwhile (never a stale value); every name this entry binds or deletes
+    supersedes an older load of it still pending there."""
     imports = list(imports)  # replayed, then forgotten by the codec
     failures = replay_imports(namespace, imports, not_loaded)
+    if lazy is not None:
+        lazy.supersede(alias for alias, _statement in imports)
     for raw, names in groups:
+        wanted = list(raw.get("names", ()) if names is None else names)
+        if lazy is not None and is_large(raw):
+            lazy.add(raw, wanted, msg_id)
+            for name in wanted:
+                namespace.pop(name, None)
+                if not_loaded is not None:
+                    not_loaded.pop(name, None)
+            codec.forget(wanted)
+            continue
+        if lazy is not None:
+            lazy.supersede(wanted)
         try:
             group = EncodedGroup.from_dict(raw)
             values = await codec.decode(group, namespace)
         except Exception as exc:  # e.g. a module missing on this host, a store unreachable
             failures.append(f"{', '.join(raw.get('names', ()))}: {exc.__class__.__name__}: {exc}")
             if not_loaded is not None:
-                why = f"could not be loaded here: {exc.__class__.__name__}: {exc}"
-                not_loaded.update(dict.fromkeys(raw.get("names", ()) if names is None else names, why))
+                not_loaded.update(dict.fromkeys(wanted, not_loaded_reason(exc)))
             continue
         taken = values if names is None else {name: values[name] for name in names if name in values}
         namespace.update(taken)
@@ -430,12 +494,19 @@ async def apply_state(
             for name in taken:
                 not_loaded.pop(name, None)
     deleted = list(deleted)
+    if lazy is not None:
+        lazy.supersede(deleted)
     for name in deleted:
         namespace.pop(name, None)
         if not_loaded is not None:
             not_loaded.pop(name, None)
     codec.forget([*deleted, *(alias for alias, _statement in imports)])
     return failures
+
+
+def not_loaded_reason(exc: BaseException) -> str:
+    """Why a replica lacks a logged value (``not_loaded``): told to the user when it executes."""
+    return f"could not be loaded here: {exc.__class__.__name__}: {exc}"
 
 
 def _markers(raw: Any) -> dict[str, Marker]:
@@ -532,18 +603,7 @@ class ReplicatedNamespace:
         template (services/local_scheduler/runtime_template.py) to import ahead."""
         with self._lock:
             statements = [value for kind, value in self._records.values() if kind == "i"]
-        found: set[str] = set()
-        for statement in statements:
-            try:
-                tree = ast.parse(statement)
-            except SyntaxError:
-                continue
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Import):
-                    found.update(alias.name.partition(".")[0] for alias in node.names)
-                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                    found.add(node.module.partition(".")[0])
-        return sorted(found)
+        return sorted({module.partition(".")[0] for module in modules_of(statements)})
 
     def gpu_resident(self) -> tuple[GpuResident, ...]:
         with self._lock:

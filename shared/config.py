@@ -231,6 +231,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # (kernel_replica/state_image.py, issue #17) copies them after it, content-addressed,
         # while the next cell may already change them (copy-on-write of what it writes first).
         "background_image": True,
+        # A standby reads a STATE entry's large objects (store pointers, images) in the
+        # background, off the threads that answer Raft and the scheduler; code it must run first
+        # waits only for the names it may touch (kernel_replica/lazy_load.py). False: each entry
+        # is read whole before the next thing the replica does (the path before, for comparison).
+        "lazy_load": True,
         # At most this many bytes per cell are copied aside (the copy doubles their memory); a
         # larger model or dataset is streamed to the store before the next cell, held once.
         "write_behind_max_bytes": 536_870_912,

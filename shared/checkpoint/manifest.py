@@ -21,6 +21,11 @@ from shared.datastore import ObjectRef
 FORMAT_VERSION = 1
 
 
+class ReadInterrupted(Exception):
+    """A read of an image's pieces (``restore.PackReader.copy``) stopped because its reader asked
+    it to: something else is read first. Here, not with the reader: catching it imports no torch."""
+
+
 @dataclass(frozen=True, slots=True)
 class PieceLocation:
     """Where one piece's bytes are: ``length`` bytes at ``offset`` of pack ``pack``."""

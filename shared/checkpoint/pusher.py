@@ -52,7 +52,13 @@ class StoreLink:
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="checkpoint-store", daemon=True)
         thread.start()
-        store = asyncio.run_coroutine_threadsafe(_await(open_store), loop).result()
+        try:
+            store = asyncio.run_coroutine_threadsafe(_await(open_store), loop).result()
+        except BaseException:  # a store that does not open: no loop thread left behind per attempt
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            loop.close()
+            raise
         link = cls(store, loop, inflight_bytes=inflight_bytes, owns_loop=True)
         link._thread = thread
         return link

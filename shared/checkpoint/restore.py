@@ -12,17 +12,82 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 import numpy as np
 import torch
 
 from shared.checkpoint.cow import AccessGuard
-from shared.checkpoint.manifest import Manifest, TensorRecord
+from shared.checkpoint.manifest import Manifest, PieceLocation, ReadInterrupted, TensorRecord
 from shared.checkpoint.pieces import byte_view, storage_key
 from shared.checkpoint.pusher import StoreLink
 from shared.checkpoint.state import TrainingState, decode_meta
 from shared.datastore import ObjectRef
+
+
+class PackReader:
+    """Copies tensors' pieces out of an image's packs, on the calling thread: each pack read once
+    through ``get`` (``StoreLink.get``), ``prefetch`` packs ahead of the one being copied (the
+    store's latency overlaps), and let go once its last planned piece is out (a large image is
+    not held twice). Shared by a job's restore and a kernel replica's large-object loads."""
+
+    def __init__(
+        self, manifest: Manifest, get: Callable[[ObjectRef], Future[memoryview]], prefetch: int
+    ) -> None:
+        self.manifest = manifest
+        self._get = get
+        self.prefetch = prefetch
+        self._packs: dict[int, Future[memoryview]] = {}
+        self._uses: dict[int, int] = {}
+        self._order: list[int] = []  # packs in the order their pieces are planned to be copied
+
+    def plan(self, pieces: Iterable[PieceLocation]) -> None:
+        """Every piece that will be copied, in the expected order (what is read ahead)."""
+        for piece in pieces:
+            if piece.pack not in self._uses:
+                self._order.append(piece.pack)
+            self._uses[piece.pack] = self._uses.get(piece.pack, 0) + 1
+
+    def read_ahead(self, upcoming: Iterable[int] | None = None) -> None:
+        """Ask for the next packs (``upcoming`` pack indices, or the planned order) until
+        ``prefetch`` are in flight beyond the one being copied."""
+        for index in self._order if upcoming is None else upcoming:
+            if len(self._packs) > self.prefetch:
+                return
+            if index not in self._packs and self._uses.get(index, 0) > 0:
+                self._packs[index] = self._get(self.manifest.packs[index])
+
+    def copy(
+        self,
+        record: TensorRecord,
+        dest: np.ndarray,
+        upcoming: Iterable[int] | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """Fill ``dest`` (``record.nbytes`` uint8) with the record's pieces; ``ReadInterrupted``
+        (``dest`` partly filled) as soon as ``stop()`` says so, checked before each piece."""
+        at = 0
+        for piece in record.pieces:
+            if stop is not None and stop():
+                raise ReadInterrupted(record.name)
+            if piece.pack not in self._packs:
+                self._packs[piece.pack] = self._get(self.manifest.packs[piece.pack])
+            self.read_ahead(upcoming)
+            pack = self._packs[piece.pack].result()
+            dest[at : at + piece.length] = np.frombuffer(
+                pack, dtype=np.uint8, count=piece.length, offset=piece.offset
+            )
+            at += piece.length
+            self._uses[piece.pack] -= 1
+            if not self._uses[piece.pack]:
+                del self._packs[piece.pack]  # the store's cache may still hold it; this reader is done
+
+    def close(self) -> None:
+        """Give up the reads still in flight (an error, a load no longer wanted)."""
+        for future in self._packs.values():
+            future.cancel()
+        self._packs.clear()
 
 
 class Restore:
@@ -41,8 +106,7 @@ class Restore:
         self._loaded: set[str] = set()
         self._pending_by_storage: dict[int, list[str]] = {}
         self._targets: dict[str, torch.Tensor] = {}
-        self._packs: dict[str, Future[memoryview]] = {}
-        self._uses: dict[str, int] = {}
+        self._reader = PackReader(manifest, link.get, prefetch_packs)
         self._error: BaseException | None = None
         self._guard: AccessGuard | None = None
         self._thread = threading.Thread(target=self._run, name="checkpoint-restore", daemon=True)
@@ -72,9 +136,7 @@ class Restore:
             key = storage_key(target)
             if key is not None:
                 self._pending_by_storage.setdefault(key, []).append(record.name)
-            for piece in record.pieces:
-                digest = self.manifest.packs[piece.pack].digest
-                self._uses[digest] = self._uses.get(digest, 0) + 1
+            self._reader.plan(record.pieces)
         missing = set(self._targets) - set(self._queue)
         if missing:
             raise ValueError(f"the job has tensors the image lacks: {sorted(missing)[:5]}")
@@ -115,26 +177,11 @@ class Restore:
 
     # ----- loader thread ----------------------------------------------------------------------
 
-    def _pack(self, digest_index: int) -> Future[memoryview]:
-        ref = self.manifest.packs[digest_index]
-        future = self._packs.get(ref.digest)
-        if future is None:
-            future = self._packs[ref.digest] = self.link.get(ref)
-        return future
-
-    def _prefetch(self) -> None:
-        """Ask for the packs of what comes next, a few packs ahead (the store's latency overlaps)."""
+    def _upcoming(self) -> list[int]:
+        """The packs of what is queued, in queue order (demanded tensors first)."""
         with self._lock:
             upcoming = list(self._queue.values())
-        wanted = 0
-        for record in upcoming:
-            for piece in record.pieces:
-                ref = self.manifest.packs[piece.pack]
-                if ref.digest not in self._packs:
-                    self._pack(piece.pack)
-                    wanted += 1
-                    if wanted >= self.prefetch_packs:
-                        return
+        return [piece.pack for record in upcoming for piece in record.pieces]
 
     def _run(self) -> None:
         try:
@@ -143,7 +190,6 @@ class Restore:
                     if not self._queue:
                         break
                     name, record = next(iter(self._queue.items()))
-                self._prefetch()
                 self._fill(self._targets[name], record)
                 with self._lock:
                     del self._queue[name]
@@ -163,16 +209,6 @@ class Restore:
     def _fill(self, target: torch.Tensor, record: TensorRecord) -> None:
         on_host = target.device.type == "cpu"
         dest = byte_view(target).numpy() if on_host else np.empty(record.nbytes, dtype=np.uint8)
-        at = 0
-        for piece in record.pieces:
-            digest = self.manifest.packs[piece.pack].digest
-            pack = self._pack(piece.pack).result()
-            dest[at : at + piece.length] = np.frombuffer(
-                pack, dtype=np.uint8, count=piece.length, offset=piece.offset
-            )
-            at += piece.length
-            self._uses[digest] -= 1
-            if self._uses[digest] == 0:
-                del self._packs[digest]  # the store's cache may still hold it; this reader is done
+        self._reader.copy(record, dest, self._upcoming())
         if not on_host:
             byte_view(target).copy_(torch.from_numpy(dest))

@@ -28,6 +28,7 @@ from _kernels import CellResult, run, tandem_kernel
 from jupyter_client import BlockingKernelClient
 
 from shared import messages
+from shared.election_round import split_election_key
 
 pytestmark = pytest.mark.integration
 
@@ -343,3 +344,57 @@ def test_large_objects_imaged_after_the_reply_reach_the_next_executor_as_the_cel
     assert lines[0].split() == made.stdout.split()
     assert lines[1] == "['arr', 'big']"
     print("images in flight when the next cell started:", written.stdout.split()[0])
+
+
+def _log_events(cluster: ClusterHandle, host: str, kernel_id: str, event: str) -> list[dict[str, Any]]:
+    """``event``'s lines (JSON) in the replica logs of ``kernel_id`` on ``host``."""
+    found = []
+    for log in cluster.state_dir.glob(f"hosts/{host}/{kernel_id}/*/replica.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("{") and f'"{event}"' in line:
+                with contextlib.suppress(ValueError):
+                    parsed = json.loads(line)
+                    if parsed.get("event") == event:
+                        found.append(parsed)
+    return found
+
+
+def test_a_new_executor_runs_a_cell_while_a_large_object_loads_and_then_reads_it_bitwise(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    """A cell makes a 100 MB tensor on one host; the next cells run on another host's replica,
+    which reads the tensor in the background (kernel_replica/lazy_load.py): a cell that reads only
+    a small name never waits for it, a cell that reads it gets it bitwise, and while it loaded
+    the replica's main loop (cells, the scheduler) and Raft loop were never silent for long."""
+    kc, hosts, kernel_id = kernel
+    first, second = hosts[0], hosts[1]
+    made = _on(
+        tandem_cluster,
+        kc,
+        first,
+        "import hashlib, torch\n"
+        "ondemand = torch.randn(25_000_000, generator=torch.Generator().manual_seed(3))\n"
+        "tiny = 41\n"
+        "print(hashlib.sha256(ondemand.numpy().tobytes()).hexdigest())",
+    )
+    quick = _read_on(tandem_cluster, kc, second, "print(tiny + 1)")
+    assert quick.stdout.strip() == "42"
+    read = _read_on(
+        tandem_cluster, kc, second, "print(hashlib.sha256(ondemand.numpy().tobytes()).hexdigest())"
+    )
+    assert read.stdout == made.stdout
+    records = _read_on(
+        tandem_cluster, kc, second, "import json\nprint(json.dumps(list(get_ipython().kernel.cell_loads)))"
+    )
+    by_cell = {split_election_key(r["msg_id"])[0]: r for r in json.loads(records.stdout)}
+    quick_record = by_cell.get(quick.reply["parent_header"]["msg_id"])
+    if quick_record is not None:  # the tensor was still loading when the small cell came
+        assert quick_record["waited_for"] == [], quick_record
+    read_record = by_cell.get(read.reply["parent_header"]["msg_id"])
+    if read_record is not None:
+        assert read_record["waited_for"] == ["ondemand"], read_record
+    loads = _log_events(tandem_cluster, second, kernel_id, "state_loaded")
+    assert loads and all(event["lazy"] for event in loads), loads
+    for event in loads:  # well inside the election's wait for a silent voter (5 s)
+        assert event["main_lag_ms"] < 2500 and event["raft_lag_ms"] < 2500, event
+    print("small cell:", quick_record, "loads:", loads[-1])

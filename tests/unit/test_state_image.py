@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernel_replica import log_entries
+from kernel_replica.lazy_load import LazyLoader
 from kernel_replica.log_entries import State
 from kernel_replica.object_codec import EncodedGroup, ObjectCodec, TornImage
 from kernel_replica.state_image import ImageResult, StateImager
@@ -309,3 +310,58 @@ def test_a_begin_past_the_images_in_flight_waits_for_the_oldest(store_dir: Path)
             imager.close()
 
     asyncio.run(trial())
+
+
+@pytest.mark.parametrize("then", ["demand", "supersede"])
+def test_a_demanded_image_is_read_before_the_one_being_read_which_is_read_again_after(
+    store_dir: Path, then: str
+) -> None:
+    """A standby's loader (kernel_replica/lazy_load.py) reading ``t``'s image when a cell needs
+    ``u`` gives ``t`` up between pieces, reads ``u``, then ``t`` again from the start: both
+    bitwise the executor's. When a later entry supersedes ``t`` instead, its read stops there."""
+    gate = Gate(at=5)
+
+    async def open_store() -> LocalStore:
+        return LocalStore(store_dir)
+
+    async def main() -> None:
+        imager, codec = _paths(store_dir)
+        ns = {"t": torch.randn(600_000), "u": torch.randn(300_000)}
+        groups, futures = await _image_all(imager, codec, ns, ["t", "u"])
+        raw = {}
+        for index, future in futures.items():
+            image: ImageResult = await asyncio.wrap_future(future)
+            raw[groups[index].names[0]] = {**groups[index].to_dict(), "image": image.ref.to_dict()}
+        imager.close()
+        standby: dict[str, Any] = {}
+        order: list[list[str]] = []
+
+        def take(load: Any, names: frozenset[str], values: Any, error: BaseException | None) -> None:
+            assert error is None, error
+            order.append(sorted(names))
+            standby.update({name: values[name] for name in names})
+
+        loader = LazyLoader(open_store, take, lambda: standby, pacer=gate)
+        try:
+            loader.add(raw["t"], ["t"])
+            loader.add(raw["u"], ["u"])
+            assert await asyncio.to_thread(gate.reached.wait, 10)  # t's read is at its 6th piece
+            if then == "supersede":
+                loader.supersede(["t"])
+                gate.go.set()
+                await loader.demand(None)
+                assert order == [["u"]] and "t" not in standby
+                assert gate.count < 37, gate.count  # t has 37 pieces: its read stopped at the 6th
+                return
+            wanted = asyncio.ensure_future(loader.demand(["u"]))
+            await asyncio.sleep(0)
+            gate.go.set()
+            await wanted
+            assert order == [["u"]] and "t" not in standby
+            await loader.demand(None)
+        finally:
+            loader.close()
+        assert order == [["u"], ["t"]]
+        assert _same(standby["t"], ns["t"]) and _same(standby["u"], ns["u"])
+
+    asyncio.run(main())
