@@ -62,10 +62,13 @@ def _type_of(frames) -> list:
                 sub = msgpack.unpackb(item, raw=False)
                 inner.append("batch/" + str(sub.get("type")))
                 if sub.get("type") == "jupyter.reply":
+                    inner.append("batch/jupyter.reply/" + _contents(sub["body"]))
                     inner += ["batch/jupyter.reply/msgs"] * (1 + len(sub["body"].get("more", ())))
             return ["batch", *inner]
         if kind == "jupyter.reply":
-            return [str(kind)] + ["jupyter.reply/msgs"] * (1 + len(raw["body"].get("more", ())))
+            return [str(kind), "jupyter.reply/" + _contents(raw["body"])] + ["jupyter.reply/msgs"] * (
+                1 + len(raw["body"].get("more", ()))
+            )
         return [str(kind)]
     except Exception:
         pass
@@ -74,6 +77,18 @@ def _type_of(frames) -> list:
         return ["jupyter/" + json.loads(frames[at + 2]).get("msg_type", "?")]
     except Exception:
         return ["raw"]
+
+
+def _contents(body) -> str:
+    """The Jupyter messages in one jupyter.reply, e.g. ``execute_reply+idle``."""
+    names = []
+    for _, frames in [(body["channel"], body["frames"]), *body.get("more", ())]:
+        header = json.loads(frames[1])
+        name = header.get("msg_type", "?")
+        if name == "status":
+            name = json.loads(frames[4]).get("execution_state", "status")
+        names.append(name)
+    return "+".join(names)
 
 
 def sent(name: str, sock, frames) -> None:
@@ -257,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     curve_total = sum(
         v
         for k, v in per_cell.items()
-        if k.split("|")[2] == "curve" and not k.split("|")[3].startswith("batch/") and "/msgs" not in k
+        if k.split("|")[2] == "curve" and "/" not in k.split("|")[3]
     )
     raft_records = sum(v for k, v in per_cell.items() if k.endswith("|raft|tls|records"))
     print(
