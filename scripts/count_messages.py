@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_ab import checkout, cluster, tree_of  # noqa: E402
+from bench_ab import checkout, cluster, patch_tree, tree_of  # noqa: E402
 from bench_latency import one_cell, role_of, start  # noqa: E402
 
 from services.kernelspec import install_private  # noqa: E402
@@ -177,24 +178,23 @@ _PATCHES = (
 
 def instrument(tree: Path) -> None:
     (tree / "shared" / "_msgcount.py").write_text(_COUNTER)
-    for name, anchor, replacement in _PATCHES:
-        path = tree / name
-        text = path.read_text()
-        if text.count(anchor) != 1:
-            raise SystemExit(f"{name} of this revision has no single {anchor.strip()!r}")
-        path.write_text(text.replace(anchor, replacement))
+    patch_tree(tree, _PATCHES, "count_messages")
+
+
+def dumps(count_dir: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(pid, what it dumped) of every process that counted."""
+    for path in count_dir.glob("*.json"):
+        try:
+            yield int(path.stem), json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
 
 
 def snapshot(count_dir: Path, roles: dict[int, str]) -> dict[str, int]:
     """Every process's counts so far, keyed ``role|socket|curve|type``."""
     totals: dict[str, int] = {}
-    for path in count_dir.glob("*.json"):
-        pid = int(path.stem)
-        try:
-            counts = json.loads(path.read_text())["counts"]
-        except (OSError, ValueError):
-            continue
-        for key, n in counts.items():
+    for pid, dumped in dumps(count_dir):
+        for key, n in dumped["counts"].items():
             where = f"{roles.get(pid, 'other')}|{key}"
             totals[where] = totals.get(where, 0) + n
     return totals
@@ -203,13 +203,8 @@ def snapshot(count_dir: Path, roles: dict[int, str]) -> dict[str, int]:
 def cell_timeline(count_dir: Path, roles: dict[int, str], start: float, end: float) -> list[str]:
     """Every send between the client's execute_request and its idle (``end``), in µs after it."""
     events = []
-    for path in count_dir.glob("*.json"):
-        pid = int(path.stem)
-        try:
-            trace = json.loads(path.read_text())["trace"]
-        except (OSError, ValueError):
-            continue
-        for at, socket, curve, kind, n in trace:
+    for pid, dumped in dumps(count_dir):
+        for at, socket, curve, kind, n in dumped["trace"]:
             if start <= at <= end + 0.05:
                 events.append(
                     (at, f"{roles.get(pid, 'other')}:{pid} {socket} {'C' if curve else '-'} {kind} x{n}")
@@ -270,9 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         if n:
             per_cell[key] = round(n / args.cells, 2)
     curve_total = sum(
-        v
-        for k, v in per_cell.items()
-        if k.split("|")[2] == "curve" and "/" not in k.split("|")[3]
+        v for k, v in per_cell.items() if k.split("|")[2] == "curve" and "/" not in k.split("|")[3]
     )
     raft_records = sum(v for k, v in per_cell.items() if k.endswith("|raft|tls|records"))
     print(
