@@ -371,12 +371,6 @@ class TandemKernel(IPythonKernel):
             # queued on IOPub since the cell's own flush (streams.py).
             idle = self._serialized_idle(parent)
             timing |= await self._replicate_cell(bridge, msg_id, code, reply, log, execute_args)
-            # The idle is handed to the IOPub thread first and the reply sent right behind it:
-            # the thread's hop no longer makes idle trail the reply by a thread switch, so the
-            # two often reach the local scheduler in one loop turn and travel to the client as
-            # one CURVE message per hop (an idle that overtakes its reply is held for it by the
-            # global scheduler's merger: the client still sees reply, then idle).
-            self._publish_executor_idle(parent, idle)
             # Only a committed outcome is answered (ElectionCore.committed_answer). Superseded:
             # this replica stalled inside the cell past the executor silence; the standbys
             # committed the cell's outcome without it (ExecutorLost) and ignored its DONE and
@@ -397,9 +391,11 @@ class TandemKernel(IPythonKernel):
             metadata["tandem"]["no_executor"] = True
         self.session.send(stream, "execute_reply", reply, parent, metadata=metadata, ident=ident)
         if hasattr(stream, "flush"):
-            # A ZMQStream only queues the reply; send it now, next to the executor's idle
-            # (ipykernel would flush it only after its own flushes and hooks).
+            # A ZMQStream only queues the reply; send it now, ahead of the idle that follows
+            # (ipykernel would flush it only after publishing idle).
             stream.flush(zmq.POLLOUT)
+        if executed and idle is not None:  # idle: made above, for a cell run here with a bridge
+            self._publish_executor_idle(parent, idle)
         self._record_timing(role, reply, timing, log)
         if executed and bridge is not None and not diverged:
             self._report_timing(bridge, msg_id, timing)
