@@ -249,7 +249,9 @@ class ReplicaCore:
             # Followers rarely propose (votes, and their own cells when they execute): they learn
             # a commit from the next append or, ``commit_notice_s`` after it, an empty append (not
             # one per entry), and a follower's own proposals are confirmed at once.
-            raft=RaftConfig(election_ticks=self.settings.election_ticks, eager_commit=False),
+            raft=RaftConfig(
+                election_ticks=self.settings.election_ticks, eager_commit=False, quiet_heartbeats=True
+            ),
             commit_notice_delay=self.settings.commit_notice_s,
             snapshot_every=self.settings.snapshot_every,
             fsync=self.settings.raft_fsync,
@@ -700,9 +702,15 @@ class ReplicaCore:
     async def decide(self, msg_id: str, *, lead: bool, silent: str | None = None) -> Decision:
         """Steps 3-4 of the execute path (``ElectionCore.decide``). ``silent``: the designated
         candidate the scheduler found hung (not waited for again)."""
+        designated = self.scheduler.designated(msg_id)  # before the core takes its gpu.bound
         decision: Decision = await self._request(
             lambda now: self.election.decide(msg_id, lead=lead, silent=silent, now=now)
         )
+        if isinstance(decision, Execute) and designated and self.peer is not None:
+            # The cell's DONE and STATE follow in one append, which tells the standbys that the
+            # LEAD committed too: no notice of it now (a cell running longer than a tick: the
+            # heartbeat tells them). Only for a designated cell: nobody else waits on this LEAD.
+            self.peer.hold_commit_notices(self.settings.tick_interval_s)
         if self.scheduler.settle_bound_ahead(msg_id, executing=isinstance(decision, Execute)):
             self._spawn(self._release(msg_id))  # bound ahead for a cell this replica will not run
         return decision

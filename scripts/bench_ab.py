@@ -78,11 +78,16 @@ _STRIP_SECURITY = (
 
 def strip_security(tree: Path) -> None:
     """The same code without its encryption and authentication, to measure what they cost."""
-    for name, anchor, replacement in _STRIP_SECURITY:
+    patch_tree(tree, _STRIP_SECURITY, "--without-security")
+
+
+def patch_tree(tree: Path, patches: tuple[tuple[str, str, str], ...], purpose: str) -> None:
+    """Edit a temporary worktree: each (file, anchor, replacement); the anchor must occur once."""
+    for name, anchor, replacement in patches:
         path = tree / name
         text = path.read_text()
         if text.count(anchor) != 1:
-            raise SystemExit(f"--without-security: {name} of this revision has no single {anchor.strip()!r}")
+            raise SystemExit(f"{purpose}: {name} of this revision has no single {anchor.strip()!r}")
         path.write_text(text.replace(anchor, replacement))
 
 

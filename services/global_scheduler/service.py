@@ -89,6 +89,15 @@ def _reported_pid(body: dict[str, Any]) -> int | None:
     return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
 
 
+def _call_soon(callback: Callable[[], None]) -> bool:
+    """``callback`` later in this loop turn; False outside a running loop (then nothing is run)."""
+    try:
+        asyncio.get_running_loop().call_soon(callback)
+    except RuntimeError:
+        return False
+    return True
+
+
 def require_live_policy(cfg: Config) -> None:
     """The baselines (reservation, batch, lcp) are policies of the simulator (``tandem sim``): a
     live cluster asked to run one refuses to start rather than quietly run notebookos."""
@@ -144,7 +153,9 @@ class GlobalScheduler:
             authorize=self._authorize,
         )
         # pushes to a gateway that is restarting wait for it (gateway_outbox.py)
-        self._gateway = GatewayOutbox(lambda env: self._server.send(GATEWAY_IDENTITY, env) is not False)
+        self._gateway = GatewayOutbox(
+            lambda env: self._server.send(GATEWAY_IDENTITY, env) is not False, soon=_call_soon
+        )
         self._outbound = OutboundRequests(self._server)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._migrator = Migrator(self, cfg, clock=clock)
@@ -531,12 +542,9 @@ class GlobalScheduler:
         return None
 
     def to_gateway(self, kernel: KernelRecord, forwards: list[Forward]) -> None:
-        """One push for all of ``forwards``: every envelope costs each hop a CURVE box and a
-        decode, and a cell's messages come in pairs (busy and its input, the reply and idle)."""
-        if forwards:
-            self._gateway.push(
-                Envelope(messages.JUPYTER_REPLY, messages.jupyter_reply(kernel.kernel_id, forwards))
-            )
+        """``forwards`` go with whatever else this loop turn sends the kernel's client: every
+        envelope costs each hop a CURVE box and a decode (gateway_outbox.py)."""
+        self._gateway.forward(kernel.kernel_id, forwards)
 
     def _release(self, kernel: KernelRecord, msg_ids: list[str]) -> None:
         for msg_id in msg_ids:

@@ -694,9 +694,14 @@ class RaftNode:
     def _bcast_heartbeat(self) -> None:
         commit = self.log.committed
         term = self._term
+        quiet = self._config.quiet_heartbeats
         for node, pr in self._tracker.progress.items():
             # Never past what the follower is known to hold: it may still have a stale suffix.
-            self._msgs.append(Message(_HEARTBEAT, node, self.id, term, commit=min(pr.match, commit)))
+            known = min(pr.match, commit)
+            heard, pr.heard_since_beat = pr.heard_since_beat, False
+            if quiet and heard and pr.state == _REPLICATE and pr.sent_commit >= known:
+                continue  # this beat's work is done (RaftConfig.quiet_heartbeats)
+            self._msgs.append(Message(_HEARTBEAT, node, self.id, term, commit=known))
 
     def _send_timeout_now(self, to: str) -> None:
         self._msgs.append(Message(_TIMEOUT_NOW, to, self.id, self._term))
@@ -775,6 +780,7 @@ class RaftNode:
         if pr is None:
             return
         pr.recent_active = True
+        pr.heard_since_beat = not m.reject
         log = self.log
         if m.reject:
             hint = m.reject_hint

@@ -224,6 +224,7 @@ class RaftPeer:
         self._pid_seq = 0
         self._wake = asyncio.Event()
         self._commit_notice: asyncio.TimerHandle | None = None
+        self._notice_hold_until = 0.0  # loop time: commit notices wait until then (hold_commit_notices)
         self._running = False
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -351,9 +352,32 @@ class RaftPeer:
     async def propose(self, data: bytes, *, timeout: float = 5.0) -> int:
         """Replicate ``data``; returns its log index once it is committed and applied here."""
         node = self._require_running()
+        self._release_notice_hold()  # its append carries the commit; its own commit is told at once
         pid, fut = self._new_waiter()
         node.propose(data, pid)
         return await self._await_waiter(pid, fut, timeout)
+
+    def hold_commit_notices(self, seconds: float) -> None:
+        """Send no commit notice for ``seconds`` or until this peer's next proposal, whichever is
+        first: that proposal's append carries the commit, and so does a heartbeat (every tick).
+        For a leader that knows it proposes again soon (an executor running a short cell), so
+        its followers are not told twice: each notice is a TLS record to every follower."""
+        loop = self._loop
+        if loop is None or seconds <= 0 or self._node is None or self._node.role != Role.LEADER:
+            return
+        self._notice_hold_until = loop.time() + seconds
+        if self._commit_notice is not None:
+            self._commit_notice.cancel()
+            self._commit_notice = None
+        if self._node.commit_notice_owed():
+            self._commit_notice = loop.call_at(self._notice_hold_until, self._send_commit_notices)
+
+    def _release_notice_hold(self) -> None:
+        held = self._loop is not None and self._loop.time() < self._notice_hold_until
+        self._notice_hold_until = 0.0
+        if held and self._commit_notice is not None:  # armed for the hold's end: the Ready loop re-arms it
+            self._commit_notice.cancel()
+            self._commit_notice = None
 
     async def add_learner(self, node_id: str, address: str, *, timeout: float = 5.0) -> int:
         """Add a non-voting member reachable at ``address``; returns the conf change's index."""
@@ -521,8 +545,10 @@ class RaftPeer:
                     and not self.config.raft.eager_commit
                     and node.commit_notice_owed()
                 ):
-                    self._commit_notice = asyncio.get_running_loop().call_later(
-                        self.config.commit_notice_delay, self._send_commit_notices
+                    loop = asyncio.get_running_loop()
+                    self._commit_notice = loop.call_at(
+                        max(loop.time() + self.config.commit_notice_delay, self._notice_hold_until),
+                        self._send_commit_notices,
                     )
                 self._observe_leader(node)
                 await self._maybe_snapshot(node)

@@ -62,6 +62,7 @@ class Progress:
     """Replication state of one follower (or learner) as seen by the leader."""
 
     __slots__ = (
+        "heard_since_beat",
         "inflights",
         "is_learner",
         "match",
@@ -82,6 +83,7 @@ class Progress:
         self.pending_snapshot = 0  # SNAPSHOT: index of the snapshot sent
         self.snapshot_elapsed = 0  # SNAPSHOT: ticks since it was sent, to retry a lost one
         self.recent_active = recent_active  # heard from since the last CheckQuorum round
+        self.heard_since_beat = False  # answered an append since the last heartbeat (quiet_heartbeats)
         self.sent_commit = 0  # highest commit index advertised in an append
         self.inflights = Inflights(max_inflight)
         self.is_learner = is_learner

@@ -202,6 +202,8 @@ class Scenario:
             max_bytes_per_append=r.choice((1024, 4 * 1024 * 1024)),
             max_uncommitted_entries=r.choice((16, 64, 256)),
             eager_commit=r.random() < 0.5,
+            # its own stream: the scenarios drawn before this option existed stay the same
+            quiet_heartbeats=random.Random(f"quiet-{seed}").random() < 0.5,
         )
         return Scenario(
             raft=raft,

@@ -185,6 +185,12 @@ class RaftConfig:
     # response). False: only to followers whose forwarded proposals committed; the others learn it
     # from the next append or heartbeat (heartbeat_ticks), for groups where followers rarely propose.
     eager_commit: bool = True
+    # True: no heartbeat to a follower that answered an append since the last heartbeat and was
+    # sent the commit index it may apply: that append reset its election timer and its answer
+    # keeps it counted as active, so while entries flow (a busy kernel: an append and its answer
+    # per cell) no heartbeat round goes out, each a message (on the replicas' links, a TLS record)
+    # each way per follower. An idle group still beats every ``heartbeat_ticks``.
+    quiet_heartbeats: bool = False
 
 
 def encode_conf_change(change: ConfChange) -> bytes:

@@ -680,18 +680,61 @@ def test_raft_config_is_passed_to_the_core(tmp_path: Path) -> None:
     run(main())
 
 
+# lazy commits (notices), a heartbeat every second
+LAZY_SLOW_BEATS = RaftConfig(election_ticks=200, heartbeat_ticks=100, eager_commit=False)
+
+
+async def warmed_up_leader(g: Group) -> RaftPeer:
+    """The agreed leader, once a first entry is applied everywhere."""
+    leader = await g.leader(timeout=15.0)
+    await leader.propose(b"warm-up")
+    await eventually(lambda: all(len(kv.log) == 1 for kv in g.kv.values()), what="warm-up applied")
+    return leader
+
+
 def test_followers_apply_a_commit_within_the_notice_delay_not_the_next_heartbeat(tmp_path: Path) -> None:
     """Issue #21: with eager_commit off, followers learned a commit only from the next heartbeat."""
 
     async def main() -> None:
         # heartbeats every 100 ticks (1 s): only the commit notice can explain an apply within
         # a fraction of that
-        raft = RaftConfig(election_ticks=200, heartbeat_ticks=100, eager_commit=False)
-        async with group(tmp_path, raft=raft, commit_notice_delay=0.001) as g:
-            leader = await g.leader(timeout=15.0)
-            await leader.propose(b"warm-up")
-            await eventually(lambda: all(len(kv.log) == 1 for kv in g.kv.values()), what="warm-up applied")
+        async with group(tmp_path, raft=LAZY_SLOW_BEATS, commit_notice_delay=0.001) as g:
+            leader = await warmed_up_leader(g)
             await leader.propose(b"state")
             await eventually(lambda: all(len(kv.log) == 2 for kv in g.kv.values()), 0.6, "all applied")
+
+    run(main())
+
+
+def test_held_commit_notices_wait_for_the_leaders_next_proposal_which_tells_both_commits(
+    tmp_path: Path,
+) -> None:
+    """An executor that leads holds the notice of its LEAD's commit: the DONE it proposes next
+    carries it (one append per follower instead of two)."""
+
+    async def main() -> None:
+        async with group(tmp_path, raft=LAZY_SLOW_BEATS, commit_notice_delay=0.05) as g:
+            leader = await warmed_up_leader(g)
+            await leader.propose(b"lead")
+            leader.hold_commit_notices(5.0)  # before the 50 ms notice goes out
+            await asyncio.sleep(0.3)
+            assert sorted(len(kv.log) for kv in g.kv.values()) == [1, 1, 2]  # only the leader applied
+            await leader.propose(b"done")  # releases the hold: its append carries "lead"'s commit
+            await eventually(lambda: all(len(kv.log) == 3 for kv in g.kv.values()), 0.6, "all applied")
+
+    run(main())
+
+
+def test_a_hold_on_commit_notices_ends_by_itself(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with group(tmp_path, raft=LAZY_SLOW_BEATS, commit_notice_delay=0.05) as g:
+            leader = await warmed_up_leader(g)
+            await leader.propose(b"lead")
+            leader.hold_commit_notices(0.3)
+            await asyncio.sleep(0.15)
+            assert sorted(len(kv.log) for kv in g.kv.values()) == [1, 1, 2]
+            await eventually(
+                lambda: all(len(kv.log) == 2 for kv in g.kv.values()), 0.6, "told after the hold"
+            )
 
     run(main())

@@ -636,6 +636,75 @@ def test_lazy_commit_notice_is_not_owed_once_an_append_carried_the_commit() -> N
     assert not a.commit_notice_owed()
 
 
+QUIET = RaftConfig(election_ticks=E, heartbeat_ticks=1, eager_commit=False, quiet_heartbeats=True)
+
+
+def _beats(messages: Iterable[Message]) -> list[str]:
+    return sorted(m.to for m in messages if m.type == MT.HEARTBEAT)
+
+
+def test_quiet_heartbeats_skip_a_follower_that_answered_an_append_and_knows_the_commit() -> None:
+    net = Net.cluster(config=QUIET)
+    a = net.elect("a")
+    net.tick(["a"])  # settles the election's own traffic
+    a.propose(b"x", "p1")
+    net.deliver()  # the append reaches b and c
+    net.deliver(lambda m: m.frm != "c")  # only b's answer arrives: it commits x at a
+    a.send_commit_notices()  # b is told the commit (c is owed it too)
+    net.deliver()
+    a.tick()
+    assert _beats(net.take()) == ["c"]  # b answered an append and holds the commit: no beat
+    a.tick()
+    assert _beats(net.take()) == ["b", "c"]  # nothing answered since the last beat
+
+
+def test_quiet_heartbeats_still_beat_a_follower_not_told_the_commit_yet() -> None:
+    net = Net.cluster(config=QUIET)
+    a = net.elect("a")
+    net.tick(["a"])
+    a.propose(b"x", "p1")
+    net.deliver()
+    net.deliver()  # both answered; x is committed at a, the followers were not told
+    a.tick()
+    beats = [m for m in net.take() if m.type == MT.HEARTBEAT]
+    assert sorted(m.to for m in beats) == ["b", "c"]
+    assert all(m.commit == a.log.committed for m in beats)  # the beat carries the commit
+
+
+def test_quiet_heartbeats_keep_an_idle_group_beating_and_a_busy_one_leading() -> None:
+    net = Net.cluster(config=QUIET)
+    a = net.elect("a")
+    net.tick(["a"])
+    for _ in range(3):
+        a.tick()
+        assert _beats(net.take()) == ["b", "c"]  # idle: a beat every tick
+    for i in range(5 * E):  # busy: an answered append and a commit notice per tick
+        a.propose(f"x{i}".encode(), f"p{i}")
+        net.deliver()
+        net.deliver()
+        a.send_commit_notices()
+        net.deliver()
+        a.tick()
+        assert _beats(net.take()) == []
+        net.tick(["b", "c"], settle=False)  # their election timers run too
+    assert a.role == Role.LEADER
+    assert net.nodes["b"].role == net.nodes["c"].role == Role.FOLLOWER
+    assert net.nodes["b"].log.committed == net.nodes["c"].log.committed == a.log.committed
+
+
+def test_without_quiet_heartbeats_every_tick_beats_every_follower() -> None:
+    net = Net.cluster(config=RaftConfig(election_ticks=E, heartbeat_ticks=1, eager_commit=False))
+    a = net.elect("a")
+    net.tick(["a"])
+    a.propose(b"x", "p1")
+    net.deliver()
+    net.deliver()
+    a.send_commit_notices()
+    net.deliver()
+    a.tick()
+    assert _beats(net.take()) == ["b", "c"]
+
+
 def test_appends_are_batched_by_bytes() -> None:
     net = Net.cluster(config=RaftConfig(election_ticks=E, max_bytes_per_append=260))
     a = net.elect("a")
