@@ -9,9 +9,20 @@ import numpy as np
 import pytest
 
 from shared.policies.preemption import POLICY_NAMES
-from shared.simulator.preemption_sim import TE, Workload, generate, percentiles, run_all
+from shared.simulator.preemption_sim import (
+    BASELINES,
+    PAPER_PREEMPTED_FRACTION,
+    PAPER_SLOWDOWN,
+    TE,
+    TruncNormal,
+    Workload,
+    generate,
+    percentiles,
+    run_all,
+)
 
-SMALL = Workload().scaled(4096)
+PINNED = Workload.pinned()
+SMALL = PINNED.scaled(4096)
 
 
 @pytest.fixture(scope="module")
@@ -43,18 +54,58 @@ def test_preemption_serves_te_jobs_faster_than_fifo(results: dict) -> None:
 
 
 def test_the_workload_has_the_papers_stated_shape() -> None:
-    jobs = generate(Workload().scaled(20_000), seed=5)
+    w = PINNED.scaled(20_000)
+    assert (w.nodes, w.node_cpus, w.node_ram_gb, w.node_gpus) == (84, 32, 256, 8)
+    assert (w.te_fraction, w.load, w.max_preemptions, w.s) == (0.3, 2.0, 1, 4.0)
+    jobs = generate(w, seed=5)
     te = jobs.kind == TE
     assert te.mean() == pytest.approx(0.3, abs=0.02)
     assert jobs.runtime[te].max() <= 30 and jobs.runtime[~te].max() <= 24 * 60
-    assert jobs.runtime.min() >= 3
+    assert jobs.runtime.min() >= 1
     assert jobs.grace.min() >= 0 and jobs.grace.max() <= 20
-    assert jobs.gpus.min() >= 1 and jobs.gpus.max() <= 8
+    assert jobs.gpus.max() <= 8 and jobs.cpus.max() <= 32 and jobs.ram.max() <= 256
     assert np.all(np.diff(jobs.arrival) >= 0)
 
 
+def test_a_workload_that_changes_a_stated_parameter_is_refused() -> None:
+    with pytest.raises(ValueError, match="paper states"):
+        Workload(**{**_fields(PINNED), "te_runtime_min": TruncNormal(6.0, 2.0, 0.0, 30.0)})
+    with pytest.raises(ValueError, match="paper states"):
+        Workload(**{**_fields(PINNED), "grace_period_min": TruncNormal(3.0, 1.0, 0.0, 10.0)})
+
+
+def _fields(w: Workload) -> dict:
+    return {name: getattr(w, name) for name in w.__dataclass_fields__}
+
+
+def test_the_pinned_workload_reproduces_the_papers_baseline_rows_on_a_quick_seed() -> None:
+    """The open parameters were fitted to the FIFO, LRTP and RAND figures
+    (scripts/calibrate_preemption.py); a quick 2^13-job seed stays near them. FitGpp's figures are
+    the target and are not asserted here."""
+    results = run_all(PINNED.scaled(2**13), seed=1, policies=BASELINES)
+    fifo_te = percentiles(results["fifo"].te_slowdown)
+    fifo_be = percentiles(results["fifo"].be_slowdown)
+    for ours, paper in zip(fifo_te, PAPER_SLOWDOWN["fifo"]["te"], strict=True):
+        assert ours == pytest.approx(paper, rel=TOLERANCE["fifo_te"])
+    for ours, paper in zip(fifo_be, PAPER_SLOWDOWN["fifo"]["be"], strict=True):
+        assert ours == pytest.approx(paper, rel=TOLERANCE["fifo_be"])
+    for name in ("lrtp", "rand"):
+        r = results[name]
+        assert r.preempted_fraction == pytest.approx(
+            PAPER_PREEMPTED_FRACTION[name], rel=TOLERANCE["preempted"]
+        )
+        te = percentiles(r.te_slowdown)
+        assert te[0] == 1.0
+        assert te[1] - 1 == pytest.approx(PAPER_SLOWDOWN[name]["te"][1] - 1, abs=TOLERANCE["te_p95_excess"])
+        be_p50 = percentiles(r.be_slowdown)[0]
+        assert be_p50 == pytest.approx(PAPER_SLOWDOWN[name]["be"][0], rel=TOLERANCE["be_p50"])
+
+
+TOLERANCE = {"fifo_te": 0.4, "fifo_be": 0.3, "preempted": 0.4, "te_p95_excess": 0.25, "be_p50": 0.3}
+
+
 def test_a_run_is_a_function_of_its_seed() -> None:
-    small = Workload().scaled(1024)
+    small = PINNED.scaled(1024)
     a, b = run_all(small, seed=9), run_all(small, seed=9)
     for name in POLICY_NAMES:
         assert np.array_equal(a[name].te_slowdown, b[name].te_slowdown)
