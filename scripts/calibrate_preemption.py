@@ -17,9 +17,12 @@ FitGpp's own figures are the target and are never part of the loss
 
 Search (reproducible: scrambled Sobol points from a fixed seed, fixed workload seeds): stage 1,
 ``--points`` Sobol points over the whole box, one 2^13-job workload each; stage 2, the same number
-again in a box a fifth as wide around the stage-1 best four (shared between them); stage 3, the
-best ``--finalists`` re-run on ``--final-seeds`` workloads of 2^14 jobs, the lowest mean loss
-wins. ``--write`` puts the winner in ``configs/preemption_sim.toml`` with its figures beside the
+again in a box a fifth as wide around the stage-1 best four (their choices kept); stage 3, at the
+bench's scale (``--scale``, 2^16 jobs: under LRTP and RAND the BE backlog grows with the job
+count, so a 2^13-job fit does not hold at 2^16), the best ``--finalists`` on one workload, then
+Nelder-Mead (``--maxfev`` runs) on the continuous parameters from the best of them on that same
+workload; the verdict between that start and the polished point on ``--final-seeds`` fresh
+workloads. ``--write`` puts the winner in ``configs/preemption_sim.toml`` with its figures beside the
 paper's; every evaluation is appended to ``--log`` (JSON lines).
 
 Usage: ``nice -n 10 python scripts/calibrate_preemption.py [--points 256] [--write]``
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy import optimize
 from scipy.stats import qmc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -87,15 +91,46 @@ def search(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         scored.append((loss, list(x)))
         if i % 32 == 31:
             print(f"stage 2: {i + 1}/{len(local)} best {min(scored)[0]:.3f}", file=sys.stderr)
+    # stage 3, at the bench's scale (the preemptive policies' BE backlog grows with the job count
+    # when the arrivals are FIFO's): the finalists on one workload of ``--scale`` jobs, then
+    # Nelder-Mead on the continuous parameters from the best of them, on that same workload
+    one = (1,)
+    finalists = sorted((evaluate(x, one, args.scale, log)[0], x) for _, x in sorted(scored)[: args.finalists])
+    start = np.asarray(finalists[0][1])
+    choices = start[len(PARAMS) :]
+
+    def objective(y: np.ndarray) -> float:
+        x = np.concatenate([np.clip(y, 0.0, 1.0 - 1e-9), choices])
+        return evaluate(x, one, args.scale, log)[0]
+
+    fit = optimize.minimize(
+        objective,
+        start[: len(PARAMS)],
+        method="Nelder-Mead",
+        options={"maxfev": args.maxfev, "initial_simplex": _simplex(start[: len(PARAMS)], 0.08)},
+    )
+    print(f"stage 3: Nelder-Mead {fit.fun:.3f} after {fit.nfev} runs", file=sys.stderr)
+    polished = np.concatenate([np.clip(fit.x, 0.0, 1.0 - 1e-9), choices])
+    # the verdict: the finalists' best and the polished point on fresh workloads
     best: tuple[float, dict[str, Any]] | None = None
     seeds = tuple(range(101, 101 + args.final_seeds))
-    for _, x in sorted(scored)[: args.finalists]:
-        loss, record = evaluate(x, seeds, 2**14, log)
-        print(f"finalist loss {loss:.3f}", file=sys.stderr)
+    for x in (start, polished):
+        loss, record = evaluate(x, seeds, args.scale, log)
+        print(f"verdict loss {loss:.3f}", file=sys.stderr)
         if best is None or loss < best[0]:
             best = (loss, record)
     assert best is not None
     return best[1]
+
+
+def _simplex(x0: np.ndarray, step: float) -> np.ndarray:
+    """Nelder-Mead's first simplex: ``x0`` and one step along each axis, inward at the box edge."""
+    points = [x0]
+    for i in range(x0.size):
+        p = x0.copy()
+        p[i] = p[i] + step if p[i] + step < 1.0 else p[i] - step
+        points.append(p)
+    return np.asarray(points)
 
 
 def write_config(record: Mapping[str, Any], path: Path, command: str) -> None:
@@ -145,7 +180,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points", type=int, default=256, help="Sobol points per stage (a power of 2)")
     parser.add_argument("--finalists", type=int, default=8)
-    parser.add_argument("--final-seeds", type=int, default=3)
+    parser.add_argument("--final-seeds", type=int, default=2)
+    parser.add_argument("--maxfev", type=int, default=100, help="Nelder-Mead's budget of runs")
+    parser.add_argument("--scale", type=int, default=2**16, help="jobs per workload in stage 3 (the bench's)")
     parser.add_argument("--seed", type=int, default=17, help="Sobol scrambling seed")
     parser.add_argument("--log", type=Path, default=Path("calibrate_preemption.jsonl"))
     parser.add_argument("--write", action="store_true", help=f"pin the winner in {PINNED_CONFIG}")

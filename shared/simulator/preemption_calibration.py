@@ -33,7 +33,8 @@ from shared.simulator.preemption_sim import (
 PARAMS: tuple[tuple[str, float, float], ...] = (
     ("te_runtime_sd", 1.0, 8.0),  # min; TE execution time N(5, sd) up to 30
     ("be_runtime_sd", 5.0, 60.0),  # min; BE execution time N(30, sd) up to 24 h
-    ("runtime_low", 0.0, 3.0),  # min; lower truncation of both (the trace kept jobs > 180 s)
+    ("te_runtime_low", 0.0, 3.0),  # min; lower truncations (the trace kept jobs > 180 s)
+    ("be_runtime_low", 0.0, 3.0),
     ("gp_sd", 0.5, 3.0),  # min; GP N(3, sd) in [0, 20]
     ("te_gpus_mean", 0.5, 8.0),  # GPU demand N(mean, cv * mean) in [1, 8]
     ("be_gpus_mean", 0.5, 8.0),
@@ -70,12 +71,14 @@ def open_params(x: Sequence[float]) -> dict[str, Any]:
             "gpus": {"mean": r3(gpus), "sd": r3(cv * gpus), "low": 1.0, "high": 8.0},
         }
 
-    low = r3(v["runtime_low"])
+    def runtime(kind: str) -> dict[str, dict[str, float]]:
+        return {"runtime_min": {"sd": r3(v[f"{kind}_runtime_sd"]), "low": r3(v[f"{kind}_runtime_low"])}}
+
     return {
         "placement": cat["placement"],
         "load_measure": cat["load_measure"],
-        "te": {"runtime_min": {"sd": r3(v["te_runtime_sd"]), "low": low}} | demand("te"),
-        "be": {"runtime_min": {"sd": r3(v["be_runtime_sd"]), "low": low}} | demand("be"),
+        "te": runtime("te") | demand("te"),
+        "be": runtime("be") | demand("be"),
         "grace_period": {"sd": r3(v["gp_sd"]), "low": 0.0},
     }
 
