@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from shared.policies.preemption import POLICY_NAMES
+from shared.simulator.preemption_calibration import loss_terms
 from shared.simulator.preemption_sim import (
     BASELINES,
     PAPER_PREEMPTED_FRACTION,
+    PAPER_RESCHEDULING_MIN,
     PAPER_SLOWDOWN,
     TE,
     TruncNormal,
@@ -101,7 +103,11 @@ def test_the_pinned_workload_reproduces_the_papers_baseline_rows_on_a_quick_seed
         assert be_p50 == pytest.approx(PAPER_SLOWDOWN[name]["be"][0], rel=TOLERANCE["be_p50"])
 
 
-TOLERANCE = {"fifo_te": 0.4, "fifo_be": 0.3, "preempted": 0.4, "te_p95_excess": 0.25, "be_p50": 0.3}
+# What the fit reached (configs/preemption_sim.toml's header; this seed: FIFO TE 8.0/27.5/30.3 vs
+# 9.38/33.4/48.5, BE 2.80/4.56/6.27 vs 2.78/4.89/8.21; preempted 8.8%/7.7% vs 9.6%/9.7%; LRTP/RAND
+# TE p95 1.36/1.38 vs 1.17, the figure the fit misses most; BE p50 3.41/3.29 vs 3.78/3.87), with
+# room for a change of the sim's mechanics to show as a failure rather than noise.
+TOLERANCE = {"fifo_te": 0.45, "fifo_be": 0.3, "preempted": 0.3, "te_p95_excess": 0.25, "be_p50": 0.25}
 
 
 def test_a_run_is_a_function_of_its_seed() -> None:
@@ -111,3 +117,19 @@ def test_a_run_is_a_function_of_its_seed() -> None:
         assert np.array_equal(a[name].te_slowdown, b[name].te_slowdown)
         assert np.array_equal(a[name].be_slowdown, b[name].be_slowdown)
         assert a[name].preemptions == b[name].preemptions
+
+
+def test_the_calibration_loss_is_zero_at_the_papers_baseline_figures_and_never_reads_fitgpps() -> None:
+    paper: dict[str, float] = {}
+    for name in BASELINES:
+        for kind in ("te", "be"):
+            for q, v in zip((50, 95, 99), PAPER_SLOWDOWN[name][kind], strict=True):
+                paper[f"{kind}_p{q}_{name}"] = v
+        if name != "fifo":
+            paper[f"preempted_fraction_{name}"] = PAPER_PREEMPTED_FRACTION[name]
+            for q, v in zip((50, 75, 95, 99), PAPER_RESCHEDULING_MIN[name], strict=True):
+                paper[f"resched_p{q}_{name}"] = v
+    terms = loss_terms(paper)  # a KeyError here would mean the loss reads a figure beyond these
+    assert sum(terms.values()) == pytest.approx(0.0, abs=1e-12)
+    assert not any("fitgpp" in key for key in terms)
+    assert loss_terms(paper | {"preempted_fraction_lrtp": 0.2})["preempted_fraction_lrtp"] > 0
