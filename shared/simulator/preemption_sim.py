@@ -10,13 +10,15 @@ The model, following the paper's words:
 - "Suspended BE jobs are placed back on the top of the job queue": a victim keeps its resources
   during its GP (its "suspension processing"), makes no progress from the signal on, then goes to
   the head of the BE queue with the work it had left.
-- The preemptive policies serve TE jobs first: a TE job starts where there is room, else the
-  policy preempts; the TE job holds the room it was promised and starts when its victims' GPs
-  end. BE jobs start in strict FIFO order (no backfill: the head-of-line blocking §3.1 describes).
+- "When a TE job arrives at a job queue, one or more BE jobs are suspended": the preemptive
+  policies serve a TE job on arrival, ahead of the BE queue: it starts where there is room, else
+  the policy preempts; the TE job holds the room it was promised and starts when its victims' GPs
+  end (it waits the GP; a TE job no host can take even by preempting waits and retries). BE jobs start in strict FIFO order (no backfill: the head-of-line blocking §3.1 describes).
 - FIFO puts TE and BE jobs in one strict FIFO queue and never preempts.
 - Slowdown = (completion - arrival) / execution time, the paper's 1 + WaitingTime/ExecutionTime.
 
-The parameters the paper leaves open are pinned in ``Workload`` and documented there.
+The parameters the paper leaves open are read from ``configs/preemption_sim.toml`` (``Workload.
+pinned()``), fitted to the paper's FIFO, LRTP and RAND figures by ``scripts/calibrate_preemption.py``.
 """
 
 from __future__ import annotations
