@@ -20,10 +20,15 @@ victims' measured time to pause at a step boundary, which runs while the cell al
 ``be_steps_lost`` (steps repeated or skipped across the pauses: 0 when nothing is lost).
 Target: ``revoke_p99_ms`` <= 500. ``--no-sim`` skips the simulation.
 
-``--variant`` swaps in a sensitivity variant of the parameters the paper leaves open
-(``shared.simulator.preemption_sim.VARIANTS``), to diagnose a result, not to report one.
+The workload is ``Workload.pinned()``: the paper's stated parameters, and the ones it leaves open
+from ``configs/preemption_sim.toml`` (fitted to its FIFO/LRTP/RAND figures by
+``scripts/calibrate_preemption.py``; ``--config`` reads another such file). Beside each figure the
+JSON has the paper's (``paper_<figure>``). Diagnostics: ``preempting_te_jobs_<policy>`` (TE jobs
+that preempted), ``multi_victim_decisions_<policy>`` (of them, those that preempted several jobs:
+for FitGpp the case "no single job frees enough" that the paper never met) and
+``victims_per_preempting_te_<policy>``.
 
-Usage: ``python scripts/bench_preemption.py [--quick] [--seeds 8] [--jobs 65536] [--variant default]
+Usage: ``python scripts/bench_preemption.py [--quick] [--seeds 8] [--jobs 65536] [--config PATH]
 [--live [--cells 30]] [--no-sim]``
 """
 
@@ -42,7 +47,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.policies.preemption import POLICY_NAMES
-from shared.simulator.preemption_sim import VARIANTS, percentiles, run_all
+from shared.simulator.preemption_sim import (
+    PAPER_PREEMPTED_FRACTION,
+    PAPER_RESCHEDULING_MIN,
+    PAPER_SLOWDOWN,
+    PINNED_CONFIG,
+    Workload,
+    percentiles,
+    run_all,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,12 +66,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=None, help="workloads to pool (default 8; quick 1)")
     parser.add_argument("--jobs", type=int, default=None, help="jobs per workload (default 2^16; quick 2^13)")
     parser.add_argument("--s", type=float, default=None, help="FitGpp's s (default 4.0)")
-    parser.add_argument(
-        "--variant",
-        choices=sorted(VARIANTS),
-        default="default",
-        help="open-parameter sensitivity (diagnosis only)",
-    )
+    parser.add_argument("--config", type=Path, default=PINNED_CONFIG, help="open parameters (TOML)")
     parser.add_argument("--live", action="store_true", help="also measure revocation on an embedded cluster")
     parser.add_argument("--cells", type=int, default=30, help="live cells with and without BE jobs each")
     parser.add_argument("--gap", type=float, default=0.5, help="live: seconds between cells (think time)")
@@ -75,7 +83,7 @@ def main() -> None:
 def simulate(args: argparse.Namespace) -> dict[str, object]:
     """FitGpp's synthetic experiment, every policy."""
     seeds = args.seeds or (1 if args.quick else 8)
-    w = VARIANTS[args.variant].scaled(args.jobs or (2**13 if args.quick else 2**16))
+    w = Workload.pinned(args.config).scaled(args.jobs or (2**13 if args.quick else 2**16))
     if args.s is not None:
         w = replace(w, s=args.s)
 
@@ -85,6 +93,8 @@ def simulate(args: argparse.Namespace) -> dict[str, object]:
     preempted = dict.fromkeys(POLICY_NAMES, 0)
     preemptions = dict.fromkeys(POLICY_NAMES, 0)
     over_budget = dict.fromkeys(POLICY_NAMES, 0)
+    preempting = dict.fromkeys(POLICY_NAMES, 0)
+    multi_victim = dict.fromkeys(POLICY_NAMES, 0)
     resched: dict[str, list[np.ndarray]] = {p: [] for p in POLICY_NAMES}
     loads: list[float] = []
     for seed in range(1, seeds + 1):
@@ -94,13 +104,15 @@ def simulate(args: argparse.Namespace) -> dict[str, object]:
             preempted[name] += r.preempted_jobs
             preemptions[name] += r.preemptions
             over_budget[name] += r.over_budget_preemptions
+            preempting[name] += r.preempting_te_jobs
+            multi_victim[name] += r.multi_victim_decisions
             resched[name].append(r.rescheduling_min)
             if name == "fifo":
                 loads.append(r.load)
 
     total_jobs = w.jobs * seeds
     out: dict[str, object] = {
-        "sim_variant": args.variant,
+        "sim_config": str(args.config),
         "sim_nodes": w.nodes,
         "sim_gpus_per_node": w.node_gpus,
         "sim_jobs_per_seed": w.jobs,
@@ -112,17 +124,31 @@ def simulate(args: argparse.Namespace) -> dict[str, object]:
     }
     for name in POLICY_NAMES:
         for kind, pools in (("te", te), ("be", be)):
-            for q, v in zip((50, 95, 99), percentiles(np.concatenate(pools[name])), strict=True):
+            qs = percentiles(np.concatenate(pools[name]))
+            for q, v, paper in zip((50, 95, 99), qs, PAPER_SLOWDOWN[name][kind], strict=True):
                 out[f"{kind}_slowdown_p{q}_{name}"] = round(v, 3)
+                out[f"paper_{kind}_slowdown_p{q}_{name}"] = paper
         out[f"preempted_fraction_{name}"] = round(preempted[name] / total_jobs, 5)
+        out[f"paper_preempted_fraction_{name}"] = PAPER_PREEMPTED_FRACTION.get(name, 0.0)
         out[f"preemptions_{name}"] = preemptions[name]
         out[f"over_budget_preemptions_{name}"] = over_budget[name]
+        out[f"preempting_te_jobs_{name}"] = preempting[name]
+        out[f"multi_victim_decisions_{name}"] = multi_victim[name]
+        if preempting[name]:
+            out[f"victims_per_preempting_te_{name}"] = round(preemptions[name] / preempting[name], 2)
         if name != "fifo":
             p50, p95 = percentiles(np.concatenate(resched[name]), (50, 95))
             out[f"rescheduling_p50_min_{name}"] = round(p50, 2)
             out[f"rescheduling_p95_min_{name}"] = round(p95, 2)
+            out[f"paper_rescheduling_p50_p95_min_{name}"] = [
+                PAPER_RESCHEDULING_MIN[name][0],
+                PAPER_RESCHEDULING_MIN[name][2],
+            ]
     lrtp = preempted["lrtp"]
     out["preempted_ratio_fitgpp_to_lrtp"] = round(preempted["fitgpp"] / lrtp, 4) if lrtp else None
+    out["paper_preempted_ratio_fitgpp_to_lrtp"] = round(
+        PAPER_PREEMPTED_FRACTION["fitgpp"] / PAPER_PREEMPTED_FRACTION["lrtp"], 4
+    )
     out["target_te_p95_fitgpp_met"] = bool(out["te_slowdown_p95_fitgpp"] <= 1.15)  # type: ignore[operator]
     out["target_be_p50_fitgpp_met"] = bool(out["be_slowdown_p50_fitgpp"] <= 3.28)  # type: ignore[operator]
     out["target_preempted_fraction_met"] = bool(lrtp and preempted["fitgpp"] <= 0.1 * lrtp)

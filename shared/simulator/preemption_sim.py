@@ -10,13 +10,15 @@ The model, following the paper's words:
 - "Suspended BE jobs are placed back on the top of the job queue": a victim keeps its resources
   during its GP (its "suspension processing"), makes no progress from the signal on, then goes to
   the head of the BE queue with the work it had left.
-- The preemptive policies serve TE jobs first: a TE job starts where there is room, else the
-  policy preempts; the TE job holds the room it was promised and starts when its victims' GPs
-  end. BE jobs start in strict FIFO order (no backfill: the head-of-line blocking §3.1 describes).
+- "When a TE job arrives at a job queue, one or more BE jobs are suspended": the preemptive
+  policies serve a TE job on arrival, ahead of the BE queue: it starts where there is room, else
+  the policy preempts; the TE job holds the room it was promised and starts when its victims' GPs
+  end (it waits the GP; a TE job no host can take even by preempting waits and retries). BE jobs start in strict FIFO order (no backfill: the head-of-line blocking §3.1 describes).
 - FIFO puts TE and BE jobs in one strict FIFO queue and never preempts.
 - Slowdown = (completion - arrival) / execution time, the paper's 1 + WaitingTime/ExecutionTime.
 
-The parameters the paper leaves open are pinned in ``Workload`` and documented there.
+The parameters the paper leaves open are read from ``configs/preemption_sim.toml`` (``Workload.
+pinned()``), fitted to the paper's FIFO, LRTP and RAND figures by ``scripts/calibrate_preemption.py``.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from __future__ import annotations
 import heapq
 import math
 import time
+import tomllib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -60,61 +65,110 @@ class TruncNormal:
         return out[:n]
 
 
+PINNED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "preemption_sim.toml"
+PLACEMENTS = ("best_fit", "worst_fit")
+LOAD_MEASURES = ("max", "mean", "gpu")  # over CPU, RAM and GPU shares of the cluster's capacity
+
+
 @dataclass(frozen=True, slots=True)
 class Workload:
-    """The §4.2 synthetic workload. Stated by the paper: 84 nodes of 32 CPUs, 256 GB RAM and 8 GPUs;
-    2^16 jobs, 30% TE; execution-time normals with means 5 min (TE) and 30 min (BE) "truncated at
-    30 min and 24 hours"; GP normal with mean 3 min "truncated at 20 min"; P = 1; s = 4.0; load
-    2.0 under FIFO; decisions every simulated minute.
+    """The §4.2 synthetic workload.
 
-    Left open by the paper, pinned here (our choices, not fitted to its results):
-    - standard deviations: equal to the mean (coefficient of variation 1) for every normal;
-    - lower truncations: 3 min for execution times (the paper's trace kept "jobs that lasted more
-      than 180 s"), 0 for GPs, 1 unit for CPU, RAM and GPU demands;
-    - demands (Fig. 2 is not in the text): separate normals per job type, drawn independently and
-      rounded to whole units: GPUs TE N(1, 1) and BE N(2, 2) in [1, 8]; CPUs N(4, 4) in [1, 32];
-      RAM N(32 GB, 32 GB) in [1, 256] for both types;
+    Stated by the paper (the defaults here): 84 nodes of 32 CPUs, 256 GB RAM and 8 GPUs; 2^16 jobs,
+    30% TE; execution-time normals with means 5 min (TE) and 30 min (BE) "truncated at 30 min and
+    24 hours"; GP normal with mean 3 min "truncated at 20 min"; P = 1; s = 4.0; load 2.0 under
+    FIFO; decisions every simulated minute.
+
+    Left open by the paper (no default: ``Workload.pinned()`` reads them from
+    ``configs/preemption_sim.toml``, where they are fitted to the paper's BASELINE rows by
+    ``scripts/calibrate_preemption.py``): the standard deviations and lower truncations of the
+    three time normals, and every demand normal (Fig. 2 is not in the text): CPU, RAM and GPU for
+    TE and for BE jobs, drawn independently per job and rounded to whole units, and the
+    non-preemptive placement rule. Fixed readings of the text, not fitted:
+    - execution times are rounded up to whole minutes (a job runs at least one scheduling
+      minute), GPs to the nearest minute;
     - arrival process: "submitted at such a rate that the cluster load (the ratio of the total
       resource demand relative to the capacity) would be kept at 2.0 if they were scheduled by
       FIFO" read as a closed loop: a FIFO run of the workload submits the next job whenever the
       load, max over CPU, RAM and GPU of (demand of every job in the system, queued or running)
       / (cluster capacity), is below ``load``; the minutes it submitted at are the arrival times
       every policy then sees. (An open Poisson process cannot do this: at the rate giving FIFO a
-      mean load of 2.0 the queue is past saturation and the load grows with the job count, 2.1
-      at 2^16 jobs and 1.3-1.7 at 2^14 for the same rate.) The first submissions come at minute
-      0 until the load reaches 2.0: a warm-up burst, kept in the statistics;
-    - non-preemptive placement: best fit on free GPUs (the fullest node that fits; ties by node).
+      mean load of 2.0 the queue is past saturation and the load grows with the job count.) The
+      first submissions come at minute 0 until the load reaches 2.0: a warm-up burst, kept in
+      the statistics.
     """
 
+    te_runtime_min: TruncNormal
+    be_runtime_min: TruncNormal
+    grace_period_min: TruncNormal
+    te_cpus: TruncNormal
+    te_ram_gb: TruncNormal
+    te_gpus: TruncNormal
+    be_cpus: TruncNormal
+    be_ram_gb: TruncNormal
+    be_gpus: TruncNormal
+    placement: str = "best_fit"  # non-preemptive placement: fullest ("best_fit") or emptiest node that fits
+    load_measure: str = "max"  # the "cluster load": max or mean of the CPU, RAM, GPU shares, or GPU's alone
     nodes: int = 84
     node_cpus: int = 32
     node_ram_gb: int = 256
     node_gpus: int = 8
     jobs: int = 2**16
     te_fraction: float = 0.3
-    te_runtime_min: TruncNormal = TruncNormal(5.0, 5.0, 3.0, 30.0)
-    be_runtime_min: TruncNormal = TruncNormal(30.0, 30.0, 3.0, 24 * 60.0)
-    grace_period_min: TruncNormal = TruncNormal(3.0, 3.0, 0.0, 20.0)
-    te_gpus: TruncNormal = TruncNormal(1.0, 1.0, 1.0, 8.0)
-    be_gpus: TruncNormal = TruncNormal(2.0, 2.0, 1.0, 8.0)
-    cpus: TruncNormal = TruncNormal(4.0, 4.0, 1.0, 32.0)
-    ram_gb: TruncNormal = TruncNormal(32.0, 32.0, 1.0, 256.0)
     load: float = 2.0  # kept under FIFO by the closed-loop submitter
     max_preemptions: int = 1  # P
     s: float = 4.0
 
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement {self.placement!r} not in {PLACEMENTS}")
+        if self.load_measure not in LOAD_MEASURES:
+            raise ValueError(f"load_measure {self.load_measure!r} not in {LOAD_MEASURES}")
+        stated = (
+            (self.te_runtime_min, 5.0, 30.0),
+            (self.be_runtime_min, 30.0, 24 * 60.0),
+            (self.grace_period_min, 3.0, 20.0),
+        )
+        for normal, mean, high in stated:
+            if (normal.mean, normal.high) != (mean, high):
+                raise ValueError(f"{normal}: the paper states mean {mean} and truncation {high}")
+
     def scaled(self, jobs: int) -> Workload:
         return replace(self, jobs=jobs)
 
+    @classmethod
+    def pinned(cls, path: Path = PINNED_CONFIG) -> Workload:
+        """The stated parameters with the open ones read from ``path``."""
+        with path.open("rb") as f:
+            raw = tomllib.load(f)
+        return cls.from_open(raw)
 
-# Sensitivity variants of the open parameters, for diagnosis only (``bench_preemption.py
-# --variant``): the defaults above are the pinned workload, chosen before any result was seen.
-VARIANTS: dict[str, Workload] = {
-    "default": Workload(),
-    "te_gpus_like_be": Workload(te_gpus=TruncNormal(2.0, 2.0, 1.0, 8.0)),
-    "te_gpus_4": Workload(te_gpus=TruncNormal(4.0, 4.0, 1.0, 8.0)),
-    "cpu_ram_x2": Workload(cpus=TruncNormal(8.0, 8.0, 1.0, 32.0), ram_gb=TruncNormal(64.0, 64.0, 1.0, 256.0)),
-}
+    @classmethod
+    def from_open(cls, raw: Mapping[str, Any]) -> Workload:
+        """A workload from the open parameters: ``{"te": {...}, "be": {...}, "grace_period": {...},
+        "placement": ...}``, each normal a table of its open fields (sd, low; mean and high for
+        demands), the stated means and truncations filled in here."""
+        te, be, gp = raw["te"], raw["be"], raw["grace_period"]
+
+        def normal(table: Mapping[str, Any], key: str, **stated: float) -> TruncNormal:
+            fields = {**table[key], **stated}
+            return TruncNormal(
+                float(fields["mean"]), float(fields["sd"]), float(fields["low"]), float(fields["high"])
+            )
+
+        return cls(
+            te_runtime_min=normal(te, "runtime_min", mean=5.0, high=30.0),
+            be_runtime_min=normal(be, "runtime_min", mean=30.0, high=24 * 60.0),
+            grace_period_min=normal({"gp": gp}, "gp", mean=3.0, high=20.0),
+            te_cpus=normal(te, "cpus"),
+            te_ram_gb=normal(te, "ram_gb"),
+            te_gpus=normal(te, "gpus"),
+            be_cpus=normal(be, "cpus"),
+            be_ram_gb=normal(be, "ram_gb"),
+            be_gpus=normal(be, "gpus"),
+            placement=str(raw.get("placement", "best_fit")),
+            load_measure=str(raw.get("load_measure", "max")),
+        )
 
 
 @dataclass(slots=True)
@@ -142,11 +196,11 @@ def generate(w: Workload, seed: int) -> Jobs:
     def per_type(te: TruncNormal, be: TruncNormal) -> np.ndarray:
         return np.where(is_te, te.sample(rng, n), be.sample(rng, n))
 
-    runtime = np.ceil(per_type(w.te_runtime_min, w.be_runtime_min)).astype(np.int64)
+    runtime = np.maximum(np.ceil(per_type(w.te_runtime_min, w.be_runtime_min)), 1).astype(np.int64)
     grace = np.rint(w.grace_period_min.sample(rng, n)).astype(np.int64)
-    gpus = np.clip(np.rint(per_type(w.te_gpus, w.be_gpus)), 1, w.node_gpus).astype(np.int64)
-    cpus = np.clip(np.rint(w.cpus.sample(rng, n)), 1, w.node_cpus).astype(np.int64)
-    ram = np.clip(np.rint(w.ram_gb.sample(rng, n)), 1, w.node_ram_gb).astype(np.int64)
+    gpus = np.clip(np.rint(per_type(w.te_gpus, w.be_gpus)), 0, w.node_gpus).astype(np.int64)
+    cpus = np.clip(np.rint(per_type(w.te_cpus, w.be_cpus)), 1, w.node_cpus).astype(np.int64)
+    ram = np.clip(np.rint(per_type(w.te_ram_gb, w.be_ram_gb)), 1, w.node_ram_gb).astype(np.int64)
     jobs = Jobs(kind, np.zeros(n, dtype=np.int64), runtime, grace, gpus, cpus, ram)
     fifo = _Cluster(w, jobs, make_policy("fifo"), keep_load=w.load)
     fifo.run()
@@ -162,6 +216,8 @@ class PolicyResult:
     preempted_jobs: int
     preemptions: int
     over_budget_preemptions: int
+    preempting_te_jobs: int  # TE jobs that preempted at least one BE job
+    multi_victim_decisions: int  # of them, those that preempted several (FitGpp: no single job fitted)
     blocked_decisions: int
     load: float  # time average over the arrival window of max-axis (demand in system / capacity)
     rescheduling_min: np.ndarray  # preemption signal -> restart, per preemption (the paper's Table 2)
@@ -216,6 +272,8 @@ class _Cluster:
         self.waiting_for: dict[int, int] = {}  # releasing victim -> the TE job waiting on it
         self.preemptions = 0
         self.over_budget = 0
+        self.preempting = 0  # TE jobs that preempted
+        self.multi_victim = 0  # of them, those that preempted more than one job
         self.blocked = 0
         self.resched: list[int] = []
         self.keep_load = keep_load  # closed-loop submission (arrivals written into self.arrival)
@@ -241,12 +299,17 @@ class _Cluster:
         self.free_ram[node] += self.ram[job]
 
     def _best_fit(self, job: int) -> int:
+        """The node a job starts on without preemption: the one with the fewest (``best_fit``)
+        or most (``worst_fit``) free GPUs that fits it, ties by free CPUs then node; -1: none."""
         g, c, r = self.gpus[job], self.cpus[job], self.ram[job]
-        best, best_free = -1, 1 << 30
+        sign = 1 if self.w.placement == "best_fit" else -1
+        best, best_key = -1, (1 << 30, 1 << 30)
         for node in range(self.w.nodes):
-            fg = self.free_gpu[node]
-            if g <= fg < best_free and c <= self.free_cpu[node] and r <= self.free_ram[node]:
-                best, best_free = node, fg
+            fg, fc = self.free_gpu[node], self.free_cpu[node]
+            if g <= fg and c <= fc and r <= self.free_ram[node]:
+                key = (sign * fg, sign * fc)
+                if key < best_key:
+                    best, best_key = node, key
         return best
 
     # --- job lifecycle -------------------------------------------------------------------
@@ -329,6 +392,9 @@ class _Cluster:
         assert decision.host_id is not None
         node = int(decision.host_id)
         self.over_budget += decision.over_budget
+        if decision.victims:
+            self.preempting += 1
+            self.multi_victim += len(decision.victims) > 1
         self._take(node, te)  # promised now; victims' resources return at their GP end
         self.node[te] = node
         left: set[int] = set()
@@ -366,7 +432,10 @@ class _Cluster:
             self._start(self.be_queue.popleft(), node, now)
 
     def _load(self) -> float:
-        return max(d / t for d, t in zip(self.in_system, self.total, strict=True))
+        shares = [d / t for d, t in zip(self.in_system, self.total, strict=True)]
+        if self.w.load_measure == "gpu":
+            return shares[0]
+        return max(shares) if self.w.load_measure == "max" else sum(shares) / len(shares)
 
     def _arrive(self, job: int) -> None:
         self.in_system[0] += self.gpus[job]
@@ -443,6 +512,8 @@ def run_policy(w: Workload, jobs: Jobs, policy: PreemptionPolicy) -> PolicyResul
         preempted_jobs=sum(1 for p in cluster.preempted if p),
         preemptions=cluster.preemptions,
         over_budget_preemptions=cluster.over_budget,
+        preempting_te_jobs=cluster.preempting,
+        multi_victim_decisions=cluster.multi_victim,
         blocked_decisions=cluster.blocked,
         load=cluster.load_area / max(cluster.load_span, 1),
         rescheduling_min=np.asarray(cluster.resched, dtype=np.float64),
@@ -462,6 +533,24 @@ def run_all(
     }
 
 
+# The paper's §4.2 figures (Tables 1-3). The BASELINE ones (FIFO, LRTP, RAND) are what
+# ``scripts/calibrate_preemption.py`` fits the open parameters to; FitGpp's are the target and are
+# never fitted to.
+PAPER_SLOWDOWN: dict[str, dict[str, tuple[float, float, float]]] = {  # Table 1: p50, p95, p99
+    "fifo": {"te": (9.38, 33.4, 48.5), "be": (2.78, 4.89, 8.21)},
+    "lrtp": {"te": (1.00, 1.17, 1.58), "be": (3.78, 7.25, 12.5)},
+    "rand": {"te": (1.00, 1.17, 1.58), "be": (3.87, 7.49, 12.9)},
+    "fitgpp": {"te": (1.00, 1.15, 1.54), "be": (3.28, 6.06, 10.3)},
+}
+PAPER_PREEMPTED_FRACTION = {"lrtp": 0.096, "rand": 0.097, "fitgpp": 0.0063}  # Table 3 (P = 1)
+PAPER_RESCHEDULING_MIN = {  # Table 2: p50, p75, p95, p99 of preemption -> re-scheduling [min]
+    "lrtp": (4.0, 4.0, 5.0, 7.0),
+    "rand": (4.0, 4.0, 6.0, 7.0),
+    "fitgpp": (2.0, 2.0, 4.0, 6.0),
+}
+BASELINES = ("fifo", "lrtp", "rand")
+
+
 def percentiles(values: np.ndarray, qs: Sequence[int] = (50, 95, 99)) -> list[float]:
     if values.size == 0:
         return [math.nan for _ in qs]
@@ -469,7 +558,11 @@ def percentiles(values: np.ndarray, qs: Sequence[int] = (50, 95, 99)) -> list[fl
 
 
 __all__ = [
-    "VARIANTS",
+    "BASELINES",
+    "PAPER_PREEMPTED_FRACTION",
+    "PAPER_RESCHEDULING_MIN",
+    "PAPER_SLOWDOWN",
+    "PINNED_CONFIG",
     "Jobs",
     "PolicyResult",
     "TruncNormal",
