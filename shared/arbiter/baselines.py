@@ -234,6 +234,12 @@ BASELINES: dict[str, Callable[[ArbiterConfig | None, float], BaselinePolicy]] = 
     "fifo": fifo,
 }
 
+#: The six baselines Themis §6.1 evaluates, as §6.1 describes them (its "Tiresias" is ``las_app``,
+#: app-level least attained service); the paper's "2.2X to 3.25X better maximum rho compared to
+#: all baselines" (§6.2) is against these. ``tiresias`` (job-level, Tiresias's own paper),
+#: ``gandiva_fair`` (not in Themis) and ``fifo`` are extra references.
+PAPER_BASELINES: tuple[str, ...] = ("gandiva", "las_app", "optimus", "slaq", "srtf", "srsf")
+
 
 def make_policy(name: str, config: ArbiterConfig | None = None, time_scale: float = 1.0) -> BaselinePolicy:
     """``themis`` (the arbiter) or a baseline by name, for the simulator and the live service
