@@ -16,8 +16,8 @@ each job's share on as few hosts as it can.
   per app, with no queues: Tiresias proper is ``tiresias`` below.
 * ``slaq`` (§6.1 "Ideal Aggregate Model Quality"): largest loss decrease per GPU over one lease
   first, on a common convex loss curve of training progress.
-* ``srtf`` (§6.1 "Ideal Average App Completion Time"): shortest remaining time (remaining work /
-  app demand) first; ``srsf``: shortest remaining service (remaining GPU-seconds) first, §6.1's
+* ``srtf`` (§6.1 "Ideal Average App Completion Time"): shortest remaining time with an allocation
+  from the free GPUs first (``SrtfPolicy``); ``srsf``: shortest remaining service (remaining GPU-seconds) first, §6.1's
   "one GPU at a time" in SRSF order (an app's remaining service does not change within a round,
   so that is each app in turn up to what it can use).
 * ``optimus`` (§6.1 "Ideal Aggregate Throughput"): one GPU at a time to the highest throughput
@@ -95,7 +95,8 @@ class GreedyPolicy:
         """The GPUs each app gets this round: in ``key`` order, each up to what it can use."""
         rng = random.Random(f"{self.config.seed}:{now!r}")
         out: dict[str, tuple[GpuSlot, ...]] = {}
-        for agent in sorted(agents, key=lambda a: (self.key(a, self.config.lease_s), a.app_id)):
+        order = self.order(agents, len(left))
+        for agent in sorted(agents, key=lambda a: (order(a), a.app_id)):
             if not left:
                 break
             need = min(agent.wants, len(left))
@@ -109,6 +110,10 @@ class GreedyPolicy:
             left = [s for s in left if s not in taken]
             out[agent.app_id] = got
         return out
+
+    def order(self, agents: Sequence[AppAgent], free: int) -> Callable[[AppAgent], float]:
+        """Each app's one reported number this round (lowest served first)."""
+        return lambda a: self.key(a, self.config.lease_s)
 
 
 class OptimusPolicy(GreedyPolicy):
@@ -150,9 +155,20 @@ class OptimusPolicy(GreedyPolicy):
         return pack({a: n for a, n in counts.items() if n > 0}, left)
 
 
-def _remaining_time(agent: AppAgent, _lease_s: float) -> float:
-    demand = max(1, agent.model.demand_max_gpus)
-    return sum(w.seconds for p in agent.model.phases for w in p) / demand
+class SrtfPolicy(GreedyPolicy):
+    """Themis §6.1 "Ideal Average App Completion Time - SRTF": "all apps report their remaining
+    time with allocations from the available resource and we allocate these resources using SRTF
+    policy". Each app reports, once per round, its remaining time if it got what it can use of
+    the GPUs free now on top of what it holds (the agent's work model); the shortest goes first,
+    packed. Until 2026-11-26 it reported remaining work / app demand, which ignores the offer
+    (with few free GPUs, an app of wide demand is no nearer its end than a narrow one)."""
+
+    def __init__(self, config: ArbiterConfig | None = None) -> None:
+        super().__init__(lambda _a, _lease_s: 0.0, "srtf", config, placement_aware=True)  # see order()
+
+    def order(self, agents: Sequence[AppAgent], free: int) -> Callable[[AppAgent], float]:
+        remaining = {a.app_id: a.model.remaining(a.held + min(a.wants, free)) for a in agents}
+        return lambda a: remaining[a.app_id]
 
 
 def _remaining_service(agent: AppAgent, _lease_s: float) -> float:
@@ -180,8 +196,8 @@ def fifo(config: ArbiterConfig | None = None, time_scale: float = 1.0) -> Greedy
     return GreedyPolicy(lambda a, _: a.report.submitted_at, "fifo", config, placement_aware=False)
 
 
-def srtf(config: ArbiterConfig | None = None, time_scale: float = 1.0) -> GreedyPolicy:
-    return GreedyPolicy(_remaining_time, "srtf", config, placement_aware=True)
+def srtf(config: ArbiterConfig | None = None, time_scale: float = 1.0) -> SrtfPolicy:
+    return SrtfPolicy(config)
 
 
 def srsf(config: ArbiterConfig | None = None, time_scale: float = 1.0) -> GreedyPolicy:
@@ -233,6 +249,12 @@ BASELINES: dict[str, Callable[[ArbiterConfig | None, float], BaselinePolicy]] = 
     "srsf": srsf,
     "fifo": fifo,
 }
+
+#: The six baselines Themis §6.1 evaluates, as §6.1 describes them (its "Tiresias" is ``las_app``,
+#: app-level least attained service); the paper's "2.2X to 3.25X better maximum rho compared to
+#: all baselines" (§6.2) is against these. ``tiresias`` (job-level, Tiresias's own paper),
+#: ``gandiva_fair`` (not in Themis) and ``fifo`` are extra references.
+PAPER_BASELINES: tuple[str, ...] = ("gandiva", "las_app", "optimus", "slaq", "srtf", "srsf")
 
 
 def make_policy(name: str, config: ArbiterConfig | None = None, time_scale: float = 1.0) -> BaselinePolicy:

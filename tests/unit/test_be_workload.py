@@ -25,6 +25,15 @@ def test_generator_matches_workload_1_statistics_over_seeds() -> None:
     assert cv == pytest.approx(0.1, abs=0.06)
 
 
+def test_workload_1_jobs_are_one_or_two_gpus_and_the_median_app_is_near_11_5_gpu_days() -> None:
+    """Themis §6.2: "all jobs are either 1 or 2 GPU jobs"; §2.2: the median app 11.5 GPU-days."""
+    workloads = [generate_themis_workload(ThemisWorkloadParams(seed=s)) for s in range(5)]
+    sizes = {j.max_gpus for w in workloads for a in w.apps for j in a.jobs}
+    assert sizes == {1, 2}
+    app_days = statistics.median(workload_stats(w)["median_app_gpu_days"] for w in workloads)
+    assert 10.0 <= app_days <= 14.0
+
+
 def test_generator_is_seeded() -> None:
     a = generate_themis_workload(ThemisWorkloadParams(n_apps=5, seed=7))
     b = generate_themis_workload(ThemisWorkloadParams(n_apps=5, seed=7))

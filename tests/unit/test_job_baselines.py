@@ -151,3 +151,15 @@ def test_optimus_gives_each_gpu_to_the_highest_throughput_scaling() -> None:
     policy = make_policy("optimus", CONFIG)
     assert policy.auction(0.0, [narrow, wide, fresh], _gpus(1), 8.0).won_by_app == {"fresh": 1}
     assert policy.auction(0.0, [narrow, wide], _gpus(1), 8.0).won_by_app == {"wide": 1}
+
+
+def test_srtf_gives_a_lone_free_gpu_to_the_app_that_would_finish_soonest_on_it() -> None:
+    """Themis §6.1's SRTF ranks by "remaining time with allocations from the available resource":
+    with one GPU free, a wide sweep (ten 1-GPU jobs of 100 s: 1,000 s on one more GPU) waits for a
+    single 500-s job (500 s), although its remaining work per GPU of demand (100 s) is smaller."""
+    wide = AppReport("wide", 0.0, [JobReport(f"w{i}", "wide", 0, 1, 0, 100, 1.0) for i in range(10)])
+    single = AppReport("single", 0.0, [JobReport("s0", "single", 0, 1, 0, 500, 1.0)])
+    policy = make_policy("srtf", CONFIG)
+    assert policy.auction(0.0, [wide, single], _gpus(1), 8.0).won_by_app == {"single": 1}
+    # With room for every job, the wide sweep (100 s on ten GPUs) goes first.
+    assert policy.auction(0.0, [wide, single], _gpus(4, 4, 3), 11.0).won_by_app == {"wide": 10, "single": 1}
