@@ -61,12 +61,14 @@ test-deps:
 # worker takes a whole file at a time (--dist loadfile: a module's cluster and its tests' order stay
 # in one process), in collection order (integration first, the many short unit files last to even
 # out the end; xdist's default reorder by test count left the one-test integration files, the
-# longest, for last).
+# longest, for last). A worker that dies ends the run at once with the file it ran named
+# (--max-worker-restart 0): a replacement worker gets no file under loadfile and the run would hang
+# until CI's timeout (seen twice on a loaded machine).
 TEST_WORKERS ?= 2
 
 test: setup test-deps
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 tests
 
 # The regression guard (under a minute): small-state sync against scripts/baselines/, then the
 # trivial cell against a stock ipykernel. Run after every change to the replica core, Raft or state.
