@@ -37,6 +37,7 @@ from shared.config import Config
 from shared.envelope import Envelope
 from shared.private_files import replace_private
 from shared.rpc import ClusterServerShell, OutboundRequests, RpcError, RpcTimeout
+from shared.runner import cancel_and_wait
 from shared.security import curve
 from shared.security.authorization import arbiter_refusal, host_identity_refusal
 from shared.snapshot_metrics import SnapshotExporter
@@ -101,8 +102,7 @@ class ArbiterService(ClusterServerShell):
         try:
             await stop.wait()
         finally:
-            rounds.cancel()
-            await asyncio.gather(rounds, return_exceptions=True)
+            await cancel_and_wait([rounds])
             if self._exporter is not None:
                 self._exporter.stop()
             self._outbound.cancel_all()

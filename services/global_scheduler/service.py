@@ -65,6 +65,7 @@ from shared.policies.placement import PlacementRequest
 from shared.quorum import majority
 from shared.resources import Resources
 from shared.rpc import OutboundRequests, RpcClient, RpcError, RpcServer, RpcTimeout
+from shared.runner import cancel_and_wait
 from shared.security import curve
 from shared.security.authorization import scheduler_refusal
 
@@ -250,15 +251,11 @@ class GlobalScheduler:
         try:
             await stop.wait()
         finally:
-            monitor.cancel()
-            autoscale.cancel()
-            await asyncio.gather(monitor, autoscale, return_exceptions=True)
+            await cancel_and_wait([monitor, autoscale])
             if self._exporter is not None:
                 self._exporter.stop()
             await self.autoscaling.provider.close()
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await cancel_and_wait(list(self._tasks))
             self._outbound.cancel_all()
             if self._serving is not None:
                 await self._serving.close()

@@ -36,6 +36,7 @@ from shared.envelope import Envelope
 from shared.host_address import advertised_ip, is_wildcard
 from shared.kernel_launch import KernelLaunch, LaunchError
 from shared.rpc import OutboundRequests, RpcClient, RpcError, RpcServer, RpcTimeout
+from shared.runner import cancel_and_wait
 from shared.security import curve
 from shared.security.authorization import REPLICA_PREFIX, local_scheduler_refusal, replica_principal
 
@@ -220,9 +221,7 @@ class LocalScheduler:
         try:
             await stop.wait()
         finally:
-            for loop in loops:
-                loop.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+            await cancel_and_wait(loops)
             await asyncio.gather(self.stop_all_replicas(), self.warm_pool.close(), self.jobs.close())
             if self.template is not None:  # after its runtimes: they die with it
                 await self.template.close()
