@@ -2,7 +2,7 @@
 
 A committed STATE entry's large groups (a data store pointer or a background image) are not read
 before the standby does anything else: the entry records which names they carry, and a loader
-reads them in the background, in log order (``kernel.TandemKernel``'s ``_LazyLoads`` shell).
+reads them in the background, in log order (``LazyLoader`` below, the thread-and-store shell the kernel drives).
 When this replica must run code first (it became the executor, a comm message came), the groups
 holding the names the code may touch are loaded first (``demand``) and the rest go on loading.
 
