@@ -34,6 +34,8 @@ _SAFE_LINE_MAGICS = frozenset(
         "automagic", "autocall", "autoindent", "pdb", "tb", "killbgscripts", "gui",
     }
 )  # fmt: skip
+# Line magics that list the user namespace: every name must be there (a standby's loading ones too).
+_NAMESPACE_LISTING_MAGICS = frozenset({"who", "whos", "who_ls"})
 _CODE_LINE_MAGICS = frozenset({"time", "timeit", "prun"})  # run their argument as code in the namespace
 _SAFE_CELL_MAGICS = frozenset(
     {"bash", "sh", "script", "html", "HTML", "javascript", "js", "markdown", "latex", "svg",
@@ -83,6 +85,7 @@ class CellEffects:
     unknown: bool  # the analysis cannot bound the effects: check every name
     reasons: tuple[str, ...] = ()  # why ``unknown``
     functions: tuple[tuple[str, FunctionFacts], ...] = ()  # defined here ("f", "C.m"): for the registry
+    lists_namespace: bool = False  # reads the namespace as a whole (``%who``, ``dir()``), changes nothing
 
     def candidates(self) -> frozenset[str]:
         """Every name this cell can have touched (not counting ``unknown``)."""
@@ -101,6 +104,7 @@ class _Acc:
     reasons: list[str] = field(default_factory=list)
     functions: dict[str, FunctionFacts] = field(default_factory=dict)
     loaded: set[str] = field(default_factory=set)  # every Name loaded (for registry expansion)
+    lists_namespace: bool = False
     method_calls: set[str] = field(default_factory=set)  # attribute names called: x.m() -> "m"
     aliases: dict[str, set[str]] = field(default_factory=dict)  # x -> names x may share objects with
 
@@ -442,6 +446,8 @@ class _Scanner:
         acc = self.acc
         func = node.func
         if isinstance(func, ast.Name):
+            if func.id == "dir" and not node.args and not node.keywords:
+                acc.lists_namespace = True
             acc.mutated.add(func.id)  # a callable object (closure, model) may update itself
         elif isinstance(func, ast.Attribute):
             acc.method_calls.add(func.attr)
@@ -470,6 +476,7 @@ class _Scanner:
         if method == "run_line_magic" and name is not None and len(args) >= 2:
             line = _const_str(args[1])
             if name in _SAFE_LINE_MAGICS:
+                acc.lists_namespace |= name in _NAMESPACE_LISTING_MAGICS
                 return True
             if name in _CODE_LINE_MAGICS and line is not None:
                 self._nested(_strip_magic_options(line))
@@ -498,6 +505,7 @@ class _Scanner:
         acc.defined |= inner.defined
         acc.mutated |= inner.possibly_mutated  # already closed over the inner cell's aliases
         acc.star |= inner.star_import
+        acc.lists_namespace |= inner.lists_namespace
         acc.globals_declared |= inner.globals_declared
         acc.reasons += inner.reasons
         acc.functions.update(inner.functions)
@@ -598,6 +606,7 @@ def analyse_cell(source: str, registry: Mapping[str, FunctionFacts] | None = Non
         unknown=bool(acc.reasons),
         reasons=tuple(reasons),
         functions=tuple(sorted(acc.functions.items())),
+        lists_namespace=acc.lists_namespace,
     )
 
 
@@ -647,11 +656,12 @@ def names_to_load(
 ) -> set[str] | None:
     """Of the names still ``loading`` here (a standby's large objects, ``lazy_load``), those the
     code ``source`` (with ``effects``, its analysis) may read or change: to load before it runs.
-    None: every one (the analysis cannot bound what the code reaches). Conservative: every
+    None: every one (the analysis cannot bound what the code reaches, or it lists the namespace, as
+    ``%who`` and ``dir()`` do, and must not miss a name still loading). Conservative: every
     identifier the text mentions (names in magics and strings too), what notebook code reachable
     from them mentions, and their sharers; call again once those are loaded (a loaded object's
     methods may mention more)."""
-    if effects.unknown or effects.star_import:
+    if effects.unknown or effects.star_import or effects.lists_namespace:
         return None
     mentioned = mentioned_names(source) | set(effects.candidates())
     names = _reachable(

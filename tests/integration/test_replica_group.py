@@ -367,6 +367,24 @@ def test_large_objects_travel_through_the_data_store(cluster: Cluster) -> None:
     assert any((cluster.tmp / "state" / "datastore").rglob("*")), "the group did not go to the store"
 
 
+def test_a_listing_of_the_namespace_on_a_new_executor_names_large_objects_still_loading(
+    cluster: Cluster,
+) -> None:
+    """A standby loads large objects on demand; ``%who_ls`` and ``dir()`` there wait for them."""
+    code = "import numpy as np\nlisted_big = np.ones(4_000_000)"
+    assert cluster.run(code, "r1")["r1"]["content"]["status"] == "ok"
+    msg = cluster.clients["r2"].session.msg(
+        "execute_request",
+        {"code": "names = %who_ls\nlisted = dir()", "silent": False,
+         "user_expressions": {"v": "[[n for n in ns if n.startswith('listed_b')] for ns in (names, listed)]"}},
+    )  # fmt: skip
+    cluster.send_cell("", "r2", msg=msg)
+    content = cluster.replies(msg)["r2"]["content"]
+    assert content["status"] == "ok", content
+    # (the expression must not name the array: a name in the cell's text is loaded first anyway)
+    assert content["user_expressions"]["v"]["data"]["text/plain"] == "[['listed_big'], ['listed_big']]"
+
+
 def _raft_leader(cluster: Cluster) -> str:
     """The leader of the newest term reported through replica.event raft_role."""
     cluster.scheduler.wait_for(

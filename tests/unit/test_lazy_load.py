@@ -119,6 +119,19 @@ def test_a_cell_waits_for_the_loading_names_it_mentions_or_reaches_through_noteb
     assert needed("exec('big')") is None  # cannot tell: everything first
 
 
+def test_a_cell_that_lists_the_namespace_waits_for_every_loading_name() -> None:
+    """``%who`` or ``dir()`` right after an executor change must list the names still loading."""
+    loading = {"big", "other"}
+
+    def needed(code: str) -> set[str] | None:
+        return names_to_load(analyse_cell(code), code, {"x": 1}, loading)
+
+    for code in ("%who", "%whos", "names = %who_ls", "print(dir())", "%time dir()"):
+        assert needed(code) is None, code
+    assert needed("dir(x)") == set()  # a listing of one object's attributes needs only that object
+    assert not analyse_cell("%who").unknown  # still changes nothing: no check of every name after it
+
+
 def test_the_loop_lag_probe_sees_a_blocked_loop() -> None:
     async def main() -> float:
         lag = LoopLag(asyncio.get_running_loop(), interval_s=0.005)
