@@ -675,6 +675,20 @@ def mentioned_names(source: str) -> set[str]:
     return set(_IDENTIFIER.findall(source))
 
 
+_TRAILING_IDENTIFIER = re.compile(r"[^\W\d]\w*\Z")
+
+
+def identifier_before(source: str, cursor: int) -> str:
+    """The identifier that ends at ``cursor`` (what ``bi<tab>`` completes), or "" when none does
+    (a completion after ``x.`` completes an attribute of ``x``, not a global name)."""
+    before = source[: max(0, cursor)]
+    match = _TRAILING_IDENTIFIER.search(before)
+    if match is None:
+        return ""
+    start = match.start()
+    return "" if start > 0 and before[start - 1] == "." else match.group()
+
+
 def _reachable(
     names: set[str],
     namespace: Mapping[str, Any],

@@ -40,6 +40,7 @@ from kernel_replica import comm_sync, helper
 from kernel_replica.cell_analysis import (
     FunctionFacts,
     analyse_cell,
+    identifier_before,
     mentioned_names,
     names_to_check,
     names_to_load,
@@ -1199,17 +1200,27 @@ class TandemKernel(IPythonKernel):
         await super().inspect_request(stream, ident, parent)
 
     async def complete_request(self, stream: t.Any, ident: t.Any, parent: dict[str, t.Any]) -> None:
-        """Completion (``big.<tab>``) reads the names it mentions: loaded first."""
-        await self._load_mentioned(parent)
+        """Completion (``big.<tab>``) reads the names it mentions, and ``bi<tab>`` lists the names
+        it starts: both loaded first."""
+        await self._load_mentioned(parent, complete=True)
         await super().complete_request(stream, ident, parent)
 
-    async def _load_mentioned(self, parent: dict[str, t.Any]) -> None:
-        """The still-loading names a request's (often unfinished, unparsable) code mentions:
-        nothing runs, so the text is enough."""
+    async def _load_mentioned(self, parent: dict[str, t.Any], *, complete: bool = False) -> None:
+        """The still-loading names a request's (often unfinished, unparsable) code mentions, and for
+        a completion those the identifier at the cursor begins: nothing runs, so the text is enough."""
         loader = self._loader
-        if loader is not None and loader.pending:
-            code = str((parent.get("content") or {}).get("code", ""))
-            await loader.demand(mentioned_names(code) & loader.pending.names())
+        if loader is None or not loader.pending:
+            return
+        content = parent.get("content") or {}
+        code = str(content.get("code", ""))
+        pending = loader.pending.names()
+        wanted = mentioned_names(code) & pending
+        if complete:
+            cursor = content.get("cursor_pos")
+            prefix = identifier_before(code, cursor if isinstance(cursor, int) else len(code))
+            if prefix:
+                wanted |= {name for name in pending if name.startswith(prefix)}
+        await loader.demand(wanted)
 
     def _get_loader(self) -> LazyLoader | None:
         """The background loader, when configured (``datastore.lazy_load``) with a data store."""

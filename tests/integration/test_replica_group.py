@@ -385,6 +385,20 @@ def test_a_listing_of_the_namespace_on_a_new_executor_names_large_objects_still_
     assert content["user_expressions"]["v"]["data"]["text/plain"] == "[['listed_big'], ['listed_big']]"
 
 
+def test_a_completion_on_a_standby_offers_a_large_object_still_loading(cluster: Cluster) -> None:
+    """``compl<tab>`` right after a large object was made elsewhere lists it (loaded first)."""
+    code = "import numpy as np\ncompleted_big = np.ones(4_000_000)"
+    assert cluster.run(code, "r1")["r1"]["content"]["status"] == "ok"
+    # r3 executes a cell that needs nothing: it has caught up with the log, the array still loading
+    assert cluster.run("pass", "r3")["r3"]["content"]["status"] == "ok"
+    client = cluster.clients["r3"]
+    msg_id = client.complete("completed_b", 11)
+    reply = client.get_shell_msg(timeout=30)
+    while reply["parent_header"].get("msg_id") != msg_id:  # an earlier test's late reply
+        reply = client.get_shell_msg(timeout=30)
+    assert "completed_big" in reply["content"]["matches"], reply["content"]
+
+
 def _raft_leader(cluster: Cluster) -> str:
     """The leader of the newest term reported through replica.event raft_role."""
     cluster.scheduler.wait_for(

@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel_replica.cell_analysis import analyse_cell, names_to_load
+from kernel_replica.cell_analysis import analyse_cell, identifier_before, names_to_load
 from kernel_replica.lazy_load import LazyLoader, LoopLag, PendingLoads
 from kernel_replica.object_codec import ObjectCodec
 from kernel_replica.state_sync import apply_state, not_loaded_reason
@@ -130,6 +130,14 @@ def test_a_cell_that_lists_the_namespace_waits_for_every_loading_name() -> None:
         assert needed(code) is None, code
     assert needed("dir(x)") == set()  # a listing of one object's attributes needs only that object
     assert not analyse_cell("%who").unknown  # still changes nothing: no check of every name after it
+
+
+def test_a_completion_knows_the_identifier_it_completes_but_not_an_attribute() -> None:
+    assert identifier_before("x = lis", 7) == "lis"  # a global name begun: loading ones must be there
+    assert identifier_before("print(big.sh", 12) == ""  # an attribute of big (big itself is mentioned)
+    assert identifier_before("y = ab + 1", 6) == "ab"
+    assert identifier_before("y = 1 ", 6) == ""
+    assert identifier_before("", 0) == ""
 
 
 def test_the_loop_lag_probe_sees_a_blocked_loop() -> None:
