@@ -30,7 +30,7 @@ for FitGpp the case "no single job frees enough" that the paper never met),
 jobs that found other room first; ``sim_te_start``, ``--te-start``: where such a job may start).
 
 Usage: ``python scripts/bench_preemption.py [--quick] [--seeds 8] [--jobs 65536] [--config PATH]
-[--te-start first_room|victims_node] [--live [--cells 30]] [--no-sim]``
+[--te-start victims_node|first_room] [--live [--cells 30]] [--no-sim]``
 """
 
 from __future__ import annotations

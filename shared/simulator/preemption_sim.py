@@ -14,12 +14,12 @@ The model, following the paper's words:
   policies serve a TE job on arrival, ahead of the BE queue: it starts where there is room, else
   the policy preempts; the TE job holds the room it was promised (its victims' resources are its
   own once their GPs end) and waits (a TE job no host can take even by preempting waits and
-  retries). Where it starts is ``Workload.te_start`` (``TE_STARTS``): by default at the first room
-  any minute's decision finds, its victims' or another job's ("decides resource allocation at
-  every simulated minute"; "the surplus resource ... is allocated to the TE jobs"), or only on its
-  victims' node once their GPs end (the reading this sim was first fitted under; Tandem's live
-  cells bind their host at once). BE jobs start in strict FIFO order (no backfill: the
-  head-of-line blocking §3.1 describes).
+  retries). Where it starts is ``Workload.te_start`` (``TE_STARTS``): by default on its victims'
+  node when their GPs end, so it waits the GP ("the length of the GP affects the time until the
+  execution of the incoming TE jobs", §3.2; TE slowdowns grow with GPs and fall with s, §4.3), or
+  at the first room any minute's decision finds ("first_room", a reading tried and set aside:
+  docs/preemption.md). BE jobs start in strict FIFO order (no backfill: the head-of-line blocking
+  §3.1 describes).
 - FIFO puts TE and BE jobs in one strict FIFO queue and never preempts.
 - Slowdown = (completion - arrival) / execution time, the paper's 1 + WaitingTime/ExecutionTime.
 
@@ -75,10 +75,11 @@ PINNED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "preemption_si
 PLACEMENTS = ("best_fit", "worst_fit")
 LOAD_MEASURES = ("max", "mean", "gpu")  # over CPU, RAM and GPU shares of the cluster's capacity
 # Where a TE job that preempted starts (a reading of the text, not fitted; docs/preemption.md,
-# "Readings of the mechanics tried"): the first room a minute's decision finds, its victims' once
-# their GPs end or any other that opens first ("first_room"), or its victims' node only
-# ("victims_node").
-TE_STARTS = ("first_room", "victims_node")
+# "Readings of the mechanics tried"): on its victims' node when their GPs end ("victims_node", the
+# default: §3.2 and §4.3 have the GP set the TE job's wait), or at the first room any minute's
+# decision finds, its victims' or another that opens first ("first_room": fits Table 1's TE rows
+# better, but makes TE slowdowns blind to GP length and s, against §4.3).
+TE_STARTS = ("victims_node", "first_room")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +121,7 @@ class Workload:
     be_gpus: TruncNormal
     placement: str = "best_fit"  # non-preemptive placement: fullest ("best_fit") or emptiest node that fits
     load_measure: str = "max"  # the "cluster load": max or mean of the CPU, RAM, GPU shares, or GPU's alone
-    te_start: str = "first_room"  # where a TE job that preempted starts (TE_STARTS)
+    te_start: str = "victims_node"  # where a TE job that preempted starts (TE_STARTS)
     nodes: int = 84
     node_cpus: int = 32
     node_ram_gb: int = 256

@@ -185,3 +185,20 @@ def test_the_te_start_reading_is_read_from_the_config_and_checked() -> None:
     assert Workload.from_open(raw | {"te_start": "victims_node"}).te_start == "victims_node"
     with pytest.raises(ValueError, match="te_start"):
         replace(PINNED, te_start="anywhere")
+
+
+def test_under_the_default_reading_te_jobs_wait_longer_with_longer_gps_unless_s_is_large() -> None:
+    """§4.3 (Figs. 4 and 7): TE slowdowns grow with the GP length ("8.0": every GP x 8) and a large
+    s counters it. The "first_room" reading loses both (p95 within ~0.1 of each other: the reason
+    it is not the default); "victims_node" keeps them."""
+    w = PINNED.scaled(2**13)
+    assert w.te_start == "victims_node"
+    jobs = generate(w, seed=1)
+    p95 = {}
+    for gp_scale in (1, 8):
+        scaled = replace(jobs, grace=jobs.grace * gp_scale)
+        for s in (0.0, 4.0):
+            p95[gp_scale, s] = percentiles(run_policy(w, scaled, make_policy("fitgpp", s=s)).te_slowdown)[1]
+    assert p95[8, 4.0] > p95[1, 4.0] + 0.3
+    assert p95[8, 0.0] > p95[8, 4.0] + 1.0
+    assert p95[1, 0.0] > p95[1, 4.0]
