@@ -25,11 +25,12 @@ from ``configs/preemption_sim.toml`` (fitted to its FIFO/LRTP/RAND figures by
 ``scripts/calibrate_preemption.py``; ``--config`` reads another such file). Beside each figure the
 JSON has the paper's (``paper_<figure>``). Diagnostics: ``preempting_te_jobs_<policy>`` (TE jobs
 that preempted), ``multi_victim_decisions_<policy>`` (of them, those that preempted several jobs:
-for FitGpp the case "no single job frees enough" that the paper never met) and
-``victims_per_preempting_te_<policy>``.
+for FitGpp the case "no single job frees enough" that the paper never met),
+``victims_per_preempting_te_<policy>`` and ``te_started_before_victims_<policy>`` (preempting TE
+jobs that found other room first; ``sim_te_start``, ``--te-start``: where such a job may start).
 
 Usage: ``python scripts/bench_preemption.py [--quick] [--seeds 8] [--jobs 65536] [--config PATH]
-[--live [--cells 30]] [--no-sim]``
+[--te-start victims_node|first_room] [--live [--cells 30]] [--no-sim]``
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from shared.simulator.preemption_sim import (
     PAPER_RESCHEDULING_MIN,
     PAPER_SLOWDOWN,
     PINNED_CONFIG,
+    TE_STARTS,
     Workload,
     percentiles,
     run_all,
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=None, help="jobs per workload (default 2^16; quick 2^13)")
     parser.add_argument("--s", type=float, default=None, help="FitGpp's s (default 4.0)")
     parser.add_argument("--config", type=Path, default=PINNED_CONFIG, help="open parameters (TOML)")
+    parser.add_argument("--te-start", choices=TE_STARTS, default=None, help="override the config's reading")
     parser.add_argument("--live", action="store_true", help="also measure revocation on an embedded cluster")
     parser.add_argument("--cells", type=int, default=30, help="live cells with and without BE jobs each")
     parser.add_argument("--gap", type=float, default=0.5, help="live: seconds between cells (think time)")
@@ -86,6 +89,8 @@ def simulate(args: argparse.Namespace) -> dict[str, object]:
     w = Workload.pinned(args.config).scaled(args.jobs or (2**13 if args.quick else 2**16))
     if args.s is not None:
         w = replace(w, s=args.s)
+    if args.te_start is not None:
+        w = replace(w, te_start=args.te_start)
 
     started = time.perf_counter()
     te: dict[str, list[np.ndarray]] = {p: [] for p in POLICY_NAMES}
@@ -95,6 +100,7 @@ def simulate(args: argparse.Namespace) -> dict[str, object]:
     over_budget = dict.fromkeys(POLICY_NAMES, 0)
     preempting = dict.fromkeys(POLICY_NAMES, 0)
     multi_victim = dict.fromkeys(POLICY_NAMES, 0)
+    started_before = dict.fromkeys(POLICY_NAMES, 0)
     resched: dict[str, list[np.ndarray]] = {p: [] for p in POLICY_NAMES}
     loads: list[float] = []
     for seed in range(1, seeds + 1):
@@ -106,6 +112,7 @@ def simulate(args: argparse.Namespace) -> dict[str, object]:
             over_budget[name] += r.over_budget_preemptions
             preempting[name] += r.preempting_te_jobs
             multi_victim[name] += r.multi_victim_decisions
+            started_before[name] += r.te_started_before_victims
             resched[name].append(r.rescheduling_min)
             if name == "fifo":
                 loads.append(r.load)
@@ -120,6 +127,7 @@ def simulate(args: argparse.Namespace) -> dict[str, object]:
         "sim_te_fraction": w.te_fraction,
         "sim_s": w.s,
         "sim_max_preemptions": w.max_preemptions,
+        "sim_te_start": w.te_start,
         "fifo_load": round(float(np.mean(loads)), 3),
     }
     for name in POLICY_NAMES:
@@ -134,6 +142,7 @@ def simulate(args: argparse.Namespace) -> dict[str, object]:
         out[f"over_budget_preemptions_{name}"] = over_budget[name]
         out[f"preempting_te_jobs_{name}"] = preempting[name]
         out[f"multi_victim_decisions_{name}"] = multi_victim[name]
+        out[f"te_started_before_victims_{name}"] = started_before[name]
         if preempting[name]:
             out[f"victims_per_preempting_te_{name}"] = round(preemptions[name] / preempting[name], 2)
         if name != "fifo":

@@ -52,6 +52,7 @@ from shared.simulator.preemption_sim import (
     PAPER_RESCHEDULING_MIN,
     PAPER_SLOWDOWN,
     PINNED_CONFIG,
+    TE_STARTS,
     Workload,
 )
 
@@ -171,6 +172,7 @@ def write_config(record: Mapping[str, Any], path: Path, command: str) -> None:
         "",
         f'placement = "{raw["placement"]}"',
         f'load_measure = "{raw["load_measure"]}"',
+        f'te_start = "{raw.get("te_start", TE_STARTS[0])}"  # a reading of the text, not fitted',
     ]
     for section in ("te", "be"):
         lines += ["", f"[{section}]"] + [f"{k} = {table(v)}" for k, v in raw[section].items()]

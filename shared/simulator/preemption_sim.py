@@ -12,8 +12,14 @@ The model, following the paper's words:
   the head of the BE queue with the work it had left.
 - "When a TE job arrives at a job queue, one or more BE jobs are suspended": the preemptive
   policies serve a TE job on arrival, ahead of the BE queue: it starts where there is room, else
-  the policy preempts; the TE job holds the room it was promised and starts when its victims' GPs
-  end (it waits the GP; a TE job no host can take even by preempting waits and retries). BE jobs start in strict FIFO order (no backfill: the head-of-line blocking §3.1 describes).
+  the policy preempts; the TE job holds the room it was promised (its victims' resources are its
+  own once their GPs end) and waits (a TE job no host can take even by preempting waits and
+  retries). Where it starts is ``Workload.te_start`` (``TE_STARTS``): by default on its victims'
+  node when their GPs end, so it waits the GP ("the length of the GP affects the time until the
+  execution of the incoming TE jobs", §3.2; TE slowdowns grow with GPs and fall with s, §4.3), or
+  at the first room any minute's decision finds ("first_room", a reading tried and set aside:
+  docs/preemption.md). BE jobs start in strict FIFO order (no backfill: the head-of-line blocking
+  §3.1 describes).
 - FIFO puts TE and BE jobs in one strict FIFO queue and never preempts.
 - Slowdown = (completion - arrival) / execution time, the paper's 1 + WaitingTime/ExecutionTime.
 
@@ -68,6 +74,12 @@ class TruncNormal:
 PINNED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "preemption_sim.toml"
 PLACEMENTS = ("best_fit", "worst_fit")
 LOAD_MEASURES = ("max", "mean", "gpu")  # over CPU, RAM and GPU shares of the cluster's capacity
+# Where a TE job that preempted starts (a reading of the text, not fitted; docs/preemption.md,
+# "Readings of the mechanics tried"): on its victims' node when their GPs end ("victims_node", the
+# default: §3.2 and §4.3 have the GP set the TE job's wait), or at the first room any minute's
+# decision finds, its victims' or another that opens first ("first_room": fits Table 1's TE rows
+# better, but makes TE slowdowns blind to GP length and s, against §4.3).
+TE_STARTS = ("victims_node", "first_room")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +121,7 @@ class Workload:
     be_gpus: TruncNormal
     placement: str = "best_fit"  # non-preemptive placement: fullest ("best_fit") or emptiest node that fits
     load_measure: str = "max"  # the "cluster load": max or mean of the CPU, RAM, GPU shares, or GPU's alone
+    te_start: str = "victims_node"  # where a TE job that preempted starts (TE_STARTS)
     nodes: int = 84
     node_cpus: int = 32
     node_ram_gb: int = 256
@@ -124,6 +137,8 @@ class Workload:
             raise ValueError(f"placement {self.placement!r} not in {PLACEMENTS}")
         if self.load_measure not in LOAD_MEASURES:
             raise ValueError(f"load_measure {self.load_measure!r} not in {LOAD_MEASURES}")
+        if self.te_start not in TE_STARTS:
+            raise ValueError(f"te_start {self.te_start!r} not in {TE_STARTS}")
         stated = (
             (self.te_runtime_min, 5.0, 30.0),
             (self.be_runtime_min, 30.0, 24 * 60.0),
@@ -168,6 +183,7 @@ class Workload:
             be_gpus=normal(be, "gpus"),
             placement=str(raw.get("placement", "best_fit")),
             load_measure=str(raw.get("load_measure", "max")),
+            te_start=str(raw.get("te_start", TE_STARTS[0])),
         )
 
 
@@ -217,6 +233,7 @@ class PolicyResult:
     preemptions: int
     over_budget_preemptions: int
     preempting_te_jobs: int  # TE jobs that preempted at least one BE job
+    te_started_before_victims: int  # of them, those that started at other room first (te_start "first_room")
     multi_victim_decisions: int  # of them, those that preempted several (FitGpp: no single job fitted)
     blocked_decisions: int
     load: float  # time average over the arrival window of max-axis (demand in system / capacity)
@@ -275,6 +292,7 @@ class _Cluster:
         self.preempting = 0  # TE jobs that preempted
         self.multi_victim = 0  # of them, those that preempted more than one job
         self.blocked = 0
+        self.started_elsewhere = 0  # TE jobs that preempted, then started before their victims released
         self.resched: list[int] = []
         self.keep_load = keep_load  # closed-loop submission (arrivals written into self.arrival)
         self.in_system = [0, 0, 0]  # GPU, CPU, RAM demand of jobs arrived and not completed
@@ -288,15 +306,19 @@ class _Cluster:
         self.free_cpu[node] -= self.cpus[job]
         self.free_ram[node] -= self.ram[job]
 
+    def _untake(self, node: int, job: int) -> None:
+        """A promise withdrawn (``_take`` undone)."""
+        self.free_gpu[node] += self.gpus[job]
+        self.free_cpu[node] += self.cpus[job]
+        self.free_ram[node] += self.ram[job]
+
     def _give(self, node: int, job: int) -> None:
         """The job's resources are back on the node (completion, or a victim's GP end)."""
         used = self.used[node]
         used[0] -= self.gpus[job]
         used[1] -= self.cpus[job]
         used[2] -= self.ram[job]
-        self.free_gpu[node] += self.gpus[job]
-        self.free_cpu[node] += self.cpus[job]
-        self.free_ram[node] += self.ram[job]
+        self._untake(node, job)
 
     def _best_fit(self, job: int) -> int:
         """The node a job starts on without preemption: the one with the fewest (``best_fit``)
@@ -409,8 +431,27 @@ class _Cluster:
         else:
             self._start(te, node, now, taken=True)
 
+    def _start_waiting_at_first_room(self, now: int) -> None:
+        """``te_start = "first_room"``: a TE job waiting for its victims starts now if any node has
+        room for it (its own promise set aside), oldest first; its victims release as planned and
+        their resources go back to the pool."""
+        for te in sorted(self.pending, key=lambda t: (self.arrival[t], t)):
+            node, left = self.pending[te]
+            self._untake(node, te)
+            elsewhere = self._best_fit(te)
+            if elsewhere < 0:
+                self._take(node, te)
+                continue
+            del self.pending[te]
+            for victim in left:
+                del self.waiting_for[victim]
+            self.started_elsewhere += 1
+            self._start(te, elsewhere, now)
+
     def _schedule(self, now: int) -> None:
         if self.policy.preemptive:
+            if self.w.te_start == "first_room":
+                self._start_waiting_at_first_room(now)
             still: deque[int] = deque()
             while self.te_queue:
                 te = self.te_queue.popleft()
@@ -513,6 +554,7 @@ def run_policy(w: Workload, jobs: Jobs, policy: PreemptionPolicy) -> PolicyResul
         preemptions=cluster.preemptions,
         over_budget_preemptions=cluster.over_budget,
         preempting_te_jobs=cluster.preempting,
+        te_started_before_victims=cluster.started_elsewhere,
         multi_victim_decisions=cluster.multi_victim,
         blocked_decisions=cluster.blocked,
         load=cluster.load_area / max(cluster.load_span, 1),
@@ -563,6 +605,7 @@ __all__ = [
     "PAPER_RESCHEDULING_MIN",
     "PAPER_SLOWDOWN",
     "PINNED_CONFIG",
+    "TE_STARTS",
     "Jobs",
     "PolicyResult",
     "TruncNormal",

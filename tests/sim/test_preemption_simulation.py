@@ -5,22 +5,30 @@ function of its seed."""
 
 from __future__ import annotations
 
+import tomllib
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from shared.policies.preemption import POLICY_NAMES
+from shared.policies.preemption import POLICY_NAMES, make_policy
 from shared.simulator.preemption_calibration import loss_terms
 from shared.simulator.preemption_sim import (
     BASELINES,
+    BE,
     PAPER_PREEMPTED_FRACTION,
     PAPER_RESCHEDULING_MIN,
     PAPER_SLOWDOWN,
+    PINNED_CONFIG,
     TE,
+    TE_STARTS,
+    Jobs,
     TruncNormal,
     Workload,
     generate,
     percentiles,
     run_all,
+    run_policy,
 )
 
 PINNED = Workload.pinned()
@@ -133,3 +141,64 @@ def test_the_calibration_loss_is_zero_at_the_papers_baseline_figures_and_never_r
     assert sum(terms.values()) == pytest.approx(0.0, abs=1e-12)
     assert not any("fitgpp" in key for key in terms)
     assert loss_terms(paper | {"preempted_fraction_lrtp": 0.2})["preempted_fraction_lrtp"] > 0
+
+
+def _two_full_nodes_then_a_te_job() -> Jobs:
+    """Two 8-GPU nodes, each filled by one BE job (A: 100 min, GP 10; B: ends at minute 3, GP 15);
+    a TE job of 8 GPUs and 5 min arrives at minute 1, finds no room and preempts A (shorter GP)."""
+
+    def col(*values: int) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    return Jobs(
+        kind=col(BE, BE, TE),
+        arrival=col(0, 0, 1),
+        runtime=col(100, 3, 5),
+        grace=col(10, 15, 0),
+        gpus=col(8, 8, 8),
+        cpus=col(1, 1, 1),
+        ram=col(1, 1, 1),
+    )
+
+
+@pytest.mark.parametrize("policy", ["fitgpp", "lrtp"])
+def test_a_te_job_that_preempted_starts_at_the_first_room_unless_bound_to_its_victims_node(
+    policy: str,
+) -> None:
+    """The reading of where a preempting TE job starts (docs/preemption.md): "first_room" takes B's
+    node when B ends at minute 3, before A's 10-minute GP ends; "victims_node" waits for A."""
+    jobs = _two_full_nodes_then_a_te_job()
+    slowdown = {}
+    for te_start in TE_STARTS:
+        w = replace(PINNED, nodes=2, jobs=3, te_start=te_start)
+        r = run_policy(w, jobs, make_policy(policy))
+        assert r.preemptions == 1
+        slowdown[te_start] = (float(r.te_slowdown[0]), r.te_started_before_victims)
+    assert slowdown["first_room"] == (pytest.approx((3 + 5 - 1) / 5), 1)  # started at minute 3
+    assert slowdown["victims_node"] == (pytest.approx((11 + 5 - 1) / 5), 0)  # at A's GP end, minute 11
+
+
+def test_the_te_start_reading_is_read_from_the_config_and_checked() -> None:
+    with PINNED_CONFIG.open("rb") as f:
+        raw = tomllib.load(f)
+    assert Workload.from_open(raw).te_start == raw.get("te_start", TE_STARTS[0])
+    assert Workload.from_open(raw | {"te_start": "victims_node"}).te_start == "victims_node"
+    with pytest.raises(ValueError, match="te_start"):
+        replace(PINNED, te_start="anywhere")
+
+
+def test_under_the_default_reading_te_jobs_wait_longer_with_longer_gps_unless_s_is_large() -> None:
+    """§4.3 (Figs. 4 and 7): TE slowdowns grow with the GP length ("8.0": every GP x 8) and a large
+    s counters it. The "first_room" reading loses both (p95 within ~0.1 of each other: the reason
+    it is not the default); "victims_node" keeps them."""
+    w = PINNED.scaled(2**13)
+    assert w.te_start == "victims_node"
+    jobs = generate(w, seed=1)
+    p95 = {}
+    for gp_scale in (1, 8):
+        scaled = replace(jobs, grace=jobs.grace * gp_scale)
+        for s in (0.0, 4.0):
+            p95[gp_scale, s] = percentiles(run_policy(w, scaled, make_policy("fitgpp", s=s)).te_slowdown)[1]
+    assert p95[8, 4.0] > p95[1, 4.0] + 0.3
+    assert p95[8, 0.0] > p95[8, 4.0] + 1.0
+    assert p95[1, 0.0] > p95[1, 4.0]
