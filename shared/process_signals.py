@@ -187,7 +187,7 @@ class PinnedProcess:
         if _HAS_PIDFD and pidfd is None:
             return None
         stat = read_stat(pid)
-        same = stat is not None and stat.state != "Z" and start_ticks in (None, stat.start_ticks)
+        same = stat is not None and start_ticks in (None, stat.start_ticks)
         if not same or (check is not None and not check(pid)):
             if pidfd is not None:
                 os.close(pidfd)
