@@ -15,8 +15,9 @@ Where a pidfd cannot reach the group (Linux < 6.9, or no pidfd at all), ``plan_g
 (pure: a process table in, a decision out) decides: the group's number is signalled only while
 its leader is unreaped (its zombie keeps the number reserved, and with it the group); after the
 reap only the members that started before it (provably ours: the number was still reserved then)
-are signalled, one by one and each pinned by its start time. A member forked after the reap
-escapes that fallback; so does nothing else.
+are signalled, one by one and each pinned by its start time. Start times are clock ticks (10 ms),
+so "before" means an earlier tick: a member forked after the reap, or within its tick, escapes
+that fallback.
 
 A pid read from outside (a file, a status answer) is pinned only after its identity is checked
 against what was recorded (its start time) or expected (its command line): ``PinnedProcess.of_pid``.
@@ -134,7 +135,8 @@ def plan_group_signal(
     ``reaped_at``: when its exit was collected (``boot_ticks_now``), None while it is not;
     ``pidfd_group``: whether a pidfd of the leader can signal its group (read only if needed,
     ``table``: the process table). After the reap, a process in group ``leader`` that started
-    later may belong to a stranger that got the number once our group was empty."""
+    later may belong to a stranger that got the number once our group was empty; one that started
+    in the reap's own clock tick cannot be told apart, so it is left alone too."""
     if pidfd_group:
         return GroupPlan(Route.PIDFD_GROUP)
     if reaped_at is None:
@@ -142,7 +144,7 @@ def plan_group_signal(
     ours = tuple(
         p
         for p in table()
-        if p.pgid == leader and p.sid == leader and p.start_ticks <= reaped_at and p.state != "Z"
+        if p.pgid == leader and p.sid == leader and p.start_ticks < reaped_at and p.state != "Z"
     )
     return GroupPlan(Route.MEMBERS, ours)
 
