@@ -104,6 +104,20 @@ def descendants_of(root: int, table: Iterable[ProcStat]) -> list[ProcStat]:
     return found
 
 
+def descends_from(pid: int, root: int) -> bool:
+    """Whether ``pid`` is a descendant of ``root`` now (its parent chain in /proc reaches it)."""
+    seen = set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        stat = read_stat(pid)
+        if stat is None:
+            return False
+        if stat.ppid == root:
+            return True
+        pid = stat.ppid
+    return False
+
+
 def boot_ticks_now() -> int:
     """Now, on the clock of ``ProcStat.start_ticks`` (0 where there is no such clock)."""
     clock = getattr(time, "CLOCK_BOOTTIME", None)
