@@ -37,7 +37,7 @@ from services.global_scheduler.hibernated_file import forget_hibernated
 from shared import messages
 from shared.config import Config
 from shared.private_files import open_private_file, private_dir, write_private
-from shared.process_signals import PinnedProcess, descendants_of, process_table
+from shared.process_signals import PinnedProcess, descendants_of, process_table, read_stat
 from shared.rpc import RpcError, RpcTimeout
 from shared.security import curve
 
@@ -255,6 +255,7 @@ class EmbeddedCluster:
             "serving": self.serving_address,
             "checkpoint": self.checkpoint_address,
             "pid": os.getpid(),
+            "pid_start": stat.start_ticks if (stat := read_stat(os.getpid())) is not None else None,
             "hosts": hosts,
             "state_dir": str(self.state_dir),
             "keys_dir": str(self.keys_dir),

@@ -4,10 +4,21 @@ tests/integration/test_pid_reuse.py."""
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.process_signals import GroupPlan, ProcStat, Route, descendants_of, parse_stat, plan_group_signal
+from services.cluster_file import pid_alive
+from shared.process_signals import (
+    GroupPlan,
+    ProcStat,
+    Route,
+    descendants_of,
+    parse_stat,
+    plan_group_signal,
+    read_stat,
+)
 
 LEADER = 4242
 
@@ -99,3 +110,12 @@ def test_stat_lines_parse_whatever_the_command_name_holds(pid: int, comm: str, s
 def test_descendants_come_children_first_and_stop_at_the_root() -> None:
     table = [proc(2, ppid=1), proc(3, ppid=2), proc(4, ppid=3), proc(9, ppid=7)]
     assert [p.pid for p in descendants_of(1, table)] == [2, 3, 4]
+
+
+def test_a_recorded_pid_is_alive_only_while_it_still_has_its_recorded_start_time() -> None:
+    """cluster.json records ``tandem up``'s start time: a pid reused since is not the cluster."""
+    me = read_stat(os.getpid())
+    assert me is not None
+    assert pid_alive(os.getpid(), me.start_ticks)
+    assert not pid_alive(os.getpid(), me.start_ticks + 1)
+    assert pid_alive(os.getpid())  # a cluster.json from before the start time was recorded
