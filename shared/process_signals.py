@@ -233,6 +233,8 @@ class PinnedProcess:
         stranger's (``plan_group_signal``); False when nothing was signalled."""
         if self.gone:
             return False
+        if not self._leads_a_group():
+            return self.signal(sig)  # still in its parent's group: that group is not its to signal
         if self._pidfd is not None and _pidfd_group_works is not False:
             sent = self._send_group(sig)
             if sent is not None:
@@ -253,6 +255,17 @@ class PinnedProcess:
                 sent = pinned.signal(sig) or sent
                 pinned.close()
         return sent
+
+    def _leads_a_group(self) -> bool:
+        """False while this process, still running, is in another's group: a runtime that the
+        template forked has not called ``setsid`` yet. A group signal names the group whose id is
+        its pid, which does not exist yet, so it would reach nobody, not even the runtime: that
+        one gets the signal itself. True once it is gone (only the group it founded, if any, is
+        reached then) or where /proc cannot tell."""
+        stat = read_stat(self.pid)
+        if stat is None or self.start_ticks is None or stat.start_ticks != self.start_ticks:
+            return True
+        return stat.pgid == self.pid
 
     def _send_group(self, sig: int) -> bool | None:
         """Signal the group through the pidfd: whether a member got it, None where this kernel

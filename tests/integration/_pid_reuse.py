@@ -4,7 +4,7 @@
 Each scenario starts a process in its own session, lets it exit and be reaped, then starts a
 stranger in its own session that gets the same pid (hence the same process group number), then
 does what the product does after such an exit, and prints one JSON line: whether the stranger
-survived. ``python _pid_reuse.py SCENARIO``; tests/integration/test_pid_reuse.py runs them.
+survived (``held``). ``python _pid_reuse.py SCENARIO``; tests/integration/test_pid_reuse.py runs them.
 """
 
 from __future__ import annotations
@@ -133,6 +133,25 @@ async def job_rewind() -> bool:
         return survived(stranger)
 
 
+def not_yet_a_leader() -> bool:
+    """A forked runtime before its ``setsid``: still in its parent's group (here: ours, like the
+    template's). A group signal must reach the runtime itself (its own group does not exist yet),
+    and not the group it sits in. True when both hold."""
+    got: list[int] = []
+    signal.signal(signal.SIGUSR1, lambda signum, _frame: got.append(signum))
+    child = subprocess.Popen(["sleep", "60"])  # no new session: our group
+    pin = PinnedProcess.of_child(child.pid)
+    pin.signal_group(signal.SIGUSR1)
+    try:
+        reached = child.wait(timeout=5) == -signal.SIGUSR1  # its default action ends it
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        reached = False
+    time.sleep(0.2)
+    return reached and not got
+
+
 SCENARIOS: dict[str, Callable[[], bool] | Callable[[], Awaitable[bool]]] = {
     "bare_killpg": bare_killpg,
     "pinned_group": pinned_group,
@@ -140,6 +159,7 @@ SCENARIOS: dict[str, Callable[[], bool] | Callable[[], Awaitable[bool]]] = {
     "pin_by_start_time": pin_by_start_time,
     "replica_stop": replica_stop,
     "job_rewind": job_rewind,
+    "not_yet_a_leader": not_yet_a_leader,
 }
 
 
@@ -150,7 +170,7 @@ def main() -> None:
     result = scenario()
     if asyncio.iscoroutine(result):
         result = asyncio.run(result)
-    print(json.dumps({"scenario": sys.argv[1], "stranger_survived": result}))
+    print(json.dumps({"scenario": sys.argv[1], "held": result}))
 
 
 if __name__ == "__main__":
