@@ -147,8 +147,8 @@ def plan_group_signal(
     """How to signal the process group that ``leader`` founded (``start_new_session``).
 
     ``reaped_at``: when its exit was collected (``boot_ticks_now``), None while it is not;
-    ``pidfd_group``: whether a pidfd of the leader can signal its group (read only if needed,
-    ``table``: the process table). After the reap, a process in group ``leader`` that started
+    ``pidfd_group``: whether a pidfd of the leader can signal its group; ``table``: the process
+    table, read only when needed. After the reap, a process in group ``leader`` that started
     later may belong to a stranger that got the number once our group was empty; one that started
     in the reap's own clock tick cannot be told apart, so it is left alone too."""
     if pidfd_group:
