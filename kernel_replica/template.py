@@ -17,7 +17,8 @@ The local scheduler talks to it over stdin/stdout, one JSON or text line each wa
 
 * stdout ``ready <pid>`` once the imports are done;
 * stdin ``{"id": n, "imports": [...], "assignment": {...}}`` (the assignment of
-  ``kernel_replica/warm.py``: argv, env, log_file, cwd) -> stdout ``forked <id> <pid>``, or
+  ``kernel_replica/warm.py``: argv, env, log_file, cwd) -> stdout ``forked <id> <pid> <start ticks>`` (``/proc/<pid>/stat``'s
+  start time, -1 where unknown: the local scheduler pins the pid with it), or
   ``failed <id> <reason>``;
 * stdout ``exit <pid> <returncode>`` when a child ends (negative: the signal that ended it), since
   a forked runtime is this process's child, not the local scheduler's.
@@ -44,6 +45,7 @@ import sysconfig
 from typing import Any
 
 from kernel_replica.warm import become, preload
+from shared.process_signals import read_stat
 
 PR_SET_PDEATHSIG = 1
 
@@ -176,7 +178,9 @@ def _handle(request: dict[str, Any], fds: list[int]) -> None:
         return
     if pid == 0:
         _child(request["assignment"], fds)
-    _say(f"forked {ident} {pid}")
+    # its start time, read before this loop can reap it: the local scheduler pins the pid with it
+    stat = read_stat(pid)
+    _say(f"forked {ident} {pid} {stat.start_ticks if stat is not None else -1}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from shared import messages
 from shared.envelope import Envelope
+from shared.process_signals import read_stat
 from shared.rpc import RpcClient
 from shared.security import curve
 
@@ -35,6 +36,12 @@ class ClusterInfo:
     pid: int
     path: Path
     raw: dict[str, Any]
+
+    @property
+    def pid_start(self) -> int | None:
+        """``tandem up``'s start time (``/proc/<pid>/stat``), None for a cluster from before it."""
+        start = self.raw.get("pid_start")
+        return start if isinstance(start, int) else None
 
     @property
     def keys_dir(self) -> Path | None:
@@ -60,9 +67,13 @@ def state_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     return Path(os.path.expanduser(str(chosen)))
 
 
-def pid_alive(pid: int) -> bool:
+def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """Whether ``pid`` runs; with ``start_ticks`` (recorded beside it), whether it still is the
+    process that was recorded, not one that got its number after it exited."""
+    if start_ticks is not None and (stat := read_stat(pid)) is not None:
+        return stat.start_ticks == start_ticks and stat.state != "Z"
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # a probe (no signal is sent), where /proc cannot say who it is
     except ProcessLookupError:
         return False
     except PermissionError:
@@ -83,7 +94,7 @@ def read_cluster(explicit_state_dir: str | os.PathLike[str] | None = None) -> Cl
         info = ClusterInfo(str(raw["gateway"]), str(raw["scheduler"]), int(raw["pid"]), path, raw)
     except (KeyError, TypeError, ValueError) as exc:
         raise ClusterNotRunning(f"{path} lacks gateway/scheduler/pid ({exc}); {hint}") from exc
-    if not pid_alive(info.pid):
+    if not pid_alive(info.pid, info.pid_start):
         raise ClusterNotRunning(f"the cluster in {path} is not running (pid {info.pid} is gone); {hint}")
     return info
 

@@ -37,6 +37,7 @@ from services.global_scheduler.hibernated_file import forget_hibernated
 from shared import messages
 from shared.config import Config
 from shared.private_files import open_private_file, private_dir, write_private
+from shared.process_signals import PinnedProcess, descendants_of, process_table, read_stat
 from shared.rpc import RpcError, RpcTimeout
 from shared.security import curve
 
@@ -80,25 +81,7 @@ def die_with_parent(parent_pid: int) -> Any:
 
 def descendants(root: int) -> list[int]:
     """All live descendants of ``root`` (children first), from /proc; empty where /proc is absent."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # comm may contain spaces and parentheses: the ppid is the 2nd field after the last ')'
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found: list[int] = []
-    frontier = [root]
-    while frontier:
-        pid = frontier.pop()
-        for child in children.get(pid, []):
-            found.append(child)
-            frontier.append(child)
-    return found
+    return [p.pid for p in descendants_of(root, process_table())]
 
 
 def registered_hosts(status: dict[str, Any]) -> list[str]:
@@ -272,6 +255,7 @@ class EmbeddedCluster:
             "serving": self.serving_address,
             "checkpoint": self.checkpoint_address,
             "pid": os.getpid(),
+            "pid_start": stat.start_ticks if (stat := read_stat(os.getpid())) is not None else None,
             "hosts": hosts,
             "state_dir": str(self.state_dir),
             "keys_dir": str(self.keys_dir),
@@ -559,13 +543,17 @@ class EmbeddedCluster:
                 child.process.wait(timeout=5)
 
     def _kill_leftovers(self) -> None:
-        leftovers = descendants(os.getpid())
-        for pid in leftovers:
-            if pid == os.getpid():
-                continue
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-                log.warning("orphan_killed", pid=pid)
+        """SIGKILL every descendant still there, each pinned by the start time the walk saw: one
+        that a living parent reaped meanwhile may have handed its pid to a stranger."""
+        found = descendants_of(os.getpid(), process_table())
+        for stat in found:
+            pinned = PinnedProcess.of_pid(stat.pid, start_ticks=stat.start_ticks)
+            if pinned is None:
+                continue  # gone since the walk
+            if pinned.signal(signal.SIGKILL):
+                log.warning("orphan_killed", pid=stat.pid)
+            pinned.close()
+        leftovers = [stat.pid for stat in found]
         for pid in leftovers:
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(pid, 0)

@@ -8,7 +8,8 @@ stops real local-scheduler processes on this machine.
 Those hosts must outlive the scheduler that started them (a restarted scheduler rebuilds its view
 from the hosts and must lose no kernel), so they are not tied to its life: their pids are kept in
 ``<state_dir>/autoscaled-hosts.json`` and a restarted scheduler adopts the ones still running (it
-can release them later). No orphans still holds: ``tandem up`` is their subreaper once the scheduler
+can release them later; such a host is pinned after its command line was checked, so releasing it
+never signals a process that got its pid since: ``shared.process_signals``). No orphans still holds: ``tandem up`` is their subreaper once the scheduler
 is gone and kills every descendant when it stops, and a scheduler that stops releases its hosts.
 """
 
@@ -29,6 +30,7 @@ import structlog
 
 from shared.config import Config
 from shared.private_files import open_private_file, private_dir, write_private
+from shared.process_signals import PinnedProcess, read_stat
 from shared.security import curve
 
 log = structlog.get_logger("host_provider")
@@ -108,7 +110,8 @@ class LocalProcessHostProvider:
         self.on_exit = on_exit
         self._next_index = first_index
         self._processes: dict[str, asyncio.subprocess.Process] = {}
-        self._adopted: dict[str, int] = {}  # host -> pid, started by a previous scheduler
+        self._pins: dict[str, PinnedProcess] = {}  # what the signals to a provisioned host go through
+        self._adopted: dict[str, PinnedProcess] = {}  # host -> its process, started by a previous scheduler
         self._watchers: set[asyncio.Task[None]] = set()
         self._releasing: set[str] = set()
         self._adopt()
@@ -141,6 +144,12 @@ class LocalProcessHostProvider:
     def _runs(self, pid: int, host_id: str) -> bool:
         return runs_host(pid, host_id, self.scheduler_address)
 
+    @staticmethod
+    def _still_runs(pinned: PinnedProcess) -> bool:
+        """Whether the adopted process still runs (not a zombie, and its pid not someone else's)."""
+        stat = read_stat(pinned.pid)
+        return stat is not None and stat.state != "Z" and stat.start_ticks == pinned.start_ticks
+
     def _adopt(self) -> None:
         """Hosts a previous scheduler of this cluster started and that still run."""
         if self.hosts_file is None:
@@ -150,8 +159,13 @@ class LocalProcessHostProvider:
         except (OSError, ValueError):
             return
         for host_id, pid in recorded.items() if isinstance(recorded, dict) else ():
-            if isinstance(pid, int) and self._runs(pid, host_id):
-                self._adopted[host_id] = pid
+            pinned = (
+                PinnedProcess.of_pid(pid, check=lambda p, h=host_id: self._runs(p, h))
+                if isinstance(pid, int)
+                else None
+            )
+            if pinned is not None:
+                self._adopted[host_id] = pinned
                 log.info("host_adopted", host=host_id, pid=pid)
         for host_id in self._adopted:
             index = host_id.rpartition("-")[2]
@@ -162,7 +176,7 @@ class LocalProcessHostProvider:
     def _save(self) -> None:
         if self.hosts_file is None:
             return
-        pids = {**self._adopted, **{h: p.pid for h, p in self._processes.items()}}
+        pids = {h: p.pid for h, p in self._adopted.items()} | {h: p.pid for h, p in self._processes.items()}
         tmp = self.hosts_file.with_suffix(".tmp")
         with contextlib.suppress(OSError):
             write_private(tmp, json.dumps(pids))
@@ -194,6 +208,7 @@ class LocalProcessHostProvider:
                     env=env,
                 )
             self._processes[host_id] = process
+            self._pins[host_id] = PinnedProcess.of_child(process.pid)
             self._save()
             watcher = asyncio.ensure_future(self._watch(host_id, process))
             self._watchers.add(watcher)
@@ -206,6 +221,7 @@ class LocalProcessHostProvider:
         returncode = await process.wait()
         if self._processes.get(host_id) is process:
             del self._processes[host_id]
+            self._pins.pop(host_id).close()  # reaped: its number is no longer its own
             self._save()
         expected = host_id in self._releasing
         self._releasing.discard(host_id)
@@ -227,25 +243,26 @@ class LocalProcessHostProvider:
             await asyncio.wait_for(asyncio.shield(process.wait()), RELEASE_GRACE_S)
         except TimeoutError:
             log.warning("host_kill", host=host_id, reason=f"still running {RELEASE_GRACE_S:g}s after SIGTERM")
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+            pin = self._pins.get(host_id)
+            if pin is not None:
+                pin.signal_group(signal.SIGKILL)
             await process.wait()
         log.info("host_released", host=host_id)
 
     async def _release_adopted(self, host_id: str) -> None:
         """Not our child: signal it and poll until it is gone (its parent, ``tandem up``, reaps it)."""
-        pid = self._adopted[host_id]
+        pinned = self._adopted[host_id]
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                if sig == signal.SIGKILL:
-                    os.killpg(pid, sig)  # its replicas too (it runs in its own session)
-                else:
-                    os.kill(pid, sig)
+            if sig == signal.SIGKILL:
+                pinned.signal_group(sig)  # its replicas too (it runs in its own session)
+            else:
+                pinned.signal(sig)
             deadline = time.monotonic() + RELEASE_GRACE_S
-            while self._runs(pid, host_id) and time.monotonic() < deadline:
+            while self._still_runs(pinned) and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-            if not self._runs(pid, host_id):
+            if not self._still_runs(pinned):
                 break
+        pinned.close()
         del self._adopted[host_id]
         self._save()
         log.info("host_released", host=host_id, adopted=True)
@@ -261,11 +278,11 @@ def runs_host(pid: int, host_id: str, scheduler_address: str) -> bool:
     """Whether ``pid`` is a live (not zombie) local scheduler of ``host_id`` for this scheduler."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return False
+    stat = read_stat(pid)
     wanted = (b"services.local_scheduler", host_id.encode(), scheduler_address.encode())
-    return state != "Z" and all(part in cmdline for part in wanted)
+    return stat is not None and stat.state != "Z" and all(part in cmdline for part in wanted)
 
 
 def make_host_provider(

@@ -137,6 +137,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
     _gateway: str = ""
     _keys_dir: str = ""
     _cluster_pid: int = 0
+    _cluster_pid_start: int | None = None  # its start time: a pid reused since is not the cluster
     _unanswered_polls: int = 0
     _resources: dict[str, Any] = {}
     _dead_reason: str = ""
@@ -168,6 +169,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         self._gateway = cluster.gateway
         self._keys_dir = str(cluster.keys_dir or "")  # "": a cluster from before keys
         self._cluster_pid = cluster.pid
+        self._cluster_pid_start = cluster.pid_start
         kwargs.pop("extra_arguments", None)
         kwargs = await super().pre_launch(**kwargs)
         # what a local kernel would get from Popen(cwd=..., env=...): its replicas start with it
@@ -294,7 +296,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             return self._exit_code if self._exit_code is not None else STOPPED_EXIT_CODE
         if self._exit_code is not None:
             return self._exit_code
-        if self._cluster_pid and not pid_alive(self._cluster_pid):
+        if self._cluster_pid and not pid_alive(self._cluster_pid, self._cluster_pid_start):
             return self._died("the Tandem cluster (`tandem up`) is no longer running")
         try:
             status = await self._ask(messages.KERNEL_STATUS, {"kernel_id": self.kernel_id}, timeout=3.0)
@@ -398,6 +400,7 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
             gateway=self._gateway,
             keys_dir=self._keys_dir,
             cluster_pid=self._cluster_pid,
+            cluster_pid_start=self._cluster_pid_start,
             resources=self._resources,
         )
         return info
@@ -407,6 +410,8 @@ class TandemProvisioner(KernelProvisionerBase):  # type: ignore[misc]
         self._gateway = provisioner_info.get("gateway", "")
         self._keys_dir = provisioner_info.get("keys_dir", "")
         self._cluster_pid = int(provisioner_info.get("cluster_pid", 0))
+        start = provisioner_info.get("cluster_pid_start")
+        self._cluster_pid_start = start if isinstance(start, int) else None
         self._resources = dict(provisioner_info.get("resources", {}))
         self._launched = True
 

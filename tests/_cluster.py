@@ -27,6 +27,7 @@ import pytest
 from services.cluster_file import ClusterNotRunning, ask_sync, cluster_status, read_cluster
 from services.embedded import die_with_parent
 from shared import messages
+from shared.process_signals import read_stat
 from shared.rpc import RpcError, RpcTimeout
 from shared.security import curve
 
@@ -239,14 +240,25 @@ def stop_cluster(handle: ClusterHandle) -> list[int]:
         except subprocess.TimeoutExpired:
             os.killpg(handle.process.pid, signal.SIGKILL)
             handle.process.wait(timeout=10)
-    survivors = []
-    for pid in pids:
+    return [pid for pid in pids if _runs_for(pid, handle.state_dir)]
+
+
+def _runs_for(pid: int, state_dir: Path) -> bool:
+    """Whether ``pid`` is still a live service of the cluster in ``state_dir`` (its command line
+    carries the cluster's configuration): a service that died earlier (a test killed it, tandem up
+    restarted it) may have handed its pid to anyone, which is not a survivor."""
+    if not os.path.isdir("/proc"):
         try:
-            os.kill(pid, 0)
-            survivors.append(pid)
+            os.kill(pid, 0)  # a probe, no signal: where there is no /proc to tell who it is
         except ProcessLookupError:
-            pass
-    return survivors
+            return False
+        return True
+    stat = read_stat(pid)
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return stat is not None and stat.state != "Z" and str(state_dir).encode() in cmdline
 
 
 @contextmanager

@@ -5,7 +5,8 @@ plus ``CUDA_VISIBLE_DEVICES`` / ``TANDEM_GPU_IDS`` (its leased device ids) and t
 the job-side API (``tandem_job``: its directory, id, and the iteration to resume from). It runs at
 the lowest CPU priority (``nice 19`` and, where ``chrt`` exists, ``SCHED_IDLE``, both applied by
 exec wrappers so every thread it ever starts inherits them) so that cells stay interactive on a
-machine with few cores; in its own session, so stopping it signals its whole process group; and
+machine with few cores; in its own session, so stopping it signals its whole process group
+(through a pin, ``shared.process_signals``: never a group that got its number later); and
 under ``setpriv --pdeathsig`` where available, so a local scheduler killed outright takes it along.
 
 Stopping is polite first: the control word ``stop`` (obeyed at the next step boundary by a job
@@ -34,6 +35,7 @@ from typing import Any
 import structlog
 
 from shared.private_files import open_private_file, private_dir
+from shared.process_signals import PinnedProcess
 from tandem_job import CONTROL_FILE, PAUSE, PAUSE_POLL_S, PROGRESS_FILE, RUN, STOP, write_atomically
 from tandem_job.checkpoints import ANNOUNCE_FILE
 
@@ -119,6 +121,7 @@ class JobProcess:
         self.device_ids = list(device_ids)
         self.host_id = host_id
         self.process: asyncio.subprocess.Process | None = None
+        self._pin: PinnedProcess | None = None  # what its signals go through
         self.returncode: int | None = None
         self.stop_requested = False
         self.frozen = False  # paused by SIGSTOP (not at a step boundary)
@@ -170,13 +173,17 @@ class JobProcess:
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
             )
+        self._pin = PinnedProcess.of_child(self.process.pid)
         self.log.info("job_started", pid=self.process.pid, device_ids=self.device_ids)
         self._watcher = asyncio.ensure_future(self._watch())
 
     async def _watch(self) -> None:
         assert self.process is not None
         self.returncode = await self.process.wait()
+        assert self._pin is not None
+        self._pin.reaped()
         self._kill_group(signal.SIGKILL)  # anything the job started goes with it
+        self._pin.close()  # from now on nothing of it is signalled
         self.log.info("job_exited", returncode=self.returncode, stop_requested=self.stop_requested)
         self.exited.set()
 
@@ -281,7 +288,5 @@ class JobProcess:
         self._thaw()
 
     def _kill_group(self, sig: signal.Signals) -> None:
-        if self.process is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, sig)
+        if self._pin is not None:
+            self._pin.signal_group(sig)

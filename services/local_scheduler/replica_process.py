@@ -2,14 +2,15 @@
 
 The replica runs in its own session (``start_new_session=True``) so an ipykernel interrupt's
 ``killpg`` never reaches the local scheduler, and so stopping it can signal its whole process
-group: nothing it started outlives it. Its exit is noticed at once (we await the process), and the
+group: nothing it started outlives it. It is pinned at its start (``shared.process_signals``), so
+neither that group signal nor any other ever reaches a process that got its number after it was
+reaped. Its exit is noticed at once (we await the process), and the
 local scheduler reports it to the global scheduler.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from jupyter_core.paths import secure_write
 from shared.jupyter_wire import DELIMITER
 from shared.kernel_launch import KernelLaunch
 from shared.private_files import open_private_file, private_dir
+from shared.process_signals import PinnedProcess
 from shared.raft.tls import IDENTITY_ENV, MemberIdentity
 from shared.security import curve
 from shared.zmq_drain import DrainingSocket
@@ -92,6 +94,7 @@ class ReplicaProcess:
         self.connection_file = self.data_dir / "connection.json"
         self.log_file = self.data_dir / "replica.log"
         self.process: asyncio.subprocess.Process | ForkedProcess | None = None
+        self._pin: PinnedProcess | None = None  # what its signals go through (None: nothing to signal)
         self.identity: bytes | None = None  # its DEALER identity on our replica ROUTER
         self.raft_address = ""
         self.role: str | None = None
@@ -166,6 +169,7 @@ class ReplicaProcess:
                 env=env,
                 cwd=self.working_dir,
             )
+        self._pin = PinnedProcess.of_child(self.process.pid)
         self.log.info("replica_spawned", pid=self.process.pid, cwd=self.working_dir)
         self._watcher = asyncio.ensure_future(self._watch(on_exit))
 
@@ -187,7 +191,7 @@ class ReplicaProcess:
             log_file=self.log_file,
             cwd=self.working_dir,
         )
-        self.process = runtime.process
+        self.process, self._pin = runtime.process, runtime.pin
         self.log.info("replica_adopted_warm_runtime", pid=self.process.pid)
         self._watcher = asyncio.ensure_future(self._watch(on_exit))
 
@@ -211,6 +215,7 @@ class ReplicaProcess:
             "cwd": self.working_dir,
         }
         self.process = await template.fork(assignment, imports)
+        self._pin = self.process.pin
         self.log.info("replica_forked_from_template", pid=self.process.pid, imports=imports)
         self._watcher = asyncio.ensure_future(self._watch(on_exit))
 
@@ -282,7 +287,11 @@ class ReplicaProcess:
     async def _watch(self, on_exit: Callable[[ReplicaProcess], None]) -> None:
         assert self.process is not None
         self.returncode = await self.process.wait()
+        if self._pin is not None:
+            self._pin.reaped()
         self._kill_group(signal.SIGKILL)  # anything the replica started goes with it
+        if self._pin is not None:
+            self._pin.close()  # from now on nothing of it is signalled
         if not self.registered.done():
             self.registered.set_exception(
                 RuntimeError(f"replica exited with {self.returncode} before registering: {self.log_tail()}")
@@ -399,7 +408,5 @@ class ReplicaProcess:
         return True
 
     def _kill_group(self, sig: signal.Signals) -> None:
-        if self.process is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, sig)
+        if self._pin is not None:
+            self._pin.signal_group(sig)

@@ -24,6 +24,7 @@ import structlog
 
 from services.local_scheduler.warm_pool import end_process
 from shared.private_files import open_private_file, private_dir
+from shared.process_signals import PinnedProcess
 
 log = structlog.get_logger("runtime_template")
 
@@ -35,10 +36,12 @@ class TemplateGone(RuntimeError):
 
 
 class ForkedProcess:
-    """A runtime forked by the template, as ``ReplicaProcess`` sees a process."""
+    """A runtime forked by the template, as ``ReplicaProcess`` sees a process. ``pin``: pinned by
+    the start time the template read before it could reap it (None: it was gone already)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, start_ticks: int | None) -> None:
         self.pid = pid
+        self.pin = PinnedProcess.of_pid(pid, start_ticks=start_ticks)
         self.returncode: int | None = None
         self._done = asyncio.get_running_loop().create_future()
 
@@ -64,8 +67,9 @@ class RuntimeTemplate:
         self.ready: asyncio.Future[float] | None = None
         self.forks = 0
         self._process: asyncio.subprocess.Process | None = None
+        self._pin: PinnedProcess | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._pending: dict[int, asyncio.Future[int]] = {}
+        self._pending: dict[int, asyncio.Future[tuple[int, int | None]]] = {}  # -> (pid, start ticks)
         self._children: dict[int, ForkedProcess] = {}
         self._early_exits: dict[int, int] = {}  # exit lines that came before their fork answer was read
         self._lock = asyncio.Lock()
@@ -96,6 +100,7 @@ class RuntimeTemplate:
                 start_new_session=True,
                 env=self.env,
             )
+        self._pin = PinnedProcess.of_child(self._process.pid)
         self.ready = asyncio.get_running_loop().create_future()
         self._reader = asyncio.ensure_future(self._read(started))
         log.info("runtime_template_started", pid=self._process.pid, imports=self.imports)
@@ -108,8 +113,8 @@ class RuntimeTemplate:
                 if word == "ready" and not self.ready.done():
                     self.ready.set_result(time.monotonic() - started)
                 elif word == "forked":
-                    ident, pid = rest.split()
-                    self._settle(int(ident), int(pid))
+                    ident, pid, *start = rest.split()  # its start ticks: -1 where unknown
+                    self._settle(int(ident), int(pid), int(start[0]) if start and start[0] != "-1" else None)
                 elif word == "failed":
                     ident, _, reason = rest.partition(" ")
                     future = self._pending.pop(int(ident), None)
@@ -125,10 +130,10 @@ class RuntimeTemplate:
         finally:
             self._gone("the runtime template ended")
 
-    def _settle(self, ident: int, pid: int) -> None:
+    def _settle(self, ident: int, pid: int, start_ticks: int | None) -> None:
         future = self._pending.pop(ident, None)
         if future is not None and not future.done():
-            future.set_result(pid)
+            future.set_result((pid, start_ticks))
 
     def _gone(self, reason: str) -> None:
         if self.ready is not None and not self.ready.done():
@@ -153,7 +158,7 @@ class RuntimeTemplate:
         async with self._lock:  # one request line at a time
             self._counter += 1
             ident = self._counter
-            future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            future: asyncio.Future[tuple[int, int | None]] = asyncio.get_running_loop().create_future()
             self._pending[ident] = future
             request = {"id": ident, "imports": imports, "assignment": assignment}
             try:
@@ -162,8 +167,8 @@ class RuntimeTemplate:
             except (BrokenPipeError, ConnectionResetError) as exc:
                 self._pending.pop(ident, None)
                 raise TemplateGone(f"the runtime template is gone: {exc}") from None
-        pid = await asyncio.wait_for(future, FORK_TIMEOUT_S)
-        child = ForkedProcess(pid)
+        pid, start_ticks = await asyncio.wait_for(future, FORK_TIMEOUT_S)
+        child = ForkedProcess(pid, start_ticks)
         early = self._early_exits.pop(pid, None)
         if early is not None:
             child.ended(early)
@@ -176,6 +181,7 @@ class RuntimeTemplate:
         """End of input, then SIGTERM/SIGKILL its group (its runtimes are stopped before this)."""
         if self._process is None:
             return
-        await end_process(self._process)
+        assert self._pin is not None
+        await end_process(self._process, self._pin)
         if self._reader is not None:
             self._reader.cancel()

@@ -36,6 +36,7 @@ from shared.policies.prewarm import (
     reconcile,
 )
 from shared.private_files import open_private_file, private_dir
+from shared.process_signals import PinnedProcess
 
 log = structlog.get_logger("warm_pool")
 
@@ -49,6 +50,7 @@ class WarmRuntime:
 
     def __init__(self, process: asyncio.subprocess.Process, log_file: Path, started: float) -> None:
         self.process = process
+        self.pin = PinnedProcess.of_child(process.pid)  # its signals, also once it is a replica
         self.log_file = log_file
         self.started = started
         self.ready: asyncio.Future[float] = asyncio.get_running_loop().create_future()  # warm-up seconds
@@ -111,7 +113,7 @@ class WarmRuntime:
 
     async def stop(self) -> None:
         """End an unassigned runtime: end of input (it exits), then SIGTERM/SIGKILL its group."""
-        await end_process(self.process)
+        await end_process(self.process, self.pin)
         if self._reader is not None:
             self._reader.cancel()
         with contextlib.suppress(OSError):
@@ -336,19 +338,21 @@ class WarmPool:
             task.cancel()
 
 
-async def end_process(process: asyncio.subprocess.Process) -> None:
-    """End of input (a runtime or a template exits on it), then SIGTERM, then SIGKILL to its group."""
+async def end_process(process: asyncio.subprocess.Process, pin: PinnedProcess) -> None:
+    """End of input (a runtime or a template exits on it), then SIGTERM, then SIGKILL to its group
+    (through ``pin``: never a group that got its number once it was reaped)."""
     if process.stdin is not None and not process.stdin.is_closing():
         process.stdin.close()
     for sig in (None, signal.SIGTERM, signal.SIGKILL):
         if sig is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, sig)
+            pin.signal_group(sig)
         try:
             await asyncio.wait_for(asyncio.shield(process.wait()), STOP_GRACE_S)
-            return
         except TimeoutError:
             continue
+        pin.reaped()
+        pin.close()
+        return
 
 
 def runtime_env(host_id: str) -> dict[str, str]:

@@ -16,7 +16,6 @@ The tests share one cluster and one notebook and run in file order.
 from __future__ import annotations
 
 import json
-import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ if not torch.cuda.is_available():
 import pynvml  # noqa: E402 - only where there is a GPU
 from _cluster import ClusterHandle, running_cluster  # noqa: E402
 from _kernels import CellResult, run, tandem_kernel  # noqa: E402
+from _signals import signal_ours  # noqa: E402
 from jupyter_client import BlockingKernelClient, KernelManager  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -369,7 +369,7 @@ def test_a_replica_restarted_from_its_snapshot_brings_the_model_back_to_the_gpu(
             last = run_ok(kc, TRAIN)
         kernel = next(k for k in cluster.status()["kernels"] if k["id"] == km.kernel_id)
         victim = next(r for r in kernel["replicas"] if r["id"] != last.tandem["replica_id"])
-        os.kill(int(victim["pid"]), signal.SIGKILL)
+        assert signal_ours(int(victim["pid"]), signal.SIGKILL)
 
         def victim_alive(status: dict[str, Any]) -> bool | None:
             kernels = [k for k in status.get("kernels", []) if k["id"] == km.kernel_id]

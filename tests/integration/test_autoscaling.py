@@ -29,6 +29,7 @@ from _cluster import (
     stop_cluster,
 )
 from _kernels import run, tandem_kernel
+from _signals import signal_ours
 from jupyter_client import BlockingKernelClient
 
 from services.embedded import EmbeddedCluster
@@ -210,7 +211,7 @@ def test_hosts_added_by_a_scheduler_are_adopted_by_its_restarted_successor(
     added = {r["host"] for r in start_kernel(cluster, second)["replicas"]}
     assert len(added) == 3 and not added & {"host-0", "host-1", "host-2"}
     processes = json.loads((cluster.state_dir / "cluster.json").read_text())["processes"]
-    os.kill(processes["global-scheduler"], signal.SIGKILL)
+    assert signal_ours(processes["global-scheduler"], signal.SIGKILL)
     back = cluster.wait_for_status(
         lambda s: len(host_ids(s)) == 6 and any(k["id"] == second for k in s["kernels"]),
         "the restarted scheduler seeing all six hosts and the kernel on the added ones",

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from _cluster import ROOT, WITHOUT_HTTP_API, ClusterHandle, eventually, running_cluster
 from _kernels import run, tandem_kernel
+from _signals import signal_ours
 
 # cluster, notebooks and torch imported at the lowest CPU priority: about a minute on an idle
 # machine, three on two cores shared with a dozen busy processes
@@ -214,7 +215,7 @@ def test_jobs_share_the_gpus_cells_leave_idle_fairly(tandem_kernelspec: Path, tm
         )
         assert json.loads(shown)["state"] == "cancelled" and follow_code == 0
         # a restarted arbiter knows every job (its registry is on disk) and hosts report to it again
-        os.kill(cluster.info["processes"]["arbiter"], signal.SIGKILL)
+        assert signal_ours(cluster.info["processes"]["arbiter"], signal.SIGKILL)
         assert eventually(lambda: tandem(cluster, "job", "list", "--json").returncode == 0, timeout=30.0)
         relisted = json.loads(tandem(cluster, "job", "list", "--json").stdout)
         assert {j["job_id"]: j["state"] for j in relisted}[victim] == "cancelled" and len(relisted) == 4

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 import requests
 from _cluster import ClusterHandle, eventually, missing_services, start_cluster, stop_cluster
+from _signals import signal_ours
 
 from services.cli import run_notebook
 
@@ -62,11 +62,11 @@ def test_tandem_up_leaves_no_orphans(tmp_path: Path) -> None:
         len(pids) == 9
     )  # arbiter, serving controller, checkpoint service, scheduler, gateway, 3 hosts, the HTTP API
     # a local scheduler dies hard: tandem up keeps running and still cleans up at the end
-    os.kill(handle.info["processes"]["host-2"], signal.SIGKILL)
+    assert signal_ours(handle.info["processes"]["host-2"], signal.SIGKILL)
     time.sleep(0.5)
     assert handle.process.poll() is None
     # the Kernel Gateway API dies hard: restarted on the same URL, the cluster goes on
-    os.kill(handle.info["processes"]["http-gateway"], signal.SIGKILL)
+    assert signal_ours(handle.info["processes"]["http-gateway"], signal.SIGKILL)
     cluster_file = tmp_path / "state" / "cluster.json"
     assert eventually(
         lambda: (

@@ -15,7 +15,6 @@ round 1. Nothing depends on timing: each step waits for the state that allows th
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 from _cluster import WITHOUT_HTTP_API, ClusterHandle, running_cluster
 from _kernels import run, tandem_kernel
+from _signals import signal_ours
 from test_migration import (
     FAST_HEARTBEAT,
     Notebook,
@@ -76,7 +76,7 @@ def test_a_failed_election_of_a_designated_cell_is_migrated_and_runs_once(
         busy = sorted(r["host"] for r in view["replicas"] if r["host"] != stopped_host)
         settle(cluster)
         others = occupy(cluster, [b, c], busy, tmp_path / "release")
-        os.kill(pid, signal.SIGSTOP)
+        assert signal_ours(pid, signal.SIGSTOP)
         resumed = False
         try:
             outcome: dict[str, object] = {}
@@ -90,7 +90,7 @@ def test_a_failed_election_of_a_designated_cell_is_migrated_and_runs_once(
                 lambda: kernel_view(cluster, a_km.kernel_id)["held_requests"] >= 1,
                 "the cell held after its failed election",
             )
-            os.kill(pid, signal.SIGCONT)
+            signal_ours(pid, signal.SIGCONT)
             resumed = True
             worker.join(timeout=120)
             assert "cell" in outcome, "the cell did not finish"
@@ -101,7 +101,7 @@ def test_a_failed_election_of_a_designated_cell_is_migrated_and_runs_once(
             assert result.tandem["role"] == "executor"
         finally:
             if not resumed:
-                os.kill(pid, signal.SIGCONT)
+                signal_ours(pid, signal.SIGCONT)
             results = [c.release() for c in others]
         assert all(r.status == "ok" for r in results), [r.reply["content"] for r in results]
         report = cluster_status(cluster)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 from _cluster import WITHOUT_HTTP_API, ClusterHandle, running_cluster
 from _kernels import run, tandem_kernel
+from _signals import signal_ours
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ def test_variables_survive_killing_the_executor(tandem_cluster: ClusterHandle) -
     with tandem_kernel() as (_km, kc):
         assert run(kc, "data = {'a': [1, 2, 3]}").status == "ok"
         executor = _executor_pid(kc)
-        os.kill(executor, signal.SIGKILL)
+        assert signal_ours(executor, signal.SIGKILL)
         time.sleep(0.5)
         cell = run(kc, "data['a'].append(4); print(sum(data['a']), os.getpid())", timeout=30)
         assert cell.status == "ok", cell.errors
@@ -89,7 +89,7 @@ def test_one_replica_lost_cells_still_run_and_it_is_replaced_two_lost_fails_fast
         assert len(pids) == 3, pids
         executor = _executor_pid(kc)
         standby = next(p for p in pids if p != executor)
-        os.kill(standby, signal.SIGKILL)
+        assert signal_ours(standby, signal.SIGKILL)
         # The loss itself is what this test is about; a cell racing the scheduler's notice of the
         # exit is test_cell_sent_right_after_a_replica_dies_still_runs.
         _wait_until_scheduler_sees_exit(tandem_cluster, km.kernel_id, standby)
@@ -103,7 +103,7 @@ def test_one_replica_lost_cells_still_run_and_it_is_replaced_two_lost_fails_fast
         # Two of three lost at once: no quorum, and nothing to replace them through.
         survivors = list(replicas)
         for pid in survivors[:2]:
-            os.kill(pid, signal.SIGKILL)
+            assert signal_ours(pid, signal.SIGKILL)
         started = time.monotonic()
         failed = run(kc, "y += 1", timeout=15)
         assert time.monotonic() - started < 10
@@ -135,7 +135,7 @@ def test_cell_sent_right_after_a_replica_dies_still_runs(tandem_cluster: Cluster
             replicas = _replicas(tandem_cluster, km.kernel_id)
             standbys = [pid for pid in replicas if pid != executor]
             victim = next((p for p in standbys if replicas[p]["role"] == "leader"), standbys[0])
-            os.kill(victim, signal.SIGKILL)
+            assert signal_ours(victim, signal.SIGKILL)
             cell = run(kc, "z += 1; print(z)", timeout=30)
             assert cell.status == "ok", cell.reply["content"]
             assert cell.stdout.strip() == "2"

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from _cluster import WITHOUT_HTTP_API, ClusterHandle, running_cluster
 from _kernels import CellResult, run, tandem_kernel
+from _signals import signal_ours
 
 from shared import messages
 
@@ -61,7 +62,7 @@ def gateway_pid(cluster: ClusterHandle) -> int:
 
 def kill_gateway_and_wait_for_its_successor(cluster: ClusterHandle) -> int:
     old = gateway_pid(cluster)
-    os.kill(old, signal.SIGKILL)
+    assert signal_ours(old, signal.SIGKILL)
 
     def restarted() -> bool:
         try:
@@ -143,7 +144,7 @@ def test_a_cell_that_finishes_while_no_gateway_runs_still_answers_its_client(
         time.sleep(1.0)  # the cell is running on its executor
         cluster.process.send_signal(signal.SIGSTOP)  # tandem up cannot restart the gateway yet
         try:
-            os.kill(gateway_pid(cluster), signal.SIGKILL)
+            assert signal_ours(gateway_pid(cluster), signal.SIGKILL)
             wait_for(ran.exists, "the cell to finish while no gateway runs")
             time.sleep(1.0)  # its reply and outputs reach the scheduler, which keeps them
         finally:

@@ -23,6 +23,7 @@ import requests
 import websocket
 from _cluster import ClusterHandle, eventually
 from _front_end import gateway_front_end
+from _signals import signal_ours
 
 from shared import messages
 
@@ -271,7 +272,7 @@ def test_kernels_of_the_api_are_taken_back_after_its_process_crashes(
         ws.close()
     cluster_file = tandem_cluster.state_dir / "cluster.json"
     crashed = json.loads(cluster_file.read_text())["processes"]["http-gateway"]
-    os.kill(crashed, signal.SIGKILL)  # tandem up starts it again on the same URL
+    assert signal_ours(crashed, signal.SIGKILL)  # tandem up starts it again on the same URL
 
     def listed() -> bool:
         if json.loads(cluster_file.read_text())["processes"]["http-gateway"] == crashed:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import queue
 import signal
 import threading
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 from _cluster import WITHOUT_HTTP_API, ClusterHandle, running_cluster
 from _kernels import CellResult, run, tandem_kernel
+from _signals import signal_ours
 from jupyter_client import BlockingKernelClient, KernelManager
 
 from shared import messages
@@ -311,7 +311,7 @@ def test_killing_a_local_scheduler_re_places_its_replicas(
     for km, kc in notebooks:
         settle(small_cluster)
         before[km.kernel_id] = int(run(kc, "print(value)").stdout)
-    os.kill(pid, signal.SIGKILL)
+    assert signal_ours(pid, signal.SIGKILL)
 
     def re_placed() -> bool:
         kernels = {k["id"]: k for k in cluster_status(small_cluster)["kernels"]}
@@ -332,8 +332,7 @@ def test_killing_a_local_scheduler_re_places_its_replicas(
 
 def signal_hosts(pids: list[int], signum: int) -> None:
     for pid in pids:
-        with contextlib.suppress(ProcessLookupError):  # a host killed by an earlier test
-            os.kill(pid, signum)
+        signal_ours(pid, signum)  # not a host killed by an earlier test: its pid may be anyone's now
 
 
 def test_restarting_the_global_scheduler_loses_no_kernel(
@@ -353,7 +352,7 @@ def test_restarting_the_global_scheduler_loses_no_kernel(
         for name, pid in json.loads(cluster_file.read_text())["processes"].items()
         if name.startswith("host-")
     ]
-    os.kill(old_pid, signal.SIGKILL)  # a host died earlier: the restart must not mind
+    assert signal_ours(old_pid, signal.SIGKILL)  # a host died earlier: the restart must not mind
 
     def restarted() -> bool:
         with contextlib.suppress(OSError, ValueError, KeyError):
@@ -418,7 +417,7 @@ def test_a_cell_held_for_a_migration_survives_a_scheduler_restart(
             held_log = small_cluster.state_dir / "scheduler" / "held" / f"{km.kernel_id}.held.log"
             wait_for(held_log.exists, "the held cell written (in the background) to the journal")
             old_pid = json.loads(cluster_file.read_text())["processes"]["global-scheduler"]
-            os.kill(old_pid, signal.SIGKILL)
+            assert signal_ours(old_pid, signal.SIGKILL)
 
             def restored() -> bool:
                 with contextlib.suppress(Exception):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 from _cluster import ClusterHandle, eventually
 from _kernels import CellResult, run, tandem_kernel
+from _signals import signal_ours
 from jupyter_client import BlockingKernelClient
 
 from shared import messages
@@ -273,7 +273,7 @@ def test_a_pinned_kernel_runs_where_its_unpicklable_objects_live_until_that_host
     # the global scheduler dies: the one tandem up starts again learns the pin from the hosts
     cluster_file = tandem_cluster.state_dir / "cluster.json"
     crashed = json.loads(cluster_file.read_text())["processes"]["global-scheduler"]
-    os.kill(crashed, signal.SIGKILL)
+    assert signal_ours(crashed, signal.SIGKILL)
 
     def pin_back() -> bool:
         with contextlib.suppress(Exception):

@@ -7,7 +7,6 @@ designated Raft leader started the cell before its LEAD committed, and each paus
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 from _cluster import WITHOUT_HTTP_API, ClusterHandle, running_cluster
 from _kernels import run, tandem_kernel
+from _signals import signal_ours
 from jupyter_client import BlockingKernelClient
 
 pytestmark = pytest.mark.integration
@@ -51,8 +51,8 @@ def _append(path: Path, line: str) -> str:
 
 
 def _paused(pid: int, seconds: float) -> threading.Timer:
-    os.kill(pid, signal.SIGSTOP)
-    timer = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
+    assert signal_ours(pid, signal.SIGSTOP)
+    timer = threading.Timer(seconds, signal_ours, (pid, signal.SIGCONT))
     timer.start()
     return timer
 
@@ -70,7 +70,7 @@ def _cells_sent_to_paused_executors(kc: BlockingKernelClient, ledger: Path, coun
             cell = run(kc, _append(ledger, f"cell-{i}"), timeout=60)
         finally:
             timer.join()
-            os.kill(executor, signal.SIGCONT)  # never leave a process stopped
+            signal_ours(executor, signal.SIGCONT)  # never leave a process stopped
         answered[f"cell-{i}"] = cell.status
         if cell.status == "ok":
             executor = int(cell.stdout.strip())
@@ -129,7 +129,7 @@ def test_a_cell_whose_executor_is_paused_inside_it_runs_once_and_the_kernel_goes
             timer = _paused(pid, EXECUTOR_SILENCE_S + 2.0)
             worker.join(60)
             timer.join()
-            os.kill(pid, signal.SIGCONT)
+            signal_ours(pid, signal.SIGCONT)
             cell = result["cell"]
             assert cell.status == "error" and cell.reply["content"]["ename"] == "ExecutorLost", cell.reply
             time.sleep(1.5)  # the resumed executor finishes its cell; its DONE and STATE count for nothing

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import zmq.asyncio
+from _signals import signal_ours
 from jupyter_client.session import Session
 
 from shared import messages
@@ -450,7 +451,7 @@ def test_replica_failures_one_tolerated_two_kill_the_kernel(tmp_path: Path) -> N
             pids = {r["id"]: r["pid"] for r in info["replicas"]}
             status = await gw.call(messages.KERNEL_STATUS, {"kernel_id": "k2"})
             executor = status["last_executor"]
-            os.kill(pids[executor], signal.SIGKILL)  # the executor dies; two remain
+            assert signal_ours(pids[executor], signal.SIGKILL)  # the executor dies; two remain
             await asyncio.sleep(1.0)
             status = await gw.call(messages.KERNEL_STATUS, {"kernel_id": "k2"})
             assert status["alive"] and status["state"] == "running"
@@ -464,7 +465,7 @@ def test_replica_failures_one_tolerated_two_kill_the_kernel(tmp_path: Path) -> N
             await asyncio.sleep(1.5)
             survivor = next(r for r in pids if r != executor and pid_alive(pids[r]))
             failed_at = time.monotonic()
-            os.kill(pids[survivor], signal.SIGKILL)
+            assert signal_ours(pids[survivor], signal.SIGKILL)
             got = await gw.collect("k2", long_id, timeout=15)
             assert time.monotonic() - failed_at < 5
             reply = next(m for ch, m in got if ch == "shell")
@@ -495,7 +496,7 @@ def test_request_without_any_answer_is_failed_after_the_deadline(tmp_path: Path)
             info = await gw.start_kernel("k3")
             pids = [r["pid"] for r in info["replicas"]]
             for pid in pids:
-                os.kill(pid, signal.SIGSTOP)
+                assert signal_ours(pid, signal.SIGSTOP)
             try:
                 sent = time.monotonic()
                 got = await gw.collect("k3", gw.execute("k3", "1"), timeout=REQUEST_TIMEOUT_S + 5)
@@ -504,7 +505,7 @@ def test_request_without_any_answer_is_failed_after_the_deadline(tmp_path: Path)
                 assert got[2][1]["content"]["ename"] == "RequestTimeout"
             finally:
                 for pid in pids:
-                    os.kill(pid, signal.SIGCONT)
+                    signal_ours(pid, signal.SIGCONT)
 
     with cluster(tmp_path) as c:
         run(scenario(c))

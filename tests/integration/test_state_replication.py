@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import time
 import uuid
@@ -25,6 +24,7 @@ import pytest
 import xxhash
 from _cluster import WITHOUT_HTTP_API, ClusterHandle, start_cluster, stop_cluster
 from _kernels import CellResult, run, tandem_kernel
+from _signals import signal_ours
 from blake3 import blake3
 from datastore_fixtures import S3_ENV, redis_url, s3_endpoint  # noqa: F401 - fixtures
 from jupyter_client import BlockingKernelClient
@@ -349,7 +349,7 @@ def test_replicas_restarted_one_at_a_time_lose_nothing(
     unknown = cluster.cli("replica", "restart", "no-such-kernel", "r1")
     assert unknown.returncode == 1 and "unknown kernel" in unknown.stderr, unknown.stderr
     for n, replica_id in enumerate(sorted(replicas), start=1):
-        os.kill(int(replicas[replica_id]["pid"]), signal.SIGKILL)
+        assert signal_ours(int(replicas[replica_id]["pid"]), signal.SIGKILL)
         _wait_for(
             lambda rid=replica_id: not _replicas(cluster, kernel_id)[rid]["alive"],  # type: ignore[misc]
             f"the scheduler saw {replica_id} exit",

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from _cluster import ClusterHandle
 from _kernels import run, tandem_kernel
+from _signals import signal_ours
 
 pytestmark = pytest.mark.integration
 
@@ -104,7 +105,7 @@ def test_unstored_variable_is_named_on_the_cell_and_protected_once_the_store_wor
             ran_on = {c.tandem["replica_id"] for c in (made, later, stored, quiet)}
             assert ran_on == {replica}, ran_on  # no executor change: that is the other test
         executor = _pid(kc)
-        os.kill(executor, signal.SIGKILL)
+        assert signal_ours(executor, signal.SIGKILL)
         after = run(kc, "print('got', big.sum(), n, os.getpid())", timeout=30)
         assert after.status == "ok", after.reply["content"]
         total, n, pid = _line(after.stdout, "got")[1:]
@@ -132,7 +133,7 @@ def test_a_tensor_whose_background_image_fails_is_named_and_stored_again(
             quiet = run(kc, "n += 1")
             assert "NOT protected" not in quiet.stdout, quiet.stdout
         executor = _pid(kc)
-        os.kill(executor, signal.SIGKILL)
+        assert signal_ours(executor, signal.SIGKILL)
         after = run(kc, "print('got', big.sum().item(), os.getpid())", timeout=30)
         assert after.status == "ok", after.reply["content"]
         total, pid = _line(after.stdout, "got")[1:]
@@ -150,7 +151,7 @@ def test_next_executor_names_the_variables_that_died_with_the_previous_one(
             assert made.status == "ok" and "'big'" in made.stdout and "'kept'" in made.stdout, made.stdout
             executor = _pid(kc)
             time.sleep(0.3)  # the cell's STATE, listing what it could not store, commits
-            os.kill(executor, signal.SIGKILL)
+            assert signal_ours(executor, signal.SIGKILL)
             after = run(kc, "print('got', 'big' in dir(), kept[0], os.getpid())", timeout=30)
         assert after.status == "ok", after.reply["content"]
         found, first, pid = _line(after.stdout, "got")[1:]
@@ -176,7 +177,7 @@ def test_unstored_variable_is_stored_in_the_background_when_no_cell_follows(
             time.sleep(1.0)  # attempts fail meanwhile, and back off
             restore(tmp)
             time.sleep(4.0)  # the next background attempt (at most 2 s after the last) stores it
-        os.kill(pid, signal.SIGKILL)
+        assert signal_ours(pid, signal.SIGKILL)
         after = run(kc, "print('got', big.sum(), os.getpid())", timeout=30)
         assert after.status == "ok", after.reply["content"]
         total, new_pid = _line(after.stdout, "got")[1:]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import json
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 from _cluster import WITHOUT_HTTP_API, ClusterHandle, eventually, running_cluster
 from _kernels import run, tandem_kernel
+from _signals import signal_ours
 
 from shared import messages
 
@@ -117,7 +117,7 @@ def test_an_idle_kernel_hibernates_and_its_next_cell_finds_its_namespace(
         # no host reports a kernel without replicas: a restarted scheduler knows it from its file
         cluster_file = cluster.state_dir / "cluster.json"
         old_pid = json.loads(cluster_file.read_text())["processes"]["global-scheduler"]
-        os.kill(old_pid, signal.SIGKILL)
+        assert signal_ours(old_pid, signal.SIGKILL)
         assert eventually(lambda: _scheduler_pid(cluster_file) not in (None, old_pid), timeout=30)
         assert eventually(lambda: _state_or_none(cluster, kernel_id) == "hibernated", timeout=30)
         wait_until_pools_ready(cluster)

@@ -9,6 +9,7 @@ committed."""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import socket
 import time
@@ -24,6 +25,7 @@ from _kernels import run, tandem_kernel
 
 from shared import messages
 from shared.envelope import Envelope
+from shared.process_signals import descends_from
 from shared.security import curve
 
 pytestmark = pytest.mark.integration
@@ -36,6 +38,8 @@ ZMTP_GREETING = b"\xff" + b"\x00" * 8 + b"\x7f"
 def _cluster_processes(cluster: ClusterHandle) -> list[psutil.Process]:
     found: dict[int, psutil.Process] = {}
     for pid in cluster.info.get("processes", {}).values():
+        if not descends_from(int(pid), os.getpid()):
+            continue  # a service that died (and was restarted): its pid may be anyone's now
         with contextlib.suppress(psutil.Error):
             proc = psutil.Process(int(pid))
             found[proc.pid] = proc

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _signals import signal_ours
 
 from services import cli
 from services.cluster_file import ClusterNotRunning, read_cluster
@@ -100,6 +101,6 @@ def test_descendants_finds_grandchildren() -> None:
         assert parent.pid in found and len(found) >= 2
     finally:
         for pid in reversed(descendants(parent.pid)):
-            os.kill(pid, 9)
+            signal_ours(pid, 9)
         parent.kill()
         parent.wait()
