@@ -17,7 +17,9 @@ The local scheduler talks to it over stdin/stdout, one JSON or text line each wa
 
 * stdout ``ready <pid>`` once the imports are done;
 * stdin ``{"id": n, "imports": [...], "assignment": {...}}`` (the assignment of
-  ``kernel_replica/warm.py``: argv, env, log_file, cwd) -> stdout ``forked <id> <pid>``, or
+  ``kernel_replica/warm.py``: argv, env, log_file, cwd) -> stdout ``forked <id> <pid> <start>``
+  (``start``: the child's start time, read while this process holds it unreaped, which binds its
+  pid on the local scheduler's replica link; ``-`` where there is no ``/proc``), or
   ``failed <id> <reason>``;
 * stdout ``exit <pid> <returncode>`` when a child ends (negative: the signal that ended it), since
   a forked runtime is this process's child, not the local scheduler's.
@@ -44,6 +46,7 @@ import sysconfig
 from typing import Any
 
 from kernel_replica.warm import become, preload
+from shared.security.peer_credentials import process_start_time
 
 PR_SET_PDEATHSIG = 1
 
@@ -176,7 +179,8 @@ def _handle(request: dict[str, Any], fds: list[int]) -> None:
         return
     if pid == 0:
         _child(request["assignment"], fds)
-    _say(f"forked {ident} {pid}")
+    start = process_start_time(pid)  # before _reap can take the child: its pid is still its own
+    _say(f"forked {ident} {pid} {'-' if start is None else start}")
 
 
 def main(argv: list[str] | None = None) -> int:

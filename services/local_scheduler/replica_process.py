@@ -29,6 +29,7 @@ from shared.kernel_launch import KernelLaunch
 from shared.private_files import open_private_file, private_dir
 from shared.raft.tls import IDENTITY_ENV, MemberIdentity
 from shared.security import curve
+from shared.security.peer_credentials import process_start_time
 from shared.zmq_drain import DrainingSocket
 
 if TYPE_CHECKING:
@@ -116,6 +117,15 @@ class ReplicaProcess:
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
 
+    def start_time(self) -> int | None:
+        """Its process's start time (clock ticks since boot), which binds its pid on the replica
+        link: the template reports a fork's (it alone held that child unreaped); a process of ours
+        is read here, while we hold it unreaped."""
+        if self.process is None:
+            return None
+        reported = getattr(self.process, "start_time", None)
+        return reported if isinstance(reported, int) else process_start_time(self.process.pid)
+
     @property
     def running(self) -> bool:
         return self.process is not None and self.returncode is None
@@ -144,7 +154,10 @@ class ReplicaProcess:
         config_json: str,
         join: bool,
         on_exit: Callable[[ReplicaProcess], None],
+        on_spawned: Callable[[ReplicaProcess], None],
     ) -> None:
+        """A cold start; ``on_spawned`` once its pid is known (it cannot connect before it runs
+        Python's start-up and imports)."""
         self._prepare(join)
         args = self._replica_args(local_scheduler, config_json, join)
         argv = [python or sys.executable, "-m", "kernel_replica", *args]
@@ -166,6 +179,7 @@ class ReplicaProcess:
                 env=env,
                 cwd=self.working_dir,
             )
+        on_spawned(self)
         self.log.info("replica_spawned", pid=self.process.pid, cwd=self.working_dir)
         self._watcher = asyncio.ensure_future(self._watch(on_exit))
 
@@ -177,17 +191,20 @@ class ReplicaProcess:
         config_json: str,
         join: bool,
         on_exit: Callable[[ReplicaProcess], None],
+        on_spawned: Callable[[ReplicaProcess], None],
     ) -> None:
         """Become a pre-warmed runtime of this host's pool (services/local_scheduler/warm_pool.py):
-        the same launch arguments a cold spawn gets, handed to a process that already imported them."""
+        the same launch arguments a cold spawn gets, handed to a process that already imported
+        them (``on_spawned`` before: it connects as soon as it has them)."""
         self._prepare(join)
+        self.process = runtime.process
+        on_spawned(self)
         await runtime.assign(
             argv=self._replica_args(local_scheduler, config_json, join),
             env=self._replica_env(),
             log_file=self.log_file,
             cwd=self.working_dir,
         )
-        self.process = runtime.process
         self.log.info("replica_adopted_warm_runtime", pid=self.process.pid)
         self._watcher = asyncio.ensure_future(self._watch(on_exit))
 
@@ -200,9 +217,11 @@ class ReplicaProcess:
         config_json: str,
         join: bool,
         on_exit: Callable[[ReplicaProcess], None],
+        on_spawned: Callable[[ReplicaProcess], None],
     ) -> None:
         """Become a runtime forked from this host's runtime template (runtime_template.py), the
-        template having imported ``imports`` (a resumed kernel's modules) first."""
+        template having imported ``imports`` (a resumed kernel's modules) first; ``on_spawned``
+        once the template said which pid it got."""
         self._prepare(join)
         assignment = {
             "argv": self._replica_args(local_scheduler, config_json, join),
@@ -211,6 +230,7 @@ class ReplicaProcess:
             "cwd": self.working_dir,
         }
         self.process = await template.fork(assignment, imports)
+        on_spawned(self)
         self.log.info("replica_forked_from_template", pid=self.process.pid, imports=imports)
         self._watcher = asyncio.ensure_future(self._watch(on_exit))
 

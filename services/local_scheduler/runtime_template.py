@@ -37,8 +37,9 @@ class TemplateGone(RuntimeError):
 class ForkedProcess:
     """A runtime forked by the template, as ``ReplicaProcess`` sees a process."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, start_time: int | None = None) -> None:
         self.pid = pid
+        self.start_time = start_time  # as the template read it while it held the child unreaped
         self.returncode: int | None = None
         self._done = asyncio.get_running_loop().create_future()
 
@@ -65,7 +66,7 @@ class RuntimeTemplate:
         self.forks = 0
         self._process: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._pending: dict[int, asyncio.Future[int]] = {}
+        self._pending: dict[int, asyncio.Future[tuple[int, int | None]]] = {}
         self._children: dict[int, ForkedProcess] = {}
         self._early_exits: dict[int, int] = {}  # exit lines that came before their fork answer was read
         self._lock = asyncio.Lock()
@@ -108,8 +109,8 @@ class RuntimeTemplate:
                 if word == "ready" and not self.ready.done():
                     self.ready.set_result(time.monotonic() - started)
                 elif word == "forked":
-                    ident, pid = rest.split()
-                    self._settle(int(ident), int(pid))
+                    ident, pid, start = rest.split()
+                    self._settle(int(ident), (int(pid), int(start) if start.isdigit() else None))
                 elif word == "failed":
                     ident, _, reason = rest.partition(" ")
                     future = self._pending.pop(int(ident), None)
@@ -125,7 +126,7 @@ class RuntimeTemplate:
         finally:
             self._gone("the runtime template ended")
 
-    def _settle(self, ident: int, pid: int) -> None:
+    def _settle(self, ident: int, pid: tuple[int, int | None]) -> None:
         future = self._pending.pop(ident, None)
         if future is not None and not future.done():
             future.set_result(pid)
@@ -153,7 +154,7 @@ class RuntimeTemplate:
         async with self._lock:  # one request line at a time
             self._counter += 1
             ident = self._counter
-            future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            future: asyncio.Future[tuple[int, int | None]] = asyncio.get_running_loop().create_future()
             self._pending[ident] = future
             request = {"id": ident, "imports": imports, "assignment": assignment}
             try:
@@ -162,8 +163,8 @@ class RuntimeTemplate:
             except (BrokenPipeError, ConnectionResetError) as exc:
                 self._pending.pop(ident, None)
                 raise TemplateGone(f"the runtime template is gone: {exc}") from None
-        pid = await asyncio.wait_for(future, FORK_TIMEOUT_S)
-        child = ForkedProcess(pid)
+        pid, start_time = await asyncio.wait_for(future, FORK_TIMEOUT_S)
+        child = ForkedProcess(pid, start_time)
         early = self._early_exits.pop(pid, None)
         if early is not None:
             child.ended(early)

@@ -1,0 +1,112 @@
+"""The replica link's admission policy over ipc (shared/security/peer_credentials.py): only a
+process the local scheduler spawned, still the same process, as the replica it was spawned as."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.security.peer_credentials import (
+    Admit,
+    PeerCredentials,
+    Refuse,
+    SpawnedPeers,
+    Wait,
+    parse_peer_address,
+    process_start_time,
+)
+
+UID = 1000
+PRINCIPAL = "replica.k1/r1"
+
+
+def _started_at(ticks: int | None) -> object:
+    return lambda pid: ticks
+
+
+def test_an_ipc_peer_address_is_read_as_uid_gid_pid() -> None:
+    assert parse_peer_address("localhost:1000:100:4242") == PeerCredentials(1000, 100, 4242)
+
+
+@given(st.text())
+def test_anything_but_ipc_credentials_is_not_read_as_a_peer(address: str) -> None:
+    peer = parse_peer_address(address)
+    if peer is not None:  # only <host>:<uid>:<gid>:<pid>, in ASCII decimal, pid > 0
+        assert [int(part) for part in address.rsplit(":", 3)[1:]] == [peer.uid, peer.gid, peer.pid]
+        assert address.rsplit(":", 3)[3].isascii() and peer.pid > 0
+
+
+def test_a_tcp_peer_address_is_refused() -> None:
+    peers = SpawnedPeers(UID)
+    peers.allow(4242, PRINCIPAL, 7)
+    decision = peers.decide("127.0.0.1", _started_at(7))  # type: ignore[arg-type]
+    assert isinstance(decision, Refuse) and "no peer credentials" in decision.reason
+
+
+def test_the_spawned_pid_is_admitted_as_its_replica() -> None:
+    peers = SpawnedPeers(UID)
+    peers.allow(4242, PRINCIPAL, 7)
+    assert peers.decide(f"localhost:{UID}:100:4242", _started_at(7)) == Admit(PRINCIPAL)  # type: ignore[arg-type]
+
+
+def test_another_pid_of_the_same_user_is_refused() -> None:
+    peers = SpawnedPeers(UID)
+    peers.allow(4242, PRINCIPAL, 7)
+    decision = peers.decide(f"localhost:{UID}:100:4243", _started_at(7))  # type: ignore[arg-type]
+    assert isinstance(decision, Refuse) and "pid 4243 is not a replica" in decision.reason
+
+
+def test_the_spawned_pid_under_another_uid_is_refused() -> None:
+    peers = SpawnedPeers(UID)
+    peers.allow(4242, PRINCIPAL, 7)
+    decision = peers.decide("localhost:0:0:4242", _started_at(7))  # type: ignore[arg-type]
+    assert isinstance(decision, Refuse) and "uid 0" in decision.reason
+
+
+def test_a_reused_pid_is_refused_by_its_start_time() -> None:
+    peers = SpawnedPeers(UID)
+    peers.allow(4242, PRINCIPAL, 7)
+    decision = peers.decide(f"localhost:{UID}:100:4242", _started_at(9))  # type: ignore[arg-type]
+    assert isinstance(decision, Refuse) and "pid reused" in decision.reason
+    gone = peers.decide(f"localhost:{UID}:100:4242", _started_at(None))  # type: ignore[arg-type]
+    assert isinstance(gone, Refuse)
+
+
+def test_a_pid_is_refused_once_its_exit_was_seen() -> None:
+    peers = SpawnedPeers(UID)
+    peers.allow(4242, PRINCIPAL, 7)
+    peers.forget(4242, PRINCIPAL)
+    assert isinstance(peers.decide(f"localhost:{UID}:100:4242", _started_at(7)), Refuse)  # type: ignore[arg-type]
+
+
+def test_the_exit_of_an_earlier_holder_of_the_pid_does_not_forget_the_new_one() -> None:
+    peers = SpawnedPeers(UID)
+    peers.allow(4242, "replica.k2/r3", 8)
+    peers.forget(4242, PRINCIPAL)
+    assert peers.decide(f"localhost:{UID}:100:4242", _started_at(8)) == Admit("replica.k2/r3")  # type: ignore[arg-type]
+
+
+def test_an_unknown_pid_waits_only_while_a_start_is_under_way() -> None:
+    peers = SpawnedPeers(UID)
+    peers.start_began()
+    assert isinstance(peers.decide(f"localhost:{UID}:100:4242", _started_at(7)), Wait)  # type: ignore[arg-type]
+    peers.allow(4242, PRINCIPAL, 7)
+    assert peers.decide(f"localhost:{UID}:100:4242", _started_at(7)) == Admit(PRINCIPAL)  # type: ignore[arg-type]
+    peers.start_ended()
+    assert isinstance(peers.decide(f"localhost:{UID}:100:4243", _started_at(7)), Refuse)  # type: ignore[arg-type]
+
+
+def test_a_process_start_time_is_stable_and_differs_between_processes() -> None:
+    mine = process_start_time(os.getpid())
+    assert mine is not None and mine == process_start_time(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    try:
+        theirs = process_start_time(child.pid)
+        assert theirs is not None and theirs >= mine
+    finally:
+        child.wait()
+    assert process_start_time(child.pid) is None  # reaped: no such process
