@@ -1,4 +1,6 @@
-"""CurveZMQ keys and peer authentication for the service links (gateway, schedulers, replicas).
+"""CurveZMQ keys and peer authentication for the service links (gateway, schedulers, replicas),
+and the ZAP handler that also admits a local scheduler's ipc replicas by their kernel-reported
+credentials (``shared.security.peer_credentials``).
 
 Why CurveZMQ: every service link is ZMQ already, and CURVE gives each one mutual authentication
 and encryption with no extra transport; pyzmq ships the keypair files (``zmq.auth``) and the ZAP
@@ -215,8 +217,9 @@ def client_curve(keys_dir: Path, name: str, server: str) -> ClientCurve:
     return ClientCurve(load_secret(keys_dir, name), load(keys_dir, server).public)
 
 
-# A replica's keys on the link to its local scheduler travel in its environment (readable only by
-# its own user, unlike its command line), never in a file.
+# A replica's keys on a tcp link to its local scheduler (where the OS reports no peer pid, so the
+# link cannot be ipc: services/local_scheduler/replica_link.py) travel in its environment
+# (readable only by its own user, unlike its command line), never in a file.
 LINK_ENV = ("TANDEM_LINK_PUBLIC", "TANDEM_LINK_SECRET", "TANDEM_LINK_SERVER")
 
 
