@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.security.peer_credentials import (
     Admit,
+    Decision,
     PeerCredentials,
     Refuse,
     SpawnedPeers,
@@ -24,8 +26,19 @@ UID = 1000
 PRINCIPAL = "replica.k1/r1"
 
 
-def _started_at(ticks: int | None) -> object:
+def _started_at(ticks: int | None) -> Callable[[int], int | None]:
     return lambda pid: ticks
+
+
+def _spawned() -> SpawnedPeers:
+    """A local scheduler's view with one replica spawned: pid 4242, started at tick 7."""
+    peers = SpawnedPeers(UID)
+    peers.allow(4242, PRINCIPAL, 7)
+    return peers
+
+
+def _decide(peers: SpawnedPeers, pid: int, *, uid: int = UID, started: int | None = 7) -> Decision:
+    return peers.decide(f"localhost:{uid}:100:{pid}", _started_at(started))
 
 
 def test_an_ipc_peer_address_is_read_as_uid_gid_pid() -> None:
@@ -41,63 +54,51 @@ def test_anything_but_ipc_credentials_is_not_read_as_a_peer(address: str) -> Non
 
 
 def test_a_tcp_peer_address_is_refused() -> None:
-    peers = SpawnedPeers(UID)
-    peers.allow(4242, PRINCIPAL, 7)
-    decision = peers.decide("127.0.0.1", _started_at(7))  # type: ignore[arg-type]
+    decision = _spawned().decide("127.0.0.1", _started_at(7))
     assert isinstance(decision, Refuse) and "no peer credentials" in decision.reason
 
 
 def test_the_spawned_pid_is_admitted_as_its_replica() -> None:
-    peers = SpawnedPeers(UID)
-    peers.allow(4242, PRINCIPAL, 7)
-    assert peers.decide(f"localhost:{UID}:100:4242", _started_at(7)) == Admit(PRINCIPAL)  # type: ignore[arg-type]
+    assert _decide(_spawned(), 4242) == Admit(PRINCIPAL)
 
 
 def test_another_pid_of_the_same_user_is_refused() -> None:
-    peers = SpawnedPeers(UID)
-    peers.allow(4242, PRINCIPAL, 7)
-    decision = peers.decide(f"localhost:{UID}:100:4243", _started_at(7))  # type: ignore[arg-type]
+    decision = _decide(_spawned(), 4243)
     assert isinstance(decision, Refuse) and "pid 4243 is not a replica" in decision.reason
 
 
 def test_the_spawned_pid_under_another_uid_is_refused() -> None:
-    peers = SpawnedPeers(UID)
-    peers.allow(4242, PRINCIPAL, 7)
-    decision = peers.decide("localhost:0:0:4242", _started_at(7))  # type: ignore[arg-type]
+    decision = _decide(_spawned(), 4242, uid=0)
     assert isinstance(decision, Refuse) and "uid 0" in decision.reason
 
 
 def test_a_reused_pid_is_refused_by_its_start_time() -> None:
-    peers = SpawnedPeers(UID)
-    peers.allow(4242, PRINCIPAL, 7)
-    decision = peers.decide(f"localhost:{UID}:100:4242", _started_at(9))  # type: ignore[arg-type]
+    decision = _decide(_spawned(), 4242, started=9)
     assert isinstance(decision, Refuse) and "pid reused" in decision.reason
-    gone = peers.decide(f"localhost:{UID}:100:4242", _started_at(None))  # type: ignore[arg-type]
-    assert isinstance(gone, Refuse)
+    assert isinstance(_decide(_spawned(), 4242, started=None), Refuse)  # no such process now
 
 
 def test_a_pid_is_refused_once_its_exit_was_seen() -> None:
-    peers = SpawnedPeers(UID)
-    peers.allow(4242, PRINCIPAL, 7)
+    peers = _spawned()
     peers.forget(4242, PRINCIPAL)
-    assert isinstance(peers.decide(f"localhost:{UID}:100:4242", _started_at(7)), Refuse)  # type: ignore[arg-type]
+    assert isinstance(_decide(peers, 4242), Refuse)
 
 
 def test_the_exit_of_an_earlier_holder_of_the_pid_does_not_forget_the_new_one() -> None:
     peers = SpawnedPeers(UID)
     peers.allow(4242, "replica.k2/r3", 8)
     peers.forget(4242, PRINCIPAL)
-    assert peers.decide(f"localhost:{UID}:100:4242", _started_at(8)) == Admit("replica.k2/r3")  # type: ignore[arg-type]
+    assert _decide(peers, 4242, started=8) == Admit("replica.k2/r3")
 
 
 def test_an_unknown_pid_waits_only_while_a_start_is_under_way() -> None:
     peers = SpawnedPeers(UID)
     peers.start_began()
-    assert isinstance(peers.decide(f"localhost:{UID}:100:4242", _started_at(7)), Wait)  # type: ignore[arg-type]
+    assert isinstance(_decide(peers, 4242), Wait)
     peers.allow(4242, PRINCIPAL, 7)
-    assert peers.decide(f"localhost:{UID}:100:4242", _started_at(7)) == Admit(PRINCIPAL)  # type: ignore[arg-type]
+    assert _decide(peers, 4242) == Admit(PRINCIPAL)
     peers.start_ended()
-    assert isinstance(peers.decide(f"localhost:{UID}:100:4243", _started_at(7)), Refuse)  # type: ignore[arg-type]
+    assert isinstance(_decide(peers, 4243), Refuse)
 
 
 def test_a_process_start_time_is_stable_and_differs_between_processes() -> None:
