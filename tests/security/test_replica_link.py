@@ -12,6 +12,7 @@ import stat
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -154,3 +155,99 @@ def test_a_replica_may_send_only_for_itself(tandem_cluster: ClusterHandle) -> No
         assert all(r["alive"] for r in kernel["replicas"])
         text = "\n".join(tandem_cluster.log_text(h) for h in paths)
         assert "may not speak for replica" in text and "may not use the routing identity" in text
+
+
+# ---- the link's shell alone, without a cluster ----------------------------------------------------
+
+_CHILD = """
+import sys, zmq, msgpack
+from shared import messages
+from shared.envelope import Envelope, decode
+sock = zmq.Context().socket(zmq.DEALER)
+sock.linger = 0
+sock.identity = b"k1/r1/child"
+sock.connect(sys.argv[1])
+body = {"kernel_id": "k1", "replica_id": "r1", "event": "elected", "msg_id": "m1", "detail": {}}
+sock.send(Envelope(messages.REPLICA_EVENT, body).encode())
+print(decode(sock.recv()).type if sock.poll(3000) else "silence", flush=True)
+"""
+
+
+def _link(state_dir: Path) -> Any:
+    import zmq.asyncio
+
+    from services.local_scheduler.replica_link import ReplicaLink
+    from services.local_scheduler.service import LocalScheduler
+    from shared.security import curve
+
+    return ReplicaLink(
+        zmq.asyncio.Context(),
+        host_keys=curve.new_keypair(),
+        handler=lambda identity, env: env.reply({}),
+        authorize=LocalScheduler._authorize_replica,
+        name="test-link",
+        state_dir=state_dir,
+        default_ip="127.0.0.1",
+    )
+
+
+async def _child_outcome(link: Any, *, name_it_after_s: float | None) -> str:
+    """A process connects while a start is under way; its launcher names its pid after
+    ``name_it_after_s`` (None: never, and the start ends)."""
+    import asyncio
+    import sys
+
+    from shared.security.peer_credentials import process_start_time
+
+    link.start_began()
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _CHILD, link.server.address, stdout=asyncio.subprocess.PIPE
+    )
+    if name_it_after_s is None:
+        await asyncio.sleep(0.2)
+        link.start_ended()
+    else:
+        await asyncio.sleep(name_it_after_s)  # it has connected and waits at ZAP by now
+        link.peers.allow(child.pid, "replica.k1/r1", process_start_time(child.pid))
+        link.start_ended()
+    out, _ = await child.communicate()
+    return out.decode().strip()
+
+
+def test_a_spawned_process_that_connects_before_its_pid_is_known_is_admitted_once_named(
+    tmp_path: Path,
+) -> None:
+    """A warm or forked runtime can connect before its launcher has read its pid: its handshake
+    waits for the start instead of being refused (ZMQ never retries a refused handshake). A
+    process nobody names is refused, and its message never reaches the handler."""
+    import asyncio
+
+    async def scenario() -> tuple[str, str, int]:
+        link = _link(tmp_path / "state")
+        link.bind()
+        link.server.start()
+        try:
+            admitted = await _child_outcome(link, name_it_after_s=0.8)
+            refused = await _child_outcome(link, name_it_after_s=None)
+            return admitted, refused, link._authority.refused
+        finally:
+            await link.close()
+
+    admitted, refused, refusals = asyncio.run(scenario())
+    assert (admitted, refused, refusals) == (messages.REPLY, "silence", 1)
+
+
+def test_a_state_dir_too_deep_for_a_socket_path_gets_a_private_temporary_directory(tmp_path: Path) -> None:
+    import asyncio
+
+    async def scenario() -> None:
+        link = _link(tmp_path / ("deep" * 30))
+        link.bind()
+        path = link.socket_path
+        assert path is not None and len(str(path)) < 100
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        await link.close()
+        assert not path.parent.exists()
+
+    asyncio.run(scenario())
