@@ -65,7 +65,7 @@ class ReplicaLink:
         self._name = name
         self._state_dir = state_dir
         self._default_ip = default_ip
-        self.peers = SpawnedPeers(os.getuid())  # ipc: the processes spawned as replicas
+        self.peers = SpawnedPeers(os.getuid(), os.getpid())  # ipc: the processes spawned as replicas
         self._keys = curve.PeerDirectory()  # tcp: the keys minted for replicas
         self._authority: curve.CurveAuthority | None = None
         self._server: RpcServer | None = None

@@ -207,6 +207,8 @@ class LocalScheduler:
         if self.template is not None:
             try:
                 await self.template.start()
+                if self.template.pid is not None:  # its forks are replicas this host spawned
+                    self._link.peers.add_launcher(self.template.pid)
             except OSError as exc:  # replica starts go on without it (warm pool, or cold)
                 self.log.error("runtime_template_not_started", reason=str(exc))
         if self._checkpoints is not None:

@@ -49,7 +49,7 @@ from shared.security.peer_credentials import (
     Admit,
     Refuse,
     SpawnedPeers,
-    process_start_time,
+    process_stat,
 )
 
 log = structlog.get_logger("security")
@@ -324,10 +324,10 @@ class _Authenticator(ThreadAuthenticator):
             self._refuse(request_id, domain, "a peer without CURVE keys, on a link that needs them")
             return
         deadline = time.monotonic() + PENDING_WAIT_S
-        decision = peers.decide(address, process_start_time)
+        decision = peers.decide(address, process_stat)
         while not isinstance(decision, Admit | Refuse) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)  # a start under way: its launcher is about to name its pid
-            decision = peers.decide(address, process_start_time)
+            decision = peers.decide(address, process_stat)
         if isinstance(decision, Admit):
             self._send_zap_reply(request_id, b"200", b"OK", decision.principal)
         else:

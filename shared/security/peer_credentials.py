@@ -53,6 +53,14 @@ def parse_peer_address(address: str) -> PeerCredentials | None:
 
 
 @dataclass(frozen=True, slots=True)
+class ProcessStat:
+    """What ``/proc/<pid>/stat`` says of a live process that matters here."""
+
+    parent: int  # its parent's pid
+    start_time: int  # clock ticks since boot
+
+
+@dataclass(frozen=True, slots=True)
 class Admit:
     principal: str
 
@@ -81,12 +89,18 @@ class _Spawned:
 class SpawnedPeers:
     """pid -> the replica principal it was spawned as, for the processes a local scheduler
     started and has not seen end. Written on the event loop, read by the ZAP thread (single
-    dict operations, atomic under the GIL)."""
+    dict operations, atomic under the GIL). ``launcher``: the local scheduler's pid; a process
+    started by another launcher of its (its runtime template) is admitted the same way."""
 
-    def __init__(self, uid: int) -> None:
+    def __init__(self, uid: int, launcher: int) -> None:
         self._uid = uid
+        self._launchers = {launcher}
         self._by_pid: dict[int, _Spawned] = {}
         self._starting = 0
+
+    def add_launcher(self, pid: int) -> None:
+        """A process that starts replicas for the local scheduler (its runtime template)."""
+        self._launchers.add(pid)
 
     def allow(self, pid: int, principal: str, start_time: int | None) -> None:
         self._by_pid[pid] = _Spawned(principal, start_time)
@@ -103,9 +117,12 @@ class SpawnedPeers:
     def start_ended(self) -> None:
         self._starting = max(self._starting - 1, 0)
 
-    def decide(self, address: str, start_time_of: Callable[[int], int | None]) -> Decision:
+    def decide(self, address: str, stat_of: Callable[[int], ProcessStat | None]) -> Decision:
         """Whether the peer at ``address`` (the ZAP address of an IPC connection) is admitted,
-        and as whom; ``start_time_of(pid)`` reads a live process's start time (None: gone)."""
+        and as whom; ``stat_of(pid)`` reads a live process's parent and start time (None: gone).
+        An unknown pid waits only while a start is under way and only if one of this local
+        scheduler's launchers is its parent (a just-spawned replica whose pid is not recorded
+        yet); anything else, a process a notebook cell started for one, is refused at once."""
         peer = parse_peer_address(address)
         if peer is None:
             return Refuse(f"no peer credentials in the address {address!r} (not an ipc peer?)")
@@ -116,11 +133,17 @@ class SpawnedPeers:
         spawned = self._by_pid.get(peer.pid)
         if spawned is None:
             reason = f"pid {peer.pid} is not a replica this local scheduler started"
-            return Wait(reason) if self._starting > 0 else Refuse(reason)
-        if spawned.start_time is not None and start_time_of(peer.pid) != spawned.start_time:
-            return Refuse(
-                f"pid {peer.pid} is no longer the process started as {spawned.principal} (it ended; pid reused)"
-            )
+            if self._starting > 0:
+                stat = stat_of(peer.pid)
+                if stat is not None and stat.parent in self._launchers:
+                    return Wait(reason)
+            return Refuse(reason)
+        if spawned.start_time is not None:
+            stat = stat_of(peer.pid)
+            if stat is None or stat.start_time != spawned.start_time:
+                return Refuse(
+                    f"pid {peer.pid} is no longer the process started as {spawned.principal} (it ended; pid reused)"
+                )
         return Admit(spawned.principal)
 
 
@@ -136,9 +159,9 @@ class ServerPeerCredentials:
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
-def process_start_time(pid: int) -> int | None:
-    """The start time of process ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field
-    22), None if there is no such process (or no ``/proc``)."""
+def process_stat(pid: int) -> ProcessStat | None:
+    """The parent and start time of process ``pid`` (``/proc/<pid>/stat`` fields 4 and 22), None
+    if there is no such process (or no ``/proc``)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             stat = handle.read()
@@ -147,9 +170,14 @@ def process_start_time(pid: int) -> int | None:
     # the command name (field 2) is in parentheses and may hold spaces and ')': fields after the last ')'
     fields = stat[stat.rfind(b")") + 2 :].split()
     try:
-        return int(fields[19])
+        return ProcessStat(parent=int(fields[1]), start_time=int(fields[19]))
     except (IndexError, ValueError):
         return None
+
+
+def process_start_time(pid: int) -> int | None:
+    stat = process_stat(pid)
+    return stat.start_time if stat is not None else None
 
 
 def ipc_peer_credentials_supported() -> bool:

@@ -15,30 +15,37 @@ from shared.security.peer_credentials import (
     Admit,
     Decision,
     PeerCredentials,
+    ProcessStat,
     Refuse,
     SpawnedPeers,
     Wait,
     parse_peer_address,
     process_start_time,
+    process_stat,
 )
 
 UID = 1000
 PRINCIPAL = "replica.k1/r1"
 
 
-def _started_at(ticks: int | None) -> Callable[[int], int | None]:
-    return lambda pid: ticks
+LAUNCHER = 100  # the local scheduler's pid
+
+
+def _started_at(ticks: int | None, parent: int = LAUNCHER) -> Callable[[int], ProcessStat | None]:
+    return lambda pid: None if ticks is None else ProcessStat(parent, ticks)
 
 
 def _spawned() -> SpawnedPeers:
     """A local scheduler's view with one replica spawned: pid 4242, started at tick 7."""
-    peers = SpawnedPeers(UID)
+    peers = SpawnedPeers(UID, LAUNCHER)
     peers.allow(4242, PRINCIPAL, 7)
     return peers
 
 
-def _decide(peers: SpawnedPeers, pid: int, *, uid: int = UID, started: int | None = 7) -> Decision:
-    return peers.decide(f"localhost:{uid}:100:{pid}", _started_at(started))
+def _decide(
+    peers: SpawnedPeers, pid: int, *, uid: int = UID, started: int | None = 7, parent: int = LAUNCHER
+) -> Decision:
+    return peers.decide(f"localhost:{uid}:100:{pid}", _started_at(started, parent))
 
 
 def test_an_ipc_peer_address_is_read_as_uid_gid_pid() -> None:
@@ -85,20 +92,29 @@ def test_a_pid_is_refused_once_its_exit_was_seen() -> None:
 
 
 def test_the_exit_of_an_earlier_holder_of_the_pid_does_not_forget_the_new_one() -> None:
-    peers = SpawnedPeers(UID)
+    peers = SpawnedPeers(UID, LAUNCHER)
     peers.allow(4242, "replica.k2/r3", 8)
     peers.forget(4242, PRINCIPAL)
     assert _decide(peers, 4242, started=8) == Admit("replica.k2/r3")
 
 
-def test_an_unknown_pid_waits_only_while_a_start_is_under_way() -> None:
-    peers = SpawnedPeers(UID)
+def test_an_unknown_child_of_a_launcher_waits_only_while_a_start_is_under_way() -> None:
+    peers = SpawnedPeers(UID, LAUNCHER)
     peers.start_began()
     assert isinstance(_decide(peers, 4242), Wait)
     peers.allow(4242, PRINCIPAL, 7)
     assert _decide(peers, 4242) == Admit(PRINCIPAL)
     peers.start_ended()
     assert isinstance(_decide(peers, 4243), Refuse)
+
+
+def test_a_process_no_launcher_started_is_refused_at_once_even_during_a_start() -> None:
+    """A process a notebook cell started (its parent is the replica) does not hold up ZAP."""
+    peers = _spawned()
+    peers.start_began()
+    assert isinstance(_decide(peers, 5000, parent=4242), Refuse)
+    peers.add_launcher(4242)  # a runtime template's forks wait like the local scheduler's own
+    assert isinstance(_decide(peers, 5000, parent=4242), Wait)
 
 
 def test_a_process_start_time_is_stable_and_differs_between_processes() -> None:
@@ -111,3 +127,12 @@ def test_a_process_start_time_is_stable_and_differs_between_processes() -> None:
     finally:
         child.wait()
     assert process_start_time(child.pid) is None  # reaped: no such process
+
+
+def test_a_process_stat_names_its_parent() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    try:
+        stat = process_stat(child.pid)
+        assert stat is not None and stat.parent == os.getpid()
+    finally:
+        child.wait()
