@@ -125,7 +125,7 @@ class ReplicaLink:
     def prepare(self, replica: ReplicaProcess) -> None:
         """Before its launch: a tcp link mints the replica's keys (its environment carries them)."""
         if not self.ipc:
-            replica.server_public = self._host_keys.public
+            replica.link_keys, replica.server_public = curve.new_keypair(), self._host_keys.public
             self._keys.allow(replica.link_keys.public, _principal(replica))
 
     def start_began(self) -> None:
@@ -146,7 +146,8 @@ class ReplicaLink:
         principal = _principal(replica)
         if replica.pid is not None:
             self.peers.forget(replica.pid, principal)
-        self._keys.forget(replica.link_keys.public)
+        if replica.link_keys is not None:
+            self._keys.forget(replica.link_keys.public)
 
     async def close(self) -> None:
         if self._server is not None:

@@ -108,9 +108,9 @@ class ReplicaProcess:
         self._sockets: dict[str, DrainingSocket] = {}
         self._watcher: asyncio.Task[None] | None = None
         self.log = structlog.get_logger("replica").bind(host=host_id, kernel=kernel_id, replica=replica_id)
-        # its CURVE keys on the link to this local scheduler (shared/security/curve.py), and the
-        # local scheduler's public key it must find there; handed over in its environment
-        self.link_keys = curve.new_keypair()
+        # on a tcp link to this local scheduler (replica_link.py): its CURVE keys and the local
+        # scheduler's public key it must find there, handed over in its environment; None on ipc
+        self.link_keys: curve.Keypair | None = None
         self.server_public = b""
 
     @property
@@ -249,7 +249,7 @@ class ReplicaProcess:
             "TANDEM_HOST_ID": self.host_id,
             "TANDEM_KERNEL_GPUS": str(int(self.resources.get("gpus", 0))),  # what it asks gpu.commit for
         }
-        if self.server_public:
+        if self.link_keys is not None:
             env |= curve.link_env(self.link_keys, self.server_public)
         if self.raft_identity is not None:
             env[IDENTITY_ENV] = self.raft_identity
