@@ -17,8 +17,9 @@ The local scheduler talks to it over stdin/stdout, one JSON or text line each wa
 
 * stdout ``ready <pid>`` once the imports are done;
 * stdin ``{"id": n, "imports": [...], "assignment": {...}}`` (the assignment of
-  ``kernel_replica/warm.py``: argv, env, log_file, cwd) -> stdout ``forked <id> <pid> <start ticks>`` (``/proc/<pid>/stat``'s
-  start time, -1 where unknown: the local scheduler pins the pid with it), or
+  ``kernel_replica/warm.py``: argv, env, log_file, cwd) -> stdout ``forked <id> <pid> <start ticks>``
+  (``/proc/<pid>/stat``'s start time, read while this process holds the child unreaped, -1 where
+  unknown: the local scheduler pins the pid with it, and binds it on the replica link), or
   ``failed <id> <reason>``;
 * stdout ``exit <pid> <returncode>`` when a child ends (negative: the signal that ended it), since
   a forked runtime is this process's child, not the local scheduler's.

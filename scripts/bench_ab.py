@@ -56,15 +56,16 @@ SIDES = ("a", "b")
 READY_TIMEOUT_S = 120.0
 
 
-# What --without-security changes in that side's temporary worktree (never in a commit): no CURVE
-# and no authorisation on the service links but the gateway's lifecycle API (this process's
-# provisioner keeps its operator key), no TLS on the Raft links. (file, anchor, replacement)
+# What --without-security changes in that side's temporary worktree (never in a commit): no CURVE,
+# no peer-credential check (a local scheduler's ipc replica link) and no authorisation on the
+# service links but the gateway's lifecycle API (this process's provisioner keeps its operator
+# key), no TLS on the Raft links. (file, anchor, replacement)
 _STRIP_SECURITY = (
     (
         "shared/rpc.py",
         "        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)\n",
         "        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)\n"
-        '        if name != "gateway-api":\n            curve = authorize = None\n',
+        '        if name != "gateway-api":\n            curve = authorize = peer_credentials = None\n',
     ),
     (
         "shared/rpc.py",

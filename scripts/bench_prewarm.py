@@ -103,7 +103,7 @@ async def bench(starts: int, imports: list[str]) -> dict[str, Any]:
             make_config(state, warm=True, imports=imports), host_id="warm-host", scheduler_address=address
         )
         for ls in (cold, warm):
-            ls.bind("tcp://127.0.0.1:0")
+            ls.bind()
         services = [asyncio.ensure_future(s.run(stop)) for s in (gs, cold, warm)]
         cold_s: list[float] = []
         warm_s: list[float] = []

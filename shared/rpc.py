@@ -21,7 +21,7 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import zmq
@@ -30,6 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 from shared import messages
 from shared.envelope import Envelope, EnvelopeError, decode
 from shared.security.curve import ClientCurve, CurveAuthority, ServerCurve, server_curve
+from shared.security.peer_credentials import ServerPeerCredentials
 from shared.zmq_drain import DrainingSocket
 
 log = structlog.get_logger("rpc")
@@ -125,19 +126,23 @@ class RpcServer:
         name: str,
         mandatory: bool = False,
         curve: ServerCurve | None = None,
+        peer_credentials: ServerPeerCredentials | None = None,
         authorize: Authorizer | None = None,
     ) -> None:
         """``mandatory``: a push to a peer not connected now fails (``send`` returns False)
         instead of vanishing, for a caller that keeps what it could not deliver.
 
         ``curve``: only clients whose keys the context's ``CurveAuthority`` admits to the
-        domain can connect; ``authorize`` then sees each message with the principal its
-        connection proved, and a reason it returns refuses the message (``unauthorized``) before
-        any handler runs."""
+        domain can connect; ``peer_credentials`` (an ``ipc://`` server): only the processes the
+        authority's spawned peers of the domain name; ``authorize`` then sees each message with
+        the principal its connection proved, and a reason it returns refuses the message
+        (``unauthorized``) before any handler runs."""
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
         _configure(self._sock)
         if curve is not None:
             curve.apply(self._sock)
+        if peer_credentials is not None:
+            peer_credentials.apply(self._sock)
         self._authorize = authorize
         self.refused = 0
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1 if mandatory else 0)
@@ -163,6 +168,10 @@ class RpcServer:
             monitor: zmq.Socket[bytes] = ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
             monitor.connect(address)
             self._monitor = DrainingSocket(monitor, self._on_monitor_event, name=f"{name}.monitor")
+        elif peer_credentials is not None:  # ZAP logs its refusals
+            self._channel = DrainingSocket(
+                self._sock, None, on_authenticated=self._on_frames, name=name, logger=self._log
+            )
         else:
             self._channel = DrainingSocket(self._sock, self._on_frames, name=name, logger=self._log)
         self.address = ""
@@ -414,12 +423,18 @@ class RpcClient:
         self._sock.close(linger=0)
 
 
+class PeerSender(Protocol):
+    """What ``OutboundRequests`` sends through: an ``RpcServer``, or a holder of one."""
+
+    def send(self, identity: bytes, env: Envelope) -> bool: ...
+
+
 class OutboundRequests:
     """Requests a ROUTER side sends to one of its peers and awaits (scheduler → local scheduler,
     local scheduler → replica). ``RpcServer`` only pushes; answers come back through the server's
     handler as ``reply``/``error`` envelopes and are matched here by envelope id."""
 
-    def __init__(self, server: RpcServer) -> None:
+    def __init__(self, server: PeerSender) -> None:
         self._server = server
         self._pending: dict[str, asyncio.Future[Envelope]] = {}
         self._peer_of: dict[str, bytes] = {}

@@ -14,7 +14,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-id", required=True, help="this host's id (also its DEALER identity)")
     parser.add_argument("--scheduler", required=True, help="the global scheduler's ROUTER address")
     parser.add_argument(
-        "--bind", default=None, help="replica ROUTER address (default tcp://<cluster.ip>:0, a free port)"
+        "--bind",
+        default=None,
+        help="replica ROUTER address: ipc://PATH (peers admitted by pid) or tcp://IP:PORT (CURVE); "
+        "default an ipc socket in the host's state dir where the OS reports peer pids (Linux), "
+        "else tcp://<cluster.ip>:0",
     )
     add_common_arguments(parser)
     args = parser.parse_args(argv)
@@ -24,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         from services.local_scheduler.service import LocalScheduler
 
         scheduler = LocalScheduler(cfg, host_id=args.host_id, scheduler_address=args.scheduler)
-        address = scheduler.bind(args.bind or f"tcp://{cfg.get('cluster.ip')}:0")
+        address = scheduler.bind(args.bind)
         announce("local_scheduler", host_id=args.host_id, address=address)
         await scheduler.run(stop)
 

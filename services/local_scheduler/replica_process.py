@@ -110,14 +110,19 @@ class ReplicaProcess:
         self._sockets: dict[str, DrainingSocket] = {}
         self._watcher: asyncio.Task[None] | None = None
         self.log = structlog.get_logger("replica").bind(host=host_id, kernel=kernel_id, replica=replica_id)
-        # its CURVE keys on the link to this local scheduler (shared/security/curve.py), and the
-        # local scheduler's public key it must find there; handed over in its environment
-        self.link_keys = curve.new_keypair()
+        # on a tcp link to this local scheduler (replica_link.py): its CURVE keys and the local
+        # scheduler's public key it must find there, handed over in its environment; None on ipc
+        self.link_keys: curve.Keypair | None = None
         self.server_public = b""
 
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
+
+    def start_time(self) -> int | None:
+        """Its process's start time (clock ticks since boot), which binds its pid on the replica
+        link: as pinned (read while we, or for a fork the template, held it unreaped)."""
+        return self._pin.start_ticks if self.process is not None and self._pin is not None else None
 
     @property
     def running(self) -> bool:
@@ -147,7 +152,10 @@ class ReplicaProcess:
         config_json: str,
         join: bool,
         on_exit: Callable[[ReplicaProcess], None],
+        on_spawned: Callable[[ReplicaProcess], None],
     ) -> None:
+        """A cold start; ``on_spawned`` once its pid is known (it cannot connect before it runs
+        Python's start-up and imports)."""
         self._prepare(join)
         args = self._replica_args(local_scheduler, config_json, join)
         argv = [python or sys.executable, "-m", "kernel_replica", *args]
@@ -170,6 +178,7 @@ class ReplicaProcess:
                 cwd=self.working_dir,
             )
         self._pin = PinnedProcess.of_child(self.process.pid)
+        on_spawned(self)
         self.log.info("replica_spawned", pid=self.process.pid, cwd=self.working_dir)
         self._watcher = asyncio.ensure_future(self._watch(on_exit))
 
@@ -181,17 +190,20 @@ class ReplicaProcess:
         config_json: str,
         join: bool,
         on_exit: Callable[[ReplicaProcess], None],
+        on_spawned: Callable[[ReplicaProcess], None],
     ) -> None:
         """Become a pre-warmed runtime of this host's pool (services/local_scheduler/warm_pool.py):
-        the same launch arguments a cold spawn gets, handed to a process that already imported them."""
+        the same launch arguments a cold spawn gets, handed to a process that already imported
+        them (``on_spawned`` before: it connects as soon as it has them)."""
         self._prepare(join)
+        self.process, self._pin = runtime.process, runtime.pin
+        on_spawned(self)
         await runtime.assign(
             argv=self._replica_args(local_scheduler, config_json, join),
             env=self._replica_env(),
             log_file=self.log_file,
             cwd=self.working_dir,
         )
-        self.process, self._pin = runtime.process, runtime.pin
         self.log.info("replica_adopted_warm_runtime", pid=self.process.pid)
         self._watcher = asyncio.ensure_future(self._watch(on_exit))
 
@@ -204,9 +216,11 @@ class ReplicaProcess:
         config_json: str,
         join: bool,
         on_exit: Callable[[ReplicaProcess], None],
+        on_spawned: Callable[[ReplicaProcess], None],
     ) -> None:
         """Become a runtime forked from this host's runtime template (runtime_template.py), the
-        template having imported ``imports`` (a resumed kernel's modules) first."""
+        template having imported ``imports`` (a resumed kernel's modules) first; ``on_spawned``
+        once the template said which pid it got."""
         self._prepare(join)
         assignment = {
             "argv": self._replica_args(local_scheduler, config_json, join),
@@ -216,6 +230,7 @@ class ReplicaProcess:
         }
         self.process = await template.fork(assignment, imports)
         self._pin = self.process.pin
+        on_spawned(self)
         self.log.info("replica_forked_from_template", pid=self.process.pid, imports=imports)
         self._watcher = asyncio.ensure_future(self._watch(on_exit))
 
@@ -234,7 +249,7 @@ class ReplicaProcess:
             "TANDEM_HOST_ID": self.host_id,
             "TANDEM_KERNEL_GPUS": str(int(self.resources.get("gpus", 0))),  # what it asks gpu.commit for
         }
-        if self.server_public:
+        if self.link_keys is not None:
             env |= curve.link_env(self.link_keys, self.server_public)
         if self.raft_identity is not None:
             env[IDENTITY_ENV] = self.raft_identity

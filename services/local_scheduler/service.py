@@ -25,6 +25,7 @@ from services.local_scheduler.batch_jobs import BatchJobs
 from services.local_scheduler.checkpoints import ServiceLink, store_env
 from services.local_scheduler.gpus import GpuInventory, detect_gpus
 from services.local_scheduler.packing import PackingSettings
+from services.local_scheduler.replica_link import ReplicaLink
 from services.local_scheduler.replica_process import ReplicaProcess, raft_identity_json
 from services.local_scheduler.runtime_template import RuntimeTemplate, TemplateGone
 from services.local_scheduler.warm_pool import WarmPool, runtime_env, setpriv_path
@@ -35,10 +36,10 @@ from shared.election_round import election_key, round_of
 from shared.envelope import Envelope
 from shared.host_address import advertised_ip, is_wildcard
 from shared.kernel_launch import KernelLaunch, LaunchError
-from shared.rpc import OutboundRequests, RpcClient, RpcError, RpcServer, RpcTimeout
+from shared.rpc import OutboundRequests, RpcClient, RpcError, RpcTimeout
 from shared.runner import cancel_and_wait
 from shared.security import curve
-from shared.security.authorization import REPLICA_PREFIX, local_scheduler_refusal, replica_principal
+from shared.security.authorization import REPLICA_PREFIX, local_scheduler_refusal
 
 log = structlog.get_logger("local_scheduler")
 
@@ -95,17 +96,17 @@ class LocalScheduler:
             name="global_scheduler",
             curve=curve.ClientCurve(self._host_keys, curve.load(keys_dir, curve.SCHEDULER).public),
         )
-        # replicas connect with the per-replica keys this host gave them at launch
-        self._replica_keys = curve.PeerDirectory()
-        self._authority: curve.CurveAuthority | None = None
-        self._server = RpcServer(
+        # replicas connect over ipc (admitted by pid) or CURVE (by the keys minted at launch)
+        self._link = ReplicaLink(
             self._ctx,
-            self._on_replica_message,
-            name=f"local_scheduler:{host_id}",
-            curve=curve.ServerCurve(self._host_keys, domain="replicas"),
+            host_keys=self._host_keys,
+            handler=self._on_replica_message,
             authorize=self._authorize_replica,
+            name=f"local_scheduler:{host_id}",
+            state_dir=cfg.state_dir().absolute() / "hosts" / host_id,
+            default_ip=str(cfg.get("cluster.ip")),
         )
-        self._outbound = OutboundRequests(self._server)
+        self._outbound = OutboundRequests(self._link)
         # replicas' Jupyter messages of this loop turn, for _flush_upstream: ((kernel, replica), channel, frames)
         self._outgoing: list[tuple[tuple[str, str], str, list[bytes]]] = []
         self._batch_upstream = False  # the scheduler's host.register answer says it takes batches
@@ -171,13 +172,12 @@ class LocalScheduler:
 
     @property
     def address(self) -> str:
-        return self._server.address
+        return self._link.server.address
 
-    def bind(self, address: str) -> str:
-        if self._authority is None:
-            self._authority = curve.CurveAuthority.acquire(self._ctx)
-            self._authority.serve("replicas", self._replica_keys)
-        return self._server.bind(address)
+    def bind(self, address: str | None = None) -> str:
+        """The replicas' link: ``ipc://`` (by default, where the kernel reports peer pids) or
+        ``tcp://`` (CURVE); see ``replica_link``."""
+        return self._link.bind(address)
 
     @staticmethod
     def _authorize_replica(principal: str, identity: bytes, env: Envelope) -> str | None:
@@ -199,7 +199,7 @@ class LocalScheduler:
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._server.start()
+        self._link.server.start()
         self._upstream.connect(self.scheduler_address)
         heartbeat = asyncio.ensure_future(self._heartbeat_loop())
         prewarm = asyncio.ensure_future(self.warm_pool.run())
@@ -207,6 +207,8 @@ class LocalScheduler:
         if self.template is not None:
             try:
                 await self.template.start()
+                if self.template.pid is not None:  # its forks are replicas this host spawned
+                    self._link.peers.add_launcher(self.template.pid)
             except OSError as exc:  # replica starts go on without it (warm pool, or cold)
                 self.log.error("runtime_template_not_started", reason=str(exc))
         if self._checkpoints is not None:
@@ -237,9 +239,7 @@ class LocalScheduler:
                 replica.close_sockets()
             self._outbound.cancel_all()
             await self._upstream.close()
-            await self._server.close()
-            if self._authority is not None:
-                self._authority.release()
+            await self._link.close()
             self._ctx.destroy(linger=0)  # never blocks: closes whatever is still open, drops pending sends
             self.log.info("stopped")
 
@@ -433,12 +433,14 @@ class LocalScheduler:
         before it forks. On failure the process is stopped and forgotten, and ``LaunchFailed``
         says why."""
         self.replicas[key] = replica
+        self._link.start_began()
         try:
             launch: dict[str, Any] = {
                 "local_scheduler": self.address,
                 "config_json": self.cfg.to_json(),
                 "join": join,
                 "on_exit": self._on_replica_exit,
+                "on_spawned": self._link.spawned,
             }
             # a ready warm runtime first, unless the kernel's image needs modules it lacks; else
             # a fork of the template (which imports them); else a cold start
@@ -458,6 +460,7 @@ class LocalScheduler:
                     await replica.adopt(runtime, **launch)
                 except (BrokenPipeError, ConnectionResetError):  # it died as we handed it over
                     replica.log.warning("warm_runtime_lost", pid=runtime.pid)
+                    self._link.exited(replica)
                     runtime = None
             if runtime is None and not forked:
                 await replica.spawn(python=str(self.cfg.get("kernel.python")), **launch)
@@ -470,6 +473,8 @@ class LocalScheduler:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise LaunchFailed(str(exc) or f"no replica.register within {self._start_timeout:g}s") from None
+        finally:
+            self._link.start_ended()
 
     def _sink_for(self, replica: ReplicaProcess) -> Any:
         """Forwarding closure: the replica's Jupyter messages go upstream at the end of the loop
@@ -612,8 +617,7 @@ class LocalScheduler:
             launch=launch,
             working_dir=working_dir,
         )
-        replica.server_public = self._host_keys.public
-        self._replica_keys.allow(replica.link_keys.public, replica_principal(*key))
+        self._link.prepare(replica)
         return replica
 
     async def _replica_restart(self, env: Envelope) -> Envelope:
@@ -650,7 +654,7 @@ class LocalScheduler:
     async def _stop(self, replica: ReplicaProcess) -> int | None:
         def ask() -> None:
             if replica.identity is not None:
-                self._server.send(
+                self._link.server.send(
                     replica.identity,
                     Envelope(
                         messages.REPLICA_STOP,
@@ -661,7 +665,7 @@ class LocalScheduler:
         return await replica.stop(ask=ask, grace_s=STOP_GRACE_S)
 
     def _on_replica_exit(self, replica: ReplicaProcess) -> None:
-        self._replica_keys.forget(replica.link_keys.public)
+        self._link.exited(replica)
         key = (replica.kernel_id, replica.replica_id)
         if self.replicas.get(key) is replica:
             del self.replicas[key]
@@ -777,7 +781,7 @@ class LocalScheduler:
                 announce=False,
                 revoke=revoke,
             )
-        self._server.send(replica.identity, Envelope(messages.GPU_BOUND, body))
+        self._link.server.send(replica.identity, Envelope(messages.GPU_BOUND, body))
         return msg_id if "device_ids" in body else None
 
     def _bind(

@@ -15,7 +15,9 @@ from shared import messages
 from shared.security.curve import GATEWAY, OPERATOR, SCHEDULER, host_of
 
 HOST = "host"  # role of every ``host.<id>`` principal
-REPLICA_PREFIX = "replica."  # a local scheduler's per-replica keys: ``replica.<kernel>/<replica>``
+# a replica on its local scheduler's link, ``replica.<kernel>/<replica>``: the pid it was spawned
+# with (ipc, shared.security.peer_credentials) or the key minted for it (tcp)
+REPLICA_PREFIX = "replica."
 REPLICA = "replica"
 
 _KERNEL_LIFECYCLE = {

@@ -1,4 +1,6 @@
-"""CurveZMQ keys and peer authentication for the service links (gateway, schedulers, replicas).
+"""CurveZMQ keys and peer authentication for the service links (gateway, schedulers, replicas),
+and the ZAP handler that also admits a local scheduler's ipc replicas by their kernel-reported
+credentials (``shared.security.peer_credentials``).
 
 Why CurveZMQ: every service link is ZMQ already, and CURVE gives each one mutual authentication
 and encryption with no extra transport; pyzmq ships the keypair files (``zmq.auth``) and the ZAP
@@ -24,10 +26,12 @@ the ids in their bodies against it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +44,13 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from shared.private_files import private_dir
+from shared.process_signals import read_stat
+from shared.security.peer_credentials import (
+    PENDING_WAIT_S,
+    Admit,
+    Refuse,
+    SpawnedPeers,
+)
 
 log = structlog.get_logger("security")
 
@@ -206,8 +217,9 @@ def client_curve(keys_dir: Path, name: str, server: str) -> ClientCurve:
     return ClientCurve(load_secret(keys_dir, name), load(keys_dir, server).public)
 
 
-# A replica's keys on the link to its local scheduler travel in its environment (readable only by
-# its own user, unlike its command line), never in a file.
+# A replica's keys on a tcp link to its local scheduler (where the OS reports no peer pid, so the
+# link cannot be ipc: services/local_scheduler/replica_link.py) travel in its environment
+# (readable only by its own user, unlike its command line), never in a file.
 LINK_ENV = ("TANDEM_LINK_PUBLIC", "TANDEM_LINK_SECRET", "TANDEM_LINK_SERVER")
 
 
@@ -287,12 +299,44 @@ class PeerDirectory:
 
 class _Authenticator(ThreadAuthenticator):
     """ZAP in a thread: a CURVE client is admitted only if its key is in the domain's directory,
-    and its User-Id is the principal name that key was issued to."""
+    and its User-Id is the principal name that key was issued to. A NULL (unencrypted) client is
+    admitted only to a domain of spawned peers (an ``ipc://`` replica link), by the credentials
+    the kernel reported for it (``shared.security.peer_credentials``), as the replica it was
+    spawned as; never elsewhere (pyzmq's default admits every NULL client)."""
 
     def __init__(self, ctx: zmq.Context[Any]) -> None:
         super().__init__(ctx, log=None)
         self.directories: dict[str, PeerDirectory] = {}
+        self.spawned: dict[str, SpawnedPeers] = {}
         self.refused = 0
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        if len(msg) < 6 or msg[5] != b"NULL":
+            await super().handle_zap_message(msg)
+            return
+        version, request_id, domain_raw, address_raw = msg[:4]
+        domain, address = domain_raw.decode(errors="replace"), address_raw.decode(errors="replace")
+        if version != b"1.0":
+            self._send_zap_reply(request_id, b"400", b"Invalid version")
+            return
+        peers = self.spawned.get(domain)
+        if peers is None:
+            self._refuse(request_id, domain, "a peer without CURVE keys, on a link that needs them")
+            return
+        deadline = time.monotonic() + PENDING_WAIT_S
+        decision = peers.decide(address, read_stat)
+        while not isinstance(decision, Admit | Refuse) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)  # a start under way: its launcher is about to name its pid
+            decision = peers.decide(address, read_stat)
+        if isinstance(decision, Admit):
+            self._send_zap_reply(request_id, b"200", b"OK", decision.principal)
+        else:
+            self._refuse(request_id, domain, decision.reason, peer=address)
+
+    def _refuse(self, request_id: bytes, domain: str, reason: str, **context: str) -> None:
+        self.refused += 1
+        log.warning("peer_refused", domain=domain, reason=reason, **context)
+        self._send_zap_reply(request_id, b"400", reason.encode()[:200])
 
     async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
         directory = self.directories.get(domain)
@@ -348,6 +392,10 @@ class CurveAuthority:
     def serve(self, domain: str, directory: PeerDirectory) -> None:
         """Admit to servers of ``domain`` the clients whose keys ``directory`` knows."""
         self._auth.directories[domain] = directory
+
+    def serve_spawned(self, domain: str, peers: SpawnedPeers) -> None:
+        """Admit to (``ipc://``, unencrypted) servers of ``domain`` the processes ``peers`` knows."""
+        self._auth.spawned[domain] = peers
 
     @property
     def refused(self) -> int:

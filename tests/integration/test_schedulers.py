@@ -80,6 +80,8 @@ class Cluster:
     address: str
     settings: list[str]
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    tcp_links: tuple[str, ...] = ()  # hosts whose replica link is tcp (CURVE) instead of ipc
+    addresses: dict[str, str] = field(default_factory=dict)  # as each process announced it
 
     def _launch(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         env = dict(os.environ, TANDEM_STATE_DIR=str(self.tmp / "state"), PYTHONPATH=str(REPO))
@@ -96,7 +98,9 @@ class Cluster:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # the one JSON line announcing the address
         assert line, f"{name} exited: {(self.tmp / f'{name}.log').read_text()[-2000:]}"
-        assert json.loads(line)["event"] == "listening"
+        announced = json.loads(line)
+        assert announced["event"] == "listening"
+        self.addresses[name] = str(announced.get("address"))
         self.procs[name] = proc
 
     def start_scheduler(self) -> None:
@@ -110,6 +114,8 @@ class Cluster:
         for host_id in host_ids:
             curve.issue(self.tmp / "state" / "keys", curve.host_principal(host_id))  # as `tandem keys host`
             argv = ["services.local_scheduler", "--host-id", host_id, "--scheduler", self.address]
+            if host_id in self.tcp_links:
+                argv += ["--bind", "tcp://127.0.0.1:0"]
             launched.append((host_id, self._launch(host_id, argv)))
         for host_id, proc in launched:
             self._announced(host_id, proc)
@@ -139,7 +145,9 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def cluster(tmp: Path, hosts: int = 3, gpus: int = 4, **extra: Any) -> Iterator[Cluster]:
+def cluster(
+    tmp: Path, hosts: int = 3, gpus: int = 4, tcp_links: tuple[str, ...] = (), **extra: Any
+) -> Iterator[Cluster]:
     settings = {
         "host.use_nvml": "false",
         "host.gpus": str(gpus),
@@ -150,7 +158,12 @@ def cluster(tmp: Path, hosts: int = 3, gpus: int = 4, **extra: Any) -> Iterator[
         "log.level": "info",
         **{k.replace("__", "."): str(v) for k, v in extra.items()},
     }
-    c = Cluster(tmp, f"tcp://127.0.0.1:{free_port()}", [f"--set={k}={v}" for k, v in settings.items()])
+    c = Cluster(
+        tmp,
+        f"tcp://127.0.0.1:{free_port()}",
+        [f"--set={k}={v}" for k, v in settings.items()],
+        tcp_links=tcp_links,
+    )
     try:
         c.start_scheduler()
         c.start_hosts(*(f"h{n}" for n in range(1, hosts + 1)))
@@ -439,6 +452,23 @@ def test_kernel_start_execute_and_merged_stream(tmp_path: Path) -> None:
             assert status["state"] == "stopped" and not status["alive"]
 
     with cluster(tmp_path) as c:
+        run(scenario(c))
+
+
+@needs_replica
+def test_a_replica_link_over_tcp_is_curve_and_runs_cells(tmp_path: Path) -> None:
+    """Where the OS reports no peer pid (macOS, BSD), or when ``--bind tcp://...`` says so, the
+    replica link is CURVE with a keypair minted per replica; elsewhere it is ipc by default."""
+
+    async def scenario(c: Cluster) -> None:
+        async with gateway(c) as gw:
+            await gw.start_kernel("k1")
+            got = await gw.collect("k1", gw.execute("k1", "print(6 * 7)"))
+            assert message(got, "stream")["content"]["text"] == "42\n"
+
+    with cluster(tmp_path, tcp_links=("h1", "h2")) as c:
+        assert c.addresses["h1"].startswith("tcp://") and c.addresses["h2"].startswith("tcp://")
+        assert c.addresses["h3"].startswith("ipc://")
         run(scenario(c))
 
 

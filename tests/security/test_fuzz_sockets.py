@@ -1,8 +1,9 @@
 """Malformed frames, bounded and seeded, to every socket a running cluster listens on: the
 gateway's API and its kernels' Jupyter ports, the global scheduler, the arbiter, the serving
-controller, the checkpoint service, the Kernel Gateway HTTP API, each local scheduler, every
-replica (Raft port, ipykernel ports) and the metrics endpoint. Found by asking the OS what the
-cluster's processes listen on, so a socket added later is fuzzed without touching this test.
+controller, the checkpoint service, the Kernel Gateway HTTP API, each local scheduler (its
+replicas' ipc socket too), every replica (Raft port, ipykernel ports) and the metrics endpoint.
+Found by asking the OS what the cluster's processes listen on (TCP ports and Unix socket paths),
+so a socket added later is fuzzed without touching this test.
 Afterwards every process is alive, a normal cell runs and sees its variables, and no GPU stays
 committed."""
 
@@ -60,6 +61,18 @@ def _listening(procs: list[psutil.Process]) -> list[tuple[int, str, int]]:
     return sorted(set(ports))
 
 
+def _unix_paths(procs: list[psutil.Process]) -> list[str]:
+    """Every Unix socket path the processes have bound (a listener's accepted connections share
+    its path; unnamed socket pairs have none)."""
+    paths = set()
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            for conn in proc.net_connections(kind="unix"):
+                if isinstance(conn.laddr, str) and conn.laddr.startswith("/"):
+                    paths.add(conn.laddr)
+    return sorted(paths)
+
+
 def _junk(rng: random.Random) -> bytes:
     kind = rng.randrange(5)
     if kind == 0:
@@ -78,10 +91,22 @@ def _junk(rng: random.Random) -> bytes:
 def _raw_tcp(ip: str, port: int, rng: random.Random) -> None:
     for _ in range(FRAMES_PER_SOCKET // 3):
         with contextlib.suppress(OSError), socket.create_connection((ip, port), timeout=1.0) as conn:
-            conn.sendall(_junk(rng))
-            conn.settimeout(0.05)
-            with contextlib.suppress(OSError):
-                conn.recv(4096)
+            _send_junk(conn, rng)
+
+
+def _raw_unix(path: str, rng: random.Random) -> None:
+    for _ in range(FRAMES_PER_SOCKET // 3):
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(1.0)
+            conn.connect(path)
+            _send_junk(conn, rng)
+
+
+def _send_junk(conn: socket.socket, rng: random.Random) -> None:
+    conn.sendall(_junk(rng))
+    conn.settimeout(0.05)
+    with contextlib.suppress(OSError):
+        conn.recv(4096)
 
 
 def _random_frames(rng: random.Random) -> list[bytes]:
@@ -171,6 +196,13 @@ def test_malformed_frames_on_every_listening_socket_leave_the_cluster_working(
             address = f"tcp://{ip}:{port}"
             _raw_tcp(ip, port, rng)
             _zmq_frames(address, rng, _random_frames)
+        unix_paths = _unix_paths(procs)
+        print("FUZZ unix", unix_paths)
+        assert any(p.endswith("replicas.sock") for p in unix_paths), "no local scheduler's replica link found"
+        for path in unix_paths:
+            _raw_unix(path, rng)
+            _zmq_frames(f"ipc://{path}", rng, _random_frames)
+            _zmq_frames(f"ipc://{path}", rng, _envelope_junk)
         # past the handshake: well-keyed peers sending nonsense envelopes
         for service, server in (
             (tandem_cluster.gateway, curve.GATEWAY),
