@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shared.policies.packing import (
+    EXIT_NOTHING_TO_GAIN,
     FULL,
     MIN_CAP,
     OBJECTIVES,
     STEP,
-    EXIT_NOTHING_TO_GAIN,
     CoordinationSearch,
     ExhaustiveSearch,
     JobInfo,
