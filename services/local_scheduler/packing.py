@@ -50,6 +50,8 @@ class PackingSettings:
     settle_s: float = 0.5  # after a new cap, before measuring: the step in flight ends
     objective: str = "jct"
     min_gain: float = 0.03  # a trial must beat the best by this fraction (live trials are noisy)
+    # end a search once no later trial can gain (``CoordinationSearch``; False: Algorithm 1's exit only)
+    futile_exit: bool = True
 
     @classmethod
     def from_config(cls, section: dict[str, Any]) -> PackingSettings:
@@ -59,6 +61,7 @@ class PackingSettings:
             settle_s=float(section.get("settle_s", cls.settle_s)),
             objective=str(section.get("objective", cls.objective)),
             min_gain=float(section.get("min_gain", cls.min_gain)),
+            futile_exit=bool(section.get("futile_exit", cls.futile_exit)),
         )
 
 
@@ -133,6 +136,7 @@ class Coordinator:
     trials: list[dict[str, Any]] = field(default_factory=list)
     searches: int = 0
     best: PackingConfig | None = None
+    ended: str | None = None  # why the last search ended (``CoordinationSearch.ended``)
     _task: asyncio.Future[None] | None = None
 
     def start(self) -> None:
@@ -180,7 +184,13 @@ class Coordinator:
         objective = OBJECTIVES[self.settings.objective]()
         # the duty cycle caps a share of the job's own speed: every cap below 100% binds (no
         # slack above a use to skip, that is a GPU notion), so the paper's literal 10% steps
-        search = CoordinationSearch(infos, objective, skip_slack=False, min_gain=self.settings.min_gain)
+        search = CoordinationSearch(
+            infos,
+            objective,
+            skip_slack=False,
+            min_gain=self.settings.min_gain,
+            futile_exit=self.settings.futile_exit,
+        )
         while (config := search.propose()) is not None:
             for job_id, cap in config.caps.items():
                 self._set(job_id, cap)
@@ -210,10 +220,12 @@ class Coordinator:
                     "objective": search.trials[-1].objective,
                 }
             )
-        self.best = search.best()
+        self.best, self.ended = search.best(), search.ended
         for job_id, cap in self.best.caps.items():
             self._set(job_id, cap)
-        log.info("packing_search_done", trials=len(search.trials), best=dict(self.best.caps))
+        log.info(
+            "packing_search_done", trials=len(search.trials), best=dict(self.best.caps), ended=self.ended
+        )
         return True
 
     def _reset(self) -> None:
