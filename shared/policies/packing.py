@@ -396,7 +396,9 @@ class CoordinationSearch(_TrialLog):
     when even that bound would not beat the best trial by ``min_gain``. Algorithm 1 would run its
     three losing trials there and keep the same best; live, each of them squeezes a job for a whole
     trial for nothing (the bench's underusing pair: the swelled job already ran at ~its solo speed
-    under free competition, and three squeezes of its partner cost ~0.5 s of a ~17 s mean JCT)."""
+    under free competition, and three squeezes of its partner cost ~0.5 s of a ~17 s mean JCT).
+    Also not in the paper, and only where the caller measures a trial in windows: ``interim`` cuts
+    short a trial whose first window is already clearly worse than the best."""
 
     def __init__(
         self,
@@ -416,6 +418,9 @@ class CoordinationSearch(_TrialLog):
         self._early_exit = early_exit
         self._futile_exit = futile_exit
         self.ended: str | None = None  # why the search is over (``EXIT_*``); None while it runs
+        self.cut_short = 0  # trials ended after their first window (``interim``)
+        self._first_window: float | None = None  # the pending trial's first-window objective
+        self._window_noise: list[float] = []  # |first window / whole trial - 1| of whole trials
         self._skip_slack = skip_slack  # False: the paper's literal 10% steps from 100%
         self._next: PackingConfig | None = start or PackingConfig({j.job_id: FULL for j in jobs})
         self._misses = 0
@@ -432,8 +437,33 @@ class CoordinationSearch(_TrialLog):
             self._pending, self._next = self._next, None
         return self._pending
 
+    def interim(self, measured: Measurement) -> bool:
+        """The pending trial measured over its first window (optional, live shells): True when it is
+        already clearly worse than the best trial, and the caller then observes this measurement as
+        the trial's (a shorter trial: a squeeze that loses costs the squeezed job less).
+
+        Not in the paper. "Clearly": worse by more than ``min_gain`` plus twice the monitor's noise,
+        the largest gap seen so far between a whole trial and its own first window; so never in the
+        second trial before a whole one measured the noise, nor without a best to compare."""
+        if self._pending is None:
+            raise RuntimeError("interim() without a proposed trial")
+        value = self._objective.value(self._jobs, measured)
+        self._first_window = value
+        if self._best is None or not self._window_noise:
+            return False
+        margin = self._min_gain + 2 * max(self._window_noise)
+        if value > self._best.objective * (1 + margin):
+            self._first_window = None  # cut short: its first window is the whole trial
+            self.cut_short += 1
+            return True
+        return False
+
     def observe(self, measured: Measurement) -> None:
         config, improved = self._record(measured)
+        whole, first = self._trials[-1].objective, self._first_window
+        self._first_window = None
+        if first is not None and 0 < whole < math.inf and first < math.inf:
+            self._window_noise.append(abs(first / whole - 1))
         self._seen.add(config.key())
         self._misses = 0 if improved else self._misses + 1
         self._last = measured

@@ -363,3 +363,46 @@ def test_the_nothing_to_gain_exit_keeps_algorithm1s_result_in_no_more_trials(
         start = search.trials[0].objective
         assert min(t.objective for t in search.trials) <= start
         assert OBJECTIVES[objective]().value(jobs, measure(search.best())) <= start
+
+
+# Trials cut short (not in the paper: ``CoordinationSearch.interim``).
+
+
+def _both(loader: float, compute: float) -> dict[str, JobMeasurement]:
+    return {"loader": JobMeasurement(loader, 0.2), "compute": JobMeasurement(compute, 0.8)}
+
+
+def _searching_pair() -> CoordinationSearch:
+    """The loader well below its solo speed: the search has room to gain and goes on squeezing."""
+    search = CoordinationSearch([LOADER, COMPUTE], SequencedJctObjective(), skip_slack=False, min_gain=0.03)
+    search.propose()
+    assert not search.interim(_both(20.4, 360.0))  # no best yet: the first trial runs whole
+    search.observe(_both(20.0, 360.0))  # the whole trial: its first window was 2% off
+    assert search.propose() is not None
+    return search
+
+
+def test_a_trial_clearly_worse_in_its_first_window_is_cut_short() -> None:
+    search = _searching_pair()
+    first = search.trials[0].objective
+    bad = _both(20.0, 200.0)  # the squeeze cost compute 44%: far beyond 3% + 2 x 2% noise
+    assert search.interim(bad)
+    search.observe(bad)  # the caller hands its first window in as the trial
+    assert search.cut_short == 1 and search.trials[1].objective > first * 1.07
+    assert search.best() == search.trials[0].config
+
+
+def test_a_trial_worse_only_within_the_noise_runs_whole() -> None:
+    search = _searching_pair()
+    slightly = _both(20.0, 345.0)  # worse, but within min_gain + twice the noise seen
+    assert search.trials[0].objective < SequencedJctObjective().value([LOADER, COMPUTE], slightly)
+    assert not search.interim(slightly)
+    assert search.cut_short == 0
+
+
+def test_no_trial_is_cut_short_before_a_whole_one_measured_the_noise() -> None:
+    search = CoordinationSearch([LOADER, COMPUTE], SequencedJctObjective(), skip_slack=False, min_gain=0.03)
+    search.propose()
+    search.observe(_both(20.0, 360.0))  # whole, but no first window was reported
+    search.propose()
+    assert not search.interim(_both(20.0, 100.0))
