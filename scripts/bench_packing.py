@@ -49,7 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.packing.governor import write_share
-from shared.policies.packing import OBJECTIVES, CoordinationSearch, JobInfo, JobMeasurement
+from shared.policies.packing import FIRST_WINDOW, OBJECTIVES, CoordinationSearch, JobInfo, JobMeasurement
 from shared.simulator.packing_sim import SLOWDOWN_SOURCE, TraceParams, model_pairs_gaining, run_all
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,19 +216,17 @@ def _coordinate(
         for name, cap in config.caps.items():
             write_share(by_name[name].share_file, cap)
         before = {n: j.progress() for n, j in by_name.items()}
-        time.sleep(trial_s)
-        after = {n: j.progress() for n, j in by_name.items()}
-        measured = {}
-        for n in by_name:
-            (s0, t0, c0), (s1, t1, c1) = before[n], after[n]
-            dt = max(t1 - t0, 1e-6)
-            measured[n] = JobMeasurement(
-                throughput=max((s1 - s0) / dt, 1e-9), utilization=(c1 - c0) / dt / CORES
-            )
+        time.sleep(trial_s * FIRST_WINDOW)
+        measured = _measure(before, {n: j.progress() for n, j in by_name.items()})
+        cut_short = search.interim(measured)  # clearly worse already: the window is the trial
+        if not cut_short:
+            time.sleep(trial_s * (1 - FIRST_WINDOW))
+            measured = _measure(before, {n: j.progress() for n, j in by_name.items()})
         search.observe(measured)
         trials.append(
             {
                 "caps": dict(config.caps),
+                "cut_short": cut_short,
                 "throughput": {n: round(m.throughput, 2) for n, m in measured.items()},
                 "utilization": {n: round(m.utilization, 3) for n, m in measured.items()},
                 "objective": round(search.trials[-1].objective, 3),
@@ -245,7 +243,24 @@ def _coordinate(
         time.sleep(0.02)
     for job in jobs:
         write_share(job.share_file, 100)
-    return {"trials": trials, "best_caps": dict(best.caps) if best else None, "ended": search.ended}
+    return {
+        "trials": trials,
+        "best_caps": dict(best.caps) if best else None,
+        "ended": search.ended,
+        "cut_short": search.cut_short,
+    }
+
+
+def _measure(
+    before: dict[str, tuple[int, float, float]], after: dict[str, tuple[int, float, float]]
+) -> dict[str, JobMeasurement]:
+    """Each job's speed over its own report clock and its device use (CPU seconds over them)."""
+    measured = {}
+    for n in before:
+        (s0, t0, c0), (s1, t1, c1) = before[n], after[n]
+        dt = max(t1 - t0, 1e-6)
+        measured[n] = JobMeasurement(throughput=max((s1 - s0) / dt, 1e-9), utilization=(c1 - c0) / dt / CORES)
+    return measured
 
 
 def _rounded(value: float | None) -> float | None:

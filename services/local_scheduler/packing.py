@@ -26,6 +26,7 @@ import structlog
 
 from services.local_scheduler.job_process import JobProcess
 from shared.policies.packing import (
+    FIRST_WINDOW,
     FULL,
     OBJECTIVES,
     CoordinationSearch,
@@ -196,25 +197,21 @@ class Coordinator:
                 self._set(job_id, cap)
             await asyncio.sleep(self.settings.settle_s)
             before = {j: sample(p) for j, p in self.processes.items()}
-            await asyncio.sleep(self.settings.trial_s)
-            after = {j: sample(p) for j, p in self.processes.items()}
-            if not self.running():
+            await asyncio.sleep(self.settings.trial_s * FIRST_WINDOW)
+            first = self._measured(before)
+            # clearly worse after its first window: that window is the trial
+            cut_short = first is not None and self.running() and search.interim(first)
+            if not cut_short:
+                await asyncio.sleep(self.settings.trial_s * (1 - FIRST_WINDOW))
+            measured = first if cut_short else self._measured(before)
+            if not self.running() or measured is None:
                 self._reset()
-                return False
-            measured: dict[str, JobMeasurement] = {}
-            for j in self.processes:
-                b, a = before[j], after[j]
-                m = measurement(b, a) if b is not None and a is not None else None
-                if m is None:
-                    break
-                measured[j] = m
-            if len(measured) != len(self.processes):
-                self._reset()
-                return False  # a job stalled or finished mid-trial: not a measurement
+                return False  # a job paused, stalled or finished mid-trial: not a measurement
             search.observe(measured)
             self.trials.append(
                 {
                     "caps": dict(config.caps),
+                    "cut_short": cut_short,
                     "throughput": {j: round(m.throughput, 3) for j, m in measured.items()},
                     "utilization": {j: round(m.utilization, 3) for j, m in measured.items()},
                     "objective": search.trials[-1].objective,
@@ -227,6 +224,17 @@ class Coordinator:
             "packing_search_done", trials=len(search.trials), best=dict(self.best.caps), ended=self.ended
         )
         return True
+
+    def _measured(self, before: dict[str, Sample | None]) -> dict[str, JobMeasurement] | None:
+        """Every job's speed and utilization since ``before`` (None: one has no new step)."""
+        measured: dict[str, JobMeasurement] = {}
+        for j, p in self.processes.items():
+            b, a = before[j], sample(p)
+            m = measurement(b, a) if b is not None and a is not None else None
+            if m is None:
+                return None
+            measured[j] = m
+        return measured
 
     def _reset(self) -> None:
         for job_id in self.processes:

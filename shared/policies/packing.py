@@ -37,6 +37,7 @@ MIN_CAP = STEP  # 0% would stop the job; a cap of 0 is a preemption, not a packi
 FULL = 100
 MAX_WORKERS_PER_GPU = 2
 EARLY_EXIT_TRIALS = 3  # Algorithm 1 line 9
+FIRST_WINDOW = 1 / 3  # of a trial, measured first by live shells (``CoordinationSearch.interim``)
 STRAGGLER_TOLERANCE = 0.05  # a worker 5% slower (per step) than the fastest one is a straggler
 
 
