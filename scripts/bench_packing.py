@@ -14,8 +14,11 @@ CPU utilization from each job's progress file over a trial window). Process and 
 happen before the start line and are not counted. Keys: ``jct_sequential_s``,
 ``jct_free_competition_s``, ``jct_gimbal_s`` (the underusing pair; ``compute_bound_jct_*`` the
 other; mean JCT of the two jobs, median of ``--repeats`` interleaved repeats; every figure and each
-search's trials under ``pairs``), ``share_error_max`` (one job alone at shares 30..100%: max
-|throughput / throughput at 100% - share|, medians of repeats), the per-share errors.
+search's trials under ``pairs``), ``search_trials`` and ``search_ended`` (the headline pair's
+searches: trials each ran, and why each ended: ``nothing_to_gain`` is our exit, not the paper's;
+``--compare-literal`` adds ``jct_gimbal_literal_s``, Gimbal with Algorithm 1's exit only),
+``share_error_max`` (one job alone at shares 30..100%: max |throughput / throughput at 100% -
+share|, medians of repeats), the per-share errors.
 
 Simulated (``shared.simulator.packing_sim``, Philly-like 150-job trace on 32 GPUs, pair slowdowns
 MODELLED): ``jct_ratio_vs_no_packing``, ``jct_ratio_vs_naive``, ``deadlines_met_<policy>``,
@@ -27,7 +30,7 @@ simulated JCT <= 0.85 x no packing; search within 1% of exhaustive in <= 55% of 
 The machine is shared with other work: live numbers are noisy, hence medians.
 
 Usage: ``python scripts/bench_packing.py [--quick] [--repeats 3] [--seeds 3] [--no-live | --no-sim]
-[--pairs underusing,compute_bound] [--objective jct_sequenced]``
+[--pairs underusing,compute_bound] [--objective jct_sequenced] [--compare-literal]``
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ import numpy as np
 
 from shared.policies.packing import (
     EXIT_NOTHING_TO_GAIN,
+    FIRST_WINDOW,
     FULL,
     MIN_CAP,
     OBJECTIVES,
@@ -48,7 +49,6 @@ from shared.policies.packing import (
     Objective,
     PackingConfig,
     Placement,
-    Search,
     packable_gpus,
     packing_sets,
     run_search,
@@ -231,9 +231,11 @@ class _Set:
     jmax: str
     members: tuple[str, ...]
     config: PackingConfig
-    search: Search | None = None
+    search: CoordinationSearch | None = None
     stall_until: float = 0.0
     trial_end: float = math.inf
+    first_end: float = math.inf  # the trial's first window ends (``CoordinationSearch.interim``)
+    first: Measurement | None = None  # what the monitor measured over that window
     stalled: frozenset[str] = frozenset()
     record: int = -1  # index of its SearchRecord
 
@@ -252,6 +254,7 @@ class RunResult:
     jobs: list[SimJob]
     searches: list[SearchRecord] = field(default_factory=list)
     packed_jobs: int = 0
+    cut_short: int = 0  # trials ended after their first window
 
     @property
     def mean_jct_s(self) -> float:
@@ -270,8 +273,9 @@ class RunResult:
 class SimParams:
     trial_s: float = 30.0  # the paper's monitor period
     switch_s: float = 3.6  # §7.4: mean LGRR switch overhead
-    noise: float = 0.02
+    noise: float = 0.02  # of a whole trial's measurement; a window of a fraction f of it: noise / sqrt(f)
     skip_slack: bool = True  # False: Algorithm 1's literal 10% steps from 100%
+    interim: bool = True  # a trial clearly worse after its first window ends there (False: never)
     futile_exit: bool = True  # False: no "nothing to gain" exit (``CoordinationSearch``)
 
 
@@ -336,6 +340,10 @@ def simulate(
         s.stalled = changed
         s.stall_until = t + (params.switch_s if changed else 0.0)
         s.trial_end = s.stall_until + params.trial_s if s.search is not None else math.inf
+        s.first_end = math.inf
+        if s.search is not None and params.interim:
+            s.first_end = s.stall_until + params.trial_s * FIRST_WINDOW
+        s.first = None
 
     def regroup() -> None:
         """Packing sets from the placement; a set that formed or changed (re)starts its search."""
@@ -399,6 +407,8 @@ def simulate(
                 horizon.append(s.stall_until)
             if s.trial_end < math.inf:
                 horizon.append(s.trial_end)
+            if s.first is None and s.first_end < s.trial_end:
+                horizon.append(s.first_end)
         if not horizon:
             raise AssertionError(f"stuck at t={t}: queue {[j.job_id for j in queue]}")
         nxt = max(t, min(horizon))
@@ -412,10 +422,25 @@ def simulate(
         if done:
             regroup()
         for s in list(sets.values()):
-            if s.search is not None and t >= s.trial_end - 1e-9:
-                members = [by_id[m] for m in (s.jmax, *s.members)]
-                s.search.observe(set_measurement(members, s.config, rng, params.noise))
+            if s.search is None:
+                continue
+            members = [by_id[m] for m in (s.jmax, *s.members)]
+            cut_short = False
+            if s.first is None and t >= s.first_end - 1e-9 and t < s.trial_end - 1e-9:
+                s.first = set_measurement(members, s.config, rng, params.noise / math.sqrt(FIRST_WINDOW))
+                cut_short = s.search.interim(s.first)
+            if cut_short or t >= s.trial_end - 1e-9:
+                if cut_short:
+                    measured = s.first
+                elif s.first is None:
+                    measured = set_measurement(members, s.config, rng, params.noise)
+                else:  # the whole trial: its first window and the rest, each weighted by its length
+                    rest = set_measurement(members, s.config, rng, params.noise / math.sqrt(1 - FIRST_WINDOW))
+                    measured = _weighted(s.first, rest, FIRST_WINDOW)
+                assert measured is not None
+                s.search.observe(measured)
                 result.searches[s.record].trials += 1
+                result.cut_short += cut_short
                 nxt_cfg = s.search.propose()
                 if nxt_cfg is None:
                     best = s.search.best()
@@ -424,6 +449,18 @@ def simulate(
                 else:
                     apply(s, nxt_cfg)
     return result
+
+
+def _weighted(first: Measurement, rest: Measurement, f: float) -> dict[str, JobMeasurement]:
+    """A trial's measurement from its first window (a fraction ``f`` of it) and the rest."""
+    return {
+        j: JobMeasurement(
+            f * first[j].throughput + (1 - f) * rest[j].throughput,
+            f * first[j].utilization + (1 - f) * rest[j].utilization,
+            {g: f * t + (1 - f) * rest[j].worker_step_s[g] for g, t in first[j].worker_step_s.items()},
+        )
+        for j in first
+    }
 
 
 def _snapshot(j: SimJob) -> SimJob:
@@ -486,6 +523,8 @@ def run_all(
         "makespan_ratio": ms["gimbal"].makespan_s / ms["no_packing"].makespan_s,
         "makespan_ratio_vs_naive": ms["gimbal"].makespan_s / ms["naive"].makespan_s,
         "packed_jobs_gimbal": float(base["gimbal"].packed_jobs),
+        "search_trials_cut_short_share": base["gimbal"].cut_short
+        / max(1, sum(r.trials for r in base["gimbal"].searches)),
         "search_trials_mean_live": float(np.mean([r.trials for r in base["gimbal"].searches]))
         if base["gimbal"].searches
         else 0.0,
