@@ -16,7 +16,7 @@ happen before the start line and are not counted. Keys: ``jct_sequential_s``,
 other; mean JCT of the two jobs, median of ``--repeats`` interleaved repeats; every figure and each
 search's trials under ``pairs``), ``search_trials`` and ``search_ended`` (the headline pair's
 searches: trials each ran, and why each ended: ``nothing_to_gain`` is our exit, not the paper's;
-``--compare-literal`` adds ``jct_gimbal_literal_s``, Gimbal with Algorithm 1's exit only),
+``--compare-literal`` adds ``jct_gimbal_literal_s``: Algorithm 1's exit only, trials whole),
 ``share_error_max`` (one job alone at shares 30..100%: max |throughput / throughput at 100% -
 share|, medians of repeats), the per-share errors.
 
@@ -179,22 +179,23 @@ def run_together(
     trial_s: float,
     solo: dict[str, float] | None = None,
     objective: str = "jct_sequenced",
-    futile_exit: bool = True,
+    literal: bool = False,
 ) -> tuple[float, dict]:
     go = workdir / f"go-{tag}"
     jobs = _start(specs, workdir, go)
     t0 = _go(go)
     info: dict = {}
     if gimbal:
-        info = _coordinate(jobs, trial_s, solo or {}, objective, futile_exit)
+        info = _coordinate(jobs, trial_s, solo or {}, objective, literal)
     return statistics.fmean(j.finish_time() - t0 for j in jobs), info
 
 
 def _coordinate(
-    jobs: Sequence[LiveJob], trial_s: float, solo: dict[str, float], objective: str, futile_exit: bool
+    jobs: Sequence[LiveJob], trial_s: float, solo: dict[str, float], objective: str, literal: bool
 ) -> dict:
-    """The runtime monitor and coordinator: Algorithm 1 against live measurements (``futile_exit``:
-    the search ends once no later trial can gain, the default; False: Algorithm 1's exit only)."""
+    """The runtime monitor and coordinator: Algorithm 1 against live measurements; the search ends
+    once no later trial can gain, and a trial clearly worse after its first window ends there
+    (``literal``: neither, Algorithm 1's own exit only and every trial whole)."""
     by_name = {j.spec.name: j for j in jobs}
     start = {j.spec.name: j.progress() for j in jobs}
     infos = [
@@ -210,7 +211,7 @@ def _coordinate(
     # no slack above a use to skip (that is a GPU notion), so the literal 10% steps apply.
     # min_gain: a trial must beat the best by more than the noise of a window on a shared machine
     search = CoordinationSearch(
-        infos, OBJECTIVES[objective](), skip_slack=False, min_gain=MIN_GAIN, futile_exit=futile_exit
+        infos, OBJECTIVES[objective](), skip_slack=False, min_gain=MIN_GAIN, futile_exit=not literal
     )
     trials: list[dict] = []
     while (config := search.propose()) is not None:
@@ -221,7 +222,7 @@ def _coordinate(
         before = {n: j.progress() for n, j in by_name.items()}
         time.sleep(trial_s * FIRST_WINDOW)
         measured = _measure(before, {n: j.progress() for n, j in by_name.items()})
-        cut_short = search.interim(measured)  # clearly worse already: the window is the trial
+        cut_short = not literal and search.interim(measured)  # clearly worse: the window is the trial
         if not cut_short:
             time.sleep(trial_s * (1 - FIRST_WINDOW))
             measured = _measure(before, {n: j.progress() for n, j in by_name.items()})
@@ -330,7 +331,8 @@ def live_pair(
 ) -> dict:
     """Sequential, free competition and Gimbal for one pair, ``repeats`` interleaved repeats; the
     jobs' solo speeds profiled once first (``PROFILE_S`` each, not counted in any JCT).
-    ``compare_literal``: Gimbal without the "nothing to gain" exit too (``gimbal_literal``)."""
+    ``compare_literal``: also Gimbal with Algorithm 1's exit only, every trial whole
+    (``gimbal_literal``: the search before the "nothing to gain" exit and cut-short trials)."""
     profile = {spec.name: profile_solo(spec, workdir, PROFILE_S) for spec in specs}
     seq, free, gim, searches, solos = [], [], [], [], []
     literal: list[float] = []
@@ -348,12 +350,12 @@ def live_pair(
             elif variant == "free":
                 free.append(run_together(specs, workdir, f"{tag}-free-{r}", False, trial_s)[0])
             else:
-                futile = variant == "gimbal"
+                is_literal = variant == "gimbal_literal"
                 jct, info = run_together(
-                    specs, workdir, f"{tag}-{variant}-{r}", True, trial_s, profile, objective, futile
+                    specs, workdir, f"{tag}-{variant}-{r}", True, trial_s, profile, objective, is_literal
                 )
-                (gim if futile else literal).append(jct)
-                (searches if futile else literal_searches).append(info)
+                (literal if is_literal else gim).append(jct)
+                (literal_searches if is_literal else searches).append(info)
     extra: dict = {}
     if compare_literal:
         extra = {
@@ -444,7 +446,7 @@ def main() -> None:
     parser.add_argument(
         "--compare-literal",
         action="store_true",
-        help="also run Gimbal without the 'nothing to gain' exit (Algorithm 1's exit only)",
+        help="also run Gimbal with Algorithm 1's exit only and every trial whole",
     )
     parser.add_argument(
         "--pairs", default=",".join(PAIRS), help=f"live pairs, comma-separated (of {', '.join(PAIRS)})"
