@@ -14,8 +14,11 @@ CPU utilization from each job's progress file over a trial window). Process and 
 happen before the start line and are not counted. Keys: ``jct_sequential_s``,
 ``jct_free_competition_s``, ``jct_gimbal_s`` (the underusing pair; ``compute_bound_jct_*`` the
 other; mean JCT of the two jobs, median of ``--repeats`` interleaved repeats; every figure and each
-search's trials under ``pairs``), ``share_error_max`` (one job alone at shares 30..100%: max
-|throughput / throughput at 100% - share|, medians of repeats), the per-share errors.
+search's trials under ``pairs``), ``search_trials`` and ``search_ended`` (the headline pair's
+searches: trials each ran, and why each ended: ``nothing_to_gain`` is our exit, not the paper's;
+``--compare-literal`` adds ``jct_gimbal_literal_s``: Algorithm 1's exit only, trials whole),
+``share_error_max`` (one job alone at shares 30..100%: max |throughput / throughput at 100% -
+share|, medians of repeats), the per-share errors.
 
 Simulated (``shared.simulator.packing_sim``, Philly-like 150-job trace on 32 GPUs, pair slowdowns
 MODELLED): ``jct_ratio_vs_no_packing``, ``jct_ratio_vs_naive``, ``deadlines_met_<policy>``,
@@ -27,7 +30,7 @@ simulated JCT <= 0.85 x no packing; search within 1% of exhaustive in <= 55% of 
 The machine is shared with other work: live numbers are noisy, hence medians.
 
 Usage: ``python scripts/bench_packing.py [--quick] [--repeats 3] [--seeds 3] [--no-live | --no-sim]
-[--pairs underusing,compute_bound] [--objective jct_sequenced]``
+[--pairs underusing,compute_bound] [--objective jct_sequenced] [--compare-literal]``
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.packing.governor import write_share
-from shared.policies.packing import OBJECTIVES, CoordinationSearch, JobInfo, JobMeasurement
+from shared.policies.packing import FIRST_WINDOW, OBJECTIVES, CoordinationSearch, JobInfo, JobMeasurement
 from shared.simulator.packing_sim import SLOWDOWN_SOURCE, TraceParams, model_pairs_gaining, run_all
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,18 +179,23 @@ def run_together(
     trial_s: float,
     solo: dict[str, float] | None = None,
     objective: str = "jct_sequenced",
+    literal: bool = False,
 ) -> tuple[float, dict]:
     go = workdir / f"go-{tag}"
     jobs = _start(specs, workdir, go)
     t0 = _go(go)
     info: dict = {}
     if gimbal:
-        info = _coordinate(jobs, trial_s, solo or {}, objective)
+        info = _coordinate(jobs, trial_s, solo or {}, objective, literal)
     return statistics.fmean(j.finish_time() - t0 for j in jobs), info
 
 
-def _coordinate(jobs: Sequence[LiveJob], trial_s: float, solo: dict[str, float], objective: str) -> dict:
-    """The runtime monitor and coordinator: Algorithm 1 against live measurements."""
+def _coordinate(
+    jobs: Sequence[LiveJob], trial_s: float, solo: dict[str, float], objective: str, literal: bool
+) -> dict:
+    """The runtime monitor and coordinator: Algorithm 1 against live measurements; the search ends
+    once no later trial can gain, and a trial clearly worse after its first window ends there
+    (``literal``: neither, Algorithm 1's own exit only and every trial whole)."""
     by_name = {j.spec.name: j for j in jobs}
     start = {j.spec.name: j.progress() for j in jobs}
     infos = [
@@ -202,7 +210,9 @@ def _coordinate(jobs: Sequence[LiveJob], trial_s: float, solo: dict[str, float],
     # The duty cycle caps a share of the job's own full speed: every cap below 100% binds, there is
     # no slack above a use to skip (that is a GPU notion), so the literal 10% steps apply.
     # min_gain: a trial must beat the best by more than the noise of a window on a shared machine
-    search = CoordinationSearch(infos, OBJECTIVES[objective](), skip_slack=False, min_gain=MIN_GAIN)
+    search = CoordinationSearch(
+        infos, OBJECTIVES[objective](), skip_slack=False, min_gain=MIN_GAIN, futile_exit=not literal
+    )
     trials: list[dict] = []
     while (config := search.propose()) is not None:
         if any(j.done() for j in jobs):
@@ -210,20 +220,21 @@ def _coordinate(jobs: Sequence[LiveJob], trial_s: float, solo: dict[str, float],
         for name, cap in config.caps.items():
             write_share(by_name[name].share_file, cap)
         before = {n: j.progress() for n, j in by_name.items()}
-        time.sleep(trial_s)
-        after = {n: j.progress() for n, j in by_name.items()}
-        measured = {}
-        for n in by_name:
-            (s0, t0, c0), (s1, t1, c1) = before[n], after[n]
-            dt = max(t1 - t0, 1e-6)
-            measured[n] = JobMeasurement(
-                throughput=max((s1 - s0) / dt, 1e-9), utilization=(c1 - c0) / dt / CORES
-            )
+        time.sleep(trial_s * FIRST_WINDOW)
+        measured = _measure(before, {n: j.progress() for n, j in by_name.items()})
+        cut_short = not literal and search.interim(measured)  # clearly worse: the window is the trial
+        if not cut_short:
+            time.sleep(trial_s * (1 - FIRST_WINDOW))
+            measured = _measure(before, {n: j.progress() for n, j in by_name.items()})
         search.observe(measured)
         trials.append(
             {
                 "caps": dict(config.caps),
+                "cut_short": cut_short,
                 "throughput": {n: round(m.throughput, 2) for n, m in measured.items()},
+                "utilization": {n: round(m.utilization, 3) for n, m in measured.items()},
+                "objective": round(search.trials[-1].objective, 3),
+                "reachable": _rounded(search.reachable(measured)),
             }
         )
     best = search.best() if search.trials else None
@@ -236,7 +247,28 @@ def _coordinate(jobs: Sequence[LiveJob], trial_s: float, solo: dict[str, float],
         time.sleep(0.02)
     for job in jobs:
         write_share(job.share_file, 100)
-    return {"trials": trials, "best_caps": dict(best.caps) if best else None}
+    return {
+        "trials": trials,
+        "best_caps": dict(best.caps) if best else None,
+        "ended": search.ended,
+        "cut_short": search.cut_short,
+    }
+
+
+def _measure(
+    before: dict[str, tuple[int, float, float]], after: dict[str, tuple[int, float, float]]
+) -> dict[str, JobMeasurement]:
+    """Each job's speed over its own report clock and its device use (CPU seconds over them)."""
+    measured = {}
+    for n in before:
+        (s0, t0, c0), (s1, t1, c1) = before[n], after[n]
+        dt = max(t1 - t0, 1e-6)
+        measured[n] = JobMeasurement(throughput=max((s1 - s0) / dt, 1e-9), utilization=(c1 - c0) / dt / CORES)
+    return measured
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def measure_shares(spec: JobSpec, workdir: Path, window_s: float, cycles: int = 4) -> dict[int, float]:
@@ -289,16 +321,28 @@ PRIMARY = "underusing"  # its figures are the bench's headline keys
 
 
 def live_pair(
-    specs: Sequence[JobSpec], workdir: Path, repeats: int, trial_s: float, tag: str, objective: str
+    specs: Sequence[JobSpec],
+    workdir: Path,
+    repeats: int,
+    trial_s: float,
+    tag: str,
+    objective: str,
+    compare_literal: bool = False,
 ) -> dict:
     """Sequential, free competition and Gimbal for one pair, ``repeats`` interleaved repeats; the
-    jobs' solo speeds profiled once first (``PROFILE_S`` each, not counted in any JCT)."""
+    jobs' solo speeds profiled once first (``PROFILE_S`` each, not counted in any JCT).
+    ``compare_literal``: also Gimbal with Algorithm 1's exit only, every trial whole
+    (``gimbal_literal``: the search before the "nothing to gain" exit and cut-short trials)."""
     profile = {spec.name: profile_solo(spec, workdir, PROFILE_S) for spec in specs}
     seq, free, gim, searches, solos = [], [], [], [], []
+    literal: list[float] = []
+    literal_searches: list[dict] = []
+    variants = ("seq", "free", "gimbal") + (("gimbal_literal",) if compare_literal else ())
     for r in range(repeats):
-        # the three variants in a rotating order: load that drifts over a repeat does not always
-        # favour the same one
-        for variant in ("seq", "free", "gimbal")[r % 3 :] + ("seq", "free", "gimbal")[: r % 3]:
+        # the variants in a rotating order: load that drifts over a repeat does not always favour
+        # the same one
+        k = r % len(variants)
+        for variant in variants[k:] + variants[:k]:
             if variant == "seq":
                 jct, solo = run_sequential(specs, workdir, f"{tag}-seq-{r}")
                 seq.append(jct)
@@ -306,12 +350,23 @@ def live_pair(
             elif variant == "free":
                 free.append(run_together(specs, workdir, f"{tag}-free-{r}", False, trial_s)[0])
             else:
+                is_literal = variant == "gimbal_literal"
                 jct, info = run_together(
-                    specs, workdir, f"{tag}-gimbal-{r}", True, trial_s, profile, objective
+                    specs, workdir, f"{tag}-{variant}-{r}", True, trial_s, profile, objective, is_literal
                 )
-                gim.append(jct)
-                searches.append(info)
+                (literal if is_literal else gim).append(jct)
+                (literal_searches if is_literal else searches).append(info)
+    extra: dict = {}
+    if compare_literal:
+        extra = {
+            "jct_gimbal_literal_s": statistics.median(literal),
+            "jct_gimbal_literal_runs_s": literal,
+            "gimbal_literal_vs_free": statistics.median(literal) / statistics.median(free),
+            "search_trials_literal": [len(s["trials"]) for s in literal_searches],
+            "searches_literal": literal_searches,
+        }
     return {
+        **extra,
         "jct_sequential_s": statistics.median(seq),
         "jct_free_competition_s": statistics.median(free),
         "jct_gimbal_s": statistics.median(gim),
@@ -326,11 +381,12 @@ def live_pair(
         "free_vs_sequential": statistics.median(free) / statistics.median(seq),
         "search_trials": [len(s["trials"]) for s in searches],
         "search_best_caps": [s["best_caps"] for s in searches],
+        "search_ended": [s["ended"] for s in searches],
         "searches": searches,
     }
 
 
-def live(repeats: int, quick: bool, pairs: Sequence[str], objective: str) -> dict:
+def live(repeats: int, quick: bool, pairs: Sequence[str], objective: str, compare_literal: bool) -> dict:
     scale = 0.5 if quick else 1.0
     # about 50-150 steps of these jobs (the paper: up to 60 s or 5 steps); 0.5 s windows let
     # the machine's load swing a trial by more than a 10% squeeze changes it
@@ -341,7 +397,7 @@ def live(repeats: int, quick: bool, pairs: Sequence[str], objective: str) -> dic
         workdir = Path(d)
         for name in pairs:
             specs = [dataclasses.replace(s, steps=int(s.steps * scale)) for s in PAIRS[name]]
-            result = live_pair(specs, workdir, repeats, trial_s, name, objective)
+            result = live_pair(specs, workdir, repeats, trial_s, name, objective, compare_literal)
             result["jobs"] = [dataclasses.asdict(s) for s in specs]
             out["pairs"][name] = result
         for _ in range(repeats):
@@ -350,7 +406,10 @@ def live(repeats: int, quick: bool, pairs: Sequence[str], objective: str) -> dic
     share_err = {s: statistics.median(v) for s, v in sorted(errors.items())}
     headline = out["pairs"].get(PRIMARY) or next(iter(out["pairs"].values()))
     keys = ("jct_sequential_s", "jct_free_competition_s", "jct_gimbal_s")
+    keys += ("jct_gimbal_literal_s",) if compare_literal else ()
     out.update({k: headline[k] for k in keys})
+    out["search_trials"] = headline["search_trials"]  # trials each Gimbal search ran (4: Algorithm 1's)
+    out["search_ended"] = headline["search_ended"]
     out["live_gimbal_vs_sequential"] = headline["gimbal_vs_sequential"]
     out["live_gimbal_vs_free"] = headline["gimbal_vs_free"]
     for name, result in out["pairs"].items():
@@ -385,6 +444,11 @@ def main() -> None:
         help="the live coordinator's objective (jct: the paper's Eq. 1)",
     )
     parser.add_argument(
+        "--compare-literal",
+        action="store_true",
+        help="also run Gimbal with Algorithm 1's exit only and every trial whole",
+    )
+    parser.add_argument(
         "--pairs", default=",".join(PAIRS), help=f"live pairs, comma-separated (of {', '.join(PAIRS)})"
     )
     args = parser.parse_args()
@@ -392,7 +456,13 @@ def main() -> None:
     out: dict = {}
     if not args.no_live:
         out.update(
-            live(args.repeats or (1 if args.quick else 3), args.quick, args.pairs.split(","), args.objective)
+            live(
+                args.repeats or (1 if args.quick else 3),
+                args.quick,
+                args.pairs.split(","),
+                args.objective,
+                args.compare_literal,
+            )
         )
     if not args.no_sim:
         out.update(simulated(args.seeds or (1 if args.quick else 3)))

@@ -318,6 +318,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "settle_s": 0.5,  # after a new share, before measuring (the step in flight ends)
         "objective": "jct",  # Eq. 1-6: jct | jct_sequenced | deadline | makespan
         "min_gain": 0.03,  # a trial counts as a gain only if it beats the best by this fraction
+        "futile_exit": True,  # end a search once no later trial can gain (false: Algorithm 1's exit)
     },
     "checkpoint": {
         # Jobs' images (issue #17): agents in the job processes write them to the data store, the

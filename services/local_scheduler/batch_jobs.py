@@ -749,7 +749,12 @@ class BatchJobs:
             return None
         partners = sorted(j for j in coordinator.processes if j != run.job_id)
         entry = describe(coordinator.shares, ",".join(partners), run.job_id, run.process.device_ids)
-        entry.update(jmax=jmax, trials=len(coordinator.trials), searches=coordinator.searches)
+        entry.update(
+            jmax=jmax,
+            trials=len(coordinator.trials),
+            searches=coordinator.searches,
+            search_ended=coordinator.ended,
+        )
         return entry
 
     async def close(self) -> None:

@@ -26,6 +26,7 @@ import structlog
 
 from services.local_scheduler.job_process import JobProcess
 from shared.policies.packing import (
+    FIRST_WINDOW,
     FULL,
     OBJECTIVES,
     CoordinationSearch,
@@ -50,6 +51,8 @@ class PackingSettings:
     settle_s: float = 0.5  # after a new cap, before measuring: the step in flight ends
     objective: str = "jct"
     min_gain: float = 0.03  # a trial must beat the best by this fraction (live trials are noisy)
+    # end a search once no later trial can gain (``CoordinationSearch``; False: Algorithm 1's exit only)
+    futile_exit: bool = True
 
     @classmethod
     def from_config(cls, section: dict[str, Any]) -> PackingSettings:
@@ -59,6 +62,7 @@ class PackingSettings:
             settle_s=float(section.get("settle_s", cls.settle_s)),
             objective=str(section.get("objective", cls.objective)),
             min_gain=float(section.get("min_gain", cls.min_gain)),
+            futile_exit=bool(section.get("futile_exit", cls.futile_exit)),
         )
 
 
@@ -133,6 +137,7 @@ class Coordinator:
     trials: list[dict[str, Any]] = field(default_factory=list)
     searches: int = 0
     best: PackingConfig | None = None
+    ended: str | None = None  # why the last search ended (``CoordinationSearch.ended``)
     _task: asyncio.Future[None] | None = None
 
     def start(self) -> None:
@@ -180,41 +185,56 @@ class Coordinator:
         objective = OBJECTIVES[self.settings.objective]()
         # the duty cycle caps a share of the job's own speed: every cap below 100% binds (no
         # slack above a use to skip, that is a GPU notion), so the paper's literal 10% steps
-        search = CoordinationSearch(infos, objective, skip_slack=False, min_gain=self.settings.min_gain)
+        search = CoordinationSearch(
+            infos,
+            objective,
+            skip_slack=False,
+            min_gain=self.settings.min_gain,
+            futile_exit=self.settings.futile_exit,
+        )
         while (config := search.propose()) is not None:
             for job_id, cap in config.caps.items():
                 self._set(job_id, cap)
             await asyncio.sleep(self.settings.settle_s)
             before = {j: sample(p) for j, p in self.processes.items()}
-            await asyncio.sleep(self.settings.trial_s)
-            after = {j: sample(p) for j, p in self.processes.items()}
-            if not self.running():
+            await asyncio.sleep(self.settings.trial_s * FIRST_WINDOW)
+            first = self._measured(before)
+            # clearly worse after its first window: that window is the trial
+            cut_short = first is not None and self.running() and search.interim(first)
+            if not cut_short:
+                await asyncio.sleep(self.settings.trial_s * (1 - FIRST_WINDOW))
+            measured = first if cut_short else self._measured(before)
+            if not self.running() or measured is None:
                 self._reset()
-                return False
-            measured: dict[str, JobMeasurement] = {}
-            for j in self.processes:
-                b, a = before[j], after[j]
-                m = measurement(b, a) if b is not None and a is not None else None
-                if m is None:
-                    break
-                measured[j] = m
-            if len(measured) != len(self.processes):
-                self._reset()
-                return False  # a job stalled or finished mid-trial: not a measurement
+                return False  # a job paused, stalled or finished mid-trial: not a measurement
             search.observe(measured)
             self.trials.append(
                 {
                     "caps": dict(config.caps),
+                    "cut_short": cut_short,
                     "throughput": {j: round(m.throughput, 3) for j, m in measured.items()},
                     "utilization": {j: round(m.utilization, 3) for j, m in measured.items()},
                     "objective": search.trials[-1].objective,
                 }
             )
-        self.best = search.best()
+        self.best, self.ended = search.best(), search.ended
         for job_id, cap in self.best.caps.items():
             self._set(job_id, cap)
-        log.info("packing_search_done", trials=len(search.trials), best=dict(self.best.caps))
+        log.info(
+            "packing_search_done", trials=len(search.trials), best=dict(self.best.caps), ended=self.ended
+        )
         return True
+
+    def _measured(self, before: dict[str, Sample | None]) -> dict[str, JobMeasurement] | None:
+        """Every job's speed and utilization since ``before`` (None: one has no new step)."""
+        measured: dict[str, JobMeasurement] = {}
+        for j, p in self.processes.items():
+            b, a = before[j], sample(p)
+            m = measurement(b, a) if b is not None and a is not None else None
+            if m is None:
+                return None
+            measured[j] = m
+        return measured
 
     def _reset(self) -> None:
         for job_id in self.processes:

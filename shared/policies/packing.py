@@ -37,6 +37,7 @@ MIN_CAP = STEP  # 0% would stop the job; a cap of 0 is a preemption, not a packi
 FULL = 100
 MAX_WORKERS_PER_GPU = 2
 EARLY_EXIT_TRIALS = 3  # Algorithm 1 line 9
+FIRST_WINDOW = 1 / 3  # of a trial, measured first by live shells (``CoordinationSearch.interim``)
 STRAGGLER_TOLERANCE = 0.05  # a worker 5% slower (per step) than the fastest one is a straggler
 
 
@@ -378,12 +379,27 @@ class _TrialLog:
         return config, improved
 
 
+# Why a search ended (``CoordinationSearch.ended``)
+EXIT_NO_GAIN = "no_gain"  # line 9: three trials in a row without gain
+EXIT_EXHAUSTED = "exhausted"  # every low-priority job at the floor
+EXIT_NOTHING_TO_GAIN = "nothing_to_gain"  # not in the paper: no further trial can gain (``reachable``)
+
+
 class CoordinationSearch(_TrialLog):
     """Algorithm 1 over one packing set. ``propose()`` returns None once the search is over.
 
     The first trial is the set as packed (every cap 100%: free competition) and measures the
     priorities; line 5 then swells the high-priority side (it is already at 100% unless a caller
-    restarts the search from a previous best, ``start``)."""
+    restarts the search from a previous best, ``start``).
+
+    Not in the paper (``futile_exit``, on by default; False is the literal algorithm): after each
+    trial the search bounds what any further trial could measure (``reachable``) and ends at once
+    when even that bound would not beat the best trial by ``min_gain``. Algorithm 1 would run its
+    three losing trials there and keep the same best; live, each of them squeezes a job for a whole
+    trial for nothing (the bench's underusing pair: the swelled job already ran at ~its solo speed
+    under free competition, and three squeezes of its partner cost ~0.5 s of a ~17 s mean JCT).
+    Also not in the paper, and only where the caller measures a trial in windows: ``interim`` cuts
+    short a trial whose first window is already clearly worse than the best."""
 
     def __init__(
         self,
@@ -394,12 +410,18 @@ class CoordinationSearch(_TrialLog):
         early_exit: int | None = EARLY_EXIT_TRIALS,
         skip_slack: bool = True,
         min_gain: float = 0.0,
+        futile_exit: bool = True,
     ) -> None:
         if len(jobs) < 2:
             raise ValueError("a packing set has at least two jobs")
         super().__init__(jobs, objective, min_gain)
         self._jmax = _jmax(jobs)
         self._early_exit = early_exit
+        self._futile_exit = futile_exit
+        self.ended: str | None = None  # why the search is over (``EXIT_*``); None while it runs
+        self.cut_short = 0  # trials ended after their first window (``interim``)
+        self._first_window: float | None = None  # the pending trial's first-window objective
+        self._window_noise: list[float] = []  # |first window / whole trial - 1| of whole trials
         self._skip_slack = skip_slack  # False: the paper's literal 10% steps from 100%
         self._next: PackingConfig | None = start or PackingConfig({j.job_id: FULL for j in jobs})
         self._misses = 0
@@ -416,8 +438,33 @@ class CoordinationSearch(_TrialLog):
             self._pending, self._next = self._next, None
         return self._pending
 
+    def interim(self, measured: Measurement) -> bool:
+        """The pending trial measured over its first window (optional, live shells): True when it is
+        already clearly worse than the best trial, and the caller then observes this measurement as
+        the trial's (a shorter trial: a squeeze that loses costs the squeezed job less).
+
+        Not in the paper. "Clearly": worse by more than ``min_gain`` plus twice the monitor's noise,
+        the largest gap seen so far between a whole trial and its own first window; so never in the
+        second trial before a whole one measured the noise, nor without a best to compare."""
+        if self._pending is None:
+            raise RuntimeError("interim() without a proposed trial")
+        value = self._objective.value(self._jobs, measured)
+        self._first_window = value
+        if self._best is None or not self._window_noise:
+            return False
+        margin = self._min_gain + 2 * max(self._window_noise)
+        if value > self._best.objective * (1 + margin):
+            self._first_window = None  # cut short: its first window is the whole trial
+            self.cut_short += 1
+            return True
+        return False
+
     def observe(self, measured: Measurement) -> None:
         config, improved = self._record(measured)
+        whole, first = self._trials[-1].objective, self._first_window
+        self._first_window = None
+        if first is not None and 0 < whole < math.inf and first < math.inf:
+            self._window_noise.append(abs(first / whole - 1))
         self._seen.add(config.key())
         self._misses = 0 if improved else self._misses + 1
         self._last = measured
@@ -426,10 +473,48 @@ class CoordinationSearch(_TrialLog):
             self._next = self._swell_high(config)
             if self._next.key() in self._seen:
                 self._next = self._generate(config, measured)
+            self.ended = EXIT_EXHAUSTED if self._next is None else None
         elif self._early_exit is not None and self._misses >= self._early_exit:
-            self._next = None
+            self._next, self.ended = None, EXIT_NO_GAIN
         else:
             self._next = self._generate(config, measured)
+            self.ended = EXIT_EXHAUSTED if self._next is None else None
+        if self._next is not None and self._futile_exit and self._futile(measured):
+            self._next, self.ended = None, EXIT_NOTHING_TO_GAIN
+
+    def reachable(self, measured: Measurement) -> float | None:
+        """A lower bound on the objective of any trial after the one ``measured`` (None: no bound).
+
+        Every later trial squeezes the low-priority side further (caps only go down from the last
+        trial's) and keeps the high-priority side swelled, so, on a device where a squeezed job
+        never speeds up and no job runs faster than alone: low-priority jobs at most at their
+        measured speeds, high-priority jobs at most at their solo speeds (``solo_throughput``, or
+        faster if so measured). The objectives only improve with speed. No bound when a
+        high-priority job's solo speed is unknown, or when J_max is on the low side and straggles
+        (LISS could speed it up without a squeeze)."""
+        if self._low is None:
+            return None
+        jmax = self._jmax.job_id
+        if jmax in self._low and stragglers(measured[jmax])[0]:
+            return None
+        optimistic = dict(measured)
+        for job in self._jobs:
+            if job.job_id in self._low:
+                continue
+            if job.solo_throughput is None:
+                return None
+            m = measured[job.job_id]
+            optimistic[job.job_id] = JobMeasurement(
+                max(m.throughput, job.solo_throughput), m.utilization, m.worker_step_s
+            )
+        return self._objective.value(self._jobs, optimistic)
+
+    def _futile(self, measured: Measurement) -> bool:
+        """True when no further trial can count as a gain: even ``reachable`` would not beat the
+        best by ``min_gain`` (what ``_record`` asks of a gain)."""
+        bound = self.reachable(measured)
+        assert self._best is not None
+        return bound is not None and not bound < self._best.objective * (1 - max(self._min_gain, 1e-9))
 
     # Lines 1-5
     def _split(self, measured: Measurement) -> None:
@@ -529,7 +614,7 @@ class ExhaustiveSearch(_TrialLog):
 
 
 def run_search(
-    search: Search, measure: Callable[[PackingConfig], Measurement], limit: int = 10_000
+    search: Search, measure: Callable[[PackingConfig], Measurement], limit: int = 100_000
 ) -> PackingConfig:
     """Drive a search to its end against a measurement function (simulator, tests)."""
     for _ in range(limit):

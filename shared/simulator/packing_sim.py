@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shared.policies.packing import (
+    EXIT_NOTHING_TO_GAIN,
+    FIRST_WINDOW,
     FULL,
     MIN_CAP,
     OBJECTIVES,
@@ -47,7 +49,6 @@ from shared.policies.packing import (
     Objective,
     PackingConfig,
     Placement,
-    Search,
     packable_gpus,
     packing_sets,
     run_search,
@@ -230,9 +231,11 @@ class _Set:
     jmax: str
     members: tuple[str, ...]
     config: PackingConfig
-    search: Search | None = None
+    search: CoordinationSearch | None = None
     stall_until: float = 0.0
     trial_end: float = math.inf
+    first_end: float = math.inf  # the trial's first window ends (``CoordinationSearch.interim``)
+    first: Measurement | None = None  # what the monitor measured over that window
     stalled: frozenset[str] = frozenset()
     record: int = -1  # index of its SearchRecord
 
@@ -251,6 +254,7 @@ class RunResult:
     jobs: list[SimJob]
     searches: list[SearchRecord] = field(default_factory=list)
     packed_jobs: int = 0
+    cut_short: int = 0  # trials ended after their first window
 
     @property
     def mean_jct_s(self) -> float:
@@ -269,8 +273,10 @@ class RunResult:
 class SimParams:
     trial_s: float = 30.0  # the paper's monitor period
     switch_s: float = 3.6  # §7.4: mean LGRR switch overhead
-    noise: float = 0.02
+    noise: float = 0.02  # of a whole trial's measurement; a window of a fraction f of it: noise / sqrt(f)
     skip_slack: bool = True  # False: Algorithm 1's literal 10% steps from 100%
+    interim: bool = True  # a trial clearly worse after its first window ends there (False: never)
+    futile_exit: bool = True  # False: no "nothing to gain" exit (``CoordinationSearch``)
 
 
 def simulate(
@@ -321,7 +327,9 @@ def simulate(
 
     def start_search(s: _Set) -> None:
         members = [by_id[m] for m in (s.jmax, *s.members)]
-        s.search = CoordinationSearch(_infos(members, t), obj, skip_slack=params.skip_slack)
+        s.search = CoordinationSearch(
+            _infos(members, t), obj, skip_slack=params.skip_slack, futile_exit=params.futile_exit
+        )
         s.record = len(result.searches)
         result.searches.append(SearchRecord(_infos(members, t), [_snapshot(m) for m in members], 0))
         apply(s, s.search.propose())  # type: ignore[arg-type]
@@ -332,6 +340,10 @@ def simulate(
         s.stalled = changed
         s.stall_until = t + (params.switch_s if changed else 0.0)
         s.trial_end = s.stall_until + params.trial_s if s.search is not None else math.inf
+        s.first_end = math.inf
+        if s.search is not None and params.interim:
+            s.first_end = s.stall_until + params.trial_s * FIRST_WINDOW
+        s.first = None
 
     def regroup() -> None:
         """Packing sets from the placement; a set that formed or changed (re)starts its search."""
@@ -395,6 +407,8 @@ def simulate(
                 horizon.append(s.stall_until)
             if s.trial_end < math.inf:
                 horizon.append(s.trial_end)
+            if s.first is None and s.first_end < s.trial_end:
+                horizon.append(s.first_end)
         if not horizon:
             raise AssertionError(f"stuck at t={t}: queue {[j.job_id for j in queue]}")
         nxt = max(t, min(horizon))
@@ -408,10 +422,25 @@ def simulate(
         if done:
             regroup()
         for s in list(sets.values()):
-            if s.search is not None and t >= s.trial_end - 1e-9:
-                members = [by_id[m] for m in (s.jmax, *s.members)]
-                s.search.observe(set_measurement(members, s.config, rng, params.noise))
+            if s.search is None:
+                continue
+            members = [by_id[m] for m in (s.jmax, *s.members)]
+            cut_short = False
+            if s.first is None and t >= s.first_end - 1e-9 and t < s.trial_end - 1e-9:
+                s.first = set_measurement(members, s.config, rng, params.noise / math.sqrt(FIRST_WINDOW))
+                cut_short = s.search.interim(s.first)
+            if cut_short or t >= s.trial_end - 1e-9:
+                if cut_short:
+                    measured = s.first
+                elif s.first is None:
+                    measured = set_measurement(members, s.config, rng, params.noise)
+                else:  # the whole trial: its first window and the rest, each weighted by its length
+                    rest = set_measurement(members, s.config, rng, params.noise / math.sqrt(1 - FIRST_WINDOW))
+                    measured = _weighted(s.first, rest, FIRST_WINDOW)
+                assert measured is not None
+                s.search.observe(measured)
                 result.searches[s.record].trials += 1
+                result.cut_short += cut_short
                 nxt_cfg = s.search.propose()
                 if nxt_cfg is None:
                     best = s.search.best()
@@ -422,6 +451,18 @@ def simulate(
     return result
 
 
+def _weighted(first: Measurement, rest: Measurement, f: float) -> dict[str, JobMeasurement]:
+    """A trial's measurement from its first window (a fraction ``f`` of it) and the rest."""
+    return {
+        j: JobMeasurement(
+            f * first[j].throughput + (1 - f) * rest[j].throughput,
+            f * first[j].utilization + (1 - f) * rest[j].utilization,
+            {g: f * t + (1 - f) * rest[j].worker_step_s[g] for g, t in first[j].worker_step_s.items()},
+        )
+        for j in first
+    }
+
+
 def _snapshot(j: SimJob) -> SimJob:
     return SimJob(
         j.job_id, j.model, j.size_class, j.gpus_n, j.work_s, j.arrival_s, j.deadline_s, j.remaining_s, j.gpus
@@ -429,21 +470,23 @@ def _snapshot(j: SimJob) -> SimJob:
 
 
 def compare_searches(
-    records: Sequence[SearchRecord], objective: str, *, skip_slack: bool = True
+    records: Sequence[SearchRecord], objective: str, *, skip_slack: bool = True, futile_exit: bool = True
 ) -> dict[str, float]:
     """Algorithm 1 vs the exhaustive search on every packing set a Gimbal run formed, both against
-    the noise-free table: trials ratio (sum over sets) and objective ratio (mean, >= 1 is worse)."""
+    the noise-free table: trials ratio (sum over sets) and objective ratio (mean, >= 1 is worse);
+    the share of searches the "nothing to gain" exit ended."""
     obj = OBJECTIVES[objective]()
-    trials_alg = trials_exh = 0
+    trials_alg = trials_exh = futile = 0
     ratios: list[float] = []
     for rec in records:
         measure = lambda c, members=rec.members: set_measurement(members, c)  # noqa: E731
-        alg = CoordinationSearch(rec.infos, obj, skip_slack=skip_slack)
+        alg = CoordinationSearch(rec.infos, obj, skip_slack=skip_slack, futile_exit=futile_exit)
         exh = ExhaustiveSearch(rec.infos, obj)
         best_alg = run_search(alg, measure)
         best_exh = run_search(exh, measure)
         trials_alg += len(alg.trials)
         trials_exh += len(exh.trials)
+        futile += alg.ended == EXIT_NOTHING_TO_GAIN
         v_alg = obj.value(rec.infos, measure(best_alg))
         v_exh = obj.value(rec.infos, measure(best_exh))
         ratios.append(v_alg / v_exh if v_exh > 0 else 1.0)
@@ -452,6 +495,7 @@ def compare_searches(
         "search_trials_ratio": trials_alg / trials_exh if trials_exh else math.nan,
         "search_objective_ratio": float(np.mean(ratios)) if ratios else math.nan,
         "search_objective_ratio_max": float(np.max(ratios)) if ratios else math.nan,
+        "search_nothing_to_gain_share": futile / len(records) if records else math.nan,
     }
 
 
@@ -479,6 +523,8 @@ def run_all(
         "makespan_ratio": ms["gimbal"].makespan_s / ms["no_packing"].makespan_s,
         "makespan_ratio_vs_naive": ms["gimbal"].makespan_s / ms["naive"].makespan_s,
         "packed_jobs_gimbal": float(base["gimbal"].packed_jobs),
+        "search_trials_cut_short_share": base["gimbal"].cut_short
+        / max(1, sum(r.trials for r in base["gimbal"].searches)),
         "search_trials_mean_live": float(np.mean([r.trials for r in base["gimbal"].searches]))
         if base["gimbal"].searches
         else 0.0,
@@ -487,6 +533,10 @@ def run_all(
     literal = compare_searches(base["gimbal"].searches, "jct", skip_slack=False)
     out["search_trials_ratio_literal_steps"] = literal["search_trials_ratio"]
     out["search_objective_ratio_literal_steps"] = literal["search_objective_ratio"]
+    # the same sets searched without the "nothing to gain" exit (Algorithm 1's own early exit only)
+    no_futile = compare_searches(base["gimbal"].searches, "jct", futile_exit=False)
+    out["search_trials_ratio_without_futile_exit"] = no_futile["search_trials_ratio"]
+    out["search_objective_ratio_without_futile_exit"] = no_futile["search_objective_ratio"]
     # Not the paper's: the completion-aware JCT objective (``SequencedJctObjective``), a diagnosis of
     # Eq. 1's myopia (it never squeezes a bad pair towards running one after the other).
     seq = simulate(trace, "gimbal", "jct_sequenced", params, trace_params, seed)

@@ -6,6 +6,7 @@ stops after three trials without gain, and maps stragglers of J_max to LISS or t
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -13,7 +14,10 @@ from hypothesis import strategies as st
 
 from shared.policies.packing import (
     EARLY_EXIT_TRIALS,
+    EXIT_NO_GAIN,
+    EXIT_NOTHING_TO_GAIN,
     FULL,
+    OBJECTIVES,
     CoordinationSearch,
     DeadlineObjective,
     ExhaustiveSearch,
@@ -29,6 +33,7 @@ from shared.policies.packing import (
     run_search,
     violations,
 )
+from shared.simulator.packing_sim import pair_speeds
 
 GPUS = [f"g{i}" for i in range(8)]
 
@@ -230,3 +235,174 @@ def test_a_squeeze_skips_the_slack_above_what_a_job_uses() -> None:
     literal = CoordinationSearch(jobs, JctObjective(), skip_slack=False)
     run_search(literal, measure)
     assert [t.config.caps["big"] for t in literal.trials] == [100, 90, 80, 70]  # exits on the plateau
+
+
+# The "nothing to gain" exit (not in the paper: ``CoordinationSearch(futile_exit=...)``).
+
+LOADER = JobInfo("loader", ("g0",), 900.0, solo_throughput=33.0)  # waits for input: 20% of the device
+COMPUTE = JobInfo("compute", ("g0",), 3000.0, solo_throughput=400.0)  # keeps the device busy
+
+
+def _loader_beside_compute(loader_speed: float) -> Callable[[PackingConfig], dict[str, JobMeasurement]]:
+    """The live bench's underusing pair: squeezing ``compute`` slows it and gives ``loader`` at most
+    ``loader_speed`` back per 10% (the loader waits for its input, not for the device)."""
+
+    def measure(config: PackingConfig) -> dict[str, JobMeasurement]:
+        c = config.caps["compute"] / FULL
+        loader = min(33.0, 31.5 + loader_speed * (1 - c) * 10)
+        return {
+            "loader": JobMeasurement(loader, 0.2),
+            "compute": JobMeasurement(360.0 * c, 0.8 * c),
+        }
+
+    return measure
+
+
+def test_a_search_with_nothing_to_gain_ends_after_its_first_trial() -> None:
+    """Free competition gives the swelled loader 31.5 of its 33 steps/s alone: even at its solo
+    speed the mean JCT would gain less than the 3% a trial must; the search keeps free competition
+    after one trial, where Algorithm 1 runs three losing squeezes to the same end."""
+    measure = _loader_beside_compute(0.0)
+    search = CoordinationSearch([LOADER, COMPUTE], SequencedJctObjective(), skip_slack=False, min_gain=0.03)
+    best = run_search(search, measure)
+    assert search.low_priority == {"compute"}
+    assert best.caps == {"loader": FULL, "compute": FULL}
+    assert len(search.trials) == 1 and search.ended == EXIT_NOTHING_TO_GAIN
+    literal = CoordinationSearch(
+        [LOADER, COMPUTE], SequencedJctObjective(), skip_slack=False, min_gain=0.03, futile_exit=False
+    )
+    assert run_search(literal, measure) == best
+    assert len(literal.trials) == 1 + EARLY_EXIT_TRIALS and literal.ended == EXIT_NO_GAIN
+
+
+def test_a_search_with_something_to_gain_still_squeezes() -> None:
+    """When the swelled job is well below its solo speed the bound leaves room: the search runs
+    and keeps the squeeze that pays (each 10% off ``compute`` gives the loader, 150 steps from its
+    end, 4 steps/s)."""
+
+    def measure(config: PackingConfig) -> dict[str, JobMeasurement]:
+        c = config.caps["compute"] / FULL
+        return {
+            "loader": JobMeasurement(min(33.0, 15.0 + 40.0 * (1 - c)), 0.2),
+            "compute": JobMeasurement(360.0 * c, 0.8 * c),
+        }
+
+    near_its_end = JobInfo("loader", ("g0",), 150.0, solo_throughput=33.0)
+    search = CoordinationSearch(
+        [near_its_end, COMPUTE], SequencedJctObjective(), skip_slack=False, min_gain=0.03
+    )
+    best = run_search(search, measure)
+    assert best.caps["compute"] < FULL and best.caps["loader"] == FULL
+    assert search.trials[0].objective > min(t.objective for t in search.trials) * 1.03
+
+
+def test_no_bound_without_the_swelled_jobs_solo_speed() -> None:
+    """Without the high-priority job's speed alone nothing bounds what a squeeze could give it:
+    the search runs as Algorithm 1 does."""
+    unprofiled = JobInfo("loader", ("g0",), 900.0)
+    search = CoordinationSearch(
+        [unprofiled, COMPUTE], SequencedJctObjective(), skip_slack=False, min_gain=0.03
+    )
+    run_search(search, _loader_beside_compute(0.0))
+    assert search.reachable(_loader_beside_compute(0.0)(search.best())) is None
+    assert len(search.trials) == 1 + EARLY_EXIT_TRIALS and search.ended == EXIT_NO_GAIN
+
+
+def test_a_straggling_low_priority_jmax_is_not_cut_short() -> None:
+    """LISS can speed a low-priority J_max that straggles without squeezing anyone: no bound."""
+    jobs = [
+        JobInfo("big", ("g0", "g1"), 100.0, solo_throughput=1.0),
+        JobInfo("small", ("g0",), 100.0, solo_throughput=1.0),
+    ]
+    search = CoordinationSearch(jobs, JctObjective())
+    search.observe(_straggling(search.propose()))  # type: ignore[arg-type]
+    assert search.low_priority == {"big"}
+    assert search.reachable(_straggling(search.trials[0].config)) is None
+    assert search.propose() is not None and search.ended is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    u=st.tuples(st.floats(0.1, 1.0), st.floats(0.1, 1.0)),
+    remaining=st.tuples(st.floats(10.0, 1000.0), st.floats(10.0, 1000.0)),
+    deadlines=st.tuples(st.floats(10.0, 3000.0), st.floats(10.0, 3000.0)),
+    objective=st.sampled_from(sorted(OBJECTIVES)),
+    min_gain=st.sampled_from([0.0, 0.03]),
+    skip_slack=st.booleans(),
+)
+def test_the_nothing_to_gain_exit_keeps_algorithm1s_result_in_no_more_trials(
+    u: tuple[float, float],
+    remaining: tuple[float, float],
+    deadlines: tuple[float, float],
+    objective: str,
+    min_gain: float,
+    skip_slack: bool,
+) -> None:
+    """On any pair of the contention model (a squeezed job never speeds up, no job beats its solo
+    speed): the search ends on the configuration Algorithm 1 ends on, in at most its trials, and
+    never on one measured worse than the free competition it started from."""
+    jobs = [
+        JobInfo(n, ("g0",), r, deadline_s=d, solo_throughput=1.0)
+        for n, r, d in zip(("a", "b"), remaining, deadlines, strict=True)
+    ]
+
+    def measure(config: PackingConfig) -> dict[str, JobMeasurement]:
+        sa, sb = pair_speeds(u[0], u[1], config.caps["a"], config.caps["b"])
+        return {"a": JobMeasurement(sa, sa * u[0]), "b": JobMeasurement(sb, sb * u[1])}
+
+    runs = {
+        futile: CoordinationSearch(
+            jobs, OBJECTIVES[objective](), skip_slack=skip_slack, min_gain=min_gain, futile_exit=futile
+        )
+        for futile in (True, False)
+    }
+    best = {futile: run_search(search, measure) for futile, search in runs.items()}
+    assert best[True] == best[False]
+    assert len(runs[True].trials) <= len(runs[False].trials)
+    for search in runs.values():
+        start = search.trials[0].objective
+        assert min(t.objective for t in search.trials) <= start
+        assert OBJECTIVES[objective]().value(jobs, measure(search.best())) <= start
+
+
+# Trials cut short (not in the paper: ``CoordinationSearch.interim``).
+
+
+def _both(loader: float, compute: float) -> dict[str, JobMeasurement]:
+    return {"loader": JobMeasurement(loader, 0.2), "compute": JobMeasurement(compute, 0.8)}
+
+
+def _searching_pair() -> CoordinationSearch:
+    """The loader well below its solo speed: the search has room to gain and goes on squeezing."""
+    search = CoordinationSearch([LOADER, COMPUTE], SequencedJctObjective(), skip_slack=False, min_gain=0.03)
+    search.propose()
+    assert not search.interim(_both(20.4, 360.0))  # no best yet: the first trial runs whole
+    search.observe(_both(20.0, 360.0))  # the whole trial: its first window was 2% off
+    assert search.propose() is not None
+    return search
+
+
+def test_a_trial_clearly_worse_in_its_first_window_is_cut_short() -> None:
+    search = _searching_pair()
+    first = search.trials[0].objective
+    bad = _both(20.0, 200.0)  # the squeeze cost compute 44%: far beyond 3% + 2 x 2% noise
+    assert search.interim(bad)
+    search.observe(bad)  # the caller hands its first window in as the trial
+    assert search.cut_short == 1 and search.trials[1].objective > first * 1.07
+    assert search.best() == search.trials[0].config
+
+
+def test_a_trial_worse_only_within_the_noise_runs_whole() -> None:
+    search = _searching_pair()
+    slightly = _both(20.0, 345.0)  # worse, but within min_gain + twice the noise seen
+    assert search.trials[0].objective < SequencedJctObjective().value([LOADER, COMPUTE], slightly)
+    assert not search.interim(slightly)
+    assert search.cut_short == 0
+
+
+def test_no_trial_is_cut_short_before_a_whole_one_measured_the_noise() -> None:
+    search = CoordinationSearch([LOADER, COMPUTE], SequencedJctObjective(), skip_slack=False, min_gain=0.03)
+    search.propose()
+    search.observe(_both(20.0, 360.0))  # whole, but no first window was reported
+    search.propose()
+    assert not search.interim(_both(20.0, 100.0))
