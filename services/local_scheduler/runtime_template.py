@@ -79,6 +79,10 @@ class RuntimeTemplate:
     def alive(self) -> bool:
         return self._process is not None and self._process.returncode is None
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
     async def start(self) -> None:
         """Start the template (its imports run in the background; ``fork`` waits for them)."""
         argv = [

@@ -107,7 +107,7 @@ async def replica_stop() -> bool:
         )
         # /bin/true in the interpreter's place: a replica that exits at once
         await replica.spawn(python="/bin/true", local_scheduler="tcp://127.0.0.1:1", config_json="{}",
-                            join=False, on_exit=lambda _: None)  # fmt: skip
+                            join=False, on_exit=lambda _: None, on_spawned=lambda _: None)  # fmt: skip
         await replica.wait_exit()
         replica.registered.exception()  # it exited before registering: seen
         assert replica.pid is not None
