@@ -56,13 +56,14 @@ class PackingSettings:
 
     @classmethod
     def from_config(cls, section: dict[str, Any]) -> PackingSettings:
+        default = cls()  # (a slotted dataclass's class attributes are descriptors, not defaults)
         return cls(
-            enabled=bool(section.get("enabled", False)),
-            trial_s=float(section.get("trial_s", cls.trial_s)),
-            settle_s=float(section.get("settle_s", cls.settle_s)),
-            objective=str(section.get("objective", cls.objective)),
-            min_gain=float(section.get("min_gain", cls.min_gain)),
-            futile_exit=bool(section.get("futile_exit", cls.futile_exit)),
+            enabled=bool(section.get("enabled", default.enabled)),
+            trial_s=float(section.get("trial_s", default.trial_s)),
+            settle_s=float(section.get("settle_s", default.settle_s)),
+            objective=str(section.get("objective", default.objective)),
+            min_gain=float(section.get("min_gain", default.min_gain)),
+            futile_exit=bool(section.get("futile_exit", default.futile_exit)),
         )
 
 

@@ -9,7 +9,9 @@ from pathlib import Path
 import tandem_job
 from services.arbiter.registry import JobRecord
 from services.arbiter.service import packed_leases
+from services.local_scheduler.packing import PackingSettings
 from shared.arbiter import GpuSlot, Lease
+from shared.config import DEFAULTS
 
 
 def record(
@@ -52,3 +54,9 @@ def test_the_job_runs_at_the_share_written_from_its_next_step(tmp_path: Path) ->
             tandem_job.write_atomically(share, "100\n")  # swell
     assert seen == [100, 100, 40, 40, 100, 100]
     assert json.loads((tmp_path / tandem_job.PROGRESS_FILE).read_text())["share"] == 100
+
+
+def test_the_packing_section_turns_the_nothing_to_gain_exit_off_and_on() -> None:
+    assert PackingSettings.from_config({}).futile_exit is True  # on unless the section says otherwise
+    assert PackingSettings.from_config({"futile_exit": False}).futile_exit is False
+    assert PackingSettings.from_config(DEFAULTS["packing"]).futile_exit is DEFAULTS["packing"]["futile_exit"]
