@@ -20,10 +20,12 @@ minus A's, and their medians (``p50_change_ms``, ``cpu_change_ms``; negative: B 
 
 ``--without-security a`` runs side A without its encryption and authentication (CURVE and the
 message authorisation on the service links, TLS on the Raft links; edited in A's temporary
-worktree only), so ``bench_ab.py REV REV --without-security a`` measures what they cost REV.
+worktree only), so ``bench_ab.py REV REV --without-security a`` measures what they cost REV;
+``--strip curve`` or ``--strip raft-tls`` strips only the service links' part or only the Raft
+links' TLS, to split that cost.
 
 Usage: ``python scripts/bench_ab.py REV_A REV_B [--rounds 8] [--block 50] [--set KEY=VALUE]
-[--without-security a|b]``
+[--without-security a|b [--strip all|curve|raft-tls]]``
 """
 
 from __future__ import annotations
@@ -56,30 +58,37 @@ SIDES = ("a", "b")
 READY_TIMEOUT_S = 120.0
 
 
-# What --without-security changes in that side's temporary worktree (never in a commit): no CURVE,
-# no peer-credential check (a local scheduler's ipc replica link) and no authorisation on the
-# service links but the gateway's lifecycle API (this process's provisioner keeps its operator
-# key), no TLS on the Raft links. (file, anchor, replacement)
-_STRIP_SECURITY = (
-    (
-        "shared/rpc.py",
-        "        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)\n",
-        "        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)\n"
-        '        if name != "gateway-api":\n            curve = authorize = peer_credentials = None\n',
+# What --without-security changes in that side's temporary worktree (never in a commit), in two
+# parts that ``--strip`` can take alone. "curve": no CURVE, no peer-credential check (a local
+# scheduler's ipc replica link) and no authorisation on the service links but the gateway's
+# lifecycle API (this process's provisioner keeps its operator key); "raft-tls": no TLS on the
+# Raft links. (file, anchor, replacement)
+_STRIP_SECURITY: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "curve": (
+        (
+            "shared/rpc.py",
+            "        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)\n",
+            "        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)\n"
+            '        if name != "gateway-api":\n            curve = authorize = peer_credentials = None\n',
+        ),
+        (
+            "shared/rpc.py",
+            "        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)\n",
+            "        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)\n"
+            "        curve = None\n",
+        ),
     ),
-    (
-        "shared/rpc.py",
-        "        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)\n",
-        "        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)\n"
-        "        curve = None\n",
-    ),
-    ("shared/config.py", '        "tls": True,\n', '        "tls": False,\n'),
-)
+    "raft-tls": (("shared/config.py", '        "tls": True,\n', '        "tls": False,\n'),),
+}
+STRIP_PARTS = ("all", *_STRIP_SECURITY)
 
 
-def strip_security(tree: Path) -> None:
-    """The same code without its encryption and authentication, to measure what they cost."""
-    patch_tree(tree, _STRIP_SECURITY, "--without-security")
+def strip_security(tree: Path, part: str = "all") -> None:
+    """The same code without its encryption and authentication (``part``: all of it, or one of
+    ``_STRIP_SECURITY``'s parts), to measure what they cost."""
+    parts = _STRIP_SECURITY.values() if part == "all" else (_STRIP_SECURITY[part],)
+    for patches in parts:
+        patch_tree(tree, patches, f"--without-security --strip {part}")
 
 
 def patch_tree(tree: Path, patches: tuple[tuple[str, str, str], ...], purpose: str) -> None:
@@ -249,9 +258,18 @@ def main(argv: list[str] | None = None) -> int:
         choices=SIDES,
         help="run that side without CURVE, authorisation and Raft TLS (what they cost; REV_A may equal REV_B)",
     )
+    parser.add_argument(
+        "--strip",
+        choices=STRIP_PARTS,
+        default="all",
+        help="with --without-security: strip only the service links' CURVE and authorisation "
+        "(curve) or only the Raft links' TLS (raft-tls); default all",
+    )
     args = parser.parse_args(argv)
     if args.rev_a == args.rev_b and args.without_security is None:
         parser.error("give two different revisions")
+    if args.strip != "all" and args.without_security is None:
+        parser.error("--strip goes with --without-security")
     logging.getLogger("traitlets").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="tandem-ab-") as tmp, contextlib.ExitStack() as stack:
         install_private(Path(tmp) / "prefix")
@@ -261,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         for side, rev in zip(SIDES, (args.rev_a, args.rev_b), strict=True):
             tree = trees[side] = stack.enter_context(checkout(rev, Path(tmp), side))
             if args.without_security == side:
-                strip_security(tree)
+                strip_security(tree, args.strip)
             state_dirs[side].mkdir(parents=True)
             ups[side] = stack.enter_context(cluster(tree, state_dirs[side], args.hosts, args.set))
         result = measure(ups, state_dirs, trees, args.rounds, args.block, args.warmup)
@@ -272,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "rev_a": args.rev_a,
         "rev_b": args.rev_b,
         "without_security": args.without_security,
+        "strip": args.strip if args.without_security else None,
         **result,
     }
     print(json.dumps(result))
