@@ -34,12 +34,6 @@ protocols below. An inbound connection is refused, and counted in ``refused``, w
 fails (no certificate, another CA, not TLS at all), when the certificate is of another kernel, or
 when its hello names another member than its certificate; until then nothing it sent is decoded.
 An outbound link drops a connection whose certificate is not the member it meant to reach.
-
-TLS carries only the handshake and the hello; the hello holds a fresh key of the writer's, and
-everything after it is sealed records under that key (``shared.raft.sealed``: AES-GCM with
-implicit sequence numbers, as TLS 1.3's records, for a fraction of ``ssl``'s cost per record).
-A record that fails authentication closes the connection (counted in ``refused``) before any of
-it is decoded.
 """
 
 from __future__ import annotations
@@ -56,7 +50,6 @@ import msgpack
 import structlog
 
 from shared.raft.codec import encode_message
-from shared.raft.sealed import KEY_BYTES, Opener, RecordRefused, Sealer, new_key
 from shared.raft.tls import LinkTls, TlsFailure, TlsSession
 from shared.raft.transport import (
     DEFAULT_OPTIONS,
@@ -85,13 +78,8 @@ def frame(payload: bytes) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 
-def hello_frame(node_id: str, key: bytes | None = None) -> bytes:
-    """The opening frame; ``key`` (TLS links only, inside TLS): the writer's record key
-    (``shared.raft.sealed``)."""
-    hello: list[Any] = [HELLO, HELLO_VERSION, node_id]
-    if key is not None:
-        hello.append(key)
-    return frame(msgpack.packb(hello))
+def hello_frame(node_id: str) -> bytes:
+    return frame(msgpack.packb([HELLO, HELLO_VERSION, node_id]))
 
 
 class TcpTransport:
@@ -228,18 +216,12 @@ class TcpTransport:
 
     @staticmethod
     def _write(link: _PeerLink, frames: list[bytes]) -> None:
-        out, sealer = link.transport, link.sealer
+        out, tls = link.transport, link.tls
         assert out is not None
-        if sealer is not None:
-            try:
-                records = sealer.seal_all(frames)
-            except RecordRefused:  # the key's last record is sealed: reconnect, with a new key
-                out.abort()
-                return
-            out.write(records[0]) if len(records) == 1 else out.writelines(records)
-            return
         small = len(frames) == 1 or sum(map(len, frames)) < _SMALL_FRAME
-        if small:
+        if tls is not None:
+            out.write(tls.encrypt(b"".join(frames)) if small else tls.encrypt(*frames))
+        elif small:
             out.write(frames[0] if len(frames) == 1 else b"".join(frames))
         else:
             out.writelines(frames)
@@ -288,14 +270,14 @@ def _tune(transport: asyncio.BaseTransport, opts: TransportOptions) -> None:
 class _PeerLink:
     """The connection this node writes to one peer on, re-established with backoff while the
     peer is known. ``transport`` is set only while connected (TLS established and the peer's
-    certificate checked, hello already written); ``sealer`` seals its records then, with TLS."""
+    certificate checked, hello already written); ``tls`` is its session then, if any."""
 
     def __init__(self, owner: TcpTransport, peer_id: str, address: str) -> None:
         self._owner = owner
         self.peer_id = peer_id
         self.address = address
         self.transport: asyncio.Transport | None = None
-        self.sealer: Sealer | None = None
+        self.tls: TlsSession | None = None
         self._task: asyncio.Task[None] | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -309,7 +291,7 @@ class _PeerLink:
         if self.transport is not None:
             self.transport.abort()
             self.transport = None
-            self.sealer = None
+            self.tls = None
 
     async def _connect_forever(self) -> None:
         owner, opts = self._owner, self._owner._opts
@@ -337,18 +319,12 @@ class _PeerLink:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, opts.reconnect_ivl_max_ms / 1000)
                     continue
-                sealer = None
-                if tls is None:
-                    transport.write(owner._hello)
-                else:  # the key of this connection's records goes inside TLS; then only records
-                    key = new_key()
-                    transport.write(tls.encrypt(hello_frame(owner.node_id, key)))
-                    sealer = Sealer(key)
-                self.transport, self.sealer = transport, sealer  # type: ignore[assignment]
+                transport.write(tls.encrypt(owner._hello) if tls is not None else owner._hello)
+                self.transport, self.tls = transport, tls  # type: ignore[assignment]
                 delay = opts.reconnect_ivl_ms / 1000
                 await lost
             finally:
-                self.transport = self.sealer = None
+                self.transport = self.tls = None
                 transport.abort()
             await asyncio.sleep(delay)  # the peer went away: do not spin while it restarts
 
@@ -377,8 +353,7 @@ def _same(protocol: _Outbound) -> _Outbound:
 
 class _Outbound(asyncio.Protocol):
     """The writing side of a link; the peer never writes back on it, except for its TLS
-    handshake and session messages, which ``tls`` consumes (they are all TLS: only this side
-    switches to sealed records, after its hello)."""
+    handshake and session messages, which ``tls`` consumes."""
 
     def __init__(self, lost: asyncio.Future[None], tls: TlsSession | None) -> None:
         self._lost = lost
@@ -417,9 +392,7 @@ class _Outbound(asyncio.Protocol):
 
 
 class _Inbound(asyncio.Protocol):
-    """One accepted connection: a hello naming the sender, then length-prefixed messages. With
-    TLS: the handshake, the hello (with the writer's record key) as TLS's only application data,
-    then sealed records (``shared.raft.sealed``) whose plaintext is the messages' frames."""
+    """One accepted connection: a hello naming the sender, then length-prefixed messages."""
 
     def __init__(self, owner: TcpTransport) -> None:
         self._owner = owner
@@ -429,7 +402,6 @@ class _Inbound(asyncio.Protocol):
         tls = owner._tls
         self._tls = TlsSession(tls.server, server_side=True) if tls is not None else None
         self._certified: str | None = None  # the member the peer's certificate names
-        self._opener: Opener | None = None  # with TLS, once the hello gave the record key
         self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -455,16 +427,27 @@ class _Inbound(asyncio.Protocol):
             )
 
     def data_received(self, data: bytes) -> None:
-        if self._tls is not None:
-            opener = self._opener
-            if opener is None:
-                data = self._handshake_and_hello(data)
-            else:
-                try:
-                    data = opener.open(data)
-                except RecordRefused as exc:
-                    self._refuse(str(exc))
+        tls = self._tls
+        if tls is not None:
+            try:
+                data = tls.receive(data)
+            except TlsFailure as exc:
+                alert = tls.pending()  # tell the peer why (its TLS error names the alert)
+                if alert and self._transport is not None:
+                    self._transport.write(alert)
+                self._refuse(str(exc), flush=True)
+                return
+            out = tls.pending()
+            if out and self._transport is not None:
+                self._transport.write(out)
+            if self._certified is None:
+                if not tls.established:
                     return
+                member, problem = self._owner._tls.peer_problem(tls.ssl_object)  # type: ignore[union-attr]
+                if member is None:
+                    self._refuse(problem)
+                    return
+                self._certified = member
             if not data:
                 return
         buf = self._buf
@@ -489,90 +472,25 @@ class _Inbound(asyncio.Protocol):
         if offset:
             del buf[:offset]
 
-    def _handshake_and_hello(self, data: bytes) -> bytes:
-        """TLS until the hello: the handshake, the certificate check, then the TLS record(s) of
-        the hello and nothing more; returns the plaintext of the sealed records after it."""
-        tls, transport = self._tls, self._transport
-        assert tls is not None
-        try:
-            established = tls.feed(data)
-            if established and self._certified is None:
-                member, problem = self._owner._tls.peer_problem(tls.ssl_object)  # type: ignore[union-attr]
-                if member is None:
-                    self._refuse(problem)
-                    return b""
-                self._certified = member
-            while established and self._sender is None:
-                record = tls.read_record()
-                if not record:
-                    break
-                if not self._take_tls_hello(record):
-                    return b""
-        except TlsFailure as exc:
-            alert = tls.pending()  # tell the peer why (its TLS error names the alert)
-            if alert and transport is not None:
-                transport.write(alert)
-            self._refuse(str(exc), flush=True)
-            return b""
-        out = tls.pending()
-        if out and transport is not None:
-            transport.write(out)
-        if self._opener is None:
-            return b""
-        rest = tls.unread()
-        try:
-            return self._opener.open(rest) if rest else b""
-        except RecordRefused as exc:
-            self._refuse(str(exc))
-            return b""
-
-    def _take_tls_hello(self, record: bytes) -> bool:
-        """Collect the hello's frame from TLS plaintext; take it once whole (False: refused)."""
-        buf = self._buf
-        buf += record
-        if len(buf) < 4:
-            return True
-        (length,) = _LENGTH.unpack_from(buf)
-        if length > MAX_HELLO_BYTES:
-            self._fail(f"frame length {length} exceeds the {MAX_HELLO_BYTES}-byte limit")
-            return False
-        if len(buf) < 4 + length:
-            return True
-        if len(buf) > 4 + length:
-            self._refuse("data after the hello inside TLS (a member sends sealed records)")
-            return False
-        payload = bytes(buf[4:])
-        buf.clear()
-        return self._take_hello(payload)
-
     def _take_hello(self, payload: bytes) -> bool:
         try:
             hello = msgpack.unpackb(payload, raw=False)
         except Exception as exc:  # msgpack raises several unrelated types for garbage
             self._fail(f"hello is not msgpack: {type(exc).__name__}")
             return False
-        size = 3 if self._tls is None else 4  # with TLS: and the record key
         if (
             type(hello) is not list
-            or len(hello) != size
+            or len(hello) != 3
             or hello[0] != HELLO
             or hello[1] != HELLO_VERSION
             or type(hello[2]) is not str
             or not hello[2]
         ):
-            expected = "sender id" if self._tls is None else "sender id, record key"
-            self._fail(f"expected a hello [{HELLO!r}, {HELLO_VERSION}, {expected}], got {hello!r:.80}")
+            self._fail(f"expected a hello [{HELLO!r}, {HELLO_VERSION}, sender id], got {hello!r:.80}")
             return False
-        if self._tls is not None:
-            if hello[2] != self._certified:
-                self._refuse(
-                    f"hello claims member {hello[2]!r:.80} but the certificate is {self._certified!r}"
-                )
-                return False
-            if type(hello[3]) is not bytes or len(hello[3]) != KEY_BYTES:
-                self._fail(f"the hello's record key is not {KEY_BYTES} bytes")
-                return False
-            self._opener = Opener(hello[3])
+        if self._tls is not None and hello[2] != self._certified:
+            self._refuse(f"hello claims member {hello[2]!r:.80} but the certificate is {self._certified!r}")
+            return False
         self._sender = hello[2].encode()
         if self._deadline is not None:
             self._deadline.cancel()

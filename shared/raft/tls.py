@@ -269,29 +269,6 @@ class TlsSession:
             more = incoming.pending > 0 or (len(chunk) == READ_CHUNK and tls.pending() > 0)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def feed(self, data: bytes) -> bool:
-        """Take wire bytes without reading application data; whether the handshake is done."""
-        self._incoming.write(data)
-        return self.established or self._handshake()
-
-    def read_record(self) -> bytes:
-        """The plaintext of one record fed so far (b"" if none is complete), leaving every byte
-        after it unread: how a reader stops at the end of the hello, after which the link's
-        bytes are sealed records (``shared.raft.sealed``), not TLS."""
-        try:
-            return self.ssl_object.read(READ_CHUNK)
-        except ssl.SSLWantReadError:
-            return b""
-        except ssl.SSLZeroReturnError:
-            self.closed = True
-            return b""
-        except ssl.SSLError as exc:
-            raise TlsFailure(f"TLS record refused: {exc.reason or exc}") from None
-
-    def unread(self) -> bytes:
-        """The bytes fed that no record has consumed (OpenSSL reads no further than a record)."""
-        return self._incoming.read()
-
     def encrypt(self, *parts: bytes) -> bytes:
         """Wire bytes carrying ``parts`` in order (once established)."""
         tls = self.ssl_object

@@ -11,7 +11,6 @@ import pytest
 from test_raft_driver import Group, eventually, run
 
 from shared.raft.driver import NotRunning, RaftPeer
-from shared.raft.sealed import MAX_RECORD_PLAINTEXT
 from shared.raft.tls import LinkTls
 from shared.raft.tls_ca import ClusterCA
 from shared.raft.types import Entry, Message, MessageType
@@ -110,26 +109,5 @@ def test_a_tls_identity_must_be_this_node_s(tmp_path: Path) -> None:
         peer = RaftPeer(Group(tmp_path, ["a"]).config("a", tls=tls("b")))
         with pytest.raises(ValueError, match="member 'b'"):
             await peer.start()
-
-    run(main())
-
-
-def test_an_entry_larger_than_a_sealed_record_reaches_every_follower_intact(tmp_path: Path) -> None:
-    """A message longer than one sealed record (shared/raft/sealed.py) travels in several."""
-    big = bytes(range(256)) * (3 * MAX_RECORD_PLAINTEXT // 256 + 11)
-
-    async def main() -> None:
-        g = Group(tmp_path, ["a", "b", "c"])
-        try:
-            for nid in g.addresses:
-                await g.start(nid, tls=tls(nid))
-            leader = await g.leader()
-            assert await leader.propose(big) > 0
-            await eventually(lambda: all(kv.log == [big] for kv in g.kv.values()), what="replicated")
-            for peer in g.peers.values():
-                stats = peer.transport_stats
-                assert stats is not None and stats.refused == stats.malformed == 0
-        finally:
-            await g.stop_all()
 
     run(main())

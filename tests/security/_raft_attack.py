@@ -14,7 +14,6 @@ import msgpack
 
 from shared.raft.codec import encode_message
 from shared.raft.driver import SNAPSHOT_ENVELOPE_VERSION
-from shared.raft.sealed import Sealer, new_key
 from shared.raft.tcp_transport import frame, hello_frame
 from shared.raft.tls import LinkTls, MemberIdentity
 from shared.raft.types import ConfState, Message, MessageType, Snapshot, SnapshotMeta
@@ -95,12 +94,9 @@ def send_over_tls(
     payloads: list[bytes],
     *,
     linger: float = 0.0,
-    tamper: bool = False,
 ) -> bool:
-    """A TLS client with ``identity``: a hello naming ``hello_id`` (with a record key, as a
-    member's), then ``payloads`` as frames in sealed records, as a member sends them (``tamper``:
-    with one bit of the first record flipped); whether the replica closed the connection (during
-    the handshake or after)."""
+    """A TLS client with ``identity``: a hello naming ``hello_id``, then ``payloads`` as frames;
+    whether the replica closed the connection (during the handshake or after)."""
     raw = socket.create_connection(raft_host_port(address), timeout=5)
     try:
         try:
@@ -108,14 +104,8 @@ def send_over_tls(
         except (ssl.SSLError, ConnectionError):
             return True  # refused during the handshake
         with sock:
-            key = new_key()
-            records = b"".join(Sealer(key).seal_all([frame(p) for p in payloads])) if payloads else b""
-            if tamper and records:
-                records = records[:-1] + bytes([records[-1] ^ 1])
             with contextlib.suppress(OSError):
-                sock.sendall(hello_frame(hello_id, key))
-                # after the hello, the link's bytes are records, not TLS: straight onto the socket
-                socket.socket.sendall(sock, records)
+                sock.sendall(hello_frame(hello_id) + b"".join(frame(p) for p in payloads))
             if linger:  # a member's connection stays open: give the replica time to read it all
                 return closed_by_peer(sock, timeout=linger)
             return closed_by_peer(sock)

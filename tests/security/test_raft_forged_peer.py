@@ -82,18 +82,6 @@ def test_a_valid_certificate_claiming_another_member_id_is_refused(cluster: Clus
     _attack(cluster, tmp_path, lambda address, frame: send_over_tls(address, outsider, "r2", [frame]))
 
 
-def test_a_member_s_link_with_an_altered_record_is_refused_before_decoding(
-    cluster: Cluster, tmp_path: Path
-) -> None:
-    """After the TLS hello a link's messages travel in sealed records (shared/raft/sealed.py):
-    whoever alters one on the way (here one bit of a genuine member's) gets the connection
-    closed, and nothing of the record is decoded."""
-    member = cluster.raft_ca.issue(KERNEL_ID, "r2")
-    _attack(
-        cluster, tmp_path, lambda address, frame: send_over_tls(address, member, "r2", [frame], tamper=True)
-    )
-
-
 def test_the_forged_snapshot_runs_its_code_when_authentication_is_off(tmp_path: Path) -> None:
     """The payload the tests above send is live: with ``raft.tls = false`` (a trusted network
     only) the same forged InstallSnapshot is installed and its code runs."""
