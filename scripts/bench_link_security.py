@@ -1,8 +1,9 @@
 """What encryption and authentication cost per message on each kind of link, without a cluster.
 
-A cluster A/B (``scripts/bench_ab.py --without-security``) says what security costs a trivial cell
-(0.41 ms of p50, 0.5 ms of CPU on the 2-core VM), but not where, and its noise (~0.1 ms) hides any
-change smaller than that. This runs each link alone in one process, as a ping-pong of one message
+A cluster A/B (``scripts/bench_ab.py --without-security``, ``--strip curve|raft-tls`` for one
+part) says what security costs a trivial cell (README, Security, "What it costs": ~0.18 ms of p50
+pooled over 200 rounds in 2026-11), but a run's noise (~0.15 ms) hides any change smaller than
+that. This runs each link alone in one process, as a ping-pong of one message
 each way, with and without its security, in alternating repeats, and reports the process's CPU
 (all threads: the ZMQ I/O thread, where CURVE runs, included) per round trip:
 
