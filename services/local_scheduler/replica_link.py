@@ -139,7 +139,7 @@ class ReplicaLink:
         """The replica's process exists (its pid is known, the process not yet reaped): admit it."""
         if self.ipc and replica.pid is not None:
             principal = _principal(replica)
-            self.peers.allow(replica.pid, principal, replica.start_time())
+            self.peers.allow(replica.pid, principal, replica.start_ticks)
 
     def exited(self, replica: ReplicaProcess) -> None:
         """The replica's process ended: its pid or key is admitted no more."""

@@ -119,10 +119,11 @@ class ReplicaProcess:
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
 
-    def start_time(self) -> int | None:
+    @property
+    def start_ticks(self) -> int | None:
         """Its process's start time (clock ticks since boot), which binds its pid on the replica
         link: as pinned (read while we, or for a fork the template, held it unreaped)."""
-        return self._pin.start_ticks if self.process is not None and self._pin is not None else None
+        return self._pin.start_ticks if self._pin is not None else None
 
     @property
     def running(self) -> bool:

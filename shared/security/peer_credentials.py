@@ -77,7 +77,7 @@ Decision = Admit | Refuse | Wait
 @dataclass(frozen=True, slots=True)
 class _Spawned:
     principal: str
-    start_time: int | None  # None: unknown (no /proc), then the pid alone binds
+    start_ticks: int | None  # None: unknown (no /proc), then the pid alone binds
 
 
 class SpawnedPeers:
@@ -96,8 +96,8 @@ class SpawnedPeers:
         """A process that starts replicas for the local scheduler (its runtime template)."""
         self._launchers.add(pid)
 
-    def allow(self, pid: int, principal: str, start_time: int | None) -> None:
-        self._by_pid[pid] = _Spawned(principal, start_time)
+    def allow(self, pid: int, principal: str, start_ticks: int | None) -> None:
+        self._by_pid[pid] = _Spawned(principal, start_ticks)
 
     def forget(self, pid: int, principal: str) -> None:
         """The process ended: its pid may be given to another process from now on."""
@@ -132,9 +132,9 @@ class SpawnedPeers:
                 if stat is not None and stat.ppid in self._launchers:
                     return Wait(reason)
             return Refuse(reason)
-        if spawned.start_time is not None:
+        if spawned.start_ticks is not None:
             stat = stat_of(peer.pid)
-            if stat is None or stat.start_ticks != spawned.start_time:
+            if stat is None or stat.start_ticks != spawned.start_ticks:
                 return Refuse(
                     f"pid {peer.pid} is no longer the process started as {spawned.principal} (it ended; pid reused)"
                 )
