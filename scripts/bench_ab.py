@@ -242,6 +242,47 @@ def measure(
     return result
 
 
+def run(
+    rev_a: str,
+    rev_b: str,
+    *,
+    rounds: int,
+    block: int,
+    warmup: int = 20,
+    hosts: int = 3,
+    overrides: list[str] | None = None,
+    without_security: str | None = None,
+    strip: str = "all",
+) -> dict[str, Any]:
+    """One A/B run (see the module docstring): the dict ``main`` prints."""
+    logging.getLogger("traitlets").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix="tandem-ab-") as tmp, contextlib.ExitStack() as stack:
+        old_path = install_private(Path(tmp) / "prefix")
+        ups: dict[str, psutil.Process] = {}
+        trees: dict[str, Path] = {}
+        state_dirs = {side: Path(tmp) / f"{side}-run" / "state" for side in SIDES}
+        try:
+            for side, rev in zip(SIDES, (rev_a, rev_b), strict=True):
+                tree = trees[side] = stack.enter_context(checkout(rev, Path(tmp), side))
+                if without_security == side:
+                    strip_security(tree, strip)
+                state_dirs[side].mkdir(parents=True)
+                ups[side] = stack.enter_context(cluster(tree, state_dirs[side], hosts, overrides or []))
+            result = measure(ups, state_dirs, trees, rounds, block, warmup)
+        finally:
+            os.environ["JUPYTER_PATH"] = old_path
+    return {
+        "bench": "latency_ab",
+        "rounds": rounds,
+        "block": block,
+        "rev_a": rev_a,
+        "rev_b": rev_b,
+        "without_security": without_security,
+        "strip": strip if without_security else None,
+        **result,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -270,29 +311,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give two different revisions")
     if args.strip != "all" and args.without_security is None:
         parser.error("--strip goes with --without-security")
-    logging.getLogger("traitlets").setLevel(logging.ERROR)
-    with tempfile.TemporaryDirectory(prefix="tandem-ab-") as tmp, contextlib.ExitStack() as stack:
-        install_private(Path(tmp) / "prefix")
-        ups: dict[str, psutil.Process] = {}
-        trees: dict[str, Path] = {}
-        state_dirs = {side: Path(tmp) / f"{side}-run" / "state" for side in SIDES}
-        for side, rev in zip(SIDES, (args.rev_a, args.rev_b), strict=True):
-            tree = trees[side] = stack.enter_context(checkout(rev, Path(tmp), side))
-            if args.without_security == side:
-                strip_security(tree, args.strip)
-            state_dirs[side].mkdir(parents=True)
-            ups[side] = stack.enter_context(cluster(tree, state_dirs[side], args.hosts, args.set))
-        result = measure(ups, state_dirs, trees, args.rounds, args.block, args.warmup)
-    result = {
-        "bench": "latency_ab",
-        "rounds": args.rounds,
-        "block": args.block,
-        "rev_a": args.rev_a,
-        "rev_b": args.rev_b,
-        "without_security": args.without_security,
-        "strip": args.strip if args.without_security else None,
-        **result,
-    }
+    result = run(
+        args.rev_a,
+        args.rev_b,
+        rounds=args.rounds,
+        block=args.block,
+        warmup=args.warmup,
+        hosts=args.hosts,
+        overrides=args.set,
+        without_security=args.without_security,
+        strip=args.strip,
+    )
     print(json.dumps(result))
     return 0
 
