@@ -37,10 +37,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # cluster.ip, or when that binds every interface (0.0.0.0), the source address of this
         # host's route to the global scheduler (shared/host_address.py).
         "advertise_ip": "",
-        # The first of a cell's message pairs (busy then execute_input, the reply then idle) waits
-        # this long at most for the other, so that both cross each hop in one envelope
-        # (services/local_scheduler/upstream_queue.py). 0: each goes as soon as it arrives.
-        "upstream_pair_wait_ms": 2.0,
     },
     "kernel": {
         # The default resource request of a kernel (the kernelspec and TANDEM_* variables override).

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -29,7 +28,6 @@ from services.local_scheduler.packing import PackingSettings
 from services.local_scheduler.replica_link import ReplicaLink
 from services.local_scheduler.replica_process import ReplicaProcess, raft_identity_json
 from services.local_scheduler.runtime_template import RuntimeTemplate, TemplateGone
-from services.local_scheduler.upstream_queue import UpstreamQueue
 from services.local_scheduler.warm_pool import WarmPool, runtime_env, setpriv_path
 from shared import messages
 from shared.cluster_core.gpu_ledger import GpuLedger, LedgerError
@@ -109,10 +107,8 @@ class LocalScheduler:
             default_ip=str(cfg.get("cluster.ip")),
         )
         self._outbound = OutboundRequests(self._link)
-        # the replicas' Jupyter messages and the events behind them, until _flush_upstream
-        self._upstream_queue = UpstreamQueue(float(cfg.get("host.upstream_pair_wait_ms")) / 1000)
-        self._flush_handle: asyncio.Handle | None = None
-        self._flush_due = math.inf
+        # replicas' Jupyter messages of this loop turn, for _flush_upstream: ((kernel, replica), channel, frames)
+        self._outgoing: list[tuple[tuple[str, str], str, list[bytes]]] = []
         self._batch_upstream = False  # the scheduler's host.register answer says it takes batches
         self._registered = asyncio.Event()
         # absolute: a replica starts in its kernel's working directory (shared/kernel_launch.py)
@@ -481,74 +477,47 @@ class LocalScheduler:
             self._link.start_ended()
 
     def _sink_for(self, replica: ReplicaProcess) -> Any:
-        """Forwarding closure: the replica's Jupyter messages go upstream through the queue
-        (``_flush_upstream``). A replica's ``execute_reply`` also ends the GPU commitment it held
-        for that cell, at once."""
+        """Forwarding closure: the replica's Jupyter messages go upstream at the end of the loop
+        turn they arrived in (``_flush_upstream``). A replica's ``execute_reply`` also ends the
+        GPU commitment it held for that cell."""
         kernel_id, replica_id = replica.kernel_id, replica.replica_id
         ledger = self.ledger
-        queue = self._upstream_queue
+        outgoing = self._outgoing
         key = (kernel_id, replica_id)
 
         def sink(channel: str, frames: list[bytes]) -> None:
-            queue.jupyter(key, channel, frames, asyncio.get_running_loop().time())
-            self._arm_flush()
+            if not outgoing:
+                asyncio.get_running_loop().call_soon(self._flush_upstream)
+            outgoing.append((key, channel, frames))
             if channel == "shell" and ledger.holds(kernel_id, replica_id):
                 self._release_on_reply(kernel_id, replica_id, frames)
 
         return sink
 
     def _send_upstream(self, env: Envelope) -> None:
-        """Send ``env`` behind the replicas' Jupyter messages not sent yet: the scheduler reads
-        the link in order (an ``exited`` event must not overtake the replica's reply)."""
-        if not len(self._upstream_queue):
-            self._upstream.send(env)
-            return
-        self._upstream_queue.event(env)
-        if env.type == messages.REPLICA_EVENT and env.body.get("event") == "elected":
-            self._arm_flush()  # it goes with the busy it follows and the execute_input next
-        else:  # sent now, as before the queue: a reply sent after this must not overtake it
-            self._flush_upstream(hold=False)
-
-    def _arm_flush(self) -> None:
-        """Flush when the queue says: at the end of this loop turn, or when a hold ends."""
-        due = self._upstream_queue.due()
-        if due is None or due >= self._flush_due:
-            return
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-        loop = asyncio.get_running_loop()
-        if due <= loop.time():
-            self._flush_handle, self._flush_due = loop.call_soon(self._flush_upstream), -math.inf
+        """Send ``env`` behind the replicas' Jupyter messages not flushed yet: the scheduler
+        reads the link in order (an ``exited`` event must not overtake the replica's reply)."""
+        if self._outgoing:
+            self._flush_upstream(env)  # with them: the executor's ``elected`` often comes with its busy
         else:
-            self._flush_handle, self._flush_due = loop.call_at(due, self._flush_upstream), due
+            self._upstream.send(env)
 
-    def _flush_upstream(self, *, hold: bool = True) -> None:
-        """Send what may go now (``UpstreamQueue``; ``hold=False``: everything queued): one
-        ``jupyter.reply`` per run of one replica's messages and the events between them, in
-        order; to a scheduler that takes batches, all as one ``batch`` (one CURVE box and one
-        decode per hop)."""
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-        self._flush_handle, self._flush_due = None, math.inf
-        now = asyncio.get_running_loop().time()
-        items = self._upstream_queue.take(now if hold else math.inf)
-        envs: list[Envelope] = []
-        run: list[tuple[tuple[str, str], str, list[bytes]]] = []
-        for item in items:
-            if isinstance(item, Envelope):
-                envs.extend(Envelope(messages.JUPYTER_REPLY, body) for body in messages.jupyter_replies(run))
-                run = []
-                envs.append(item)
-            else:
-                run.append(item)
-        envs.extend(Envelope(messages.JUPYTER_REPLY, body) for body in messages.jupyter_replies(run))
-        if envs:
-            if self._batch_upstream:
-                self._upstream.send_batch(envs)
-            else:
-                for env in envs:
-                    self._upstream.send(env)
-        self._arm_flush()  # what is still held
+    def _flush_upstream(self, then: Envelope | None = None) -> None:
+        """Send what the replicas said in this loop turn: one ``jupyter.reply`` per run of one
+        replica's messages, in arrival order, then ``then``. A cell's messages come in pairs (busy
+        and its input, the reply and idle, on two sockets that wake in the same turn), and every
+        envelope costs each hop a CURVE box each way and a decode: to a scheduler that takes
+        batches, all of them go as one ``batch``."""
+        outgoing = self._outgoing.copy()  # the sinks hold this list: emptied in place
+        self._outgoing.clear()
+        envs = [Envelope(messages.JUPYTER_REPLY, body) for body in messages.jupyter_replies(outgoing)]
+        if then is not None:
+            envs.append(then)
+        if self._batch_upstream:
+            self._upstream.send_batch(envs)
+        else:
+            for env in envs:
+                self._upstream.send(env)
 
     def _release_on_reply(self, kernel_id: str, replica_id: str, frames: list[bytes]) -> None:
         """The cell is over on this replica once it replies (its tensors went to host memory
@@ -700,7 +669,6 @@ class LocalScheduler:
         key = (replica.kernel_id, replica.replica_id)
         if self.replicas.get(key) is replica:
             del self.replicas[key]
-            self._upstream_queue.forget(key)
         released = self.ledger.release_replica(replica.kernel_id, replica.replica_id)
         if released:
             self.jobs.cells_released()
