@@ -18,6 +18,13 @@ process role (client, gateway, global_scheduler, local_scheduler, replica), ZMQ'
 (``<role>/zmq_io``, where CURVE does its cryptography) apart; ``paired`` holds, per round of blocks, B's p50 and CPU
 minus A's, and their medians (``p50_change_ms``, ``cpu_change_ms``; negative: B is cheaper).
 
+Even so, an A/A run (one revision on both sides) is not centred on zero: five such runs on the
+2-core VM (40 x 50 cells) all had side B ahead, by 0.08-0.20 ms per-round p50 (medians) and
+0.2 ms of CPU per cell, mostly in the replicas; starting B's cluster first did not clearly move
+it, and eight later runs of ``scripts/bench_security_cost.py`` put it at -0.06 and 0.00 ms. So a
+change smaller than ~0.1 ms needs runs in both orders (``REV_A REV_B`` and ``REV_B REV_A``),
+and the security cost ``scripts/bench_security_cost.py``, which does that.
+
 ``--without-security a`` runs side A without its encryption and authentication (CURVE and the
 message authorisation on the service links, TLS on the Raft links; edited in A's temporary
 worktree only), so ``bench_ab.py REV REV --without-security a`` measures what they cost REV;
