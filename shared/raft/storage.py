@@ -273,6 +273,7 @@ class Storage:
             need_sync = need_sync or hard_state.term != prev.term or hard_state.vote != prev.vote
             self._hard_state = hard_state
         self._dirty = self._dirty or need_sync
+        self._rotate_if_full()  # after the hard state is taken: the new segment repeats it
         return need_sync
 
     def sync(self) -> None:
@@ -312,6 +313,7 @@ class Storage:
             self._dirty = True
             self.sync()
             self._entries = []
+            self._rotate_if_full()
         self._base_index, self._base_term = meta.index, meta.term
         if self._hard_state.commit < meta.index:
             self._hard_state = HardState(self._hard_state.term, self._hard_state.vote, meta.index)
@@ -419,6 +421,14 @@ class Storage:
             n = os.write(self._fd, view)
             view = view[n:]
         self._size += len(buf)
+
+    def _rotate_if_full(self) -> None:
+        """Continue in a new segment once this one is full. Only once the record just written is
+        reflected in this object's state: the new segment opens with the hard state as it is
+        now, and replay takes the last hard state it reads. (Rotating inside the write, before
+        the caller took the record's hard state, opened the new segment with the previous one,
+        and a reopened log went back to the older term and vote: a member could vote twice in a
+        term.)"""
         if self._size >= self._segment_bytes:
             self._rotate()
 

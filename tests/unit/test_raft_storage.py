@@ -190,6 +190,16 @@ def test_segments_rotate_and_replay_in_order(tmp_path: Path) -> None:
     assert r.hard_state == HardState(3, "c", 29)
 
 
+def test_a_term_and_vote_written_by_the_record_that_fills_a_segment_survive_reopen(tmp_path: Path) -> None:
+    s = Storage(tmp_path, segment_bytes=64)  # each of these records fills its segment
+    s.save([Entry(1, 1, EntryType.NORMAL, b"x" * 80, "")], HardState(1, "a", 0))
+    s.save([Entry(2, 2, EntryType.NORMAL, b"y" * 80, "")], HardState(2, "b", 1))
+    s.close()
+    restored = Storage(tmp_path).restored()
+    assert restored.hard_state == HardState(2, "b", 1)  # not the term-1 vote the rotation repeated
+    assert [e.index for e in restored.entries] == [1, 2]
+
+
 def test_snapshot_and_compaction_bound_the_disk(tmp_path: Path) -> None:
     s = Storage(tmp_path, segment_bytes=4096)
     conf = ConfState(voters=("a", "b", "c"))
