@@ -140,6 +140,7 @@ COMMITTED = "committed"
 SUPERSEDED = "superseded"
 UNCOMMITTED = "uncommitted"
 DONE_RETRY_S = 0.5  # an executor's DONE that failed to commit is proposed again after this pause
+GAVE_UP_KEPT = 1024  # cells answered Unavailable whose LEAD may still win, remembered at most
 # A replica whose namespace ran ahead of the log (a cell it ran was superseded) exits with this
 # code once its reply is out; the scheduler replaces it like any dead replica.
 DIVERGED_EXIT_CODE = 75
@@ -372,6 +373,9 @@ class ElectionCore:
         self._followers: dict[str, _Follower] = {}
         self._deciding: dict[str, int] = {}  # msg_id -> decide requests in flight for it
         self._requested: set[str] = set()  # msg_ids this process was asked to decide
+        # msg_id -> why: cells this process answered Unavailable while a LEAD it proposed could
+        # still commit; if that LEAD wins, the log gets the cell's DONE from here (it never ran)
+        self._gave_up: dict[str, str] = {}
         self._caught_up = False  # the log it held at start is applied (``_watch_running``)
         self._applied_index = 0
         # Cells whose executor's process the scheduler saw die (``member_lost``): their DONE, or
@@ -667,8 +671,14 @@ class ElectionCore:
         return request
 
     def _finish_without_run(self, request: int, done: Done) -> Proc:
+        yield from self._propose_done_until_committed(done, request)
+
+    def _propose_done_until_committed(self, done: Done, request: int | None) -> Proc:
+        """Propose ``done`` until the log holds a DONE for its cell (``request``: answered with
+        the first proposal's failure, or None)."""
         result = yield from self._propose_and_wait(done, "done")
-        self._emit(Answer(request, result if isinstance(result, Exception) else None))
+        if request is not None:
+            self._emit(Answer(request, result if isinstance(result, Exception) else None))
         while self.book.done(done.msg_id) is None and self._raft().running:
             self._log("warning", "done_not_committed_yet", msg_id=done.msg_id, error=str(result))
             yield _Wait(_never, self._now + DONE_RETRY_S)
@@ -770,10 +780,10 @@ class ElectionCore:
                 binding = late[0]
             if isinstance(result, Exception):
                 self._unbind(binding)
-                return Unavailable(f"Raft could not commit the election for this cell: {result}")
+                return self._give_up(msg_id, f"Raft could not commit the election for this cell: {result}")
             if isinstance(result, Unavailable):
                 self._unbind(binding)
-                return result
+                return self._give_up(msg_id, result.reason)
             outcome = result
         if outcome.failed:
             self._unbind(binding)
@@ -814,6 +824,39 @@ class ElectionCore:
             bind_ms=(self._now - bind_started) * 1000,
             state_missing=tuple(missing),
         )
+
+    def _give_up(self, msg_id: str, reason: str) -> Unavailable:
+        """Answer Unavailable for a cell whose election this process could not see decided. A LEAD
+        it proposed (its own, or one for a silent candidate) may still commit and win: the log
+        would then hold a winner that never runs the cell and no DONE for it, and nobody would
+        commit one (the standbys stop watching a cell once a later cell's DONE commits; this
+        replica's own request is answered). So the DONE comes from here, once that LEAD wins."""
+        outcome = self.book.outcome(msg_id)
+        if outcome is None:
+            self._gave_up[msg_id] = reason
+            while len(self._gave_up) > GAVE_UP_KEPT:
+                del self._gave_up[next(iter(self._gave_up))]
+        elif outcome.winner == self.replica_id and self.book.done(msg_id) is None:
+            self._commit_unrun(msg_id, reason)
+        return Unavailable(reason)
+
+    def _commit_unrun(self, msg_id: str, reason: str) -> None:
+        """Commit the DONE of a cell this replica won but did not run (it answered Unavailable):
+        what the client heard, so every replica answers a retry the same way."""
+        last = self.book.last_done()
+        count = last.execution_count if last is not None else 0
+        content = {
+            "status": "error",
+            "ename": "ReplicaUnavailable",
+            "evalue": reason,
+            "traceback": [f"ReplicaUnavailable: {reason}"],
+            "execution_count": count,
+            "user_expressions": {},
+            "payload": [],
+        }
+        self._log("warning", "won_after_giving_up", msg_id=msg_id, reason=reason)
+        done = Done(msg_id, self.replica_id, content, count, False)
+        self._start(self._propose_done_until_committed(done, None), lambda _: None, lambda _: None)
 
     def _wait_outcome(self, msg_id: str, silent: str | None, late: list[int]) -> Proc:
         """After our own LEAD/YIELD applied: a LEAD decides at once; a YIELD waits for the others,
@@ -1196,6 +1239,9 @@ class ElectionCore:
         for event in events:
             match event:
                 case ElectionDecided(msg_id=msg_id, winner=winner):
+                    given_up = self._gave_up.pop(msg_id, None)
+                    if given_up is not None and winner == self.replica_id and self.book.done(msg_id) is None:
+                        self._commit_unrun(msg_id, given_up)
                     if winner != self.replica_id and live:
                         # Standbys are not sent the cell: they learn it here, vote for the winner
                         # and watch it until its DONE.

@@ -195,3 +195,34 @@ def test_a_restarted_replica_ends_a_cell_its_previous_process_won_and_never_fini
     core.tick(0.5)
     [lost] = [c.entry for c in core.take_commands() if isinstance(c, Propose) and isinstance(c.entry, Done)]
     assert lost.msg_id == "m" and lost.content["ename"] == "ExecutorLost"
+
+
+def test_a_lead_that_wins_after_its_replica_answered_unavailable_gets_a_done_from_that_replica() -> None:
+    """Seed 94089288 of election_torture: a partitioned candidate timed out on its LEAD and
+    answered ReplicaUnavailable; the LEAD committed anyway, and with the standbys' watches gone
+    (restarts; a later cell's DONE ends them) the won cell never got a DONE."""
+    r = Replica("r1")
+    request = r.core.decide("m", lead=True, now=0.0)
+    commands = r.take()
+    [lead] = r.proposals(commands)
+    [bind] = [c for c in commands if isinstance(c, BindGpus)]
+    r.core.bind_settled(bind.token, [0], now=0.001)
+    r.core.proposal_settled(lead.token, TimeoutError("no quorum"), now=5.0)
+    [answer] = r.answers(r.take(), request)
+    assert isinstance(answer, Unavailable) and "could not commit the election" in answer.reason
+    r.commit(Lead("m", "r1"), now=12.0)  # the partition heals: the LEAD had reached the leader
+    [done] = [p.entry for p in r.proposals(r.take()) if isinstance(p.entry, Done)]
+    assert done.msg_id == "m" and done.replica_id == "r1" and not done.state_follows
+    assert done.content["ename"] == "ReplicaUnavailable"  # what the client was told; it never ran
+    r.commit(done, now=12.1)
+    assert r.core.book.done("m") == done
+
+
+def test_a_lead_that_loses_after_its_replica_answered_unavailable_is_left_to_the_winner() -> None:
+    r = Replica("r1")
+    r.core.decide("m", lead=True, now=0.0)
+    [lead] = r.proposals(r.take())
+    r.core.proposal_settled(lead.token, TimeoutError("no quorum"), now=5.0)
+    r.take()
+    r.commit(Lead("m", "r2"), now=6.0)  # another candidate won: its DONE is its own business
+    assert [p for p in r.proposals(r.take()) if isinstance(p.entry, Done)] == []
