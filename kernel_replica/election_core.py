@@ -1240,7 +1240,12 @@ class ElectionCore:
             match event:
                 case ElectionDecided(msg_id=msg_id, winner=winner):
                     given_up = self._gave_up.pop(msg_id, None)
-                    if given_up is not None and winner == self.replica_id and self.book.done(msg_id) is None:
+                    if (
+                        given_up is not None
+                        and winner == self.replica_id
+                        and self.book.done(msg_id) is None
+                        and not self._deciding.get(msg_id)  # a retry deciding it now runs it
+                    ):
                         self._commit_unrun(msg_id, given_up)
                     if winner != self.replica_id and live:
                         # Standbys are not sent the cell: they learn it here, vote for the winner

@@ -226,3 +226,25 @@ def test_a_lead_that_loses_after_its_replica_answered_unavailable_is_left_to_the
     r.take()
     r.commit(Lead("m", "r2"), now=6.0)  # another candidate won: its DONE is its own business
     assert [p for p in r.proposals(r.take()) if isinstance(p.entry, Done)] == []
+
+
+def test_a_retry_deciding_the_cell_when_the_given_up_lead_wins_runs_it_instead() -> None:
+    r = Replica("r1")
+    r.core.decide("m", lead=True, now=0.0)
+    first = r.take()
+    [lead] = r.proposals(first)
+    [bind] = [c for c in first if isinstance(c, BindGpus)]
+    r.core.bind_settled(bind.token, [0], now=0.001)
+    r.core.proposal_settled(lead.token, TimeoutError("no quorum"), now=5.0)
+    r.take()
+    retry = r.core.decide("m", lead=True, now=6.0)  # the scheduler sends the cell again
+    second = r.take()
+    [again] = r.proposals(second)
+    [bind] = [c for c in second if isinstance(c, BindGpus)]
+    r.core.bind_settled(bind.token, [1], now=6.001)
+    r.commit(Lead("m", "r1"), now=6.5)  # the first LEAD wins while the retry waits
+    r.core.proposal_settled(again.token, 2, now=6.5)
+    commands = r.take()
+    assert [p for p in r.proposals(commands) if isinstance(p.entry, Done)] == []  # no "never ran" DONE
+    [decision] = r.answers(commands, retry)
+    assert isinstance(decision, Execute)
