@@ -122,13 +122,14 @@ class Unavailable:
 Decision = Replay | Execute | BindFailed | Standby | Failed | Unavailable
 
 
-def lost_content(reason: str, execution_count: int) -> dict[str, Any]:
-    """The ``execute_reply`` a standby commits for a cell whose executor vanished."""
+def lost_content(reason: str, execution_count: int, ename: str = "ExecutorLost") -> dict[str, Any]:
+    """The ``execute_reply`` a standby commits for a cell whose executor vanished (or, with
+    ``ename`` ReplicaUnavailable, a winner for a cell it gave up on and never ran)."""
     return {
         "status": "error",
-        "ename": "ExecutorLost",
+        "ename": ename,
         "evalue": reason,
-        "traceback": [f"ExecutorLost: {reason}"],
+        "traceback": [f"{ename}: {reason}"],
         "execution_count": execution_count,
         "user_expressions": {},
         "payload": [],
@@ -845,17 +846,8 @@ class ElectionCore:
         what the client heard, so every replica answers a retry the same way."""
         last = self.book.last_done()
         count = last.execution_count if last is not None else 0
-        content = {
-            "status": "error",
-            "ename": "ReplicaUnavailable",
-            "evalue": reason,
-            "traceback": [f"ReplicaUnavailable: {reason}"],
-            "execution_count": count,
-            "user_expressions": {},
-            "payload": [],
-        }
         self._log("warning", "won_after_giving_up", msg_id=msg_id, reason=reason)
-        done = Done(msg_id, self.replica_id, content, count, False)
+        done = Done(msg_id, self.replica_id, lost_content(reason, count, "ReplicaUnavailable"), count, False)
         self._start(self._propose_done_until_committed(done, None), lambda _: None, lambda _: None)
 
     def _wait_outcome(self, msg_id: str, silent: str | None, late: list[int]) -> Proc:
