@@ -667,12 +667,9 @@ class ElectionCore:
         def failed(exc: Exception) -> None:
             self._emit(Answer(request, exc))
 
-        self._start(self._finish_without_run(request, done), lambda _: None, failed)
+        self._start(self._propose_done_until_committed(done, request), lambda _: None, failed)
         self._pump()
         return request
-
-    def _finish_without_run(self, request: int, done: Done) -> Proc:
-        yield from self._propose_done_until_committed(done, request)
 
     def _propose_done_until_committed(self, done: Done, request: int | None) -> Proc:
         """Propose ``done`` until the log holds a DONE for its cell (``request``: answered with
