@@ -117,7 +117,7 @@ class ReplicaSettings:
     raft_transport: str = "tcp"  # config raft.transport: shared/raft/tcp_transport.py says why
     # This member's TLS identity on the Raft links (shared/raft/tls.py); None only with raft.tls off
     raft_tls: LinkTls | None = None
-    commit_notice_s: float = 0.003  # PeerConfig.commit_notice_delay (``raft.commit_notice_ms``)
+    commit_notice_s: float = 0.002  # PeerConfig.commit_notice_delay (``raft.commit_notice_ms``)
     election: ElectionSettings = field(default_factory=ElectionSettings)  # config [election]
     # keys on the link to the local scheduler (shared/security/curve.link_env); None: plain link
     link_curve: ClientCurve | None = None
