@@ -43,8 +43,8 @@ the executor's process dying inside its cell.
 - every request a replica is sent is answered by it at most once, and an ``ok`` comes only from a
   replica that ran the cell;
 - a dead executor's survivors, told by the scheduler, commit its cell's DONE within
-  ``PROMPT_TAKEOVER_S`` when nothing else disturbed the group meanwhile (not only after the
-  executor silence).
+  ``PROMPT_TAKEOVER_S`` when nothing else disturbed the group meanwhile and one of their DONE
+  proposals reached the leader (not only after the executor silence).
 
 **Checked after the faults stop** (every replica up and reachable, or replaced): within
 ``settle_s`` every request is answered exactly once by each live replica it reached, every cell
@@ -348,6 +348,10 @@ class Simulation:
             0  # bumped by what can keep a quorum from committing: pause, cut, crash, leader loss
         )
         self.focus_used = False
+        # when a proposed DONE of each cell last reached the leader, and when an attempt to send
+        # one was last lost: the prompt-takeover bound presumes the survivors' DONE got through
+        self.done_arrived_at: dict[str, float] = {}
+        self.done_lost_at: dict[str, float] = {}
 
     # ---- the event queue ---------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -447,6 +451,8 @@ class Simulation:
         """A proposal attempt reached ``leader``: appended, then committed once replicated."""
         if self.leader != leader or not self.has_quorum():
             return
+        if isinstance(entry, Done):
+            self.done_arrived_at[entry.msg_id] = self.now
 
         def commit() -> None:
             if not self.has_quorum() or (self.leader != leader and self.rng.random() < 0.5):
@@ -571,6 +577,8 @@ class Simulation:
             late = self.rng.random() < self.scenario.slow
             delay = self.rng.uniform(0.3, 1.5) if late else self.rng.uniform(0.0002, 0.003)
             self.at(self.now + delay, lambda: self._arrive(leader, proposal.pid, entry))
+        elif isinstance(entry, Done):
+            self.done_lost_at[entry.msg_id] = self.now
         self.on(self.now + min(remaining, PROPOSE_ATTEMPT_S), r, lambda: self._attempt(r, proposal, entry))
 
     def _settle(self, r: SimReplica, token: int, result: int | Exception) -> None:
@@ -978,16 +986,19 @@ class Simulation:
         # the executor silence (checked PROMPT_TAKEOVER_S later, if nothing disturbed the group)
         for key in s.core.book.running_on(member) if self.has_quorum() else ():
             if self.oracle.decided_at.get(key, 0) > s.replayed_through:
-                epoch = self.fault_epoch
+                epoch, told = self.fault_epoch, self.now
                 self.at(
-                    self.now + PROMPT_TAKEOVER_S, lambda k=key, e=epoch: self._check_takeover(k, member, e)
+                    self.now + PROMPT_TAKEOVER_S,
+                    lambda k=key, e=epoch, t=told: self._check_takeover(k, member, e, t),
                 )
         s.core.member_lost(member, started, self.now)
         self._carry_out(s)
 
-    def _check_takeover(self, key: str, member: str, epoch: int) -> None:
+    def _check_takeover(self, key: str, member: str, epoch: int, told: float) -> None:
         if key in self.oracle.done or epoch != self.fault_epoch or self.leader is None:
             return
+        if self.done_lost_at.get(key, -1.0) >= told and self.done_arrived_at.get(key, -1.0) < told:
+            return  # the channel lost every attempt at its DONE: the settle checks still hold it
         self.fail(
             f"{member} died running {key} and its survivors were told, yet no DONE for it committed "
             f"within {PROMPT_TAKEOVER_S:g}s on a healthy group"
