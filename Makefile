@@ -68,7 +68,7 @@ TEST_WORKERS ?= 2
 
 test: setup test-deps
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 tests
+	$(BIN)/python -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 tests
 
 # The regression guard (under a minute): small-state sync against scripts/baselines/, then the
 # trivial cell against a stock ipykernel. Run after every change to the replica core, Raft or state.
