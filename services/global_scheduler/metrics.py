@@ -54,6 +54,7 @@ REPLICA_STEPS = (
     "state_wait_ms",
     "bind_ms",
     "apply_wait_ms",
+    "load_wait_ms",  # the large objects the cell may touch, still loading on a new executor
     "run_ms",
     "confirm_ms",
     "replied_ms",

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+from pathlib import Path
 
 import pytest
 from structlog.testing import capture_logs
 
 from services.global_scheduler.metrics import (
+    REPLICA_STEPS,
     PrometheusExporter,
     SchedulerMetrics,
     parse_cell_timings,
@@ -173,6 +175,15 @@ def test_unknown_steps_are_left_out_and_the_known_ones_kept() -> None:
     assert [entry["steps"] for entry in logs] == [["coffee_ms"]]
     assert metrics.recent_cells(1)[0]["replica_steps_ms"] == {"run_ms": 2.0, "to_gpu_ms": 0.5}
     assert metrics.timings_dropped == 0
+
+
+def test_every_step_the_replica_times_is_one_the_scheduler_keeps() -> None:
+    """A step the replica reports and the scheduler does not know was logged as a warning on
+    every cell and dropped (load_wait_ms, until it joined REPLICA_STEPS)."""
+    source = "".join(p.read_text() for p in (Path(__file__).parents[2] / "kernel_replica").glob("*.py"))
+    reported = set(re.findall(r'timing\["([a-z_]+)"\]', source)) - {"total_ms"}  # renamed replied_ms
+    assert reported, "the replica's step names were not found: the pattern needs updating"
+    assert reported <= set(REPLICA_STEPS), reported - set(REPLICA_STEPS)
 
 
 def test_cell_timings_from_a_replica_other_than_the_executor_or_for_an_unknown_cell_are_dropped() -> None:
