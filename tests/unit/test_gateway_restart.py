@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 from _gateway_double import Harness
 from jupyter_client import BlockingKernelClient
 from test_gateway import client_for
+from zmq.utils.monitor import recv_monitor_message
 
 from services.gateway.kernel_table import (
     KernelEntry,
@@ -48,13 +50,35 @@ def wait_until(predicate: object, what: str, timeout: float = 5.0) -> None:
         time.sleep(0.02)
 
 
+def _wait_for_reconnect(monitor: zmq.Socket[bytes], timeout: float = 5.0) -> None:
+    """Until a disconnect of the client's socket has been followed by a new ZMTP handshake."""
+    deadline, disconnected = time.monotonic() + timeout, False
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0 and monitor.poll(left * 1000), "the client's socket did not reconnect"
+        event = recv_monitor_message(monitor)["event"]
+        disconnected = disconnected or event == zmq.EVENT_DISCONNECTED
+        if disconnected and event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return
+
+
 def test_a_restarted_gateway_serves_the_kernel_on_the_same_ports_with_its_key(harness: Harness) -> None:
     kernel_id, info = harness.start_kernel()
     client = client_for(info)
     try:
         assert client.execute_interactive("x = 1", timeout=5)["content"]["status"] == "ok"
-        harness.restart_gateway()
-        reply = client.execute_interactive("print(x)", timeout=10)  # same connection info, no reconnect
+        shell = client.shell_channel.socket
+        monitor = shell.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            harness.restart_gateway()
+            # ZMQ reconnects the same connection info by itself; a request sent before its I/O
+            # thread has seen the old gateway go would be lost with the old connection (as for
+            # any Jupyter client of a gateway that restarts), so wait for the new handshake
+            _wait_for_reconnect(monitor)
+        finally:
+            shell.disable_monitor()
+            monitor.close(linger=0)
+        reply = client.execute_interactive("print(x)", timeout=10)
         assert reply["content"]["status"] == "ok"
         status = harness.call(harness.api(messages.KERNEL_STATUS, {"kernel_id": kernel_id})).body
         assert status["state"] == "alive" and status["alive"] is True
