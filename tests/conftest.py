@@ -9,7 +9,9 @@ checks that no process of the cluster survived.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +21,30 @@ from _cluster import ClusterHandle, running_cluster
 from services.jsonschema_formats import skip_iri_grammar
 
 skip_iri_grammar()  # the tests' nbformat loads jsonschema without its IRI grammar, as tandem run does
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker
+        _trace_hard_exits_of_this_process()
+
+
+def _trace_hard_exits_of_this_process() -> None:
+    """A worker that dies ends the run with "node down: Not properly terminated" and nothing else
+    (seen about once in ten full runs, cause unknown: no fatal signal is dumped by faulthandler,
+    so SIGKILL or ``os._exit``). Product code calls ``os._exit`` (a replica's fail-stop paths); if
+    any of it ever runs in a worker, this prints every thread's stack first. Forked children of the
+    worker (multiprocessing) exit through the real one, untraced."""
+    real_exit, worker = os._exit, os.getpid()
+    assert sys.__stderr__ is not None
+    stderr = os.dup(sys.__stderr__.fileno())  # the run's stderr: a test's fd 2 is its capture file
+
+    def traced_exit(status: int) -> None:
+        if os.getpid() == worker:
+            os.write(stderr, f"\nos._exit({status}) in pytest-xdist worker {worker}:\n".encode())
+            faulthandler.dump_traceback(file=stderr, all_threads=True)
+        real_exit(status)
+
+    os._exit = traced_exit  # type: ignore[assignment]
 
 
 @pytest.fixture(scope="session")
