@@ -339,6 +339,10 @@ class KernelRouter:
             sent[ROUND_FIELD] = retried[0]
         return sent
 
+    def is_open_cell(self, msg_id: str) -> bool:
+        """msg_id is an execute_request routed and not yet answered to its client."""
+        return msg_id in self._execute_ids
+
     def round_of(self, msg_id: str) -> int:
         """The election round msg_id is (or will next be) sent to the replicas in."""
         retried = self._rounds.get(msg_id)

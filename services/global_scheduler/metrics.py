@@ -192,7 +192,12 @@ class SchedulerMetrics:
 
     def cell_elected(self, kernel_id: str, msg_id: str, replica_id: str, host_id: str) -> None:
         record = self._open.get((kernel_id, msg_id))
-        if record is None or record.elected is not None:
+        if record is None:  # the reply came first (it travels another socket): who ran it, still
+            done = self._completed.get((kernel_id, msg_id))
+            if done is not None and done.executor is None:
+                done.executor, done.host = replica_id, host_id
+            return
+        if record.elected is not None:
             return
         record.elected = self._clock()
         record.executor, record.host = replica_id, host_id

@@ -569,7 +569,16 @@ class GlobalScheduler:
                 return None
         if event == "elected" and msg_id:
             gpus = detail.get("gpus") or []
-            self.state.committed_by_election(kernel, msg_id, replica.host_id, list(gpus), replica.replica_id)
+            if kernel.router.is_open_cell(msg_id):
+                self.state.committed_by_election(
+                    kernel, msg_id, replica.host_id, list(gpus), replica.replica_id
+                )
+            else:
+                # The reply overtook this event (a replica that takes GPUs bound ahead announces
+                # itself on its scheduler link, the reply comes on its Jupyter socket): the cell
+                # is over and its GPUs were released as the reply went by. Recording the commit
+                # now would show the host busy until its next heartbeat.
+                blog.debug("elected_after_reply", msg_id=msg_id)
             self.metrics.cell_elected(kernel.kernel_id, msg_id, replica.replica_id, replica.host_id)
             merged = kernel.router.on_elected(replica.replica_id, msg_id)
             blog.debug("elected", msg_id=msg_id, gpus=gpus)

@@ -180,6 +180,51 @@ def test_execute_reserves_the_executor_gpus_then_commit_then_release(h: Harness)
     assert cell["replica_steps_ms"]["run_ms"] == 1.5
 
 
+def test_an_elected_event_that_comes_after_the_reply_commits_nothing_and_still_names_the_executor(
+    h: Harness,
+) -> None:
+    """The executor announces itself on its scheduler link and replies on its Jupyter socket; the
+    local scheduler reads both, in either order. A late ``elected`` recorded a commit for a cell
+    already over: its host looked busy until the next heartbeat (a scale-in passed it over), and
+    the cell's record had no executor."""
+    kernel = h.add_kernel(gpus=1)
+    header, frames = h.frames("execute_request", {"code": "x"})
+    h.handle(b"gateway", messages.JUPYTER_REQUEST, {"kernel_id": "k", "channel": "shell", "frames": frames})
+    ((executor_identity, _),) = h.sent
+    executor_host = executor_identity.decode()
+    executor = next(r for r in kernel.replicas.values() if r.host_id == executor_host)
+    for replica in kernel.replicas.values():
+        role = "executor" if replica is executor else "standby"
+        for msg_type, content, channel in (
+            ("status", {"execution_state": "busy"}, "iopub"),
+            ("execute_reply", {"status": "ok", "execution_count": 1}, "shell"),
+            ("status", {"execution_state": "idle"}, "iopub"),
+        ):
+            _, out = h.frames(msg_type, content, parent=header, metadata={"tandem": {"role": role}})
+            h.handle(
+                replica.host_id.encode(),
+                messages.JUPYTER_REPLY,
+                {"kernel_id": "k", "replica_id": replica.replica_id, "channel": channel, "frames": out},
+            )
+    assert ("shell", "execute_reply") in h.to_gateway()
+    h.handle(
+        executor_host.encode(),
+        messages.REPLICA_EVENT,
+        {
+            "kernel_id": "k",
+            "replica_id": executor.replica_id,
+            "event": "elected",
+            "msg_id": header["msg_id"],
+            "detail": {"gpus": [0]},
+        },
+    )
+    assert h.gs.state.hosts[executor_host].committed_gpus == 0
+    assert h.gs.state.hosts[executor_host].ledger.snapshot() == {}
+    cell = next(c for c in h.gs.metrics.recent_cells(50) if c["msg_id"] == header["msg_id"])
+    assert (cell["executor"], cell["host"]) == (executor.replica_id, executor_host)
+    assert kernel.router.last_executor == executor.replica_id
+
+
 def test_host_silence_kills_its_replicas_and_two_losses_kill_the_kernel(h: Harness) -> None:
     h.add_kernel()
     _, frames = h.frames("execute_request", {"code": "x"})
