@@ -92,6 +92,37 @@ class Harness:
         wire = self.session.serialize(msg)
         return msg["header"], wire[wire.index(DELIMITER) + 1 :]
 
+    def elected(self, replica: Any, msg_id: str, gpus: list[int], kernel_id: str = "k") -> None:
+        """The replica's host reports it bound ``gpus`` for the cell (``replica.event elected``)."""
+        body = {
+            "kernel_id": kernel_id,
+            "replica_id": replica.replica_id,
+            "event": "elected",
+            "msg_id": msg_id,
+        }
+        self.handle(replica.host_id.encode(), messages.REPLICA_EVENT, body | {"detail": {"gpus": gpus}})
+
+    def answer_cell(self, kernel: KernelRecord, header: dict[str, Any], executor: Any) -> None:
+        """Every replica's busy, execute_reply and idle for the cell, ``executor`` replying as such."""
+        for replica in kernel.replicas.values():
+            role = "executor" if replica is executor else "standby"
+            for msg_type, content, channel in (
+                ("status", {"execution_state": "busy"}, "iopub"),
+                ("execute_reply", {"status": "ok", "execution_count": 1}, "shell"),
+                ("status", {"execution_state": "idle"}, "iopub"),
+            ):
+                _, out = self.frames(msg_type, content, parent=header, metadata={"tandem": {"role": role}})
+                self.handle(
+                    replica.host_id.encode(),
+                    messages.JUPYTER_REPLY,
+                    {
+                        "kernel_id": kernel.kernel_id,
+                        "replica_id": replica.replica_id,
+                        "channel": channel,
+                        "frames": out,
+                    },
+                )
+
     def to_gateway(self) -> list[tuple[str, str]]:
         out = []
         for identity, env in self.sent:
@@ -132,33 +163,11 @@ def test_execute_reserves_the_executor_gpus_then_commit_then_release(h: Harness)
 
     executor = next(r for r in kernel.replicas.values() if r.host_id == executor_host)
     msg_id = header["msg_id"]
-    h.handle(
-        executor_host.encode(),
-        messages.REPLICA_EVENT,
-        {
-            "kernel_id": "k",
-            "replica_id": executor.replica_id,
-            "event": "elected",
-            "msg_id": msg_id,
-            "detail": {"gpus": [0, 1]},
-        },
-    )
+    h.elected(executor, msg_id, [0, 1])
     ledger = h.gs.state.hosts[executor_host].ledger
     assert ledger.snapshot() == {f"k/{msg_id}": [0, 1]}
     assert ledger.tentative() == {}
-    for replica in kernel.replicas.values():
-        role = "executor" if replica is executor else "standby"
-        for msg_type, content, channel in (
-            ("status", {"execution_state": "busy"}, "iopub"),
-            ("execute_reply", {"status": "ok", "execution_count": 1}, "shell"),
-            ("status", {"execution_state": "idle"}, "iopub"),
-        ):
-            _, out = h.frames(msg_type, content, parent=header, metadata={"tandem": {"role": role}})
-            h.handle(
-                replica.host_id.encode(),
-                messages.JUPYTER_REPLY,
-                {"kernel_id": "k", "replica_id": replica.replica_id, "channel": channel, "frames": out},
-            )
+    h.answer_cell(kernel, header, executor)
     assert h.to_gateway() == [("iopub", "busy"), ("shell", "execute_reply"), ("iopub", "idle")]
     assert h.gs.state.hosts[executor_host].committed_gpus == 0
     assert kernel.router.last_executor == executor.replica_id
@@ -193,31 +202,9 @@ def test_an_elected_event_that_comes_after_the_reply_commits_nothing_and_still_n
     ((executor_identity, _),) = h.sent
     executor_host = executor_identity.decode()
     executor = next(r for r in kernel.replicas.values() if r.host_id == executor_host)
-    for replica in kernel.replicas.values():
-        role = "executor" if replica is executor else "standby"
-        for msg_type, content, channel in (
-            ("status", {"execution_state": "busy"}, "iopub"),
-            ("execute_reply", {"status": "ok", "execution_count": 1}, "shell"),
-            ("status", {"execution_state": "idle"}, "iopub"),
-        ):
-            _, out = h.frames(msg_type, content, parent=header, metadata={"tandem": {"role": role}})
-            h.handle(
-                replica.host_id.encode(),
-                messages.JUPYTER_REPLY,
-                {"kernel_id": "k", "replica_id": replica.replica_id, "channel": channel, "frames": out},
-            )
+    h.answer_cell(kernel, header, executor)
     assert ("shell", "execute_reply") in h.to_gateway()
-    h.handle(
-        executor_host.encode(),
-        messages.REPLICA_EVENT,
-        {
-            "kernel_id": "k",
-            "replica_id": executor.replica_id,
-            "event": "elected",
-            "msg_id": header["msg_id"],
-            "detail": {"gpus": [0]},
-        },
-    )
+    h.elected(executor, header["msg_id"], [0])
     assert h.gs.state.hosts[executor_host].committed_gpus == 0
     assert h.gs.state.hosts[executor_host].ledger.snapshot() == {}
     cell = next(c for c in h.gs.metrics.recent_cells(50) if c["msg_id"] == header["msg_id"])
