@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,12 +32,15 @@ def pytest_configure(config: pytest.Config) -> None:
 def _trace_hard_exits_of_this_process() -> None:
     """A worker that dies ends the run with "node down: Not properly terminated" and nothing else
     (seen about once in ten full runs, cause unknown: no fatal signal is dumped by faulthandler,
-    so SIGKILL or ``os._exit``). Product code calls ``os._exit`` (a replica's fail-stop paths); if
-    any of it ever runs in a worker, this prints every thread's stack first. Forked children of the
-    worker (multiprocessing) exit through the real one, untraced."""
+    so SIGKILL, SIGTERM or ``os._exit``). Product code calls ``os._exit`` (a replica's fail-stop
+    paths); if any of it ever runs in a worker, or a SIGTERM reaches one, every thread's stack is
+    printed first. Forked children of the worker (multiprocessing) are not traced."""
     real_exit, worker = os._exit, os.getpid()
     assert sys.__stderr__ is not None
     stderr = os.dup(sys.__stderr__.fileno())  # the run's stderr: a test's fd 2 is its capture file
+    # SIGTERM ends a process with no word either (faulthandler covers only fatal signals)
+    faulthandler.register(signal.SIGTERM, file=stderr, all_threads=True, chain=True)
+    os.register_at_fork(after_in_child=lambda: faulthandler.unregister(signal.SIGTERM))
 
     def traced_exit(status: int) -> None:
         if os.getpid() == worker:
