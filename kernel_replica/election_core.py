@@ -834,13 +834,16 @@ class ElectionCore:
             self._gave_up[msg_id] = reason
             while len(self._gave_up) > GAVE_UP_KEPT:
                 del self._gave_up[next(iter(self._gave_up))]
-        elif outcome.winner == self.replica_id and self.book.done(msg_id) is None:
+        elif outcome.winner == self.replica_id:
             self._commit_unrun(msg_id, reason)
         return Unavailable(reason)
 
     def _commit_unrun(self, msg_id: str, reason: str) -> None:
         """Commit the DONE of a cell this replica won but did not run (it answered Unavailable):
-        what the client heard, so every replica answers a retry the same way."""
+        what the client heard, so every replica answers a retry the same way. Nothing when the
+        log already holds the cell's DONE."""
+        if self.book.done(msg_id) is not None:
+            return
         last = self.book.last_done()
         count = last.execution_count if last is not None else 0
         self._log("warning", "won_after_giving_up", msg_id=msg_id, reason=reason)
@@ -1232,7 +1235,6 @@ class ElectionCore:
                     if (
                         given_up is not None
                         and winner == self.replica_id
-                        and self.book.done(msg_id) is None
                         and not self._deciding.get(msg_id)  # a retry deciding it now runs it
                     ):
                         self._commit_unrun(msg_id, given_up)
