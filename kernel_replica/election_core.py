@@ -91,7 +91,7 @@ class Execute:
     device_ids: list[int]
     elect_ms: float = 0.0  # LEAD proposed -> outcome known
     state_wait_ms: float = 0.0  # waiting for the previous cell's STATE
-    bind_ms: float = 0.0  # gpu.commit round trip
+    bind_ms: float = 0.0  # won -> GPUs bound (the gpu.commit round trip left after the LEAD committed)
     state_missing: tuple[str, ...] = ()  # earlier cells whose DONE/STATE never arrived in time
 
 
@@ -193,10 +193,13 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class NotifyScheduler:
-    """A ``replica.event`` for the global scheduler (``election_failed``)."""
+    """A ``replica.event`` for the global scheduler: ``election_failed``, or ``elected`` with the
+    bound ``gpus`` once this replica's own LEAD has won (the scheduler forwards the output of the
+    first replica to announce itself, so only the winner may)."""
 
     event: str
     msg_id: str
+    gpus: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -805,12 +808,16 @@ class ElectionCore:
         self._start_beat(msg_id)
         if binding is None:
             binding = self._bind(msg_id)
-        waited, missing = yield from self._wait_previous_cell(msg_id)
-        bind_started = self._now
         device_ids = yield from self._bound(binding)
+        bind_ms = (self._now - elected) * 1000
         if isinstance(device_ids, Exception):
             self._log("warning", "gpu_commit_failed", msg_id=msg_id, error=str(device_ids))
             return BindFailed(str(device_ids))  # its DONE (``finish``) stops the beats
+        # Announced only now, by the winner: a binding is no claim (a stand-in's LEAD for a silent
+        # candidate can lose to the candidate's own), and the scheduler shows the client the
+        # output of the replica that announces itself first.
+        self._emit(NotifyScheduler("elected", msg_id, tuple(device_ids)))
+        waited, missing = yield from self._wait_previous_cell(msg_id)
         if self._diverged is not None:  # found out while this election ran: never run on that namespace
             self._stop_beat()
             self._unbind(binding)
@@ -819,7 +826,7 @@ class ElectionCore:
             device_ids,
             elect_ms=(elected - started) * 1000,
             state_wait_ms=waited,
-            bind_ms=(self._now - bind_started) * 1000,
+            bind_ms=bind_ms,
             state_missing=tuple(missing),
         )
 

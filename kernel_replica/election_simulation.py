@@ -42,6 +42,10 @@ the executor's process dying inside its cell.
   the prefix this replica has applied, with no DONE for the key before it;
 - every request a replica is sent is answered by it at most once, and an ``ok`` comes only from a
   replica that ran the cell;
+- only the committed winner announces itself ``elected``, and the client's ``ok`` comes with the
+  output of the replica that ran the cell (the scheduler forwards the output of the first replica
+  to announce itself: a stand-in that announced at binding, then lost its LEAD to the silent
+  candidate's, once left the client an ``ok`` without the cell's output);
 - a dead executor's survivors, told by the scheduler, commit its cell's DONE within
   ``PROMPT_TAKEOVER_S`` when nothing else disturbed the group meanwhile and one of their DONE
   proposals reached the leader (not only after the executor silence).
@@ -256,6 +260,8 @@ class Cell:
     round: int = 0
     targets: set[str] = field(default_factory=set)
     started_by: str | None = None  # the replica the scheduler saw take the GPUs (``elected``)
+    responder: str | None = None  # whose output the client sees: the first ``elected`` (ReplyMerger)
+    heard: bool = False  # the designated candidate started the request (the scheduler saw busy)
     answer: dict[str, Any] | None = None
     answered_at: float | None = None
     sent_at: float = 0.0
@@ -528,6 +534,10 @@ class Simulation:
                         self.on(self.now, r, lambda cb=callback, v=value: cb(v))
                 case NotifyScheduler(event="election_failed", msg_id=key):
                     self.at(self.now + 0.002, lambda key=key: self._election_failed(key))
+                case NotifyScheduler(event="elected", msg_id=key):
+                    self.at(
+                        self.now + self.rng.uniform(0.0005, 0.003), lambda key=key: self._elected(r.id, key)
+                    )
                 case TransferLeadership(to=target):
                     self.at(self.now + self.rng.uniform(0.01, 0.05), lambda t=target: self._transfer(t))
                 case ExitDiverged():
@@ -601,7 +611,6 @@ class Simulation:
                 return
             if not refused:
                 r.bound.add(key)
-                self._elected(r.id, key)
             self.on(self.now + 0.0005, r, settle)
 
         def settle() -> None:
@@ -626,6 +635,9 @@ class Simulation:
             return
         request = r.queue.popleft()
         r.busy = True
+        cell = self.cells[request.cell]
+        if request.lead and request.round == cell.round:
+            cell.heard = True  # its kernel publishes busy as it starts the request
         if request.outcome_of is not None and not request.lead:
             rid = r.core.outcome_of(request.key, request.outcome_of, self.now)
         else:
@@ -879,7 +891,8 @@ class Simulation:
             designated = self.rng.choice(live)
         assert designated is not None
         cell.targets = {designated}
-        cell.started_by = None
+        cell.started_by = cell.responder = None
+        cell.heard = False
         self._send(designated, cell, lead=True)
         round_ = cell.round
         self.at(
@@ -899,6 +912,7 @@ class Simulation:
         if (
             cell.answer is not None
             or cell.round != round_
+            or cell.heard
             or cell.started_by is not None
             or cell.targets != {designated}
         ):
@@ -911,10 +925,15 @@ class Simulation:
             self._send(rid, cell, lead=False, silent=designated)
 
     def _elected(self, rid: str, key: str) -> None:
+        winner = self.oracle.winner.get(key)
+        if winner != rid:
+            self.fail(f"{rid} announces itself elected for {key}, the committed log's winner is {winner!r}")
         for cell in self.cells:
             if cell.key == key and cell.answer is None:
                 cell.started_by = rid
                 self.last_executor = rid
+                if cell.responder is None and rid in cell.targets:
+                    cell.responder = rid
 
     def _election_failed(self, key: str) -> None:
         for cell in self.cells:
@@ -937,6 +956,12 @@ class Simulation:
         if no_executor:
             self._next_round(cell)
             return
+        ran = [runner.split("#")[0] for runner in self.runs.get(cell.key, [])]
+        if content.get("status") == "ok" and cell.responder is not None and ran and cell.responder not in ran:
+            self.fail(
+                f"the client gets ok for {cell.key} with {cell.responder}'s output, but {ran} ran it "
+                f"(the scheduler took the first replica to announce ``elected`` as the responder)"
+            )
         self._answer(cell, content)
 
     def _answer(self, cell: Cell, content: dict[str, Any]) -> None:

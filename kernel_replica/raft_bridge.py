@@ -512,6 +512,8 @@ class ReplicaCore:
                 fut = self._answers.pop(request, None)
                 if fut is not None and not fut.done():
                     fut.set_result(value)
+            case NotifyScheduler(event="elected", msg_id=msg_id, gpus=gpus):
+                self.scheduler.event("elected", msg_id, gpus=list(gpus))
             case NotifyScheduler(event=event, msg_id=msg_id):
                 self.scheduler.event(event, msg_id)
             case TransferLeadership(to=target):

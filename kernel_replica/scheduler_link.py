@@ -99,16 +99,12 @@ class SchedulerLink:
             Envelope(messages.REPLICA_REGISTER, body), timeout=self._timeout, retries=2
         )
 
-    def bound_ahead(self, msg_id: str, gpus: int, *, announce: bool = True) -> list[int] | None:
-        """What a ``gpu.bound`` push already bound for msg_id (taken once). Taking it announces
-        ``elected`` upstream, as the local scheduler does for ``gpu.commit`` (it leaves that to
-        the replica for a binding ahead, so a replica that never starts the cell does not look
-        elected); ``announce=False``: the caller sends that event itself."""
+    def bound_ahead(self, msg_id: str, gpus: int) -> list[int] | None:
+        """What a ``gpu.bound`` push already bound for msg_id (taken once). Nothing is announced:
+        binding is not winning; the election core sends ``elected`` once its LEAD has won."""
         ahead = self._bound_ahead.pop(msg_id, (None, False))[0]
         if ahead is None or len(ahead) != gpus:
             return None
-        if announce:
-            self.event("elected", msg_id, gpus=ahead)
         return ahead
 
     async def gpu_commit(self, msg_id: str, gpus: int) -> list[int]:

@@ -779,7 +779,7 @@ class LocalScheduler:
                 replica.replica_id,
                 msg_id,
                 int(replica.resources.get("gpus", 0)),
-                announce=False,
+                ahead=True,
                 revoke=revoke,
             )
         self._link.server.send(replica.identity, Envelope(messages.GPU_BOUND, body))
@@ -792,14 +792,13 @@ class LocalScheduler:
         msg_id: str,
         gpus: int,
         *,
-        announce: bool = True,
+        ahead: bool = False,
         revoke: Sequence[str] = (),
     ) -> list[int]:
-        """Bind device ids (idempotent per cell). Announcing tells the global scheduler who was
-        elected BEFORE the replica hears back, so it knows the executor before any of its output
-        arrives (same upstream link). A binding ahead of the request is not announced: the
-        replica announces it when it starts the cell, so a replica that never does (stopped,
-        dead) still lets the scheduler's deadline fail the request."""
+        """Bind device ids (idempotent per cell). Nothing goes upstream: a binding is not a win
+        (a stand-in's LEAD for a silent candidate can lose to the candidate's own), so the
+        replica announces ``elected`` itself once its LEAD has won, and a replica that never
+        does (lost, stopped, dead) still lets the scheduler's deadline fail the request."""
         try:
             try:
                 commit = self.ledger.commit(kernel_id, replica_id, msg_id, gpus)
@@ -819,20 +818,6 @@ class LocalScheduler:
             replica=replica_id,
             msg_id=msg_id,
             device_ids=device_ids,
-            ahead=not announce,
-        )
-        if not announce:
-            return device_ids
-        self._send_upstream(
-            Envelope(
-                messages.REPLICA_EVENT,
-                {
-                    "kernel_id": kernel_id,
-                    "replica_id": replica_id,
-                    "event": "elected",
-                    "msg_id": msg_id,
-                    "detail": {"gpus": device_ids},
-                },
-            )
+            ahead=ahead,
         )
         return device_ids

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kernel_replica.election import ElectionBook
-from kernel_replica.election_core import BindFailed, ElectionCore, ElectionSettings, Execute
+from kernel_replica.election_core import BindFailed, ElectionCore, ElectionSettings, Execute, NotifyScheduler
 from kernel_replica.election_simulation import Scenario, Simulation, reproduce_command, run_seed
 from kernel_replica.log_entries import Lead
 
@@ -191,12 +191,30 @@ def member_loss_ignored() -> Iterator[None]:
         ElectionCore.member_lost = original  # type: ignore[method-assign]
 
 
+@pytest.fixture
+def announces_elected_at_binding() -> Iterator[None]:
+    """Every binding is announced as ``elected`` (as the local scheduler did on gpu.commit): a
+    stand-in whose LEAD then lost was the replica whose output the client saw."""
+    original = ElectionCore._bind
+
+    def announcing(self: ElectionCore, msg_id: str) -> int:
+        self._emit(NotifyScheduler("elected", msg_id))
+        return original(self, msg_id)
+
+    ElectionCore._bind = announcing  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ElectionCore._bind = original  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize(
     ("mutant", "seeds"),
     [
         ("runs_before_its_lead_commits", range(40)),
         ("second_done_wins", range(200)),
         ("member_loss_ignored", range(3, 2003, 4)),  # the crashed-executor regime
+        ("announces_elected_at_binding", range(200)),
     ],
 )
 def test_simulation_catches_a_broken_election(

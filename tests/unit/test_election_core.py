@@ -15,6 +15,7 @@ from kernel_replica.election_core import (
     ElectionSettings,
     Execute,
     ExitDiverged,
+    NotifyScheduler,
     Propose,
     RaftView,
     ReleaseGpus,
@@ -117,6 +118,43 @@ def test_a_hung_candidate_is_replaced_by_the_first_answering_voter_leading_in_it
     r.core.proposal_settled(stand_in.token, 3, now=0.04)
     [decision] = r.answers(r.take(), request)
     assert isinstance(decision, Execute) and decision.device_ids == [3]
+
+
+def _announced(commands: list[Command]) -> list[NotifyScheduler]:
+    return [c for c in commands if isinstance(c, NotifyScheduler) and c.event == "elected"]
+
+
+def test_a_candidate_announces_itself_elected_only_once_its_lead_won_and_its_gpus_are_bound() -> None:
+    r = Replica("r1")
+    r.core.decide("m", lead=True, now=0.0)
+    commands = r.take()
+    [lead] = r.proposals(commands)
+    [bind] = [c for c in commands if isinstance(c, BindGpus)]
+    r.core.bind_settled(bind.token, [2], now=0.001)
+    assert _announced(r.take()) == []  # bound, not yet won
+    r.commit(Lead("m", "r1"), now=0.002)
+    r.core.proposal_settled(lead.token, 1, now=0.002)
+    assert _announced(r.take()) == [NotifyScheduler("elected", "m", (2,))]
+
+
+def test_a_stand_in_whose_lead_loses_to_the_silent_candidates_never_announces_itself_elected() -> None:
+    # The scheduler shows the client the output of the first replica to announce itself: a
+    # stand-in that announced at binding and then lost left the client an ok without its output.
+    r = Replica("r2", ElectionSettings(yield_grace_s=0.0))
+    request = r.core.decide("m", lead=False, silent="r1", now=0.0)
+    [own] = r.proposals(r.take())
+    r.commit(own.entry, now=0.01)
+    r.core.proposal_settled(own.token, 1, now=0.01)
+    r.commit(Yield("m", "r3", "r3"), now=0.02)
+    [bind] = [c for c in r.take() if isinstance(c, BindGpus)]
+    r.core.bind_settled(bind.token, [3], now=0.03)
+    [stand_in] = r.proposals(r.take())
+    r.commit(Lead("m", "r1"), now=0.04)  # the candidate woke up and its LEAD committed first
+    r.commit(stand_in.entry, now=0.05)
+    r.core.proposal_settled(stand_in.token, 4, now=0.05)
+    commands = r.take()
+    assert r.answers(commands, request) == [Standby("r1")]
+    assert _announced(commands) == [] and ReleaseGpus("m") in commands
 
 
 def test_a_standby_watch_ends_on_a_done_applied_in_the_same_batch_as_its_lead() -> None:
