@@ -1,4 +1,4 @@
-"""At most one executor candidate; prefer hosts that can bind now, then the leader, then last executor."""
+"""At most one executor candidate; prefer hosts that can bind now, then the last executor, then the leader."""
 
 from __future__ import annotations
 
@@ -37,9 +37,16 @@ def test_last_executor_breaks_ties_when_no_leader_is_known() -> None:
     assert choose_executor(REPLICAS, hosts(a=8, b=8, c=8), gpus=1, last_executor="r3").executor == "r3"
 
 
-def test_leader_beats_last_executor() -> None:
+def test_the_last_executor_keeps_the_cells_when_leadership_moves() -> None:
+    """Its namespace and imports are warm; the new leader would first load them (a torch
+    notebook's second cell waited ~1 s when leadership settled after its first cell ran)."""
     replicas = [ReplicaView("r1", "a", raft_role="leader"), ReplicaView("r2", "b"), ReplicaView("r3", "c")]
-    assert choose_executor(replicas, hosts(a=8, b=8, c=8), gpus=1, last_executor="r3").executor == "r1"
+    assert choose_executor(replicas, hosts(a=8, b=8, c=8), gpus=1, last_executor="r3").executor == "r3"
+
+
+def test_the_leader_runs_the_cell_when_the_last_executor_cannot() -> None:
+    replicas = [ReplicaView("r1", "a", raft_role="leader"), ReplicaView("r2", "b"), ReplicaView("r3", "c")]
+    assert choose_executor(replicas, hosts(a=8, b=8, c=0), gpus=1, last_executor="r3").executor == "r1"
 
 
 def test_cordoned_and_dead_hosts_yield() -> None:
