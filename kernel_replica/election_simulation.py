@@ -43,9 +43,11 @@ the executor's process dying inside its cell.
 - every request a replica is sent is answered by it at most once, and an ``ok`` comes only from a
   replica that ran the cell;
 - only the committed winner announces itself ``elected``, and the client's ``ok`` comes with the
-  output of the replica that ran the cell (the scheduler forwards the output of the first replica
-  to announce itself: a stand-in that announced at binding, then lost its LEAD to the silent
-  candidate's, once left the client an ``ok`` without the cell's output);
+  output of the replica that ran the cell. As ``ReplyMerger`` does, the scheduler answers the
+  client with the reply of the first replica to announce itself (its responder), drops every
+  other replica's, and after the responder's death takes the first survivor's (a stand-in that
+  announced at binding, then lost its LEAD to the silent candidate's, once left the client an
+  ``ok`` without the cell's output);
 - a dead executor's survivors, told by the scheduler, commit its cell's DONE within
   ``PROMPT_TAKEOVER_S`` when nothing else disturbed the group meanwhile and one of their DONE
   proposals reached the leader (not only after the executor silence).
@@ -953,6 +955,8 @@ class Simulation:
         cell = self.cells[request.cell]
         if cell.answer is not None or request.round != cell.round:
             return
+        if cell.responder is not None and rid != cell.responder:
+            return  # the merger drops every other replica's frames once it knows the responder
         if no_executor:
             self._next_round(cell)
             return
@@ -986,9 +990,10 @@ class Simulation:
         for cell in self.cells:
             if cell.answer is not None or r.id not in cell.targets:
                 continue
-            if cell.started_by == r.id:
+            if cell.responder == r.id:
                 if len(survivors) >= majority(len(self.voters)):
                     cell.targets = set(survivors)
+                    cell.responder = None  # the first survivor to answer (ReplyMerger.reopen)
                     for sid in survivors:
                         self._send(sid, cell, lead=False, outcome_of=r.id)
                 else:
