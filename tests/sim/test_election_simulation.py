@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -145,7 +145,7 @@ def test_reproduce_command_names_the_seed() -> None:
 
 
 @pytest.fixture
-def runs_before_its_lead_commits() -> Iterator[None]:
+def runs_before_its_lead_commits(monkeypatch: pytest.MonkeyPatch) -> None:
     """The designated candidate starts the cell as soon as its LEAD is proposed (the fast path
     issue 14 removed: a paused leader's cell then ran twice)."""
     original = ElectionCore._decide
@@ -157,15 +157,11 @@ def runs_before_its_lead_commits() -> Iterator[None]:
         device_ids = yield from self._bound(self._bind(msg_id))
         return BindFailed(str(device_ids)) if isinstance(device_ids, Exception) else Execute(device_ids)
 
-    ElectionCore._decide = eager  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        ElectionCore._decide = original  # type: ignore[method-assign]
+    monkeypatch.setattr(ElectionCore, "_decide", eager)
 
 
 @pytest.fixture
-def second_done_wins() -> Iterator[None]:
+def second_done_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     """The book lets a later DONE replace the first (a retried cell could then count twice)."""
     original = ElectionBook._on_done
 
@@ -173,26 +169,17 @@ def second_done_wins() -> Iterator[None]:
         self._done.pop(entry.msg_id, None)
         return original(self, entry)
 
-    ElectionBook._on_done = overwrite  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        ElectionBook._on_done = original  # type: ignore[method-assign]
+    monkeypatch.setattr(ElectionBook, "_on_done", overwrite)
 
 
 @pytest.fixture
-def member_loss_ignored() -> Iterator[None]:
+def member_loss_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
     """``member_lost`` changes nothing: a dead executor's cell waits out the executor silence."""
-    original = ElectionCore.member_lost
-    ElectionCore.member_lost = lambda self, member, started, now: []  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        ElectionCore.member_lost = original  # type: ignore[method-assign]
+    monkeypatch.setattr(ElectionCore, "member_lost", lambda self, member, started, now: [])
 
 
 @pytest.fixture
-def announces_elected_at_binding() -> Iterator[None]:
+def announces_elected_at_binding(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every binding is announced as ``elected`` (as the local scheduler did on gpu.commit): a
     stand-in whose LEAD then lost was the replica whose output the client saw."""
     original = ElectionCore._bind
@@ -201,11 +188,7 @@ def announces_elected_at_binding() -> Iterator[None]:
         self._emit(NotifyScheduler("elected", msg_id))
         return original(self, msg_id)
 
-    ElectionCore._bind = announcing  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        ElectionCore._bind = original  # type: ignore[method-assign]
+    monkeypatch.setattr(ElectionCore, "_bind", announcing)
 
 
 @pytest.mark.parametrize(

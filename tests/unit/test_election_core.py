@@ -53,6 +53,16 @@ class Replica:
     def proposals(self, commands: list[Command]) -> list[Propose]:
         return [c for c in commands if isinstance(c, Propose)]
 
+    def lead_and_bind(self, device_ids: list[int], now: float) -> tuple[int, Propose]:
+        """Designated for cell "m": propose LEAD and get ``device_ids`` bound (the LEAD not yet
+        committed). The request and the LEAD's proposal."""
+        request = self.core.decide("m", lead=True, now=now)
+        commands = self.take()
+        [lead] = self.proposals(commands)
+        [bind] = [c for c in commands if isinstance(c, BindGpus)]
+        self.core.bind_settled(bind.token, device_ids, now=now + 0.001)
+        return request, lead
+
     def answers(self, commands: list[Command], request: int) -> list[Any]:
         return [c.value for c in commands if isinstance(c, Answer) and c.request == request]
 
@@ -102,8 +112,9 @@ def test_a_replica_told_to_yield_gives_the_candidate_its_grace_before_appending_
     assert r.answers(r.take(), request) == [Standby("r1")]
 
 
-def test_a_hung_candidate_is_replaced_by_the_first_answering_voter_leading_in_its_place() -> None:
-    r = Replica("r2", ElectionSettings(yield_grace_s=0.0))
+def _stand_in_for_hung_r1(r: Replica) -> tuple[int, Propose]:
+    """r2, told that the designated candidate r1 is hung, yields, sees r3 yield, binds GPU 3 and
+    proposes its own LEAD: the request and that proposal."""
     request = r.core.decide("m", lead=False, silent="r1", now=0.0)
     [own] = r.proposals(r.take())
     r.commit(own.entry, now=0.01)
@@ -114,6 +125,12 @@ def test_a_hung_candidate_is_replaced_by_the_first_answering_voter_leading_in_it
     r.core.bind_settled(bind.token, [3], now=0.03)
     [stand_in] = r.proposals(r.take())
     assert stand_in.entry == Lead("m", "r2")
+    return request, stand_in
+
+
+def test_a_hung_candidate_is_replaced_by_the_first_answering_voter_leading_in_its_place() -> None:
+    r = Replica("r2", ElectionSettings(yield_grace_s=0.0))
+    request, stand_in = _stand_in_for_hung_r1(r)
     r.commit(stand_in.entry, now=0.04)
     r.core.proposal_settled(stand_in.token, 3, now=0.04)
     [decision] = r.answers(r.take(), request)
@@ -126,11 +143,7 @@ def _announced(commands: list[Command]) -> list[NotifyScheduler]:
 
 def test_a_candidate_announces_itself_elected_only_once_its_lead_won_and_its_gpus_are_bound() -> None:
     r = Replica("r1")
-    r.core.decide("m", lead=True, now=0.0)
-    commands = r.take()
-    [lead] = r.proposals(commands)
-    [bind] = [c for c in commands if isinstance(c, BindGpus)]
-    r.core.bind_settled(bind.token, [2], now=0.001)
+    _, lead = r.lead_and_bind([2], now=0.0)
     assert _announced(r.take()) == []  # bound, not yet won
     r.commit(Lead("m", "r1"), now=0.002)
     r.core.proposal_settled(lead.token, 1, now=0.002)
@@ -141,14 +154,7 @@ def test_a_stand_in_whose_lead_loses_to_the_silent_candidates_never_announces_it
     # The scheduler shows the client the output of the first replica to announce itself: a
     # stand-in that announced at binding and then lost left the client an ok without its output.
     r = Replica("r2", ElectionSettings(yield_grace_s=0.0))
-    request = r.core.decide("m", lead=False, silent="r1", now=0.0)
-    [own] = r.proposals(r.take())
-    r.commit(own.entry, now=0.01)
-    r.core.proposal_settled(own.token, 1, now=0.01)
-    r.commit(Yield("m", "r3", "r3"), now=0.02)
-    [bind] = [c for c in r.take() if isinstance(c, BindGpus)]
-    r.core.bind_settled(bind.token, [3], now=0.03)
-    [stand_in] = r.proposals(r.take())
+    request, stand_in = _stand_in_for_hung_r1(r)
     r.commit(Lead("m", "r1"), now=0.04)  # the candidate woke up and its LEAD committed first
     r.commit(stand_in.entry, now=0.05)
     r.core.proposal_settled(stand_in.token, 4, now=0.05)
@@ -268,11 +274,7 @@ def test_a_lead_that_loses_after_its_replica_answered_unavailable_is_left_to_the
 
 def test_a_retry_deciding_the_cell_when_the_given_up_lead_wins_runs_it_instead() -> None:
     r = Replica("r1")
-    r.core.decide("m", lead=True, now=0.0)
-    first = r.take()
-    [lead] = r.proposals(first)
-    [bind] = [c for c in first if isinstance(c, BindGpus)]
-    r.core.bind_settled(bind.token, [0], now=0.001)
+    _, lead = r.lead_and_bind([0], now=0.0)
     r.core.proposal_settled(lead.token, TimeoutError("no quorum"), now=5.0)
     r.take()
     retry = r.core.decide("m", lead=True, now=6.0)  # the scheduler sends the cell again
