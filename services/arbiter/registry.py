@@ -93,7 +93,10 @@ class Registry:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def submit(self, body: dict[str, Any], now: float) -> JobRecord:
+    def submit(self, body: dict[str, Any], now: float, largest_host_gpus: int | None = None) -> JobRecord:
+        """``largest_host_gpus``: the most GPUs any host of the cluster has reported (None: none
+        reported yet). A job is one process on one host, so one that needs more would wait
+        forever in the queue: it is refused at once instead."""
         argv = [str(a) for a in body["argv"]]
         if not argv:
             raise RegistryError("nothing to run: give the command after `--`, e.g. -- python train.py")
@@ -106,6 +109,11 @@ class Registry:
             raise RegistryError(f"--gpus must be at least 1, got {gpus}")
         if max_gpus < gpus:
             raise RegistryError(f"--max-gpus ({max_gpus}) must be at least --gpus ({gpus})")
+        if largest_host_gpus is not None and gpus > largest_host_gpus:
+            raise RegistryError(
+                f"--gpus {gpus} can never be granted: a job runs as one process on one host, and "
+                f"the largest host of this cluster has {largest_host_gpus} GPUs"
+            )
         job_id = f"{app_id}.{next(self._ids)}"
         while job_id in self.jobs:
             job_id = f"{app_id}.{next(self._ids)}"

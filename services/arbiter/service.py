@@ -146,7 +146,8 @@ class ArbiterService(ClusterServerShell):
                 self.packable[str(body["host_id"])] = [int(d) for d in body.get("packable") or []]
                 return env.reply({"ack": self.registry.on_report(body, now)})
             if env.type == messages.JOB_SUBMIT:
-                record = self.registry.submit(body, now)
+                largest = max((u.gpus for u in self.usage.hosts.values()), default=None)
+                record = self.registry.submit(body, now, largest_host_gpus=largest)
                 self._save()
                 log.info("job_submitted", job=record.job_id, app=record.app_id, argv=record.argv)
                 return env.reply(record.describe())

@@ -133,14 +133,18 @@ def test_jobs_share_the_gpus_cells_leave_idle_fairly(tandem_kernelspec: Path, tm
                 ("job", "submit", "--gpus", "0", "--", sys.executable, str(TRAIN)),
                 ("job", "submit", "--app", "a"),
                 ("job", "show", "nope"),
+                ("job", "submit", "--gpus", "99", "--", sys.executable, str(TRAIN)),
             ]
             answers = tandem_all(cluster, *submits, *bad)
             jobs: dict[str, list[str]] = {"a": [], "b": []}
             for command, (code, out, err) in zip(submits, answers, strict=False):
                 assert code == 0, err
                 jobs[command[3]].append(out.strip())
-            (gpus_code, _, gpus_err), (_, _, no_command), (_, _, no_job) = answers[len(submits) :]
+            (gpus_code, _, gpus_err), (_, _, no_command), (_, _, no_job), (big_code, _, big_err) = answers[
+                len(submits) :
+            ]
             assert gpus_code != 0 and "--gpus must be at least 1" in gpus_err
+            assert big_code != 0 and "--gpus 99 can never be granted" in big_err, big_err
             assert "give the command" in no_command and "no job 'nope'" in no_job
             # RUN_S more once every job has timed its steps: before, the arbiter knows a job
             # (importing torch at the lowest CPU priority, for many seconds on a busy machine)

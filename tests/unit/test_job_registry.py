@@ -32,6 +32,17 @@ def test_submit_names_the_problem_with_bad_sizes_and_apps() -> None:
         registry.get("x.9")
 
 
+def test_a_job_larger_than_every_host_is_refused_rather_than_queued_forever() -> None:
+    registry = Registry()
+    with pytest.raises(
+        RegistryError, match=r"--gpus 9 can never be granted.*largest host of this cluster has 8"
+    ):
+        registry.submit({**BODY, "gpus": 9}, 0.0, largest_host_gpus=8)
+    assert registry.jobs == {}
+    assert registry.submit({**BODY, "gpus": 8, "max_gpus": 16}, 0.0, largest_host_gpus=8).gpus == 8
+    assert registry.submit({**BODY, "gpus": 9}, 0.0).gpus == 9  # no host has reported yet
+
+
 def test_jobs_get_ids_of_their_app_and_a_name_from_the_command() -> None:
     registry = Registry()
     first = registry.submit({**BODY, "app": "sweep"}, 0.0)
