@@ -710,6 +710,10 @@ def cmd_run(args: argparse.Namespace, cfg: Config) -> int:
 AfterCell = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+class NotebookUnreadable(Exception):
+    """The notebook to run cannot be read, or its executed copy cannot be written."""
+
+
 def run_notebook(
     path: Path,
     output: Path | None,
@@ -732,7 +736,18 @@ def run_notebook(
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
-    nb = nbformat.read(path, as_version=4)
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except OSError as exc:
+        raise NotebookUnreadable(f"cannot read the notebook {path}: {exc.strerror or exc}") from exc
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+        nbformat.ValidationError,
+    ) as exc:  # NotJSONError: ValueError
+        raise NotebookUnreadable(f"{path} is not a Jupyter notebook: {exc}") from exc
     cells: list[dict[str, Any]] = []
 
     async def on_cell_executed(cell: Any, cell_index: int, execute_reply: dict[str, Any]) -> None:
@@ -762,7 +777,10 @@ def run_notebook(
     except Exception as exc:  # kernel start failure, timeout, dead kernel: report, do not trace back
         error = f"{exc.__class__.__name__}: {exc}"
     if output is not None:
-        nbformat.write(nb, output)
+        try:
+            nbformat.write(nb, output)
+        except OSError as exc:
+            error = error or f"the executed notebook could not be written to {output}: {exc.strerror or exc}"
     failed = [c["cell"] for c in cells if c["status"] != "ok"]
     if failed and not error:
         error = f"cell{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed"
@@ -847,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         return COMMANDS[args.command](args, cfg)
-    except (ConfigError, ClusterNotRunning, curve.KeyError_) as exc:
+    except (ConfigError, ClusterNotRunning, curve.KeyError_, NotebookUnreadable) as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
     except RpcError as exc:

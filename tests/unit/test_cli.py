@@ -67,6 +67,19 @@ def test_status_without_a_cluster_says_how_to_start_one(
     assert "no Tandem cluster is running" in capsys.readouterr().err
 
 
+def test_a_notebook_that_cannot_be_read_is_named_with_the_reason_before_any_kernel_starts(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(cli.NotebookUnreadable, match=r"cannot read the notebook .*missing\.ipynb"):
+        cli.run_notebook(tmp_path / "missing.ipynb", None)
+    (tmp_path / "broken.ipynb").write_text('{"cells": [}')
+    with pytest.raises(cli.NotebookUnreadable, match=r"broken\.ipynb is not a Jupyter notebook"):
+        cli.run_notebook(tmp_path / "broken.ipynb", None)
+    (tmp_path / "other.ipynb").write_text('{"a": 1}')
+    with pytest.raises(cli.NotebookUnreadable, match=r"other\.ipynb is not a Jupyter notebook"):
+        cli.run_notebook(tmp_path / "other.ipynb", None)
+
+
 def test_stale_cluster_file_is_not_running(tmp_path: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
