@@ -179,7 +179,7 @@ def add_job_commands(sub: Any, common: Callable[[argparse.ArgumentParser], None]
     )
     submit.add_argument("--gpus", type=int, default=1, help="GPUs the job needs (default 1)")
     submit.add_argument("--max-gpus", type=int, help="the most GPUs it can use (default: --gpus)")
-    submit.add_argument("--name", help="a name to show (default: the command's last word)")
+    submit.add_argument("--name", help="a name to show (default: the script, module or program it runs)")
     submit.add_argument(
         "--iterations",
         type=int,

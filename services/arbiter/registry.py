@@ -80,6 +80,17 @@ class JobRecord:
         return out
 
 
+def command_name(argv: list[str]) -> str:
+    """A job's default name: its script (``python train.py --lr 0.1`` -> train.py), its module
+    (``python -m pkg.train`` -> pkg.train), else its program; never a trailing argument's value."""
+    script = next((a for a in argv[1:] if a.endswith((".py", ".sh", ".ipynb"))), None)
+    if script is not None:
+        return script.rsplit("/", 1)[-1]
+    if "-m" in argv[1:-1]:
+        return argv[argv.index("-m", 1) + 1]
+    return argv[0].rsplit("/", 1)[-1]
+
+
 def _share(record: JobRecord) -> float:
     """The share of its GPUs a job runs at (its host's report; 100 unless packed and squeezed)."""
     share = (record.packing or {}).get("share")
@@ -120,7 +131,7 @@ class Registry:
         declared = body.get("iterations")
         if declared is not None and int(declared) < 1:
             raise RegistryError(f"--iterations must be at least 1, got {declared}")
-        name = str(body.get("name") or argv[-1].rsplit("/", 1)[-1])
+        name = str(body.get("name") or command_name(argv))
         record = JobRecord(
             job_id, app_id, name, argv, str(body["cwd"]), dict(body["env"]), gpus, max_gpus, now,
             declared_iterations=None if declared is None else int(declared),

@@ -7,7 +7,16 @@ import json
 
 import pytest
 
-from services.arbiter.registry import CANCELLED, FAILED, FINISHED, QUEUED, RUNNING, Registry, RegistryError
+from services.arbiter.registry import (
+    CANCELLED,
+    FAILED,
+    FINISHED,
+    QUEUED,
+    RUNNING,
+    Registry,
+    RegistryError,
+    command_name,
+)
 
 BODY = {"argv": ["python", "train.py"], "cwd": "/work", "env": {"A": "1"}}
 
@@ -41,6 +50,20 @@ def test_a_job_larger_than_every_host_is_refused_rather_than_queued_forever() ->
     assert registry.jobs == {}
     assert registry.submit({**BODY, "gpus": 8, "max_gpus": 16}, 0.0, largest_host_gpus=8).gpus == 8
     assert registry.submit({**BODY, "gpus": 9}, 0.0).gpus == 9  # no host has reported yet
+
+
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        (["python", "train.py", "--lr", "0.1"], "train.py"),
+        (["/usr/bin/python3", "-u", "/home/u/sweep/train.py"], "train.py"),
+        (["python", "-m", "pkg.train", "--epochs", "3"], "pkg.train"),
+        (["./run", "--x"], "run"),
+        (["bash", "go.sh"], "go.sh"),
+    ],
+)
+def test_a_jobs_default_name_is_its_script_module_or_program(argv: list[str], name: str) -> None:
+    assert command_name(argv) == name
 
 
 def test_jobs_get_ids_of_their_app_and_a_name_from_the_command() -> None:
