@@ -106,6 +106,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # Replace a replica that died for good (its process exited, its host went silent) by a
         # new one on another host, through the same membership change as a migration.
         "replace_dead_replicas": True,
+        # A kernel below a Raft quorum because replica processes exited on live hosts (two cells
+        # in a row that crash their executor) restarts them in place, at most this many times per
+        # replica per window; past that, or when a host is gone, the kernel is dead.
+        "quorum_restart_limit": 3,
+        "quorum_restart_window_s": 600.0,
         # Records of stopped kernels kept for `tandem status --json --all`; older ones are dropped.
         "stopped_kernels_kept": 200,
     },

@@ -128,6 +128,8 @@ class KernelRecord:
     # the replica the notebook pinned its cells to (``%tandem pin``), preferred as executor
     pinned: str | None = None
     pinned_at: float = 0.0  # wall clock of the latest pin / unpin (the latest one wins on adoption)
+    # below a quorum while replicas whose processes exited are restarted in place (not dead)
+    recovering: bool = False
     _index: LiveIndex | None = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -170,7 +172,9 @@ class KernelRecord:
 
     @property
     def alive(self) -> bool:
-        return self.state in (STARTING, RUNNING) and len(self.live_replicas()) >= self.router.quorum
+        return self.state in (STARTING, RUNNING) and (
+            len(self.live_replicas()) >= self.router.quorum or self.recovering
+        )
 
     def next_replica_id(self) -> str:
         n = 1
@@ -351,6 +355,7 @@ class ClusterState:
             "reason": kernel.dead_reason,
             "last_executor": kernel.router.last_executor,
             "pinned": kernel.pinned,
+            "recovering": kernel.recovering,
             "resources": kernel.resources.to_dict(),
             "migrations": kernel.migrations,
             "last_migration": kernel.last_migration,

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
@@ -51,6 +51,7 @@ from shared.cluster_core.moves import (
 from shared.config import Config
 from shared.envelope import Envelope
 from shared.jupyter_wire import WireError, header_of
+from shared.policies.executor_choice import ReplicaView
 from shared.policies.migration import GiveUp, MigrationPlan, NoTarget
 from shared.rpc import RpcError, RpcTimeout
 
@@ -111,6 +112,8 @@ class SchedulerShell(Protocol):
     ) -> None: ...
 
     async def stop_replica(self, kernel: KernelRecord, replica: ReplicaRecord) -> None: ...
+
+    def is_restarting(self, kernel_id: str, replica_id: str) -> bool: ...
 
     async def ask_host(self, host_id: str, env: Envelope, timeout: float) -> Envelope: ...
 
@@ -377,6 +380,9 @@ class Migrator:
 
     # ---- dead replicas and drained hosts ------------------------------------------------------
 
+    def is_replacing(self, kernel_id: str, replica_id: str) -> bool:
+        return (kernel_id, replica_id) in self._replacing
+
     def on_replica_lost(self, kernel: KernelRecord, replica: ReplicaRecord, reason: str) -> None:
         """A replica died for good and the kernel still runs: replace it on another host."""
         key = (kernel.kernel_id, replica.replica_id)
@@ -447,7 +453,7 @@ class Migrator:
                 async with self._lock(kernel.kernel_id):
                     plan = self._core.plan_replacement(
                         replica_id,
-                        self._gs.state.replica_views(kernel),
+                        self._replica_views_coming_back(kernel),
                         kernel.resources,
                         self._gs.state.host_views(),
                         self._warm_runtimes(),
@@ -471,6 +477,14 @@ class Migrator:
                 await asyncio.sleep(max(decision.at - now, 0.0))
         finally:
             self._replacing.discard(key)
+
+    def _replica_views_coming_back(self, kernel: KernelRecord) -> list[ReplicaView]:
+        """The kernel's replicas, with those being restarted in place counted alive: their host
+        is taken (a replacement placed beside one would leave two replicas on one host)."""
+        return [
+            replace(v, alive=True) if self._gs.is_restarting(kernel.kernel_id, v.replica_id) else v
+            for v in self._gs.state.replica_views(kernel)
+        ]
 
     def _warm_runtimes(self) -> dict[str, int]:
         """Pre-warmed runtimes per host as last heartbeated: a target with one starts the

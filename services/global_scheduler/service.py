@@ -42,8 +42,10 @@ from shared.cluster_core.lifecycle import (
     HIBERNATED,
     HIBERNATING,
     OVER,
+    RECOVER,
     REPLACE,
     RETRIED,
+    RestartBudget,
     RestartLook,
     after_replica_lost,
     keeps_reported_replica,
@@ -166,6 +168,10 @@ class GlobalScheduler:
         )
         # replicas being restarted in place: their process exits, but that is no loss to replace
         self._restarting: set[tuple[str, str]] = set()
+        # in-place restarts that bring a kernel's lost quorum back (after_replica_lost: RECOVER)
+        self._quorum_restarts = RestartBudget(
+            int(sched["quorum_restart_limit"]), float(sched["quorum_restart_window_s"])
+        )
         self._started_at = clock()
         # requests for kernels not (yet) adopted since a restart, in arrival order: routed once
         # enough of the kernel's replicas are back, dropped if it never comes back
@@ -680,17 +686,83 @@ class GlobalScheduler:
             self._to_replica(kernel, replica_id, channel, frames)
         live = kernel.live_replicas()
         restarting = (kernel.kernel_id, replica.replica_id) in self._restarting
-        verdict = after_replica_lost(kernel.state, len(live), self._quorum, restarting=restarting)
+        restartable = self._restartable(kernel) if len(live) < self._quorum else []
+        verdict = after_replica_lost(
+            kernel.state, len(live), self._quorum, restarting=restarting, restartable=len(restartable)
+        )
         if verdict == STOPPED:
             self._mark_stopped(kernel)
         elif verdict == DEAD:
             self._mark_dead(kernel, f"{len(live)} of {len(kernel.replicas)} replicas alive: {reason}")
+        elif verdict == RECOVER:
+            self._recover_quorum(kernel, restartable, reason)
         elif verdict == REPLACE:
             self._migrator.on_replica_lost(kernel, replica, reason)
         for msg_id, frames in resend:  # cells it was designated for and had not started
             self.state.release(kernel, msg_id)
             log.info("cell_rerouted", kernel=kernel.kernel_id, msg_id=msg_id, lost=replica.replica_id)
             self.route_from_gateway(kernel, "shell", frames, rerouted=True)
+
+    def is_restarting(self, kernel_id: str, replica_id: str) -> bool:
+        return (kernel_id, replica_id) in self._restarting
+
+    def _restartable(self, kernel: KernelRecord) -> list[ReplicaRecord]:
+        """Lost replicas that an in-place restart can bring back: started once (their Raft
+        storage exists), their process gone on a host that is alive, not being replaced, and
+        within their restart budget. Ones already restarting count too (they are coming back)."""
+        now = self._clock()
+        out: list[ReplicaRecord] = []
+        for r in kernel.replicas.values():
+            key = (kernel.kernel_id, r.replica_id)
+            host = self.state.hosts.get(r.host_id)
+            if r.alive or not r.started or host is None or not host.alive:
+                continue
+            if self._migrator.is_replacing(kernel.kernel_id, r.replica_id):
+                continue
+            if key in self._restarting or self._quorum_restarts.allows(key, now):
+                out.append(r)
+        return out
+
+    def _recover_quorum(self, kernel: KernelRecord, replicas: list[ReplicaRecord], reason: str) -> None:
+        """Below a quorum through replicas whose processes exited on live hosts: restart them in
+        place (same Raft members, their logs on disk; a cell one of them was running is never run
+        again: its ExecutorLost is committed once the group has a quorum) instead of declaring the
+        kernel dead. Cells sent meanwhile wait for the quorum like any election."""
+        now = self._clock()
+        names = [r.replica_id for r in replicas]
+        log.warning("kernel_below_quorum_restarting", kernel=kernel.kernel_id, replicas=names, reason=reason)
+        kernel.recovering = True
+        for r in replicas:
+            key = (kernel.kernel_id, r.replica_id)
+            if key in self._restarting:
+                continue
+            self._quorum_restarts.spend(key, now)
+            self.spawn(self._restart_for_quorum(kernel, r, reason))
+
+    async def _restart_for_quorum(self, kernel: KernelRecord, replica: ReplicaRecord, reason: str) -> None:
+        failure: Exception | None = None
+        try:
+            await self.restart_in_place(kernel, replica)
+        except (RpcError, RpcTimeout) as exc:
+            failure = exc
+            log.error(
+                "quorum_restart_failed", kernel=kernel.kernel_id, replica=replica.replica_id, reason=str(exc)
+            )
+        live = kernel.live_replicas()
+        if len(live) >= self._quorum:
+            if kernel.recovering:
+                kernel.recovering = False
+                log.info("kernel_quorum_back", kernel=kernel.kernel_id, live=live)
+            return
+        if any(k == kernel.kernel_id for k, _ in self._restarting) or kernel.state != RUNNING:
+            return  # another restart of it is still under way, or it stopped meanwhile
+        kernel.recovering = False
+        why = (
+            f"restarting {replica.replica_id} in place failed: {failure}"
+            if failure
+            else "no quorum after restarts"
+        )
+        self._mark_dead(kernel, f"{len(live)} of {len(kernel.replicas)} replicas alive: {reason}; {why}")
 
     def _tell_members_lost(self, kernel: KernelRecord, lost: str, started: list[str]) -> None:
         """The surviving replicas hear at once that ``lost``'s process died, so a cell it was
@@ -723,6 +795,7 @@ class GlobalScheduler:
 
     def _mark_stopped(self, kernel: KernelRecord) -> None:
         transition(kernel, STOPPED)
+        self._quorum_restarts.forget(kernel.kernel_id)
         kernel.router.dead_reason = "kernel was shut down"
         forwards, done = kernel.router.fail_all("KernelShutdown", "kernel was shut down")
         self.to_gateway(kernel, forwards)
@@ -739,6 +812,8 @@ class GlobalScheduler:
 
     def _mark_dead(self, kernel: KernelRecord, reason: str) -> None:
         transition(kernel, DEAD)
+        kernel.recovering = False
+        self._quorum_restarts.forget(kernel.kernel_id)
         kernel.dead_reason = reason
         kernel.router.dead_reason = reason
         forwards, done = kernel.router.fail_all("KernelDead", reason)
@@ -1152,7 +1227,17 @@ class GlobalScheduler:
         refusal = restart_refusal(look, self._quorum)
         if refusal is not None:
             raise RpcError(*refusal)
-        assert host is not None  # restart_refusal refused a missing host
+        await self.restart_in_place(kernel, replica)
+        return env.reply(self.state.kernel_status(kernel))
+
+    async def restart_in_place(self, kernel: KernelRecord, replica: ReplicaRecord) -> None:
+        """Restart ``replica`` on its host, on its own Raft storage, and configure it with its
+        peers; RpcError when its host refuses or it is already restarting."""
+        host = self.state.hosts.get(replica.host_id)
+        if host is None or not host.alive:
+            raise RpcError(
+                f"host {replica.host_id} of replica {replica.replica_id} is not alive", "unavailable"
+            )
         rlog = log.bind(kernel=kernel.kernel_id, replica=replica.replica_id, host=replica.host_id)
         rlog.info("replica_restarting")
         key = (kernel.kernel_id, replica.replica_id)
@@ -1187,7 +1272,6 @@ class GlobalScheduler:
         if kernel.state == RUNNING and kernel.replicas.get(replica.replica_id) is replica:
             replica.alive, replica.role, replica.started = True, None, True
         rlog.info("replica_restarted", pid=replica.pid)
-        return env.reply(self.state.kernel_status(kernel))
 
     async def _on_kernel_shutdown(self, identity: bytes, env: Envelope) -> Envelope:
         kernel = self.state.kernels.get(env.body["kernel_id"])

@@ -7,7 +7,8 @@ a raw assignment that silently revives a dead kernel.
     starting -> stopping  shut down while starting
     starting -> dead      its start failed
     running  -> stopping  shut down (kernel.shutdown, or a shutdown_request through the gateway)
-    running  -> dead      fewer live replicas than a Raft quorum
+    running  -> dead      fewer live replicas than a Raft quorum, and restarting in place the
+                          ones whose process exited on a live host cannot bring one back
     stopping -> stopped   its replicas stopped
     stopping -> dead      its start failed while it was being shut down
     running  -> hibernating   idle for kernel.hibernate_after_s: its namespace is being saved
@@ -24,7 +25,8 @@ a raw assignment that silently revives a dead kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Protocol
 
 STARTING, RUNNING, STOPPING, STOPPED, DEAD = "starting", "running", "stopping", "stopped", "dead"
@@ -69,22 +71,57 @@ def transition(kernel: HasState, to: str) -> None:
 
 
 REPLACE = "replace"  # a verdict of ``after_replica_lost``: move the lost replica to another host
+RECOVER = "recover"  # a verdict of ``after_replica_lost``: restart lost replicas in place for a quorum
 
 
-def after_replica_lost(state: str, live: int, quorum: int, *, restarting: bool) -> str | None:
+def after_replica_lost(
+    state: str, live: int, quorum: int, *, restarting: bool, restartable: int = 0
+) -> str | None:
     """What losing a replica means for its kernel: ``STOPPED`` (a stopping kernel lost its last
-    one), ``DEAD`` (a running kernel is below a Raft quorum), ``REPLACE`` (a running kernel keeps
-    its quorum: replace the replica, unless it is being restarted in place), else None."""
+    one), ``RECOVER`` (a running kernel is below a Raft quorum, but ``restartable`` lost replicas,
+    whose processes exited on live hosts and whose Raft storage is there, would give it one back
+    if restarted in place), ``DEAD`` (below a quorum for good), ``REPLACE`` (a running kernel keeps
+    its quorum: replace the replica, unless it is being restarted in place), else None.
+
+    Two cells in a row that crash their executor's process (a segfault, ``os._exit``) lose two
+    replicas within a second, before the first is replaced: the namespace is still in the
+    survivor's log and on the dead ones' disks, so the kernel is not declared dead for it."""
     if state == STOPPING and live == 0:
         return STOPPED
     if state == RUNNING and live < quorum:
-        return DEAD
+        return RECOVER if live + restartable >= quorum else DEAD
     if state == RUNNING and not restarting:
         return REPLACE
     return None
 
 
 RETRIED = "retried"  # a verdict of ``start_verdict``: the same start again, answer with the kernel's status
+
+
+@dataclass
+class RestartBudget:
+    """How many in-place restarts a replica gets to bring its kernel's quorum back: ``limit`` per
+    ``window_s``. A replica that keeps dying (a STATE whose loading crashes the process, say) is
+    not restarted forever; past its budget, its kernel is dead as before."""
+
+    limit: int
+    window_s: float
+    _at: dict[tuple[str, str], deque[float]] = field(default_factory=dict)
+
+    def allows(self, key: tuple[str, str], now: float) -> bool:
+        recent = self._at.get(key)
+        if recent is None:
+            return self.limit > 0
+        while recent and now - recent[0] >= self.window_s:
+            recent.popleft()
+        return len(recent) < self.limit
+
+    def spend(self, key: tuple[str, str], now: float) -> None:
+        self._at.setdefault(key, deque()).append(now)
+
+    def forget(self, kernel_id: str) -> None:
+        for key in [k for k in self._at if k[0] == kernel_id]:
+            del self._at[key]
 
 
 def start_verdict(kernel_id: str, state: str | None, *, same_key: bool) -> str | None:

@@ -13,6 +13,7 @@ from shared.cluster_core.lifecycle import (
     DEAD,
     HIBERNATED,
     HIBERNATING,
+    RECOVER,
     REPLACE,
     RUNNING,
     STARTING,
@@ -20,6 +21,7 @@ from shared.cluster_core.lifecycle import (
     STOPPING,
     TRANSITIONS,
     IllegalTransition,
+    RestartBudget,
     after_replica_lost,
     transition,
 )
@@ -105,3 +107,32 @@ def test_what_losing_a_replica_means_for_its_kernel(
     state: str, live: int, restarting: bool, verdict: str | None
 ) -> None:
     assert after_replica_lost(state, live, 2, restarting=restarting) == verdict
+
+
+@pytest.mark.parametrize(
+    ("live", "restartable", "verdict"),
+    [
+        (1, 1, RECOVER),  # one restart in place gives the quorum of 2 back
+        (0, 2, RECOVER),
+        (0, 1, DEAD),  # not enough to come back: dead, as before
+        (1, 0, DEAD),  # the lost replica's host is gone, or its restarts are used up
+    ],
+)
+def test_a_kernel_below_quorum_is_recovered_when_restarts_in_place_can_give_it_one(
+    live: int, restartable: int, verdict: str
+) -> None:
+    assert after_replica_lost(RUNNING, live, 2, restarting=False, restartable=restartable) == verdict
+
+
+def test_a_replica_gets_a_limited_number_of_quorum_restarts_per_window() -> None:
+    budget = RestartBudget(limit=2, window_s=600.0)
+    key = ("k", "r1")
+    assert budget.allows(key, 0.0)
+    budget.spend(key, 0.0)
+    budget.spend(key, 10.0)
+    assert not budget.allows(key, 20.0)  # a replica that keeps dying is not restarted forever
+    assert budget.allows(("k", "r2"), 20.0)  # per replica
+    assert budget.allows(key, 600.0)  # the first restart left the window
+    budget.forget("k")
+    assert budget.allows(key, 30.0)
+    assert not RestartBudget(limit=0, window_s=600.0).allows(key, 0.0)
