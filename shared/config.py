@@ -106,11 +106,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # Replace a replica that died for good (its process exited, its host went silent) by a
         # new one on another host, through the same membership change as a migration.
         "replace_dead_replicas": True,
-        # A kernel below a Raft quorum because replica processes exited on live hosts (two cells
-        # in a row that crash their executor) restarts them in place, at most this many times per
-        # replica per window; past that, or when a host is gone, the kernel is dead.
-        "quorum_restart_limit": 3,
-        "quorum_restart_window_s": 600.0,
+        # A replica whose process exited on a live host is restarted in place (its own Raft log)
+        # when its kernel is below a quorum (two cells in a row that crash their executor), or
+        # when no other host could take its replacement; at most this many times per replica per
+        # window. Past that, a kernel below a quorum is dead.
+        "restart_in_place_limit": 3,
+        "restart_in_place_window_s": 600.0,
         # Records of stopped kernels kept for `tandem status --json --all`; older ones are dropped.
         "stopped_kernels_kept": 200,
     },

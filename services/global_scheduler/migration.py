@@ -115,6 +115,8 @@ class SchedulerShell(Protocol):
 
     def is_restarting(self, kernel_id: str, replica_id: str) -> bool: ...
 
+    async def restart_lost_in_place(self, kernel: KernelRecord, replica_id: str) -> None: ...
+
     async def ask_host(self, host_id: str, env: Envelope, timeout: float) -> Envelope: ...
 
 
@@ -395,6 +397,7 @@ class Migrator:
             await self.replace(kernel, replica_id, f"{REASON_DEAD}: {reason}")
         except MigrationError as exc:
             log.warning("replacement_gave_up", kernel=kernel.kernel_id, replica=replica_id, reason=str(exc))
+            await self._gs.restart_lost_in_place(kernel, replica_id)
 
     async def drain(
         self, host_id: str, *, reason: str = REASON_DRAIN, wait_for_target: bool = True

@@ -168,9 +168,10 @@ class GlobalScheduler:
         )
         # replicas being restarted in place: their process exits, but that is no loss to replace
         self._restarting: set[tuple[str, str]] = set()
-        # in-place restarts that bring a kernel's lost quorum back (after_replica_lost: RECOVER)
-        self._quorum_restarts = RestartBudget(
-            int(sched["quorum_restart_limit"]), float(sched["quorum_restart_window_s"])
+        # automatic in-place restarts: a lost quorum back (after_replica_lost: RECOVER), or a lost
+        # replica no other host could take
+        self._restarts_in_place = RestartBudget(
+            int(sched["restart_in_place_limit"]), float(sched["restart_in_place_window_s"])
         )
         self._started_at = clock()
         # requests for kernels not (yet) adopted since a restart, in arrival order: routed once
@@ -719,9 +720,26 @@ class GlobalScheduler:
                 continue
             if self._migrator.is_replacing(kernel.kernel_id, r.replica_id):
                 continue
-            if key in self._restarting or self._quorum_restarts.allows(key, now):
+            if key in self._restarting or self._restarts_in_place.allows(key, now):
                 out.append(r)
         return out
+
+    async def restart_lost_in_place(self, kernel: KernelRecord, replica_id: str) -> None:
+        """A lost replica no other host could take (its replacement gave up): restart it on its
+        own host, if that host is alive and its restart budget allows, rather than leave the
+        kernel one replica short until its next loss."""
+        replica = kernel.replicas.get(replica_id)
+        if replica is None or kernel.state != RUNNING or replica not in self._restartable(kernel):
+            return
+        if self.is_restarting(kernel.kernel_id, replica_id):
+            return
+        self._restarts_in_place.spend((kernel.kernel_id, replica_id), self._clock())
+        try:
+            await self.restart_in_place(kernel, replica)
+        except (RpcError, RpcTimeout) as exc:
+            log.warning(
+                "lost_replica_not_restarted", kernel=kernel.kernel_id, replica=replica_id, reason=str(exc)
+            )
 
     def _recover_quorum(self, kernel: KernelRecord, replicas: list[ReplicaRecord], reason: str) -> None:
         """Below a quorum through replicas whose processes exited on live hosts: restart them in
@@ -736,7 +754,7 @@ class GlobalScheduler:
             key = (kernel.kernel_id, r.replica_id)
             if key in self._restarting:
                 continue
-            self._quorum_restarts.spend(key, now)
+            self._restarts_in_place.spend(key, now)
             self.spawn(self._restart_for_quorum(kernel, r, reason))
 
     async def _restart_for_quorum(self, kernel: KernelRecord, replica: ReplicaRecord, reason: str) -> None:
@@ -795,7 +813,7 @@ class GlobalScheduler:
 
     def _mark_stopped(self, kernel: KernelRecord) -> None:
         transition(kernel, STOPPED)
-        self._quorum_restarts.forget(kernel.kernel_id)
+        self._restarts_in_place.forget(kernel.kernel_id)
         kernel.router.dead_reason = "kernel was shut down"
         forwards, done = kernel.router.fail_all("KernelShutdown", "kernel was shut down")
         self.to_gateway(kernel, forwards)
@@ -813,7 +831,7 @@ class GlobalScheduler:
     def _mark_dead(self, kernel: KernelRecord, reason: str) -> None:
         transition(kernel, DEAD)
         kernel.recovering = False
-        self._quorum_restarts.forget(kernel.kernel_id)
+        self._restarts_in_place.forget(kernel.kernel_id)
         kernel.dead_reason = reason
         kernel.router.dead_reason = reason
         forwards, done = kernel.router.fail_all("KernelDead", reason)

@@ -100,8 +100,8 @@ RETRIED = "retried"  # a verdict of ``start_verdict``: the same start again, ans
 
 @dataclass
 class RestartBudget:
-    """How many in-place restarts a replica gets to bring its kernel's quorum back: ``limit`` per
-    ``window_s``. A replica that keeps dying (a STATE whose loading crashes the process, say) is
+    """How many automatic in-place restarts a replica gets (its kernel below a quorum, or no host
+    for its replacement): ``limit`` per ``window_s``. A replica that keeps dying (a STATE whose loading crashes the process, say) is
     not restarted forever; past its budget, its kernel is dead as before."""
 
     limit: int

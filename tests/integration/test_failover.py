@@ -146,16 +146,42 @@ def _three_hosts(tmp_path: Path, setting: str) -> Iterator[ClusterHandle]:
 
 
 @pytest.fixture
-def cluster_without_quorum_restarts(tmp_path: Path, tandem_kernelspec: Path) -> Iterator[ClusterHandle]:
-    yield from _three_hosts(tmp_path, "scheduler.quorum_restart_limit=0")
+def cluster_with_no_spare_host(tmp_path: Path, tandem_kernelspec: Path) -> Iterator[ClusterHandle]:
+    yield from _three_hosts(tmp_path, "scheduler.migration_deadline_s=2")
+
+
+def test_a_lost_replica_no_other_host_can_take_is_restarted_on_its_own_host(
+    cluster_with_no_spare_host: ClusterHandle,
+) -> None:
+    """Three hosts, three replicas: a replacement has nowhere to go. Once it gives up, the lost
+    replica is restarted in place rather than the kernel left one replica short."""
+    with tandem_kernel() as (km, kc):
+        assert run(kc, "v = 7").status == "ok"
+        executor = _executor_pid(kc)
+        before = _replicas(cluster_with_no_spare_host, km.kernel_id)
+        standby = next(p for p in before if p != executor)
+        assert signal_ours(standby, signal.SIGKILL)
+        _wait_until_scheduler_sees_exit(cluster_with_no_spare_host, km.kernel_id, standby)
+        replicas = _wait_for_live_replicas(cluster_with_no_spare_host, km.kernel_id, 3)
+        assert standby not in replicas
+        assert {r["id"]: r["host"] for r in replicas.values()} == {
+            r["id"]: r["host"] for r in before.values()
+        }
+        cell = run(kc, "v += 1; print(v)")
+        assert cell.status == "ok" and cell.stdout.strip() == "8", cell.reply["content"]
+
+
+@pytest.fixture
+def cluster_without_restarts_in_place(tmp_path: Path, tandem_kernelspec: Path) -> Iterator[ClusterHandle]:
+    yield from _three_hosts(tmp_path, "scheduler.restart_in_place_limit=0")
 
 
 def test_a_kernel_below_quorum_with_no_restart_left_fails_fast_and_is_dead(
-    cluster_without_quorum_restarts: ClusterHandle,
+    cluster_without_restarts_in_place: ClusterHandle,
 ) -> None:
     with tandem_kernel() as (km, kc):
         assert run(kc, "y = 1").status == "ok"
-        pids = cluster_without_quorum_restarts.replica_pids(km.kernel_id)
+        pids = cluster_without_restarts_in_place.replica_pids(km.kernel_id)
         for pid in pids[:2]:
             assert signal_ours(pid, signal.SIGKILL)
         started = time.monotonic()

@@ -474,7 +474,7 @@ def test_a_replica_link_over_tcp_is_curve_and_runs_cells(tmp_path: Path) -> None
 
 @needs_replica
 def test_replica_failures_one_tolerated_two_kill_the_kernel(tmp_path: Path) -> None:
-    """Without in-place restarts (``scheduler.quorum_restart_limit = 0``; with them, the second
+    """Without in-place restarts (``scheduler.restart_in_place_limit = 0``; with them, the second
     loss is restarted in place: tests/integration/test_failover.py)."""
 
     async def scenario(c: Cluster) -> None:
@@ -518,7 +518,7 @@ def test_replica_failures_one_tolerated_two_kill_the_kernel(tmp_path: Path) -> N
             assert next(m for ch, m in got if ch == "shell")["content"]["ename"] == "KernelDead"
             assert wait_dead(list(pids.values())) == [], "the last survivor is stopped"
 
-    with cluster(tmp_path, scheduler__quorum_restart_limit=0) as c:
+    with cluster(tmp_path, scheduler__restart_in_place_limit=0) as c:
         run(scenario(c))
 
 

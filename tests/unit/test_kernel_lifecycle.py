@@ -124,7 +124,7 @@ def test_a_kernel_below_quorum_is_recovered_when_restarts_in_place_can_give_it_o
     assert after_replica_lost(RUNNING, live, 2, restarting=False, restartable=restartable) == verdict
 
 
-def test_a_replica_gets_a_limited_number_of_quorum_restarts_per_window() -> None:
+def test_a_replica_gets_a_limited_number_of_restarts_in_place_per_window() -> None:
     budget = RestartBudget(limit=2, window_s=600.0)
     key = ("k", "r1")
     assert budget.allows(key, 0.0)
