@@ -91,7 +91,6 @@ from kernel_replica.election_core import (
     NotifyScheduler,
     Propose,
     RaftView,
-    ReleaseGpus,
     Replay,
     Standby,
     TransferLeadership,
@@ -302,7 +301,6 @@ class SimReplica:
         self.proposals: dict[int, _Proposal] = {}
         self.pids: dict[str, int] = {}
         self.jobs: dict[int, Callable[[], None]] = {}
-        self.bound: set[str] = set()
         self.queue: deque[Request] = deque()
         self.busy = False
         self.count = 0  # the kernel's execution count
@@ -528,8 +526,6 @@ class Simulation:
                     self._propose(r, entry, token, why)
                 case BindGpus(token=token, msg_id=key):
                     self._bind(r, token, key)
-                case ReleaseGpus(msg_id=key):
-                    r.bound.discard(key)
                 case Answer(request=request, value=value):
                     callback = r.answers.pop(request, None)
                     if callback is not None:
@@ -603,16 +599,15 @@ class Simulation:
         self._carry_out(r)
 
     def _bind(self, r: SimReplica, token: int, key: str) -> None:
-        """gpu.commit: the local scheduler grants or refuses (and tells the global scheduler who
-        executes) whatever state the replica is in; the replica hears the answer when it runs."""
+        """gpu.commit: the local scheduler grants or refuses whatever state the replica is in
+        (and tells nobody else: the winner announces itself); the replica hears the answer when
+        it runs."""
         refused = self.rng.random() < self.scenario.bind_fail
         incarnation = r.incarnation
 
         def grant() -> None:
             if r.incarnation != incarnation or not r.up:
                 return
-            if not refused:
-                r.bound.add(key)
             self.on(self.now + 0.0005, r, settle)
 
         def settle() -> None:
@@ -759,7 +754,6 @@ class Simulation:
             key, _, runner = str(content.get("ran")).partition("@")
             if key != request.key or runner not in self.runs.get(key, []):
                 self.fail(f"{r.id} answered ok for {request.key} without a run of it: {content}")
-        r.bound.discard(request.key)  # the local scheduler releases the GPUs as the reply goes by
         if content.get("ename") == "ExecutorLost":
             self.stats["executor_lost"] += 1
         r.busy = False
@@ -981,7 +975,9 @@ class Simulation:
             return
         self.alive.discard(r.id)
         survivors = sorted(s for s in self.alive if s in self.voters)
-        started = sorted(r.bound)
+        # what the scheduler tells the survivors it was running: the cells it announced itself
+        # elected for, not yet answered (``ReplyMerger.executing_on``)
+        started = sorted(c.key for c in self.cells if c.answer is None and c.responder == r.id)
         for sid in survivors:
             s = self.replicas[sid]
             self.on(
@@ -1041,7 +1037,6 @@ class Simulation:
         r.deferred.clear()
         r.tick_at = r.apply_at = None
         r.answers, r.proposals, r.pids, r.jobs = {}, {}, {}, {}
-        r.bound = set()
         r.queue, r.busy = deque(), False
         r.received, r.replied = [], {}
         r.lag = self.rng.choice((0.0, 0.001, 0.005, 0.02))

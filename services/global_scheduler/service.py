@@ -784,7 +784,7 @@ class GlobalScheduler:
 
     def _tell_members_lost(self, kernel: KernelRecord, lost: str, started: list[str]) -> None:
         """The surviving replicas hear at once that ``lost``'s process died, so a cell it was
-        running (``started``: elected there, even if its LEAD never committed) or the STATE it
+        running (``started``: it announced itself elected, its LEAD won) or the STATE it
         still owed is given up now rather than after a silence timeout, and never run again."""
 
         async def tell(survivor: ReplicaRecord) -> None:
