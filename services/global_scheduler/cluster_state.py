@@ -128,8 +128,9 @@ class KernelRecord:
     # the replica the notebook pinned its cells to (``%tandem pin``), preferred as executor
     pinned: str | None = None
     pinned_at: float = 0.0  # wall clock of the latest pin / unpin (the latest one wins on adoption)
-    # below a quorum while replicas whose processes exited are restarted in place (not dead)
-    recovering: bool = False
+    # below a quorum while replicas whose processes exited are restarted in place (not dead):
+    # why it fell below (None: not recovering)
+    recovering: str | None = None
     _index: LiveIndex | None = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -173,7 +174,7 @@ class KernelRecord:
     @property
     def alive(self) -> bool:
         return self.state in (STARTING, RUNNING) and (
-            len(self.live_replicas()) >= self.router.quorum or self.recovering
+            len(self.live_replicas()) >= self.router.quorum or self.recovering is not None
         )
 
     def next_replica_id(self) -> str:

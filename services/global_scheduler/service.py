@@ -214,6 +214,9 @@ class GlobalScheduler:
         # hibernated kernels being resumed: the task, and the client requests held until it ends
         self._resumes: dict[str, asyncio.Task[None]] = {}
         self._held_for_resume: dict[str, list[tuple[str, list[bytes]]]] = {}
+        # shell requests of a kernel whose quorum is being restored (``_recover_quorum``): sent on
+        # once it is back, failed with the kernel's error if it dies instead
+        self._held_for_quorum: dict[str, list[list[bytes]]] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -383,6 +386,9 @@ class GlobalScheduler:
             return None
         if kernel.state == STARTING:
             log.warning("request_before_kernel_started", kernel=kernel.kernel_id)
+        if kernel.recovering is not None and body["channel"] == "shell":
+            self._held_for_quorum.setdefault(kernel_id, []).append(body["frames"])
+            return None
         self.route_from_gateway(kernel, body["channel"], body["frames"])
         return None
 
@@ -745,42 +751,50 @@ class GlobalScheduler:
         """Below a quorum through replicas whose processes exited on live hosts: restart them in
         place (same Raft members, their logs on disk; a cell one of them was running is never run
         again: its ExecutorLost is committed once the group has a quorum) instead of declaring the
-        kernel dead. Cells sent meanwhile wait for the quorum like any election."""
+        kernel dead. Shell requests sent meanwhile are held until the quorum is back."""
         now = self._clock()
         names = [r.replica_id for r in replicas]
         log.warning("kernel_below_quorum_restarting", kernel=kernel.kernel_id, replicas=names, reason=reason)
-        kernel.recovering = True
+        kernel.recovering = kernel.recovering or reason
         for r in replicas:
             key = (kernel.kernel_id, r.replica_id)
             if key in self._restarting:
                 continue
             self._restarts_in_place.spend(key, now)
-            self.spawn(self._restart_for_quorum(kernel, r, reason))
+            self.spawn(self._restart_for_quorum(kernel, r))
 
-    async def _restart_for_quorum(self, kernel: KernelRecord, replica: ReplicaRecord, reason: str) -> None:
-        failure: Exception | None = None
+    async def _restart_for_quorum(self, kernel: KernelRecord, replica: ReplicaRecord) -> None:
         try:
             await self.restart_in_place(kernel, replica)
-        except (RpcError, RpcTimeout) as exc:
-            failure = exc
+        except (RpcError, RpcTimeout) as exc:  # restart_in_place settled the recovery
             log.error(
                 "quorum_restart_failed", kernel=kernel.kernel_id, replica=replica.replica_id, reason=str(exc)
             )
+
+    def _settle_recovery(self, kernel: KernelRecord, why: str) -> None:
+        """After a restart in place ended: a recovering kernel with its quorum back goes on; one
+        still below it with no restart left under way is dead (``why``: what the last one did)."""
+        if kernel.recovering is None or kernel.state != RUNNING:
+            return
         live = kernel.live_replicas()
         if len(live) >= self._quorum:
-            if kernel.recovering:
-                kernel.recovering = False
-                log.info("kernel_quorum_back", kernel=kernel.kernel_id, live=live)
-            return
-        if any(k == kernel.kernel_id for k, _ in self._restarting) or kernel.state != RUNNING:
-            return  # another restart of it is still under way, or it stopped meanwhile
-        kernel.recovering = False
-        why = (
-            f"restarting {replica.replica_id} in place failed: {failure}"
-            if failure
-            else "no quorum after restarts"
-        )
-        self._mark_dead(kernel, f"{len(live)} of {len(kernel.replicas)} replicas alive: {reason}; {why}")
+            log.info("kernel_quorum_back", kernel=kernel.kernel_id, live=live)
+            self._recovered(kernel)
+        elif not any(k == kernel.kernel_id for k, _ in self._restarting):
+            self._mark_dead(
+                kernel, f"{len(live)} of {len(kernel.replicas)} replicas alive: {kernel.recovering}; {why}"
+            )
+
+    def _recovered(self, kernel: KernelRecord) -> None:
+        """The kernel's recovery is over (its quorum is back, or it stopped or died): the shell
+        requests held meanwhile go on, in order; a stopped or dead kernel's router answers each
+        with its error."""
+        kernel.recovering = None
+        held = self._held_for_quorum.pop(kernel.kernel_id, [])
+        if held:
+            log.info("held_requests_routed", kernel=kernel.kernel_id, requests=len(held), state=kernel.state)
+        for frames in held:
+            self.route_from_gateway(kernel, "shell", frames)
 
     def _tell_members_lost(self, kernel: KernelRecord, lost: str, started: list[str]) -> None:
         """The surviving replicas hear at once that ``lost``'s process died, so a cell it was
@@ -818,6 +832,7 @@ class GlobalScheduler:
         forwards, done = kernel.router.fail_all("KernelShutdown", "kernel was shut down")
         self.to_gateway(kernel, forwards)
         self._release(kernel, done)
+        self._recovered(kernel)
         log.info("kernel_stopped", kernel=kernel.kernel_id)
         self._forget_oldest_stopped()
 
@@ -830,13 +845,13 @@ class GlobalScheduler:
 
     def _mark_dead(self, kernel: KernelRecord, reason: str) -> None:
         transition(kernel, DEAD)
-        kernel.recovering = False
         self._restarts_in_place.forget(kernel.kernel_id)
         kernel.dead_reason = reason
         kernel.router.dead_reason = reason
         forwards, done = kernel.router.fail_all("KernelDead", reason)
         self.to_gateway(kernel, forwards)
         self._release(kernel, done)
+        self._recovered(kernel)  # requests held for its quorum get the same error
         log.error("kernel_dead", kernel=kernel.kernel_id, reason=reason, failed_requests=len(done))
         self._gateway.push(Envelope(messages.KERNEL_DEAD, {"kernel_id": kernel.kernel_id, "reason": reason}))
         # The survivors cannot form a quorum: stop them rather than leave processes behind.
@@ -1250,7 +1265,16 @@ class GlobalScheduler:
 
     async def restart_in_place(self, kernel: KernelRecord, replica: ReplicaRecord) -> None:
         """Restart ``replica`` on its host, on its own Raft storage, and configure it with its
-        peers; RpcError when its host refuses or it is already restarting."""
+        peers; RpcError when its host refuses or it is already restarting. Either way, a kernel
+        recovering its quorum learns whether it is back (``_settle_recovery``)."""
+        try:
+            await self._restart_in_place(kernel, replica)
+        except (RpcError, RpcTimeout) as exc:
+            self._settle_recovery(kernel, f"restarting {replica.replica_id} in place failed: {exc}")
+            raise
+        self._settle_recovery(kernel, "no quorum after restarting the lost replicas in place")
+
+    async def _restart_in_place(self, kernel: KernelRecord, replica: ReplicaRecord) -> None:
         host = self.state.hosts.get(replica.host_id)
         if host is None or not host.alive:
             raise RpcError(
@@ -1289,6 +1313,10 @@ class GlobalScheduler:
             self._restarting.discard(key)
         if kernel.state == RUNNING and kernel.replicas.get(replica.replica_id) is replica:
             replica.alive, replica.role, replica.started = True, None, True
+        else:  # stopped (or dead) while it restarted: no process of it may stay behind
+            rlog.info("restarted_replica_stopped", state=kernel.state)
+            await self.stop_replica(kernel, replica)
+            return
         rlog.info("replica_restarted", pid=replica.pid)
 
     async def _on_kernel_shutdown(self, identity: bytes, env: Envelope) -> Envelope:
