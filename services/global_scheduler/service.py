@@ -45,6 +45,7 @@ from shared.cluster_core.lifecycle import (
     RECOVER,
     REPLACE,
     RETRIED,
+    LostReplicaLook,
     RestartBudget,
     RestartLook,
     after_replica_lost,
@@ -52,6 +53,7 @@ from shared.cluster_core.lifecycle import (
     rebuilding,
     replicas_may_still_come,
     restart_refusal,
+    restartable_in_place,
     shutdown_stops,
     start_verdict,
     stops_on_request,
@@ -714,19 +716,20 @@ class GlobalScheduler:
         return (kernel_id, replica_id) in self._restarting
 
     def _restartable(self, kernel: KernelRecord) -> list[ReplicaRecord]:
-        """Lost replicas that an in-place restart can bring back: started once (their Raft
-        storage exists), their process gone on a host that is alive, not being replaced, and
-        within their restart budget. Ones already restarting count too (they are coming back)."""
+        """The kernel's lost replicas an in-place restart can bring back (``restartable_in_place``)."""
         now = self._clock()
         out: list[ReplicaRecord] = []
         for r in kernel.replicas.values():
             key = (kernel.kernel_id, r.replica_id)
             host = self.state.hosts.get(r.host_id)
-            if r.alive or not r.started or host is None or not host.alive:
-                continue
-            if self._migrator.is_replacing(kernel.kernel_id, r.replica_id):
-                continue
-            if key in self._restarting or self._restarts_in_place.allows(key, now):
+            look = LostReplicaLook(
+                r.alive,
+                r.started,
+                host is not None and host.alive,
+                self._migrator.is_replacing(*key),
+                key in self._restarting,
+            )
+            if restartable_in_place(look, within_budget=self._restarts_in_place.allows(key, now)):
                 out.append(r)
         return out
 
@@ -735,40 +738,36 @@ class GlobalScheduler:
         own host, if that host is alive and its restart budget allows, rather than leave the
         kernel one replica short until its next loss."""
         replica = kernel.replicas.get(replica_id)
-        if replica is None or kernel.state != RUNNING or replica not in self._restartable(kernel):
-            return
-        if self.is_restarting(kernel.kernel_id, replica_id):
-            return
-        self._restarts_in_place.spend((kernel.kernel_id, replica_id), self._clock())
-        try:
-            await self.restart_in_place(kernel, replica)
-        except (RpcError, RpcTimeout) as exc:
-            log.warning(
-                "lost_replica_not_restarted", kernel=kernel.kernel_id, replica=replica_id, reason=str(exc)
-            )
+        if replica is not None and kernel.state == RUNNING and replica in self._restartable(kernel):
+            await self._restart_automatically(kernel, replica)
 
     def _recover_quorum(self, kernel: KernelRecord, replicas: list[ReplicaRecord], reason: str) -> None:
         """Below a quorum through replicas whose processes exited on live hosts: restart them in
         place (same Raft members, their logs on disk; a cell one of them was running is never run
         again: its ExecutorLost is committed once the group has a quorum) instead of declaring the
         kernel dead. Shell requests sent meanwhile are held until the quorum is back."""
-        now = self._clock()
         names = [r.replica_id for r in replicas]
         log.warning("kernel_below_quorum_restarting", kernel=kernel.kernel_id, replicas=names, reason=reason)
         kernel.recovering = kernel.recovering or reason
         for r in replicas:
-            key = (kernel.kernel_id, r.replica_id)
-            if key in self._restarting:
-                continue
-            self._restarts_in_place.spend(key, now)
-            self.spawn(self._restart_for_quorum(kernel, r))
+            self.spawn(self._restart_automatically(kernel, r))
 
-    async def _restart_for_quorum(self, kernel: KernelRecord, replica: ReplicaRecord) -> None:
+    async def _restart_automatically(self, kernel: KernelRecord, replica: ReplicaRecord) -> None:
+        """One in-place restart the scheduler decided on itself, charged to the replica's budget
+        (none when one is already under way: it is coming back). ``restart_in_place`` settles a
+        recovering kernel either way."""
+        key = (kernel.kernel_id, replica.replica_id)
+        if key in self._restarting:
+            return
+        self._restarts_in_place.spend(key, self._clock())
         try:
             await self.restart_in_place(kernel, replica)
-        except (RpcError, RpcTimeout) as exc:  # restart_in_place settled the recovery
-            log.error(
-                "quorum_restart_failed", kernel=kernel.kernel_id, replica=replica.replica_id, reason=str(exc)
+        except (RpcError, RpcTimeout) as exc:
+            log.warning(
+                "automatic_restart_failed",
+                kernel=kernel.kernel_id,
+                replica=replica.replica_id,
+                reason=str(exc),
             )
 
     def _settle_recovery(self, kernel: KernelRecord, why: str) -> None:

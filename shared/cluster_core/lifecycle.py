@@ -98,6 +98,27 @@ def after_replica_lost(
 RETRIED = "retried"  # a verdict of ``start_verdict``: the same start again, answer with the kernel's status
 
 
+@dataclass(frozen=True, slots=True)
+class LostReplicaLook:
+    """What the driver knows of a replica when deciding whether an in-place restart could
+    bring it back."""
+
+    alive: bool
+    started: bool  # its replica.start was answered once: its Raft storage exists
+    host_alive: bool
+    being_replaced: bool  # a membership change is moving it to another host
+    restarting: bool  # an in-place restart of it is already under way
+
+
+def restartable_in_place(look: LostReplicaLook, *, within_budget: bool) -> bool:
+    """A lost replica counts as coming back by an in-place restart: its process is gone on a
+    live host, its storage exists, nothing else is moving it, and either a restart is already
+    under way or its ``RestartBudget`` allows one."""
+    if look.alive or not look.started or not look.host_alive or look.being_replaced:
+        return False
+    return look.restarting or within_budget
+
+
 @dataclass
 class RestartBudget:
     """How many automatic in-place restarts a replica gets (its kernel below a quorum, or no host

@@ -21,8 +21,10 @@ from shared.cluster_core.lifecycle import (
     STOPPING,
     TRANSITIONS,
     IllegalTransition,
+    LostReplicaLook,
     RestartBudget,
     after_replica_lost,
+    restartable_in_place,
     transition,
 )
 
@@ -136,3 +138,21 @@ def test_a_replica_gets_a_limited_number_of_restarts_in_place_per_window() -> No
     budget.forget("k")
     assert budget.allows(key, 30.0)
     assert not RestartBudget(limit=0, window_s=600.0).allows(key, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("look", "within_budget", "restartable"),
+    [
+        (LostReplicaLook(False, True, True, False, False), True, True),
+        (LostReplicaLook(False, True, True, False, False), False, False),  # its budget is spent
+        (LostReplicaLook(False, True, True, False, True), False, True),  # already coming back
+        (LostReplicaLook(True, True, True, False, False), True, False),  # not lost
+        (LostReplicaLook(False, False, True, False, False), True, False),  # never started: no storage
+        (LostReplicaLook(False, True, False, False, False), True, False),  # its host is gone
+        (LostReplicaLook(False, True, True, True, False), True, False),  # being replaced elsewhere
+    ],
+)
+def test_which_lost_replicas_an_in_place_restart_can_bring_back(
+    look: LostReplicaLook, within_budget: bool, restartable: bool
+) -> None:
+    assert restartable_in_place(look, within_budget=within_budget) is restartable

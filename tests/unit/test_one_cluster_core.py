@@ -259,6 +259,7 @@ CORE_FUNCTIONS: dict[str, set[str]] = {
         "after_replica_lost",
         "start_verdict",
         "restart_refusal",
+        "restartable_in_place",
         "keeps_reported_replica",
         "tells_members_lost",
         "stops_on_request",
