@@ -457,6 +457,19 @@ def parse_overrides(pairs: Iterable[str]) -> dict[str, str]:
     return out
 
 
+def _check_relations(data: dict[str, dict[str, Any]], source: str) -> None:
+    """Keys that only make sense together. A running cell's executor beats PROGRESS every
+    ``progress_interval_s``: with ``executor_silence_s`` no longer than that, the standbys would
+    give every cell that outlasts it up as lost, although its executor is alive."""
+    election = data["election"]
+    if election["executor_silence_s"] <= election["progress_interval_s"]:
+        raise ConfigError(
+            f"election.executor_silence_s ({election['executor_silence_s']:g}) must exceed "
+            f"election.progress_interval_s ({election['progress_interval_s']:g}): every cell longer "
+            f"than it would be given up as lost ({source})"
+        )
+
+
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
     data = copy.deepcopy(DEFAULTS)
     if path is not None:
@@ -470,6 +483,7 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
         _layer(data, _flatten(tree, str(file)), str(file))
     if overrides:
         _layer(data, {k: v for k, v in overrides.items() if v is not None}, "command line")
+    _check_relations(data, "command line" if overrides else str(path or "defaults"))
     return Config(data)
 
 
@@ -477,4 +491,5 @@ def config_from_json(text: str) -> Config:
     """Children of ``tandem up`` receive the parent's merged configuration this way."""
     data = copy.deepcopy(DEFAULTS)
     _layer(data, _flatten(json.loads(text), "inherited configuration"), "inherited configuration")
+    _check_relations(data, "inherited configuration")
     return Config(data)

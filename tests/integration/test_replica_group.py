@@ -204,7 +204,7 @@ class Cluster:
         # a designated executor's LEAD waits 1 s (the conflict test needs the time)
         config: dict[str, dict[str, Any]] = {
             "raft": {"snapshot_every": 8},
-            "election": {"executor_silence_s": 2.0},
+            "election": {"executor_silence_s": 2.0, "progress_interval_s": 0.5},
         }
         for section, values in self.config.items():
             config.setdefault(section, {}).update(values)
