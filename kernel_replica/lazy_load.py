@@ -16,7 +16,6 @@ never overwrites a newer one, and a name is pending in at most one load.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from concurrent.futures import Future
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernel_replica.object_codec import EncodedGroup, fill_group, group_values, payload_buffer
+from shared.background_threads import background_thread
 from shared.checkpoint.manifest import ReadInterrupted
 from shared.checkpoint.pusher import StoreLink
 from shared.datastore import DataStore
@@ -229,7 +229,7 @@ class LazyLoader:
                 except BaseException as exc:
                     future.set_exception(exc)
 
-        threading.Thread(target=run, name="lazy-load", daemon=True).start()
+        background_thread(run, name="lazy-load").start()
         return future
 
     def _stop(self, load: Load) -> bool:

@@ -16,7 +16,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -61,6 +60,7 @@ from kernel_replica.election_core import (
 from kernel_replica.log_entries import Done, LogEntry, LogEntryError, State
 from kernel_replica.scheduler_link import SchedulerLink
 from kernel_replica.state_sync import ReplicatedNamespace, open_replica_datastore
+from shared.background_threads import background_thread
 from shared.config import Config
 from shared.datastore import DataStore, ObjectRef
 from shared.raft.driver import NotRunning, PeerConfig, ProposalDropped, RaftError, RaftPeer, RaftTimeout
@@ -130,7 +130,7 @@ class RaftThread:
 
     def __init__(self, name: str = "tandem-raft") -> None:
         self.loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = background_thread(self._run, name=name)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)

@@ -36,7 +36,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +44,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from kernel_replica.object_codec import TornImage
+from shared.background_threads import background_pool
 from shared.checkpoint.capture import Capture, CaptureResult, Known, known_pieces
 from shared.checkpoint.cow import UNDECLARED_WRITES, WriteGuard
 from shared.checkpoint.manifest import Manifest
@@ -130,7 +131,7 @@ class StateImager:
         # a kernel idles between cells: keep few free slabs (a job keeps 256 MiB for its next step)
         self._staging = Staging(pack_bytes, retain_bytes=RETAIN_BYTES)
         self._link: StoreLink | None = None
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-image")
+        self._copier = background_pool(1, thread_name_prefix="state-image")
         self._inflight: list[_InFlight] = []  # main thread only
         self._guard: WriteGuard | None = None
         self._main = threading.get_ident()

@@ -30,7 +30,7 @@ def kernel_json(python: str | None = None) -> dict[str, Any]:
         "language": "python",
         "interrupt_mode": "message",
         "metadata": {
-            "debugger": False,
+            "debugger": True,  # JupyterLab offers its debugger only to a kernelspec saying so
             "kernel_provisioner": {
                 "provisioner_name": "tandem-provisioner",
                 "config": dict(DEFAULT_RESOURCES),

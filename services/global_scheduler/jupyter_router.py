@@ -3,8 +3,8 @@
 Sans-I/O: ``KernelRouter`` takes raw Jupyter frames in and returns what to send where; the service
 does the sockets. It decides which replicas get a request (execute → the designated executor only,
 the others learn the cell from the Raft log; with no replica able to run it, all of them, rewritten
-to ``yield_request`` and re-signed; interrupt → the executor; input_reply → the executor; anything
-else → one replica), feeds replies into the ``ReplyMerger``, and
+to ``yield_request`` and re-signed; interrupt → the executor; input_reply → the executor; a debug
+session's requests → the replica holding it; anything else → one replica), feeds replies into the ``ReplyMerger``, and
 synthesizes properly signed error answers when a kernel dies or a request times out, so a client
 is never left waiting.
 """
@@ -94,6 +94,10 @@ class KernelRouter:
         self._execute_ids: dict[str, Frames] = {}  # pending execute msg_ids (oldest first): frames
         # cells sent again after a failed election: msg_id -> (round, whether the client saw busy)
         self._rounds: dict[str, tuple[int, bool]] = {}
+        # The replica whose debugpy holds the front end's debug session (``debug_request``
+        # initialize ... disconnect): its breakpoints are set there, so the session's requests all
+        # go there and the scheduler prefers it as the executor, as for ``%tandem pin``.
+        self.debug_replica: str | None = None
 
     # ---- client → replicas ------------------------------------------------------------------
 
@@ -186,11 +190,29 @@ class KernelRouter:
             )
         else:
             target = single if single in live else live[0]
+            if msg_type == "debug_request":
+                target = self._debug_target(frames[4], live, target)
             routed.to_replicas = [(target, channel, frames)]
             self.merger.open(
                 msg_id, {target}, reply_channel=channel, responder=target, context=header, serial=serial
             )
         return routed
+
+    def _debug_target(self, content: bytes, live: Sequence[str], otherwise: str) -> str:
+        """The replica of a ``debug_request``: the session's, once one is started (an
+        ``initialize`` starts it on ``otherwise``, the replica one-replica requests go to; a
+        ``disconnect`` ends it). A session whose replica left ends with it: the front end's next
+        request starts afresh wherever it lands (debugpy answers a request out of order with
+        an error)."""
+        if self.debug_replica not in live:
+            self.debug_replica = None
+        target = self.debug_replica or otherwise
+        command = json.loads(content).get("command")  # a JSON object: content_problem checked
+        if command == "initialize":
+            self.debug_replica = target
+        elif command == "disconnect":
+            self.debug_replica = None
+        return target
 
     def current_executor(self) -> str | None:
         """The replica executing the oldest pending cell; None while no cell has an elected

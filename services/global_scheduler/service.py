@@ -452,7 +452,7 @@ class GlobalScheduler:
                 self.state.ledger_views({r.host_id for r in kernel.replicas.values()}),
                 kernel.resources.gpus,
                 router.last_executor,
-                pinned=kernel.pinned,
+                pinned=router.debug_replica or kernel.pinned,
             )
             chosen.append(choice)
             return choice

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from shared.background_threads import background_pool
 from shared.checkpoint.capture import DENSE_PIECE_BYTES, Capture, CaptureStats, Known, Layout, known_pieces
 from shared.checkpoint.clock import StallClock
 from shared.checkpoint.cow import UNDECLARED_WRITES, WriteGuard, WriteRule
@@ -96,7 +96,7 @@ class CheckpointAgent:
         self._dense: frozenset[str] = frozenset()  # tensors whose every piece changed last time
         # One long-lived copier thread: starting a thread per checkpoint costs the training thread
         # a scheduler round trip (tens of ms on a loaded machine).
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"checkpoint-{job}")
+        self._copier = background_pool(1, thread_name_prefix=f"checkpoint-{job}")
         self._attempts = 0
         self._torn: list[str] = []  # tensors found torn by this checkpoint's attempts so far
         self._clock = StallClock()  # its cost to the training thread, attempts included

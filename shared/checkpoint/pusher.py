@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from shared.background_threads import background_thread
 from shared.datastore import DataStore, ObjectRef
 from shared.datastore.buffers import Buffer, as_bytes_view, nbytes
 
@@ -50,7 +51,7 @@ class StoreLink:
     ) -> StoreLink:
         """A link with a loop thread of its own, the store opened on that loop."""
         loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="checkpoint-store", daemon=True)
+        thread = background_thread(loop.run_forever, name="checkpoint-store")
         thread.start()
         try:
             store = asyncio.run_coroutine_threadsafe(_await(open_store), loop).result()

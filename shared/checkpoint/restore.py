@@ -18,6 +18,7 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
+from shared.background_threads import background_thread
 from shared.checkpoint.cow import AccessGuard
 from shared.checkpoint.manifest import Manifest, PieceLocation, ReadInterrupted, TensorRecord
 from shared.checkpoint.pieces import byte_view, storage_key
@@ -109,7 +110,7 @@ class Restore:
         self._reader = PackReader(manifest, link.get, prefetch_packs)
         self._error: BaseException | None = None
         self._guard: AccessGuard | None = None
-        self._thread = threading.Thread(target=self._run, name="checkpoint-restore", daemon=True)
+        self._thread = background_thread(self._run, name="checkpoint-restore")
 
     @classmethod
     def from_ref(cls, state: TrainingState, link: StoreLink, ref: ObjectRef) -> Restore:

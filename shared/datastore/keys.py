@@ -22,12 +22,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import xxhash
 from blake3 import blake3
 
+from shared.background_threads import background_pool
 from shared.datastore.buffers import Buffer, nbytes
 
 ADDRESS_ALGORITHM = "blake3"
@@ -72,7 +73,7 @@ def content_id(chunks: Iterable[Buffer]) -> ContentId:
 # Chunks at least this large are hashed for the address in a worker thread while the reader
 # fetches the next one (BLAKE3 runs at a fraction of a page-cache read's speed on one core).
 _OVERLAP_BYTES = 4 * 1024 * 1024
-_ADDRESS_HASHERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="read-address")
+_ADDRESS_HASHERS = background_pool(2, thread_name_prefix="read-address")
 # Large chunks a read may have handed on before their address hash ran: a reader faster than
 # the hash waits here, or a streamed object would be held whole by the queue behind it
 _HASHES_BEHIND = 2

@@ -151,6 +151,39 @@ def test_non_execute_requests_go_to_one_replica_and_pass_through() -> None:
     assert router.merger.responder_of(msg_id) == "r3"
 
 
+def debug(s: Session, router: KernelRouter, command: str, single: str, live: list[str] = LIVE) -> str:
+    """The replica one ``debug_request`` goes to."""
+    _, frames = client_frames(s, "debug_request", {"type": "request", "seq": 1, "command": command})
+    routed = router.route_request("control", frames, live=live, choose=lambda: choose("r1"), single=single)
+    [(target, channel, _)] = routed.to_replicas
+    assert channel == "control"
+    return target
+
+
+def test_a_debug_session_keeps_its_replica_until_disconnect() -> None:
+    """debugpy's session (breakpoints, stopped threads) lives in one replica: once a front end
+    initialized it there, its requests go there even when one-replica requests would go elsewhere,
+    and the scheduler prefers that replica as the executor; disconnect ends the session."""
+    s = session()
+    router = KernelRouter("k", KEY)
+    assert debug(s, router, "debugInfo", single="r2") == "r2"  # no session: a front end's probe
+    assert router.debug_replica is None
+    assert debug(s, router, "initialize", single="r2") == "r2"
+    assert router.debug_replica == "r2"
+    assert debug(s, router, "setBreakpoints", single="r3") == "r2"
+    assert debug(s, router, "disconnect", single="r3") == "r2"
+    assert router.debug_replica is None
+    assert debug(s, router, "debugInfo", single="r3") == "r3"
+
+
+def test_a_debug_session_ends_with_its_replica() -> None:
+    s = session()
+    router = KernelRouter("k", KEY)
+    debug(s, router, "initialize", single="r2")
+    assert debug(s, router, "debugInfo", single="r3", live=["r1", "r3"]) == "r3"
+    assert router.debug_replica is None
+
+
 def test_shutdown_is_broadcast_and_interrupt_goes_to_the_executor() -> None:
     s = session()
     router = KernelRouter("k", KEY)
