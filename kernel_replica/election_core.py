@@ -66,6 +66,11 @@ class ElectionSettings:
     # an ``ExecutorLost`` error itself, so a dead executor cannot block the kernel forever.
     progress_interval_s: float = 2.0
     executor_silence_s: float = 10.0
+    # Silent for half that, the executor is asked after: the scheduler asks its host whether its
+    # process runs (user code can hold the GIL for minutes in one C call: a regex, a big int, a
+    # pickle, and no Python thread beats meanwhile). While the host says it runs, its silence is
+    # waited out, for at most ``executor_busy_max_s`` after its last beat.
+    executor_busy_max_s: float = 600.0
     # The leader hands Raft leadership to a replica that executed this many cells in a row (its
     # LEADs then commit without the hop to a remote leader); 0 disables. At most once per
     # ``leader_transfer_every_s``: a transfer drops proposals for a moment.
@@ -195,11 +200,13 @@ class Answer:
 class NotifyScheduler:
     """A ``replica.event`` for the global scheduler: ``election_failed``, or ``elected`` with the
     bound ``gpus`` once this replica's own LEAD has won (the scheduler forwards the output of the
-    first replica to announce itself, so only the winner may)."""
+    first replica to announce itself, so only the winner may), or ``executor_quiet``: the cell's
+    ``executor`` has been silent for half of ``executor_silence_s`` (is its process running?)."""
 
     event: str
     msg_id: str
     gpus: tuple[int, ...] = ()
+    executor: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,6 +381,10 @@ class ElectionCore:
         self._bindings: dict[int, _Binding] = {}
         self._own_entries: set[tuple[str, str]] = set()  # (kind, msg_id) proposed by this process
         self._last_progress: dict[str, float] = {}  # msg_id -> when its executor was last heard
+        # msg_id -> when the scheduler last said its executor's process runs (``executor_busy``),
+        # and when this replica last asked it (``executor_quiet``)
+        self._vouched: dict[str, float] = {}
+        self._quiet_asked: dict[str, float] = {}
         self._followers: dict[str, _Follower] = {}
         self._deciding: dict[str, int] = {}  # msg_id -> decide requests in flight for it
         self._requested: set[str] = set()  # msg_ids this process was asked to decide
@@ -604,6 +615,26 @@ class ElectionCore:
         self._log("warning", "member_lost", member=member, running=cells, state_lost=sorted(self._state_died))
         self._pump()
         return cells
+
+    def executor_busy(self, member: str, now: float) -> list[str]:
+        """``replica.membership busy``: ``member``'s host says its process is running (not
+        stopped, not exited) although its Raft has been silent: the cells it runs count as heard
+        from now, for at most ``executor_busy_max_s`` after their last beat. Only ever delays an
+        ``ExecutorLost``: a stopped or unreachable executor is not vouched for. Returns the cells."""
+        self._now = now
+        cells = [m for m in self.book.running_on(member) if m in self._last_progress]
+        for msg_id in cells:
+            self._vouched[msg_id] = now
+        if cells:
+            self._log("info", "executor_busy", executor=member, cells=cells)
+        self._pump()
+        return cells
+
+    def _heard_from(self, msg_id: str) -> float:
+        """When the executor of ``msg_id`` was last heard, or vouched for within the cap."""
+        beat = self._last_progress.get(msg_id, self._now)
+        vouched = self._vouched.get(msg_id, beat)
+        return max(beat, vouched) if vouched - beat <= self.settings.executor_busy_max_s else beat
 
     # ---- inputs: the kernel (requests answered by ``Answer``) ----------------------------------------
     def decide(self, msg_id: str, *, lead: bool, silent: str | None = None, now: float) -> int:
@@ -1103,9 +1134,17 @@ class ElectionCore:
                         )
                     continue
                 leaderless_since = None
-                silent_s = self._now - self._last_progress.get(msg_id, self._now)
+                heard = self._heard_from(msg_id)
+                silent_s = self._now - heard
                 died = msg_id in self._executor_died
                 removed = msg_id in self._executor_removed
+                if (
+                    not (gave_up or died or removed)
+                    and silent_s > self.settings.executor_silence_s / 2
+                    and self._quiet_asked.get(msg_id, heard - 1) < heard
+                ):
+                    self._quiet_asked[msg_id] = self._now  # once per silence: is its process running?
+                    self._emit(NotifyScheduler("executor_quiet", msg_id, executor=winner))
                 if not gave_up and (died or removed or silent_s > self.settings.executor_silence_s):
                     gave_up = True  # once: the DONE (ours or the executor's) then ends the wait
                     self._log(
@@ -1122,8 +1161,13 @@ class ElectionCore:
                         if removed
                         else f"the executor {winner}'s process died while running this cell; its outcome is unknown"
                         if died
+                        else f"the executor {winner} reported no progress for "
+                        f"{self.settings.executor_busy_max_s:g}s, although its host said its process ran; "
+                        "the cell's outcome is unknown"
+                        if msg_id in self._vouched
                         else f"the executor {winner} stopped reporting progress for "
-                        f"{self.settings.executor_silence_s:g}s (it probably died); the cell's outcome is unknown"
+                        f"{self.settings.executor_silence_s:g}s and its host did not say that its process "
+                        "runs (it died, was paused, or is unreachable); the cell's outcome is unknown"
                     )
                     lost = Done(
                         msg_id, self.replica_id, lost_content(reason, execution_count), execution_count, False
@@ -1131,6 +1175,8 @@ class ElectionCore:
                     lost_token = self._propose(lost, "executor_lost", watched=True)
         finally:
             self._last_progress.pop(msg_id, None)
+            self._vouched.pop(msg_id, None)
+            self._quiet_asked.pop(msg_id, None)
             if lost_token is not None:  # still in flight: nobody waits for it now
                 self._watched.discard(lost_token)
                 self._settled.pop(lost_token, None)
@@ -1251,6 +1297,13 @@ class ElectionCore:
                         self._vote_later(msg_id, winner)
                         if self.book.done(msg_id) is None:  # not a LEAD carried by its DONE
                             self._follow(msg_id, winner)
+                    elif live and msg_id not in self._requested and self.book.done(msg_id) is None:
+                        # Its own LEAD, which this process never proposed: its previous process
+                        # did (or a survivor did for it, dead), and that one is gone. Nothing here
+                        # runs the cell, so its ExecutorLost DONE is committed at once (the host
+                        # would vouch for this process, and the standbys wait for ever).
+                        self._executor_died.add(msg_id)
+                        self._follow(msg_id, winner)
                 case ExecutorLost(msg_id=msg_id, executor=executor):
                     # No DONE of its own can come: its watch commits an ExecutorLost one at once
                     # (the first DONE in the log is what every replica answers)

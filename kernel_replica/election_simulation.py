@@ -22,7 +22,9 @@ interface; what it cannot exercise are Raft's own bugs (the Raft simulation's jo
 **The faults.** Message loss (proposal attempts; the scheduler's requests ride TCP and are lost
 only with the replica's process); pauses
 (SIGSTOP: a replica runs nothing, neither its Raft side nor its kernel, and on SIGCONT its expired
-timers and the log's catch-up come in a random interleaving); partitions (a replica runs but
+timers and the log's catch-up come in a random interleaving), some of them as user code holding
+the GIL (every thread stalls just the same, but the host's OS says the process runs, so the
+scheduler vouches for it when a standby asks after the silent executor); partitions (a replica runs but
 cannot reach the log: it neither commits nor applies, and sees no leader); crashes (the process
 and its core are gone; the scheduler notices after a heartbeat delay, tells the survivors
 ``member_lost`` and either restarts the replica from its disk, replaying its log, sometimes from
@@ -131,6 +133,7 @@ class Scenario:
     loss: float = 0.05  # a proposal attempt is lost
     slow: float = 0.05  # a proposal attempt reaches the leader late (up to 1.5 s)
     pause_rate: float = 0.05  # per second: some replica is paused (SIGSTOP) for a while
+    gil_hold: float = 0.0  # the share of those pauses that are user code holding the GIL instead
     crash_rate: float = 0.02  # per second: some replica's process dies
     partition_rate: float = 0.03  # per second: some replica is cut off from the others
     transfer_rate: float = 0.05  # per second: Raft leadership moves
@@ -141,7 +144,8 @@ class Scenario:
     write_behind: float = 0.5  # STATE waits for large objects to reach the store
     long_cell: float = 0.15  # a cell runs for seconds rather than milliseconds
     candidate_silence_s: float = 1.0  # scheduler.candidate_silence_s
-    focus: str = "chaos"  # chaos | paused_executor | paused_leader | crashed_executor
+    # chaos | paused_executor | paused_leader | crashed_executor (for_seed), gil_executor (tests)
+    focus: str = "chaos"
     settings: ElectionSettings = field(default_factory=ElectionSettings)
 
     @staticmethod
@@ -175,6 +179,7 @@ class Scenario:
                 election_wait_s=r.choice((2.0, 5.0)),
                 state_wait_s=r.choice((3.0, 10.0)),
             ),
+            gil_hold=r.choice((0.0, 0.5)),  # drawn last: the earlier draws keep their seeds
         )
 
 
@@ -288,6 +293,7 @@ class SimReplica:
         self.incarnation = 0
         self.up = False
         self.paused = False
+        self.gil_held = False  # paused by user code holding the GIL: its OS says it runs
         self.partitioned = False
         self.core: ElectionCore | None = None
         self.applied = 0  # log index applied by this incarnation
@@ -313,6 +319,8 @@ class Simulation:
         self.seed = seed
         self.scenario = scenario or Scenario.for_seed(seed)
         self.rng = random.Random(seed)
+        # GIL holds and the scheduler's vouches draw apart: the other faults keep their draws
+        self._gil_rng = random.Random(f"gil-{seed}")
         self.verbose = verbose
         self.trace: list[str] = []
         self.now = 0.0
@@ -325,6 +333,8 @@ class Simulation:
                 "replies",
                 "entries",
                 "pauses",
+                "gil_holds",
+                "vouches",
                 "crashes",
                 "restarts",
                 "replacements",
@@ -532,6 +542,10 @@ class Simulation:
                         self.on(self.now, r, lambda cb=callback, v=value: cb(v))
                 case NotifyScheduler(event="election_failed", msg_id=key):
                     self.at(self.now + 0.002, lambda key=key: self._election_failed(key))
+                case NotifyScheduler(event="executor_quiet", executor=executor) if executor:
+                    self.at(
+                        self.now + self._gil_rng.uniform(0.001, 0.01), lambda e=executor: self._vouch(r.id, e)
+                    )
                 case NotifyScheduler(event="elected", msg_id=key):
                     self.at(
                         self.now + self.rng.uniform(0.0005, 0.003), lambda key=key: self._elected(r.id, key)
@@ -697,11 +711,16 @@ class Simulation:
         long_cell = self.rng.random() < self.scenario.long_cell
         duration = self.rng.uniform(1.0, 8.0) if long_cell else self.rng.uniform(0.001, 0.05)
         self.note(f"{r.id} runs {key} for {duration:.3f}s")
-        if self.scenario.focus == "paused_executor" and not self.focus_used and request.cell >= 1:
+        focus = self.scenario.focus
+        if focus in ("paused_executor", "gil_executor") and not self.focus_used and request.cell >= 1:
             # issue 14: the executor stops inside the cell for longer than the executor silence
+            # (or its user code holds the GIL that long: stalled alike, but its OS says it runs)
             self.focus_used = True
             silence = self.scenario.settings.executor_silence_s
-            self.at(self.now + duration / 2, lambda: self._pause(r, silence + self.rng.uniform(1.0, 5.0)))
+            gil = focus == "gil_executor"
+            self.at(
+                self.now + duration / 2, lambda: self._pause(r, silence + self.rng.uniform(1.0, 5.0), gil=gil)
+            )
         if self.scenario.focus == "crashed_executor" and not self.focus_used and request.cell >= 1:
             self.focus_used = True  # its process dies inside the cell
             self.at(self.now + duration * self.rng.random(), lambda: self._crash(r, "inside a cell"))
@@ -1005,6 +1024,21 @@ class Simulation:
         else:
             self.at(self.now + self.rng.uniform(*RESTART_S), lambda: self._replace(r))
 
+    def _vouch(self, asker: str, executor: str) -> None:
+        """The scheduler asks ``executor``'s host whether its process runs: up and not stopped
+        (holding the GIL, or partitioned, it runs); if so, the asking standby hears it is busy."""
+        e, s = self.replicas.get(executor), self.replicas.get(asker)
+        if e is None or not e.up or (e.paused and not e.gil_held) or s is None or not s.up:
+            return
+        self.stats["vouches"] += 1
+
+        def busy(s: SimReplica = s) -> None:
+            if s.core is not None:
+                s.core.executor_busy(executor, self.now)
+                self._carry_out(s)
+
+        self.on(self.now + self._gil_rng.uniform(0.0005, 0.003), s, busy)
+
     def _member_lost(self, s: SimReplica, member: str, started: list[str]) -> None:
         if s.core is None:
             return
@@ -1096,7 +1130,8 @@ class Simulation:
         if up and self.rng.random() < s.pause_rate * step:
             r = self.rng.choice(up)
             if not r.paused:
-                self._pause(r, self.rng.uniform(0.2, s.settings.executor_silence_s + 4.0))
+                gil = self._gil_rng.random() < s.gil_hold
+                self._pause(r, self.rng.uniform(0.2, s.settings.executor_silence_s + 4.0), gil=gil)
         if (
             self.rng.random() < s.crash_rate * step
             and len(self.voters) >= 3
@@ -1114,13 +1149,13 @@ class Simulation:
                 self._transfer(self.rng.choice(sorted(candidates)))
         self.at(self.now + step, self._chaos)
 
-    def _pause(self, r: SimReplica, seconds: float) -> None:
+    def _pause(self, r: SimReplica, seconds: float, *, gil: bool = False) -> None:
         if not r.up or r.paused:
             return
-        r.paused = True
+        r.paused, r.gil_held = True, gil
         self.fault_epoch += 1
-        self.stats["pauses"] += 1
-        self.note(f"{r.id} paused for {seconds:.2f}s")
+        self.stats["gil_holds" if gil else "pauses"] += 1
+        self.note(f"{r.id} {'holds the GIL' if gil else 'paused'} for {seconds:.2f}s")
         self._refresh_leader()
         incarnation = r.incarnation
         self.at(self.now + seconds, lambda: self._resume(r, incarnation))
@@ -1128,7 +1163,7 @@ class Simulation:
     def _resume(self, r: SimReplica, incarnation: int) -> None:
         if r.incarnation != incarnation or not r.paused:
             return
-        r.paused = False
+        r.paused = r.gil_held = False
         self.note(f"{r.id} resumed")
         deferred, r.deferred = r.deferred, []
         for fn in deferred:  # expired timers and the log's catch-up, in any interleaving

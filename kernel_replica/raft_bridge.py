@@ -289,6 +289,8 @@ class ReplicaCore:
         Answers this replica's view of the group after it (``status``: just the view)."""
         if action == "lost":
             return self.member_lost(member, cells or [])
+        if action == "busy":
+            return self.member_busy(member)
         peer = self.peer
         if peer is None:
             raise RpcError("this replica's Raft group is not configured yet", "not_ready")
@@ -326,6 +328,12 @@ class ReplicaCore:
         if member == self.replica_id:
             raise RpcError("a replica cannot be told that it died itself", "bad_request")
         self._feed(lambda now: self.election.member_lost(member, started, now))
+        return self.status()
+
+    def member_busy(self, member: str) -> dict[str, Any]:
+        """``replica.membership busy``: ``member``'s host says its process runs, though its Raft
+        is silent (``ElectionCore.executor_busy``)."""
+        self._feed(lambda now: self.election.executor_busy(member, now))
         return self.status()
 
     async def _image_store(self) -> DataStore:
@@ -514,6 +522,8 @@ class ReplicaCore:
                     fut.set_result(value)
             case NotifyScheduler(event="elected", msg_id=msg_id, gpus=gpus):
                 self.scheduler.event("elected", msg_id, gpus=list(gpus))
+            case NotifyScheduler(event="executor_quiet", msg_id=msg_id, executor=executor):
+                self.scheduler.event("executor_quiet", msg_id, executor=executor)
             case NotifyScheduler(event=event, msg_id=msg_id):
                 self.scheduler.event(event, msg_id)
             case TransferLeadership(to=target):

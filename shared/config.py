@@ -78,6 +78,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # never reruns).
         "progress_interval_s": 2.0,
         "executor_silence_s": 10.0,
+        # silent for half of that, the executor's host is asked whether its process runs (user code
+        # holding the GIL: no thread beats); while it does, the silence is waited out, at most this
+        # long after the last beat
+        "executor_busy_max_s": 600.0,
         # The Raft leader hands leadership to a replica that executed this many cells in a row
         # (its LEADs then commit one hop sooner); 0: never. At most once per leader_transfer_every_s.
         "leader_follows_executor": 3,

@@ -16,7 +16,7 @@ C = CLI / provisioner):
     L -> S   host.register, host.heartbeat, jupyter.reply, replica.event, batch (of the last
              two, to a scheduler whose host.register answer said it takes them)
     S -> L   replica.start, replica.configure, replica.stop, replica.membership, replica.restart,
-             replica.hibernate, jupyter.request
+             replica.hibernate, replica.process, jupyter.request
     R -> L   replica.register, gpu.commit, gpu.release, replica.event
     L -> R   replica.configure, replica.stop, replica.membership, replica.hibernate
 
@@ -77,9 +77,13 @@ REPLICA_STOP = "replica.stop"
 # Restart one replica in place: the same id and Raft storage (not a replacement by a new member)
 REPLICA_RESTART = "replica.restart"
 # Raft membership change or status, asked of one replica (it forwards the change to its leader);
-# ``lost`` tells a member that another one's process died (no Raft change)
+# ``lost`` tells a member that another one's process died (no Raft change); ``busy`` that another
+# one's process runs although its Raft is silent (answering its ``executor_quiet``)
 REPLICA_MEMBERSHIP = "replica.membership"
-MEMBERSHIP_ACTIONS = ("add_learner", "promote", "remove", "status", "lost")
+MEMBERSHIP_ACTIONS = ("add_learner", "promote", "remove", "status", "lost", "busy")
+# S -> L: whether a replica's process runs, as the host's OS says (``running``, ``stopped``:
+# SIGSTOP or a tracer, ``gone``): asked for an executor whose Raft went quiet
+REPLICA_PROCESS = "replica.process"
 # S -> L -> R: write the replicated namespace (the Raft state machine's data) to the data store
 # and answer its reference: the image a hibernated kernel's replicas restore (``configure.restore``)
 REPLICA_HIBERNATE = "replica.hibernate"
@@ -118,7 +122,8 @@ CHECKPOINT_WRITTEN = (
 
 CHANNELS = ("shell", "control", "stdin", "iopub")
 # cell_timings: the executor's per-cell step times (ms), sent after its reply (metrics only);
-# pinned: ``%tandem pin`` / ``unpin`` ran on the replica (``detail.pinned``, a bool)
+# pinned: ``%tandem pin`` / ``unpin`` ran on the replica (``detail.pinned``, a bool);
+# executor_quiet: the executor of ``msg_id`` (``detail.executor``) has been silent a while
 REPLICA_EVENTS = (
     "elected",
     "election_failed",
@@ -128,6 +133,7 @@ REPLICA_EVENTS = (
     "ready",
     "cell_timings",
     "pinned",
+    "executor_quiet",
 )
 
 _int = (int,)
@@ -221,6 +227,7 @@ _SCHEMAS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
     REPLICA_HIBERNATE: {"kernel_id": (_str, True), "replica_id": (_str, True)},
     REPLICA_STOP: {"kernel_id": (_str, True), "replica_id": (_str, True)},
+    REPLICA_PROCESS: {"kernel_id": (_str, True), "replica_id": (_str, True)},
     # C -> S: kernel_id and replica_id; S -> L adds what starting the process needs
     REPLICA_RESTART: {
         "kernel_id": (_str, True),

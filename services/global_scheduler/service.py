@@ -630,6 +630,12 @@ class GlobalScheduler:
                 kernel, replica.replica_id, detail.get("pinned"), at if isinstance(at, int | float) else 0.0
             )
             blog.info("kernel_pinned" if kernel.pinned else "kernel_unpinned")
+        elif event == "executor_quiet" and msg_id:
+            executor = kernel.replicas.get(str(detail.get("executor")))
+            if executor is None or executor is replica or not executor.alive:
+                blog.info("executor_quiet_ignored", msg_id=msg_id, executor=detail.get("executor"))
+                return None
+            self.spawn(self._vouch_for_executor(kernel, replica, executor, msg_id))
         elif event == "raft_role":
             role = detail.get("role")
             role = role.lower() if isinstance(role, str) else None
@@ -655,6 +661,44 @@ class GlobalScheduler:
         else:
             blog.debug("replica_event", replica_event=event, msg_id=msg_id)
         return None
+
+    async def _vouch_for_executor(
+        self, kernel: KernelRecord, asker: ReplicaRecord, executor: ReplicaRecord, msg_id: str
+    ) -> None:
+        """``asker`` has not heard ``executor`` run ``msg_id`` for half its silence limit. User
+        code can hold the GIL in one C call for minutes (a regex, a big integer, a pickle), and no
+        thread of the executor beats meanwhile: if its host says its process runs, ``asker`` is
+        told so and keeps waiting (``ElectionCore.executor_busy``). A stopped, exited or
+        unreachable executor is not vouched for: the standby gives the cell up when the silence
+        runs out, as before."""
+        ids = {"kernel_id": kernel.kernel_id, "replica_id": executor.replica_id}
+        try:
+            answer = await self._outbound.request(
+                executor.host_id.encode(), Envelope(messages.REPLICA_PROCESS, ids), timeout=2.0
+            )
+            state = str(answer.body.get("state"))
+        except (RpcError, RpcTimeout) as exc:
+            state = f"unknown: {exc}"
+        log.info(
+            "executor_quiet", kernel=kernel.kernel_id, executor=executor.replica_id, asker=asker.replica_id,
+            msg_id=msg_id, state=state,
+        )  # fmt: skip
+        if state != "running" or not asker.alive:
+            return
+        body = {
+            "kernel_id": kernel.kernel_id,
+            "replica_id": asker.replica_id,
+            "action": "busy",
+            "member": executor.replica_id,
+        }
+        try:
+            await self._outbound.request(
+                asker.host_id.encode(), Envelope(messages.REPLICA_MEMBERSHIP, body), timeout=5.0
+            )
+        except (RpcError, RpcTimeout) as exc:  # it gives the cell up when the silence runs out
+            log.info(
+                "executor_busy_not_told", kernel=kernel.kernel_id, replica=asker.replica_id, reason=str(exc)
+            )
 
     def _migrate_without_executor(self, kernel: KernelRecord, msg_id: str, why: str) -> bool:
         """NotebookOS §3.2.3: a GPU cell whose executor could not get the GPUs although our ledger

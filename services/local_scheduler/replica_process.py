@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import structlog
 import zmq
 import zmq.asyncio
@@ -128,6 +129,22 @@ class ReplicaProcess:
     @property
     def running(self) -> bool:
         return self.process is not None and self.returncode is None
+
+    def os_state(self) -> str:
+        """Whether its process runs, as the OS says: ``running`` (on a CPU or waiting: user code
+        holding the GIL is running), ``stopped`` (SIGSTOP, a tracer), or ``gone``. Read without
+        the replica's help, so it answers when the replica's own threads cannot."""
+        if not self.running or self.pid is None:
+            return "gone"
+        try:
+            status = psutil.Process(self.pid).status()
+        except psutil.Error:
+            return "gone"
+        if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+            return "stopped"
+        if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return "gone"
+        return "running"
 
     def describe(self) -> dict[str, Any]:
         """What ``host.register`` reports, enough for a restarted global scheduler to adopt it."""

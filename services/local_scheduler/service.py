@@ -377,6 +377,9 @@ class LocalScheduler:
             return self._replica_stop(env)
         if env.type == messages.REPLICA_RESTART:
             return self._replica_restart(env)
+        if env.type == messages.REPLICA_PROCESS:
+            replica = self.replicas.get((env.body["kernel_id"], env.body["replica_id"]))
+            return env.reply({"state": replica.os_state() if replica is not None else "gone"})
         return env.error(f"a local scheduler does not handle {env.type!r}", code="unsupported")
 
     async def _replica_start(self, env: Envelope) -> Envelope:

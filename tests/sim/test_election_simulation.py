@@ -98,6 +98,19 @@ def test_an_executor_paused_inside_its_cell_past_the_silence_runs_it_once_and_th
 
 
 @pytest.mark.parametrize("seed", range(10))
+def test_an_executor_holding_the_gil_past_the_silence_is_vouched_for_and_its_cell_kept(seed: int) -> None:
+    """User code holding the GIL stalls the executor's every thread like a SIGSTOP, but its host
+    says the process runs: the standbys wait, the cell's own outcome stands, nobody diverges."""
+    sim = Simulation(seed, quiet("gil_executor", restart=1.0, cells=6))
+    result = sim.run()
+    assert result.ok, result.violations
+    assert result.stats["gil_holds"] == 1 and result.stats["vouches"] >= 1
+    assert result.stats["executor_lost"] == 0 and result.stats["diverged_exits"] == 0
+    assert all(len(runs) == 1 for runs in sim.runs.values())
+    assert all(cell.answer is not None and cell.answer["status"] == "ok" for cell in sim.cells)
+
+
+@pytest.mark.parametrize("seed", range(10))
 def test_a_raft_leader_paused_as_a_cell_reaches_it_never_runs_it_a_second_time(seed: int) -> None:
     sim = Simulation(seed, quiet("paused_leader", candidate_silence_s=0.5))
     result = sim.run()

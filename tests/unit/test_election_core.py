@@ -23,7 +23,7 @@ from kernel_replica.election_core import (
     TransferLeadership,
     Unavailable,
 )
-from kernel_replica.log_entries import Done, Lead, LogEntry, State, Vote, Votes, Yield
+from kernel_replica.log_entries import Done, Lead, LogEntry, Progress, State, Vote, Votes, Yield
 
 VOTERS = ("r1", "r2", "r3")
 
@@ -177,6 +177,8 @@ def test_a_standby_watch_ends_on_a_done_applied_in_the_same_batch_as_its_lead() 
 def test_an_executors_done_not_yet_committed_is_never_answered_ok_and_is_proposed_again() -> None:
     r = Replica("r1")
     done = Done("m", "r1", {"status": "ok"}, 1, True)
+    r.core.decide("m", lead=True, now=0.0)  # its own cell: this process proposed the LEAD
+    r.take()
     r.commit(Lead("m", "r1"), now=0.0)
     r.core.finish_cell(done, State("m", "r1"), now=0.1)
     done_token, state_token = (p.token for p in r.proposals(r.take()))  # DONE, then STATE
@@ -194,6 +196,8 @@ def test_an_executors_done_not_yet_committed_is_never_answered_ok_and_is_propose
 def test_a_replica_whose_cell_the_log_overruled_leaves_and_runs_nothing_else() -> None:
     r = Replica("r1")
     done = Done("m", "r1", {"status": "ok"}, 1, True)
+    r.core.decide("m", lead=True, now=0.0)  # its own cell: this process proposed the LEAD
+    r.take()
     r.commit(Lead("m", "r1"), now=0.0)
     r.core.finish_cell(done, State("m", "r1"), now=1.0)
     done_token, state_token = (p.token for p in r.proposals(r.take()))  # DONE, then STATE
@@ -288,3 +292,67 @@ def test_a_retry_deciding_the_cell_when_the_given_up_lead_wins_runs_it_instead()
     assert [p for p in r.proposals(commands) if isinstance(p.entry, Done)] == []  # no "never ran" DONE
     [decision] = r.answers(commands, retry)
     assert isinstance(decision, Execute)
+
+
+def _watch_silent_executor(r: Replica, *, vouch: bool, until: float) -> tuple[list[float], float | None, str]:
+    """Ticks a standby watching r1 run "m" (LEAD committed at 0, no beat since); each time it asks
+    after the executor the scheduler answers 50 ms later that r1's process runs (``vouch``), or
+    never. When it asked, when it proposed ExecutorLost, and why."""
+    r.commit(Lead("m", "r1"), now=0.0)
+    asked: list[float] = []
+    lost_at, reason = None, ""
+    now = 0.0
+    while now < until and lost_at is None:
+        now = round(now + 0.05, 2)
+        if vouch and asked and round(asked[-1] + 0.05, 2) == now:
+            assert r.core.executor_busy("r1", now) == ["m"]
+        r.core.tick(now)
+        for command in r.take():
+            if command == NotifyScheduler("executor_quiet", "m", executor="r1"):
+                asked.append(now)
+            elif isinstance(command, Propose) and isinstance(command.entry, Done):
+                lost_at, reason = now, command.entry.content["evalue"]
+    return asked, lost_at, reason
+
+
+def test_a_silent_executor_nobody_vouches_for_is_asked_after_once_then_given_up() -> None:
+    r = Replica("r2", ElectionSettings(executor_silence_s=1.0, propose_votes=False), leader="r1")
+    asked, lost_at, reason = _watch_silent_executor(r, vouch=False, until=5.0)
+    assert len(asked) == 1 and 0.5 < asked[0] <= 1.0
+    assert lost_at is not None and 1.0 < lost_at <= 1.6
+    assert "did not say that its process runs" in reason
+
+
+def test_an_executor_whose_host_says_it_runs_is_waited_for_up_to_the_cap() -> None:
+    """User code holding the GIL silences every thread of the executor: its host's word that the
+    process runs counts as a beat, but only for ``executor_busy_max_s`` after the last real one."""
+    settings = ElectionSettings(executor_silence_s=1.0, executor_busy_max_s=3.0, propose_votes=False)
+    r = Replica("r2", settings, leader="r1")
+    asked, lost_at, reason = _watch_silent_executor(r, vouch=True, until=10.0)
+    assert len(asked) >= 3
+    assert lost_at is not None and 3.0 < lost_at <= 4.6
+    assert "although its host said its process ran" in reason
+
+
+def test_a_beat_after_a_vouch_starts_a_new_silence() -> None:
+    r = Replica("r2", ElectionSettings(executor_silence_s=1.0, propose_votes=False), leader="r1")
+    r.commit(Lead("m", "r1"), now=0.0)
+    r.core.tick(0.6)
+    assert NotifyScheduler("executor_quiet", "m", executor="r1") in r.take()
+    r.core.executor_busy("r1", 0.65)
+    r.commit(Progress("m", "r1"), now=0.9)  # the C call returned: the executor beats again
+    for now in (1.1, 1.3):
+        r.core.tick(now)
+    assert not [c for c in r.take() if isinstance(c, NotifyScheduler | Propose)]
+    r.core.tick(1.6)  # silent 0.7 s since the beat: asked again
+    assert NotifyScheduler("executor_quiet", "m", executor="r1") in r.take()
+
+
+def test_a_lead_of_its_own_that_this_process_never_proposed_gets_executor_lost_at_once() -> None:
+    """Its previous process proposed it and is gone (restarted in place): nothing here runs the
+    cell, and its host would vouch for this process, so the standbys would wait for ever."""
+    r = Replica("r1", ElectionSettings(propose_votes=False))
+    r.commit(Lead("m", "r1"), now=0.0)
+    r.core.tick(0.5)
+    [lost] = [p.entry for p in r.proposals(r.take()) if isinstance(p.entry, Done)]
+    assert lost.msg_id == "m" and lost.content["ename"] == "ExecutorLost"

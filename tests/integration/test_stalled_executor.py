@@ -1,9 +1,16 @@
-"""JupyterLab's debugger on a replicated kernel: the front end's Debug Adapter Protocol session
-(``debug_request`` on the control channel, ``debug_event`` on IOPub) reaches one replica's debugpy,
-and a cell held at a breakpoint there is a long cell like any other. Before, debugpy stopped every
-thread of the replica at a breakpoint, its Raft thread too: after ``election.executor_silence_s``
-the other replicas gave the cell up as lost, and the client got ``ExecutorLost`` for a cell that
-ran to its end once the user pressed continue."""
+"""An executor whose user code stalls every Python thread of its replica keeps its cell.
+
+JupyterLab's debugger: the front end's Debug Adapter Protocol session (``debug_request`` on the
+control channel, ``debug_event`` on IOPub) reaches one replica's debugpy. Before, debugpy stopped
+every thread of the replica at a breakpoint, its Raft thread too: after
+``election.executor_silence_s`` the other replicas gave the cell up as lost, and the client got
+``ExecutorLost`` for a cell that ran to its end once the user pressed continue.
+
+A C call holding the GIL (a catastrophic regex, a huge integer, a pickle) stalls the Raft thread
+just the same, and cannot be told apart from inside the process: the replicas ask the executor's
+host, whose OS says the process runs. Before, such a cell was given up after the silence, and the
+replica that ran it left the kernel, refusing the next cell on its way out.
+"""
 
 from __future__ import annotations
 
@@ -114,3 +121,17 @@ def test_a_breakpoint_held_past_the_executor_silence_keeps_the_cell_and_its_stat
         after = run(kc, "print(z)", timeout=60)
         assert after.status == "ok", after.errors
         assert after.stdout.strip() == "42"
+
+
+@pytest.mark.usefixtures("debug_cluster")
+def test_a_c_call_holding_the_gil_past_the_executor_silence_keeps_the_cell_and_its_state() -> None:
+    with tandem_kernel() as (_, kc):
+        assert run(kc, "x = 1", timeout=60).status == "ok"
+        # libc's sleep through ctypes.PyDLL, which keeps the GIL: no thread of the replica runs
+        held = 4 * EXECUTOR_SILENCE_S
+        cell = run(kc, f"import ctypes\nctypes.PyDLL(None).sleep({held:.0f})\nx = 2", timeout=60)
+        assert cell.status == "ok", cell.errors
+        for _ in range(3):  # the replica that ran it stays (it left, refusing cells, before)
+            after = run(kc, "print(x)", timeout=60)
+            assert after.status == "ok", after.errors
+            assert after.stdout.strip() == "2"
