@@ -59,6 +59,7 @@ from kernel_replica.election_core import COMMITTED, DIVERGED_EXIT_CODE, SUPERSED
 from kernel_replica.lazy_load import LazyLoader, Load, Silence
 from kernel_replica.log_entries import Done, State
 from kernel_replica.object_codec import DEFAULT_LARGE_OBJECT_BYTES, ObjectCodec, is_large
+from kernel_replica.process_context import ProcessContext, ProcessState
 from kernel_replica.raft_bridge import (
     BindFailed,
     Execute,
@@ -167,6 +168,10 @@ class TandemKernel(IPythonKernel):
         self._repair_timer: asyncio.TimerHandle | None = None
         self._pending_comm_digests: dict[str, bytes] | None = None  # of the latest unconfirmed STATE
         self._comm_opened: dict[str, dict[str, t.Any]] = {}  # front-end comm_open data (comm_sync)
+        # working directory, environment and sys.path: what this process started with, and the
+        # context applied here since (kernel_replica/process_context.py)
+        self._process = ProcessState()
+        self._process_notice: str | None = None  # what could not be applied, for the next cell here
         self._comm_watch = comm_sync.CommWatch()  # which comms changed since their records were taken
         self._comms_not_loaded: dict[str, str] = {}  # comm id -> why it could not be re-created here
         # comm messages from the front end: handled here, then their effect on the comms replicated
@@ -326,6 +331,9 @@ class TandemKernel(IPythonKernel):
                         self._catch_up_followed()
                     if self._not_loaded:  # the store may work again: load them before telling
                         await self._load_again(bridge, log)
+                    if self._process_notice is not None and sys.stderr is not None:
+                        print(f"Tandem: {self._process_notice}.", file=sys.stderr, flush=True)
+                        self._process_notice = None
                     waited = time.perf_counter()
                     # a GPU cell moves the notebook's GPU objects onto its GPU first: those too
                     gpu = self._residency.names() if device_ids else set()
@@ -644,6 +652,10 @@ class TandemKernel(IPythonKernel):
         comms, closed = self._comm_changes(bridge)
         if comms or closed:
             state = dataclasses.replace(state, comms=comms, comms_closed=closed)
+        process = self._process.capture()
+        replicated = bridge.core.namespace.process_context()
+        if replicated is None or process != ProcessContext.from_wire(replicated):  # %cd, %env, sys.path
+            state = dataclasses.replace(state, process=process.to_wire())
         if plan:
             pending = dict(self._replicated_digests(bridge))
             pending.update(plan.fingerprints)
@@ -1080,8 +1092,15 @@ class TandemKernel(IPythonKernel):
             return
         self._residency.adopt(state.gpu_resident)  # its GPU objects are ours when we execute next
         groups = [(g, None) for g in state.groups]
+        process = state.process if state.replica_id != self.replica_id else None
         self._chain_apply(
-            state.msg_id, list(state.imports), groups, list(state.deleted), time.time(), comms=comms
+            state.msg_id,
+            list(state.imports),
+            groups,
+            list(state.deleted),
+            time.time(),
+            comms=comms,
+            process=process,
         )
         if state.replica_id != self.replica_id and self._bridge is not None:
             self._yield_unprotected(self._bridge)
@@ -1112,9 +1131,9 @@ class TandemKernel(IPythonKernel):
         """A snapshot was restored: rebuild the namespace from it (the log replays the rest), and
         take over what its last executor kept in host memory for the GPU."""
         if self.shell is not None:
-            imports, groups, gpu_resident, comms, gone = contents
+            imports, groups, gpu_resident, comms, gone, process = contents
             self._residency.adopt(gpu_resident)
-            self._chain_apply("snapshot", imports, groups, list(gone), comms=(comms, ()))
+            self._chain_apply("snapshot", imports, groups, list(gone), comms=(comms, ()), process=process)
 
     def _chain_apply(
         self,
@@ -1125,10 +1144,11 @@ class TandemKernel(IPythonKernel):
         received_at: float | None = None,
         *,
         comms: tuple[t.Mapping[str, dict[str, t.Any]], t.Iterable[str]] = ({}, ()),
+        process: dict[str, t.Any] | None = None,
     ) -> None:
         previous = self._apply_tail
         self._apply_tail = asyncio.ensure_future(
-            self._apply(msg_id, imports, groups, deleted, previous, received_at, comms)
+            self._apply(msg_id, imports, groups, deleted, previous, received_at, comms, process)
         )
 
     async def _apply(
@@ -1140,10 +1160,12 @@ class TandemKernel(IPythonKernel):
         previous: asyncio.Future[None] | None,
         received_at: float | None = None,
         comms: tuple[t.Mapping[str, dict[str, t.Any]], t.Iterable[str]] = ({}, ()),
+        process: dict[str, t.Any] | None = None,
     ) -> None:
         """``received_at``: when the Raft thread handed the entry over (wall clock, for the trace).
         ``comms``: the records and closed ids the entry carries, applied before the namespace
-        (a name bound to a widget is a reference to its model)."""
+        (a name bound to a widget is a reference to its model). ``process``: the executor's
+        working directory, environment and sys.path, applied first (the imports may need them)."""
         if previous is not None:
             with contextlib.suppress(Exception):
                 await previous
@@ -1155,6 +1177,8 @@ class TandemKernel(IPythonKernel):
         lazy = self._get_loader()
         silence = self._silence() if lazy is None and any(is_large(g) for g, _names in groups) else None
         try:
+            if process is not None:
+                self._process_notice = self._process.apply(ProcessContext.from_wire(process))
             if comms[0] or comms[1]:  # before the namespace: names bound to widgets refer to them
                 self._load_comms(*comms)
             codec = await self._get_codec()

@@ -17,6 +17,8 @@ from typing import Any
 
 import msgpack
 
+from kernel_replica.process_context import ProcessContext
+
 ENTRY_VERSION = 1
 
 LEAD = "LEAD"
@@ -138,6 +140,9 @@ class State:
     # state), and the ids closed, since the previous STATE: the comms follow the executor
     comms: dict[str, dict[str, Any]] = field(default_factory=dict)
     comms_closed: tuple[str, ...] = ()
+    # the executor's working directory, changed environment variables and sys.path
+    # (``process_context.ProcessContext.to_wire``), when they differ from the log's last ones
+    process: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +205,8 @@ def encode(entry: LogEntry) -> bytes:
                 body["cm"] = entry.comms
             if entry.comms_closed:
                 body["cc"] = list(entry.comms_closed)
+            if entry.process is not None:
+                body["px"] = entry.process
         case _:
             raise TypeError(f"not a log entry: {type(entry).__name__}")
     body["t"] = ENTRY_VERSION
@@ -302,6 +309,12 @@ def decode(data: bytes) -> LogEntry:
         raise LogEntryError("STATE: 'cm' must map comm ids to records with a target")
     if not isinstance(comms_closed, list) or not all(isinstance(c, str) for c in comms_closed):
         raise LogEntryError("STATE: 'cc' must be a list of comm ids")
+    process = raw.get("px")
+    if process is not None:
+        try:
+            process = ProcessContext.from_wire(process).to_wire()
+        except ValueError as exc:
+            raise LogEntryError(f"STATE: 'px': {exc}") from None
     return State(
         msg_id,
         replica_id,
@@ -316,6 +329,7 @@ def decode(data: bytes) -> LogEntry:
         repair,
         comms,
         tuple(comms_closed),
+        process,
     )
 
 

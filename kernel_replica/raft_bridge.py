@@ -203,8 +203,8 @@ class ReplicaCore:
         self.on_stop_requested: Callable[[], None] = lambda: None
         self.on_done: Callable[[Done], None] = lambda done: None
         self.on_state: Callable[[State], None] = lambda state: None
-        # (imports, [(group, names)], gpu_resident[, names to delete]) from ReplicatedNamespace
-        # .contents() and .gpu_resident(): the namespace restored
+        # (imports, [(group, names)], gpu_resident, comms, names to delete, process context) from
+        # ReplicatedNamespace: the namespace restored
         self.on_namespace_restored: Callable[[Any], None] = lambda contents: None
         # a resumed kernel's execution count, from its namespace image: every replica numbers on
         self.on_execution_count: Callable[[int], None] = lambda count: None
@@ -398,7 +398,13 @@ class ReplicaCore:
         self._post(self.on_execution_count, image["count"])
         self._post(
             self.on_namespace_restored,
-            (*self.namespace.contents(), self.namespace.gpu_resident(), self.namespace.comms(), []),
+            (
+                *self.namespace.contents(),
+                self.namespace.gpu_resident(),
+                self.namespace.comms(),
+                [],
+                self.namespace.process_context(),
+            ),
         )
         self._log.info("namespace_image_restored", bytes=len(data), names=len(self.namespace.digests()))
 
@@ -663,7 +669,13 @@ class ReplicaCore:
         gone = sorted(set(before) - set(self.namespace.digests()))
         self._post(
             self.on_namespace_restored,
-            (*self.namespace.contents(), self.namespace.gpu_resident(), self.namespace.comms(), gone),
+            (
+                *self.namespace.contents(),
+                self.namespace.gpu_resident(),
+                self.namespace.comms(),
+                gone,
+                self.namespace.process_context(),
+            ),
         )
         self._feed(lambda now: self.election.restore(book, now))
         self._log.info("snapshot_restored", names=len(self.namespace.digests()))

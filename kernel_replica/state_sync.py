@@ -38,6 +38,7 @@ from kernel_replica.durability import Marker, apply_markers, apply_repair
 from kernel_replica.fingerprint import fingerprint
 from kernel_replica.log_entries import GpuResident, State, decode_gpu_resident, encode_gpu_resident
 from kernel_replica.object_codec import EncodedGroup, ObjectCodec, dumps, is_large, store_failure
+from kernel_replica.process_context import ProcessContext
 from shared.config import Config
 from shared.datastore import DataStore, open_datastore
 
@@ -542,6 +543,9 @@ class ReplicatedNamespace:
         self._comms: dict[str, CommRecord] = {}
         self._comm_fps: dict[str, bytes] = {}
         self._comm_owner: str | None = None
+        # the last executor's working directory, environment changes and sys.path
+        # (process_context.ProcessContext.to_wire), as of the last STATE that carried them
+        self._process: dict[str, Any] | None = None
 
     def apply(self, state: State) -> State:
         """Apply a committed STATE; returns it as every replica must apply it to its namespace
@@ -562,6 +566,8 @@ class ReplicatedNamespace:
             for comm_id in state.comms_closed:
                 self._comms.pop(comm_id, None)
                 self._comm_fps.pop(comm_id, None)
+            if state.process is not None and not state.repair:
+                self._process = state.process
             for alias, statement in state.imports:
                 self._records[alias] = ("i", statement)
             for group in state.groups:
@@ -618,6 +624,11 @@ class ReplicatedNamespace:
         with self._lock:
             return dict(self._comms)
 
+    def process_context(self) -> dict[str, Any] | None:
+        """The last executor's process context as committed (``process_context``), or None."""
+        with self._lock:
+            return self._process
+
     def unprotected(self) -> dict[str, Marker]:
         """Names whose latest value never reached the log, as committed (``durability``)."""
         with self._lock:
@@ -646,6 +657,7 @@ class ReplicatedNamespace:
                     "up": {name: list(marker) for name, marker in self._unprotected.items()},
                     "cm": self._comms,
                     "co": self._comm_owner,
+                    "px": self._process,
                 },
                 use_bin_type=True,
             )
@@ -663,6 +675,7 @@ class ReplicatedNamespace:
                 self._unprotected,
                 self._comms,
                 self._comm_owner,
+                self._process,
             ) = parsed
             self._comm_fps = {comm_id: record_digest(record) for comm_id, record in self._comms.items()}
 
@@ -678,6 +691,7 @@ class ReplicatedNamespace:
         dict[str, Marker],
         dict[str, CommRecord],
         str | None,
+        dict[str, Any] | None,
     ]:
         """A snapshot's contents, checked (no import is run, nothing is unpickled here: that is
         the kernel's, when it loads the namespace); ValueError naming what is malformed."""
@@ -727,4 +741,9 @@ class ReplicatedNamespace:
             raise ValueError("namespace snapshot 'cm' must map comm ids to records with a target")
         if owner is not None and type(owner) is not str:
             raise ValueError("namespace snapshot 'co' must be a replica id")
-        return dict(fps), parsed_records, parsed_groups, next_group, gpu_resident, unprotected, comms, owner
+        process = raw.get("px")
+        if process is not None:
+            process = ProcessContext.from_wire(process).to_wire()  # a ValueError naming the field
+        return (
+            dict(fps), parsed_records, parsed_groups, next_group, gpu_resident, unprotected, comms, owner, process,
+        )  # fmt: skip

@@ -223,6 +223,37 @@ def test_a_button_clicked_after_an_executor_change_runs_the_notebooks_handler(
     assert _on(tandem_cluster, kc, hosts[1], "print(clicks)").stdout == "['go']\n"
 
 
+def test_the_working_directory_environment_and_sys_path_follow_the_executor(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str], tmp_path: Any
+) -> None:
+    """``%cd``, ``%env`` / ``os.environ`` and ``sys.path.insert(0, "../src")`` before importing the
+    notebook's own module: none of it is in the namespace, and before, the next executor ran the
+    notebook's cells in another directory, without the variables, and could not replay the import."""
+    kc, (first, second, *_), _ = kernel
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "notebook_helpers.py").write_text("ANSWER = 42\n")
+    data = tmp_path / "data"
+    data.mkdir()
+    _on(tandem_cluster, kc, first, (
+        f"%cd {data}\n"
+        "%env API_TOKEN=secret\n"
+        "import os, sys\n"
+        "os.environ['NOTEBOOK_SETTING'] = 'on'\n"
+        f"sys.path.insert(0, {str(src)!r})\n"
+        "import notebook_helpers"
+    ))  # fmt: skip
+    moved = _on(tandem_cluster, kc, second, (
+        "import os, sys\n"
+        "print(os.getcwd(), os.environ.get('API_TOKEN'), os.environ.get('NOTEBOOK_SETTING'),"
+        f" sys.path[0] == {str(src)!r}, notebook_helpers.ANSWER)"
+    ))  # fmt: skip
+    assert moved.stdout.split() == [str(data), "secret", "on", "True", "42"], moved.stdout
+    _on(tandem_cluster, kc, second, "del os.environ['NOTEBOOK_SETTING']\n%cd ..")
+    back = _on(tandem_cluster, kc, first, "print(os.getcwd(), os.environ.get('NOTEBOOK_SETTING'))")
+    assert back.stdout.split() == [str(tmp_path), "None"], back.stdout
+
+
 def test_an_unpicklable_variable_is_named_when_made_and_when_the_executor_moves(
     tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
 ) -> None:

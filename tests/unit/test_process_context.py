@@ -1,0 +1,76 @@
+"""The working directory, environment and sys.path a notebook changed, as replicas exchange them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernel_replica.log_entries import LogEntryError, State, decode, encode
+from kernel_replica.process_context import ProcessContext, ProcessState, env_changes, env_to_apply
+from kernel_replica.state_sync import ReplicatedNamespace
+
+START = {"HOME": "/root", "LANG": "C", "TANDEM_REPLICA_ID": "r1"}
+
+
+def test_env_changes_are_what_differs_from_the_start_without_tandems_own() -> None:
+    now = {
+        "HOME": "/root",
+        "LANG": "en_US",
+        "API_TOKEN": "s",
+        "TANDEM_REPLICA_ID": "r1",
+        "TANDEM_GPU_IDS": "0",
+    }
+    assert env_changes(now, START) == {"LANG": "en_US", "API_TOKEN": "s"}
+    assert env_changes({"LANG": "C", "TANDEM_REPLICA_ID": "r1"}, START) == {"HOME": None}
+
+
+def test_a_variable_changed_before_but_not_now_is_put_back_to_this_replicas_start() -> None:
+    """Another replica's start differs in Tandem's own variables only; what it changed applies
+    over this one's start, and a change it undid is undone here too."""
+    applied = {"API_TOKEN": "s", "LANG": "en_US", "HOME": None}
+    assert env_to_apply({"API_TOKEN": "t"}, applied, START) == {
+        "API_TOKEN": "t",
+        "LANG": "C",
+        "HOME": "/root",
+    }
+    assert env_to_apply({"TANDEM_REPLICA_ID": "r2"}, {}, START) == {}
+
+
+def test_a_state_carries_the_context_through_the_log_and_the_snapshot() -> None:
+    context = ProcessContext("/data", {"API_TOKEN": "s", "LANG": None}, ("/src", "/usr/lib/python3"))
+    state = State("m", "r1", process=context.to_wire())
+    decoded = decode(encode(state))
+    assert isinstance(decoded, State) and ProcessContext.from_wire(decoded.process) == context
+    namespace = ReplicatedNamespace()
+    namespace.apply(decoded)
+    namespace.apply(State("n", "r1"))  # a STATE without a change keeps the last context
+    restored = ReplicatedNamespace()
+    restored.restore(namespace.to_snapshot())
+    assert restored.process_context() == context.to_wire()
+
+
+@pytest.mark.parametrize(
+    ("px", "problem"),
+    [
+        ({"cwd": "", "env": {}, "path": []}, "'cwd'"),
+        ({"cwd": "/", "env": {"A": 1}, "path": []}, "'env'"),
+        ({"cwd": "/", "env": {}, "path": "/src"}, "'path'"),
+    ],
+)
+def test_a_malformed_context_in_the_log_is_refused_naming_the_field(px: dict, problem: str) -> None:
+    raw = State("m", "r1", process=px)
+    with pytest.raises(LogEntryError, match=f"'px'.*{problem}"):
+        decode(encode(raw))
+
+
+def test_a_working_directory_missing_on_this_host_is_reported_not_entered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    missing = str(tmp_path / "only-on-the-other-host")
+    notice = ProcessState().apply(ProcessContext(missing, {}, tuple(sys.path)))
+    assert notice is not None and missing in notice and "cannot be entered" in notice
+    assert os.getcwd() == str(tmp_path)
