@@ -119,9 +119,12 @@ class Failed:
 
 @dataclass(frozen=True, slots=True)
 class Unavailable:
-    """Raft could not decide (no quorum, not configured, stopped); ``reason`` says which."""
+    """Raft could not decide (no quorum, not configured, stopped); ``reason`` says which.
+    ``declined``: this replica is leaving and did nothing for the cell (no LEAD, no GPUs), so
+    the scheduler may send it to another replica instead of answering the client."""
 
     reason: str
+    declined: bool = False
 
 
 Decision = Replay | Execute | BindFailed | Standby | Failed | Unavailable
@@ -200,8 +203,9 @@ class Answer:
 class NotifyScheduler:
     """A ``replica.event`` for the global scheduler: ``election_failed``, or ``elected`` with the
     bound ``gpus`` once this replica's own LEAD has won (the scheduler forwards the output of the
-    first replica to announce itself, so only the winner may), or ``executor_quiet``: the cell's
-    ``executor`` has been silent for half of ``executor_silence_s`` (is its process running?)."""
+    first replica to announce itself, so only the winner may), ``executor_quiet``: the cell's
+    ``executor`` has been silent for half of ``executor_silence_s`` (is its process running?), or
+    ``leaving``: the log overruled the cell's outcome here, and this replica is about to exit."""
 
     event: str
     msg_id: str
@@ -786,7 +790,7 @@ class ElectionCore:
         if done is not None:
             return Replay(done)
         if self._diverged is not None:
-            return Unavailable(self._leaving())
+            return Unavailable(self._leaving(), declined=lead)
         outcome = self.book.outcome(msg_id)
         decided_before = outcome is not None
         if outcome is None and not lead and self.settings.yield_grace_s > 0:
@@ -1252,6 +1256,9 @@ class ElectionCore:
             if self._diverged is None:
                 self._diverged = done.msg_id
                 self._log("error", "namespace_diverged", msg_id=done.msg_id)
+                # the scheduler stops sending it cells now, not when its process is gone: one
+                # sent meanwhile would be refused (it never runs on this namespace)
+                self._emit(NotifyScheduler("leaving", done.msg_id))
                 self._emit(ExitDiverged(done.msg_id))
             return None
         if isinstance(results[1], Exception) or self.book.awaiting_state() == done.msg_id:

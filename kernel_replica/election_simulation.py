@@ -357,6 +357,7 @@ class Simulation:
         self._rids = 0
         self.cells: list[Cell] = []
         self.alive: set[str] = set(initial)  # what the scheduler believes
+        self.leaving: set[str] = set()  # replicas that said they are leaving (diverged): no cells
         self.last_executor: str | None = None
         self.runs: dict[str, list[str]] = {}  # key -> replicas (with incarnation) that ran it
         self.healed = False
@@ -542,6 +543,8 @@ class Simulation:
                         self.on(self.now, r, lambda cb=callback, v=value: cb(v))
                 case NotifyScheduler(event="election_failed", msg_id=key):
                     self.at(self.now + 0.002, lambda key=key: self._election_failed(key))
+                case NotifyScheduler(event="leaving"):
+                    self.at(self.now + 0.002, lambda rid=r.id: self.leaving.add(rid))
                 case NotifyScheduler(event="executor_quiet", executor=executor) if executor:
                     self.at(
                         self.now + self._gil_rng.uniform(0.001, 0.01), lambda e=executor: self._vouch(r.id, e)
@@ -698,6 +701,8 @@ class Simulation:
                 self._reply(r, request, done.content)
             case Failed():
                 self._reply(r, request, _error("NoExecutorAvailable", "every replica yielded", r.count), True)
+            case Unavailable(declined=True) if request.lead:
+                self._decline(r, request)
             case Unavailable(reason=reason):
                 self._reply(r, request, _error("ReplicaUnavailable", reason, r.count))
             case _:
@@ -780,6 +785,25 @@ class Simulation:
             self.now + self.rng.uniform(0.0005, 0.003),
             lambda: self._on_reply(r.id, request, content, no_executor),
         )
+        self._next_request(r)
+
+    def _decline(self, r: SimReplica, request: Request) -> None:
+        """A leaving replica did nothing for the cell: the scheduler sends it to another one
+        (the live scheduler's ``Merged.declined``) and sends the leaving one no more cells."""
+        if request.rid in r.replied:
+            self.fail(f"{r.id} answered request {request.rid} ({request.key}) twice")
+        # what its reply says (the scheduler keeps it from the client): no answer to check
+        r.replied[request.rid] = _error("ReplicaUnavailable", "declined: this replica is leaving", r.count)
+        self.note(f"{r.id} declines {_describe_request(request)}: it is leaving")
+        r.busy = False
+
+        def reroute(rid: str = r.id) -> None:
+            self.leaving.add(rid)
+            cell = self.cells[request.cell]
+            if cell.answer is None and request.round == cell.round and cell.targets == {rid}:
+                self._route(cell)
+
+        self.at(self.now + self.rng.uniform(0.0005, 0.003), reroute)
         self._next_request(r)
 
     # ---- the checks at each step -------------------------------------------------------------------
@@ -883,6 +907,7 @@ class Simulation:
 
     def _route(self, cell: Cell) -> None:
         live = sorted(r for r in self.alive if r in self.voters)
+        staying = [r for r in live if r not in self.leaving]
         if len(live) < majority(len(self.voters)):
             self._answer(cell, _error("ReplicaLost", "the kernel lost its quorum", 0))
             return
@@ -898,12 +923,12 @@ class Simulation:
             r = self.replicas[designated]
             pause = self.scenario.candidate_silence_s + self.rng.uniform(0.5, 4.0)
             self.at(self.now + self.rng.uniform(0.0, 0.01), lambda: self._pause(r, pause))
-        elif self.last_executor in live and self.rng.random() < 0.7:
+        elif self.last_executor in staying and self.rng.random() < 0.7:
             designated = self.last_executor
-        elif self.leader in live and self.rng.random() < 0.7:
+        elif self.leader in staying and self.rng.random() < 0.7:
             designated = self.leader
         else:
-            designated = self.rng.choice(live)
+            designated = self.rng.choice(staying or live)
         assert designated is not None
         cell.targets = {designated}
         cell.started_by = cell.responder = None
@@ -993,6 +1018,7 @@ class Simulation:
         if r.id not in self.alive:
             return
         self.alive.discard(r.id)
+        self.leaving.discard(r.id)  # a restart in place is a fresh process
         survivors = sorted(s for s in self.alive if s in self.voters)
         # what the scheduler tells the survivors it was running: the cells it announced itself
         # elected for, not yet answered (``ReplyMerger.executing_on``)

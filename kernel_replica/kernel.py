@@ -299,7 +299,7 @@ class TandemKernel(IPythonKernel):
         metadata = self.init_metadata(parent)
         started = time.perf_counter()
         timing: dict[str, float] = {}
-        executed = replayed = no_executor = diverged = False
+        executed = replayed = no_executor = diverged = declined = False
         bridge = self._bridge
         if bridge is None:
             reply, role = (
@@ -385,8 +385,8 @@ class TandemKernel(IPythonKernel):
                         self._count(),
                     )
                     role, no_executor = STANDBY, True
-                case Unavailable(reason=reason):
-                    log.warning("cell_not_run", reason=reason)
+                case Unavailable(reason=reason, declined=declined):
+                    log.warning("cell_not_run", reason=reason, declined=declined)
                     reply, role = error_content("ReplicaUnavailable", reason, self._count()), STANDBY
         idle: list[bytes] | None = None
         if executed and bridge is not None:
@@ -420,6 +420,8 @@ class TandemKernel(IPythonKernel):
             metadata["tandem"]["replayed"] = True
         if no_executor:  # the global scheduler sends a GPU cell on again after a migration
             metadata["tandem"]["no_executor"] = True
+        if declined:  # the global scheduler sends it to another replica
+            metadata["tandem"]["declined"] = True
         self.session.send(stream, "execute_reply", reply, parent, metadata=metadata, ident=ident)
         if hasattr(stream, "flush"):
             # A ZMQStream only queues the reply; send it now, ahead of the idle that follows

@@ -123,7 +123,8 @@ CHECKPOINT_WRITTEN = (
 CHANNELS = ("shell", "control", "stdin", "iopub")
 # cell_timings: the executor's per-cell step times (ms), sent after its reply (metrics only);
 # pinned: ``%tandem pin`` / ``unpin`` ran on the replica (``detail.pinned``, a bool);
-# executor_quiet: the executor of ``msg_id`` (``detail.executor``) has been silent a while
+# executor_quiet: the executor of ``msg_id`` (``detail.executor``) has been silent a while;
+# leaving: the log overruled ``msg_id``'s outcome on this replica, which exits (send it no cell)
 REPLICA_EVENTS = (
     "elected",
     "election_failed",
@@ -134,6 +135,7 @@ REPLICA_EVENTS = (
     "cell_timings",
     "pinned",
     "executor_quiet",
+    "leaving",
 )
 
 _int = (int,)

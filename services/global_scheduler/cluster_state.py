@@ -82,6 +82,7 @@ class ReplicaRecord:
     role: str | None = None
     alive: bool = True
     started: bool = False  # replica.start answered
+    leaving: bool = False  # its namespace diverged from the log: it exits; no cell goes to it
     _kernel: KernelRecord | None = field(default=None, init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -342,6 +343,14 @@ class ClusterState:
 
     def replica_views(self, kernel: KernelRecord) -> list[ReplicaView]:
         return [ReplicaView(r.replica_id, r.host_id, r.alive, r.role) for r in kernel.replicas.values()]
+
+    def routable_views(self, kernel: KernelRecord) -> list[ReplicaView]:
+        """``replica_views`` for choosing where a request goes: a replica leaving (its namespace
+        diverged, it exits) counts as gone."""
+        return [
+            ReplicaView(r.replica_id, r.host_id, r.alive and not r.leaving, r.role)
+            for r in kernel.replicas.values()
+        ]
 
     def replicas_on(self, host_id: str) -> list[tuple[KernelRecord, ReplicaRecord]]:
         return [(k, r) for k in self.kernels.values() for r in k.replicas.values() if r.host_id == host_id]

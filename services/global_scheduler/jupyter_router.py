@@ -249,6 +249,9 @@ class KernelRouter:
                     and self.merger.is_pending(parent_id)
                 ):
                     return Merged(no_executor=[parent_id])  # held back: the cell is sent again
+                if tandem.get("declined") is True and parent_id in self.merger.orphans_of(replica_id):
+                    withdrawn = self._withdraw(parent_id)
+                    return Merged(declined=[withdrawn] if withdrawn is not None else [])
         merged = self.merger.on_frame(inc)
         self._after(merged)
         if msg_type == "execute_reply" and any(f is frames for _, f in merged.forwards):
@@ -274,6 +277,17 @@ class KernelRouter:
 
     # ---- failures ---------------------------------------------------------------------------
 
+    def _withdraw(self, msg_id: str) -> tuple[str, Frames] | None:
+        """A cell its designated replica never started, taken back to be routed again in the
+        same round (whether the client saw busy for it is remembered)."""
+        failed = self.merger.fail(msg_id)
+        frames = self._execute_ids.pop(msg_id, None)
+        if failed is None or frames is None:
+            return None
+        round_, busy_sent = self._rounds.pop(msg_id, (0, False))
+        self._remember_round(msg_id, round_, busy_sent or failed.busy_sent)
+        return msg_id, frames
+
     def on_replica_lost(
         self, replica_id: str, reason: str, live: Sequence[str] = ()
     ) -> tuple[list[Forward], list[str], list[tuple[str, Frames]], list[tuple[str, str, Frames]]]:
@@ -293,13 +307,9 @@ class KernelRouter:
         survivors = [r for r in live if r != replica_id]
         if survivors:
             for msg_id in self.merger.orphans_of(replica_id):
-                failed = self.merger.fail(msg_id)
-                frames = self._execute_ids.pop(msg_id, None)
-                if failed is None or frames is None:
-                    continue
-                round_, busy_sent = self._rounds.pop(msg_id, (0, False))
-                self._remember_round(msg_id, round_, busy_sent or failed.busy_sent)
-                resend.append((msg_id, frames))
+                withdrawn = self._withdraw(msg_id)
+                if withdrawn is not None:
+                    resend.append(withdrawn)
         merged, failed_requests = self.merger.replica_lost(replica_id)
         self._after(merged)
         forwards = list(merged.forwards)

@@ -62,6 +62,9 @@ class Merged:
     # execute requests whose executor could not get the GPUs (an execute_reply marked
     # ``no_executor``, held back from the client): the scheduler migrates them and sends them again
     no_executor: list[str] = field(default_factory=list)
+    # cells their designated replica declined (leaving: nothing done for them there), withdrawn
+    # from the client's view with their frames: the scheduler routes them again elsewhere
+    declined: list[tuple[str, Frames]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -448,7 +448,7 @@ class GlobalScheduler:
 
         def choose() -> ExecutorChoice:
             choice = self.core.executor_for(
-                self.state.replica_views(kernel),
+                self.state.routable_views(kernel),
                 self.state.ledger_views({r.host_id for r in kernel.replicas.values()}),
                 kernel.resources.gpus,
                 router.last_executor,
@@ -459,6 +459,8 @@ class GlobalScheduler:
 
         arrived = self._clock() if channel == "shell" else 0.0
         live = kernel.live_replicas()
+        staying = [r for r in live if not kernel.replicas[r].leaving]
+        live = staying or live  # a replica leaving would refuse the request
         routed = router.route_request(channel, frames, live=live, choose=choose, single=self._single(kernel))
         if routed.problem is not None:
             log.warning("request_dropped", kernel=kernel.kernel_id, channel=channel, reason=routed.problem)
@@ -530,7 +532,7 @@ class GlobalScheduler:
 
     def _single(self, kernel: KernelRecord) -> str | None:
         """The replica for requests answered by one (the core's ``single_replica``)."""
-        return self.core.single_replica(self.state.replica_views(kernel), kernel.router.last_executor)
+        return self.core.single_replica(self.state.routable_views(kernel), kernel.router.last_executor)
 
     def _on_jupyter_reply(self, identity: bytes, env: Envelope) -> None:
         body = env.body
@@ -549,6 +551,15 @@ class GlobalScheduler:
             forwards += merged.forwards
             if merged.finished:
                 self._release(kernel, merged.finished)
+            for msg_id, cell in merged.declined:  # its replica is leaving: another one runs it
+                if forwards:  # what came first reaches the client first
+                    self.to_gateway(kernel, forwards)
+                    forwards = []
+                if (decliner := kernel.replicas.get(replica_id)) is not None:
+                    decliner.leaving = True
+                self.state.release(kernel, msg_id)
+                log.info("cell_rerouted", kernel=kernel.kernel_id, msg_id=msg_id, declined=replica_id)
+                self.route_from_gateway(kernel, "shell", cell, rerouted=True)
         if forwards:
             self.to_gateway(kernel, forwards)
         return None
@@ -630,6 +641,9 @@ class GlobalScheduler:
                 kernel, replica.replica_id, detail.get("pinned"), at if isinstance(at, int | float) else 0.0
             )
             blog.info("kernel_pinned" if kernel.pinned else "kernel_unpinned")
+        elif event == "leaving":
+            replica.leaving = True
+            blog.warning("replica_leaving", msg_id=msg_id)
         elif event == "executor_quiet" and msg_id:
             executor = kernel.replicas.get(str(detail.get("executor")))
             if executor is None or executor is replica or not executor.alive:
@@ -728,6 +742,7 @@ class GlobalScheduler:
 
     def _replica_lost(self, kernel: KernelRecord, replica: ReplicaRecord, reason: str) -> None:
         replica.alive = False
+        replica.leaving = False  # gone now; restarted in place, it is a fresh process
         replica.role = None
         forwards, done, resend, ask = kernel.router.on_replica_lost(
             replica.replica_id, reason, kernel.live_replicas()
@@ -1355,7 +1370,7 @@ class GlobalScheduler:
         finally:
             self._restarting.discard(key)
         if kernel.state == RUNNING and kernel.replicas.get(replica.replica_id) is replica:
-            replica.alive, replica.role, replica.started = True, None, True
+            replica.alive, replica.role, replica.started, replica.leaving = True, None, True, False
         else:  # stopped (or dead) while it restarted: no process of it may stay behind
             rlog.info("restarted_replica_stopped", state=kernel.state)
             await self.stop_replica(kernel, replica)

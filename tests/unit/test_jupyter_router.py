@@ -184,6 +184,23 @@ def test_a_debug_session_ends_with_its_replica() -> None:
     assert router.debug_replica is None
 
 
+def test_a_cell_its_designated_replica_declined_is_withdrawn_to_be_routed_again() -> None:
+    """A replica leaving the kernel (the log overruled its namespace) did nothing for the cell:
+    the client hears nothing of it, and the scheduler gets the client's frames back."""
+    s = session()
+    router = KernelRouter("k", KEY)
+    msg_id, frames = client_frames(s, "execute_request", {"code": "x", "silent": False})
+    router.route_request("shell", frames, live=LIVE, choose=lambda: choose("r1"))
+    refusal = {"status": "error", "ename": "ReplicaUnavailable", "evalue": "leaving", "traceback": []}
+    declined = reply_frames(
+        s, "execute_reply", msg_id, refusal, {"tandem": {"role": "standby", "declined": True}}
+    )
+    merged = router.on_replica_message("r1", "shell", declined)
+    assert merged.forwards == [] and merged.declined == [(msg_id, frames)]
+    again = router.route_request("shell", frames, live=["r2", "r3"], choose=lambda: choose("r2"))
+    assert [target for target, _, _ in again.to_replicas] == ["r2"]
+
+
 def test_shutdown_is_broadcast_and_interrupt_goes_to_the_executor() -> None:
     s = session()
     router = KernelRouter("k", KEY)
