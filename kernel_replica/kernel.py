@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import io
 import os
 import signal
 import sys
@@ -179,6 +180,27 @@ class TandemKernel(IPythonKernel):
             self.shell_handlers[msg_type] = self._comm_request
         if self.shell is not None:
             self.shell.register_magic_function(self._tandem_magic, magic_kind="line", magic_name="tandem")
+            self._record_config_magics(self.shell)
+
+    def _record_config_magics(self, shell: t.Any) -> None:
+        """Every line magic goes through ``run_line_magic`` (IPython rewrites ``%name line`` to
+        it): the configuration ones that ran are recorded for the next executor to replay
+        (``process_context.CONFIG_MAGICS``)."""
+        run = shell.run_line_magic
+
+        def run_line_magic(magic_name: str, line: str, _stack_depth: int = 1) -> t.Any:
+            result = run(magic_name, line, _stack_depth=_stack_depth + 1)  # one frame more: ours
+            self._process.record_magic(magic_name, line)
+            return result
+
+        shell.run_line_magic = run_line_magic
+
+    def _replay_magic(self, name: str, line: str) -> None:
+        """A configuration magic another executor ran, run here quietly (between cells: what it
+        prints would reach no cell)."""
+        assert self.shell is not None
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            self.shell.run_line_magic(name, line)
 
     def attach(
         self, bridge: RaftBridge, *, kernel_id: str, replica_id: str, config: Config | None = None
@@ -1180,7 +1202,9 @@ class TandemKernel(IPythonKernel):
         silence = self._silence() if lazy is None and any(is_large(g) for g, _names in groups) else None
         try:
             if process is not None:
-                self._process_notice = self._process.apply(ProcessContext.from_wire(process))
+                self._process_notice = self._process.apply(
+                    ProcessContext.from_wire(process), self._replay_magic
+                )
             if comms[0] or comms[1]:  # before the namespace: names bound to widgets refer to them
                 self._load_comms(*comms)
             codec = await self._get_codec()

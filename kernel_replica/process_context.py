@@ -6,9 +6,14 @@ modules (``sys.path.insert(0, "../src")``). None of it is in the namespace, so a
 executes next would otherwise run the notebook's next cell in another directory, without those
 variables, and fail to import (or, worse, read another file of the same name).
 
+IPython's own configuration is per process too: ``%load_ext autoreload`` and ``%autoreload 2``
+(without them the next executor silently stops reloading the notebook's modules), ``%config
+InlineBackend.figure_formats = ...``, ``%matplotlib``, ``%xmode``. Those line magics are recorded
+as they run and replayed, in order, where the context is applied.
+
 What travels is the executor's context relative to its own start: its working directory, the
-environment variables that differ from those it started with (a removed one as None), and
-``sys.path``. A replica applies it relative to *its* start, so what Tandem sets per replica
+environment variables that differ from those it started with (a removed one as None),
+``sys.path`` and the configuration magics run so far. A replica applies it relative to *its* start, so what Tandem sets per replica
 (``TANDEM_*``) stays its own. Sans-I/O except ``capture``/``apply``, which read and change this
 process.
 """
@@ -18,12 +23,27 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 # Variables each replica has of its own (its ids, the GPUs bound for a cell): never replicated.
 OWN_PREFIX = "TANDEM_"
+# Line magics that configure the shell rather than compute: replayed on the next executor.
+CONFIG_MAGICS = frozenset(
+    {
+        "load_ext",
+        "reload_ext",
+        "unload_ext",
+        "autoreload",
+        "aimport",
+        "config",
+        "matplotlib",
+        "precision",
+        "xmode",
+    }
+)
+MAX_MAGICS = 200  # a notebook reconfiguring in a loop keeps its first ones (order matters)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,9 +51,13 @@ class ProcessContext:
     cwd: str
     env: dict[str, str | None] = field(default_factory=dict)  # changed since start; None: removed
     path: tuple[str, ...] = ()
+    magics: tuple[tuple[str, str], ...] = ()  # (name, line) of the CONFIG_MAGICS run, in order
 
     def to_wire(self) -> dict[str, Any]:
-        return {"cwd": self.cwd, "env": dict(self.env), "path": list(self.path)}
+        wire: dict[str, Any] = {"cwd": self.cwd, "env": dict(self.env), "path": list(self.path)}
+        if self.magics:
+            wire["magics"] = [list(m) for m in self.magics]
+        return wire
 
     @classmethod
     def from_wire(cls, raw: Any) -> ProcessContext:
@@ -49,7 +73,13 @@ class ProcessContext:
             raise ValueError("process context 'env' must map names to strings or None")
         if not isinstance(path, list) or not all(isinstance(p, str) for p in path):
             raise ValueError("process context 'path' must be a list of strings")
-        return cls(cwd, env, tuple(path))
+        magics = raw.get("magics", [])
+        if not isinstance(magics, list) or not all(
+            isinstance(m, list) and len(m) == 2 and m[0] in CONFIG_MAGICS and isinstance(m[1], str)
+            for m in magics
+        ):
+            raise ValueError("process context 'magics' must be a list of [configuration magic, line]")
+        return cls(cwd, env, tuple(path), tuple((name, line) for name, line in magics))
 
 
 def env_changes(now: Mapping[str, str], start: Mapping[str, str]) -> dict[str, str | None]:
@@ -82,6 +112,13 @@ class ProcessState:
         # rarely changes them, and comparing the raw map costs ~1 us where decoding it costs ~25
         self._raw_env: dict[bytes, bytes] = {}
         self._env: dict[str, str | None] = {}
+        self._magics: list[tuple[str, str]] = []  # run here or replayed here, in order
+
+    def record_magic(self, name: str, line: str) -> None:
+        """A configuration magic ran here (``CONFIG_MAGICS``); the same one again adds nothing."""
+        magic = (name, line)
+        if name in CONFIG_MAGICS and magic not in self._magics and len(self._magics) < MAX_MAGICS:
+            self._magics.append(magic)
 
     def capture(self) -> ProcessContext:
         """This process's context now, which is what this replica has applied from then on."""
@@ -93,15 +130,38 @@ class ProcessState:
         if raw is None or raw != self._raw_env:
             self._raw_env = dict(raw) if raw is not None else {}
             self._env = env_changes(os.environ, self.start_env)
-        path = tuple(sys.path)
+        path, magics = tuple(sys.path), tuple(self._magics)
         applied = self.applied
-        if applied is None or (applied.cwd, applied.env, applied.path) != (cwd, self._env, path):
-            self.applied = ProcessContext(cwd, dict(self._env), path)
+        if applied is None or (applied.cwd, applied.env, applied.path, applied.magics) != (
+            cwd, self._env, path, magics,
+        ):  # fmt: skip
+            self.applied = ProcessContext(cwd, dict(self._env), path, magics)
         return self.applied  # type: ignore[return-value]
 
-    def apply(self, context: ProcessContext) -> str | None:
-        """Make this process's context ``context``; what could not be applied (a working
-        directory missing on this host), for the user, or None."""
+    def apply(
+        self, context: ProcessContext, run_magic: Callable[[str, str], object] | None = None
+    ) -> str | None:
+        """Make this process's context ``context`` (``run_magic`` replays the configuration
+        magics this process has not run yet); what could not be applied (a working directory
+        missing on this host, a magic that failed here), for the user, or None."""
+        entered = self._enter(context)  # first: an extension may be the notebook's own module
+        problems = [p for p in (entered, self._replay(context.magics, run_magic)) if p]
+        return "; ".join(problems) or None
+
+    def _replay(
+        self, magics: tuple[tuple[str, str], ...], run_magic: Callable[[str, str], object] | None
+    ) -> str | None:
+        done = len(self._magics) if tuple(self._magics) == magics[: len(self._magics)] else 0
+        failed = []
+        for name, line in magics[done:] if run_magic is not None else ():
+            try:
+                run_magic(name, line)
+            except Exception as exc:  # an extension missing on this host, say
+                failed.append(f"%{name} {line} ({exc.__class__.__name__}: {exc})")
+        self._magics = list(magics)
+        return f"replaying {', '.join(failed)} failed on this host" if failed else None
+
+    def _enter(self, context: ProcessContext) -> str | None:
         previous = self.applied.env if self.applied is not None else {}
         for name, value in env_to_apply(context.env, previous, self.start_env).items():
             if value is None:

@@ -254,6 +254,26 @@ def test_the_working_directory_environment_and_sys_path_follow_the_executor(
     assert back.stdout.split() == [str(tmp_path), "None"], back.stdout
 
 
+def test_configuration_magics_are_replayed_on_the_next_executor(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    """``%load_ext autoreload`` / ``%autoreload 2`` at a notebook's top: before, the next executor
+    had no autoreload, and silently ran the notebook's old module code after an edit."""
+    kc, (first, second, *_), _ = kernel
+    _on(tandem_cluster, kc, first, "%load_ext autoreload\n%autoreload 2\n%precision 3")
+    probe = (  # no variable left behind: the shell itself cannot be replicated (and says so)
+        "def _probe(ip=get_ipython()):\n"
+        "    reloader = ip.magics_manager.registry['AutoreloadMagics']._reloader\n"
+        "    print('IPython.extensions.autoreload' in ip.extension_manager.loaded, reloader.enabled,"
+        " reloader.check_all, ip.display_formatter.formatters['text/plain'].float_precision)\n"
+        "_probe()\n"
+        "del _probe"
+    )
+    moved = _on(tandem_cluster, kc, second, probe)
+    assert moved.stdout.split() == ["True", "True", "True", "3"], moved.stdout
+    assert not moved.errors
+
+
 def test_an_unpicklable_variable_is_named_when_made_and_when_the_executor_moves(
     tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
 ) -> None:

@@ -74,3 +74,32 @@ def test_a_working_directory_missing_on_this_host_is_reported_not_entered(
     notice = ProcessState().apply(ProcessContext(missing, {}, tuple(sys.path)))
     assert notice is not None and missing in notice and "cannot be entered" in notice
     assert os.getcwd() == str(tmp_path)
+
+
+def test_configuration_magics_are_replayed_once_each_in_order() -> None:
+    """A replica replays what it has not run yet; an executor's repeats add nothing."""
+    executor, standby = ProcessState(), ProcessState()
+    for magic in (("load_ext", "autoreload"), ("autoreload", "2"), ("load_ext", "autoreload"), ("time", "x")):
+        executor.record_magic(*magic)
+    context = executor.capture()
+    assert context.magics == (("load_ext", "autoreload"), ("autoreload", "2"))  # %time is no config
+    assert ProcessContext.from_wire(context.to_wire()) == context
+    ran: list[tuple[str, str]] = []
+    assert standby.apply(context, lambda name, line: ran.append((name, line))) is None
+    executor.record_magic("precision", "3")
+    assert standby.apply(executor.capture(), lambda name, line: ran.append((name, line))) is None
+    assert ran == [("load_ext", "autoreload"), ("autoreload", "2"), ("precision", "3")]
+
+
+def test_a_magic_that_fails_on_this_replica_is_reported() -> None:
+    def missing(name: str, line: str) -> None:
+        raise ModuleNotFoundError(f"No module named {line!r}")
+
+    context = ProcessContext(os.getcwd(), {}, tuple(sys.path), (("load_ext", "only_there"),))
+    notice = ProcessState().apply(context, missing)
+    assert notice is not None and "%load_ext only_there" in notice and "ModuleNotFoundError" in notice
+
+
+def test_a_magic_outside_the_configuration_ones_is_refused_from_the_log() -> None:
+    with pytest.raises(ValueError, match="'magics'"):
+        ProcessContext.from_wire({"cwd": "/", "env": {}, "path": [], "magics": [["system", "rm -rf /"]]})
