@@ -701,8 +701,9 @@ class Simulation:
                 self._reply(r, request, done.content)
             case Failed():
                 self._reply(r, request, _error("NoExecutorAvailable", "every replica yielded", r.count), True)
-            case Unavailable(declined=True) if request.lead:
-                self._decline(r, request)
+            case Unavailable(reason=reason, declined=True) if request.lead:
+                # the scheduler keeps it from the client and sends the cell to another replica
+                self._reply(r, request, _error("ReplicaUnavailable", reason, r.count), declined=True)
             case Unavailable(reason=reason):
                 self._reply(r, request, _error("ReplicaUnavailable", reason, r.count))
             case _:
@@ -767,7 +768,12 @@ class Simulation:
         self.on(self.now + IDLE_REPLICATION_WAIT_S, r, replicated)
 
     def _reply(
-        self, r: SimReplica, request: Request, content: dict[str, Any], no_executor: bool = False
+        self,
+        r: SimReplica,
+        request: Request,
+        content: dict[str, Any],
+        no_executor: bool = False,
+        declined: bool = False,
     ) -> None:
         if request.rid in r.replied:
             self.fail(f"{r.id} answered request {request.rid} ({request.key}) twice")
@@ -783,27 +789,8 @@ class Simulation:
         r.busy = False
         self.at(
             self.now + self.rng.uniform(0.0005, 0.003),
-            lambda: self._on_reply(r.id, request, content, no_executor),
+            lambda: self._on_reply(r.id, request, content, no_executor, declined),
         )
-        self._next_request(r)
-
-    def _decline(self, r: SimReplica, request: Request) -> None:
-        """A leaving replica did nothing for the cell: the scheduler sends it to another one
-        (the live scheduler's ``Merged.declined``) and sends the leaving one no more cells."""
-        if request.rid in r.replied:
-            self.fail(f"{r.id} answered request {request.rid} ({request.key}) twice")
-        # what its reply says (the scheduler keeps it from the client): no answer to check
-        r.replied[request.rid] = _error("ReplicaUnavailable", "declined: this replica is leaving", r.count)
-        self.note(f"{r.id} declines {_describe_request(request)}: it is leaving")
-        r.busy = False
-
-        def reroute(rid: str = r.id) -> None:
-            self.leaving.add(rid)
-            cell = self.cells[request.cell]
-            if cell.answer is None and request.round == cell.round and cell.targets == {rid}:
-                self._route(cell)
-
-        self.at(self.now + self.rng.uniform(0.0005, 0.003), reroute)
         self._next_request(r)
 
     # ---- the checks at each step -------------------------------------------------------------------
@@ -989,7 +976,11 @@ class Simulation:
         self.note(f"{cell.msg_id} goes to round {cell.round}")
         self._route(cell)
 
-    def _on_reply(self, rid: str, request: Request, content: dict[str, Any], no_executor: bool) -> None:
+    def _on_reply(
+        self, rid: str, request: Request, content: dict[str, Any], no_executor: bool, declined: bool = False
+    ) -> None:
+        if declined:  # a leaving replica did nothing for it (the live ``Merged.declined``)
+            self.leaving.add(rid)
         cell = self.cells[request.cell]
         if cell.answer is not None or request.round != cell.round:
             return
@@ -997,6 +988,10 @@ class Simulation:
             return  # the merger drops every other replica's frames once it knows the responder
         if no_executor:
             self._next_round(cell)
+            return
+        if declined:
+            if cell.targets == {rid}:
+                self._route(cell)
             return
         ran = [runner.split("#")[0] for runner in self.runs.get(cell.key, [])]
         if content.get("status") == "ok" and cell.responder is not None and ran and cell.responder not in ran:

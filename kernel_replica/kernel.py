@@ -677,9 +677,8 @@ class TandemKernel(IPythonKernel):
         if comms or closed:
             state = dataclasses.replace(state, comms=comms, comms_closed=closed)
         process = self._process.capture()
-        replicated = bridge.core.namespace.process_context()
-        if replicated is None or process != ProcessContext.from_wire(replicated):  # %cd, %env, sys.path
-            state = dataclasses.replace(state, process=process.to_wire())
+        if process != bridge.core.namespace.process_context():  # %cd, %env, sys.path, %load_ext
+            state = dataclasses.replace(state, process=process)
         if plan:
             pending = dict(self._replicated_digests(bridge))
             pending.update(plan.fingerprints)
@@ -1168,7 +1167,7 @@ class TandemKernel(IPythonKernel):
         received_at: float | None = None,
         *,
         comms: tuple[t.Mapping[str, dict[str, t.Any]], t.Iterable[str]] = ({}, ()),
-        process: dict[str, t.Any] | None = None,
+        process: ProcessContext | None = None,
     ) -> None:
         previous = self._apply_tail
         self._apply_tail = asyncio.ensure_future(
@@ -1184,7 +1183,7 @@ class TandemKernel(IPythonKernel):
         previous: asyncio.Future[None] | None,
         received_at: float | None = None,
         comms: tuple[t.Mapping[str, dict[str, t.Any]], t.Iterable[str]] = ({}, ()),
-        process: dict[str, t.Any] | None = None,
+        process: ProcessContext | None = None,
     ) -> None:
         """``received_at``: when the Raft thread handed the entry over (wall clock, for the trace).
         ``comms``: the records and closed ids the entry carries, applied before the namespace
@@ -1202,9 +1201,7 @@ class TandemKernel(IPythonKernel):
         silence = self._silence() if lazy is None and any(is_large(g) for g, _names in groups) else None
         try:
             if process is not None:
-                self._process_notice = self._process.apply(
-                    ProcessContext.from_wire(process), self._replay_magic
-                )
+                self._process_notice = self._process.apply(process, self._replay_magic)
             if comms[0] or comms[1]:  # before the namespace: names bound to widgets refer to them
                 self._load_comms(*comms)
             codec = await self._get_codec()

@@ -140,9 +140,9 @@ class State:
     # state), and the ids closed, since the previous STATE: the comms follow the executor
     comms: dict[str, dict[str, Any]] = field(default_factory=dict)
     comms_closed: tuple[str, ...] = ()
-    # the executor's working directory, changed environment variables and sys.path
-    # (``process_context.ProcessContext.to_wire``), when they differ from the log's last ones
-    process: dict[str, Any] | None = None
+    # the executor's working directory, changed environment variables, sys.path and configuration
+    # magics (``process_context``), when they differ from the log's last ones
+    process: ProcessContext | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +206,7 @@ def encode(entry: LogEntry) -> bytes:
             if entry.comms_closed:
                 body["cc"] = list(entry.comms_closed)
             if entry.process is not None:
-                body["px"] = entry.process
+                body["px"] = entry.process.to_wire()
         case _:
             raise TypeError(f"not a log entry: {type(entry).__name__}")
     body["t"] = ENTRY_VERSION
@@ -312,7 +312,7 @@ def decode(data: bytes) -> LogEntry:
     process = raw.get("px")
     if process is not None:
         try:
-            process = ProcessContext.from_wire(process).to_wire()
+            process = ProcessContext.from_wire(process)
         except ValueError as exc:
             raise LogEntryError(f"STATE: 'px': {exc}") from None
     return State(

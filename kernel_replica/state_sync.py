@@ -543,9 +543,9 @@ class ReplicatedNamespace:
         self._comms: dict[str, CommRecord] = {}
         self._comm_fps: dict[str, bytes] = {}
         self._comm_owner: str | None = None
-        # the last executor's working directory, environment changes and sys.path
-        # (process_context.ProcessContext.to_wire), as of the last STATE that carried them
-        self._process: dict[str, Any] | None = None
+        # the last executor's working directory, environment changes, sys.path
+        # and configuration magics (process_context), as of the last STATE that carried them
+        self._process: ProcessContext | None = None
 
     def apply(self, state: State) -> State:
         """Apply a committed STATE; returns it as every replica must apply it to its namespace
@@ -624,7 +624,7 @@ class ReplicatedNamespace:
         with self._lock:
             return dict(self._comms)
 
-    def process_context(self) -> dict[str, Any] | None:
+    def process_context(self) -> ProcessContext | None:
         """The last executor's process context as committed (``process_context``), or None."""
         with self._lock:
             return self._process
@@ -657,7 +657,7 @@ class ReplicatedNamespace:
                     "up": {name: list(marker) for name, marker in self._unprotected.items()},
                     "cm": self._comms,
                     "co": self._comm_owner,
-                    "px": self._process,
+                    "px": self._process.to_wire() if self._process is not None else None,
                 },
                 use_bin_type=True,
             )
@@ -691,7 +691,7 @@ class ReplicatedNamespace:
         dict[str, Marker],
         dict[str, CommRecord],
         str | None,
-        dict[str, Any] | None,
+        ProcessContext | None,
     ]:
         """A snapshot's contents, checked (no import is run, nothing is unpickled here: that is
         the kernel's, when it loads the namespace); ValueError naming what is malformed."""
@@ -743,7 +743,7 @@ class ReplicatedNamespace:
             raise ValueError("namespace snapshot 'co' must be a replica id")
         process = raw.get("px")
         if process is not None:
-            process = ProcessContext.from_wire(process).to_wire()  # a ValueError naming the field
+            process = ProcessContext.from_wire(process)  # a ValueError naming the field
         return (
             dict(fps), parsed_records, parsed_groups, next_group, gpu_resident, unprotected, comms, owner, process,
         )  # fmt: skip

@@ -135,11 +135,13 @@ def test_a_host_may_not_register_or_heartbeat_under_another_hosts_id(
     assert "unauthorized" in tandem_cluster.log_text("global-scheduler")
 
 
+@pytest.mark.parametrize("event", ["exited", "leaving"])
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "in_a_batch"])
 def test_spoofed_replica_exits_from_another_host_do_not_kill_a_kernel(
-    tandem_cluster: ClusterHandle, rogue_host: Any, batched: bool
+    tandem_cluster: ClusterHandle, rogue_host: Any, batched: bool, event: str
 ) -> None:
-    """Also inside a ``batch``: each item is authorised as if it had come alone."""
+    """Also inside a ``batch``: each item is authorised as if it had come alone. ``leaving``
+    would make the scheduler stop sending the replicas cells."""
     with tandem_kernel() as (km, kc):
         assert run(kc, "n = 41").status == "ok"
         status = tandem_cluster.status()
@@ -147,7 +149,7 @@ def test_spoofed_replica_exits_from_another_host_do_not_kill_a_kernel(
         spoofed = [
             Envelope(
                 messages.REPLICA_EVENT,
-                {"kernel_id": km.kernel_id, "replica_id": replica["id"], "event": "exited", "detail": {}},
+                {"kernel_id": km.kernel_id, "replica_id": replica["id"], "event": event, "detail": {}},
             )
             for replica in kernel["replicas"][:2]
         ]

@@ -124,6 +124,8 @@ def _envelope_junk(rng: random.Random) -> list[bytes]:
             messages.HOST_REGISTER,
             messages.HOST_HEARTBEAT,
             messages.REPLICA_EVENT,
+            messages.REPLICA_PROCESS,
+            messages.REPLICA_MEMBERSHIP,
             messages.JUPYTER_REQUEST,
             messages.GPU_COMMIT,
             "nonsense",
