@@ -26,6 +26,8 @@ from shared.arbiter import AppReport, JobReport
 from shared.messages import id_problem
 
 QUEUED, RUNNING, FINISHED, FAILED, CANCELLED = "queued", "running", "finished", "failed", "cancelled"
+#: progress states of a run that has reached a step boundary (before: "starting", or no report)
+STEPPING_STATES = ("running", "paused", "stopped", "finished")
 ENDED = (FINISHED, FAILED, CANCELLED)
 DEFAULT_APP = "default"
 
@@ -65,6 +67,7 @@ class JobRecord:
     leases_held: int = 0
     last_host: str | None = None  # where its output log is
     suspended: bool = False  # a cell revoked its lease: not charged, and its lease clock stopped
+    stepped: bool = False  # this run has reached a step boundary (its host's reports say so)
     # packed on a GPU with another job (issue #18): its host's report (with whom, share, GPUs)
     packing: dict[str, Any] | None = None
 
@@ -165,6 +168,7 @@ class Registry:
         record.state, record.host, record.device_ids, record.pid = RUNNING, host, list(device_ids), pid
         record.last_host = host
         record.lease_granted_at, record.lease_expires_at, record.accounted_at = now, expires_at, now
+        record.stepped = False
         record.runs += 1
         record.leases_held += 1
 
@@ -234,6 +238,22 @@ class Registry:
     def expired(self, now: float) -> list[JobRecord]:
         return [r for r in self.jobs.values() if r.lease_expires_at is not None and r.lease_expires_at <= now]
 
+    @staticmethod
+    def still_starting(record: JobRecord, now: float, allowance_s: float) -> bool:
+        """Whether ``record``'s run, leased alone on its GPUs, has not reached its first step
+        boundary and is younger than ``allowance_s``: its expired lease is renewed, not
+        auctioned. Its start (imports, data, a checkpoint read) is all it has done; ended now, the
+        next lease elsewhere starts it again from nothing, and a start longer than a lease never
+        steps (live: a job started 15 times in two minutes of 2.5 s leases, 0 iterations)."""
+        return (
+            record.host is not None
+            and not record.stepped
+            and not record.suspended
+            and record.packing is None
+            and record.lease_granted_at is not None
+            and now - record.lease_granted_at < allowance_s
+        )
+
     def leased(self) -> list[JobRecord]:
         return [r for r in self.jobs.values() if r.host is not None]
 
@@ -255,8 +275,11 @@ class Registry:
             if record is None:
                 ended.append(job_id)  # not ours (any more): let the host forget it
                 continue
-            self._progress(record, entry.get("progress") or {})
+            progress = entry.get("progress") or {}
+            self._progress(record, progress)
             if record.host == host:
+                if entry.get("pid") == record.pid and progress.get("state") in STEPPING_STATES:
+                    record.stepped = True  # this run's own report (not an earlier process's)
                 packing = entry.get("packing")
                 record.packing = packing if isinstance(packing, dict) else None
                 record.suspended = bool(entry.get("suspended"))

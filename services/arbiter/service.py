@@ -5,8 +5,10 @@ Hosts (their local schedulers, Themis's agents) connect with their host keys and
 submits, lists and cancels jobs. Every ``arbiter.round_s`` a round runs: leases that expired give
 their GPUs back to the offer, the pure core (``shared.arbiter``) auctions the offer, and the shell
 carries out its leases: a lease for a job that keeps as many GPUs on the same host is a renewal
-(the job runs on), every other expired lease is ended (the job stops at a step boundary) before
-the new ones are granted (the host starts the job). The shell decides nothing itself: before
+(the job runs on), so is the lease of a run that has not reached its first step boundary yet
+(for at most ``arbiter.startup_allowance_s``: ``Registry.still_starting``), every other expired
+lease is ended (the job stops at a step boundary) before the new ones are granted (the host
+starts the job). The shell decides nothing itself: before
 that, equal leases are only traded between jobs so that each stays on the host its process is on
 (``shared/arbiter/affinity.py``, pure; no count or layout changes).
 
@@ -56,6 +58,7 @@ class ArbiterService(ClusterServerShell):
         section = cfg["arbiter"]
         self.round_s = float(section["round_s"])
         self.stop_grace_s = float(section["stop_grace_s"])
+        self.startup_allowance_s = float(section["startup_allowance_s"])
         self.core = make_policy(
             str(section["policy"]),
             ArbiterConfig(
@@ -200,7 +203,10 @@ class ArbiterService(ClusterServerShell):
     async def run_round(self, now: float) -> None:
         """One auction over the idle GPUs and those of expired leases; its leases carried out."""
         self.registry.account(now)
-        expiring = self.registry.expired(now)
+        expiring, starting = [], []
+        for record in self.registry.expired(now):
+            starting_now = self.registry.still_starting(record, now, self.startup_allowance_s)
+            (starting if starting_now else expiring).append(record)
         releasing = {r.job_id for r in expiring}
         leased = {
             GpuSlot(r.host, d) for r in self.registry.leased() if r.host is not None for d in r.device_ids
@@ -234,7 +240,14 @@ class ArbiterService(ClusterServerShell):
         )  # fmt: skip
         grants.update({lease.job_id: lease for lease in packed})
         packed_ids = {lease.job_id for lease in packed}
-        if grants or expiring:
+        renewing = {  # runs still starting keep their GPUs (a grant that grows one renews it too)
+            r.job_id: Lease(
+                r.app_id, r.job_id, tuple(GpuSlot(r.host, d) for d in r.device_ids), now, now + self.lease_s
+            )
+            for r in starting
+            if r.host is not None and r.job_id not in grants
+        }
+        if grants or expiring or renewing:
             log.info(
                 "round",
                 rho={a: round(r, 4) for a, r in self.rho.items()},
@@ -242,6 +255,7 @@ class ArbiterService(ClusterServerShell):
                 bidders=outcome.bidders,
                 won=outcome.won_by_app,
                 expiring=sorted(releasing),
+                starting=sorted(renewing),
             )
         ending = []
         for record in expiring:
@@ -251,7 +265,8 @@ class ArbiterService(ClusterServerShell):
             ending.append(record)
         await asyncio.gather(*(self._ask_end(r.host, r.job_id, "expired") for r in ending if r.host))
         await asyncio.gather(
-            *(self._grant(lease, releasing, packed=lease.job_id in packed_ids) for lease in grants.values())
+            *(self._grant(lease, releasing, packed=lease.job_id in packed_ids) for lease in grants.values()),
+            *(self._grant(lease, releasing | {job_id}) for job_id, lease in renewing.items()),
         )
         self._save()
 

@@ -33,12 +33,14 @@ CONFIG = (
     "--set", "arbiter.cell_reserve_gpus=0",
 )  # fmt: skip
 STEP_S = 0.05
-# each step appends "time job host devices step" to the record file: what the checks read
+# each step appends "time job host devices step" to the record file: what the checks read;
+# START_S: how long the job takes to start (its imports, its data) before its first step
 JOB = """
 import os, sys, time, tandem_job
 record = sys.argv[2]
 where = f"{os.environ['TANDEM_JOB_ID']} {os.environ['TANDEM_HOST_ID']} {os.environ['CUDA_VISIBLE_DEVICES']}"
 with tandem_job.session(total=int(sys.argv[1])) as job, open(record, "a") as out:
+    time.sleep(float(sys.argv[3]))
     for step in job.steps():
         time.sleep(STEP_S)
         out.write(f"{time.time():.4f} {where} {step}\\n")
@@ -82,9 +84,15 @@ def tandem(cluster: ClusterHandle, *args: str, timeout: float = 60.0) -> subproc
 
 
 def submit_jobs(
-    cluster: ClusterHandle, workdir: Path, count: int, steps: int = 100_000, app: str = "be"
+    cluster: ClusterHandle,
+    workdir: Path,
+    count: int,
+    steps: int = 100_000,
+    app: str = "be",
+    start_s: float = 0.0,
 ) -> tuple[list[str], Path]:
-    """``count`` one-GPU jobs of ``app``; their ids and the record file."""
+    """``count`` one-GPU jobs of ``app`` that take ``start_s`` to reach their first step; their ids
+    and the record file."""
     script, record = workdir / "be_job.py", workdir / "steps.txt"
     script.write_text(JOB)
     submits = [
@@ -106,6 +114,7 @@ def submit_jobs(
                 str(script),
                 str(steps),
                 str(record),
+                str(start_s),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -241,3 +241,28 @@ def test_a_packed_gpu_is_charged_once_split_between_its_two_jobs_by_their_shares
     registry.lease_ended(guest.job_id, 112.0)  # alone again: J_max is charged both GPUs
     registry.account(114.0)
     assert jmax.gpu_seconds == pytest.approx(6.0 + 8 * (1 + 100 / 160) + 4.0)
+
+
+def test_a_run_keeps_its_lease_until_its_own_report_shows_a_step_or_the_allowance_runs_out() -> None:
+    registry = Registry()
+    job = registry.submit(BODY, 0.0)
+    running(registry, job.job_id)  # granted at 100 s, pid 42
+
+    def report(pid: int, state: str) -> None:
+        progress = {"state": state, "iterations_done": 0, "iterations_total": 100}
+        entry = {"job_id": job.job_id, "running": True, "pid": pid, "progress": progress}
+        registry.on_report({"host_id": "host-0", "jobs": [entry], "at": 111.0}, 111.0)
+
+    assert registry.still_starting(job, 111.0, allowance_s=60.0)  # no report yet: importing
+    report(42, "starting")
+    assert registry.still_starting(job, 111.0, allowance_s=60.0)
+    report(41, "running")  # an earlier process of the job: not this run's step
+    assert registry.still_starting(job, 111.0, allowance_s=60.0)
+    assert not registry.still_starting(job, 160.0, allowance_s=60.0)  # started too long ago
+    assert not registry.still_starting(job, 111.0, allowance_s=0.0)  # the rule turned off
+    report(42, "running")
+    assert not registry.still_starting(job, 111.0, allowance_s=60.0)
+    running(registry, job.job_id)  # its next run starts again from its imports
+    assert registry.still_starting(job, 111.0, allowance_s=60.0)
+    registry.lease_ended(job.job_id, 112.0)
+    assert not registry.still_starting(job, 112.0, allowance_s=60.0)  # no lease to keep
