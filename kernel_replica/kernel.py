@@ -173,6 +173,10 @@ class TandemKernel(IPythonKernel):
         # context applied here since (kernel_replica/process_context.py)
         self._process = ProcessState()
         self._process_notice: str | None = None  # what could not be applied, for the next cell here
+        # library settings other executors changed (library_settings), set before a cell runs here:
+        # in the cells' own context (numpy's error and print options, decimal's are context
+        # variables: set by the task that loads a STATE, they would stay in that task)
+        self._pending_settings: dict[str, bytes] = {}
         self._comm_watch = comm_sync.CommWatch()  # which comms changed since their records were taken
         self._comms_not_loaded: dict[str, str] = {}  # comm id -> why it could not be re-created here
         # comm messages from the front end: handled here, then their effect on the comms replicated
@@ -353,6 +357,7 @@ class TandemKernel(IPythonKernel):
                         self._catch_up_followed()
                     if self._not_loaded:  # the store may work again: load them before telling
                         await self._load_again(bridge, log)
+                    self._apply_settings()
                     if self._process_notice is not None and sys.stderr is not None:
                         print(f"Tandem: {self._process_notice}.", file=sys.stderr, flush=True)
                         self._process_notice = None
@@ -676,9 +681,9 @@ class TandemKernel(IPythonKernel):
         comms, closed = self._comm_changes(bridge)
         if comms or closed:
             state = dataclasses.replace(state, comms=comms, comms_closed=closed)
-        process = self._process.capture()
-        if process != bridge.core.namespace.process_context():  # %cd, %env, sys.path, %load_ext
-            state = dataclasses.replace(state, process=process)
+        process, logged = self._process.capture(), bridge.core.namespace.process_context()
+        if process != logged:  # %cd, %env, sys.path, %load_ext, np.random.seed
+            state = dataclasses.replace(state, process=process.changed_since(logged))
         if plan:
             pending = dict(self._replicated_digests(bridge))
             pending.update(plan.fingerprints)
@@ -1100,6 +1105,15 @@ class TandemKernel(IPythonKernel):
             if len(self._followed) >= 2 * FOLLOWED_CATCH_UP:
                 self._catch_up_followed()
 
+    def _apply_settings(self) -> None:
+        """The library settings of the cells other executors ran since this replica last ran one."""
+        if not self._pending_settings:
+            return
+        pending, self._pending_settings = self._pending_settings, {}
+        unset = self._process.apply_settings(pending)
+        if unset is not None:
+            self._process_notice = "; ".join(n for n in (self._process_notice, unset) if n)
+
     def _apply_remote_state(self, state: State) -> None:
         """Another executor's STATE: load it in the background, in log order (the next cell
         executed here waits for it, ``_state_applied``)."""
@@ -1216,6 +1230,8 @@ class TandemKernel(IPythonKernel):
                 self._log_silence(
                     "imports_loaded", importing, msg_id=msg_id, modules=modules, lazy=bool(lazy)
                 )
+            if process is not None and process.settings:  # applied when a cell runs here next
+                self._pending_settings.update(process.settings)
             if comms[0]:
                 failures += self._comms_failed(comms[0])
         except Exception as exc:

@@ -6,6 +6,10 @@ modules (``sys.path.insert(0, "../src")``). None of it is in the namespace, so a
 executes next would otherwise run the notebook's next cell in another directory, without those
 variables, and fail to import (or, worse, read another file of the same name).
 
+Libraries' process-wide settings (random generators' states, torch's default dtype, numpy's error
+and print options, the decimal context, warnings filters, matplotlib's rcParams) travel here too,
+only those that changed (``library_settings``).
+
 IPython's own configuration is per process too: ``%load_ext autoreload`` and ``%autoreload 2``
 (without them the next executor silently stops reloading the notebook's modules), ``%config
 InlineBackend.figure_formats = ...``, ``%matplotlib``, ``%xmode``. Those line magics are recorded
@@ -24,8 +28,10 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from kernel_replica.library_settings import SETTING_NAMES, SettingsTracker
 
 # Variables each replica has of its own (its ids, the GPUs bound for a cell): never replicated.
 OWN_PREFIX = "TANDEM_"
@@ -52,11 +58,28 @@ class ProcessContext:
     env: dict[str, str | None] = field(default_factory=dict)  # changed since start; None: removed
     path: tuple[str, ...] = ()
     magics: tuple[tuple[str, str], ...] = ()  # (name, line) of the CONFIG_MAGICS run, in order
+    # library settings (``library_settings``): name -> pickled value. In a STATE only those that
+    # changed since the log's last context; the namespace's context holds them all
+    settings: dict[str, bytes] = field(default_factory=dict)
+
+    def changed_since(self, logged: ProcessContext | None) -> ProcessContext:
+        """This context as a STATE carries it: the settings the log has already left out."""
+        if logged is None or not logged.settings:
+            return self
+        return replace(self, settings={k: v for k, v in self.settings.items() if logged.settings.get(k) != v})
+
+    def merged_onto(self, logged: ProcessContext | None) -> ProcessContext:
+        """The log's context once this one (from a STATE) is applied: its settings added."""
+        if logged is None or not logged.settings:
+            return self
+        return replace(self, settings={**logged.settings, **self.settings})
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"cwd": self.cwd, "env": dict(self.env), "path": list(self.path)}
         if self.magics:
             wire["magics"] = [list(m) for m in self.magics]
+        if self.settings:
+            wire["settings"] = dict(self.settings)
         return wire
 
     @classmethod
@@ -79,7 +102,13 @@ class ProcessContext:
             for m in magics
         ):
             raise ValueError("process context 'magics' must be a list of [configuration magic, line]")
-        return cls(cwd, env, tuple(path), tuple((name, line) for name, line in magics))
+        settings = raw.get("settings", {})
+        if not isinstance(settings, dict) or not all(
+            isinstance(k, str) and isinstance(v, bytes) for k, v in settings.items()
+        ):
+            raise ValueError("process context 'settings' must map setting names to bytes")
+        known = {k: v for k, v in settings.items() if k in SETTING_NAMES}  # a newer replica's: its own
+        return cls(cwd, env, tuple(path), tuple((name, line) for name, line in magics), known)
 
 
 def env_changes(now: Mapping[str, str], start: Mapping[str, str]) -> dict[str, str | None]:
@@ -113,6 +142,7 @@ class ProcessState:
         self._raw_env: dict[bytes, bytes] = {}
         self._env: dict[str, str | None] = {}
         self._magics: list[tuple[str, str]] = []  # run here or replayed here, in order
+        self._settings = SettingsTracker()
 
     def record_magic(self, name: str, line: str) -> None:
         """A configuration magic ran here (``CONFIG_MAGICS``); the same one again adds nothing."""
@@ -130,13 +160,18 @@ class ProcessState:
         if raw is None or raw != self._raw_env:
             self._raw_env = dict(raw) if raw is not None else {}
             self._env = env_changes(os.environ, self.start_env)
-        path, magics = tuple(sys.path), tuple(self._magics)
+        path, magics, settings = tuple(sys.path), tuple(self._magics), self._settings.capture()
         applied = self.applied
-        if applied is None or (applied.cwd, applied.env, applied.path, applied.magics) != (
-            cwd, self._env, path, magics,
+        if applied is None or (applied.cwd, applied.env, applied.path, applied.magics, applied.settings) != (
+            cwd, self._env, path, magics, settings,
         ):  # fmt: skip
-            self.applied = ProcessContext(cwd, dict(self._env), path, magics)
+            self.applied = ProcessContext(cwd, dict(self._env), path, magics, settings)
         return self.applied  # type: ignore[return-value]
+
+    def apply_settings(self, settings: Mapping[str, bytes]) -> str | None:
+        """Library settings from the log (``ProcessContext.settings``), set in the context the cells
+        run in; what failed, for the user, or None."""
+        return self._settings.apply(settings)
 
     def apply(
         self, context: ProcessContext, run_magic: Callable[[str, str], object] | None = None

@@ -567,7 +567,7 @@ class ReplicatedNamespace:
                 self._comms.pop(comm_id, None)
                 self._comm_fps.pop(comm_id, None)
             if state.process is not None and not state.repair:
-                self._process = state.process
+                self._process = state.process.merged_onto(self._process)
             for alias, statement in state.imports:
                 self._records[alias] = ("i", statement)
             for group in state.groups:

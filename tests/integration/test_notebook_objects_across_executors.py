@@ -274,6 +274,57 @@ def test_configuration_magics_are_replayed_on_the_next_executor(
     assert not moved.errors
 
 
+def test_seeded_generators_and_library_settings_follow_the_executor(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    """A notebook seeds ``random``, numpy and torch at its top and sets torch's default dtype,
+    numpy's error and print options, the decimal precision, a warnings filter, the recursion limit
+    and a plot style. Before, the next executor drew other numbers (its own generators), computed
+    in float32, printed 8 digits, let 1/0 warn, and so on: silently, since none of it is in the
+    namespace. The expected draws are those of fresh generators with the same seeds."""
+    kc, (first, second, *_), _ = kernel
+    _on(tandem_cluster, kc, first, (
+        "import random, decimal, sys, warnings, numpy as np, torch, matplotlib\n"
+        "saved_settings = (sys.getrecursionlimit(), np.geterr(), np.get_printoptions(), decimal.getcontext().prec)\n"
+        "random.seed(0); np.random.seed(0); torch.manual_seed(0)\n"
+        "torch.set_default_dtype(torch.float64)\n"
+        "np.seterr(divide='raise'); np.set_printoptions(precision=2)\n"
+        "decimal.getcontext().prec = 6; sys.setrecursionlimit(4321)\n"
+        "warnings.filterwarnings('error', message='notebook says stop')\n"
+        "matplotlib.rcParams['lines.linewidth'] = 7.0\n"
+        "first_draws = (random.random(), float(np.random.rand()), torch.rand(1).item())\n"
+        "_r, _n, _t = random.Random(0), np.random.RandomState(0), torch.Generator().manual_seed(0)\n"
+        "_ = (_r.random(), _n.rand(), torch.rand(1, generator=_t))\n"
+        "expected = [_r.random(), float(_n.rand()), torch.rand(1, generator=_t).item()]\n"
+        "del _r, _n, _t, _"
+    ))  # fmt: skip
+    moved = _on(tandem_cluster, kc, second, (
+        "import json\n"
+        "drawn = [random.random(), float(np.random.rand()), torch.rand(1).item()]\n"
+        "try:\n"
+        "    np.array([1.0]) / 0\n"
+        "    divide = 'warned'\n"
+        "except FloatingPointError:\n"
+        "    divide = 'raised'\n"
+        "try:\n"
+        "    warnings.warn('notebook says stop', stacklevel=1)\n"
+        "    filtered = 'warned'\n"
+        "except UserWarning:\n"
+        "    filtered = 'raised'\n"
+        "print(json.dumps([drawn == expected, str(torch.ones(1).dtype), np.array2string(np.array([1/3])),\n"
+        "    divide, str(decimal.Decimal(1) / decimal.Decimal(7)), sys.getrecursionlimit(), filtered,\n"
+        "    matplotlib.rcParams['lines.linewidth']]))"
+    ))  # fmt: skip
+    assert json.loads(moved.stdout.splitlines()[0]) == [
+        True, "torch.float64", "[0.33]", "raised", "0.142857", 4321, "raised", 7.0,
+    ], moved.stdout  # fmt: skip
+    _on(tandem_cluster, kc, second, (  # the module's other tests share the kernel
+        "torch.set_default_dtype(torch.float32); sys.setrecursionlimit(saved_settings[0])\n"
+        "np.seterr(**saved_settings[1]); np.set_printoptions(**saved_settings[2]); decimal.getcontext().prec = saved_settings[3]\n"
+        "warnings.filters.pop(0); matplotlib.rcdefaults(); del saved_settings"
+    ))  # fmt: skip
+
+
 def test_an_unpicklable_variable_is_named_when_made_and_when_the_executor_moves(
     tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
 ) -> None:

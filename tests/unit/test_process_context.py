@@ -59,6 +59,7 @@ def test_a_state_carries_the_context_through_the_log_and_the_snapshot() -> None:
         ({"cwd": "", "env": {}, "path": []}, "'cwd'"),
         ({"cwd": "/", "env": {"A": 1}, "path": []}, "'env'"),
         ({"cwd": "/", "env": {}, "path": "/src"}, "'path'"),
+        ({"cwd": "/", "env": {}, "path": [], "settings": {"random.state": "0"}}, "'settings'"),
     ],
 )
 def test_a_malformed_context_in_the_log_is_refused_naming_the_field(px: dict, problem: str) -> None:

@@ -1,0 +1,145 @@
+"""Libraries' process-wide settings travel with the executor (kernel_replica/library_settings.py):
+what one replica's tracker captures, another's applies, and the next draw, dtype, precision,
+filter or style is the one the notebook set. Both sides run in this process here, so each test
+puts the settings it changes back (``restored``)."""
+
+from __future__ import annotations
+
+import decimal
+import pickle
+import random
+import sys
+import warnings
+from collections.abc import Iterator
+
+import matplotlib
+import numpy as np
+import pytest
+import torch
+
+from kernel_replica.library_settings import SETTINGS, SettingsTracker, _python_rng_reader
+from kernel_replica.process_context import ProcessContext, ProcessState
+
+
+@pytest.fixture(autouse=True)
+def restored() -> Iterator[None]:
+    saved = (
+        random.getstate(),
+        np.random.get_state(),
+        np.geterr(),
+        np.get_printoptions(),
+        torch.get_rng_state(),
+        torch.get_default_dtype(),
+        decimal.getcontext().copy(),
+        sys.getrecursionlimit(),
+    )
+    with warnings.catch_warnings(), matplotlib.rc_context():
+        yield
+    random.setstate(saved[0])
+    np.random.set_state(saved[1])
+    np.seterr(**saved[2])
+    np.set_printoptions(**saved[3])
+    torch.set_rng_state(saved[4])
+    torch.set_default_dtype(saved[5])
+    decimal.setcontext(saved[6])
+    sys.setrecursionlimit(saved[7])
+
+
+def _draws() -> tuple[float, float, float]:
+    return random.random(), float(np.random.rand()), float(torch.rand(1).item())
+
+
+def test_the_next_executor_draws_what_the_seeded_notebook_would_have_drawn() -> None:
+    executor, standby = SettingsTracker(), SettingsTracker()
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    first = _draws()
+    after_first = executor.capture()
+    second = _draws()  # what one process draws next
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)  # the other process: its own state
+    assert standby.apply(after_first) is None
+    assert _draws() == second != first
+
+
+def test_dtype_error_print_decimal_recursion_filters_and_rcparams_follow() -> None:
+    executor, standby = SettingsTracker(), SettingsTracker()
+    torch.set_default_dtype(torch.float64)
+    np.seterr(divide="raise")
+    np.set_printoptions(precision=2)
+    decimal.getcontext().prec = 6
+    sys.setrecursionlimit(4321)
+    warnings.filterwarnings("error", category=UserWarning)
+    matplotlib.rcParams["lines.linewidth"] = 7.0
+    captured = executor.capture()
+    torch.set_default_dtype(torch.float32)
+    np.seterr(divide="warn")
+    np.set_printoptions(precision=8)
+    decimal.getcontext().prec = 28
+    sys.setrecursionlimit(1000)
+    warnings.resetwarnings()
+    matplotlib.rcParams["lines.linewidth"] = 1.5
+    assert standby.apply(captured) is None
+    assert torch.get_default_dtype() == torch.float64 and torch.ones(1).dtype == torch.float64
+    assert np.geterr()["divide"] == "raise" and np.array2string(np.array([1 / 3])) == "[0.33]"
+    assert str(decimal.Decimal(1) / decimal.Decimal(7)) == "0.142857"
+    assert sys.getrecursionlimit() == 4321
+    with pytest.raises(UserWarning):
+        warnings.warn("now an error", UserWarning, stacklevel=1)
+    assert matplotlib.rcParams["lines.linewidth"] == 7.0
+
+
+def test_an_unchanged_setting_yields_the_same_bytes_and_a_state_carries_only_what_changed() -> None:
+    process = ProcessState()
+    logged = process.capture()
+    again = process.capture()
+    assert again is logged  # nothing changed: nothing to compare beyond identity
+    np.random.rand()
+    drawn = process.capture()
+    delta = drawn.changed_since(logged)
+    assert set(delta.settings) == {"numpy.random.state"}
+    assert all(drawn.settings[k] is logged.settings[k] for k in logged.settings if k != "numpy.random.state")
+    assert delta.merged_onto(logged) == drawn
+
+
+def test_the_plotting_backend_stays_each_replicas_own() -> None:
+    captured = pickle.loads(SettingsTracker().capture()["matplotlib.rcParams"])
+    assert "backend" not in captured and "lines.linewidth" in captured
+
+
+def test_a_setting_that_cannot_be_pickled_is_left_out_and_the_others_travel() -> None:
+    np.set_printoptions(formatter={"float": lambda x: f"{x:.1f}"})  # a lambda: not picklable
+    captured = SettingsTracker().capture()
+    assert "numpy.printoptions" not in captured and "numpy.random.state" in captured
+
+
+def test_a_value_that_fails_here_is_named_and_the_rest_applied() -> None:
+    bad = {
+        "torch.default_dtype": pickle.dumps("torch.not_a_dtype"),
+        "sys.recursionlimit": pickle.dumps(2345),
+    }
+    notice = SettingsTracker().apply(bad)
+    assert notice is not None and "torch.default_dtype" in notice and "not_a_dtype" in notice
+    assert sys.getrecursionlimit() == 2345
+
+
+def test_settings_in_the_wire_form_are_checked_and_a_newer_replicas_unknown_ones_dropped() -> None:
+    base = {"cwd": "/", "env": {}, "path": []}
+    context = ProcessContext.from_wire(
+        {**base, "settings": {"sys.recursionlimit": b"x", "future.thing": b"y"}}
+    )
+    assert context.settings == {"sys.recursionlimit": b"x"}
+    assert ProcessContext.from_wire(context.to_wire()) == context
+    with pytest.raises(ValueError, match="'settings' must map setting names to bytes"):
+        ProcessContext.from_wire({**base, "settings": {"sys.recursionlimit": "not bytes"}})
+    with pytest.raises(ValueError, match="'settings'"):
+        ProcessContext.from_wire({**base, "settings": ["sys.recursionlimit"]})
+
+
+def test_the_cheap_probe_of_pythons_generator_sees_every_draw_and_seed() -> None:
+    probe = _python_rng_reader()
+    assert probe is not None  # CPython lays out random's generator as checked
+    before = probe(random)
+    random.random()
+    drawn = probe(random)
+    random.seed(0)
+    assert len({before, drawn, probe(random)}) == 3
+    assert {s.name for s in SETTINGS} >= {"random.state", "numpy.random.state", "torch.random.state"}
