@@ -60,6 +60,15 @@ from kernel_replica.election_core import COMMITTED, DIVERGED_EXIT_CODE, SUPERSED
 from kernel_replica.lazy_load import LazyLoader, Load, Silence
 from kernel_replica.log_entries import Done, State
 from kernel_replica.object_codec import DEFAULT_LARGE_OBJECT_BYTES, ObjectCodec, is_large
+from kernel_replica.output_history import (
+    CellOutput,
+    Unreplicated,
+    capture_output,
+    enter_outputs,
+    output_loaded,
+    reads_outputs,
+    resolve_output,
+)
 from kernel_replica.process_context import ProcessContext, ProcessState
 from kernel_replica.raft_bridge import (
     BindFailed,
@@ -177,6 +186,11 @@ class TandemKernel(IPythonKernel):
         # in the cells' own context (numpy's error and print options, decimal's are context
         # variables: set by the task that loads a STATE, they would stay in that task)
         self._pending_settings: dict[str, bytes] = {}
+        # (count, object) of the outputs (Out[n]) other executors showed, taken as their STATE
+        # applied here, entered into this shell's output history before a cell runs here
+        # (kernel_replica/output_history.py); markers of those whose variable was still loading
+        self._pending_outputs: list[tuple[int, t.Any]] = []
+        self._awaited_outputs: list[Unreplicated] = []
         self._comm_watch = comm_sync.CommWatch()  # which comms changed since their records were taken
         self._comms_not_loaded: dict[str, str] = {}  # comm id -> why it could not be re-created here
         # comm messages from the front end: handled here, then their effect on the comms replicated
@@ -358,6 +372,8 @@ class TandemKernel(IPythonKernel):
                     if self._not_loaded:  # the store may work again: load them before telling
                         await self._load_again(bridge, log)
                     self._apply_settings()
+                    if self._pending_outputs:
+                        await self._enter_outputs(code)
                     if self._process_notice is not None and sys.stderr is not None:
                         print(f"Tandem: {self._process_notice}.", file=sys.stderr, flush=True)
                         self._process_notice = None
@@ -614,6 +630,20 @@ class TandemKernel(IPythonKernel):
                     self._slog.debug("history_not_recorded", error=repr(exc))
             self._remember_functions(code)
 
+    def _cell_output(self, count: int) -> CellOutput | None:
+        """Cell ``count``'s Out[n] as the log carries it (None: it showed none)."""
+        assert self.shell is not None
+        namespace, hidden = self.shell.user_ns, self.shell.user_ns_hidden
+        config = self._config
+        limit = int(config.get("datastore.large_object_bytes")) if config else DEFAULT_LARGE_OBJECT_BYTES
+        try:
+            return capture_output(
+                namespace, count, lambda: replicable_names(namespace, hidden), max_bytes=limit
+            )
+        except Exception as exc:  # the history is a convenience: never fail the cell for it
+            self._slog.debug("output_not_recorded", error=repr(exc))
+            return None
+
     def _count(self) -> int:
         return int(self.shell.execution_count) if self.shell is not None else 0
 
@@ -684,6 +714,10 @@ class TandemKernel(IPythonKernel):
         process, logged = self._process.capture(), bridge.core.namespace.process_context()
         if process != logged:  # %cd, %env, sys.path, %load_ext, np.random.seed
             state = dataclasses.replace(state, process=process.changed_since(logged))
+        if history is not None and isinstance(reply.get("execution_count"), int):
+            output = self._cell_output(reply["execution_count"])
+            if output is not None:
+                state = dataclasses.replace(state, output=output)
         if plan:
             pending = dict(self._replicated_digests(bridge))
             pending.update(plan.fingerprints)
@@ -1114,6 +1148,17 @@ class TandemKernel(IPythonKernel):
         if unset is not None:
             self._process_notice = "; ".join(n for n in (self._process_notice, unset) if n)
 
+    async def _enter_outputs(self, code: str) -> None:
+        """The outputs other executors showed, into this shell's history in log order. One held by
+        a variable still loading here is loaded first if the cell may read the history (``_``,
+        ``Out``), else entered as a marker that the load replaces."""
+        loader = self._loader
+        awaited = {m.awaiting for m in self._awaited_outputs if m.awaiting is not None}
+        if awaited and loader is not None and reads_outputs(mentioned_names(code)):
+            await loader.demand(awaited & loader.pending.names())
+        pending, self._pending_outputs = self._pending_outputs, []
+        enter_outputs(self.shell, pending)
+
     def _apply_remote_state(self, state: State) -> None:
         """Another executor's STATE: load it in the background, in log order (the next cell
         executed here waits for it, ``_state_applied``)."""
@@ -1130,6 +1175,8 @@ class TandemKernel(IPythonKernel):
         self._residency.adopt(state.gpu_resident)  # its GPU objects are ours when we execute next
         groups = [(g, None) for g in state.groups]
         process = state.process if state.replica_id != self.replica_id else None
+        mine = state.replica_id == self.replica_id
+        output = (state.output, state.replica_id) if state.output is not None and not mine else None
         self._chain_apply(
             state.msg_id,
             list(state.imports),
@@ -1138,6 +1185,7 @@ class TandemKernel(IPythonKernel):
             time.time(),
             comms=comms,
             process=process,
+            output=output,
         )
         if state.replica_id != self.replica_id and self._bridge is not None:
             self._yield_unprotected(self._bridge)
@@ -1182,10 +1230,11 @@ class TandemKernel(IPythonKernel):
         *,
         comms: tuple[t.Mapping[str, dict[str, t.Any]], t.Iterable[str]] = ({}, ()),
         process: ProcessContext | None = None,
+        output: tuple[CellOutput, str] | None = None,
     ) -> None:
         previous = self._apply_tail
         self._apply_tail = asyncio.ensure_future(
-            self._apply(msg_id, imports, groups, deleted, previous, received_at, comms, process)
+            self._apply(msg_id, imports, groups, deleted, previous, received_at, comms, process, output)
         )
 
     async def _apply(
@@ -1198,6 +1247,7 @@ class TandemKernel(IPythonKernel):
         received_at: float | None = None,
         comms: tuple[t.Mapping[str, dict[str, t.Any]], t.Iterable[str]] = ({}, ()),
         process: ProcessContext | None = None,
+        output: tuple[CellOutput, str] | None = None,
     ) -> None:
         """``received_at``: when the Raft thread handed the entry over (wall clock, for the trace).
         ``comms``: the records and closed ids the entry carries, applied before the namespace
@@ -1232,6 +1282,13 @@ class TandemKernel(IPythonKernel):
                 )
             if process is not None and process.settings:  # applied when a cell runs here next
                 self._pending_settings.update(process.settings)
+            if output is not None:  # the object as of this cell (a later one may rebind its name)
+                shown = resolve_output(
+                    self.shell.user_ns, *output, loading=lazy.pending.names() if lazy is not None else ()
+                )
+                if isinstance(shown, Unreplicated) and shown.awaiting is not None:
+                    self._awaited_outputs.append(shown)
+                self._pending_outputs.append((output[0].count, shown))
             if comms[0]:
                 failures += self._comms_failed(comms[0])
         except Exception as exc:
@@ -1381,11 +1438,28 @@ class TandemKernel(IPythonKernel):
             return
         taken = {name: values[name] for name in names if name in values}
         self.shell.user_ns.update(taken)
+        if self._awaited_outputs:  # outputs taken as markers while these loaded
+            self._output_variables_loaded(taken)
         if self._codec is not None:
             self._codec.forget(taken)
         for name in taken:
             self._not_loaded.pop(name, None)
         self._slog.debug("state_loaded_name", names=sorted(taken), msg_id=load.msg_id, bytes=load.nbytes)
+
+    def _output_variables_loaded(self, taken: t.Mapping[str, t.Any]) -> None:
+        """Outputs held by variables that just loaded: their markers replaced, in the history and
+        in the outputs not entered yet."""
+        assert self.shell is not None
+        loaded = {id(m): m for m in self._awaited_outputs if m.awaiting in taken}
+        if not loaded:
+            return
+        self._awaited_outputs = [m for m in self._awaited_outputs if id(m) not in loaded]
+        for marker in loaded.values():
+            output_loaded(self.shell, marker, taken[marker.awaiting])  # type: ignore[index]
+        self._pending_outputs = [
+            (count, taken[shown.awaiting] if id(shown) in loaded else shown)  # type: ignore[index]
+            for count, shown in self._pending_outputs
+        ]
 
     def _loading_started(self) -> None:
         self._loading_silence = self._silence()

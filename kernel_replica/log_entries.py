@@ -17,6 +17,7 @@ from typing import Any
 
 import msgpack
 
+from kernel_replica.output_history import CellOutput
 from kernel_replica.process_context import ProcessContext
 
 ENTRY_VERSION = 1
@@ -143,6 +144,8 @@ class State:
     # the executor's working directory, changed environment variables, sys.path and configuration
     # magics (``process_context``), when they differ from the log's last ones
     process: ProcessContext | None = None
+    # the cell's Out[n], for the other replicas' output history (``output_history``)
+    output: CellOutput | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +210,8 @@ def encode(entry: LogEntry) -> bytes:
                 body["cc"] = list(entry.comms_closed)
             if entry.process is not None:
                 body["px"] = entry.process.to_wire()
+            if entry.output is not None:
+                body["ou"] = entry.output.to_wire()
         case _:
             raise TypeError(f"not a log entry: {type(entry).__name__}")
     body["t"] = ENTRY_VERSION
@@ -315,6 +320,12 @@ def decode(data: bytes) -> LogEntry:
             process = ProcessContext.from_wire(process)
         except ValueError as exc:
             raise LogEntryError(f"STATE: 'px': {exc}") from None
+    output = raw.get("ou")
+    if output is not None:
+        try:
+            output = CellOutput.from_wire(output)
+        except ValueError as exc:
+            raise LogEntryError(f"STATE: 'ou': {exc}") from None
     return State(
         msg_id,
         replica_id,
@@ -330,6 +341,7 @@ def decode(data: bytes) -> LogEntry:
         comms,
         tuple(comms_closed),
         process,
+        output,
     )
 
 

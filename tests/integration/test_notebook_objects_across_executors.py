@@ -325,6 +325,31 @@ def test_seeded_generators_and_library_settings_follow_the_executor(
     ))  # fmt: skip
 
 
+def test_the_output_history_follows_the_executor(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    """``_``, ``__``, ``Out[n]`` and ``_<n>`` after an executor change. Before, they were the new
+    executor's own older outputs (``_ * 2`` doubled a number shown cells ago, silently)."""
+    kc, (first, second, *_), _ = kernel
+    n = _on(tandem_cluster, kc, first, "21 * 2").reply["content"]["execution_count"]
+    _on(tandem_cluster, kc, first, "items = [1, 2, 3]\nitems")
+    large = _on(tandem_cluster, kc, first, "bytes(3_000_000)")  # over datastore.large_object_bytes
+    _on(tandem_cluster, kc, first, "items = 'rebound'")  # the output shown before is still the list
+    moved = _on(
+        tandem_cluster,
+        kc,
+        second,
+        f"print(repr(_)[:60]); print(__ == [1, 2, 3], ___ * 2, Out[{n}] * 2, _{n})",
+    )
+    lines = moved.stdout.splitlines()
+    shown = large.reply["content"]["execution_count"]
+    assert lines[0].startswith(f"<Out[{shown}] is not on this replica: its bytes is 3,000,0"), lines
+    assert lines[1] == "True 84 84 42", lines
+    here = _on(tandem_cluster, kc, second, "'here'").reply["content"]["execution_count"]
+    back = _on(tandem_cluster, kc, first, f"print(_, Out[{here}])")
+    assert back.stdout.split() == ["here", "here"], back.stdout
+
+
 def test_an_unpicklable_variable_is_named_when_made_and_when_the_executor_moves(
     tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
 ) -> None:

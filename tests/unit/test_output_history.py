@@ -1,0 +1,121 @@
+"""The output history (``_``, ``Out[n]``) as the log carries it (kernel_replica/output_history.py):
+what the executor records for an output, and how another replica enters it."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from kernel_replica.log_entries import LogEntryError, State, decode, encode
+from kernel_replica.output_history import (
+    CellOutput,
+    Unreplicated,
+    capture_output,
+    enter_outputs,
+    output_loaded,
+    reads_outputs,
+    resolve_output,
+)
+
+
+class Shell:
+    """What ``enter_outputs`` uses of IPython's shell: its namespace, display hook and push."""
+
+    def __init__(self) -> None:
+        self.user_ns: dict[str, Any] = {"_oh": {}, "_": "", "__": "", "___": ""}
+        self.displayhook = SimpleNamespace(_="", __="", ___="")
+
+    def push(self, names: dict[str, Any], interactive: bool = True) -> None:
+        self.user_ns.update(names)
+
+
+def _capture(namespace: dict[str, Any], count: int, max_bytes: int = 1000) -> CellOutput | None:
+    return capture_output(
+        namespace, count, lambda: [n for n in namespace if not n.startswith("_")], max_bytes=max_bytes
+    )
+
+
+def test_an_output_held_by_a_variable_travels_as_its_name_and_a_new_value_pickled() -> None:
+    items = [1, 2, 3]
+    namespace = {"items": items, "_oh": {4: items, 5: 42}}
+    assert _capture(namespace, 4) == CellOutput(4, alias="items")
+    small = _capture(namespace, 5)
+    assert small is not None and small.value is not None and small.alias is None
+    assert _capture(namespace, 6) is None  # the cell showed nothing
+
+
+def test_an_output_too_large_or_unpicklable_travels_as_the_reason() -> None:
+    namespace = {"_oh": {1: bytes(5000), 2: threading.Lock(), 3: np.zeros(10**6), 4: np.zeros(10)}}
+    large, lock, array, small = (_capture(namespace, n) for n in (1, 2, 3, 4))
+    assert large is not None and large.missing is not None and "bytes is 5,0" in large.missing
+    assert lock is not None and lock.missing is not None and "lock cannot be pickled" in lock.missing
+    assert array is not None and array.missing == "its ndarray is over 1,000 bytes pickled"
+    assert (
+        small is not None
+        and small.value is not None
+        and np.array_equal(pickle.loads(small.value), np.zeros(10))
+    )
+
+
+def test_outputs_enter_in_order_as_the_display_hook_would_and_name_what_is_missing() -> None:
+    shell = Shell()
+    items = shell.user_ns["items"] = [1, 2, 3]
+    outputs = [
+        _capture({"_oh": {1: 42}}, 1),
+        CellOutput(2, alias="items"),
+        CellOutput(3, missing="its bytes is 3,000,000 bytes pickled, over 1,048,576"),
+    ]
+    taken = [(o.count, resolve_output(shell.user_ns, o, "r2")) for o in outputs if o is not None]
+    shell.user_ns["items"] = "rebound by a later cell"  # after the outputs' STATEs applied
+    enter_outputs(shell, taken)
+    ns = shell.user_ns
+    assert ns["___"] == 42 and ns["__"] is items and ns["_2"] is items and ns["_oh"][1] == 42
+    assert isinstance(ns["_"], Unreplicated) and ns["_"] is ns["_3"] is shell.displayhook._
+    assert repr(ns["_"]) == (
+        "<Out[3] is not on this replica: its bytes is 3,000,000 bytes pickled, over 1,048,576; it is on replica r2>"
+    )
+
+
+def test_an_output_whose_variable_still_loads_is_replaced_when_it_is_in() -> None:
+    shell = Shell()
+    marker = resolve_output(shell.user_ns, CellOutput(7, alias="model"), "r1", loading={"model"})
+    assert isinstance(marker, Unreplicated) and marker.awaiting == "model" and "still loading" in repr(marker)
+    enter_outputs(shell, [(7, marker)])
+    model = object()
+    output_loaded(shell, marker, model)
+    assert (
+        shell.user_ns["_"] is shell.user_ns["_7"] is shell.user_ns["_oh"][7] is shell.displayhook._ is model
+    )
+
+
+def test_cells_reading_the_history_are_told_apart() -> None:
+    assert reads_outputs({"print", "_"}) and reads_outputs({"Out"}) and reads_outputs({"_12"})
+    assert not reads_outputs({"df", "_private", "x_1"})
+
+
+@pytest.mark.parametrize(
+    ("ou", "problem"),
+    [
+        ([1, "a", None], "must be \\[count"),
+        ([-1, "a", None, None], "count must be an int"),
+        ([1, 7, None, None], "alias, value and missing"),
+        ([1, "a", b"x", None], "exactly one"),
+        ([1, None, None, None], "exactly one"),
+    ],
+)
+def test_a_malformed_output_in_the_log_is_refused_naming_the_field(ou: list[Any], problem: str) -> None:
+    body = msgpack.unpackb(encode(State("m", "r1")), raw=False)
+    body["ou"] = ou  # as a faulty or hostile peer would have written it
+    with pytest.raises(LogEntryError, match=f"'ou'.*{problem}"):
+        decode(msgpack.packb(body, use_bin_type=True))
+
+
+def test_an_output_survives_the_log_encoding() -> None:
+    state = State("m", "r1", output=CellOutput(3, value=b"\x80\x05K*."))
+    assert decode(encode(state)).output == state.output  # type: ignore[union-attr]
