@@ -11,14 +11,16 @@ these entries are few (a handful per cell) and readable dumps matter more than b
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
 from kernel_replica.output_history import CellOutput
 from kernel_replica.process_context import ProcessContext
+
+T = TypeVar("T")
 
 ENTRY_VERSION = 1
 
@@ -314,18 +316,8 @@ def decode(data: bytes) -> LogEntry:
         raise LogEntryError("STATE: 'cm' must map comm ids to records with a target")
     if not isinstance(comms_closed, list) or not all(isinstance(c, str) for c in comms_closed):
         raise LogEntryError("STATE: 'cc' must be a list of comm ids")
-    process = raw.get("px")
-    if process is not None:
-        try:
-            process = ProcessContext.from_wire(process)
-        except ValueError as exc:
-            raise LogEntryError(f"STATE: 'px': {exc}") from None
-    output = raw.get("ou")
-    if output is not None:
-        try:
-            output = CellOutput.from_wire(output)
-        except ValueError as exc:
-            raise LogEntryError(f"STATE: 'ou': {exc}") from None
+    process = _optional(raw, "px", ProcessContext.from_wire)
+    output = _optional(raw, "ou", CellOutput.from_wire)
     return State(
         msg_id,
         replica_id,
@@ -343,6 +335,17 @@ def decode(data: bytes) -> LogEntry:
         process,
         output,
     )
+
+
+def _optional(raw: dict[str, Any], key: str, parse: Callable[[Any], T]) -> T | None:
+    """A STATE's optional field ``key`` parsed, or None; LogEntryError naming it if malformed."""
+    value = raw.get(key)
+    if value is None:
+        return None
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise LogEntryError(f"STATE: {key!r}: {exc}") from None
 
 
 def encode_gpu_resident(resident: Iterable[GpuResident]) -> list[list[Any]]:
