@@ -4,7 +4,8 @@ A notebook seeds its random generators at the top (``np.random.seed(0)``, ``rand
 ``torch.manual_seed(0)``) and expects its later cells to draw the same numbers every run; it sets
 ``torch.set_default_dtype(torch.float64)``, ``np.seterr(all="raise")``,
 ``decimal.getcontext().prec = 50``, ``warnings.filterwarnings("error")``,
-``sys.setrecursionlimit(10_000)``, ``plt.rcParams[...]`` / ``plt.style.use(...)``. None of that is
+``sys.setrecursionlimit(10_000)``, ``plt.rcParams[...]`` / ``plt.style.use(...)``,
+``pd.set_option(...)``, ``logging.basicConfig(level=logging.INFO)``. None of that is
 in the namespace: it lives in the libraries' module state, per process. Without this module the
 next executor drew other random numbers, computed in float32, ignored the warnings filters and
 drew figures in another style, silently (each replica has its own process).
@@ -13,12 +14,13 @@ Each ``Setting`` reads one such state (``read``: the value, picklable), tells ch
 changed since a memo (``probe``), and puts a value back (``write``). Only settings of modules the
 executor has imported are read; values travel pickled, in the process context
 (``process_context.ProcessContext.settings``), only those that changed since the log's last.
-Reading all of them after a cell costs ~20 us on a notebook with numpy, torch and matplotlib
-imported; a value is pickled only when its probe changed.
+Telling whether any changed costs ~30 us after a cell of a notebook with numpy, torch, pandas and
+matplotlib imported (~10 us with none of them); a value is read and pickled only when it changed.
 """
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import importlib
 import pickle
@@ -140,6 +142,113 @@ def _set_rc(matplotlib: ModuleType, value: Mapping[str, Any]) -> None:
         rc.update(changed)
 
 
+_TORCH_PRINT = ("precision", "threshold", "edgeitems", "linewidth", "sci_mode")
+
+
+def _torch_print(torch: ModuleType) -> dict[str, Any]:
+    options = torch._tensor_str.PRINT_OPTS
+    return {k: getattr(options, k) for k in _TORCH_PRINT}
+
+
+def _torch_deterministic(torch: ModuleType) -> tuple[bool, bool, bool, bool]:
+    cudnn = torch.backends.cudnn
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        bool(cudnn.deterministic),
+        bool(cudnn.benchmark),
+    )
+
+
+def _set_torch_deterministic(torch: ModuleType, value: tuple[bool, bool, bool, bool]) -> None:
+    enabled, warn_only, cudnn_deterministic, cudnn_benchmark = value
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_deterministic, cudnn_benchmark
+
+
+def _pandas_options(pandas: ModuleType) -> dict[str, Any]:
+    """Every registered option's value (a callable one, ``display.float_format = lambda ...``,
+    left out if it cannot be pickled)."""
+    with warnings.catch_warnings():  # a deprecated option: read all the same
+        warnings.simplefilter("ignore")
+        options = {key: pandas.get_option(key) for key in pandas._config.config._registered_options}
+    try:
+        pickle.dumps(options)
+    except Exception:
+        options = {k: v for k, v in options.items() if _picklable(v)}
+    return options
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
+
+
+def _set_pandas_options(pandas: ModuleType, value: Mapping[str, Any]) -> None:
+    registered = pandas._config.config._registered_options
+    with warnings.catch_warnings():  # a deprecated option: set all the same
+        warnings.simplefilter("ignore")
+        for key, option in value.items():
+            if key in registered and pandas.get_option(key) != option:
+                pandas.set_option(key, option)
+
+
+def _logging(
+    logging: ModuleType,
+) -> tuple[int, dict[str, int], list[tuple[str, int, str | None, str | None, str]]]:
+    """The root logger's level, the levels set on named loggers, and the root's handlers that
+    print to the cell's output (``logging.basicConfig(level=...)``: the stream, level, format)."""
+    root = logging.getLogger()
+    levels = {
+        name: logger.level
+        for name, logger in logging.Logger.manager.loggerDict.items()
+        if isinstance(logger, logging.Logger) and logger.level
+    }
+    handlers = []
+    for handler in root.handlers:
+        stream = (
+            _stream_name(getattr(handler, "stream", None)) if type(handler) is logging.StreamHandler else None
+        )
+        if stream is not None:
+            formatter = handler.formatter
+            style = next(
+                (k for k, v in logging._STYLES.items() if formatter and type(formatter._style) is v[0]), "%"
+            )
+            handlers.append(
+                (
+                    stream,
+                    handler.level,
+                    formatter._fmt if formatter else None,
+                    formatter.datefmt if formatter else None,
+                    style,
+                )
+            )
+    return root.level, levels, handlers
+
+
+def _stream_name(stream: Any) -> str | None:
+    return "stdout" if stream is sys.stdout else "stderr" if stream is sys.stderr else None
+
+
+def _set_logging(logging: ModuleType, value: tuple[int, dict[str, int], list[Any]]) -> None:
+    level, levels, handlers = value
+    root = logging.getLogger()
+    root.setLevel(level)
+    for name, named_level in levels.items():
+        logging.getLogger(name).setLevel(named_level)
+    for handler in list(root.handlers):  # the notebook's own, as the executor has them now
+        if type(handler) is logging.StreamHandler and _stream_name(handler.stream) is not None:
+            root.removeHandler(handler)
+    for stream, handler_level, fmt, datefmt, style in handlers:
+        handler = logging.StreamHandler(sys.stdout if stream == "stdout" else sys.stderr)
+        handler.setLevel(handler_level)
+        handler.setFormatter(logging.Formatter(fmt, datefmt, style))
+        root.addHandler(handler)
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting(
         "random.state", "random", lambda m: m.getstate(), lambda m, v: m.setstate(v), _python_rng_reader()
@@ -157,7 +266,25 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("torch.random.state", "torch", _torch_rng, _set_torch_rng),
     Setting("torch.default_dtype", "torch", lambda m: str(m.get_default_dtype()), _set_torch_dtype),
+    Setting("torch.printoptions", "torch", _torch_print, lambda m, v: m.set_printoptions(**v)),
+    Setting("torch.deterministic", "torch", _torch_deterministic, _set_torch_deterministic),
+    Setting(
+        "pandas.options",
+        "pandas",
+        _pandas_options,
+        _set_pandas_options,
+        snapshot=lambda m: copy.deepcopy(m._config.config._global_config),
+        changed=lambda m, memo: m._config.config._global_config != memo,  # nested dicts, compared in place
+    ),
     Setting("decimal.context", "decimal", _decimal_context, _set_decimal_context),
+    Setting("locale", "locale", lambda m: m.setlocale(m.LC_ALL), lambda m, v: m.setlocale(m.LC_ALL, v)),
+    Setting(
+        "socket.defaulttimeout",
+        "socket",
+        lambda m: m.getdefaulttimeout(),
+        lambda m, v: m.setdefaulttimeout(v),
+    ),
+    Setting("logging", "logging", _logging, _set_logging),
     Setting(
         "sys.recursionlimit", "sys", lambda m: m.getrecursionlimit(), lambda m, v: m.setrecursionlimit(v)
     ),

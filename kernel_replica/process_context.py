@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -198,11 +199,14 @@ class ProcessState:
 
     def _enter(self, context: ProcessContext) -> str | None:
         previous = self.applied.env if self.applied is not None else {}
-        for name, value in env_to_apply(context.env, previous, self.start_env).items():
+        changes = env_to_apply(context.env, previous, self.start_env)
+        for name, value in changes.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        if "TZ" in changes:  # the C library reads TZ again only when told (time.localtime, strftime)
+            time.tzset()
         if list(sys.path) != list(context.path):
             sys.path[:] = context.path
             importlib.invalidate_caches()  # a module the cell just wrote is found by the replay

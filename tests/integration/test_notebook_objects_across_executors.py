@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import signal
 import time
 from collections.abc import Iterator
@@ -292,6 +293,8 @@ def test_seeded_generators_and_library_settings_follow_the_executor(
         "decimal.getcontext().prec = 6; sys.setrecursionlimit(4321)\n"
         "warnings.filterwarnings('error', message='notebook says stop')\n"
         "matplotlib.rcParams['lines.linewidth'] = 7.0\n"
+        "import logging, pandas as pd\n"
+        "pd.set_option('display.max_columns', 3); logging.getLogger('notebook.noisy').setLevel(logging.ERROR)\n"
         "first_draws = (random.random(), float(np.random.rand()), torch.rand(1).item())\n"
         "_r, _n, _t = random.Random(0), np.random.RandomState(0), torch.Generator().manual_seed(0)\n"
         "_ = (_r.random(), _n.rand(), torch.rand(1, generator=_t))\n"
@@ -313,15 +316,16 @@ def test_seeded_generators_and_library_settings_follow_the_executor(
         "    filtered = 'raised'\n"
         "print(json.dumps([drawn == expected, str(torch.ones(1).dtype), np.array2string(np.array([1/3])),\n"
         "    divide, str(decimal.Decimal(1) / decimal.Decimal(7)), sys.getrecursionlimit(), filtered,\n"
-        "    matplotlib.rcParams['lines.linewidth']]))"
+        "    matplotlib.rcParams['lines.linewidth'], pd.get_option('display.max_columns'),\n"
+        "    logging.getLogger('notebook.noisy').level]))"
     ))  # fmt: skip
     assert json.loads(moved.stdout.splitlines()[0]) == [
-        True, "torch.float64", "[0.33]", "raised", "0.142857", 4321, "raised", 7.0,
+        True, "torch.float64", "[0.33]", "raised", "0.142857", 4321, "raised", 7.0, 3, logging.ERROR,
     ], moved.stdout  # fmt: skip
     _on(tandem_cluster, kc, second, (  # the module's other tests share the kernel
         "torch.set_default_dtype(torch.float32); sys.setrecursionlimit(saved_settings[0])\n"
         "np.seterr(**saved_settings[1]); np.set_printoptions(**saved_settings[2]); decimal.getcontext().prec = saved_settings[3]\n"
-        "warnings.filters.pop(0); matplotlib.rcdefaults(); del saved_settings"
+        "warnings.filters.pop(0); matplotlib.rcdefaults(); pd.reset_option('display.max_columns'); del saved_settings"
     ))  # fmt: skip
 
 

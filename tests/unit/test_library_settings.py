@@ -6,14 +6,18 @@ puts the settings it changes back (``restored``)."""
 from __future__ import annotations
 
 import decimal
+import locale
+import logging
 import pickle
 import random
+import socket
 import sys
 import warnings
 from collections.abc import Iterator
 
 import matplotlib
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -33,8 +37,24 @@ def restored() -> Iterator[None]:
         decimal.getcontext().copy(),
         sys.getrecursionlimit(),
     )
-    with warnings.catch_warnings(), matplotlib.rc_context():
+    root = logging.getLogger()
+    more = (
+        torch._tensor_str.PRINT_OPTS.precision,
+        torch.are_deterministic_algorithms_enabled(),
+        locale.setlocale(locale.LC_ALL),
+        socket.getdefaulttimeout(),
+        root.level,
+        list(root.handlers),
+    )
+    with warnings.catch_warnings(), matplotlib.rc_context(), pd.option_context("display.max_columns", 20):
         yield
+    torch.set_printoptions(precision=more[0])
+    torch.use_deterministic_algorithms(more[1])
+    locale.setlocale(locale.LC_ALL, more[2])
+    socket.setdefaulttimeout(more[3])
+    root.setLevel(more[4])
+    root.handlers[:] = more[5]
+    logging.getLogger("tandem.test.noisy").setLevel(logging.NOTSET)
     random.setstate(saved[0])
     np.random.set_state(saved[1])
     np.seterr(**saved[2])
@@ -85,6 +105,38 @@ def test_dtype_error_print_decimal_recursion_filters_and_rcparams_follow() -> No
     with pytest.raises(UserWarning):
         warnings.warn("now an error", UserWarning, stacklevel=1)
     assert matplotlib.rcParams["lines.linewidth"] == 7.0
+
+
+def test_torch_pandas_locale_socket_and_logging_settings_follow() -> None:
+    executor, standby = SettingsTracker(), SettingsTracker()
+    torch.set_printoptions(precision=2)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    pd.set_option("display.max_columns", 3)
+    locale.setlocale(locale.LC_ALL, "C")
+    socket.setdefaulttimeout(7.0)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s|%(message)s", force=True)
+    logging.getLogger("tandem.test.noisy").setLevel(logging.ERROR)
+    captured = executor.capture()
+    torch.set_printoptions(precision=4)
+    torch.use_deterministic_algorithms(False)
+    pd.set_option("display.max_columns", 20)
+    locale.setlocale(locale.LC_ALL, "C.UTF-8")
+    socket.setdefaulttimeout(None)
+    logging.getLogger().handlers.clear()
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("tandem.test.noisy").setLevel(logging.NOTSET)
+    assert standby.apply(captured) is None
+    assert str(torch.tensor([1 / 3])) == "tensor([0.33])"
+    assert (
+        torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    )
+    assert pd.get_option("display.max_columns") == 3
+    assert locale.setlocale(locale.LC_ALL) == "C" and socket.getdefaulttimeout() == 7.0
+    root = logging.getLogger()
+    (handler,) = root.handlers
+    assert root.level == logging.INFO and handler.stream is sys.stderr
+    assert handler.format(logging.makeLogRecord({"levelname": "INFO", "msg": "hi"})) == "INFO|hi"
+    assert logging.getLogger("tandem.test.noisy").level == logging.ERROR
 
 
 def test_an_unchanged_setting_yields_the_same_bytes_and_a_state_carries_only_what_changed() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import msgpack
@@ -106,3 +107,16 @@ def test_a_magic_that_fails_on_this_replica_is_reported() -> None:
 def test_a_magic_outside_the_configuration_ones_is_refused_from_the_log() -> None:
     with pytest.raises(ValueError, match="'magics'"):
         ProcessContext.from_wire({"cwd": "/", "env": {}, "path": [], "magics": [["system", "rm -rf /"]]})
+
+
+def test_a_time_zone_set_by_the_notebook_is_in_force_on_the_next_executor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TZ", raising=False)
+    standby = ProcessState()
+    assert standby.apply(ProcessContext(os.getcwd(), {"TZ": "EST+5"}, tuple(sys.path))) is None
+    try:
+        assert time.tzname[0] == "EST" and time.timezone == 5 * 3600  # read again, not only set
+    finally:
+        monkeypatch.delenv("TZ", raising=False)
+        time.tzset()
