@@ -48,6 +48,9 @@ CONFIG_MAGICS = frozenset(
         "matplotlib",
         "precision",
         "xmode",
+        "alias",  # %alias ll ls -l: a shell alias the notebook's later cells call as %ll
+        "unalias",
+        "colors",
     }
 )
 MAX_MAGICS = 200  # a notebook reconfiguring in a loop keeps its first ones (order matters)

@@ -261,7 +261,12 @@ def test_configuration_magics_are_replayed_on_the_next_executor(
     """``%load_ext autoreload`` / ``%autoreload 2`` at a notebook's top: before, the next executor
     had no autoreload, and silently ran the notebook's old module code after an edit."""
     kc, (first, second, *_), _ = kernel
-    _on(tandem_cluster, kc, first, "%load_ext autoreload\n%autoreload 2\n%precision 3")
+    _on(
+        tandem_cluster,
+        kc,
+        first,
+        "%load_ext autoreload\n%autoreload 2\n%precision 3\n%alias hello echo hi-from-alias",
+    )
     probe = (  # no variable left behind: the shell itself cannot be replicated (and says so)
         "def _probe(ip=get_ipython()):\n"
         "    reloader = ip.magics_manager.registry['AutoreloadMagics']._reloader\n"
@@ -273,6 +278,7 @@ def test_configuration_magics_are_replayed_on_the_next_executor(
     moved = _on(tandem_cluster, kc, second, probe)
     assert moved.stdout.split() == ["True", "True", "True", "3"], moved.stdout
     assert not moved.errors
+    assert _on(tandem_cluster, kc, second, "%hello").stdout.strip() == "hi-from-alias"
 
 
 def test_seeded_generators_and_library_settings_follow_the_executor(
