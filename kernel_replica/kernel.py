@@ -1289,6 +1289,10 @@ class TandemKernel(IPythonKernel):
                 if isinstance(shown, Unreplicated) and shown.awaiting is not None:
                     self._awaited_outputs.append(shown)
                 self._pending_outputs.append((output[0].count, shown))
+                kept = max(3, int(self.shell.displayhook.cache_size))  # a standby's are bounded as Out is
+                if len(self._pending_outputs) > kept:
+                    del self._pending_outputs[:-kept]
+                    self._awaited_outputs = self._awaited_outputs[-kept:]
             if comms[0]:
                 failures += self._comms_failed(comms[0])
         except Exception as exc:

@@ -16,7 +16,6 @@ starts with an empty output history (``Out`` is a cache, not the notebook's stat
 
 from __future__ import annotations
 
-import builtins
 import pickle
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -148,16 +147,18 @@ def resolve_output(
 
 
 def enter_outputs(shell: Any, outputs: Iterable[tuple[int, Any]]) -> None:
-    """Put (count, object) outputs other replicas showed into this shell's history, in order, as
-    IPython's display hook does (``DisplayHook.update_user_ns``): ``_``, ``__``, ``___``,
-    ``_<n>``, ``Out[n]``."""
-    hook, namespace = shell.displayhook, shell.user_ns
-    for count, value in outputs:
-        if "_" not in builtins.__dict__:  # as IPython: a builtin '_' (gettext) is left alone
-            hook.___, hook.__, hook._ = hook.__, hook._, value
-            shell.push({"_": hook._, "__": hook.__, "___": hook.___}, interactive=False)
-        shell.push({f"_{count}": value}, interactive=False)
-        namespace["_oh"][count] = value
+    """Put (count, object) outputs other replicas showed into this shell's history, in order,
+    through IPython's own display hook (``DisplayHook.update_user_ns``: ``_``, ``__``, ``___``
+    unless the notebook assigned one itself, ``_<n>``, ``Out[n]``, the cache culled when full),
+    with the shell's counter set to each output's cell for the call."""
+    hook, counter = shell.displayhook, shell.execution_count
+    ahead = counter - hook.prompt_count  # IPython 9 counts the cell before its output is shown
+    try:
+        for count, value in outputs:
+            shell.execution_count = count + ahead
+            hook.update_user_ns(value)
+    finally:
+        shell.execution_count = counter
 
 
 def output_loaded(shell: Any, marker: Unreplicated, value: Any) -> None:

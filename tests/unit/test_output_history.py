@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pickle
 import threading
-from types import SimpleNamespace
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
 
 from kernel_replica.log_entries import LogEntryError, State, decode, encode
 from kernel_replica.output_history import (
@@ -24,15 +26,15 @@ from kernel_replica.output_history import (
 )
 
 
-class Shell:
-    """What ``enter_outputs`` uses of IPython's shell: its namespace, display hook and push."""
-
-    def __init__(self) -> None:
-        self.user_ns: dict[str, Any] = {"_oh": {}, "_": "", "__": "", "___": ""}
-        self.displayhook = SimpleNamespace(_="", __="", ___="")
-
-    def push(self, names: dict[str, Any], interactive: bool = True) -> None:
-        self.user_ns.update(names)
+@pytest.fixture
+def shell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A real IPython shell (its display hook is what enters outputs), writing nothing to ~."""
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path))
+    config = Config()
+    config.HistoryManager.enabled = False
+    shell = InteractiveShell(config=config)
+    shell.execution_count = 10
+    return shell
 
 
 def _capture(namespace: dict[str, Any], count: int, max_bytes: int = 1000) -> CellOutput | None:
@@ -63,8 +65,7 @@ def test_an_output_too_large_or_unpicklable_travels_as_the_reason() -> None:
     )
 
 
-def test_outputs_enter_in_order_as_the_display_hook_would_and_name_what_is_missing() -> None:
-    shell = Shell()
+def test_outputs_enter_in_order_as_the_display_hook_would_and_name_what_is_missing(shell: Any) -> None:
     items = shell.user_ns["items"] = [1, 2, 3]
     outputs = [
         _capture({"_oh": {1: 42}}, 1),
@@ -75,15 +76,21 @@ def test_outputs_enter_in_order_as_the_display_hook_would_and_name_what_is_missi
     shell.user_ns["items"] = "rebound by a later cell"  # after the outputs' STATEs applied
     enter_outputs(shell, taken)
     ns = shell.user_ns
-    assert ns["___"] == 42 and ns["__"] is items and ns["_2"] is items and ns["_oh"][1] == 42
+    assert ns["___"] == 42 and ns["__"] is items and ns["_2"] is items and ns["Out"][1] == 42
     assert isinstance(ns["_"], Unreplicated) and ns["_"] is ns["_3"] is shell.displayhook._
     assert repr(ns["_"]) == (
         "<Out[3] is not on this replica: its bytes is 3,000,000 bytes pickled, over 1,048,576; it is on replica r2>"
     )
+    assert shell.execution_count == 10  # this replica's own counter, as it was
 
 
-def test_an_output_whose_variable_still_loads_is_replaced_when_it_is_in() -> None:
-    shell = Shell()
+def test_an_underscore_the_notebook_assigned_itself_is_left_alone(shell: Any) -> None:
+    shell.user_ns["_"] = "the notebook's own"  # for _ in ...: IPython stops updating _, __, ___
+    enter_outputs(shell, [(4, 42)])
+    assert shell.user_ns["_"] == "the notebook's own" and shell.user_ns["_4"] == 42
+
+
+def test_an_output_whose_variable_still_loads_is_replaced_when_it_is_in(shell: Any) -> None:
     marker = resolve_output(shell.user_ns, CellOutput(7, alias="model"), "r1", loading={"model"})
     assert isinstance(marker, Unreplicated) and marker.awaiting == "model" and "still loading" in repr(marker)
     enter_outputs(shell, [(7, marker)])
