@@ -5,7 +5,8 @@ A notebook seeds its random generators at the top (``np.random.seed(0)``, ``rand
 ``torch.set_default_dtype(torch.float64)``, ``np.seterr(all="raise")``,
 ``decimal.getcontext().prec = 50``, ``warnings.filterwarnings("error")``,
 ``sys.setrecursionlimit(10_000)``, ``plt.rcParams[...]`` / ``plt.style.use(...)``,
-``pd.set_option(...)``, ``logging.basicConfig(level=logging.INFO)``. None of that is
+``pd.set_option(...)``, ``sklearn.set_config(transform_output="pandas")``,
+``logging.basicConfig(level=logging.INFO)``. None of that is
 in the namespace: it lives in the libraries' module state, per process. Without this module the
 next executor drew other random numbers, computed in float32, ignored the warnings filters and
 drew figures in another style, silently (each replica has its own process).
@@ -276,6 +277,8 @@ SETTINGS: tuple[Setting, ...] = (
         snapshot=lambda m: copy.deepcopy(m._config.config._global_config),
         changed=lambda m, memo: m._config.config._global_config != memo,  # nested dicts, compared in place
     ),
+    # transform_output="pandas" changes what every transformer returns; a thread's own config
+    Setting("sklearn.config", "sklearn", lambda m: m.get_config(), lambda m, v: m.set_config(**v)),
     Setting("decimal.context", "decimal", _decimal_context, _set_decimal_context),
     Setting("locale", "locale", lambda m: m.setlocale(m.LC_ALL), lambda m, v: m.setlocale(m.LC_ALL, v)),
     Setting(

@@ -19,7 +19,9 @@ import matplotlib
 import numpy as np
 import pandas as pd
 import pytest
+import sklearn
 import torch
+from sklearn.preprocessing import StandardScaler
 
 from kernel_replica.library_settings import SETTINGS, SettingsTracker, _python_rng_reader
 from kernel_replica.process_context import ProcessContext, ProcessState
@@ -46,7 +48,12 @@ def restored() -> Iterator[None]:
         root.level,
         list(root.handlers),
     )
-    with warnings.catch_warnings(), matplotlib.rc_context(), pd.option_context("display.max_columns", 20):
+    with (
+        warnings.catch_warnings(),
+        matplotlib.rc_context(),
+        pd.option_context("display.max_columns", 20),
+        sklearn.config_context(),
+    ):
         yield
     torch.set_printoptions(precision=more[0])
     torch.use_deterministic_algorithms(more[1])
@@ -112,6 +119,7 @@ def test_torch_pandas_locale_socket_and_logging_settings_follow() -> None:
     torch.set_printoptions(precision=2)
     torch.use_deterministic_algorithms(True, warn_only=True)
     pd.set_option("display.max_columns", 3)
+    sklearn.set_config(transform_output="pandas")
     locale.setlocale(locale.LC_ALL, "C")
     socket.setdefaulttimeout(7.0)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s|%(message)s", force=True)
@@ -120,6 +128,7 @@ def test_torch_pandas_locale_socket_and_logging_settings_follow() -> None:
     torch.set_printoptions(precision=4)
     torch.use_deterministic_algorithms(False)
     pd.set_option("display.max_columns", 20)
+    sklearn.set_config(transform_output="default")
     locale.setlocale(locale.LC_ALL, "C.UTF-8")
     socket.setdefaulttimeout(None)
     logging.getLogger().handlers.clear()
@@ -131,6 +140,7 @@ def test_torch_pandas_locale_socket_and_logging_settings_follow() -> None:
         torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
     )
     assert pd.get_option("display.max_columns") == 3
+    assert type(StandardScaler().fit_transform(pd.DataFrame({"a": [1.0, 2.0]}))) is pd.DataFrame
     assert locale.setlocale(locale.LC_ALL) == "C" and socket.getdefaulttimeout() == 7.0
     root = logging.getLogger()
     (handler,) = root.handlers
