@@ -167,6 +167,34 @@ def _set_torch_deterministic(torch: ModuleType, value: tuple[bool, bool, bool, b
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_deterministic, cudnn_benchmark
 
 
+def _torch_numerics(torch: ModuleType) -> tuple[str, bool, bool]:
+    """What changes a computation's numbers or its autograd: float32 matmul precision (TF32 on
+    GPUs follows it), grad mode (``torch.set_grad_enabled(False)`` as a statement: the cells'
+    thread's), anomaly detection."""
+    return torch.get_float32_matmul_precision(), torch.is_grad_enabled(), torch.is_anomaly_enabled()
+
+
+def _set_torch_numerics(torch: ModuleType, value: tuple[str, bool, bool]) -> None:
+    precision, grad, anomaly = value
+    if torch.get_float32_matmul_precision() != precision:
+        torch.set_float32_matmul_precision(precision)
+    torch.set_grad_enabled(grad)
+    torch.autograd.set_detect_anomaly(anomaly)
+
+
+def _shell_interactivity(ipython: ModuleType) -> str | None:
+    """Which expressions of a cell are shown (``InteractiveShell.ast_node_interactivity = "all"``,
+    a notebook's common first line, sets the class attribute, not through ``%config``)."""
+    shell = ipython.get_ipython()
+    return None if shell is None else str(shell.ast_node_interactivity)
+
+
+def _set_shell_interactivity(ipython: ModuleType, value: str | None) -> None:
+    shell = ipython.get_ipython()
+    if shell is not None and value is not None and shell.ast_node_interactivity != value:
+        shell.ast_node_interactivity = value
+
+
 def _pandas_options(pandas: ModuleType) -> dict[str, Any]:
     """Every registered option's value (a callable one, ``display.float_format = lambda ...``,
     left out if it cannot be pickled)."""
@@ -269,6 +297,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("torch.default_dtype", "torch", lambda m: str(m.get_default_dtype()), _set_torch_dtype),
     Setting("torch.printoptions", "torch", _torch_print, lambda m, v: m.set_printoptions(**v)),
     Setting("torch.deterministic", "torch", _torch_deterministic, _set_torch_deterministic),
+    Setting("torch.numerics", "torch", _torch_numerics, _set_torch_numerics),
+    Setting("ipython.ast_node_interactivity", "IPython", _shell_interactivity, _set_shell_interactivity),
     Setting(
         "pandas.options",
         "pandas",

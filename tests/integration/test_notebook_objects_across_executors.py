@@ -335,6 +335,21 @@ def test_seeded_generators_and_library_settings_follow_the_executor(
     ))  # fmt: skip
 
 
+def test_a_notebook_showing_every_expression_shows_them_on_the_next_executor(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    """``InteractiveShell.ast_node_interactivity = "all"``, a common first cell (a class attribute,
+    not ``%config``): before, the next executor showed only each cell's last expression."""
+    kc, (first, second, *_), _ = kernel
+    _on(tandem_cluster, kc, first, (
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "InteractiveShell.ast_node_interactivity = 'all'"
+    ))  # fmt: skip
+    moved = _on(tandem_cluster, kc, second, "'one'\n'two'")
+    _on(tandem_cluster, kc, second, "get_ipython().ast_node_interactivity = 'last_expr'")  # shared kernel
+    assert moved.results == ["'one'", "'two'"], moved.results
+
+
 def test_the_output_history_follows_the_executor(
     tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
 ) -> None:

@@ -14,6 +14,7 @@ import socket
 import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import matplotlib
 import numpy as np
@@ -147,6 +148,39 @@ def test_torch_pandas_locale_socket_and_logging_settings_follow() -> None:
     assert root.level == logging.INFO and handler.stream is sys.stderr
     assert handler.format(logging.makeLogRecord({"levelname": "INFO", "msg": "hi"})) == "INFO|hi"
     assert logging.getLogger("tandem.test.noisy").level == logging.ERROR
+
+
+def test_torch_numerics_and_grad_mode_follow() -> None:
+    executor, standby = SettingsTracker(), SettingsTracker()
+    torch.set_float32_matmul_precision("medium")
+    torch.set_grad_enabled(False)  # as a notebook statement: off for the cells that follow
+    captured = executor.capture()
+    torch.set_float32_matmul_precision("highest")
+    torch.set_grad_enabled(True)
+    try:
+        assert standby.apply(captured) is None
+        assert torch.get_float32_matmul_precision() == "medium" and not torch.is_grad_enabled()
+    finally:
+        torch.set_grad_enabled(True)
+        torch.set_float32_matmul_precision("highest")
+
+
+def test_a_cell_showing_every_expression_is_kept_on_the_next_executor(tmp_path: Path) -> None:
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    config = Config()
+    config.HistoryManager.enabled = False
+    shell = InteractiveShell.instance(config=config, ipython_dir=str(tmp_path))
+    try:
+        executor, standby = SettingsTracker(), SettingsTracker()
+        shell.ast_node_interactivity = "all"
+        captured = executor.capture()
+        shell.ast_node_interactivity = "last_expr"
+        assert standby.apply(captured) is None
+        assert shell.ast_node_interactivity == "all"
+    finally:
+        InteractiveShell.clear_instance()
 
 
 def test_an_unchanged_setting_yields_the_same_bytes_and_a_state_carries_only_what_changed() -> None:
