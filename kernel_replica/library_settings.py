@@ -182,15 +182,15 @@ def _set_torch_numerics(torch: ModuleType, value: tuple[str, bool, bool]) -> Non
     torch.autograd.set_detect_anomaly(anomaly)
 
 
-def _shell_interactivity(ipython: ModuleType) -> str | None:
+def _shell_interactivity(module: ModuleType) -> str | None:
     """Which expressions of a cell are shown (``InteractiveShell.ast_node_interactivity = "all"``,
     a notebook's common first line, sets the class attribute, not through ``%config``)."""
-    shell = ipython.get_ipython()
+    shell = module.InteractiveShell._instance
     return None if shell is None else str(shell.ast_node_interactivity)
 
 
-def _set_shell_interactivity(ipython: ModuleType, value: str | None) -> None:
-    shell = ipython.get_ipython()
+def _set_shell_interactivity(module: ModuleType, value: str | None) -> None:
+    shell = module.InteractiveShell._instance
     if shell is not None and value is not None and shell.ast_node_interactivity != value:
         shell.ast_node_interactivity = value
 
@@ -225,11 +225,15 @@ def _set_pandas_options(pandas: ModuleType, value: Mapping[str, Any]) -> None:
                 pandas.set_option(key, option)
 
 
+_UNCHANGED = "tandem: logger levels unchanged"  # a key no level lookup uses (see _logging_probe)
+
+
 def _logging(
     logging: ModuleType,
-) -> tuple[int, dict[str, int], list[tuple[str, int, str | None, str | None, str]]]:
-    """The root logger's level, the levels set on named loggers, and the root's handlers that
-    print to the cell's output (``logging.basicConfig(level=...)``: the stream, level, format)."""
+) -> tuple[int, int, dict[str, int], list[tuple[str, int, str | None, str | None, str]]]:
+    """The root logger's level, ``logging.disable``'s, the levels set on named loggers, and the
+    root's handlers that print to the cell's output (``logging.basicConfig(level=...)``: the
+    stream, level, format)."""
     root = logging.getLogger()
     levels = {
         name: logger.level
@@ -255,17 +259,38 @@ def _logging(
                     style,
                 )
             )
-    return root.level, levels, handlers
+    return root.level, logging.root.manager.disable, levels, handlers
+
+
+def _logging_mark(logging: ModuleType) -> tuple[Any, ...]:
+    """Marks the root logger's level cache, and returns its level and handlers (the memo)."""
+    root = logging.getLogger()
+    cache = getattr(root, "_cache", None)
+    if isinstance(cache, dict):
+        cache[_UNCHANGED] = True
+    return root.level, tuple(root.handlers)
+
+
+def _logging_changed(logging: ModuleType, memo: tuple[Any, ...]) -> bool:
+    """~1 us where reading every logger's level is ~6: ``setLevel`` on any logger and
+    ``logging.disable`` clear every logger's level cache (``Manager._clear_cache``), the root's
+    too, so the mark ``_logging_mark`` left in it is gone after any of them."""
+    root = logging.getLogger()
+    cache = getattr(root, "_cache", None)
+    if not isinstance(cache, dict) or cache.get(_UNCHANGED) is not True:
+        return True
+    return (root.level, tuple(root.handlers)) != memo
 
 
 def _stream_name(stream: Any) -> str | None:
     return "stdout" if stream is sys.stdout else "stderr" if stream is sys.stderr else None
 
 
-def _set_logging(logging: ModuleType, value: tuple[int, dict[str, int], list[Any]]) -> None:
-    level, levels, handlers = value
+def _set_logging(logging: ModuleType, value: tuple[int, int, dict[str, int], list[Any]]) -> None:
+    level, disabled, levels, handlers = value
     root = logging.getLogger()
     root.setLevel(level)
+    logging.disable(disabled)
     for name, named_level in levels.items():
         logging.getLogger(name).setLevel(named_level)
     for handler in list(root.handlers):  # the notebook's own, as the executor has them now
@@ -298,7 +323,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("torch.printoptions", "torch", _torch_print, lambda m, v: m.set_printoptions(**v)),
     Setting("torch.deterministic", "torch", _torch_deterministic, _set_torch_deterministic),
     Setting("torch.numerics", "torch", _torch_numerics, _set_torch_numerics),
-    Setting("ipython.ast_node_interactivity", "IPython", _shell_interactivity, _set_shell_interactivity),
+    Setting(
+        "ipython.ast_node_interactivity",
+        "IPython.core.interactiveshell",
+        _shell_interactivity,
+        _set_shell_interactivity,
+    ),
     Setting(
         "pandas.options",
         "pandas",
@@ -317,7 +347,7 @@ SETTINGS: tuple[Setting, ...] = (
         lambda m: m.getdefaulttimeout(),
         lambda m, v: m.setdefaulttimeout(v),
     ),
-    Setting("logging", "logging", _logging, _set_logging),
+    Setting("logging", "logging", _logging, _set_logging, snapshot=_logging_mark, changed=_logging_changed),
     Setting(
         "sys.recursionlimit", "sys", lambda m: m.getrecursionlimit(), lambda m, v: m.setrecursionlimit(v)
     ),

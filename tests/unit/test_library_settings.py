@@ -63,6 +63,7 @@ def restored() -> Iterator[None]:
     root.setLevel(more[4])
     root.handlers[:] = more[5]
     logging.getLogger("tandem.test.noisy").setLevel(logging.NOTSET)
+    logging.disable(logging.NOTSET)
     random.setstate(saved[0])
     np.random.set_state(saved[1])
     np.seterr(**saved[2])
@@ -124,7 +125,9 @@ def test_torch_pandas_locale_socket_and_logging_settings_follow() -> None:
     locale.setlocale(locale.LC_ALL, "C")
     socket.setdefaulttimeout(7.0)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s|%(message)s", force=True)
-    logging.getLogger("tandem.test.noisy").setLevel(logging.ERROR)
+    executor.capture()
+    logging.getLogger("tandem.test.noisy").setLevel(logging.ERROR)  # seen, after a capture too
+    logging.disable(logging.DEBUG)
     captured = executor.capture()
     torch.set_printoptions(precision=4)
     torch.use_deterministic_algorithms(False)
@@ -135,6 +138,7 @@ def test_torch_pandas_locale_socket_and_logging_settings_follow() -> None:
     logging.getLogger().handlers.clear()
     logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger("tandem.test.noisy").setLevel(logging.NOTSET)
+    logging.disable(logging.NOTSET)
     assert standby.apply(captured) is None
     assert str(torch.tensor([1 / 3])) == "tensor([0.33])"
     assert (
@@ -148,6 +152,7 @@ def test_torch_pandas_locale_socket_and_logging_settings_follow() -> None:
     assert root.level == logging.INFO and handler.stream is sys.stderr
     assert handler.format(logging.makeLogRecord({"levelname": "INFO", "msg": "hi"})) == "INFO|hi"
     assert logging.getLogger("tandem.test.noisy").level == logging.ERROR
+    assert logging.root.manager.disable == logging.DEBUG
 
 
 def test_torch_numerics_and_grad_mode_follow() -> None:
