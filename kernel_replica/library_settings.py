@@ -351,6 +351,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "sys.recursionlimit", "sys", lambda m: m.getrecursionlimit(), lambda m, v: m.setrecursionlimit(v)
     ),
+    # sys.set_int_max_str_digits(0): str() of a 5,000-digit int raises ValueError without it
+    Setting(
+        "sys.int_max_str_digits",
+        "sys",
+        lambda m: m.get_int_max_str_digits(),
+        lambda m, v: m.set_int_max_str_digits(v),
+    ),
     Setting("warnings.filters", "warnings", lambda m: list(m.filters), _set_warning_filters),
     Setting(
         "matplotlib.rcParams",

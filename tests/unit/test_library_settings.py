@@ -39,6 +39,7 @@ def restored() -> Iterator[None]:
         torch.get_default_dtype(),
         decimal.getcontext().copy(),
         sys.getrecursionlimit(),
+        sys.get_int_max_str_digits(),
     )
     root = logging.getLogger()
     more = (
@@ -72,6 +73,7 @@ def restored() -> Iterator[None]:
     torch.set_default_dtype(saved[5])
     decimal.setcontext(saved[6])
     sys.setrecursionlimit(saved[7])
+    sys.set_int_max_str_digits(saved[8])
 
 
 def _draws() -> tuple[float, float, float]:
@@ -96,6 +98,7 @@ def test_dtype_error_print_decimal_recursion_filters_and_rcparams_follow() -> No
     np.set_printoptions(precision=2)
     decimal.getcontext().prec = 6
     sys.setrecursionlimit(4321)
+    sys.set_int_max_str_digits(0)
     warnings.filterwarnings("error", category=UserWarning)
     matplotlib.rcParams["lines.linewidth"] = 7.0
     captured = executor.capture()
@@ -104,13 +107,14 @@ def test_dtype_error_print_decimal_recursion_filters_and_rcparams_follow() -> No
     np.set_printoptions(precision=8)
     decimal.getcontext().prec = 28
     sys.setrecursionlimit(1000)
+    sys.set_int_max_str_digits(4300)
     warnings.resetwarnings()
     matplotlib.rcParams["lines.linewidth"] = 1.5
     assert standby.apply(captured) is None
     assert torch.get_default_dtype() == torch.float64 and torch.ones(1).dtype == torch.float64
     assert np.geterr()["divide"] == "raise" and np.array2string(np.array([1 / 3])) == "[0.33]"
     assert str(decimal.Decimal(1) / decimal.Decimal(7)) == "0.142857"
-    assert sys.getrecursionlimit() == 4321
+    assert sys.getrecursionlimit() == 4321 and len(str(10**5000)) == 5001
     with pytest.raises(UserWarning):
         warnings.warn("now an error", UserWarning, stacklevel=1)
     assert matplotlib.rcParams["lines.linewidth"] == 7.0
