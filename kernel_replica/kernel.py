@@ -1174,8 +1174,8 @@ class TandemKernel(IPythonKernel):
             return
         self._residency.adopt(state.gpu_resident)  # its GPU objects are ours when we execute next
         groups = [(g, None) for g in state.groups]
-        process = state.process if state.replica_id != self.replica_id else None
-        mine = state.replica_id == self.replica_id
+        mine = state.replica_id == self.replica_id  # this process has them already
+        process = state.process if not mine else None
         output = (state.output, state.replica_id) if state.output is not None and not mine else None
         self._chain_apply(
             state.msg_id,

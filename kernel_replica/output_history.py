@@ -107,6 +107,11 @@ def _pickled(value: Any, max_bytes: int) -> bytes:
     """``value`` pickled, given up as soon as its buffers (arrays', tensors', frames' data, which
     protocol 5 hands over first) pass ``max_bytes``: a 10 GB array shown at a cell's end is not
     copied to find out."""
+    if (
+        isinstance(value, str | bytes | bytearray | list | tuple | dict | set | frozenset)
+        and len(value) > max_bytes
+    ):
+        raise _TooLarge  # a byte at least per item pickled: no need to build it to know
     seen = 0
 
     def in_band(buffer: pickle.PickleBuffer) -> bool:

@@ -55,9 +55,11 @@ def test_an_output_held_by_a_variable_travels_as_its_name_and_a_new_value_pickle
 def test_an_output_too_large_or_unpicklable_travels_as_the_reason() -> None:
     namespace = {"_oh": {1: bytes(5000), 2: threading.Lock(), 3: np.zeros(10**6), 4: np.zeros(10)}}
     large, lock, array, small = (_capture(namespace, n) for n in (1, 2, 3, 4))
-    assert large is not None and large.missing is not None and "bytes is 5,0" in large.missing
+    assert large is not None and large.missing == "its bytes is over 1,000 bytes pickled"
     assert lock is not None and lock.missing is not None and "lock cannot be pickled" in lock.missing
     assert array is not None and array.missing == "its ndarray is over 1,000 bytes pickled"
+    long_list = _capture({"_oh": {5: list(range(5000))}}, 5)
+    assert long_list is not None and long_list.missing == "its list is over 1,000 bytes pickled"
     assert (
         small is not None
         and small.value is not None
