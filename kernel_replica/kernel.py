@@ -58,6 +58,7 @@ from kernel_replica.durability import (
 )
 from kernel_replica.election_core import COMMITTED, DIVERGED_EXIT_CODE, SUPERSEDED, UNCOMMITTED
 from kernel_replica.lazy_load import LazyLoader, Load, Silence
+from kernel_replica.library_settings import modules_missing
 from kernel_replica.log_entries import Done, State
 from kernel_replica.object_codec import DEFAULT_LARGE_OBJECT_BYTES, ObjectCodec, is_large
 from kernel_replica.output_history import (
@@ -1282,6 +1283,9 @@ class TandemKernel(IPythonKernel):
                 )
             if process is not None and process.settings:  # applied when a cell runs here next
                 self._pending_settings.update(process.settings)
+                missing = modules_missing(process.settings)
+                if missing:  # numpy.random, say: imported now, not on the next cell's path
+                    await asyncio.to_thread(preimport, missing)
             if output is not None:  # the object as of this cell (a later one may rebind its name)
                 shown = resolve_output(
                     self.shell.user_ns, *output, loading=lazy.pending.names() if lazy is not None else ()

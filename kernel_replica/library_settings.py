@@ -25,10 +25,11 @@ import copy
 import ctypes
 import importlib
 import pickle
+import re
 import struct
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -126,9 +127,40 @@ def _set_decimal_context(decimal: ModuleType, value: tuple[Any, ...]) -> None:
         c.traps[signal] = signal.__name__ in traps
 
 
-def _set_warning_filters(module: ModuleType, value: list[Any]) -> None:
-    module.filters[:] = value
-    module._filters_mutated()
+Filter = tuple[str, Any, tuple[str, str], Any, int]
+
+
+def _pattern(regex: Any) -> Any:
+    """A filter's message or module regex as (pattern, flags); a plain string or None as is."""
+    return (regex.pattern, regex.flags) if isinstance(regex, re.Pattern) else regex
+
+
+def _compiled(pattern: Any) -> Any:
+    return re.compile(*pattern) if isinstance(pattern, tuple) else pattern
+
+
+def _warning_filters(warnings: ModuleType) -> list[Filter]:
+    """The filters with their categories by name, not pickled by reference: unpickling those would
+    import every module a category comes from (the executor's ``torch._dynamo`` and the like:
+    250 ms on the first cell a standby ran)."""
+    return [
+        (action, _pattern(message), (category.__module__, category.__qualname__), _pattern(module), lineno)
+        for action, message, category, module, lineno in warnings.filters
+    ]
+
+
+def _set_warning_filters(warnings: ModuleType, value: list[Filter]) -> None:
+    """The executor's filters, but those whose category's module is not imported here: no such
+    warning can be raised before it is, and a library's own filters come with its import."""
+    filters = []
+    for action, message, (home, name), module, lineno in value:
+        category: Any = sys.modules.get(home)
+        for part in name.split(".") if category is not None else ():
+            category = getattr(category, part, None)
+        if isinstance(category, type) and issubclass(category, Warning):
+            filters.append((action, _compiled(message), category, _compiled(module), lineno))
+    warnings.filters[:] = filters
+    warnings._filters_mutated()
 
 
 def _rc(matplotlib: ModuleType) -> dict[str, Any]:
@@ -163,7 +195,14 @@ def _torch_deterministic(torch: ModuleType) -> tuple[bool, bool, bool, bool]:
 
 def _set_torch_deterministic(torch: ModuleType, value: tuple[bool, bool, bool, bool]) -> None:
     enabled, warn_only, cudnn_deterministic, cudnn_benchmark = value
-    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    if (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    ) != (
+        enabled,
+        warn_only,
+    ):  # its first call takes ~1.3 s
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_deterministic, cudnn_benchmark
 
 
@@ -358,7 +397,13 @@ SETTINGS: tuple[Setting, ...] = (
         lambda m: m.get_int_max_str_digits(),
         lambda m, v: m.set_int_max_str_digits(v),
     ),
-    Setting("warnings.filters", "warnings", lambda m: list(m.filters), _set_warning_filters),
+    Setting(
+        "warnings.filters",
+        "warnings",
+        _warning_filters,
+        _set_warning_filters,
+        snapshot=lambda m: list(m.filters),  # compared as they are (~0.2 us)
+    ),
     Setting(
         "matplotlib.rcParams",
         "matplotlib",
@@ -369,6 +414,20 @@ SETTINGS: tuple[Setting, ...] = (
     ),
 )
 SETTING_NAMES = frozenset(s.name for s in SETTINGS)
+
+
+def modules_missing(names: Iterable[str]) -> list[str]:
+    """The modules the settings ``names`` are set in that this process has not imported: what a
+    replica imports off its main thread when they arrive, not before the next cell runs."""
+    wanted = set(names)
+    return sorted({s.module for s in SETTINGS if s.name in wanted and s.module not in sys.modules})
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # numpy's state tuple holds an array: "ambiguous truth value"
+        return False
 
 
 class SettingsTracker:
@@ -422,7 +481,8 @@ class SettingsTracker:
             try:
                 module = sys.modules.get(setting.module) or importlib.import_module(setting.module)
                 raw = pickle.loads(value)
-                setting.write(module, raw)
+                if not _same(setting.read(module), raw):  # a write may be slow, or reset more
+                    setting.write(module, raw)
                 self._memos[setting.name], self._values[setting.name] = setting.memo(module, raw), value
             except Exception as exc:
                 failed.append(f"{setting.name} ({exc.__class__.__name__}: {exc})")

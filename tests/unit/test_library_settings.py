@@ -24,7 +24,7 @@ import sklearn
 import torch
 from sklearn.preprocessing import StandardScaler
 
-from kernel_replica.library_settings import SETTINGS, SettingsTracker, _python_rng_reader
+from kernel_replica.library_settings import SETTINGS, Setting, SettingsTracker, _python_rng_reader
 from kernel_replica.process_context import ProcessContext, ProcessState
 
 
@@ -248,3 +248,23 @@ def test_the_cheap_probe_of_pythons_generator_sees_every_draw_and_seed() -> None
     random.seed(0)
     assert len({before, drawn, probe(random)}) == 3
     assert {s.name for s in SETTINGS} >= {"random.state", "numpy.random.state", "torch.random.state"}
+
+
+def test_a_setting_already_as_the_executor_left_it_is_not_written_again() -> None:
+    def write(module: object, value: object) -> None:
+        raise AssertionError("written")  # torch.use_deterministic_algorithms takes 1.3 s the first time
+
+    same = Setting("probe.same", "sys", lambda m: 5, write)
+    assert SettingsTracker((same,)).apply({"probe.same": pickle.dumps(5)}) is None
+
+
+def test_a_warnings_filter_of_a_module_not_imported_here_is_dropped_not_imported() -> None:
+    executor_filters = [
+        ("ignore", None, ("tandem_test_not_imported", "SomeWarning"), None, 0),
+        ("error", ("notebook says stop", 0), ("builtins", "UserWarning"), None, 0),
+    ]
+    assert SettingsTracker().apply({"warnings.filters": pickle.dumps(executor_filters)}) is None
+    assert "tandem_test_not_imported" not in sys.modules
+    assert [(f[0], f[2]) for f in warnings.filters] == [("error", UserWarning)]
+    with pytest.raises(UserWarning):
+        warnings.warn("notebook says stop", UserWarning, stacklevel=1)
