@@ -1156,9 +1156,13 @@ class TandemKernel(IPythonKernel):
         loader = self._loader
         awaited = {m.awaiting for m in self._awaited_outputs if m.awaiting is not None}
         if awaited and loader is not None and reads_outputs(mentioned_names(code)):
-            await loader.demand(awaited & loader.pending.names())
+            with contextlib.suppress(Exception):  # a failed load leaves its marker, which says so
+                await loader.demand(awaited & loader.pending.names())
         pending, self._pending_outputs = self._pending_outputs, []
-        enter_outputs(self.shell, pending)
+        try:
+            enter_outputs(self.shell, pending)
+        except Exception as exc:  # the history is a convenience: never fail the cell for it
+            self._slog.warning("outputs_not_entered", error=repr(exc), count=len(pending))
 
     def _apply_remote_state(self, state: State) -> None:
         """Another executor's STATE: load it in the background, in log order (the next cell
