@@ -306,9 +306,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "seed": 0,  # the seeded order in which leftovers go to non-bidders
         "report_interval_s": 1.0,  # each host's agent.report (idle GPUs, its jobs' progress)
         "stop_grace_s": 30.0,  # a job asked to stop (or pause) gets this long to reach a step boundary
-        # a run that has not reached its first step boundary (importing its libraries, reading
-        # its checkpoint) keeps its lease, renewed, until it is this old: ended earlier, a job
-        # whose start outlasts a lease would restart from scratch at every lease, never stepping
+        # a job that lost a start (a lease ended before its run stepped) keeps its next lease,
+        # renewed, while that run has not reached its first step boundary, until it is this old:
+        # else a job whose start outlasts a lease would restart from scratch at every lease
         "startup_allowance_s": 600.0,
         # > 0: a job (using the job-side API) whose lease ends pauses in place this long, and a
         # next lease of the same GPUs there resumes it without a new process; 0: it stops, which

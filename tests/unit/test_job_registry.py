@@ -243,16 +243,19 @@ def test_a_packed_gpu_is_charged_once_split_between_its_two_jobs_by_their_shares
     assert jmax.gpu_seconds == pytest.approx(6.0 + 8 * (1 + 100 / 160) + 4.0)
 
 
-def test_a_run_keeps_its_lease_until_its_own_report_shows_a_step_or_the_allowance_runs_out() -> None:
+def test_a_job_that_lost_a_start_keeps_its_next_lease_until_its_run_steps_or_the_allowance_runs_out() -> None:
     registry = Registry()
     job = registry.submit(BODY, 0.0)
-    running(registry, job.job_id)  # granted at 100 s, pid 42
 
     def report(pid: int, state: str) -> None:
         progress = {"state": state, "iterations_done": 0, "iterations_total": 100}
         entry = {"job_id": job.job_id, "running": True, "pid": pid, "progress": progress}
         registry.on_report({"host_id": "host-0", "jobs": [entry], "at": 111.0}, 111.0)
 
+    running(registry, job.job_id)  # granted at 100 s, pid 42
+    assert not registry.still_starting(job, 111.0, allowance_s=60.0)  # a first lease ends as any
+    registry.lease_ended(job.job_id, 111.0)  # before its run stepped: a start lost
+    running(registry, job.job_id)
     assert registry.still_starting(job, 111.0, allowance_s=60.0)  # no report yet: importing
     report(42, "starting")
     assert registry.still_starting(job, 111.0, allowance_s=60.0)
@@ -262,7 +265,8 @@ def test_a_run_keeps_its_lease_until_its_own_report_shows_a_step_or_the_allowanc
     assert not registry.still_starting(job, 111.0, allowance_s=0.0)  # the rule turned off
     report(42, "running")
     assert not registry.still_starting(job, 111.0, allowance_s=60.0)
-    running(registry, job.job_id)  # its next run starts again from its imports
-    assert registry.still_starting(job, 111.0, allowance_s=60.0)
-    registry.lease_ended(job.job_id, 112.0)
-    assert not registry.still_starting(job, 112.0, allowance_s=60.0)  # no lease to keep
+    registry.lease_ended(job.job_id, 112.0)  # it stepped: nothing lost
+    running(registry, job.job_id)
+    assert job.starts_lost == 0 and not registry.still_starting(job, 112.0, allowance_s=60.0)
+    registry.lease_ended(job.job_id, 113.0)
+    assert not registry.still_starting(job, 113.0, allowance_s=60.0)  # no lease to keep
