@@ -39,10 +39,11 @@ CONFIG = (
     *WITHOUT_HTTP_API,
 )  # fmt: skip
 TRAIN = Path(__file__).with_name("_train_job.py")
-# more of cells and jobs side by side once every job has started its steps: a run keeps its lease
-# until its first step (arbiter.startup_allowance_s), so the app that won two of the three GPUs
-# first holds them through its jobs' imports (seconds, on a loaded machine) and the rounds after
-# make that up (20 s: 41.5 against 55.9 GPU-seconds once in six runs under load)
+# more of cells and jobs side by side once every job has started its steps: a job that lost a
+# start keeps its next lease until it steps (arbiter.startup_allowance_s), so an app can hold two
+# of the three GPUs through a job's imports (seconds, on a loaded machine); the rounds after make
+# that up (20 s: 41.5 against 55.9 GPU-seconds once in six runs under load, when every start kept
+# its lease)
 RUN_S = 30.0
 BASELINE_CELLS = 4  # per notebook, before any job is submitted
 CELL_SLOWDOWN_S = 0.5  # the most the jobs may add to a cell's median round trip
