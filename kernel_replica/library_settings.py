@@ -240,11 +240,7 @@ def _pandas_options(pandas: ModuleType) -> dict[str, Any]:
     with warnings.catch_warnings():  # a deprecated option: read all the same
         warnings.simplefilter("ignore")
         options = {key: pandas.get_option(key) for key in pandas._config.config._registered_options}
-    try:
-        pickle.dumps(options)
-    except Exception:
-        options = {k: v for k, v in options.items() if _picklable(v)}
-    return options
+    return {k: v for k, v in options.items() if not callable(v) or _picklable(v)}
 
 
 def _picklable(value: Any) -> bool:

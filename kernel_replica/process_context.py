@@ -6,9 +6,9 @@ modules (``sys.path.insert(0, "../src")``). None of it is in the namespace, so a
 executes next would otherwise run the notebook's next cell in another directory, without those
 variables, and fail to import (or, worse, read another file of the same name).
 
-Libraries' process-wide settings (random generators' states, torch's default dtype, numpy's error
-and print options, the decimal context, warnings filters, matplotlib's rcParams) travel here too,
-only those that changed (``library_settings``).
+Libraries' process-wide settings (the random generators' states, torch's default dtype, numpy's
+and pandas' options, warnings filters, logger levels, rcParams, ...: ``library_settings.SETTINGS``)
+travel here too, only those that changed.
 
 IPython's own configuration is per process too: ``%load_ext autoreload`` and ``%autoreload 2``
 (without them the next executor silently stops reloading the notebook's modules), ``%config

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shared.arbiter import AppReport, JobReport
+from shared.arbiter.lease import renews_a_start
 from shared.messages import id_problem
 
 QUEUED, RUNNING, FINISHED, FAILED, CANCELLED = "queued", "running", "finished", "failed", "cancelled"
@@ -242,23 +243,20 @@ class Registry:
 
     @staticmethod
     def still_starting(record: JobRecord, now: float, allowance_s: float) -> bool:
-        """Whether ``record``'s run, leased alone on its GPUs, has not reached its first step
-        boundary, is younger than ``allowance_s``, and its job already lost a start (a lease
-        ended before its run stepped): its expired lease is renewed, not auctioned. Its start
-        (imports, data, a checkpoint read) is all it has done; ended again, the next lease
-        elsewhere starts it from nothing, and a start longer than a lease never steps (live: a
-        job started 15 times in two minutes of 2.5 s leases, 0 iterations). A first lease ends
-        as any other: renewing every start let the app that won the first round hold its GPUs
-        through all its jobs' imports, and GPU time between apps drifted apart (0.73:1 in a
-        suite run of test_batch_jobs)."""
+        """Whether ``record``'s expired lease is renewed, not auctioned: a run leased alone on its
+        GPUs (not suspended by a cell, not packed), as ``shared.arbiter.lease.renews_a_start``
+        decides."""
         return (
             record.host is not None
-            and not record.stepped
-            and record.starts_lost > 0
             and not record.suspended
             and record.packing is None
             and record.lease_granted_at is not None
-            and now - record.lease_granted_at < allowance_s
+            and renews_a_start(
+                stepped=record.stepped,
+                starts_lost=record.starts_lost,
+                run_age_s=now - record.lease_granted_at,
+                allowance_s=allowance_s,
+            )
         )
 
     def leased(self) -> list[JobRecord]:

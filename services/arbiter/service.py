@@ -5,8 +5,9 @@ Hosts (their local schedulers, Themis's agents) connect with their host keys and
 submits, lists and cancels jobs. Every ``arbiter.round_s`` a round runs: leases that expired give
 their GPUs back to the offer, the pure core (``shared.arbiter``) auctions the offer, and the shell
 carries out its leases: a lease for a job that keeps as many GPUs on the same host is a renewal
-(the job runs on), so is the lease of a run that has not reached its first step boundary yet
-(for at most ``arbiter.startup_allowance_s``: ``Registry.still_starting``), every other expired
+(the job runs on), so is the lease of a job that lost a start while its run has not reached
+its first step boundary (``shared.arbiter.lease.renews_a_start``, for at most
+``arbiter.startup_allowance_s``), every other expired
 lease is ended (the job stops at a step boundary) before the new ones are granted (the host
 starts the job). The shell decides nothing itself: before
 that, equal leases are only traded between jobs so that each stays on the host its process is on
