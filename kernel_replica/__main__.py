@@ -71,34 +71,52 @@ def ephemeral_port_floor() -> int:
         return 32768  # Linux's default
 
 
-def free_port(host: str, rng: random.Random | None = None) -> int:
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``: it holds the port from the moment the Raft address is
+    chosen until Raft serves on it (``PeerConfig.listener``). Listening, not only bound: Linux lets
+    a second ``SO_REUSEADDR`` socket bind a port whose holder does not listen. Peers connect only
+    after the replica is configured; until then nothing is accepted."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart's old TIME_WAITs
+        sock.bind(("0.0.0.0" if host == "*" else host.strip("[]"), port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def reserve_free_port(host: str, rng: random.Random | None = None) -> socket.socket:
     """The Raft address must be known before Raft starts (it is registered, then peers are
-    configured, and only then is it bound), so the port is chosen here and stays free until then.
-    Not from the ephemeral range: every outgoing TCP connection on the node (ZMQ's included) takes
-    a port from there, and one did take a chosen port before Raft bound it (a CI run's
-    "Address already in use")."""
+    configured, and only then does Raft serve), so a port is chosen and held here. Not from the
+    ephemeral range: every outgoing TCP connection on the node (ZMQ's included) takes a port from
+    there. Chosen ports used to be probed, released and bound later: another replica drew the same
+    port in between (a suite run's "address already in use" at configure)."""
     rng = rng or random.Random()
     ceiling = ephemeral_port_floor()
     for _ in range(100):
         port = rng.randrange(RAFT_PORT_FLOOR, ceiling) if ceiling > RAFT_PORT_FLOOR else 0
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-            return int(sock.getsockname()[1])
+        try:
+            return reserve_port(host, port)
+        except OSError:
+            continue
     raise RuntimeError(f"no free port for Raft on {host} in [{RAFT_PORT_FLOOR}, {ceiling})")
 
 
-def raft_address_for(data_dir: Path, host: str) -> str:
-    """The same address across restarts: peers know a member by the address it bootstrapped or
-    joined with, so a replica restarted on its data dir must come back where they look for it."""
+def raft_listener_for(data_dir: Path, host: str) -> tuple[str, socket.socket]:
+    """The Raft address and the socket that holds it. The same address across restarts: peers
+    know a member by the address it bootstrapped or joined with, so a replica restarted on its
+    data dir must come back where they look for it."""
     saved = data_dir / "raft_address"
     if saved.exists():
-        return saved.read_text().strip()
-    address = f"tcp://{host}:{free_port(host)}"
+        address = saved.read_text().strip()
+        bound_host, _, port = address.removeprefix("tcp://").rpartition(":")
+        return address, reserve_port(bound_host, int(port))
+    listener = reserve_free_port(host)
+    address = f"tcp://{host}:{listener.getsockname()[1]}"
     write_private(saved, address)
-    return address
+    return address, listener
 
 
 def stale_raft_log(data_dir: Path) -> str | None:
@@ -210,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     kernel: TandemKernel = app.kernel
     main_loop = ioloop.IOLoop.current().asyncio_loop  # the loop app.start() runs
 
-    raft_address = raft_address_for(data_dir, args.raft_host or config.get("cluster.ip"))
+    raft_address, raft_listener = raft_listener_for(data_dir, args.raft_host or config.get("cluster.ip"))
     settings = ReplicaSettings(
         gpus=int(os.environ.get("TANDEM_KERNEL_GPUS", config.get("kernel.gpus"))),
         tick_interval_s=config.get("raft.tick_ms") / 1000,
@@ -229,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         replica_id=args.replica_id,
         data_dir=data_dir,
         raft_address=raft_address,
+        raft_listener=raft_listener,
         scheduler_address=args.local_scheduler,
         settings=settings,
         post_to_kernel=main_loop.call_soon_threadsafe,

@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import socket
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -165,6 +166,7 @@ class ReplicaCore:
         replica_id: str,
         data_dir: Path,
         raft_address: str,
+        raft_listener: socket.socket | None = None,
         scheduler_address: str,
         settings: ReplicaSettings,
         post_to_kernel: Callable[..., None],
@@ -174,6 +176,7 @@ class ReplicaCore:
         self.replica_id = replica_id
         self.settings = settings
         self.raft_address = raft_address
+        self._raft_listener = raft_listener  # holds raft_address's port until Raft serves on it
         self.join = join  # start as a new member of an existing group, not a bootstrap voter
         self._data_dir = data_dir
         self._post = post_to_kernel  # thread-safe: runs fn(*args) on the kernel's main thread
@@ -257,6 +260,7 @@ class ReplicaCore:
             fsync=self.settings.raft_fsync,
             transport_kind=self.settings.raft_transport,
             tls=self.settings.raft_tls,
+            listener=self._raft_listener,
         )
         self.election.configure(voters)
         peer = RaftPeer(

@@ -46,14 +46,6 @@ log = structlog.get_logger("local_scheduler")
 REPLICA_REQUEST_TIMEOUT_S = 30.0
 HIBERNATE_TIMEOUT_S = 140.0
 STOP_GRACE_S = 2.0
-# The replica binds its Jupyter sockets to ports the OS picks at bind time (port 0 in its
-# connection file), so those cannot collide. Its Raft port is still chosen by probing
-# (kernel_replica/__main__.py free_port: bind port 0, read it, close, bind later), a genuine OS race
-# with any other process on the host; a replica that lost it exits before registering, and a
-# fresh spawn (fresh data dir, so a fresh port) is the remedy. Bounded: any other failure, or
-# losing the race this many times, is reported as start_failed.
-START_ATTEMPTS = 3
-PORT_RACE = "Address already in use"
 
 ReplicaKey = tuple[str, str]  # (kernel_id, replica_id)
 
@@ -391,24 +383,17 @@ class LocalScheduler:
             return env.reply({"pid": existing.pid, "raft_address": existing.raft_address})
         started = time.monotonic()
         join = bool(body.get("join", False))
-        for attempt in range(1, START_ATTEMPTS + 1):
-            replica = self._new_replica(key, body)
-            try:
-                imports = [m for m in body.get("imports") or [] if isinstance(m, str) and m.isidentifier()][
-                    :64
-                ]
-                warm = await self._launch(key, replica, join=join, warm_ok=True, imports=imports)
-                break
-            except LaunchFailed as exc:
-                tail = replica.log_tail()
-                if attempt < START_ATTEMPTS and PORT_RACE in tail and not join:
-                    replica.log.warning("replica_port_race_retry", attempt=attempt)
-                    continue
-                replica.log.error("replica_start_failed", reason=exc.reason)
-                raise RpcError(
-                    f"{exc.reason}{' | log: ' + tail[-800:] if tail and tail not in exc.reason else ''}",
-                    "start_failed",
-                ) from None
+        replica = self._new_replica(key, body)
+        try:
+            imports = [m for m in body.get("imports") or [] if isinstance(m, str) and m.isidentifier()][:64]
+            warm = await self._launch(key, replica, join=join, warm_ok=True, imports=imports)
+        except LaunchFailed as exc:
+            tail = replica.log_tail()
+            replica.log.error("replica_start_failed", reason=exc.reason)
+            raise RpcError(
+                f"{exc.reason}{' | log: ' + tail[-800:] if tail and tail not in exc.reason else ''}",
+                "start_failed",
+            ) from None
         seconds = time.monotonic() - started
         replica.log.info(
             "replica_started",

@@ -34,6 +34,7 @@ import contextlib
 import inspect
 import random
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -138,6 +139,11 @@ class PeerConfig:
     # None: plain TCP, for tests and benchmarks of Raft itself (replicas always have one).
     tls: LinkTls | None = None
     seed: int | None = None  # election timeout randomness; None = from the OS
+    # A socket already bound to ``address`` and listening, held since the address was chosen so
+    # that no other process takes the port before Raft starts (a replica registers its address,
+    # then waits for its peers). The TCP transport serves on it; the ZMQ one closes it just before
+    # binding. None: the transport binds ``address`` itself.
+    listener: socket.socket | None = None
     # With ``raft.eager_commit`` off, how long after a commit the leader tells the followers that
     # hold the entries (one empty append each), unless an append carries it first. Followers apply
     # committed entries (a kernel's STATE) only once told: without this they waited for the next
@@ -276,6 +282,7 @@ class RaftPeer:
                 logger=self._log,
                 tls=cfg.tls,
                 check_snapshot=self._check_snapshot,
+                listener=cfg.listener,
             )
             self.address = await transport.start()
         except BaseException:

@@ -96,6 +96,7 @@ class TcpTransport:
         logger: Any = None,
         tls: LinkTls | None = None,
         check_snapshot: SnapshotCheck | None = None,
+        listener: socket.socket | None = None,
     ) -> None:
         if tls is not None and tls.member != node_id:
             raise ValueError(f"the TLS identity is member {tls.member!r}, this node is {node_id!r}")
@@ -112,6 +113,7 @@ class TcpTransport:
         )
         self._tls = tls
         self._check_snapshot = check_snapshot
+        self._listener = listener  # bound to bind_address by whoever chose it (PeerConfig.listener)
         self._hello = hello_frame(node_id)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -127,9 +129,13 @@ class TcpTransport:
         """Listen and start receiving; returns the bound endpoint (a ``:0`` port resolved)."""
         host, port = split_tcp_address(self._bind_address)
         self._loop = asyncio.get_running_loop()
-        self._server = await self._loop.create_server(
-            lambda: _Inbound(self), "0.0.0.0" if host == "*" else host, port, reuse_address=True
-        )
+        listener, self._listener = self._listener, None
+        if listener is not None and listener.fileno() != -1:
+            self._server = await self._loop.create_server(lambda: _Inbound(self), sock=listener)
+        else:
+            self._server = await self._loop.create_server(
+                lambda: _Inbound(self), "0.0.0.0" if host == "*" else host, port, reuse_address=True
+            )
         bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
         self.address = f"tcp://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"
         for link in self._links.values():  # peers set before start

@@ -16,6 +16,7 @@ that does not decode, lies about its sender, or carries a snapshot the applicati
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ def open_transport(
     logger: Any = None,
     tls: LinkTls | None = None,
     check_snapshot: SnapshotCheck | None = None,
+    listener: socket.socket | None = None,
 ) -> Transport:
     """A transport of ``kind`` (one of ``TRANSPORT_KINDS``), not started yet; with ``tls``, one
     that admits only members of the same group (``tcp`` only)."""
@@ -115,6 +117,7 @@ def open_transport(
             logger=logger,
             tls=tls,
             check_snapshot=check_snapshot,
+            listener=listener,
         )
     if kind == "zmq":
         if tls is not None:
@@ -125,7 +128,13 @@ def open_transport(
         from shared.raft.zmq_transport import ZmqTransport
 
         return ZmqTransport(
-            node_id, bind_address, on_messages, options=options, logger=logger, check_snapshot=check_snapshot
+            node_id,
+            bind_address,
+            on_messages,
+            options=options,
+            logger=logger,
+            check_snapshot=check_snapshot,
+            listener=listener,
         )
     raise ValueError(f"unknown Raft transport {kind!r}: expected one of {', '.join(TRANSPORT_KINDS)}")
 

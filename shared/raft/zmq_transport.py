@@ -19,6 +19,7 @@ cost per hop (the context is a ``zmq.asyncio.Context`` so the application can sh
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterable
 from typing import Any
 
@@ -54,6 +55,7 @@ class ZmqTransport:
         context: zmq.asyncio.Context | None = None,
         logger: Any = None,
         check_snapshot: SnapshotCheck | None = None,
+        listener: socket.socket | None = None,
     ) -> None:
         self.node_id = node_id
         self._identity = node_id.encode()
@@ -70,6 +72,8 @@ class ZmqTransport:
         self.stats = TransportStats()
         self._reject = RejectLog(self.stats, self._log)
         self._check_snapshot = check_snapshot
+        # Holds the port until the ROUTER binds it (PeerConfig.listener); ZMQ cannot adopt a socket.
+        self._listener = listener
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -82,6 +86,9 @@ class ZmqTransport:
         address = self._bind_address
         if address.startswith("tcp://") and address.endswith(":0"):
             address = address[:-2] + ":*"
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         try:
             router.bind(address)
         except zmq.ZMQError:
