@@ -141,6 +141,7 @@ class TandemKernel(IPythonKernel):
         self._slog = structlog.get_logger("replica.kernel")
         self._user_code_running = False
         self._interrupt_pending = False
+        self._exit_asked = False  # exit() ran in the current cell (``_ask_exit``)
         self._config: Config | None = None
         self._codec: ObjectCodec | None = None
         self._store_timer: _TimedStore | None = None
@@ -243,6 +244,20 @@ class TandemKernel(IPythonKernel):
         core.on_namespace_restored = self._load_namespace
         core.on_execution_count = self._resume_count
         core.on_stop_requested = self._stop_requested
+        self.shell.ask_exit = self._ask_exit  # type: ignore[method-assign]
+
+    def _ask_exit(self) -> None:
+        """``exit()`` / ``quit()`` in a cell. ipykernel's own ends this process (its ``exit_now``
+        stops the loop): the two standbys ran on with the namespace, and the next cell found every
+        variable of the notebook that asked to exit. Here the reply carries ipykernel's payload
+        as usual, and once it is sent the scheduler is told (``replica.event exit``) and stops the
+        whole kernel, as a kernel process ending would. ``exit(keep_kernel=True)`` only writes
+        the payload, as in ipykernel."""
+        assert self.shell is not None
+        keep = self.shell.keepkernel_on_exit
+        self.shell.payload_manager.write_payload({"source": "ask_exit", "keepkernel": keep})
+        if not keep:
+            self._exit_asked = True
 
     # ---- SIGINT: KeyboardInterrupt only inside user code ---------------------------------------------
     def pre_handler_hook(self) -> None:
@@ -476,6 +491,11 @@ class TandemKernel(IPythonKernel):
         self._record_timing(role, reply, timing, log)
         if executed and bridge is not None and not diverged:
             self._report_timing(bridge, msg_id, timing)
+        if self._exit_asked:
+            self._exit_asked = False
+            if executed and bridge is not None and not diverged:
+                log.info("exit_asked")
+                bridge.thread.call(bridge.core.scheduler.event, "exit", msg_id)
         if diverged:  # after the reply and idle are on their way
             asyncio.get_running_loop().call_later(DIVERGED_EXIT_DELAY_S, os._exit, DIVERGED_EXIT_CODE)
 

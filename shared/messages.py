@@ -125,6 +125,8 @@ CHANNELS = ("shell", "control", "stdin", "iopub")
 # pinned: ``%tandem pin`` / ``unpin`` ran on the replica (``detail.pinned``, a bool);
 # executor_quiet: the executor of ``msg_id`` (``detail.executor``) has been silent a while;
 # leaving: the log overruled ``msg_id``'s outcome on this replica, which exits (send it no cell)
+# exit: the notebook called exit() in ``msg_id`` on this executor: the kernel stops once that
+# cell's reply has gone by, as a kernel process would (kernel_replica.kernel ``_ask_exit``)
 REPLICA_EVENTS = (
     "elected",
     "election_failed",
@@ -136,6 +138,7 @@ REPLICA_EVENTS = (
     "pinned",
     "executor_quiet",
     "leaving",
+    "exit",
 )
 
 _int = (int,)

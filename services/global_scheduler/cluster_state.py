@@ -129,6 +129,7 @@ class KernelRecord:
     # the replica the notebook pinned its cells to (``%tandem pin``), preferred as executor
     pinned: str | None = None
     pinned_at: float = 0.0  # wall clock of the latest pin / unpin (the latest one wins on adoption)
+    exit_after: str | None = None  # the cell that called exit(): the kernel stops once it is answered
     # below a quorum while replicas whose processes exited are restarted in place (not dead):
     # why it fell below (None: not recovering)
     recovering: str | None = None

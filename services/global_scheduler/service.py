@@ -574,6 +574,26 @@ class GlobalScheduler:
             self.state.release(kernel, msg_id)
         if msg_ids:
             self.metrics.requests_finished(kernel.kernel_id, msg_ids)
+            if kernel.exit_after in msg_ids:
+                self._stop_on_exit(kernel)
+
+    def _on_exit_asked(self, kernel: KernelRecord, msg_id: str | None) -> None:
+        """The notebook called exit() (``replica.event exit`` from the executor). A kernel process
+        would end there; ipykernel ended only the executor, and the next cell ran on a standby with
+        every variable the notebook asked to drop. The whole kernel stops, once the cell's reply
+        (with ipykernel's ``ask_exit`` payload) has gone by, as a client's ``shutdown_request``
+        stops it: the gateway then reports it stopped by the client, and a client with a
+        restarter (Jupyter Server's) starts it fresh, as after a kernel process exits."""
+        log.info("kernel_exit_asked", kernel=kernel.kernel_id, msg_id=msg_id)
+        if msg_id and kernel.router.is_open_cell(msg_id):
+            kernel.exit_after = msg_id  # the event overtook the reply: stop when it goes by
+            return
+        self._stop_on_exit(kernel)
+
+    def _stop_on_exit(self, kernel: KernelRecord) -> None:
+        kernel.exit_after = None
+        if shutdown_stops(kernel.state):
+            self.spawn(self._shutdown(kernel, restart=False, by="exit()"))
 
     # ---- replica events ---------------------------------------------------------------------
 
@@ -641,6 +661,8 @@ class GlobalScheduler:
                 kernel, replica.replica_id, detail.get("pinned"), at if isinstance(at, int | float) else 0.0
             )
             blog.info("kernel_pinned" if kernel.pinned else "kernel_unpinned")
+        elif event == "exit":
+            self._on_exit_asked(kernel, msg_id)
         elif event == "leaving":
             replica.leaving = True
             blog.warning("replica_leaving", msg_id=msg_id)
@@ -1388,16 +1410,19 @@ class GlobalScheduler:
             self._save_hibernated()
             self._fail_held_for_resume(kernel, "kernel was shut down")
             return env.reply({"state": kernel.state})
+        await self._shutdown(kernel, restart=bool(env.body.get("restart", False)), by="gateway")
+        return env.reply({"state": kernel.state})
+
+    async def _shutdown(self, kernel: KernelRecord, *, restart: bool, by: str) -> None:
         if shutdown_stops(kernel.state):
             transition(kernel, STOPPING)
-        log.info("kernel_shutdown", kernel=kernel.kernel_id, restart=env.body.get("restart", False))
+        log.info("kernel_shutdown", kernel=kernel.kernel_id, restart=restart, by=by)
         await asyncio.gather(
             *(self.stop_replica(kernel, r) for r in kernel.replicas.values() if r.alive or not r.started),
             return_exceptions=True,
         )
         if kernel.state == STOPPING:
             self._mark_stopped(kernel)
-        return env.reply({"state": kernel.state})
 
     # ---- hibernation (shared/policies/hibernation.py decides when; the gateway asks) ----------
 

@@ -4,6 +4,7 @@ interrupted cell's traceback ends in user code, not in Tandem's own frames."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from _cluster import ClusterHandle
@@ -43,3 +44,35 @@ def test_an_interrupted_cell_shows_only_user_frames(tandem_cluster: ClusterHandl
         assert error["ename"] == "KeyboardInterrupt"
         text = strip_ansi("\n".join(error["traceback"]))
         assert "time.sleep(10)" in text and "kernel_replica" not in text, text
+
+
+def test_exit_ends_the_whole_kernel_and_a_restart_finds_a_fresh_namespace(
+    tandem_cluster: ClusterHandle,
+) -> None:
+    """A kernel process ends on ``exit()``. Only the executor replica used to: the next cell ran on
+    a standby and found every variable of the notebook that had asked to exit."""
+    with tandem_kernel() as (km, kc):
+        assert run(kc, "kept = 1").status == "ok"
+        cell = run(kc, "exit()")
+        assert cell.status == "ok"
+        assert cell.reply["content"]["payload"] == [{"source": "ask_exit", "keepkernel": False}]
+        deadline = time.monotonic() + 15
+        while km.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not km.is_alive(), "the kernel outlived exit()"
+        while tandem_cluster.replica_pids(km.kernel_id) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert tandem_cluster.replica_pids(km.kernel_id) == []
+        km.restart_kernel(now=True)  # what Jupyter Server's restarter does when a kernel ends
+        after = run(kc, "print('kept' in dir())", timeout=30)
+        assert after.status == "ok" and after.stdout.strip() == "False", after.reply
+
+
+def test_exit_keeping_the_kernel_leaves_it_running(tandem_cluster: ClusterHandle) -> None:
+    with tandem_kernel() as (km, kc):
+        assert run(kc, "kept = 1").status == "ok"
+        cell = run(kc, "exit(keep_kernel=True)")
+        assert cell.reply["content"]["payload"] == [{"source": "ask_exit", "keepkernel": True}]
+        time.sleep(1.0)
+        assert km.is_alive()
+        assert run(kc, "print(kept)").stdout.strip() == "1"

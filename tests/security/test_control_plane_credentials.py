@@ -135,13 +135,13 @@ def test_a_host_may_not_register_or_heartbeat_under_another_hosts_id(
     assert "unauthorized" in tandem_cluster.log_text("global-scheduler")
 
 
-@pytest.mark.parametrize("event", ["exited", "leaving"])
+@pytest.mark.parametrize("event", ["exited", "leaving", "exit"])
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "in_a_batch"])
 def test_spoofed_replica_exits_from_another_host_do_not_kill_a_kernel(
     tandem_cluster: ClusterHandle, rogue_host: Any, batched: bool, event: str
 ) -> None:
     """Also inside a ``batch``: each item is authorised as if it had come alone. ``leaving``
-    would make the scheduler stop sending the replicas cells."""
+    would make the scheduler stop sending the replicas cells, ``exit`` stop the kernel."""
     with tandem_kernel() as (km, kc):
         assert run(kc, "n = 41").status == "ok"
         status = tandem_cluster.status()
