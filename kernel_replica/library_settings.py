@@ -358,6 +358,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("torch.printoptions", "torch", _torch_print, lambda m, v: m.set_printoptions(**v)),
     Setting("torch.deterministic", "torch", _torch_deterministic, _set_torch_deterministic),
     Setting("torch.numerics", "torch", _torch_numerics, _set_torch_numerics),
+    # torch.set_num_threads(4): a notebook sharing its machine, or timing a CPU model
+    Setting("torch.num_threads", "torch", lambda m: m.get_num_threads(), lambda m, v: m.set_num_threads(v)),
     Setting(
         "ipython.ast_node_interactivity",
         "IPython.core.interactiveshell",

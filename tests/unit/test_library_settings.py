@@ -93,7 +93,9 @@ def test_the_next_executor_draws_what_the_seeded_notebook_would_have_drawn() -> 
 
 def test_dtype_error_print_decimal_recursion_filters_and_rcparams_follow() -> None:
     executor, standby = SettingsTracker(), SettingsTracker()
+    threads = torch.get_num_threads()
     torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(threads + 1)
     np.seterr(divide="raise")
     np.set_printoptions(precision=2)
     decimal.getcontext().prec = 6
@@ -103,6 +105,7 @@ def test_dtype_error_print_decimal_recursion_filters_and_rcparams_follow() -> No
     matplotlib.rcParams["lines.linewidth"] = 7.0
     captured = executor.capture()
     torch.set_default_dtype(torch.float32)
+    torch.set_num_threads(threads)
     np.seterr(divide="warn")
     np.set_printoptions(precision=8)
     decimal.getcontext().prec = 28
@@ -112,6 +115,8 @@ def test_dtype_error_print_decimal_recursion_filters_and_rcparams_follow() -> No
     matplotlib.rcParams["lines.linewidth"] = 1.5
     assert standby.apply(captured) is None
     assert torch.get_default_dtype() == torch.float64 and torch.ones(1).dtype == torch.float64
+    assert torch.get_num_threads() == threads + 1
+    torch.set_num_threads(threads)
     assert np.geterr()["divide"] == "raise" and np.array2string(np.array([1 / 3])) == "[0.33]"
     assert str(decimal.Decimal(1) / decimal.Decimal(7)) == "0.142857"
     assert sys.getrecursionlimit() == 4321 and len(str(10**5000)) == 5001
