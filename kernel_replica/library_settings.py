@@ -221,6 +221,41 @@ def _set_torch_numerics(torch: ModuleType, value: tuple[str, bool, bool]) -> Non
     torch.autograd.set_detect_anomaly(anomaly)
 
 
+def _progress_apply(_tqdm: ModuleType) -> Any:
+    """pandas' ``DataFrame.progress_apply``, which ``tqdm.pandas()`` adds, or None."""
+    frame = sys.modules.get("pandas.core.frame")
+    return getattr(getattr(frame, "DataFrame", None), "progress_apply", None)
+
+
+def _tqdm_pandas(tqdm: ModuleType) -> tuple[str, str, dict[str, Any]] | None:
+    """``tqdm.pandas()`` / ``tqdm.auto.tqdm.pandas(desc=...)``, a common first cell: it adds
+    ``progress_apply``, ``progress_map`` and friends to pandas' classes, and the next executor's
+    ``df.progress_apply(f)`` raised AttributeError. The patch is a closure over the tqdm class and
+    its keyword arguments: (that class's module, its name, the arguments), or None."""
+    patched = _progress_apply(tqdm)
+    code = getattr(patched, "__code__", None)
+    if code is None or not patched.__closure__:
+        return None
+    cells = dict(zip(code.co_freevars, patched.__closure__, strict=True))
+    cls, kwargs = cells.get("cls"), cells.get("tqdm_kwargs")
+    if cls is None or kwargs is None:
+        return None
+    tclass, options = cls.cell_contents, kwargs.cell_contents
+    if not isinstance(tclass, type) or not isinstance(options, dict):
+        return None
+    return (tclass.__module__, tclass.__qualname__, dict(options))
+
+
+def _set_tqdm_pandas(_tqdm: ModuleType, value: tuple[str, str, dict[str, Any]] | None) -> None:
+    if value is None:
+        return  # a patch cannot be taken back: tqdm offers no undo
+    module, name, options = value
+    tclass: Any = importlib.import_module(module)
+    for part in name.split("."):
+        tclass = getattr(tclass, part)
+    tclass.pandas(**options)
+
+
 def _shell_interactivity(module: ModuleType) -> str | None:
     """Which expressions of a cell are shown (``InteractiveShell.ast_node_interactivity = "all"``,
     a notebook's common first line, sets the class attribute, not through ``%config``)."""
@@ -360,6 +395,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("torch.numerics", "torch", _torch_numerics, _set_torch_numerics),
     # torch.set_num_threads(4): a notebook sharing its machine, or timing a CPU model
     Setting("torch.num_threads", "torch", lambda m: m.get_num_threads(), lambda m, v: m.set_num_threads(v)),
+    Setting("tqdm.pandas", "tqdm", _tqdm_pandas, _set_tqdm_pandas, snapshot=_progress_apply),
     Setting(
         "ipython.ast_node_interactivity",
         "IPython.core.interactiveshell",

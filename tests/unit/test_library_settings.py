@@ -273,3 +273,18 @@ def test_a_warnings_filter_of_a_module_not_imported_here_is_dropped_not_imported
     assert [(f[0], f[2]) for f in warnings.filters] == [("error", UserWarning)]
     with pytest.raises(UserWarning):
         warnings.warn("notebook says stop", UserWarning, stacklevel=1)
+
+
+def test_tqdm_pandas_follows_with_its_class_and_options() -> None:
+    """``tqdm.pandas()`` patches pandas' classes: the next executor's ``df.progress_apply(f)``
+    raised AttributeError."""
+    tqdm_std = pytest.importorskip("tqdm.std")
+    executor, standby = SettingsTracker(), SettingsTracker()
+    tqdm_std.tqdm.pandas(desc="rows", disable=True)
+    captured = executor.capture()
+    assert pickle.loads(captured["tqdm.pandas"]) == ("tqdm.std", "tqdm", {"desc": "rows", "disable": True})
+    del pd.DataFrame.progress_apply, pd.Series.progress_map  # a standby's pandas, never patched
+    assert standby.apply(captured) is None
+    frame = pd.DataFrame({"a": [1, 2]})
+    assert frame.progress_apply(lambda column: column.sum()).tolist() == [3]
+    assert pd.Series([1]).progress_map(str).tolist() == ["1"]
