@@ -153,7 +153,7 @@ def main() -> int:
     ap.add_argument(
         "--starving-priority",
         choices=STARVING_PRIORITIES,
-        default="all",
+        default="at_risk",
         help="which starving apps Themis's filter ranks before every holder (ArbiterConfig)",
     )
     ap.add_argument(

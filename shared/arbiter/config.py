@@ -32,12 +32,13 @@ class ArbiterConfig:
     come at today's count (``AppAgent.rho``); off, the average so far.
     ``starving_priority``: which starving apps (no GPU, work left: rho(0) is unbounded by Themis
     Eq. 1, §4.3.1) rank before every app that holds GPUs in the visibility phase's filter
-    (§3.3.2). ``"all"``: every one, the paper's literal reading. ``"at_risk"``: those whose
-    fair-share rho is >= 1 (at risk of not meeting sharing incentive, the apps §3.3.2's filter is
-    for) and new arrivals with no GPU time yet; other starving apps rank by that finite rho among
-    all. ``"none"``: all rank by their finite rho. The PF objective values a starving bidder's
-    getting nothing as ``STARVING_RHO`` in every mode. Measured in docs/arbiter.md ("Why equal
-    sharing beats our Themis on the bench").
+    (§3.3.2). ``"at_risk"`` (default): those whose fair-share rho is >= 1 (at risk of not meeting
+    sharing incentive, the apps §3.3.2's filter is for) and new arrivals with no GPU time yet;
+    other starving apps rank by that finite rho among all. ``"all"``: every one, the paper's
+    literal reading (the default until 2026-11-27). ``"none"``: all rank by their finite rho. The
+    PF objective values a starving bidder's getting nothing as ``STARVING_RHO`` in every mode, and
+    only the starving bidders the offer can reach bid (``admit_starving_worst_first``). Measured in
+    docs/arbiter.md ("Why equal sharing beats our Themis on the bench", "Starving bidders").
     ``seed``: leftovers go to non-bidders "at random" (Themis §3.3.2), drawn from this seed and
     the round's time, so a round is reproducible.
     """
@@ -52,7 +53,7 @@ class ArbiterConfig:
     max_bundle_sizes: int = 8
     packed_hosts_per_size: int = 4
     lifetime_contention: bool = True
-    starving_priority: str = "all"
+    starving_priority: str = "at_risk"
     seed: int = 0
 
     def __post_init__(self) -> None:

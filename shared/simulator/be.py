@@ -122,7 +122,7 @@ class BeSimParams:
     max_time_s: float = math.inf
     seed: int = 0
     lifetime_contention: bool = True
-    starving_priority: str = "all"
+    starving_priority: str = "at_risk"
     #: the trace's time scale (the bench runs tasks at 5% of their length): baselines with time
     #: constants in their definition (Tiresias's queue thresholds) scale them by it
     time_scale: float = 1.0

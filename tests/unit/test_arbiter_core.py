@@ -96,6 +96,22 @@ def test_a_starving_app_reports_a_finite_rho_and_bids_as_unbounded() -> None:
     assert bid.rho_old == STARVING_RHO and all(r < bid.rho_old for _, r in bid.table)
 
 
+def test_when_gpus_do_not_reach_every_starving_bidder_the_furthest_from_fair_is_served() -> None:
+    """Both bidders hold nothing (unbounded rho) and one GPU is free. "old" has waited three hours
+    for its work, "new" just arrived with less: one GPU leaves "new" less unfair, so a PF
+    objective over log(1 / rho(k)) alone served "new" every such round and "old" waited on
+    (docs/arbiter.md, "Starving bidders"). §3.3.2 expects the far-from-fair app to win.
+    When the GPUs do reach both, both bid."""
+    old = AppReport("old", -10_800.0, [JobReport("o", "old", 0, 1, 0, 200, 10.0)])
+    new = AppReport("new", 0.0, [JobReport("n", "new", 0, 1, 0, 30, 10.0)])
+    out = Arbiter(ArbiterConfig(fairness_knob=0.0)).auction(0.0, [old, new], _slots(1, 1), 1)
+    assert out.rho_by_app["old"] > 1.0 > out.rho_by_app["new"]
+    assert out.bidders == ["old"]  # "new" bids in a later round
+    assert out.kept_by_app == {"old": 1}
+    both = Arbiter(ArbiterConfig(fairness_knob=0.0)).auction(0.0, [old, new], _slots(1, 2), 2)
+    assert sorted(both.bidders) == ["new", "old"] and both.kept_by_app == {"new": 1, "old": 1}
+
+
 def test_an_app_renewing_its_ended_leases_is_not_starving() -> None:
     """Leases that end this round are offered again; their app holds nothing at that instant but
     is renewing: it must not jump the queue as a starving app would (it did, and kept winning)."""
