@@ -264,11 +264,15 @@ class JobProcess:
         if self.process is None:
             return None
         if not self.exited.is_set():
+            # Read before the word is written: a job in its step loop that reads it at once
+            # reports "stopped", and read after, it looked like a job that cannot read the word
+            # and got SIGTERM in the middle of its orderly stop (a suite run: returncode -15).
+            at_steps = self.at_steps()
             with contextlib.suppress(OSError):
                 write_atomically(self.directory / CONTROL_FILE, STOP)
             self._thaw()  # a frozen job reads the stop at its next step boundary
             for sig, wait_s in (
-                (None, grace_s if self.at_steps() else 0.0),
+                (None, grace_s if at_steps else 0.0),
                 (signal.SIGTERM, KILL_GRACE_S),
                 (signal.SIGKILL, KILL_GRACE_S),
             ):
