@@ -30,6 +30,7 @@ from shared.logs import configure_logging
 from shared.private_files import open_private, private_dir, write_private
 from shared.raft.storage import StaleLogAfterReboot, check_boot_fence
 from shared.raft.tls import IdentityError, link_tls_for, take_identity_env
+from shared.raft.transport import split_tcp_address
 from shared.security import curve
 
 HISTORY_CACHE = 20
@@ -111,8 +112,7 @@ def raft_listener_for(data_dir: Path, host: str) -> tuple[str, socket.socket]:
     saved = data_dir / "raft_address"
     if saved.exists():
         address = saved.read_text().strip()
-        bound_host, _, port = address.removeprefix("tcp://").rpartition(":")
-        return address, reserve_port(bound_host, int(port))
+        return address, reserve_port(*split_tcp_address(address))
     listener = reserve_free_port(host)
     address = f"tcp://{host}:{listener.getsockname()[1]}"
     write_private(saved, address)

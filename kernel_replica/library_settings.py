@@ -149,14 +149,20 @@ def _warning_filters(warnings: ModuleType) -> list[Filter]:
     ]
 
 
+def _by_name(module: ModuleType | None, qualname: str) -> Any:
+    """``module``'s object named ``qualname`` (``"tqdm"``, ``"Outer.Inner"``), or None."""
+    found: Any = module
+    for part in qualname.split(".") if module is not None else ():
+        found = getattr(found, part, None)
+    return found
+
+
 def _set_warning_filters(warnings: ModuleType, value: list[Filter]) -> None:
     """The executor's filters, but those whose category's module is not imported here: no such
     warning can be raised before it is, and a library's own filters come with its import."""
     filters = []
     for action, message, (home, name), module, lineno in value:
-        category: Any = sys.modules.get(home)
-        for part in name.split(".") if category is not None else ():
-            category = getattr(category, part, None)
+        category = _by_name(sys.modules.get(home), name)
         if isinstance(category, type) and issubclass(category, Warning):
             filters.append((action, _compiled(message), category, _compiled(module), lineno))
     warnings.filters[:] = filters
@@ -195,13 +201,11 @@ def _torch_deterministic(torch: ModuleType) -> tuple[bool, bool, bool, bool]:
 
 def _set_torch_deterministic(torch: ModuleType, value: tuple[bool, bool, bool, bool]) -> None:
     enabled, warn_only, cudnn_deterministic, cudnn_benchmark = value
-    if (
+    now = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
-    ) != (
-        enabled,
-        warn_only,
-    ):  # its first call takes ~1.3 s
+    )
+    if now != (enabled, warn_only):  # its first call takes ~1.3 s
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_deterministic, cudnn_benchmark
 
@@ -250,9 +254,9 @@ def _set_tqdm_pandas(_tqdm: ModuleType, value: tuple[str, str, dict[str, Any]] |
     if value is None:
         return  # a patch cannot be taken back: tqdm offers no undo
     module, name, options = value
-    tclass: Any = importlib.import_module(module)
-    for part in name.split("."):
-        tclass = getattr(tclass, part)
+    tclass = _by_name(importlib.import_module(module), name)
+    if tclass is None:
+        raise LookupError(f"{module}.{name} is not in this tqdm")
     tclass.pandas(**options)
 
 
