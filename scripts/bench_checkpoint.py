@@ -25,6 +25,12 @@ events: on a shared machine wall time also counts waiting for a core. ``cow_mb_m
 copy-on-write copied on the training thread (the copier had not reached it before the optimizer
 step wrote it).
 
+``--device cuda``: the same on a GPU (model, optimizer state and batches in device memory; the
+agent clones device tensors at the instant, stream-ordered, and its copier moves them to host).
+Timers wait for the device (``torch.cuda.synchronize``) before they start and where a figure
+must include queued device work (step times; ``begin_synced_ms``: begin until the instant's clones
+ran), so a figure does not count another's kernels.
+
 Prints one JSON line. ``--quick``: ~16 and ~32 MB, fewer steps (a smoke run, not a measurement).
 """
 
@@ -93,13 +99,20 @@ def model_bytes(model: nn.Module) -> int:
     return sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Trainer:
-    def __init__(self, model: nn.Module, batch: int) -> None:
-        self.model = model
-        self.opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=True)
-        self.state = TrainingState(model, self.opt)
-        self.x = torch.randn(batch, 1024)
-        self.y = torch.randint(0, 16, (batch,))
+    def __init__(self, model: nn.Module, batch: int, device: torch.device) -> None:
+        self.device = device
+        self.model = model.to(device)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4, foreach=True)
+        self.state = TrainingState(self.model, self.opt)
+        self.x = torch.randn(batch, 1024, device=device)
+        self.y = torch.randint(0, 16, (batch,), device=device)
 
     def step(self) -> None:
         loss = nn.functional.cross_entropy(self.model(self.x), self.y)
@@ -110,6 +123,7 @@ class Trainer:
 
     def save_stop_world(self, path: Path) -> tuple[float, float]:
         """torch.save of the same state on the training thread: (wall, CPU) seconds."""
+        sync(self.device)
         started, cpu = time.perf_counter(), time.thread_time()
         state = {
             "model": self.model.state_dict(),
@@ -129,6 +143,7 @@ def open_link(root: Path, store: Callable[[Path], LocalStore] | None = None) -> 
 
 
 def run_until_commit(trainer: Trainer, agent: CheckpointAgent, limit: int = 50) -> CommitResult:
+    sync(trainer.device)
     agent.begin()
     for _ in range(limit):
         trainer.step()
@@ -140,8 +155,9 @@ def run_until_commit(trainer: Trainer, agent: CheckpointAgent, limit: int = 50) 
 
 def stalls(megabytes: float, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     torch.manual_seed(0)
+    device = torch.device(args.device)
     model = mlp(megabytes)
-    trainer = Trainer(model, args.batch)
+    trainer = Trainer(model, args.batch, device)
     link = open_link(tmp / f"store-{megabytes}")
     agent = CheckpointAgent(trainer.state, link, job=f"bench-{megabytes}")
     for _ in range(2):
@@ -153,6 +169,16 @@ def stalls(megabytes: float, args: argparse.Namespace, tmp: Path) -> dict[str, A
         agent_stalls.append(run_until_commit(trainer, agent))
         world_stalls.append(trainer.save_stop_world(tmp / "stop-world.pt"))
         trainer.step()
+    begin_synced: list[float] = []
+    if device.type == "cuda":  # begin until the instant's device clones ran, then let it commit
+        for _ in range(args.checkpoints):
+            sync(device)
+            started = time.perf_counter()
+            agent.begin()
+            sync(device)
+            begin_synced.append(time.perf_counter() - started)
+            agent.wait()
+            trainer.step()
     # Every 3 steps: none / agent / torch.save, interleaved round by round.
     times: dict[str, list[float]] = {"none": [], "agent": [], "save": []}
     thread_cpu: dict[str, list[float]] = {"none": [], "agent": [], "save": []}
@@ -170,13 +196,16 @@ def stalls(megabytes: float, args: argparse.Namespace, tmp: Path) -> dict[str, A
                     trainer.save_stop_world(tmp / "stop-world.pt")
             if mode == "agent" and agent.in_flight:
                 agent.wait()
+            sync(device)
             times[mode].append((time.perf_counter() - started) / args.steps)
             thread_cpu[mode].append((time.thread_time() - cpu) / args.steps)
             process_cpu[mode].append((time.process_time() - proc) / args.steps)
     link.close()
     base = statistics.median(times["none"])
     wall = [r.stall_s for r in agent_stalls]
+    synced = {"begin_synced_ms": round(statistics.median(begin_synced) * 1000, 2)} if begin_synced else {}
     return {
+        **synced,
         "model_mb": round(model_bytes(model) / MB, 1),
         "step_ms": round(base * 1000, 1),
         "stall_ms": round(statistics.median(wall) * 1000, 2),
@@ -219,15 +248,15 @@ def increment(state: TrainingState, step: Callable[[], None], root: Path) -> tup
     return written, result.manifest.image_bytes()
 
 
-def frozen_backbone(megabytes: float, tmp: Path) -> float:
+def frozen_backbone(megabytes: float, tmp: Path, device: torch.device) -> float:
     torch.manual_seed(1)
     backbone = mlp(megabytes)
     backbone.requires_grad_(False)
     head = nn.Linear(16, 10)
-    model = nn.Sequential(backbone, head)
+    model = nn.Sequential(backbone, head).to(device)
     opt = torch.optim.Adam(head.parameters(), lr=1e-3)
     state = TrainingState(model, opt)
-    x, y = torch.randn(8, 1024), torch.randint(0, 10, (8,))
+    x, y = torch.randn(8, 1024, device=device), torch.randint(0, 10, (8,), device=device)
 
     def step() -> None:
         loss = nn.functional.cross_entropy(model(x), y)
@@ -239,18 +268,18 @@ def frozen_backbone(megabytes: float, tmp: Path) -> float:
     return written / image
 
 
-def sparse_embedding(megabytes: float, tmp: Path) -> tuple[float, float]:
+def sparse_embedding(megabytes: float, tmp: Path, device: torch.device) -> tuple[float, float]:
     torch.manual_seed(2)
     dim = 128
     rows = int(megabytes * MB / (dim * 4))
-    table = nn.Embedding(rows, dim, sparse=True)
+    table = nn.Embedding(rows, dim, sparse=True).to(device)
     opt = torch.optim.SparseAdam(list(table.parameters()), lr=1e-2)
     state = TrainingState(table, opt)
-    hot = torch.randperm(rows)[:16]
-    readout = torch.randn(dim)
+    hot = torch.randperm(rows, device=device)[:16]
+    readout = torch.randn(dim, device=device)
 
     def step() -> None:
-        batch = hot[torch.randint(0, len(hot), (32,))]
+        batch = hot[torch.randint(0, len(hot), (32,), device=device)]
         loss = (table(batch) @ readout).pow(2).mean()
         opt.zero_grad()
         loss.backward()
@@ -260,9 +289,11 @@ def sparse_embedding(megabytes: float, tmp: Path) -> tuple[float, float]:
     return written / image, written / table.weight.nbytes
 
 
-def restore_first_step(megabytes: float, mb_s: float, tmp: Path, repeat: int) -> dict[str, float]:
+def restore_first_step(
+    megabytes: float, mb_s: float, tmp: Path, repeat: int, device: torch.device
+) -> dict[str, float]:
     torch.manual_seed(3)
-    trainer = Trainer(mlp(megabytes), 8)
+    trainer = Trainer(mlp(megabytes), 8, device)
     root = tmp / "restore"
     link = open_link(root)
     agent = CheckpointAgent(trainer.state, link, job="restore")
@@ -273,7 +304,8 @@ def restore_first_step(megabytes: float, mb_s: float, tmp: Path, repeat: int) ->
     for _ in range(repeat):
         for on_demand in (True, False):
             torch.manual_seed(3)
-            fresh = Trainer(mlp(megabytes), 8)
+            fresh = Trainer(mlp(megabytes), 8, device)
+            sync(device)
             throttled = open_link(root, lambda path: ThrottledStore(path, mb_s))
             started = time.perf_counter()
             restore = Restore(fresh.state, throttled, image)
@@ -281,6 +313,7 @@ def restore_first_step(megabytes: float, mb_s: float, tmp: Path, repeat: int) ->
             if not on_demand:
                 restore.wait()
             fresh.model(fresh.x)
+            sync(device)
             firsts[on_demand].append(time.perf_counter() - started)
             restore.wait()
             throttled.close()
@@ -304,14 +337,16 @@ def main() -> None:
         "--batch", type=int, default=64, help="rows per step (the copier races forward+backward)"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for training")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda to train on the GPU")
     parser.add_argument("--restore-mb-s", type=float, default=200.0, help="throttled store read bandwidth")
     args = parser.parse_args()
     sizes = args.sizes or ([16.0, 32.0] if args.quick else [50.0, 200.0])
     args.checkpoints = args.checkpoints or (2 if args.quick else 5)
     args.rounds = args.rounds or (1 if args.quick else 3)
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     out: dict[str, Any] = {
-        "device": "cpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch_threads": args.threads,
         "cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
@@ -322,11 +357,11 @@ def main() -> None:
         for megabytes in sizes:
             for key, value in stalls(megabytes, args, tmp).items():
                 out[f"{key}_{megabytes:g}mb"] = value
-        out["incremental_bytes_ratio_frozen_backbone"] = round(frozen_backbone(sizes[0], tmp), 5)
-        sparse, sparse_vs_model = sparse_embedding(sizes[0], tmp)
+        out["incremental_bytes_ratio_frozen_backbone"] = round(frozen_backbone(sizes[0], tmp, device), 5)
+        sparse, sparse_vs_model = sparse_embedding(sizes[0], tmp, device)
         out["incremental_bytes_ratio_sparse_embedding"] = round(sparse, 5)
         out["incremental_bytes_ratio_sparse_embedding_vs_model"] = round(sparse_vs_model, 5)
-        out.update(restore_first_step(sizes[0], args.restore_mb_s, tmp, 1 if args.quick else 3))
+        out.update(restore_first_step(sizes[0], args.restore_mb_s, tmp, 1 if args.quick else 3, device))
     out["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")

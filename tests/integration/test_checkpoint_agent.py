@@ -1,4 +1,5 @@
-"""The checkpoint agent on real torch training (CPU, deterministic seeds, a local data store).
+"""The checkpoint agent on real torch training (CPU, deterministic seeds, a local data store; the
+instant-equality trials also on CUDA where torch sees a GPU).
 
 Each trial gates the copier on the training loop's step count, spreading the capture over 6-9
 training steps at a random pace, so pieces are taken sometimes by the copier and sometimes by
@@ -35,6 +36,9 @@ from shared.checkpoint.pieces import byte_view
 from shared.datastore.local_backend import LocalStore
 
 TRIALS = 20
+# Device memory is cloned at the instant (stream-ordered) and copied to host by the copier: the
+# instant-equality trials run there too when a GPU is visible (never in CI).
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 @pytest.fixture
@@ -62,19 +66,22 @@ class Job:
 
 
 def _mlp_job(
-    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *, batch_norm: bool = False
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    *,
+    batch_norm: bool = False,
+    device: str = "cpu",
 ) -> Job:
     layers: list[nn.Module] = [nn.Linear(16, 32)]
     if batch_norm:
         layers.append(nn.BatchNorm1d(32))
     layers += [nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4)]
-    model = nn.Sequential(*layers)
+    model = nn.Sequential(*layers).to(device)
     opt = optimizer(list(model.parameters()))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
 
     def step() -> None:
-        x = torch.randn(8, 16)
-        y = torch.randint(0, 4, (8,))
+        x = torch.randn(8, 16, device=device)
+        y = torch.randint(0, 4, (8,), device=device)
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -84,13 +91,13 @@ def _mlp_job(
     return Job(TrainingState(model, opt, sched), step)
 
 
-def _sparse_job() -> Job:
-    model = nn.Embedding(300, 8, sparse=True)
+def _sparse_job(device: str = "cpu") -> Job:
+    model = nn.Embedding(300, 8, sparse=True).to(device)
     opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.01)
-    readout = torch.randn(8)
+    readout = torch.randn(8, device=device)
 
     def step() -> None:
-        rows = torch.randint(0, 300, (6,))
+        rows = torch.randint(0, 300, (6,), device=device)
         loss = ((model(rows) @ readout) - 1.0).pow(2).sum()
         opt.zero_grad()
         loss.backward()
@@ -99,11 +106,19 @@ def _sparse_job() -> Job:
     return Job(TrainingState(model, opt), step)
 
 
-JOBS: dict[str, Callable[[], Job]] = {
-    "adam_foreach": lambda: _mlp_job(lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True)),
-    "adam_fused": lambda: _mlp_job(lambda p: torch.optim.Adam(p, lr=1e-2, fused=True)),
-    "sgd_momentum": lambda: _mlp_job(lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
-    "batch_norm": lambda: _mlp_job(lambda p: torch.optim.AdamW(p, lr=1e-2), batch_norm=True),
+JOBS: dict[str, Callable[..., Job]] = {  # each takes an optional device (default "cpu")
+    "adam_foreach": lambda device="cpu": _mlp_job(
+        lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True), device=device
+    ),
+    "adam_fused": lambda device="cpu": _mlp_job(
+        lambda p: torch.optim.Adam(p, lr=1e-2, fused=True), device=device
+    ),
+    "sgd_momentum": lambda device="cpu": _mlp_job(
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), device=device
+    ),
+    "batch_norm": lambda device="cpu": _mlp_job(
+        lambda p: torch.optim.AdamW(p, lr=1e-2), batch_norm=True, device=device
+    ),
     "sparse_adam": _sparse_job,
 }
 
@@ -182,16 +197,19 @@ def checkpoint_while_training(
 
 
 @pytest.mark.parametrize("kind", sorted(JOBS))
-def test_checkpoint_taken_while_training_equals_the_state_at_its_instant(kind: str, link: StoreLink) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_checkpoint_taken_while_training_equals_the_state_at_its_instant(
+    device: str, kind: str, link: StoreLink
+) -> None:
     torch.manual_seed(1)
-    job = JOBS[kind]()
+    job = JOBS[kind](device)
     for step in range(1, 4):
         job.step_fn()
         job.state.step = step
     rng = random.Random(kind)
     # One agent for every trial, as a job has: from the second image on, begin reuses the walked
     # structure and the copier's layouts, and writes to wholly captured tensors take the fast path.
-    agent = CheckpointAgent(job.state, link, job=kind, piece_bytes=512, pack_bytes=8192)
+    agent = CheckpointAgent(job.state, link, job=f"{kind}-{device}", piece_bytes=512, pack_bytes=8192)
     for trial in range(TRIALS):
         gate = StepGate(rng, span=rng.randint(6, 9), pieces=agent.planned_pieces())
         agent.pacer = gate.pace
@@ -199,7 +217,7 @@ def test_checkpoint_taken_while_training_equals_the_state_at_its_instant(kind: s
         assert ran >= 6, f"trial {trial}: only {ran} steps overlapped the checkpoint"
         assert result.attempts == 1 and result.torn == ()
         tensors, meta = references[result.step]
-        image = restored(JOBS[kind], link, result)
+        image = restored(lambda: JOBS[kind](device), link, result)
         assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()}, f"trial {trial}")
         assert_same(meta, image.meta(), f"trial {trial} meta")
 
