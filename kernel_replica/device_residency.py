@@ -30,6 +30,8 @@ It never imports torch: a notebook that has not imported it has nothing to move.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
 import os
 import re
 import sys
@@ -437,6 +439,43 @@ def restore(
     return _move(namespace, locations, device, copy)
 
 
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``callback(module)`` once, right after the first import of the top-level module
+    ``name`` has run (before the importing code uses it), then leaves ``sys.meta_path``. A
+    failing callback is logged and never breaks the user's import."""
+
+    def __init__(self, name: str, callback: Callable[[t.Any], object]) -> None:
+        self.name = name
+        self.callback = callback
+
+    def install(self) -> None:
+        sys.meta_path.insert(0, self)
+
+    def remove(self) -> None:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+
+    def find_spec(self, fullname: str, path: t.Any, target: t.Any = None) -> t.Any:
+        if fullname != self.name:
+            return None
+        self.remove()  # once; and the search below must not find this finder again
+        spec = importlib.util.find_spec(fullname)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run_module = loader.exec_module
+
+        def exec_then_call(module: t.Any) -> None:
+            run_module(module)
+            try:
+                self.callback(module)
+            except Exception:
+                structlog.get_logger("replica.residency").exception("after_import_failed", module=fullname)
+
+        loader.exec_module = exec_then_call  # type: ignore[method-assign]
+        return spec
+
+
 # ---- the kernel's shell --------------------------------------------------------------------------
 class GpuResidency:
     """Per replica: moves the notebook's GPU objects in before a GPU cell and out after it.
@@ -459,6 +498,7 @@ class GpuResidency:
         self._device: t.Any = None  # the device moved to for the running cell
         self._warned: set[str] = set()
         self._lazy_device_queued = False
+        self._torch_import: AfterImport | None = None  # a cell bound to GPUs before torch is imported
 
     def before_cell(self, namespace: MutableMapping[str, t.Any], device_ids: list[int]) -> None:
         """Make the first bound GPU current and move the recorded objects onto it. Never raises:
@@ -480,9 +520,28 @@ class GpuResidency:
             self._device, self.index = None, None
 
     def _before(self, namespace: MutableMapping[str, t.Any], device_ids: list[int]) -> None:
-        torch = _torch()
-        if self.mode == "off" or not device_ids or torch is None or not torch.cuda.is_available():
+        self._stop_waiting_for_torch()
+        if self.mode == "off" or not device_ids:
             return
+        torch = _torch()
+        if torch is None:
+            # A first GPU cell usually imports torch itself: bind its GPU the moment the import
+            # finishes (before CUDA can start), so plain "cuda" is the bound GPU and what the
+            # cell leaves there is offloaded after it.
+            self._torch_import = AfterImport("torch", lambda module: self._bind(module, device_ids))
+            self._torch_import.install()
+            return
+        if not self._bind(torch, device_ids) or not self._record:
+            return
+        report = restore(namespace, self._record, self._device)
+        self.timings |= {"to_gpu_ms": report.elapsed_ms, "to_gpu_bytes": float(report.nbytes)}
+        self._record = [loc for loc in self._record if loc.name in report.failed]  # retried next cell
+        self._report(report, "to the bound GPU")
+
+    def _bind(self, torch: t.Any, device_ids: list[int]) -> bool:
+        """The cell's first bound GPU becomes its device (current now, or when CUDA starts)."""
+        if not torch.cuda.is_available():
+            return False
         index = cuda_index(device_ids[0], self.visible, torch.cuda.device_count())
         if index is None:
             self._warn(
@@ -490,7 +549,7 @@ class GpuResidency:
                 f"bound GPU {device_ids[0]} is not visible to this process (CUDA_VISIBLE_DEVICES="
                 f"{self.visible!r}, {torch.cuda.device_count()} devices); notebook tensors stay in host memory",
             )
-            return
+            return False
         self.index = index
         self._device = torch.device("cuda", index)
         if torch.cuda.is_initialized():
@@ -498,14 +557,15 @@ class GpuResidency:
         elif not self._lazy_device_queued:  # plain "cuda" = the bound GPU, without starting CUDA now
             self._lazy_device_queued = True
             torch.cuda._lazy_call(self._set_current_device)
-        if not self._record:
-            return
-        report = restore(namespace, self._record, self._device)
-        self.timings |= {"to_gpu_ms": report.elapsed_ms, "to_gpu_bytes": float(report.nbytes)}
-        self._record = [loc for loc in self._record if loc.name in report.failed]  # retried next cell
-        self._report(report, "to the bound GPU")
+        return True
+
+    def _stop_waiting_for_torch(self) -> None:
+        if self._torch_import is not None:
+            self._torch_import.remove()
+            self._torch_import = None
 
     def _after(self, namespace: MutableMapping[str, t.Any]) -> None:
+        self._stop_waiting_for_torch()
         if self._device is None:
             return
         torch = _torch()

@@ -156,8 +156,9 @@ class CheckpointAgent:
             walk=self.state.structure if cached is not None else None,
             outside=self._outside,
         )
-        self._guard = WriteGuard(self.capture.before_writes, self.rules)
-        self._guard.__enter__()
+        if not self.capture.instant.complete:  # else every tensor was copied at the instant
+            self._guard = WriteGuard(self.capture.before_writes, self.rules)
+            self._guard.__enter__()
         self._copier.submit(self.capture.run)
         self._clock.stop(started)
 

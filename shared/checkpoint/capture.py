@@ -4,7 +4,9 @@ Timeline (POS §5.1, for a training job):
 
 1. *begin*, on the training thread at a step boundary: the instant the image must equal. Version
    counters are read, a few tensors known to be written behind the dispatcher's back are cloned
-   eagerly, and (``strict``) every piece is fingerprinted.
+   eagerly, and (``strict``) every piece is fingerprinted. Device memory is copied at the instant
+   (``copy_at_instant``: one buffer and one batched copy per device, ordered on the stream before
+   later kernels); the small host state beside it too, so a device image needs no write guard.
 2. *capture*, on a background thread while training goes on: piece by piece, fingerprint the live
    bytes; a piece whose fingerprint the store already holds (unchanged since the last image, or a
    duplicate) is not copied; others are cloned and packed. Meanwhile ``before_write`` (the
@@ -47,6 +49,51 @@ _POLL_S = 0.002  # how often a copier waiting for a step boundary looks
 DENSE_PIECE_BYTES = 1024 * 1024  # pieces of a tensor that changed everywhere last time (capped at a pack)
 _VERSION = operator.attrgetter("_version")
 COPIER_SWITCH_S = 0.0002  # the interpreter's switch interval while a copier runs (default 5 ms)
+# A device image's host tensors (an optimizer's step counters, a CPU-side buffer) up to this much
+# are copied at the instant with the device memory: then nothing needs copy-on-write, and training
+# runs without the write guard's per-op dispatch cost during the capture.
+EAGER_HOST_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class InstantCopies:
+    """Byte copies of some of an image's tensors made at begin (by index in the structure), and
+    for each device the event after its copy (the copier waits for it before reading)."""
+
+    copies: dict[int, torch.Tensor]
+    events: dict[torch.device, Any]
+    complete: bool  # every tensor is copied: no write can tear the image
+
+
+def copy_at_instant(tensors: tuple[torch.Tensor, ...], host_limit: int = EAGER_HOST_BYTES) -> InstantCopies:
+    """Copy every device tensor now (and the host ones too if they total at most ``host_limit``):
+    per device one flat buffer and one ``_foreach_copy_``, so begin costs a few kernel launches,
+    not one clone per tensor. Stream ordered: the copy sees every kernel queued before it, and
+    kernels queued after it cannot change it. A device without room for the copy gets it in host
+    memory (a synchronous transfer: a longer stall, the same image)."""
+    host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
+    complete = sum(tensors[i].nbytes for i in host) <= host_limit
+    by_device: dict[torch.device, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        if tensor.device.type != "cpu" or complete:
+            by_device.setdefault(tensor.device, []).append(i)
+    copies: dict[int, torch.Tensor] = {}
+    events: dict[torch.device, Any] = {}
+    for device, indices in by_device.items():
+        views = [byte_view(tensors[i]) for i in indices]
+        sizes = [v.numel() for v in views]
+        try:
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError:
+            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        outs = flat.split(sizes)
+        torch._foreach_copy_(list(outs), views)
+        copies.update(zip(indices, outs, strict=True))
+        if flat.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(flat.device))
+            events[flat.device] = event
+    return InstantCopies(copies, events, complete)
 
 
 class ShortSwitch:
@@ -123,6 +170,7 @@ class Entry:
         "array",
         "begin_fps",
         "captured",
+        "copy",
         "dirty",
         "eager",
         "extent",
@@ -141,7 +189,15 @@ class Entry:
     )
 
     def __init__(
-        self, name: str, layout: Layout, piece_bytes: int, arena: Arena, *, eager: bool, version0: int
+        self,
+        name: str,
+        layout: Layout,
+        piece_bytes: int,
+        arena: Arena,
+        *,
+        eager: bool,
+        version0: int,
+        copy: torch.Tensor | None = None,
     ) -> None:
         tensor = layout.tensor
         self.name = name
@@ -162,8 +218,14 @@ class Entry:
         self.version0 = version0  # read at begin
         self.new = 0  # pieces the store did not hold
         self.alone = True  # no other tracked tensor shares its storage
-        self.eager = eager or tensor.device.type != "cpu"
-        if self.eager:
+        self.copy = copy  # its bytes copied at the instant (``copy_at_instant``)
+        self.eager = eager or tensor.device.type != "cpu" or copy is not None
+        if copy is not None:
+            for i in range(self.pieces):
+                a, b = self.span(i)
+                self.snaps[i] = copy[a:b]
+            self.captured[:] = b"\x01" * self.pieces
+        elif self.eager:
             # Cloned now, at the instant: known undeclared writers, and device memory (a device
             # clone is ordered on the stream before later kernels; the copier moves it to host).
             self.take(0, self.pieces, arena)
@@ -203,6 +265,21 @@ class Entry:
         """Piece ``i``'s copied bytes as a host buffer."""
         snap = self.snaps[i]
         return snap.cpu().numpy() if snap.device.type != "cpu" else snap.numpy()
+
+    def copy_to_host(self, events: dict[torch.device, Any]) -> None:
+        """Bring an instant copy in device memory to host memory in one transfer (once the copy
+        itself ran), so its pieces are host slices; the device copy is released."""
+        copy = self.copy
+        if copy is None or copy.device.type == "cpu":
+            return
+        event = events.get(copy.device)
+        if event is not None:
+            event.synchronize()
+        host = copy.cpu()
+        self.copy = None
+        for i in range(self.pieces):
+            a, b = self.span(i)
+            self.snaps[i] = host[a:b]
 
 
 @dataclass
@@ -360,7 +437,13 @@ class Capture:
         self._ready = threading.Event()  # entries built: copy-on-write can run
         self.captured = threading.Event()  # every piece captured (tests inject writes after it)
         self.future: Future[CaptureResult] = Future()
-        if strict or eager or structure.on_device:
+        # Device memory (and then small host state) copied now; the rest is built on the copier.
+        self.instant = (
+            copy_at_instant(objects)
+            if structure.on_device and not strict
+            else InstantCopies({}, {}, complete=False)
+        )
+        if strict or (eager and not self.instant.complete):
             self._prepare()
 
     def _prepare(self) -> None:
@@ -370,6 +453,7 @@ class Capture:
         tensors = self.structure.tensors
         # The layouts of this checkpoint's tensors only, so replaced tensors are not kept alive.
         self.layouts = {id(t): Layout.of(t, self._cache) for _, t in tensors}
+        copies = self.instant.copies
         self.entries = [
             Entry(
                 name,
@@ -378,8 +462,9 @@ class Capture:
                 self.arena,
                 eager=name in self.eager,
                 version0=version,
+                copy=copies.get(i),
             )
-            for (name, t), version in zip(tensors, self.versions, strict=True)
+            for i, ((name, t), version) in enumerate(zip(tensors, self.versions, strict=True))
         ]
         ranges: dict[int, int] = {}
         for entry in self.entries:
@@ -594,7 +679,10 @@ class Capture:
         # Pieces copied by copy-on-write or at begin: fingerprint and pack them now (no write
         # can add any: every piece is captured).
         for entry in self.entries:
+            entry.copy_to_host(self.instant.events)
             for i in sorted(entry.snaps):
+                if entry.eager and self.pacer is not None:
+                    self.pacer()
                 data = entry.host(i)
                 self._store_piece(entry, i, fingerprint(data), data)
             entry.snaps.clear()

@@ -8,6 +8,7 @@ copy-on-write just before an optimizer or BatchNorm write.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 from collections.abc import Callable, Iterator
@@ -218,6 +219,41 @@ def test_checkpoint_taken_while_training_equals_the_state_at_its_instant(
         assert result.attempts == 1 and result.torn == ()
         tensors, meta = references[result.step]
         image = restored(lambda: JOBS[kind](device), link, result)
+        assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()}, f"trial {trial}")
+        assert_same(meta, image.meta(), f"trial {trial} meta")
+
+
+def test_an_image_copied_at_its_instant_runs_without_the_write_guard_and_equals_that_instant(
+    link: StoreLink, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device image (GPU tensors and a little host state) is copied whole at begin, so training
+    runs without the write guard while the copier packs it. Here on host tensors, taken down the
+    same path by marking the structure as on a device (the CUDA trials above run it for real)."""
+    torch.manual_seed(4)
+    job = JOBS["adam_foreach"]()
+    walk = job.state.structure
+    monkeypatch.setattr(job.state, "structure", lambda: dataclasses.replace(walk(), on_device=True))
+    for step in range(1, 3):
+        job.step_fn()
+        job.state.step = step
+    agent = CheckpointAgent(job.state, link, job="instant", piece_bytes=512, pack_bytes=8192)
+    rng = random.Random(4)
+    for trial in range(5):
+        gate = StepGate(rng, span=6, pieces=agent.planned_pieces())
+        agent.pacer = gate.pace
+        references = {job.state.step: snapshot(job.state)}
+        agent.begin()
+        assert not agent.guarded and agent.capture is not None and agent.capture.instant.complete
+        result = None
+        while result is None:
+            job.step_fn()
+            job.state.step += 1
+            references[job.state.step] = snapshot(job.state)
+            gate.stepped()
+            result = agent.step_boundary(job.state.step)
+        assert result.step < job.state.step - 3, "training ran on while the copier packed the image"
+        tensors, meta = references[result.step]
+        image = restored(JOBS["adam_foreach"], link, result)
         assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()}, f"trial {trial}")
         assert_same(meta, image.meta(), f"trial {trial} meta")
 

@@ -12,6 +12,7 @@ import sys
 import typing as t
 import warnings
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch
 from kernel_replica import helper
 from kernel_replica.device_residency import (
     MAX_CONTAINER_DEPTH,
+    AfterImport,
     GpuResidency,
     Location,
     cuda_index,
@@ -306,3 +308,76 @@ def test_a_notebook_without_torch_imports_nothing(monkeypatch: pytest.MonkeyPatc
     residency.before_cell(namespace, [0])
     residency.after_cell(namespace)
     assert residency.timings == {} and "torch" not in sys.modules
+
+
+def test_after_import_calls_back_once_when_the_module_first_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "late_library.py").write_text("VALUE = 41\n")
+    (tmp_path / "other_library.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[int] = []
+    hook = AfterImport("late_library", lambda module: seen.append(module.VALUE + 1))
+    hook.install()
+    try:
+        import other_library  # noqa: F401 - another module passes untouched
+
+        assert seen == [] and hook in sys.meta_path
+        import late_library  # noqa: F401 - the hooked import
+
+        assert seen == [42] and hook not in sys.meta_path
+    finally:
+        hook.remove()
+        for name in ("late_library", "other_library"):
+            sys.modules.pop(name, None)
+
+
+def test_a_failing_after_import_callback_does_not_break_the_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "fragile_library.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def fail(module: t.Any) -> None:
+        raise RuntimeError("callback failed")
+
+    AfterImport("fragile_library", fail).install()
+    try:
+        import fragile_library
+
+        assert fragile_library.VALUE == 7
+    finally:
+        sys.modules.pop("fragile_library", None)
+
+
+def test_a_cell_that_imports_torch_itself_gets_its_bound_gpu_and_is_offloaded_after(
+    fake_cuda: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first GPU cell of a notebook usually imports torch: the GPU is bound when the import
+    finishes, so the cell's tensors go to host memory after it (seen on an H100: they stayed)."""
+    import kernel_replica.device_residency as residency_module
+
+    monkeypatch.setattr(residency_module, "_torch", lambda: None)  # torch not imported yet
+    residency = GpuResidency(visible=None)
+    residency.before_cell({}, [1])
+    hook = residency._torch_import
+    assert hook is not None and hook in sys.meta_path and residency._device is None
+
+    monkeypatch.setattr(residency_module, "_torch", lambda: torch)  # the cell imports torch
+    hook.callback(torch)
+    assert fake_cuda == [1] and residency._device == torch.device("cuda", 1)
+    residency.after_cell({"x": torch.ones(1)})
+    assert hook not in sys.meta_path and residency._device is None and "to_host_ms" in residency.timings
+
+
+def test_a_cell_bound_to_gpus_that_never_imports_torch_leaves_no_import_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kernel_replica.device_residency as residency_module
+
+    monkeypatch.setattr(residency_module, "_torch", lambda: None)
+    residency = GpuResidency(visible=None)
+    before = list(sys.meta_path)
+    residency.before_cell({"x": 1}, [0])
+    residency.after_cell({"x": 1})
+    assert sys.meta_path == before and residency.timings == {}
