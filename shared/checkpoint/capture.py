@@ -48,6 +48,7 @@ from shared.datastore import ObjectRef
 _POLL_S = 0.002  # how often a copier waiting for a step boundary looks
 DENSE_PIECE_BYTES = 1024 * 1024  # pieces of a tensor that changed everywhere last time (capped at a pack)
 _VERSION = operator.attrgetter("_version")
+_DEVICE_AND_DTYPE = operator.attrgetter("device", "dtype")
 COPIER_SWITCH_S = 0.0002  # the interpreter's switch interval while a copier runs (default 5 ms)
 # A device image's host tensors (an optimizer's step counters, a CPU-side buffer) up to this much
 # are copied at the instant with the device memory: then nothing needs copy-on-write, and training
@@ -56,44 +57,76 @@ EAGER_HOST_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
-class InstantCopies:
-    """Byte copies of some of an image's tensors made at begin (by index in the structure), and
-    for each device the event after its copy (the copier waits for it before reading)."""
+class CopyGroup:
+    """Tensors of one device and dtype copied at the instant into one flat buffer."""
 
-    copies: dict[int, torch.Tensor]
-    events: dict[torch.device, Any]
-    complete: bool  # every tensor is copied: no write can tear the image
+    flat: torch.Tensor
+    indices: list[int]  # the tensors' positions in the structure
+    numels: list[int]
+
+
+class InstantCopies:
+    """Copies of some of an image's tensors made at begin: per device and dtype one flat buffer
+    (``torch._utils._flatten_dense_tensors``: one C++ call over the group, no Python per tensor
+    on the training thread), with the event after each device's copies (the copier waits for it
+    before reading)."""
+
+    def __init__(self, groups: list[CopyGroup], events: dict[torch.device, Any], complete: bool) -> None:
+        self.groups = groups
+        self.events = events
+        self.complete = complete  # every tensor is copied: no write can tear the image
+
+    @classmethod
+    def none(cls) -> InstantCopies:
+        return cls([], {}, complete=False)
+
+    def byte_copies(self) -> dict[int, torch.Tensor]:
+        """Each copied tensor's bytes, a flat uint8 view into its group's buffer, by position."""
+        views: dict[int, torch.Tensor] = {}
+        for group in self.groups:
+            data, size, at = group.flat.view(torch.uint8), group.flat.element_size(), 0
+            for i, n in zip(group.indices, group.numels, strict=True):
+                views[i] = data[at : at + n * size]
+                at += n * size
+        return views
+
+    def to_host(self) -> None:
+        """Bring the device groups to host memory, one transfer each once their copy ran (copier
+        thread); later ``byte_copies`` are host views, and the device buffers can be released."""
+        for group in self.groups:
+            if group.flat.device.type != "cpu":
+                event = self.events.get(group.flat.device)
+                if event is not None:
+                    event.synchronize()
+                group.flat = group.flat.cpu()
 
 
 def copy_at_instant(tensors: tuple[torch.Tensor, ...], host_limit: int = EAGER_HOST_BYTES) -> InstantCopies:
-    """Copy every device tensor now (and the host ones too if they total at most ``host_limit``):
-    per device one flat buffer and one ``_foreach_copy_``, so begin costs a few kernel launches,
-    not one clone per tensor. Stream ordered: the copy sees every kernel queued before it, and
-    kernels queued after it cannot change it. A device without room for the copy gets it in host
-    memory (a synchronous transfer: a longer stall, the same image)."""
-    host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
-    complete = sum(tensors[i].nbytes for i in host) <= host_limit
-    by_device: dict[torch.device, list[int]] = {}
-    for i, tensor in enumerate(tensors):
-        if tensor.device.type != "cpu" or complete:
-            by_device.setdefault(tensor.device, []).append(i)
-    copies: dict[int, torch.Tensor] = {}
+    """Copy every device tensor now (and the host ones too if they total at most ``host_limit``),
+    one flat buffer per device and dtype: begin costs a few kernel launches, not a clone per
+    tensor. Stream ordered: the copy sees every kernel queued before it, and kernels queued after
+    it cannot change it. A device without room for the copy gets it in host memory (a synchronous
+    transfer: a longer stall, the same image)."""
+    where = list(map(_DEVICE_AND_DTYPE, tensors))
+    complete = sum(t.nbytes for t in tensors if t.is_cpu) <= host_limit
+    by_group: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, key in enumerate(where):
+        if key[0].type != "cpu" or complete:
+            by_group.setdefault(key, []).append(i)
+    groups: list[CopyGroup] = []
     events: dict[torch.device, Any] = {}
-    for device, indices in by_device.items():
-        views = [byte_view(tensors[i]) for i in indices]
-        sizes = [v.numel() for v in views]
+    for (device, _), indices in by_group.items():
+        members = [tensors[i] for i in indices]
         try:
-            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            flat = torch._utils._flatten_dense_tensors(members)
         except torch.OutOfMemoryError:
-            flat = torch.empty(sum(sizes), dtype=torch.uint8)
-        outs = flat.split(sizes)
-        torch._foreach_copy_(list(outs), views)
-        copies.update(zip(indices, outs, strict=True))
-        if flat.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(flat.device))
-            events[flat.device] = event
-    return InstantCopies(copies, events, complete)
+            flat = torch._utils._flatten_dense_tensors([t.cpu() for t in members])
+        groups.append(CopyGroup(flat, indices, list(map(torch.Tensor.numel, members))))
+        if flat.device.type == "cuda" and device not in events:
+            events[device] = torch.cuda.Event()
+    for device, event in events.items():
+        event.record(torch.cuda.current_stream(device))
+    return InstantCopies(groups, events, complete)
 
 
 class ShortSwitch:
@@ -221,10 +254,7 @@ class Entry:
         self.copy = copy  # its bytes copied at the instant (``copy_at_instant``)
         self.eager = eager or tensor.device.type != "cpu" or copy is not None
         if copy is not None:
-            for i in range(self.pieces):
-                a, b = self.span(i)
-                self.snaps[i] = copy[a:b]
-            self.captured[:] = b"\x01" * self.pieces
+            self.use_copy(copy)
         elif self.eager:
             # Cloned now, at the instant: known undeclared writers, and device memory (a device
             # clone is ordered on the stream before later kernels; the copier moves it to host).
@@ -266,20 +296,14 @@ class Entry:
         snap = self.snaps[i]
         return snap.cpu().numpy() if snap.device.type != "cpu" else snap.numpy()
 
-    def copy_to_host(self, events: dict[torch.device, Any]) -> None:
-        """Bring an instant copy in device memory to host memory in one transfer (once the copy
-        itself ran), so its pieces are host slices; the device copy is released."""
-        copy = self.copy
-        if copy is None or copy.device.type == "cpu":
-            return
-        event = events.get(copy.device)
-        if event is not None:
-            event.synchronize()
-        host = copy.cpu()
-        self.copy = None
+    def use_copy(self, copy: torch.Tensor) -> None:
+        """Its pieces are slices of ``copy``, the tensor's bytes at the instant (the copy at
+        begin, or that copy brought to host memory)."""
+        self.copy = copy
         for i in range(self.pieces):
             a, b = self.span(i)
-            self.snaps[i] = host[a:b]
+            self.snaps[i] = copy[a:b]
+        self.captured[:] = b"\x01" * self.pieces
 
 
 @dataclass
@@ -439,9 +463,7 @@ class Capture:
         self.future: Future[CaptureResult] = Future()
         # Device memory (and then small host state) copied now; the rest is built on the copier.
         self.instant = (
-            copy_at_instant(objects)
-            if structure.on_device and not strict
-            else InstantCopies({}, {}, complete=False)
+            copy_at_instant(objects) if structure.on_device and not strict else InstantCopies.none()
         )
         if strict or (eager and not self.instant.complete):
             self._prepare()
@@ -453,7 +475,7 @@ class Capture:
         tensors = self.structure.tensors
         # The layouts of this checkpoint's tensors only, so replaced tensors are not kept alive.
         self.layouts = {id(t): Layout.of(t, self._cache) for _, t in tensors}
-        copies = self.instant.copies
+        copies = self.instant.byte_copies()
         self.entries = [
             Entry(
                 name,
@@ -678,8 +700,11 @@ class Capture:
                 self._whole[id(entry.tensor)] = entry
         # Pieces copied by copy-on-write or at begin: fingerprint and pack them now (no write
         # can add any: every piece is captured).
+        if self.instant.groups:  # one transfer per device and dtype, then host slices
+            self.instant.to_host()
+            for i, copy in self.instant.byte_copies().items():
+                self.entries[i].use_copy(copy)
         for entry in self.entries:
-            entry.copy_to_host(self.instant.events)
             for i in sorted(entry.snaps):
                 if entry.eager and self.pacer is not None:
                     self.pacer()
