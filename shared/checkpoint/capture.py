@@ -101,6 +101,14 @@ class InstantCopies:
                 group.flat = group.flat.cpu()
 
 
+def _flat_copy(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' elements, one after the other, in a new buffer. ``_flatten_dense_tensors`` of
+    a single tensor returns a *view* of it (no copy): that one is cloned."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1).clone()
+    return torch._utils._flatten_dense_tensors(tensors)
+
+
 def copy_at_instant(tensors: tuple[torch.Tensor, ...], host_limit: int = EAGER_HOST_BYTES) -> InstantCopies:
     """Copy every device tensor now (and the host ones too if they total at most ``host_limit``),
     one flat buffer per device and dtype: begin costs a few kernel launches, not a clone per
@@ -118,9 +126,9 @@ def copy_at_instant(tensors: tuple[torch.Tensor, ...], host_limit: int = EAGER_H
     for (device, _), indices in by_group.items():
         members = [tensors[i] for i in indices]
         try:
-            flat = torch._utils._flatten_dense_tensors(members)
+            flat = _flat_copy(members)
         except torch.OutOfMemoryError:
-            flat = torch._utils._flatten_dense_tensors([t.cpu() for t in members])
+            flat = _flat_copy([t.cpu() for t in members])
         groups.append(CopyGroup(flat, indices, list(map(torch.Tensor.numel, members))))
         if flat.device.type == "cuda" and device not in events:
             events[device] = torch.cuda.Event()

@@ -223,20 +223,21 @@ def test_checkpoint_taken_while_training_equals_the_state_at_its_instant(
         assert_same(meta, image.meta(), f"trial {trial} meta")
 
 
+@pytest.mark.parametrize("kind", ["adam_foreach", "batch_norm"])  # BatchNorm: an int64 tensor alone
 def test_an_image_copied_at_its_instant_runs_without_the_write_guard_and_equals_that_instant(
-    link: StoreLink, monkeypatch: pytest.MonkeyPatch
+    kind: str, link: StoreLink, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A device image (GPU tensors and a little host state) is copied whole at begin, so training
     runs without the write guard while the copier packs it. Here on host tensors, taken down the
     same path by marking the structure as on a device (the CUDA trials above run it for real)."""
     torch.manual_seed(4)
-    job = JOBS["adam_foreach"]()
+    job = JOBS[kind]()
     walk = job.state.structure
     monkeypatch.setattr(job.state, "structure", lambda: dataclasses.replace(walk(), on_device=True))
     for step in range(1, 3):
         job.step_fn()
         job.state.step = step
-    agent = CheckpointAgent(job.state, link, job="instant", piece_bytes=512, pack_bytes=8192)
+    agent = CheckpointAgent(job.state, link, job=f"instant-{kind}", piece_bytes=512, pack_bytes=8192)
     rng = random.Random(4)
     for trial in range(5):
         gate = StepGate(rng, span=6, pieces=agent.planned_pieces())
@@ -253,7 +254,7 @@ def test_an_image_copied_at_its_instant_runs_without_the_write_guard_and_equals_
             result = agent.step_boundary(job.state.step)
         assert result.step < job.state.step - 3, "training ran on while the copier packed the image"
         tensors, meta = references[result.step]
-        image = restored(JOBS["adam_foreach"], link, result)
+        image = restored(JOBS[kind], link, result)
         assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()}, f"trial {trial}")
         assert_same(meta, image.meta(), f"trial {trial} meta")
 
