@@ -719,6 +719,8 @@ class Capture:
                 data = entry.host(i)
                 self._store_piece(entry, i, fingerprint(data), data)
             entry.snaps.clear()
+            entry.copy = None
+        self.instant.groups.clear()  # packed: the instant's copies are no longer needed
         self.arena.release()
         self.captured.set()
         torn = self._validate()
