@@ -11,6 +11,7 @@ local scheduler reports it to the global scheduler.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -71,6 +72,7 @@ class ReplicaProcess:
         resources: dict[str, Any],
         data_dir: Path,
         ip: str = "127.0.0.1",
+        jupyter_ipc_dir: Path | None = None,
         raft_host: str | None = None,
         raft_identity: str | None = None,
         launch: KernelLaunch | None = None,
@@ -84,6 +86,9 @@ class ReplicaProcess:
         self.resources = resources
         self.data_dir = data_dir.absolute()  # the replica starts in its kernel's working directory
         self.ip = ip
+        # Where its Jupyter sockets are Unix sockets (a private 0700 directory: no other user can
+        # connect, not even to read iopub); None: TCP on ``ip``, as where the link itself is TCP.
+        self.jupyter_ipc_dir = jupyter_ipc_dir
         self.raft_host = raft_host  # the address its Raft listener binds and registers; None: cluster.ip
         # the kernel's working directory and variables (shared/kernel_launch.py); working_dir:
         # where this replica starts, None for this local scheduler's own directory
@@ -306,8 +311,8 @@ class ReplicaProcess:
         port, can take the port: the replica then dies with "Address already in use".
         """
         info: dict[str, Any] = {
-            "ip": self.ip,
-            "transport": "tcp",
+            "ip": self.jupyter_ip,
+            "transport": "tcp" if self.jupyter_ipc_dir is None else "ipc",
             "key": self.key,
             "signature_scheme": self.signature_scheme,
             "kernel_name": "tandem",
@@ -316,6 +321,22 @@ class ReplicaProcess:
         self.connection_file.unlink(missing_ok=True)
         with secure_write(str(self.connection_file)) as f:  # it holds the kernel's HMAC key
             json.dump(info, f, indent=1)
+
+    @property
+    def jupyter_ip(self) -> str:
+        """The connection file's ``ip``: an address, or for ipc the sockets' path prefix (ipykernel
+        binds ``<prefix>-1``, ``<prefix>-2``, ...). Short, so it fits a socket path."""
+        if self.jupyter_ipc_dir is None:
+            return self.ip
+        digest = hashlib.blake2b(f"{self.kernel_id}/{self.replica_id}".encode(), digest_size=5).hexdigest()
+        return str(self.jupyter_ipc_dir / f"j{digest}")
+
+    def _remove_jupyter_sockets(self) -> None:
+        """ipykernel removes its socket files when it exits normally; a killed replica leaves them."""
+        if self.jupyter_ipc_dir is not None:
+            prefix = Path(self.jupyter_ip)
+            for path in prefix.parent.glob(f"{prefix.name}-*"):
+                path.unlink(missing_ok=True)
 
     async def _watch(self, on_exit: Callable[[ReplicaProcess], None]) -> None:
         assert self.process is not None
@@ -330,6 +351,7 @@ class ReplicaProcess:
                 RuntimeError(f"replica exited with {self.returncode} before registering: {self.log_tail()}")
             )
         self.close_sockets()
+        self._remove_jupyter_sockets()
         on_exit(self)
 
     async def wait_exit(self) -> None:
@@ -368,7 +390,8 @@ class ReplicaProcess:
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
             else:
                 sock.setsockopt(zmq.IDENTITY, identity)
-            sock.connect(f"{transport}://{ip}:{info[channel + '_port']}")
+            port = info[channel + "_port"]
+            sock.connect(f"ipc://{ip}-{port}" if transport == "ipc" else f"{transport}://{ip}:{port}")
             drained = DrainingSocket(sock, self._reader(channel, sink), name=channel, logger=self.log)
             self._sockets[channel] = drained
             drained.start()

@@ -601,6 +601,7 @@ class LocalScheduler:
             resources=dict(body["resources"]),
             data_dir=self._data_root / key[0] / key[1],
             ip=self._replica_jupyter_ip(),
+            jupyter_ipc_dir=self._link.socket_path.parent if self._link.socket_path is not None else None,
             raft_host=self._raft_host(),
             raft_identity=raft_identity,
             launch=launch,

@@ -51,6 +51,38 @@ def test_the_replica_link_is_a_private_unix_socket(tandem_cluster: ClusterHandle
         assert sock.st_uid == directory.st_uid == os.getuid()
 
 
+def test_a_replicas_jupyter_sockets_are_unix_sockets_in_the_private_link_directory(
+    tandem_cluster: ClusterHandle,
+) -> None:
+    """Its shell, iopub, stdin, control and heartbeat sockets: on loopback TCP any local user
+    could subscribe to iopub and read every output in plain text (ipykernel warns of it)."""
+    link_dirs = {path.parent for path in _link_sockets(tandem_cluster).values()}
+    with tandem_kernel() as (km, kc):
+        assert run(kc, "print('private')").status == "ok"
+        kernel_id = km.kernel_id
+        [kernel] = [k for k in tandem_cluster.status()["kernels"] if k["id"] == kernel_id]
+        raft_ports = {int(r["raft_address"].rsplit(":", 1)[1]) for r in kernel["replicas"]}
+        pids = tandem_cluster.replica_pids(kernel_id)
+        assert len(pids) == 3
+        for pid in pids:
+            replica = psutil.Process(pid)
+            listening = {
+                c.laddr.port for c in replica.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN
+            }
+            # its Raft listener, and ipykernel's pipe for forked children's output (loopback,
+            # keyed by a random id only those children get): nothing of Jupyter's channels
+            assert len(listening & raft_ports) == 1 and len(listening - raft_ports) <= 1, listening
+            bound = {Path(c.laddr) for c in replica.net_connections(kind="unix") if c.laddr}
+            jupyter = {path for path in bound if path.parent in link_dirs and path.name != "replicas.sock"}
+            assert len(jupyter) == 5, bound  # shell, iopub, stdin, control, heartbeat
+        sockets = [path for d in link_dirs for path in d.iterdir() if path.name.startswith("j")]
+        assert len(sockets) >= 15
+        stopped = tandem_cluster.cli("kernel", "stop", kernel_id)
+        assert stopped.returncode == 0, stopped.stderr
+        assert eventually(lambda: not tandem_cluster.replica_pids(kernel_id), timeout=15)
+    assert eventually(lambda: not any(path.exists() for path in sockets), timeout=10)
+
+
 def _refusals(cluster: ClusterHandle, host: str, pid: int) -> bool:
     text = cluster.log_text(host)
     return "peer_refused" in text and f"pid {pid} is not a replica this local scheduler started" in text
