@@ -211,7 +211,6 @@ class Entry:
         "array",
         "begin_fps",
         "captured",
-        "copy",
         "dirty",
         "eager",
         "extent",
@@ -259,7 +258,6 @@ class Entry:
         self.version0 = version0  # read at begin
         self.new = 0  # pieces the store did not hold
         self.alone = True  # no other tracked tensor shares its storage
-        self.copy = copy  # its bytes copied at the instant (``copy_at_instant``)
         self.eager = eager or tensor.device.type != "cpu" or copy is not None
         if copy is not None:
             self.use_copy(copy)
@@ -307,7 +305,6 @@ class Entry:
     def use_copy(self, copy: torch.Tensor) -> None:
         """Its pieces are slices of ``copy``, the tensor's bytes at the instant (the copy at
         begin, or that copy brought to host memory)."""
-        self.copy = copy
         for i in range(self.pieces):
             a, b = self.span(i)
             self.snaps[i] = copy[a:b]
@@ -719,7 +716,6 @@ class Capture:
                 data = entry.host(i)
                 self._store_piece(entry, i, fingerprint(data), data)
             entry.snaps.clear()
-            entry.copy = None
         self.instant.groups.clear()  # packed: the instant's copies are no longer needed
         self.arena.release()
         self.captured.set()

@@ -239,20 +239,15 @@ def test_an_image_copied_at_its_instant_runs_without_the_write_guard_and_equals_
         job.state.step = step
     agent = CheckpointAgent(job.state, link, job=f"instant-{kind}", piece_bytes=512, pack_bytes=8192)
     rng = random.Random(4)
+
+    def unguarded_and_complete(ran: int) -> None:
+        assert not agent.guarded and agent.capture is not None and agent.capture.instant.complete
+
     for trial in range(5):
         gate = StepGate(rng, span=6, pieces=agent.planned_pieces())
         agent.pacer = gate.pace
-        references = {job.state.step: snapshot(job.state)}
-        agent.begin()
-        assert not agent.guarded and agent.capture is not None and agent.capture.instant.complete
-        result = None
-        while result is None:
-            job.step_fn()
-            job.state.step += 1
-            references[job.state.step] = snapshot(job.state)
-            gate.stepped()
-            result = agent.step_boundary(job.state.step)
-        assert result.step < job.state.step - 3, "training ran on while the copier packed the image"
+        result, references, ran = checkpoint_while_training(job, agent, gate, unguarded_and_complete)
+        assert ran > 3, "training ran on while the copier packed the image"
         tensors, meta = references[result.step]
         image = restored(JOBS[kind], link, result)
         assert_same(tensors, {name: byte_view(t) for name, t in image.tensors()}, f"trial {trial}")
