@@ -353,18 +353,20 @@ def test_restarting_the_global_scheduler_loses_no_kernel(
         if name.startswith("host-")
     ]
     assert signal_ours(old_pid, signal.SIGKILL)  # a host died earlier: the restart must not mind
-
-    def restarted() -> bool:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            return json.loads(cluster_file.read_text())["processes"]["global-scheduler"] != old_pid
-        return False
-
-    wait_for(restarted, "tandem up to restart the global scheduler")
-    # A cell sent before the kernel's hosts have registered with the new scheduler (their local
-    # schedulers are held stopped for a moment): it is kept until the kernel is adopted, then run.
+    # A cell sent before the kernel's hosts have registered with the new scheduler: it is kept
+    # until the kernel is adopted, then run. The hosts' local schedulers are held stopped from
+    # before the new scheduler exists, or they may register with it (a heartbeat is 0.25 s) before
+    # the cell is sent, and the cell takes the ordinary path.
     signal_hosts(host_pids, signal.SIGSTOP)
     sent_meanwhile: queue.Queue[CellResult] = queue.Queue()
     try:
+
+        def restarted() -> bool:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                return json.loads(cluster_file.read_text())["processes"]["global-scheduler"] != old_pid
+            return False
+
+        wait_for(restarted, "tandem up to restart the global scheduler")
         threading.Thread(
             target=lambda: sent_meanwhile.put(run(notebooks[1][1], "print(value * 10)", timeout=90)),
             daemon=True,
