@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from kernel_replica.cuda_rng import CARRIER, CudaRngCarrier
 from kernel_replica.log_entries import GpuResident  # a Location as a STATE entry carries it
 
 MODES = ("move", "off")
@@ -484,7 +485,12 @@ class GpuResidency:
     pins ``CUDA_DEVICE_ORDER`` to PCI bus order so torch indices match the scheduler's NVML ids."""
 
     def __init__(
-        self, mode: str = "move", *, visible: str | None = VISIBLE_AT_START, log: t.Any = None
+        self,
+        mode: str = "move",
+        *,
+        visible: str | None = VISIBLE_AT_START,
+        log: t.Any = None,
+        rng: CudaRngCarrier = CARRIER,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"kernel.gpu_residency must be one of {', '.join(MODES)}; got {mode!r}")
@@ -499,6 +505,7 @@ class GpuResidency:
         self._warned: set[str] = set()
         self._lazy_device_queued = False
         self._torch_import: AfterImport | None = None  # a cell bound to GPUs before torch is imported
+        self._rng = rng
 
     def before_cell(self, namespace: MutableMapping[str, t.Any], device_ids: list[int]) -> None:
         """Make the first bound GPU current and move the recorded objects onto it. Never raises:
@@ -521,7 +528,7 @@ class GpuResidency:
 
     def _before(self, namespace: MutableMapping[str, t.Any], device_ids: list[int]) -> None:
         self._stop_waiting_for_torch()
-        if self.mode == "off" or not device_ids:
+        if not device_ids:
             return
         torch = _torch()
         if torch is None:
@@ -539,8 +546,17 @@ class GpuResidency:
         self._report(report, "to the bound GPU")
 
     def _bind(self, torch: t.Any, device_ids: list[int]) -> bool:
-        """The cell's first bound GPU becomes its device (current now, or when CUDA starts)."""
+        """The cell's first bound GPU becomes its device (current now, or when CUDA starts), with
+        the notebook's CUDA generator state on it (``cuda_rng``). With residency off, the
+        notebook picks its devices itself: only the generator state goes to the current one."""
         if not torch.cuda.is_available():
+            return False
+        if self.mode == "off":
+            if self._rng.pending and torch.cuda.is_initialized():
+                self._rng.bind(torch, torch.cuda.current_device())
+            elif self._rng.pending and not self._lazy_device_queued:
+                self._lazy_device_queued = True
+                torch.cuda._lazy_call(lambda: self._rng.bind(torch, torch.cuda.current_device()))
             return False
         index = cuda_index(device_ids[0], self.visible, torch.cuda.device_count())
         if index is None:
@@ -554,6 +570,7 @@ class GpuResidency:
         self._device = torch.device("cuda", index)
         if torch.cuda.is_initialized():
             torch.cuda.set_device(index)
+            self._rng.bind(torch, index)
         elif not self._lazy_device_queued:  # plain "cuda" = the bound GPU, without starting CUDA now
             self._lazy_device_queued = True
             torch.cuda._lazy_call(self._set_current_device)
@@ -610,6 +627,7 @@ class GpuResidency:
         torch = _torch()
         if torch is not None and self.index is not None:
             torch.cuda.set_device(self.index)
+            self._rng.bind(torch, self.index)
 
     def _report(self, report: MoveReport, where: str) -> None:
         if report.moved:

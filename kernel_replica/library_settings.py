@@ -36,6 +36,8 @@ from typing import Any
 
 import structlog
 
+from kernel_replica.cuda_rng import CARRIER
+
 log = structlog.get_logger("library_settings")
 
 #: A value larger than this (pickled) is not replicated: logged, the executor's own.
@@ -393,6 +395,8 @@ SETTINGS: tuple[Setting, ...] = (
         "numpy.printoptions", "numpy", lambda m: m.get_printoptions(), lambda m, v: m.set_printoptions(**v)
     ),
     Setting("torch.random.state", "torch", _torch_rng, _set_torch_rng),
+    # the GPUs' generator: put on the next cell's GPU when it is bound (kernel_replica/cuda_rng.py)
+    Setting("torch.cuda.random.state", "torch", CARRIER.read, CARRIER.write),
     Setting("torch.default_dtype", "torch", lambda m: str(m.get_default_dtype()), _set_torch_dtype),
     Setting("torch.printoptions", "torch", _torch_print, lambda m, v: m.set_printoptions(**v)),
     Setting("torch.deterministic", "torch", _torch_deterministic, _set_torch_deterministic),

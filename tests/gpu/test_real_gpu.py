@@ -317,6 +317,32 @@ def test_cell_outputs_with_autograd_history_leave_no_activations_on_the_gpu(note
     assert found["allocated_at_start"] - moved_in < ALLOCATOR_SLACK, found
 
 
+def test_a_seeded_notebook_draws_the_same_cuda_random_numbers_whichever_replica_runs_it(
+    gpu_cluster: ClusterHandle,
+) -> None:
+    """``torch.manual_seed(0)`` in a first cell (no CUDA yet) seeds the GPUs' generators too; the
+    next cells each run on another replica and must draw what one process would have drawn
+    (kernel_replica/cuda_rng.py)."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    expected = [torch.rand(3, generator=generator, device="cuda").tolist() for _ in range(2)]
+    with tandem_kernel() as (_km, kc):
+        first = run_ok(kc, "import json, torch\ntorch.manual_seed(0)", timeout=180)
+        cordoned, drawn, executors = [first.tandem["host_id"]], [], [first.tandem["replica_id"]]
+        try:
+            for _ in expected:
+                assert gpu_cluster.cli("host", "cordon", cordoned[-1]).returncode == 0
+                cell = run_ok(kc, "print(json.dumps(torch.rand(3, device='cuda').tolist()))", timeout=180)
+                drawn.append(json.loads(cell.stdout))
+                cordoned.append(cell.tandem["host_id"])
+                executors.append(cell.tandem["replica_id"])
+        finally:
+            for host in cordoned:
+                assert gpu_cluster.cli("host", "uncordon", host).returncode == 0
+    print(f"executors {executors}: drew {drawn}, one process draws {expected}")
+    assert len(set(executors)) == 3, executors
+    assert drawn == expected
+
+
 def test_residency_off_leaves_tensors_on_the_gpu_between_cells(
     tmp_path_factory: pytest.TempPathFactory, tandem_kernelspec: Path
 ) -> None:

@@ -323,10 +323,13 @@ def test_seeded_generators_and_library_settings_follow_the_executor(
         "print(json.dumps([drawn == expected, str(torch.ones(1).dtype), np.array2string(np.array([1/3])),\n"
         "    divide, str(decimal.Decimal(1) / decimal.Decimal(7)), sys.getrecursionlimit(), filtered,\n"
         "    matplotlib.rcParams['lines.linewidth'], pd.get_option('display.max_columns'),\n"
-        "    logging.getLogger('notebook.noisy').level]))"
+        "    logging.getLogger('notebook.noisy').level,\n"
+        # the GPUs' seed too, waiting for this replica's next GPU cell (no CUDA on this machine)
+        "    __import__('kernel_replica.cuda_rng', fromlist=['CARRIER']).CARRIER.read(torch)]))"
     ))  # fmt: skip
     assert json.loads(moved.stdout.splitlines()[0]) == [
         True, "torch.float64", "[0.33]", "raised", "0.142857", 4321, "raised", 7.0, 3, logging.ERROR,
+        ["seeds", [["all", 0]]],
     ], moved.stdout  # fmt: skip
     _on(tandem_cluster, kc, second, (  # the module's other tests share the kernel
         "torch.set_default_dtype(torch.float32); sys.setrecursionlimit(saved_settings[0])\n"
