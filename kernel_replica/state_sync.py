@@ -19,6 +19,7 @@ import ast
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import importlib.util
 import sys
 import threading
@@ -92,7 +93,43 @@ async def open_replica_datastore(config: Config) -> DataStore:
 
 
 def import_fingerprint(statement: str) -> bytes:
-    return IMPORT_MARK + digest(statement.encode())
+    """The statement itself (short): a later cell tells from it whether the name still holds
+    what the import bound (``still_imported``), even before the entry that carried it commits."""
+    return IMPORT_MARK + statement.encode()
+
+
+@functools.lru_cache(maxsize=1024)
+def _from_import(statement: str) -> tuple[str, str] | None:
+    """(module, attribute) of an absolute single-name ``from m import a [as b]`` (attribute "*"
+    for a star import); None for any other statement."""
+    try:
+        body = ast.parse(statement).body
+    except SyntaxError:
+        return None
+    node = body[0] if len(body) == 1 else None
+    if isinstance(node, ast.ImportFrom) and node.module and not node.level and len(node.names) == 1:
+        return node.module, node.names[0].name
+    return None
+
+
+def still_imported(statement: str, name: str, value: Any) -> bool:
+    """Whether ``name`` still holds what ``statement`` bound, so that the standbys replay the
+    statement instead of receiving a pickle: a module (its attributes are not replicated state),
+    or the very object a from-import took from its module. The latter keeps identity with the
+    module's own object (``from matplotlib import rcParams``, ``from os import environ``: a
+    pickled copy on the next executor took the notebook's changes and the library ignored them;
+    those changes travel as the module's state, ``library_settings`` and ``process_context``),
+    as ``m.a`` would; what a notebook changes in another module's object through the name is that
+    module's state, not the namespace's, on the next executor too."""
+    if isinstance(value, types.ModuleType):
+        return True
+    target = _from_import(statement)
+    if target is None:
+        return False
+    module_name, attribute = target
+    module = sys.modules.get(module_name)
+    missing = object()
+    return module is not None and getattr(module, name if attribute == "*" else attribute, missing) is value
 
 
 def value_fingerprint(value: Any, namespace: Mapping[str, Any]) -> bytes | None:
@@ -218,7 +255,7 @@ async def plan_state(
         if record.alias not in replicable_set:
             continue
         plan.imports.append((record.alias, statement))
-        if isinstance(namespace[record.alias], types.ModuleType):
+        if still_imported(statement, record.alias, namespace[record.alias]):
             module_aliases.add(record.alias)  # replayed, not pickled
             plan.fingerprints[record.alias] = import_fingerprint(statement)
     plan.deleted = sorted(
@@ -233,10 +270,11 @@ async def plan_state(
     for name in sorted(check):
         if name not in replicable_set or name in module_aliases:
             continue
-        if isinstance(namespace[name], types.ModuleType) and replicated.get(name, b"").startswith(
-            IMPORT_MARK
+        old = replicated.get(name, b"")
+        if old.startswith(IMPORT_MARK) and still_imported(
+            old[len(IMPORT_MARK) :].decode(errors="replace"), name, namespace[name]
         ):
-            continue  # still the imported module (its attributes are not replicated state)
+            continue  # still what its import bound: the standbys have it by replaying it
         fps[name] = value_fingerprint(namespace[name], namespace)
         if fps[name] is None or fps[name] != value_part(replicated.get(name, b"")) or name in retrying:
             changed.append(name)

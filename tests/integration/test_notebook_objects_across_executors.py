@@ -240,19 +240,28 @@ def test_the_working_directory_environment_and_sys_path_follow_the_executor(
         f"%cd {data}\n"
         "%env API_TOKEN=secret\n"
         "import os, sys\n"
+        "from os import environ\n"
         "os.environ['NOTEBOOK_SETTING'] = 'on'\n"
         f"sys.path.insert(0, {str(src)!r})\n"
         "import notebook_helpers"
     ))  # fmt: skip
+    # ``environ`` is the process's own there too, not a copy that the process ignores
     moved = _on(tandem_cluster, kc, second, (
         "import os, sys\n"
+        "environ['VIA_FROM_IMPORT'] = 'yes'\n"
         "print(os.getcwd(), os.environ.get('API_TOKEN'), os.environ.get('NOTEBOOK_SETTING'),"
-        f" sys.path[0] == {str(src)!r}, notebook_helpers.ANSWER)"
+        f" sys.path[0] == {str(src)!r}, notebook_helpers.ANSWER, environ is os.environ,"
+        " os.environ.get('VIA_FROM_IMPORT'))"
     ))  # fmt: skip
-    assert moved.stdout.split() == [str(data), "secret", "on", "True", "42"], moved.stdout
+    assert moved.stdout.split() == [str(data), "secret", "on", "True", "42", "True", "yes"], moved.stdout
     _on(tandem_cluster, kc, second, "del os.environ['NOTEBOOK_SETTING']\n%cd ..")
-    back = _on(tandem_cluster, kc, first, "print(os.getcwd(), os.environ.get('NOTEBOOK_SETTING'))")
-    assert back.stdout.split() == [str(tmp_path), "None"], back.stdout
+    back = _on(
+        tandem_cluster,
+        kc,
+        first,
+        "print(os.getcwd(), os.environ.get('NOTEBOOK_SETTING'), environ['VIA_FROM_IMPORT'])",
+    )
+    assert back.stdout.split() == [str(tmp_path), "None", "yes"], back.stdout
 
 
 def test_configuration_magics_are_replayed_on_the_next_executor(

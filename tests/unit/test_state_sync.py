@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +214,31 @@ def test_star_imports_are_replayed_not_pickled() -> None:
     # a star-imported name rebound later travels as a value, like any other
     state = ex.run("pi = 3")
     assert [g["names"] for g in state.groups] == [["pi"]]
+
+
+def test_an_object_taken_from_a_module_is_the_modules_own_on_the_standby() -> None:
+    """``from os import environ`` then ``environ["X"] = "1"`` on the next executor: a pickled
+    copy took the change and the process environment did not (nor did ``rcParams`` copies reach
+    matplotlib's plots). While the name holds the module's very object, the standbys replay the
+    import; a name rebound to something else travels as a value."""
+    import json.decoder
+
+    ex = Executor(ObjectCodec(None), ReplicatedNamespace())
+    state = ex.run("from os import environ\nfrom json.decoder import scanstring as scan\nfrom math import pi")
+    assert not state.groups
+    assert dict(state.imports) == {
+        "environ": "from os import environ",
+        "scan": "from json.decoder import scanstring as scan",
+        "pi": "from math import pi",
+    }
+    standby: dict[str, Any] = {"__name__": "__main__"}
+    standby_apply(standby, ObjectCodec(None), state)
+    assert standby["environ"] is os.environ and standby["scan"] is json.decoder.scanstring
+    assert not ex.run("environ['TANDEM_TEST_UNUSED'] = '1'\ndel environ['TANDEM_TEST_UNUSED']").groups
+    state = ex.run("environ = dict(environ)")  # no longer the module's: a value like any other
+    assert [g["names"] for g in state.groups] == [["environ"]]
+    standby_apply(standby, ObjectCodec(None), state)
+    assert type(standby["environ"]) is dict and standby["environ"] == dict(os.environ)
 
 
 def test_relative_imports_are_replayed_as_absolute_ones() -> None:
