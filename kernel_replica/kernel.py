@@ -1201,7 +1201,7 @@ class TandemKernel(IPythonKernel):
         groups = [(g, None) for g in state.groups]
         mine = state.replica_id == self.replica_id  # this process has them already
         process = state.process if not mine else None
-        output = (state.output, state.replica_id) if state.output is not None and not mine else None
+        outputs = [(state.output, state.replica_id)] if state.output is not None and not mine else []
         self._chain_apply(
             state.msg_id,
             list(state.imports),
@@ -1210,7 +1210,7 @@ class TandemKernel(IPythonKernel):
             time.time(),
             comms=comms,
             process=process,
-            output=output,
+            outputs=outputs,
         )
         if state.replica_id != self.replica_id and self._bridge is not None:
             self._yield_unprotected(self._bridge)
@@ -1238,12 +1238,15 @@ class TandemKernel(IPythonKernel):
             self.shell.execution_count = count
 
     def _load_namespace(self, contents: t.Any) -> None:
-        """A snapshot was restored: rebuild the namespace from it (the log replays the rest), and
-        take over what its last executor kept in host memory for the GPU."""
+        """A snapshot or a hibernation image was restored: rebuild the namespace from it (the log
+        replays the rest) and the output history, and take over what its last executor kept in
+        host memory for the GPU."""
         if self.shell is not None:
-            imports, groups, gpu_resident, comms, gone, process = contents
+            imports, groups, gpu_resident, comms, gone, process, outputs = contents
             self._residency.adopt(gpu_resident)
-            self._chain_apply("snapshot", imports, groups, list(gone), comms=(comms, ()), process=process)
+            self._chain_apply(
+                "snapshot", imports, groups, list(gone), comms=(comms, ()), process=process, outputs=outputs
+            )
 
     def _chain_apply(
         self,
@@ -1255,11 +1258,11 @@ class TandemKernel(IPythonKernel):
         *,
         comms: tuple[t.Mapping[str, dict[str, t.Any]], t.Iterable[str]] = ({}, ()),
         process: ProcessContext | None = None,
-        output: tuple[CellOutput, str] | None = None,
+        outputs: t.Sequence[tuple[CellOutput, str]] = (),
     ) -> None:
         previous = self._apply_tail
         self._apply_tail = asyncio.ensure_future(
-            self._apply(msg_id, imports, groups, deleted, previous, received_at, comms, process, output)
+            self._apply(msg_id, imports, groups, deleted, previous, received_at, comms, process, outputs)
         )
 
     async def _apply(
@@ -1272,7 +1275,7 @@ class TandemKernel(IPythonKernel):
         received_at: float | None = None,
         comms: tuple[t.Mapping[str, dict[str, t.Any]], t.Iterable[str]] = ({}, ()),
         process: ProcessContext | None = None,
-        output: tuple[CellOutput, str] | None = None,
+        outputs: t.Sequence[tuple[CellOutput, str]] = (),
     ) -> None:
         """``received_at``: when the Raft thread handed the entry over (wall clock, for the trace).
         ``comms``: the records and closed ids the entry carries, applied before the namespace
@@ -1310,17 +1313,26 @@ class TandemKernel(IPythonKernel):
                 missing = modules_missing(process.settings)
                 if missing:  # numpy.random, say: imported now, not on the next cell's path
                     await asyncio.to_thread(preimport, missing)
-            if output is not None:  # the object as of this cell (a later one may rebind its name)
+            # each the object as of its cell (a later one may rebind its name); from a snapshot,
+            # only those this shell has not shown or been given already
+            known = (
+                {*self.shell.user_ns.get("_oh", {}), *(c for c, _ in self._pending_outputs)}
+                if outputs
+                else set()
+            )
+            for output in outputs:
+                if output[0].count in known:
+                    continue
                 shown = resolve_output(
                     self.shell.user_ns, *output, loading=lazy.pending.names() if lazy is not None else ()
                 )
                 if isinstance(shown, Unreplicated) and shown.awaiting is not None:
                     self._awaited_outputs.append(shown)
                 self._pending_outputs.append((output[0].count, shown))
-                kept = max(3, int(self.shell.displayhook.cache_size))  # a standby's are bounded as Out is
-                if len(self._pending_outputs) > kept:
-                    del self._pending_outputs[:-kept]
-                    self._awaited_outputs = self._awaited_outputs[-kept:]
+            kept = max(3, int(self.shell.displayhook.cache_size))  # a standby's are bounded as Out is
+            if len(self._pending_outputs) > kept:
+                del self._pending_outputs[:-kept]
+                self._awaited_outputs = self._awaited_outputs[-kept:]
             if comms[0]:
                 failures += self._comms_failed(comms[0])
         except Exception as exc:

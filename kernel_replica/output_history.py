@@ -10,8 +10,10 @@ variable holding that very object (``df`` shown at a cell's end: no copy, and ``
 one process), else pickled when small (``df.head()``, a number), else as why it is not there
 (too large, unpicklable). A replica enters the outputs in log order just before it next runs a
 cell, as IPython's display hook does: the name's value, the unpickled copy, or an ``Unreplicated``
-marker whose repr says what is missing and where it lives. A replica rebuilt from a snapshot
-starts with an empty output history (``Out`` is a cache, not the notebook's state).
+marker whose repr says what is missing and where it lives. The log's record of the outputs
+(``ReplicatedOutputs``) is part of the Raft snapshot and of a hibernated kernel's image, so a
+replica rebuilt from either (a restart, a new member, a resumed kernel) has the history too: it
+was empty, and ``_ * 2`` after a resume gave ``''``, silently.
 """
 
 from __future__ import annotations
@@ -58,6 +60,81 @@ class CellOutput:
         ):
             raise ValueError("a cell output's alias, value and missing must be str, bytes and str")
         return cls(count, alias, value, missing)
+
+
+#: Outputs the replicated record keeps (IPython's own cache keeps 1000), and the bytes of the
+#: copies among them (older copies become markers past it; a snapshot must stay small).
+KEPT_OUTPUTS = 1000
+KEPT_COPY_BYTES = 4 * 2**20
+
+
+class ReplicatedOutputs:
+    """The notebook's output history as the log holds it: (output, executor) per cell, oldest
+    first. An output held by a variable is kept by name; once a later STATE rebinds or deletes
+    that name, a replica rebuilt from a snapshot cannot get the object the cell showed, so the
+    entry says so instead of standing for the variable's later value."""
+
+    def __init__(self, entries: Iterable[tuple[CellOutput, str]] = ()) -> None:
+        self._entries: dict[int, tuple[CellOutput, str]] = {}
+        self._aliased: dict[str, set[int]] = {}  # variable -> counts of the outputs it holds
+        self._copy_bytes = 0
+        for output, executor in entries:
+            self.add(output, executor)
+
+    def rebound(self, names: Iterable[str]) -> None:
+        """A STATE changed, rebound or deleted ``names`` (applied before its own output)."""
+        for name in names:
+            for count in self._aliased.pop(name, ()):
+                entry = self._entries.get(count)
+                if entry is not None:
+                    why = f"the variable {name!r} that held it was changed or rebound by a later cell"
+                    self._entries[count] = (CellOutput(count, missing=why), entry[1])
+
+    def add(self, output: CellOutput, executor: str) -> None:
+        self._drop(output.count)
+        self._entries[output.count] = (output, executor)
+        if output.alias is not None:
+            self._aliased.setdefault(output.alias, set()).add(output.count)
+        self._copy_bytes += len(output.value or b"")
+        while len(self._entries) > KEPT_OUTPUTS:
+            self._drop(next(iter(self._entries)))
+        if self._copy_bytes <= KEPT_COPY_BYTES:
+            return
+        for count, (old, executor) in list(self._entries.items()):
+            if self._copy_bytes <= KEPT_COPY_BYTES:
+                break
+            if old.value is not None:
+                self._copy_bytes -= len(old.value)
+                why = f"its copy was dropped from the replicated history (over {KEPT_COPY_BYTES:,} bytes of copies)"
+                self._entries[count] = (CellOutput(count, missing=why), executor)
+
+    def _drop(self, count: int) -> None:
+        entry = self._entries.pop(count, None)
+        if entry is None:
+            return
+        output = entry[0]
+        self._copy_bytes -= len(output.value or b"")
+        if output.alias is not None:
+            counts = self._aliased.get(output.alias)
+            if counts is not None:
+                counts.discard(count)
+                if not counts:
+                    del self._aliased[output.alias]
+
+    def entries(self) -> list[tuple[CellOutput, str]]:
+        return list(self._entries.values())
+
+    def to_wire(self) -> list[list[Any]]:
+        return [[output.to_wire(), executor] for output, executor in self._entries.values()]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> ReplicatedOutputs:
+        """ValueError naming what is malformed (it comes from a snapshot)."""
+        if not isinstance(raw, list) or not all(
+            isinstance(item, list) and len(item) == 2 and isinstance(item[1], str) for item in raw
+        ):
+            raise ValueError("an output history must be a list of [output, executor]")
+        return cls((CellOutput.from_wire(output), executor) for output, executor in raw)
 
 
 class Unreplicated:

@@ -400,16 +400,7 @@ class ReplicaCore:
             reason = f"namespace image unusable: {exc.__class__.__name__}: {exc}"
             raise RpcError(reason, "start_failed") from None
         self._post(self.on_execution_count, image["count"])
-        self._post(
-            self.on_namespace_restored,
-            (
-                *self.namespace.contents(),
-                self.namespace.gpu_resident(),
-                self.namespace.comms(),
-                [],
-                self.namespace.process_context(),
-            ),
-        )
+        self._post(self.on_namespace_restored, self._restored_contents([]))
         self._log.info("namespace_image_restored", bytes=len(data), names=len(self.namespace.digests()))
 
     async def _report_raft_role(self) -> None:
@@ -662,6 +653,19 @@ class ReplicaCore:
         ReplicatedNamespace.parse_snapshot(raw["ns"])
         return ElectionBook.from_snapshot(raw["book"]), raw["ns"]
 
+    def _restored_contents(self, gone: list[str]) -> tuple[Any, ...]:
+        """What the kernel rebuilds its namespace from after a snapshot or an image was restored
+        (``Kernel._load_namespace``): imports, groups, GPU objects, comms, names ``gone``, the
+        process context and the output history."""
+        return (
+            *self.namespace.contents(),
+            self.namespace.gpu_resident(),
+            self.namespace.comms(),
+            gone,
+            self.namespace.process_context(),
+            self.namespace.outputs(),
+        )
+
     def _restore_snapshot(self, data: bytes) -> None:
         if not data:
             return
@@ -671,16 +675,7 @@ class ReplicaCore:
         # names the replica held that the snapshot no longer has (a resumed kernel's image loaded
         # before its group's snapshot came, a lagging follower): the kernel deletes them too
         gone = sorted(set(before) - set(self.namespace.digests()))
-        self._post(
-            self.on_namespace_restored,
-            (
-                *self.namespace.contents(),
-                self.namespace.gpu_resident(),
-                self.namespace.comms(),
-                gone,
-                self.namespace.process_context(),
-            ),
-        )
+        self._post(self.on_namespace_restored, self._restored_contents(gone))
         self._feed(lambda now: self.election.restore(book, now))
         self._log.info("snapshot_restored", names=len(self.namespace.digests()))
 

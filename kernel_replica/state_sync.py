@@ -39,6 +39,7 @@ from kernel_replica.durability import Marker, apply_markers, apply_repair
 from kernel_replica.fingerprint import fingerprint
 from kernel_replica.log_entries import GpuResident, State, decode_gpu_resident, encode_gpu_resident
 from kernel_replica.object_codec import EncodedGroup, ObjectCodec, dumps, is_large, store_failure
+from kernel_replica.output_history import CellOutput, ReplicatedOutputs
 from kernel_replica.process_context import ProcessContext
 from shared.config import Config
 from shared.datastore import DataStore, open_datastore
@@ -584,6 +585,8 @@ class ReplicatedNamespace:
         # the last executor's working directory, environment changes, sys.path
         # and configuration magics (process_context), as of the last STATE that carried them
         self._process: ProcessContext | None = None
+        # the cells' outputs (Out[n]), for a replica rebuilt from a snapshot or an image
+        self._outputs = ReplicatedOutputs()
 
     def apply(self, state: State) -> State:
         """Apply a committed STATE; returns it as every replica must apply it to its namespace
@@ -598,6 +601,15 @@ class ReplicatedNamespace:
                 self._unprotected = apply_markers(self._unprotected, state)
                 self._gpu_resident = state.gpu_resident
                 self._comm_owner = state.replica_id
+                self._outputs.rebound(
+                    [
+                        *(n for g in state.groups for n in g["names"]),
+                        *state.deleted,
+                        *(a for a, _ in state.imports),
+                    ]
+                )
+                if state.output is not None:
+                    self._outputs.add(state.output, state.replica_id)
             for comm_id, record in state.comms.items():
                 self._comms[comm_id] = record
                 self._comm_fps[comm_id] = record_digest(record)
@@ -667,6 +679,11 @@ class ReplicatedNamespace:
         with self._lock:
             return self._process
 
+    def outputs(self) -> list[tuple[CellOutput, str]]:
+        """The cells' outputs as the log holds them, oldest first, with the replica that showed each."""
+        with self._lock:
+            return self._outputs.entries()
+
     def unprotected(self) -> dict[str, Marker]:
         """Names whose latest value never reached the log, as committed (``durability``)."""
         with self._lock:
@@ -696,6 +713,7 @@ class ReplicatedNamespace:
                     "cm": self._comms,
                     "co": self._comm_owner,
                     "px": self._process.to_wire() if self._process is not None else None,
+                    "oh": self._outputs.to_wire(),
                 },
                 use_bin_type=True,
             )
@@ -714,6 +732,7 @@ class ReplicatedNamespace:
                 self._comms,
                 self._comm_owner,
                 self._process,
+                self._outputs,
             ) = parsed
             self._comm_fps = {comm_id: record_digest(record) for comm_id, record in self._comms.items()}
 
@@ -730,6 +749,7 @@ class ReplicatedNamespace:
         dict[str, CommRecord],
         str | None,
         ProcessContext | None,
+        ReplicatedOutputs,
     ]:
         """A snapshot's contents, checked (no import is run, nothing is unpickled here: that is
         the kernel's, when it loads the namespace); ValueError naming what is malformed."""
@@ -782,6 +802,8 @@ class ReplicatedNamespace:
         process = raw.get("px")
         if process is not None:
             process = ProcessContext.from_wire(process)  # a ValueError naming the field
+        outputs = ReplicatedOutputs.from_wire(raw.get("oh", []))  # a ValueError
         return (
             dict(fps), parsed_records, parsed_groups, next_group, gpu_resident, unprotected, comms, owner, process,
+            outputs,
         )  # fmt: skip

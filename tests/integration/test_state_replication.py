@@ -354,14 +354,14 @@ def test_replicas_restarted_one_at_a_time_lose_nothing(
             lambda rid=replica_id: not _replicas(cluster, kernel_id)[rid]["alive"],  # type: ignore[misc]
             f"the scheduler saw {replica_id} exit",
         )
-        missed = run(kc, f"history.append({replica_id!r})\nweights[0] += 1")
+        missed = run(kc, f"history.append({replica_id!r})\nweights[0] += 1\nlen(history)")
         assert missed.status == "ok", missed.errors
         restart = cluster.cli("replica", "restart", kernel_id, replica_id, timeout=120)
         assert restart.returncode == 0, restart.stderr
         replicas = _replicas(cluster, kernel_id)
         assert replicas[replica_id]["alive"], replicas[replica_id]
         with cluster.only_host_open(replicas[replica_id]["host"]):
-            cell = run(kc, "print(summary())", timeout=60)
+            cell = run(kc, "print(summary(), _)", timeout=60)  # and the output history
         assert cell.status == "ok", cell.errors
         assert cell.tandem.get("replica_id") == replica_id, cell.tandem
         log = (
@@ -374,4 +374,4 @@ def test_replicas_restarted_one_at_a_time_lose_nothing(
         )
         assert "snapshot_restored" in log.read_text(errors="replace"), "not restored from its snapshot"
         done = [rid for rid in sorted(replicas)[:n]]
-        assert cell.stdout.strip() == f"{done} [{float(n)}, 1.0] False True {scenarios}"
+        assert cell.stdout.strip() == f"{done} [{float(n)}, 1.0] False True {scenarios} {n}"

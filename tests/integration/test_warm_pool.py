@@ -101,7 +101,7 @@ def test_an_idle_kernel_hibernates_and_its_next_cell_finds_its_namespace(
     wait_until_pools_ready(cluster)
     with tandem_kernel() as (km, kc):
         kernel_id = km.kernel_id  # its replicas took the warm runtimes: the pools refill meanwhile
-        setup = "import numpy as np\nx = 41\narr = np.arange(1_000_000, dtype=np.float64)"
+        setup = "import numpy as np\nx = 41\narr = np.arange(1_000_000, dtype=np.float64)\nx * 2"
         first = run(kc, setup)
         assert first.status == "ok"
         before = set(cluster.scheduled_replica_pids(kernel_id))
@@ -122,9 +122,17 @@ def test_an_idle_kernel_hibernates_and_its_next_cell_finds_its_namespace(
         assert eventually(lambda: _state_or_none(cluster, kernel_id) == "hibernated", timeout=30)
         wait_until_pools_ready(cluster)
 
-        cell = run(kc, "print(x + 1, float(arr.sum()), arr.dtype, arr.shape)", timeout=60)
+        # the output history too (``_`` was '' after a resume)
+        cell = run(kc, "print(x + 1, float(arr.sum()), arr.dtype, arr.shape, _, Out[len(Out)])", timeout=60)
         assert cell.status == "ok", cell.errors
-        assert cell.stdout.split() == ["42", str(float(sum(range(1_000_000)))), "float64", "(1000000,)"]
+        assert cell.stdout.split() == [
+            "42",
+            str(float(sum(range(1_000_000)))),
+            "float64",
+            "(1000000,)",
+            "82",
+            "82",
+        ]
         # numbered on from where it stopped (In [2]), not from 1 as a fresh kernel
         assert cell.reply["content"]["execution_count"] == first.reply["content"]["execution_count"] + 1
         after = set(cluster.scheduled_replica_pids(kernel_id))

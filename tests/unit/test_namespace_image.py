@@ -58,8 +58,8 @@ def test_an_image_rebuilds_the_namespace_and_the_count(tmp_path: Path) -> None:
         # on the kernel's thread: the count, then the namespace to load (imports, groups, GPU)
         assert posted == [
             ("resume_count", 7),
-            ("load_namespace", ([], [], (), {}, [], None)),
-        ]  # no comms, none gone
+            ("load_namespace", ([], [], (), {}, [], None, [])),
+        ]  # no comms, none gone, no outputs
         assert core.namespace.to_snapshot() == saved.to_snapshot()
 
     asyncio.run(scenario())
@@ -124,7 +124,7 @@ def test_a_raft_snapshot_after_the_image_deletes_what_the_group_no_longer_has(tm
             core._restore_snapshot(msgpack.packb(snapshot))
         finally:
             await core.stop()
-        imports, _groups, _gpu_resident, _comms, gone, _process = posted[0][1]
+        imports, _groups, _gpu_resident, _comms, gone, _process, _outputs = posted[0][1]
         assert imports == [("kept", "import os as kept")] and gone == ["deleted_since"]
 
     asyncio.run(scenario())

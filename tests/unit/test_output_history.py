@@ -128,3 +128,55 @@ def test_a_malformed_output_in_the_log_is_refused_naming_the_field(ou: list[Any]
 def test_an_output_survives_the_log_encoding() -> None:
     state = State("m", "r1", output=CellOutput(3, value=b"\x80\x05K*."))
     assert decode(encode(state)).output == state.output  # type: ignore[union-attr]
+
+
+def test_the_output_history_is_in_the_snapshot_with_what_a_later_cell_rebound_named(shell: Any) -> None:
+    """A replica rebuilt from a snapshot or a hibernation image had an empty history: ``_ * 2``
+    after a resume gave ``''``. The log's record of the outputs is in the snapshot; an output
+    held by a variable that a later cell changed cannot be the object the cell showed any more,
+    and says so rather than stand for the later value."""
+    from kernel_replica.state_sync import ReplicatedNamespace
+
+    log = ReplicatedNamespace()
+    group = {"names": ["df"], "sizes": [], "data": b""}
+    log.apply(State("m1", "r1", groups=(group,), output=CellOutput(1, alias="df")))
+    log.apply(State("m2", "r2", output=CellOutput(2, value=pickle.dumps(42))))
+    log.apply(State("m3", "r2", output=CellOutput(3, alias="df")))
+    log.apply(State("m4", "r1", groups=({"names": ["other"], "sizes": [], "data": b""},)))
+    restored = ReplicatedNamespace()
+    restored.restore(log.to_snapshot())
+    assert (
+        restored.outputs()
+        == log.outputs()
+        == [
+            (CellOutput(1, alias="df"), "r1"),
+            (CellOutput(2, value=pickle.dumps(42)), "r2"),
+            (CellOutput(3, alias="df"), "r2"),
+        ]
+    )
+    log.apply(State("m5", "r2", deleted=("df",)))
+    (first, _), (_, _), (third, _) = log.outputs()
+    assert first.missing is not None and "'df'" in first.missing and third.missing == first.missing
+
+    namespace = {"df": "the frame"}
+    enter_outputs(shell, [(o.count, resolve_output(namespace, o, e)) for o, e in restored.outputs()])
+    assert shell.user_ns["_"] == "the frame" and shell.user_ns["__"] == 42 and shell.user_ns["_2"] == 42
+
+
+def test_the_replicated_history_is_bounded_in_entries_and_in_copied_bytes() -> None:
+    from kernel_replica.output_history import KEPT_COPY_BYTES, KEPT_OUTPUTS, ReplicatedOutputs
+
+    outputs = ReplicatedOutputs()
+    big = b"x" * (KEPT_COPY_BYTES // 3)
+    for count in range(1, KEPT_OUTPUTS + 6):
+        outputs.add(CellOutput(count, value=big if count > KEPT_OUTPUTS else b"v"), "r1")
+    entries = outputs.entries()
+    assert len(entries) == KEPT_OUTPUTS and entries[0][0].count == 6
+    copies = [o for o, _ in entries if o.value is not None]
+    assert sum(len(o.value or b"") for o in copies) <= KEPT_COPY_BYTES
+    assert [o.count for o, _ in entries[-3:]] == [KEPT_OUTPUTS + 3, KEPT_OUTPUTS + 4, KEPT_OUTPUTS + 5]
+    assert all(o.value == big for o, _ in entries[-2:])  # the newest copies are the ones kept
+    dropped = [o for o, _ in entries if o.missing is not None]
+    assert dropped and all("dropped from the replicated history" in (o.missing or "") for o in dropped)
+    with pytest.raises(ValueError, match="list of \\[output, executor\\]"):
+        ReplicatedOutputs.from_wire([[CellOutput(1, alias="x").to_wire()]])
