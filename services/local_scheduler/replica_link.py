@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,27 @@ from shared.security.peer_credentials import (
 
 DOMAIN = "replicas"
 SOCKET_NAME = "replicas.sock"
+
+
+def remove_stale_sockets(directory: Path, pattern: str) -> list[Path]:
+    """Unix socket files in ``directory`` matching ``pattern`` that nothing listens on any more
+    (a replica killed with its local scheduler leaves its five Jupyter sockets): removed, so the
+    private directory does not fill up across crashes. One a live process still serves is kept."""
+    removed = []
+    for path in directory.glob(pattern):
+        if not path.is_socket():
+            continue
+        with contextlib.closing(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)) as probe:
+            try:
+                probe.connect(str(path))
+            except ConnectionRefusedError:  # no listener: its process is gone
+                path.unlink(missing_ok=True)
+                removed.append(path)
+            except OSError:
+                continue
+    return removed
+
+
 # sun_path holds 108 bytes with its NUL; a state dir deeper than this gets a private temp dir
 MAX_SOCKET_PATH = 100
 
@@ -94,6 +116,7 @@ class ReplicaLink:
             self._authority.serve_spawned(DOMAIN, self.peers)
             path = Path(address[len("ipc://") :]) if address != "ipc://" else self._default_socket()
             private_dir(path.parent)
+            remove_stale_sockets(path.parent, "j*-*")  # replicas' Jupyter sockets left by a crash
             self._server = RpcServer(
                 self._ctx,
                 self._handler,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import stat
 import textwrap
 import time
@@ -19,6 +20,7 @@ import pytest
 from _cluster import ClusterHandle, eventually
 from _kernels import run, tandem_kernel
 
+from services.local_scheduler.replica_link import remove_stale_sockets
 from shared import messages
 from shared.envelope import Envelope
 from shared.rpc import RpcClient
@@ -285,3 +287,24 @@ def test_a_state_dir_too_deep_for_a_socket_path_gets_a_private_temporary_directo
         assert not path.parent.exists()
 
     asyncio.run(scenario())
+
+
+def test_a_local_scheduler_removes_the_jupyter_sockets_killed_replicas_left_and_keeps_live_ones(
+    tmp_path: Path,
+) -> None:
+    """A replica killed with its local scheduler leaves its five Jupyter socket files in the
+    private link directory; the next start of the link removes those nothing listens on."""
+    live, stale = tmp_path / "jaaaaaaaaaa-1", tmp_path / "jbbbbbbbbbb-1"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(live))
+    server.listen()
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(stale))
+    dead.close()  # as a killed process leaves it: the file stays, nothing listens
+    plain = tmp_path / "jcccccccccc-1"
+    plain.write_text("not a socket")
+    try:
+        assert remove_stale_sockets(tmp_path, "j*-*") == [stale]
+        assert live.exists() and plain.exists() and not stale.exists()
+    finally:
+        server.close()
