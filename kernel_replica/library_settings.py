@@ -227,6 +227,62 @@ def _set_torch_numerics(torch: ModuleType, value: tuple[str, bool, bool]) -> Non
     torch.autograd.set_detect_anomaly(anomaly)
 
 
+#: Backend switches that change a GPU computation's numbers or which kernel computes it, as
+#: (path under ``torch.backends``, attribute or getter, setter or None for an attribute).
+_TORCH_BACKEND_SWITCHES = (
+    ("cudnn", "enabled", None),
+    ("cudnn", "allow_tf32", None),  # convolutions in TF32 (on by default on Ampere and later)
+    ("cuda.matmul", "allow_fp16_reduced_precision_reduction", None),
+    ("cuda.matmul", "allow_bf16_reduced_precision_reduction", None),
+    ("cuda", "flash_sdp_enabled", "enable_flash_sdp"),  # which attention kernel runs
+    ("cuda", "mem_efficient_sdp_enabled", "enable_mem_efficient_sdp"),
+    ("cuda", "math_sdp_enabled", "enable_math_sdp"),
+)
+
+
+def _backend(torch: ModuleType, path: str) -> Any:
+    found: Any = torch.backends
+    for part in path.split("."):
+        found = getattr(found, part)
+    return found
+
+
+def _torch_backends(torch: ModuleType) -> tuple[bool, ...]:
+    """``torch.backends.cudnn.allow_tf32 = False`` for reproducible convolutions, the SDP
+    attention kernels switched off or on, ...: read without starting CUDA."""
+    values = []
+    for path, name, setter in _TORCH_BACKEND_SWITCHES:
+        value = getattr(_backend(torch, path), name)
+        values.append(bool(value() if setter is not None else value))
+    return tuple(values)
+
+
+def _torch_backends_probe(torch: ModuleType) -> tuple[Any, ...]:
+    """The same switches through torch's C getters: ~1 us, where the properties take ~15 us."""
+    c = torch._C
+    return (
+        c._get_cudnn_enabled(),
+        c._get_cudnn_allow_tf32(),
+        c._get_cublas_allow_fp16_reduced_precision_reduction(),
+        c._get_cublas_allow_bf16_reduced_precision_reduction(),
+        c._get_flash_sdp_enabled(),
+        c._get_mem_efficient_sdp_enabled(),
+        c._get_math_sdp_enabled(),
+    )
+
+
+def _set_torch_backends(torch: ModuleType, value: tuple[bool, ...]) -> None:
+    now = _torch_backends(torch)
+    for (path, name, setter), wanted, current in zip(_TORCH_BACKEND_SWITCHES, value, now, strict=True):
+        if wanted == current:
+            continue  # only what differs: a switch set is sometimes warned about
+        backend = _backend(torch, path)
+        if setter is not None:
+            getattr(backend, setter)(wanted)
+        else:
+            setattr(backend, name, wanted)
+
+
 def _progress_apply(_tqdm: ModuleType) -> Any:
     """pandas' ``DataFrame.progress_apply``, which ``tqdm.pandas()`` adds, or None."""
     frame = sys.modules.get("pandas.core.frame")
@@ -401,6 +457,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("torch.printoptions", "torch", _torch_print, lambda m, v: m.set_printoptions(**v)),
     Setting("torch.deterministic", "torch", _torch_deterministic, _set_torch_deterministic),
     Setting("torch.numerics", "torch", _torch_numerics, _set_torch_numerics),
+    Setting("torch.backends", "torch", _torch_backends, _set_torch_backends, snapshot=_torch_backends_probe),
     # torch.set_num_threads(4): a notebook sharing its machine, or timing a CPU model
     Setting("torch.num_threads", "torch", lambda m: m.get_num_threads(), lambda m, v: m.set_num_threads(v)),
     Setting("tqdm.pandas", "tqdm", _tqdm_pandas, _set_tqdm_pandas, snapshot=_progress_apply),

@@ -179,6 +179,31 @@ def test_torch_numerics_and_grad_mode_follow() -> None:
         torch.set_float32_matmul_precision("highest")
 
 
+def test_torch_backend_switches_follow() -> None:
+    """``torch.backends.cudnn.allow_tf32 = False`` (convolutions in full fp32, for reproducible
+    numbers) or an attention kernel switched off: process state the next executor lacked."""
+    backends = torch.backends
+    executor, standby = SettingsTracker(), SettingsTracker()
+    standby.capture()
+    backends.cudnn.allow_tf32 = False
+    backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    backends.cuda.enable_flash_sdp(False)
+    captured = executor.capture()
+    backends.cudnn.allow_tf32 = True
+    backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    backends.cuda.enable_flash_sdp(True)
+    try:
+        assert standby.apply(captured) is None
+        assert not backends.cudnn.allow_tf32 and not backends.cuda.flash_sdp_enabled()
+        assert not backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        assert backends.cuda.math_sdp_enabled() and backends.cudnn.enabled  # left as they were
+        assert standby.capture()["torch.backends"] == captured["torch.backends"]  # no change of its own
+    finally:
+        backends.cudnn.allow_tf32 = True
+        backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+        backends.cuda.enable_flash_sdp(True)
+
+
 def test_a_cell_showing_every_expression_is_kept_on_the_next_executor(tmp_path: Path) -> None:
     from IPython.core.interactiveshell import InteractiveShell
     from traitlets.config import Config
