@@ -141,8 +141,18 @@ def test_status_json_reports_cells_and_cluster_metrics(
     assert metrics["immediate_commit_ratio"] == 1.0  # idle one-GPU hosts: every cell bound at once
     cell = report["cells"][-1]
     assert cell["executor"] and cell["host"] and cell["immediate"] is True
-    assert {"route_ms", "elect_ms", "run_ms"} <= set(cell["steps_ms"])
-    assert cell["interactivity_delay_ms"] <= cell["task_completion_ms"]
+    assert "route_ms" in cell["steps_ms"] and cell["interactivity_delay_ms"] <= cell["task_completion_ms"]
+    # elect_ms and run_ms need the executor's "elected" notice before the reply, which travels
+    # another socket: on a loaded machine a trivial cell's reply can come first (then the record
+    # has no election time of its own), so a few more cells until one shows the whole split
+    for n in range(5):
+        if any({"route_ms", "elect_ms", "run_ms"} <= set(c["steps_ms"]) for c in report["cells"]):
+            break
+        assert run(notebook, f"y = {n}").status == "ok"
+        report = scaling_cluster.status()
+    assert any({"route_ms", "elect_ms", "run_ms"} <= set(c["steps_ms"]) for c in report["cells"]), report[
+        "cells"
+    ]
     # the executor's own step times follow its reply (replica.event cell_timings)
     report = scaling_cluster.wait_for_status(
         lambda s: s["cells"] and s["cells"][-1]["replica_steps_ms"], "the replica's steps", SCALE_TIMEOUT_S
