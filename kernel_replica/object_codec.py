@@ -35,6 +35,7 @@ import ctypes
 import importlib
 import io
 import mmap
+import os
 import pickle
 import socket
 import sys
@@ -261,6 +262,51 @@ def _rebuild_region(buffer: Any, nbytes: int, outer: tuple[Any, ...] | None) -> 
     return arr
 
 
+def _reopen_memmap(
+    filename: str | os.PathLike[str],
+    mode: str,
+    file_start: int,
+    attrs: tuple[int, str],
+    nbytes: int,
+    outer: tuple[Any, ...],
+) -> np.ndarray:
+    """A file-backed ``np.memmap``'s region mapped again from its file, not rebuilt from bytes:
+    the file is the data, and a copy detached from it took the notebook's writes while the file
+    kept the old values (``mm[0] = 5; mm.flush()`` on the next executor changed nothing on disk).
+    A file this replica cannot open fails the group's load, which the next cell reports."""
+    raw = np.memmap(
+        filename, dtype=np.uint8, mode="r" if mode == "r" else "r+", offset=file_start, shape=(nbytes,)
+    )
+    cls, dtype, shape, strides, offset, writeable = outer
+    arr = np.ndarray.__new__(cls, shape, dtype=dtype, buffer=raw, offset=offset, strides=strides)
+    arr._mmap, arr.filename, (arr.offset, arr.mode) = raw._mmap, filename, attrs
+    if not writeable:
+        arr.flags.writeable = False
+    return arr
+
+
+def _file_map(
+    outer: np.ndarray, start: int
+) -> tuple[str | os.PathLike[str], str, int, tuple[int, str]] | None:
+    """(file, mode, file offset of the region's first byte, the memmap's own offset and mode)
+    of a memmap whose region is its file's; None for any other array. A copy-on-write map
+    (mode ``c``) keeps its changes in this process: its bytes travel. Written back first, so the
+    replica that maps it next reads what the cell left (another host sees it through a shared
+    file system)."""
+    if not isinstance(outer, np.memmap) or getattr(outer, "_mmap", None) is None:
+        return None
+    filename, mode, offset = outer.filename, outer.mode, outer.offset
+    if (
+        not isinstance(filename, str | os.PathLike)
+        or mode not in ("r", "r+", "w+")
+        or not isinstance(offset, int)
+    ):
+        return None
+    if mode != "r":
+        outer.flush()
+    return filename, mode, offset + start - _address(outer), (offset, mode)
+
+
 def _rebuild_ndarray(
     region: np.ndarray,
     cls: type,
@@ -274,6 +320,13 @@ def _rebuild_ndarray(
     ``offset`` from the region's start: every array on the region aliases it and each other."""
     source = region if region.flags.c_contiguous else region.base  # see _rebuild_region
     arr = np.ndarray.__new__(cls, shape, dtype=dtype, buffer=source, offset=offset, strides=strides)
+    if isinstance(arr, np.memmap) and getattr(region, "_mmap", None) is not None:  # as numpy's views
+        arr._mmap, arr.filename, arr.offset, arr.mode = (
+            region._mmap,
+            region.filename,
+            region.offset,
+            region.mode,
+        )
     if not writeable:
         arr.flags.writeable = False
     return arr
@@ -361,7 +414,7 @@ class _RegionBox:
     last array of a ``.base`` chain): its bytes travel once, as one out-of-band buffer, and it
     is rebuilt as that outermost array, of which every other array on the region is a view."""
 
-    __slots__ = ("key", "nbytes", "outer", "region", "start", "state")
+    __slots__ = ("file", "key", "nbytes", "outer", "region", "start", "state")
 
     def __init__(self, outer: np.ndarray) -> None:
         self.start, end = _bounds(outer)
@@ -370,6 +423,7 @@ class _RegionBox:
         self.key = ("np", id(outer))  # grouping key: names whose arrays share the region
         self.outer: tuple[Any, ...] | None = None
         self.state: dict[str, Any] | None = None
+        self.file: tuple[str | os.PathLike[str], str, int, tuple[int, str]] | None = None
         if _rebuildable(outer):
             cls = type(outer)
             self.outer = (
@@ -382,8 +436,11 @@ class _RegionBox:
             )
             if cls is not np.ndarray and not issubclass(cls, np.memmap):  # a memmap's map stays
                 self.state = getattr(outer, "__dict__", None) or None
+            self.file = _file_map(outer, self.start)
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if self.file is not None:
+            return (_reopen_memmap, (*self.file, self.nbytes, self.outer))
         args = (pickle.PickleBuffer(self.region), self.nbytes, self.outer)
         if self.state is None:
             return (_rebuild_region, args)

@@ -347,6 +347,31 @@ def test_seeded_generators_and_library_settings_follow_the_executor(
     ))  # fmt: skip
 
 
+def test_a_memmap_written_on_the_next_executor_writes_its_file(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str], tmp_path: Any
+) -> None:
+    """``np.memmap(path, mode="w+")`` and ``np.load(..., mmap_mode="r")``: before, the next
+    executor's were copies detached from their files, and ``mm[0] = 5; mm.flush()`` changed
+    nothing on disk, silently."""
+    kc, (first, second, *_), _ = kernel
+    data, saved = tmp_path / "data.bin", tmp_path / "saved.npy"
+    _on(tandem_cluster, kc, first, (
+        "import numpy as np\n"
+        f"np.save({str(saved)!r}, np.arange(4.0))\n"
+        f"mm = np.memmap({str(data)!r}, dtype='float32', mode='w+', shape=(4,))\n"
+        "mm[:] = 1\n"
+        f"loaded = np.load({str(saved)!r}, mmap_mode='r')"
+    ))  # fmt: skip
+    moved = _on(tandem_cluster, kc, second, (
+        "mm[0] = 5\nmm.flush()\n"
+        f"print(np.fromfile({str(data)!r}, dtype='float32').tolist(), loaded.filename == {str(saved)!r},"
+        " loaded.flags.writeable, loaded.tolist())\n"
+        "del mm, loaded"
+    ))  # fmt: skip
+    assert moved.stdout.split("] ", 1)[0] == "[5.0, 1.0, 1.0, 1.0", moved.stdout
+    assert moved.stdout.split("] ", 1)[1].strip() == "True False [0.0, 1.0, 2.0, 3.0]", moved.stdout
+
+
 def test_a_notebook_showing_every_expression_shows_them_on_the_next_executor(
     tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
 ) -> None:

@@ -129,6 +129,46 @@ def test_view_of_a_view_aliases_its_base_after_two_executor_changes() -> None:
     assert replicas[0].ns["x2"][1, 1] == -5
 
 
+@pytest.mark.parametrize("mode", ["w+", "r+"])
+def test_a_file_backed_memmap_is_mapped_again_from_its_file_on_the_next_replica(
+    tmp_path: Path, mode: str
+) -> None:
+    """``mm = np.memmap(path, mode="w+", ...)``, then ``mm[0] = 5; mm.flush()`` on the next
+    executor: it was a copy detached from the file (``filename`` None, writes and flush going
+    nowhere), silently. Its region is the file's, mapped again there; its bytes do not travel."""
+    path = tmp_path / "data.bin"
+    if mode == "r+":
+        np.arange(16, dtype=np.float32).tofile(path)
+    mm = np.memmap(path, dtype=np.float32, mode=mode, offset=16, shape=(3, 2))
+    mm[:] = 1
+    ns = {"mm": mm, "col": mm[:, 1], "small": np.ones(3)}
+    target = encode_decode(ns, None, 1 << 20)
+    moved, col = target["mm"], target["col"]
+    assert (
+        type(moved) is np.memmap
+        and moved.filename == path.resolve()
+        and (moved.offset, moved.mode) == (16, mode)
+    )
+    assert col.filename == path.resolve() and np.shares_memory(col, moved)
+    moved[0, 0] = 5
+    col[2] = 7
+    moved.flush()
+    on_disk = np.fromfile(path, dtype=np.float32)
+    assert on_disk[4] == 5 and on_disk[9] == 7 and mm[0, 0] == 5  # the same file, as one process has it
+    big = np.memmap(tmp_path / "big.bin", dtype=np.float64, mode="w+", shape=(100_000,))
+    (group,) = asyncio.run(ObjectCodec(None).encode({"big": big}, ["big"])).groups
+    assert sum(group.to_dict()["sizes"]) < 2_000  # its 800 kB stay in the file
+
+
+def test_a_copy_on_write_memmap_travels_as_its_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "data.bin"
+    np.zeros(4, dtype=np.float32).tofile(path)
+    private = np.memmap(path, dtype=np.float32, mode="c", shape=(4,))
+    private[0] = 3  # in this process only: the file keeps 0
+    moved = encode_decode({"private": private}, None, 1 << 20)["private"]
+    assert moved[0] == 3 and moved.filename is None and np.fromfile(path, dtype=np.float32)[0] == 0
+
+
 def test_names_changed_in_different_cells_stay_views_of_one_base() -> None:
     """x is sent alone, then v = x[1:] on another replica pulls x into v's group (the new
     executor learns what its decoded x reaches), then w = x[::2] on a replica that encoded x
