@@ -81,10 +81,8 @@ class CudaRngCarrier:
     def _still_pending(self, cuda: t.Any) -> bool:
         if self._pending is None:
             return False
-        now = self._generators_now(cuda)
-        if len(now) == len(self._mark or ()) and all(
-            a is b or a == b for a, b in zip(now, self._mark or (), strict=True)
-        ):
+        now, mark = self._generators_now(cuda), self._mark or ()
+        if len(now) == len(mark) and all(a is b or a == b for a, b in zip(now, mark, strict=True)):
             return True
         self._pending = self._mark = None  # the notebook seeded or drew here since: its own wins
         return False

@@ -1315,13 +1315,11 @@ class TandemKernel(IPythonKernel):
                     await asyncio.to_thread(preimport, missing)
             # each the object as of its cell (a later one may rebind its name); from a snapshot,
             # only those this shell has not shown or been given already
-            known = (
-                {*self.shell.user_ns.get("_oh", {}), *(c for c, _ in self._pending_outputs)}
-                if outputs
-                else set()
-            )
+            shown_here = self.shell.user_ns.get("_oh", {})
+            # a STATE's one output is never pending yet; a snapshot's may be
+            pending = {count for count, _ in self._pending_outputs} if len(outputs) > 1 else set()
             for output in outputs:
-                if output[0].count in known:
+                if output[0].count in shown_here or output[0].count in pending:
                     continue
                 shown = resolve_output(
                     self.shell.user_ns, *output, loading=lazy.pending.names() if lazy is not None else ()

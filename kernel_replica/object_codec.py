@@ -290,9 +290,7 @@ def _file_map(
 ) -> tuple[str | os.PathLike[str], str, int, tuple[int, str]] | None:
     """(file, mode, file offset of the region's first byte, the memmap's own offset and mode)
     of a memmap whose region is its file's; None for any other array. A copy-on-write map
-    (mode ``c``) keeps its changes in this process: its bytes travel. Written back first, so the
-    replica that maps it next reads what the cell left (another host sees it through a shared
-    file system)."""
+    (mode ``c``) keeps its changes in this process: its bytes travel."""
     if not isinstance(outer, np.memmap) or getattr(outer, "_mmap", None) is None:
         return None
     filename, mode, offset = outer.filename, outer.mode, outer.offset
@@ -302,8 +300,6 @@ def _file_map(
         or not isinstance(offset, int)
     ):
         return None
-    if mode != "r":
-        outer.flush()
     return filename, mode, offset + start - _address(outer), (offset, mode)
 
 
@@ -525,6 +521,7 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         self._regions: dict[int, _RegionBox] = {}  # id(outermost array) -> its region
         self._transient: list[Any] = []  # keeps stand-ins alive so their ids are not reused
         self._transient_ids: set[int] = set()
+        self._sends = not isinstance(file, _NullWriter)  # not the memo pass (``memo_pass``)
 
     def persistent_id(self, obj: Any) -> str | None:
         if obj is _NAMESPACE:
@@ -651,6 +648,10 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         if box is None:
             box = self._regions[id(outer)] = self._keep(_RegionBox(outer))
             self._keep(box.region)
+            if box.file is not None and box.file[1] != "r" and self._sends:
+                # written back, so the replica that maps it next reads what the cell left (another
+                # host through a shared file system); not for a traversal that sends nothing
+                outer.flush()
         if obj is outer and box.outer is not None:
             self.reach.add(box.key)
             return (_identity, (box,))
