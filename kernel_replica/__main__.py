@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             raft_identity,
             args.kernel_id,
             args.replica_id,
+            encrypt_loopback=config.get("raft.encrypt_loopback"),
         )
     except IdentityError as exc:
         log.error("raft_identity_refused", error=str(exc))

@@ -13,8 +13,12 @@ p50 minus the stripped side's), ``cost_mean_ms`` with its standard error, ``cost
 run's median), ``side_bias_ms`` (what side B gained over A in these runs, half the difference of
 the two kinds of run), and ``cpu_cost_ms_per_cell_by_role`` (secure minus stripped, averaged).
 
+``--set raft.encrypt_loopback=true`` measures the Raft links encrypted as between hosts (the
+embedded cluster's replicas share one machine, so by default their links carry the clear after
+the TLS handshake authenticated the peer: ``shared/raft/tls.py``).
+
 Usage: ``python scripts/bench_security_cost.py [REV] [--pairs 3] [--rounds 40] [--block 50]
-[--strip all|curve|raft-tls]``
+[--strip all|curve|raft-tls] [--set KEY=VALUE]``
 """
 
 from __future__ import annotations
@@ -82,15 +86,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--block", type=int, default=50)
     parser.add_argument("--strip", choices=STRIP_PARTS, default="all")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a configuration override for both sides' clusters (raft.encrypt_loopback=true: "
+        "the Raft links encrypted as between hosts)",
+    )
     args = parser.parse_args(argv)
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
     results = [
-        run(args.rev, args.rev, rounds=args.rounds, block=args.block, without_security=side, strip=args.strip)
+        run(
+            args.rev,
+            args.rev,
+            rounds=args.rounds,
+            block=args.block,
+            overrides=args.overrides,
+            without_security=side,
+            strip=args.strip,
+        )
         for _ in range(args.pairs)
         for side in SIDES
     ]
-    figures = {"bench": "security_cost", "rev": args.rev, "strip": args.strip, "pairs": args.pairs}
+    figures = {
+        "bench": "security_cost",
+        "rev": args.rev,
+        "strip": args.strip,
+        "overrides": args.overrides,
+        "pairs": args.pairs,
+    }
     print(json.dumps(figures | pooled(results)))
     return 0
 

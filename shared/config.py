@@ -181,6 +181,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         # member of the same kernel before anything it sends is decoded. Needs transport "tcp".
         # false only where every host on the network is trusted (and on every node alike).
         "tls": True,
+        # A link whose two ends are loopback addresses (replicas on one machine: the embedded
+        # cluster) is authenticated by the same handshake and then carries its frames in the
+        # clear, which only the kernel's loopback buffers see (shared/raft/tls.py). true: encrypt
+        # every record there too, as between hosts.
+        "encrypt_loopback": False,
     },
     "gateway": {
         # The Jupyter-facing edge. Port 0 picks a free port (the embedded cluster); a node

@@ -33,7 +33,10 @@ every connection is mutual TLS 1.3 under the cluster's Raft CA, run by a ``TlsSe
 protocols below. An inbound connection is refused, and counted in ``refused``, when its handshake
 fails (no certificate, another CA, not TLS at all), when the certificate is of another kernel, or
 when its hello names another member than its certificate; until then nothing it sent is decoded.
-An outbound link drops a connection whose certificate is not the member it meant to reach.
+An outbound link drops a connection whose certificate is not the member it meant to reach. A
+connection whose two ends are loopback addresses (replicas on one machine) is authenticated the
+same way, and then carries its frames in the clear, unless ``raft.encrypt_loopback`` is on
+(``shared.raft.tls`` says why that is safe and how both ends agree).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import msgpack
 import structlog
 
 from shared.raft.codec import encode_message
-from shared.raft.tls import LinkTls, TlsFailure, TlsSession
+from shared.raft.tls import LinkTls, TlsFailure, TlsSession, is_loopback_connection
 from shared.raft.transport import (
     DEFAULT_OPTIONS,
     OnMessages,
@@ -225,7 +228,7 @@ class TcpTransport:
         out, tls = link.transport, link.tls
         assert out is not None
         small = len(frames) == 1 or sum(map(len, frames)) < _SMALL_FRAME
-        if tls is not None:
+        if tls is not None and not tls.plaintext:
             out.write(tls.encrypt(b"".join(frames)) if small else tls.encrypt(*frames))
         elif small:
             out.write(frames[0] if len(frames) == 1 else b"".join(frames))
@@ -310,8 +313,7 @@ class _PeerLink:
         delay = opts.reconnect_ivl_ms / 1000
         while True:
             lost: asyncio.Future[None] = loop.create_future()
-            tls = TlsSession(owner._tls.client, server_side=False) if owner._tls is not None else None
-            protocol = _Outbound(lost, tls)
+            protocol = _Outbound(lost)
             try:
                 transport, _ = await loop.create_connection(partial(_same, protocol), host, port)
             except OSError:
@@ -319,6 +321,7 @@ class _PeerLink:
                 delay = min(delay * 2, opts.reconnect_ivl_max_ms / 1000)
                 continue
             _tune(transport, opts)
+            tls = protocol.tls = _session(owner._tls, transport, server_side=False)
             try:
                 if tls is not None and not await self._secure(transport, protocol, tls):
                     transport.abort()
@@ -357,13 +360,27 @@ def _same(protocol: _Outbound) -> _Outbound:
     return protocol
 
 
+def _session(
+    tls: LinkTls | None, transport: asyncio.BaseTransport, *, server_side: bool
+) -> TlsSession | None:
+    """The TLS session of a new connection (None without TLS), which may negotiate the clear
+    after its handshake when both ends of the connection are loopback addresses."""
+    if tls is None:
+        return None
+    loopback = is_loopback_connection(
+        transport.get_extra_info("sockname"), transport.get_extra_info("peername")
+    )
+    return tls.session(server_side=server_side, loopback=loopback)
+
+
 class _Outbound(asyncio.Protocol):
     """The writing side of a link; the peer never writes back on it, except for its TLS
-    handshake and session messages, which ``tls`` consumes."""
+    handshake and session messages, which ``tls`` (set once connected, before the handshake
+    starts) consumes."""
 
-    def __init__(self, lost: asyncio.Future[None], tls: TlsSession | None) -> None:
+    def __init__(self, lost: asyncio.Future[None]) -> None:
         self._lost = lost
-        self._tls = tls
+        self.tls: TlsSession | None = None
         self._transport: asyncio.Transport | None = None
         self.established: asyncio.Future[None] = lost.get_loop().create_future()
 
@@ -371,7 +388,7 @@ class _Outbound(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        tls = self._tls
+        tls = self.tls
         if tls is None:
             return
         try:
@@ -405,14 +422,14 @@ class _Inbound(asyncio.Protocol):
         self._buf = bytearray()
         self._sender: bytes | None = None
         self._transport: asyncio.Transport | None = None
-        tls = owner._tls
-        self._tls = TlsSession(tls.server, server_side=True) if tls is not None else None
+        self._tls: TlsSession | None = None  # set when connected: it depends on the addresses
         self._certified: str | None = None  # the member the peer's certificate names
         self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         _tune(transport, self._owner._opts)
+        self._tls = _session(self._owner._tls, transport, server_side=True)
         self._owner._inbound.add(self)
         if self._owner._loop is not None:
             self._deadline = self._owner._loop.call_later(HANDSHAKE_TIMEOUT_S, self._too_slow)

@@ -22,11 +22,25 @@ standard library):
 
 One CA for the cluster (rather than one per kernel) keeps the scheduler's state one key pair, and
 cross-kernel isolation comes from the kernel id bound in every certificate, checked on each link.
+
+**Links that never leave the machine** (both ends of the TCP connection loopback addresses: the
+embedded cluster, where every "host" is a process on one machine) are authenticated by the same
+mutual handshake, and their frames then travel in the clear on that connection. Encryption
+protects bytes on a wire; on loopback they only cross the kernel's buffers, which no unprivileged
+process can read or write into (that takes ``CAP_NET_RAW``, i.e. root), and what the handshake
+proved stays bound to the connection because nobody can splice into it. Both ends must agree,
+so the mode is negotiated inside the handshake by ALPN (``ALPN_LOOPBACK_PLAIN``, authenticated by
+TLS 1.3's Finished messages): each side offers it only if it sees a loopback connection and
+``raft.encrypt_loopback`` is off, and a peer that does not offer it (another version, another
+setting) gets an encrypted link as before. Why: a record costs each side 10-20 us of CPU in situ
+(cold caches, OpenSSL's per-call machinery), a cell sends about 12 of them, and that was most of
+what security cost a trivial cell (``scripts/bench_security_cost.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import re
@@ -40,6 +54,10 @@ from typing import Any
 from shared.private_files import write_private
 
 IDENTITY_ENV = "TANDEM_RAFT_IDENTITY"  # a replica's MemberIdentity, JSON, in its environment
+# ALPN protocol ids (offered in preference order): records encrypted, or the clear after the
+# handshake on a loopback connection (module docstring)
+ALPN_ENCRYPTED = "tandem-raft/1"
+ALPN_LOOPBACK_PLAIN = "tandem-raft/1+loopback-plain"
 SAN_PREFIX = "urn:tandem:raft:"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # as shared.messages admits ids
 
@@ -121,19 +139,34 @@ class MemberIdentity:
 
 @dataclass(frozen=True, slots=True)
 class LinkTls:
-    """The two TLS contexts of one member's links, and whom they speak for."""
+    """The TLS contexts of one member's links, and whom they speak for: ``server`` (inbound,
+    requires a client certificate from the CA) and ``client`` (outbound, presents ours and verifies
+    the peer's) encrypt every record; the ``*_loopback`` pair also offers the clear after the
+    handshake, for a connection whose ends are both loopback (None with ``encrypt_loopback``)."""
 
     group: str
     member: str
-    server: ssl.SSLContext  # inbound: requires a client certificate from the CA
-    client: ssl.SSLContext  # outbound: presents ours, verifies the peer's
+    server: ssl.SSLContext
+    client: ssl.SSLContext
+    server_loopback: ssl.SSLContext | None = None
+    client_loopback: ssl.SSLContext | None = None
 
     @classmethod
-    def from_identity(cls, identity: MemberIdentity) -> LinkTls:
+    def from_identity(cls, identity: MemberIdentity, *, encrypt_loopback: bool = False) -> LinkTls:
+        offers = [[ALPN_ENCRYPTED]] + ([] if encrypt_loopback else [[ALPN_LOOPBACK_PLAIN, ALPN_ENCRYPTED]])
         with _pem_files(identity.cert_pem, identity.key_pem) as (cert_file, key_file):
-            server = _context(ssl.PROTOCOL_TLS_SERVER, identity.ca_pem, cert_file, key_file)
-            client = _context(ssl.PROTOCOL_TLS_CLIENT, identity.ca_pem, cert_file, key_file)
-        return cls(identity.group, identity.member, server, client)
+            servers, clients = [
+                [_context(protocol, identity.ca_pem, cert_file, key_file, alpn) for alpn in offers]
+                for protocol in (ssl.PROTOCOL_TLS_SERVER, ssl.PROTOCOL_TLS_CLIENT)
+            ]
+        return cls(identity.group, identity.member, servers[0], clients[0], *servers[1:], *clients[1:])
+
+    def session(self, *, server_side: bool, loopback: bool) -> TlsSession:
+        """A session for one connection; ``loopback``: both its ends are loopback addresses
+        (``is_loopback_connection``), so the clear may be negotiated."""
+        plain = self.server_loopback if server_side else self.client_loopback
+        encrypted = self.server if server_side else self.client
+        return TlsSession(plain if loopback and plain is not None else encrypted, server_side=server_side)
 
     def peer_problem(self, ssl_object: Any, expected_member: str | None = None) -> tuple[str | None, str]:
         """(the member a verified peer's certificate names, None) or (None, why it is refused):
@@ -149,6 +182,21 @@ class LinkTls:
         if expected_member is not None and member != expected_member:
             return None, f"reached member {member!r} where {expected_member!r} was expected"
         return member, ""
+
+
+def is_loopback_connection(sockname: Any, peername: Any) -> bool:
+    """Whether a TCP connection's two ends (``getsockname()``/``getpeername()`` tuples) are both
+    loopback addresses, so that its bytes never leave this machine's kernel."""
+    return _is_loopback(sockname) and _is_loopback(peername)
+
+
+def _is_loopback(address: Any) -> bool:
+    try:
+        ip = ipaddress.ip_address(str(address[0]).split("%", 1)[0])
+    except (ValueError, TypeError, IndexError, KeyError):
+        return False
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return (mapped or ip).is_loopback
 
 
 def member_of(cert: dict[str, Any] | None) -> tuple[str, str] | None:
@@ -172,11 +220,16 @@ def member_of(cert: dict[str, Any] | None) -> tuple[str, str] | None:
     return named
 
 
-def _context(protocol: int, ca_pem: bytes, cert_file: str, key_file: str) -> ssl.SSLContext:
+def _context(protocol: int, ca_pem: bytes, cert_file: str, key_file: str, alpn: list[str]) -> ssl.SSLContext:
     ctx = ssl.SSLContext(protocol)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.check_hostname = False  # peers are named by member id (checked by LinkTls), not by host
     ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.set_alpn_protocols(alpn)  # a server picks the first of its own list the client offers
+    if protocol == ssl.PROTOCOL_TLS_SERVER:
+        # no session tickets: links never resume, and on a loopback-plain link nothing may follow
+        # the server's Finished in TLS records
+        ctx.num_tickets = 0
     try:
         ctx.load_verify_locations(cadata=ca_pem.decode())
         ctx.load_cert_chain(cert_file, key_file)
@@ -219,7 +272,9 @@ class TlsSession:
     ``receive`` takes the bytes that came off the wire and returns the plaintext they carried,
     ``encrypt`` turns plaintext into wire bytes, and ``pending`` is what the handshake has to
     send. The transport's protocols drive it; failures come out as ``TlsFailure`` with a reason,
-    before any of the peer's bytes are handed on.
+    before any of the peer's bytes are handed on. ``plaintext``: the handshake negotiated
+    ``ALPN_LOOPBACK_PLAIN``, and both directions carry the clear from there on (what followed the
+    peer's last handshake record in the same read is returned by ``receive`` as it is).
 
     Why not ``asyncio``'s own TLS (``create_server(ssl=...)``): it hides failed handshakes (no
     callback, nothing to count), and with uvloop a plain connection cannot be upgraded without
@@ -230,6 +285,7 @@ class TlsSession:
         self._outgoing = ssl.MemoryBIO()
         self.ssl_object = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side)
         self.established = False
+        self.plaintext = False
         self.closed = False  # the peer sent close_notify
 
     def start(self) -> bytes:
@@ -243,9 +299,14 @@ class TlsSession:
 
     def receive(self, data: bytes) -> bytes:
         """Feed wire bytes; the plaintext they completed (b"" while the handshake runs)."""
+        if self.plaintext:
+            return data
         self._incoming.write(data)
-        if not self.established and not self._handshake():
-            return b""
+        if not self.established:
+            if not self._handshake():
+                return b""
+            if self.plaintext:  # OpenSSL reads a record at a time: the rest is the peer's clear
+                return self._incoming.read()
         chunks = []
         incoming, tls = self._incoming, self.ssl_object
         # Every call into the SSL object releases the GIL, which the replica's busy kernel thread
@@ -271,6 +332,8 @@ class TlsSession:
 
     def encrypt(self, *parts: bytes) -> bytes:
         """Wire bytes carrying ``parts`` in order (once established)."""
+        if self.plaintext:
+            return parts[0] if len(parts) == 1 else b"".join(parts)
         tls = self.ssl_object
         for part in parts:
             tls.write(part)
@@ -286,13 +349,21 @@ class TlsSession:
                 f"TLS handshake failed: {getattr(exc, 'verify_message', None) or exc.reason or exc}"
             ) from None
         self.established = True
+        self.plaintext = self.ssl_object.selected_alpn_protocol() == ALPN_LOOPBACK_PLAIN
         return True
 
 
 def link_tls_for(
-    enabled: bool, transport: str, identity_json: str | None, group: str, member: str
+    enabled: bool,
+    transport: str,
+    identity_json: str | None,
+    group: str,
+    member: str,
+    *,
+    encrypt_loopback: bool = False,
 ) -> LinkTls | None:
-    """The TLS of a replica's Raft links (config ``raft.tls``, ``raft.transport``), or why it
+    """The TLS of a replica's Raft links (config ``raft.tls``, ``raft.transport``,
+    ``raft.encrypt_loopback``), or why it
     cannot start (IdentityError): with authentication on it needs an identity for exactly this
     member of this kernel, and the TCP transport (the ZMQ one cannot authenticate its peers)."""
     if not enabled:
@@ -313,4 +384,4 @@ def link_tls_for(
             f"the Raft identity is for member {identity.member!r} of {identity.group!r}, "
             f"not {member!r} of {group!r}"
         )
-    return LinkTls.from_identity(identity)
+    return LinkTls.from_identity(identity, encrypt_loopback=encrypt_loopback)

@@ -1,17 +1,19 @@
 """RaftPeers whose links are mutual TLS (``PeerConfig.tls``), on real loopback sockets: a group
-elects and commits as without TLS, an outbound link refuses a listener that is not the member it
-meant to reach, and a peer that cannot go on calls ``on_fatal`` (the replica then exits)."""
+elects and commits as without TLS (its links in the clear after the handshake, or encrypted with
+``encrypt_loopback``), an outbound link refuses a listener that is not the member it meant to
+reach, and a peer that cannot go on calls ``on_fatal`` (the replica then exits)."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_raft_driver import Group, eventually, run
 
 from shared.raft.driver import NotRunning, RaftPeer
-from shared.raft.tls import LinkTls
+from shared.raft.tls import LinkTls, TlsSession
 from shared.raft.tls_ca import ClusterCA
 from shared.raft.types import Entry, Message, MessageType
 
@@ -20,27 +22,41 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 CA = ClusterCA.create()
 
 
-def tls(member: str, group: str = "k") -> LinkTls:
-    return LinkTls.from_identity(CA.issue(group, member))
+def tls(member: str, group: str = "k", *, encrypt_loopback: bool = False) -> LinkTls:
+    return LinkTls.from_identity(CA.issue(group, member), encrypt_loopback=encrypt_loopback)
 
 
-def test_a_tls_group_elects_commits_and_catches_a_restarted_member_up(tmp_path: Path) -> None:
+def link_sessions(peer: RaftPeer) -> list[TlsSession]:
+    """The TLS sessions of a peer's established links, outbound and inbound."""
+    transport: Any = peer._transport
+    outbound = [link.tls for link in transport._links.values() if link.tls is not None]
+    return outbound + [inbound._tls for inbound in transport._inbound if inbound._tls is not None]
+
+
+@pytest.mark.parametrize("encrypt_loopback", [False, True], ids=["loopback-clear", "loopback-encrypted"])
+def test_a_tls_group_elects_commits_and_catches_a_restarted_member_up(
+    tmp_path: Path, encrypt_loopback: bool
+) -> None:
     async def main() -> None:
         g = Group(tmp_path, ["a", "b", "c"])
         try:
             for nid in g.addresses:
-                await g.start(nid, tls=tls(nid))
+                await g.start(nid, tls=tls(nid, encrypt_loopback=encrypt_loopback))
             leader = await g.leader()
             assert await leader.propose(b"one") > 0
             follower = next(n for n in g.peers if n != leader.node_id)
             await g.stop(follower)
             assert await leader.propose(b"two") > 0
-            await g.start(follower, tls=tls(follower))  # a new certificate, the same CA
+            # a new certificate, the same CA
+            await g.start(follower, tls=tls(follower, encrypt_loopback=encrypt_loopback))
             assert await leader.propose(b"three") > 0
             await eventually(lambda: g.kv[follower].log == [b"one", b"two", b"three"], what="catch up")
             for peer in g.peers.values():
                 stats = peer.transport_stats
                 assert stats is not None and stats.refused == stats.malformed == 0
+                sessions = link_sessions(peer)
+                assert sessions and all(s.established for s in sessions)
+                assert {s.plaintext for s in sessions} == {not encrypt_loopback}
         finally:
             await g.stop_all()
 

@@ -1,7 +1,8 @@
 """The Raft links' identities and TLS, without sockets: certificates from the cluster's Raft CA
 name exactly one member of one kernel, two ``TlsSession``s pumped into each other authenticate
 both ways, and everything else (another CA, no certificate, garbage, another kernel, another
-member) is refused with a reason."""
+member) is refused with a reason. A loopback connection negotiates the clear after the handshake
+only when both ends see loopback and allow it."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.raft.tls import (
+    ALPN_LOOPBACK_PLAIN,
     IDENTITY_ENV,
     IdentityError,
     LinkTls,
     MemberIdentity,
     TlsFailure,
     TlsSession,
+    is_loopback_connection,
     link_tls_for,
     member_of,
     member_uri,
@@ -187,3 +190,102 @@ def test_an_unreadable_ca_is_an_error_naming_the_files(tmp_path: Path) -> None:
     (keys / CA_KEY_FILE).write_text("not a key")
     with pytest.raises(IdentityError, match=CA_CERT_FILE):
         ClusterCA.load_or_create(keys)
+
+
+def loopback_sessions(
+    *,
+    client_sees_loopback: bool = True,
+    server_sees_loopback: bool = True,
+    client_encrypts_loopback: bool = False,
+    server_encrypts_loopback: bool = False,
+) -> tuple[TlsSession, TlsSession]:
+    client_tls = LinkTls.from_identity(CA.issue("k", "r1"), encrypt_loopback=client_encrypts_loopback)
+    server_tls = LinkTls.from_identity(CA.issue("k", "r2"), encrypt_loopback=server_encrypts_loopback)
+    client = client_tls.session(server_side=False, loopback=client_sees_loopback)
+    server = server_tls.session(server_side=True, loopback=server_sees_loopback)
+    pump(client, server)
+    assert client.established and server.established
+    assert server_tls.peer_problem(server.ssl_object) == ("r1", "")
+    assert client_tls.peer_problem(client.ssl_object, "r2") == ("r2", "")
+    return client, server
+
+
+def test_members_on_a_loopback_connection_authenticate_then_exchange_frames_in_the_clear() -> None:
+    client, server = loopback_sessions()
+    assert client.plaintext and server.plaintext
+    assert client.ssl_object.selected_alpn_protocol() == ALPN_LOOPBACK_PLAIN
+    frame = b"\x00\x00\x00\x05hello"
+    assert client.encrypt(frame) == frame and client.encrypt(b"a", b"b") == b"ab"
+    assert server.receive(frame) == frame
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"client_sees_loopback": False},
+        {"server_sees_loopback": False},
+        {"client_encrypts_loopback": True},
+        {"server_encrypts_loopback": True},
+    ],
+    ids=["client-not-loopback", "server-not-loopback", "client-encrypts", "server-encrypts"],
+)
+def test_records_stay_encrypted_unless_both_ends_see_loopback_and_allow_the_clear(
+    setting: dict[str, bool],
+) -> None:
+    client, server = loopback_sessions(**setting)
+    assert not client.plaintext and not server.plaintext
+    payload = b"secret frame" * 10
+    wire = client.encrypt(payload)
+    assert payload not in wire and wire[:1] == b"\x17"  # a TLS application-data record
+    assert server.receive(wire) == payload
+
+
+def test_what_follows_the_last_handshake_record_in_one_read_is_the_peer_s_clear() -> None:
+    client_tls = LinkTls.from_identity(CA.issue("k", "r1"))
+    server_tls = LinkTls.from_identity(CA.issue("k", "r2"))
+    client = client_tls.session(server_side=False, loopback=True)
+    server = server_tls.session(server_side=True, loopback=True)
+    assert server.receive(client.start()) == b""
+    client.receive(server.pending())
+    assert client.established and client.plaintext
+    finished = client.pending()  # the client's last handshake flight, then its first frames
+    assert server.receive(finished + client.encrypt(b"hello") + client.encrypt(b"next")) == b"hellonext"
+    assert server.plaintext and server.pending() == b""  # no session tickets behind the handshake
+
+
+@pytest.mark.parametrize("who", ["another CA", "no certificate"])
+def test_a_non_member_on_loopback_is_refused_at_the_handshake_too(who: str) -> None:
+    server = LinkTls.from_identity(CA.issue("k", "r2")).session(server_side=True, loopback=True)
+    if who == "another CA":
+        client = LinkTls.from_identity(ClusterCA.create().issue("k", "r1")).session(
+            server_side=False, loopback=True
+        )
+    else:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        ctx.set_alpn_protocols([ALPN_LOOPBACK_PLAIN])
+        client = TlsSession(ctx, server_side=False)
+    with pytest.raises(TlsFailure):
+        pump(client, server)
+    assert not server.established and not server.plaintext
+
+
+@pytest.mark.parametrize(
+    ("sockname", "peername", "loopback"),
+    [
+        (("127.0.0.1", 4000), ("127.0.0.1", 5000), True),
+        (("127.0.0.1", 4000), ("127.8.9.10", 5000), True),
+        (("::1", 4000, 0, 0), ("::1", 5000, 0, 0), True),
+        (("::ffff:127.0.0.1", 4000, 0, 0), ("::ffff:127.0.0.1", 5000, 0, 0), True),
+        (("10.0.0.5", 4000), ("127.0.0.1", 5000), False),
+        (("127.0.0.1", 4000), ("10.0.0.6", 5000), False),
+        (("fe80::1%eth0", 4000, 0, 2), ("fe80::2%eth0", 5000, 0, 2), False),
+        (None, ("127.0.0.1", 5000), False),
+        (("not an address", 1), ("127.0.0.1", 5000), False),
+    ],
+)
+def test_only_a_connection_with_two_loopback_ends_counts_as_loopback(
+    sockname: object, peername: object, loopback: bool
+) -> None:
+    assert is_loopback_connection(sockname, peername) is loopback
