@@ -14,7 +14,9 @@ Prints ONE JSON line:
 
 ``--transport zmq`` runs the group over the ZMQ transport instead of the default TCP one; compare
 the two in alternating runs (``--no-fsync`` takes the disk out of the comparison). ``--tls`` runs
-the TCP links under mutual TLS, as replicas do (``raft.tls``), with certificates from a fresh CA.
+the TCP links under mutual TLS, as replicas do (``raft.tls``), with certificates from a fresh CA:
+on loopback, as here, that is the handshake and then the clear, unless ``--encrypt-loopback``
+(``raft.encrypt_loopback``) encrypts every record as links between hosts do.
 
 Usage: ``python scripts/bench_raft.py [--samples 2000] [--seconds 3] [--inflight 128] [--transport tcp]``
 """
@@ -173,7 +175,9 @@ async def _node_async(
         fsync=opts["fsync"],
         snapshot_every=opts["snapshot_every"],
         transport_kind=opts["transport"],
-        tls=LinkTls.from_identity(MemberIdentity.from_json(opts["identities"][node_id]))
+        tls=LinkTls.from_identity(
+            MemberIdentity.from_json(opts["identities"][node_id]), encrypt_loopback=opts["encrypt_loopback"]
+        )
         if opts.get("identities")
         else None,
     )
@@ -319,8 +323,14 @@ def main() -> None:
     ap.add_argument("--profile", metavar="DIR", help="cProfile the leader and a follower into DIR")
     ap.add_argument("--transport", choices=TRANSPORT_KINDS, default="tcp", help="the Raft peer transport")
     ap.add_argument("--tls", action="store_true", help="mutual TLS on the links (tcp only), as replicas run")
+    ap.add_argument(
+        "--encrypt-loopback", action="store_true", help="with --tls: encrypt every record, as between hosts"
+    )
     args = ap.parse_args()
+    if args.encrypt_loopback and not args.tls:
+        ap.error("--encrypt-loopback goes with --tls")
     opts = {
+        "encrypt_loopback": args.encrypt_loopback,
         "transport": args.transport,
         "sync_in_thread": args.sync_in_thread,
         "snapshot_every": args.snapshot_every,
@@ -393,6 +403,7 @@ def main() -> None:
         "fsync": not args.no_fsync,
         "raft_transport": args.transport,
         "raft_tls": args.tls,
+        "raft_encrypt_loopback": args.encrypt_loopback,
         "baseline": {
             "fdatasync_p50_ms": fs50,
             "fdatasync_p99_ms": fs99,

@@ -7,7 +7,8 @@ temporary worktree (as ``bench_ab.py`` does), adds counters there (never in a co
 the hot path), runs its embedded cluster, sends ``x = 1`` cells and prints one JSON line: per
 process role, per sending socket (``curve``: whether it encrypts), per envelope type (a ``batch``
 is counted once as ``batch`` and its items under ``batch/<type>``), the messages sent per cell;
-``raft`` the Raft TLS records per cell (``raft/records``) and the Raft messages in them by type.
+``raft`` the writes on Raft TLS links per cell (``raft/records``: a TLS record each where the link
+is encrypted, the clear on a loopback link by default) and the Raft messages in them by type.
 
 Usage: ``python scripts/count_messages.py [REV] [--cells 200] [--hosts 3]``
 """
@@ -160,12 +161,12 @@ _PATCHES = (
     ),
     (
         "shared/raft/tcp_transport.py",
-        "        if tls is not None:\n            out.write(",
+        "        small = len(frames) == 1 or sum(map(len, frames)) < _SMALL_FRAME\n",
+        "        small = len(frames) == 1 or sum(map(len, frames)) < _SMALL_FRAME\n"
         "        if tls is not None:\n"
         "            from shared import _msgcount\n"
         "            _msgcount.raft_record(link.count_kinds)\n"
-        "        link.count_kinds = []\n"
-        "        if tls is not None:\n            out.write(",
+        "        link.count_kinds = []\n",
     ),
     (
         "shared/raft/tcp_transport.py",

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ipaddress
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,7 +38,7 @@ from services.cluster_file import CLUSTER_FILE, ClusterNotRunning, ask_sync, pid
 from services.global_scheduler.hibernated_file import forget_hibernated
 from shared import messages
 from shared.config import Config
-from shared.private_files import open_private_file, private_dir, write_private
+from shared.private_files import open_private_file, private_dir, private_socket_path, write_private
 from shared.process_signals import PinnedProcess, descendants_of, process_table, read_stat
 from shared.rpc import RpcError, RpcTimeout
 from shared.security import curve
@@ -93,6 +95,13 @@ def registered_hosts(status: dict[str, Any]) -> list[str]:
     return up
 
 
+def _is_loopback(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip.strip("[]")).is_loopback
+    except ValueError:
+        return ip == "localhost"
+
+
 @dataclass
 class Child:
     name: str
@@ -125,6 +134,9 @@ class EmbeddedCluster:
         self._http_restarts: list[float] = []
         self.http_url = ""
         self.scheduler_address = ""
+        # the scheduler's ipc endpoint, which this machine's gateway and hosts use (empty: none)
+        self.scheduler_local_address = ""
+        self._made_run_dir: Path | None = None  # a private temp dir for it, when the state dir is deep
         self.gateway_address = ""
         self.arbiter_address = ""
         self.serving_address = ""
@@ -220,14 +232,19 @@ class EmbeddedCluster:
         scheduler_log = self.log_dir / "global-scheduler.log"
         offset = scheduler_log.stat().st_size if scheduler_log.exists() else 0
         self._scheduler_args = ["-m", "services.global_scheduler", "--config-json", config_json, *log_format]
+        self.scheduler_local_address = self._local_endpoint("scheduler.sock")
+        if self.scheduler_local_address:
+            self._scheduler_args += ["--bind-local", self.scheduler_local_address]
         scheduler = self._spawn(
             "global-scheduler", [*self._scheduler_args, "--bind", f"tcp://{self.ip}:0"], critical=True
         )
         self.scheduler_address = self._wait_for_announcement(scheduler, offset, deadline)
+        # this machine's gateway and hosts reach the scheduler on its ipc endpoint when it has one
+        local_scheduler = self.scheduler_local_address or self.scheduler_address
         address_file = self.state_dir / "gateway.address"
         address_file.unlink(missing_ok=True)
         self._gateway_args = [
-            "-m", "services.gateway", "--scheduler", self.scheduler_address,
+            "-m", "services.gateway", "--scheduler", local_scheduler,
             "--address-file", str(address_file), "--config-json", config_json, *log_format,
         ]  # fmt: skip
         self._spawn(
@@ -237,7 +254,7 @@ class EmbeddedCluster:
             host_id = f"host-{index}"
             self._spawn(
                 host_id,
-                ["-m", "services.local_scheduler", "--host-id", host_id, "--scheduler", self.scheduler_address,
+                ["-m", "services.local_scheduler", "--host-id", host_id, "--scheduler", local_scheduler,
                  "--config-json", config_json, *log_format],
                 critical=False,
             )  # fmt: skip
@@ -330,6 +347,17 @@ class EmbeddedCluster:
         raise ClusterStartError(
             f"{child.name} did not announce its address; last lines of its log:\n{tail(child.log_path)}"
         )
+
+    def _local_endpoint(self, name: str) -> str:
+        """``ipc://`` path of a service endpoint for this machine's other services, in a private
+        (0700) directory, so that only this user reaches it (``shared/security/curve.py``); empty
+        when ``cluster.ipc_links`` is off or the services bind beyond loopback (hosts on other
+        machines then share the TCP endpoint, and a host finds its Raft address by its route to
+        the scheduler)."""
+        if not self.cfg.get("cluster.ipc_links") or not _is_loopback(self.ip):
+            return ""
+        path, self._made_run_dir = private_socket_path(self.state_dir / "run" / name, "tandem-run-")
+        return f"ipc://{path}"
 
     def _wait_for_file(self, path: Path, deadline: float) -> str:
         while time.monotonic() < deadline:
@@ -522,6 +550,8 @@ class EmbeddedCluster:
                 child.process.wait(timeout=5)
         self._kill_leftovers()
         (self.state_dir / "gateway.address").unlink(missing_ok=True)
+        if self._made_run_dir is not None:
+            shutil.rmtree(self._made_run_dir, ignore_errors=True)
         for child in self.children:
             if child.log_file is not None:
                 child.log_file.close()

@@ -25,6 +25,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "ip": "127.0.0.1",
         "state_dir": "~/.tandem",
         "replicas_per_kernel": 3,
+        # `tandem up` with a loopback cluster.ip: its gateway and hosts reach the global scheduler
+        # on a Unix socket in a 0700 directory, authenticated by PLAIN credentials derived from
+        # their keys, not CURVE-encrypted (only their own user's processes can open it; README
+        # "Security"). false: over TCP with CURVE, as hosts on other machines do.
+        "ipc_links": True,
     },
     "host": {
         # Resources a local scheduler declares. GPUs come from NVML when present, else these.

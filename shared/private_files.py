@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import tempfile
 from pathlib import Path
 from typing import IO
 
@@ -40,6 +41,21 @@ def private_dir(path: str | os.PathLike[str], *, tighten: bool = True) -> Path:
     if tighten:
         _tighten(path, DIR_MODE)
     return path
+
+
+# sun_path holds 108 bytes with its NUL; a socket deeper than this goes to a private temp dir
+MAX_SOCKET_PATH = 100
+
+
+def private_socket_path(preferred: Path, temp_prefix: str) -> tuple[Path, Path | None]:
+    """Where to bind a Unix socket that only this user may reach: ``preferred`` in its 0700
+    directory, or, when that path is too long for a socket, the same name in a new private
+    temporary directory (returned second, for its owner to remove)."""
+    if len(str(preferred)) <= MAX_SOCKET_PATH:
+        private_dir(preferred.parent)
+        return preferred, None
+    made = Path(tempfile.mkdtemp(prefix=temp_prefix))  # 0700
+    return made / preferred.name, made
 
 
 def _tighten(path: Path, mode: int) -> None:

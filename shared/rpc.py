@@ -139,6 +139,7 @@ class RpcServer:
         (``unauthorized``) before any handler runs."""
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
         _configure(self._sock)
+        self._curve = curve
         if curve is not None:
             curve.apply(self._sock)
         if peer_credentials is not None:
@@ -175,6 +176,7 @@ class RpcServer:
         else:
             self._channel = DrainingSocket(self._sock, self._on_frames, name=name, logger=self._log)
         self.address = ""
+        self.local_address = ""  # an ipc endpoint bound beside ``address`` (``bind``)
 
     def _on_monitor_event(self, frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)
@@ -197,15 +199,23 @@ class RpcServer:
         )
 
     def bind(self, address: str) -> str:
-        """Bind (``tcp://127.0.0.1:0`` picks a free port) and return the real address."""
+        """Bind (``tcp://127.0.0.1:0`` picks a free port) and return the real address. A CURVE
+        server's ``ipc://`` endpoint speaks PLAIN (``shared.security.curve``) and is kept apart,
+        as ``local_address``: ``address`` stays the one other machines reach."""
         if address.endswith(":0"):
             base = address.rsplit(":", 1)[0]
             port = self._sock.bind_to_random_port(base)
             self.address = f"{base}:{port}"
+            return self.address
+        if self._curve is not None:
+            self._curve.bind(self._sock, address)
         else:
             self._sock.bind(address)
+        if address.startswith("ipc://") and self.address:
+            self.local_address = address
+        else:
             self.address = address
-        return self.address
+        return address
 
     def start(self) -> None:
         """Start receiving (needs the running loop); messages queued before now are delivered."""
@@ -314,6 +324,7 @@ class RpcClient:
         client without them: the handshake fails and requests time out)."""
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
         _configure(self._sock)
+        self._curve = curve
         if curve is not None:
             curve.apply(self._sock)
         if identity is not None:
@@ -328,8 +339,12 @@ class RpcClient:
         self._receiving = False
 
     def connect(self, address: str) -> None:
-        """Connect (needs the running loop on the first call, which starts receiving)."""
-        self._sock.connect(address)
+        """Connect (needs the running loop on the first call, which starts receiving); with
+        ``curve``, an ``ipc://`` server is reached with PLAIN (``shared.security.curve``)."""
+        if self._curve is not None:
+            self._curve.connect(self._sock, address)
+        else:
+            self._sock.connect(address)
         if not self._receiving:
             self._receiving = True
             self._channel.start()

@@ -83,21 +83,32 @@ def bound_service_main(
     build: Callable[[Config], BoundService],
     doc: str | None,
 ) -> int:
-    """``python -m <module> --bind ADDR [--config-json JSON] ...`` for a service with one ROUTER:
-    parse, configure, build it (``build`` imports the service lazily), bind, announce where it
-    listens (``tandem up`` reads that line), run until SIGTERM."""
+    """``python -m <module> --bind ADDR [--bind-local ipc://PATH] [--config-json JSON] ...`` for
+    a service with one ROUTER: parse, configure, build it (``build`` imports the service lazily),
+    bind, announce where it listens (``tandem up`` reads that line), run until SIGTERM."""
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc)
     parser.add_argument(
         "--bind", default=None, help="ROUTER address (default tcp://<cluster.ip>:0, a free port)"
     )
+    parser.add_argument(
+        "--bind-local",
+        default=None,
+        metavar="ipc://PATH",
+        help="also an ipc endpoint, for clients on this machine (PLAIN: shared/security/curve.py)",
+    )
     add_common_arguments(parser)
     args = parser.parse_args(argv)
+    if args.bind_local and not args.bind_local.startswith("ipc://"):
+        parser.error(f"--bind-local takes an ipc:// address, not {args.bind_local!r}")
     cfg = setup(args, name)
 
     async def service(stop: asyncio.Event) -> None:
         instance = build(cfg)
         address = instance.bind(args.bind or f"tcp://{cfg.get('cluster.ip')}:0")
-        announce(name, address=address)
+        if args.bind_local:
+            announce(name, address=address, local_address=instance.bind(args.bind_local))
+        else:
+            announce(name, address=address)
         await instance.run(stop)
 
     return run_service(service, name=name)

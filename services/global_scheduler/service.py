@@ -251,8 +251,10 @@ class GlobalScheduler:
         self._server.start()
         monitor = asyncio.ensure_future(self._monitor())
         self.autoscaling.attach_provider(
-            make_host_provider(
-                self._cfg, scheduler_address=self.address, on_exit=self.autoscaling.on_host_exited
+            make_host_provider(  # hosts it starts run on this machine: its ipc endpoint, if bound
+                self._cfg,
+                scheduler_address=self._server.local_address or self.address,
+                on_exit=self.autoscaling.on_host_exited,
             )
         )
         autoscale = asyncio.ensure_future(self.autoscaling.run())

@@ -17,7 +17,6 @@ import contextlib
 import os
 import shutil
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import zmq
 
 from services.local_scheduler.replica_process import ReplicaProcess
 from shared.envelope import Envelope
-from shared.private_files import private_dir
+from shared.private_files import private_dir, private_socket_path
 from shared.rpc import Authorizer, RpcServer, ServerHandler
 from shared.security import curve
 from shared.security.authorization import replica_principal
@@ -56,10 +55,6 @@ def remove_stale_sockets(directory: Path, pattern: str) -> list[Path]:
             except OSError:
                 continue
     return removed
-
-
-# sun_path holds 108 bytes with its NUL; a state dir deeper than this gets a private temp dir
-MAX_SOCKET_PATH = 100
 
 
 def _principal(replica: ReplicaProcess) -> str:
@@ -139,10 +134,7 @@ class ReplicaLink:
         return self._server.bind(address)
 
     def _default_socket(self) -> Path:
-        path = self._state_dir / "link" / SOCKET_NAME
-        if len(str(path)) > MAX_SOCKET_PATH:
-            self._made_dir = Path(tempfile.mkdtemp(prefix="tandem-link-"))  # 0700
-            path = self._made_dir / SOCKET_NAME
+        path, self._made_dir = private_socket_path(self._state_dir / "link" / SOCKET_NAME, "tandem-link-")
         return path
 
     def prepare(self, replica: ReplicaProcess) -> None:

@@ -86,7 +86,9 @@ class LocalScheduler:
             identity=host_id.encode(),
             on_message=self._on_upstream,
             name="global_scheduler",
-            curve=curve.ClientCurve(self._host_keys, curve.load(keys_dir, curve.SCHEDULER).public),
+            curve=curve.ClientCurve(
+                self._host_keys, curve.load(keys_dir, curve.SCHEDULER).public, curve.host_principal(host_id)
+            ),
         )
         # replicas connect over ipc (admitted by pid) or CURVE (by the keys minted at launch)
         self._link = ReplicaLink(

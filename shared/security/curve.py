@@ -22,6 +22,17 @@ A server learns who a peer is from the key it proved, never from what the peer s
 handler maps the client's public key to its principal name, which ZMQ attaches to every message
 from that connection (the ``User-Id`` property), and each service authorises message types and
 the ids in their bodies against it.
+
+**A service's ipc endpoint** (the global scheduler's, in the embedded cluster, where every service
+runs on one machine as one user): a Unix socket in a 0700 directory, so only that user's processes
+reach it (the filesystem authenticates the server to its clients, as CURVE's server key does on
+TCP), and its bytes only cross kernel buffers, so CURVE's encryption would protect nothing there.
+A client proves its principal with ZMQ's PLAIN mechanism instead: user name = principal,
+password = ``ipc_password``, derived from the principal's secret key, which the ZAP handler
+re-derives from the key directory (so only a server that holds that secret, on the same machine,
+can check it). PLAIN's password in the clear is safe only because the channel is a local socket
+no other user can open: the same password on TCP would not be, so only ``ipc://`` endpoints
+speak PLAIN, and only ``tcp://`` ones CURVE.
 """
 
 from __future__ import annotations
@@ -29,6 +40,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
+import hmac
 import os
 import tempfile
 import time
@@ -101,19 +114,61 @@ class ServerCurve:
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         sock.curve_server = True
 
+    def bind(self, sock: zmq.Socket[Any], address: str) -> None:
+        """Bind ``address``: an ``ipc://`` endpoint speaks PLAIN (module docstring), checked by
+        the same ZAP domain; ZMQ takes a socket's security options per endpoint, at bind."""
+        if not address.startswith("ipc://"):
+            sock.bind(address)
+            return
+        sock.plain_server = True
+        try:
+            sock.bind(address)
+        finally:
+            sock.curve_server = True  # later endpoints are CURVE again
+        os.chmod(address[len("ipc://") :], 0o600)  # its directory is 0700 already
+
 
 @dataclass(frozen=True, slots=True)
 class ClientCurve:
-    """What a DEALER needs to reach a CURVE server: its own keypair and the server's public key."""
+    """What a DEALER needs to reach a CURVE server: its own keypair and the server's public key;
+    ``principal``, the name its keys were issued to, for a server's ipc endpoint (PLAIN)."""
 
     keys: Keypair
     server_public: bytes
+    principal: str = ""
 
     def apply(self, sock: zmq.Socket[Any]) -> None:
         assert self.keys.secret is not None, "a CURVE client needs its secret key"
         sock.curve_secretkey = self.keys.secret
         sock.curve_publickey = self.keys.public
         sock.curve_serverkey = self.server_public
+
+    def connect(self, sock: zmq.Socket[Any], address: str) -> None:
+        """Connect to ``address``: PLAIN with ``ipc_password`` on an ``ipc://`` endpoint, CURVE
+        on any other (ZMQ takes a socket's security options per connection, at connect)."""
+        if not address.startswith("ipc://"):
+            self.apply(sock)
+            sock.connect(address)
+            return
+        if not self.principal:
+            raise ValueError(f"{address}: an ipc endpoint needs the client's principal name")
+        sock.plain_username = self.principal.encode()
+        sock.plain_password = ipc_password(self.keys, self.principal)
+        try:
+            sock.connect(address)
+        finally:
+            self.apply(sock)
+
+
+_IPC_PASSWORD_CONTEXT = b"tandem service ipc PLAIN password v1\0"
+
+
+def ipc_password(keys: Keypair, principal: str) -> bytes:
+    """The PLAIN password ``principal`` proves itself with on a service's ipc endpoint: an HMAC of
+    its name under its secret key (nothing more to issue, store or rotate)."""
+    assert keys.secret is not None, "only a holder of the secret key can derive the password"
+    mac = hmac.new(keys.secret, _IPC_PASSWORD_CONTEXT + principal.encode(), hashlib.sha256)
+    return mac.hexdigest().encode("ascii")
 
 
 def new_keypair() -> Keypair:
@@ -214,7 +269,7 @@ def server_curve(keys_dir: Path, name: str) -> ServerCurve:
 
 
 def client_curve(keys_dir: Path, name: str, server: str) -> ClientCurve:
-    return ClientCurve(load_secret(keys_dir, name), load(keys_dir, server).public)
+    return ClientCurve(load_secret(keys_dir, name), load(keys_dir, server).public, name)
 
 
 # A replica's keys on a tcp link to its local scheduler (where the OS reports no peer pid, so the
@@ -282,6 +337,21 @@ class PeerDirectory:
                 found[public] = name
         self._from_files = found
 
+    def ipc_password_of(self, name: str) -> bytes | None:
+        """The ipc PLAIN password of ``name``, re-derived from its secret key in the directory;
+        None for a name the directory does not list (never a path built from what a peer
+        claimed) or whose secret is not on this machine."""
+        if self._keys_dir is None or name in self._exclude:
+            return None
+        self._reload_if_changed()
+        if name not in self._from_files.values():
+            return None
+        try:
+            keys = load_secret(self._keys_dir, name)
+        except KeyError_:
+            return None
+        return ipc_password(keys, name)
+
     def name_of(self, public_z85: bytes) -> str | None:
         """Looked up at each handshake, against the key files as they are now: a host key issued
         after the server started is admitted at once (ZMQ does not retry a refused handshake),
@@ -302,7 +372,8 @@ class _Authenticator(ThreadAuthenticator):
     and its User-Id is the principal name that key was issued to. A NULL (unencrypted) client is
     admitted only to a domain of spawned peers (an ``ipc://`` replica link), by the credentials
     the kernel reported for it (``shared.security.peer_credentials``), as the replica it was
-    spawned as; never elsewhere (pyzmq's default admits every NULL client)."""
+    spawned as; never elsewhere (pyzmq's default admits every NULL client). A PLAIN client (only
+    a service's ipc endpoint speaks PLAIN) is admitted with its principal's ``ipc_password``."""
 
     def __init__(self, ctx: zmq.Context[Any]) -> None:
         super().__init__(ctx, log=None)
@@ -337,6 +408,24 @@ class _Authenticator(ThreadAuthenticator):
         self.refused += 1
         log.warning("peer_refused", domain=domain, reason=reason, **context)
         self._send_zap_reply(request_id, b"400", reason.encode()[:200])
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        """An ipc endpoint's client (only ipc endpoints speak PLAIN): its password must be the one
+        its principal's secret key derives; its User-Id is then that principal."""
+        directory = self.directories.get(domain)
+        if directory is None:
+            self.refused += 1
+            log.warning("peer_refused", domain=domain, reason="unknown ZAP domain")
+            return False, b"Unknown domain"
+        expected = directory.ipc_password_of(username)
+        if expected is None or not hmac.compare_digest(expected, password.encode("utf-8", "replace")):
+            self.refused += 1
+            log.warning(
+                "peer_refused", domain=domain, reason="ipc credentials not issued by this cluster",
+                principal=username[:80],
+            )  # fmt: skip
+            return False, b"Unknown credentials"
+        return True, b"OK"
 
     async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
         directory = self.directories.get(domain)

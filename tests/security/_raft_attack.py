@@ -5,6 +5,7 @@ in the clear or over TLS with whatever certificate they have."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import ssl
 import time
@@ -15,7 +16,7 @@ import msgpack
 from shared.raft.codec import encode_message
 from shared.raft.driver import SNAPSHOT_ENVELOPE_VERSION
 from shared.raft.tcp_transport import frame, hello_frame
-from shared.raft.tls import LinkTls, MemberIdentity
+from shared.raft.tls import ALPN_ENCRYPTED, ALPN_LOOPBACK_PLAIN, LinkTls, MemberIdentity
 from shared.raft.types import ConfState, Message, MessageType, Snapshot, SnapshotMeta
 
 
@@ -75,13 +76,16 @@ def send_in_the_clear(address: str, hello_id: str, payloads: list[bytes]) -> boo
         return closed_by_peer(sock)
 
 
-def attacker_context(identity: MemberIdentity | None) -> ssl.SSLContext:
+def attacker_context(identity: MemberIdentity | None, *, clear: bool = False) -> ssl.SSLContext:
     """An attacker's TLS client: presents ``identity``'s certificate (none: no certificate) and
-    does not care whom it reaches."""
+    does not care whom it reaches; ``clear``: offers the loopback links' clear after the
+    handshake, as a member does."""
     if identity is not None:
-        ctx = LinkTls.from_identity(identity).client
+        tls = LinkTls.from_identity(identity)
+        ctx = tls.client_loopback if clear and tls.client_loopback is not None else tls.client
     else:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.set_alpn_protocols([ALPN_LOOPBACK_PLAIN] if clear else [ALPN_ENCRYPTED])
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
     return ctx
@@ -94,18 +98,28 @@ def send_over_tls(
     payloads: list[bytes],
     *,
     linger: float = 0.0,
+    clear: bool = False,
 ) -> bool:
     """A TLS client with ``identity``: a hello naming ``hello_id``, then ``payloads`` as frames;
-    whether the replica closed the connection (during the handshake or after)."""
+    whether the replica closed the connection (during the handshake or after). ``clear``: the
+    frames go in the clear once the handshake negotiated it (a loopback link), as a member's do."""
     raw = socket.create_connection(raft_host_port(address), timeout=5)
     try:
         try:
-            sock = attacker_context(identity).wrap_socket(raw)
+            sock = attacker_context(identity, clear=clear).wrap_socket(raw)
         except (ssl.SSLError, ConnectionError):
             return True  # refused during the handshake
         with sock:
+            wire = b"".join([hello_frame(hello_id), *(frame(p) for p in payloads)])
             with contextlib.suppress(OSError):
-                sock.sendall(hello_frame(hello_id) + b"".join(frame(p) for p in payloads))
+                if clear:
+                    assert sock.selected_alpn_protocol() == ALPN_LOOPBACK_PLAIN, (
+                        "the clear was not negotiated"
+                    )
+                    with socket.socket(fileno=os.dup(sock.fileno())) as beneath:  # the same connection
+                        beneath.sendall(wire)
+                else:
+                    sock.sendall(wire)
             if linger:  # a member's connection stays open: give the replica time to read it all
                 return closed_by_peer(sock, timeout=linger)
             return closed_by_peer(sock)

@@ -63,23 +63,44 @@ def test_a_plain_tcp_client_with_a_forged_hello_is_refused_before_decoding(
     _attack(cluster, tmp_path, lambda address, frame: send_in_the_clear(address, "r2", [frame]))
 
 
-def test_a_tls_client_without_a_certificate_is_refused(cluster: Cluster, tmp_path: Path) -> None:
-    _attack(cluster, tmp_path, lambda address, frame: send_over_tls(address, None, "r2", [frame]))
+# ``clear``: the attacker also offers the loopback links' clear after the handshake (these
+# replicas talk over loopback), then sends its frames unencrypted, as a member would
+CLEAR = pytest.mark.parametrize("clear", [False, True], ids=["encrypted", "clear-after-handshake"])
 
 
-def test_a_certificate_from_another_ca_is_refused(cluster: Cluster, tmp_path: Path) -> None:
+@CLEAR
+def test_a_tls_client_without_a_certificate_is_refused(cluster: Cluster, tmp_path: Path, clear: bool) -> None:
+    _attack(
+        cluster, tmp_path, lambda address, frame: send_over_tls(address, None, "r2", [frame], clear=clear)
+    )
+
+
+@CLEAR
+def test_a_certificate_from_another_ca_is_refused(cluster: Cluster, tmp_path: Path, clear: bool) -> None:
     impostor = ClusterCA.create().issue(KERNEL_ID, "r2")  # the right names, the wrong CA
-    _attack(cluster, tmp_path, lambda address, frame: send_over_tls(address, impostor, "r2", [frame]))
+    _attack(
+        cluster, tmp_path, lambda address, frame: send_over_tls(address, impostor, "r2", [frame], clear=clear)
+    )
 
 
-def test_a_member_of_another_kernel_is_refused(cluster: Cluster, tmp_path: Path) -> None:
+@CLEAR
+def test_a_member_of_another_kernel_is_refused(cluster: Cluster, tmp_path: Path, clear: bool) -> None:
     neighbour = cluster.raft_ca.issue("another-kernel", "r2")  # the cluster's CA, another group
-    _attack(cluster, tmp_path, lambda address, frame: send_over_tls(address, neighbour, "r2", [frame]))
+    _attack(
+        cluster,
+        tmp_path,
+        lambda address, frame: send_over_tls(address, neighbour, "r2", [frame], clear=clear),
+    )
 
 
-def test_a_valid_certificate_claiming_another_member_id_is_refused(cluster: Cluster, tmp_path: Path) -> None:
+@CLEAR
+def test_a_valid_certificate_claiming_another_member_id_is_refused(
+    cluster: Cluster, tmp_path: Path, clear: bool
+) -> None:
     outsider = cluster.raft_ca.issue(KERNEL_ID, "r9")  # this kernel, but not r2
-    _attack(cluster, tmp_path, lambda address, frame: send_over_tls(address, outsider, "r2", [frame]))
+    _attack(
+        cluster, tmp_path, lambda address, frame: send_over_tls(address, outsider, "r2", [frame], clear=clear)
+    )
 
 
 def test_the_forged_snapshot_runs_its_code_when_authentication_is_off(tmp_path: Path) -> None:

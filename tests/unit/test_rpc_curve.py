@@ -1,4 +1,5 @@
-"""CURVE on the service links: only issued keys connect, and a server knows who sent what."""
+"""CURVE on the service links: only issued keys connect, and a server knows who sent what. A
+server's ipc endpoint (PLAIN, derived credentials) admits the same principals and no one else."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def run(coro: Any) -> Any:
 class Echo:
     """A server that answers who it thinks asked."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, keys: Path, authorize: Any = None) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, keys: Path, authorize: Any = None, *, local: Path | None = None
+    ) -> None:
         self.authority = curve.CurveAuthority.acquire(ctx)
         self.authority.serve(curve.SCHEDULER, curve.PeerDirectory(keys, exclude=(curve.SCHEDULER,)))
         self.seen: list[str] = []
@@ -36,6 +39,7 @@ class Echo:
             authorize=authorize or self._note,
         )
         self.address = self.server.bind("tcp://127.0.0.1:0")
+        self.local_address = self.server.bind(f"ipc://{local}") if local is not None else ""
         self.server.start()
 
     def _note(self, principal: str, identity: bytes, env: Envelope) -> str | None:
@@ -178,3 +182,95 @@ def test_a_rotated_key_is_refused_from_its_next_connection(tmp_path: Path) -> No
         ctx.destroy(linger=0)
 
     run(scenario())
+
+
+def _ipc_socket(tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    return run_dir / "s.sock"
+
+
+def test_an_ipc_endpoint_admits_an_issued_key_by_its_derived_password_and_names_its_principal(
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys"
+    curve.ensure_cluster_keys(keys)
+    curve.issue(keys, "host.h1")
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        echo = Echo(ctx, keys, local=_ipc_socket(tmp_path))
+        assert echo.server.address == echo.address and echo.server.local_address == echo.local_address
+        host = RpcClient(ctx, name="h1", curve=curve.client_curve(keys, "host.h1", curve.SCHEDULER))
+        host.connect(echo.local_address)
+        gateway = RpcClient(ctx, name="gw", curve=curve.client_curve(keys, curve.GATEWAY, curve.SCHEDULER))
+        gateway.connect(echo.address)  # the same server's TCP endpoint is still CURVE
+        for client in (host, gateway):
+            answer = await client.request(Envelope(messages.CLUSTER_STATUS, {}), timeout=5)
+            assert answer.body == {"ok": True}
+            await client.close()
+        assert echo.seen == ["host.h1", curve.GATEWAY]
+        await echo.close()
+        ctx.destroy(linger=0)
+
+    run(scenario())
+
+
+class _Impostor(curve.ClientCurve):
+    """Claims another principal's name on the ipc endpoint, with a password it can derive."""
+
+    def __init__(self, keys: curve.Keypair, server_public: bytes, claimed: str) -> None:
+        super().__init__(keys, server_public, "host.h1")
+        object.__setattr__(self, "_claimed", claimed)
+
+    def connect(self, sock: zmq.Socket[Any], address: str) -> None:
+        sock.plain_username = self._claimed.encode()  # type: ignore[attr-defined]
+        sock.plain_password = curve.ipc_password(self.keys, "host.h1")
+        sock.connect(address)
+
+
+def test_an_ipc_endpoint_refuses_a_wrong_password_a_made_up_name_no_credentials_and_plain_on_tcp(
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys"
+    curve.ensure_cluster_keys(keys)
+    h1 = curve.issue(keys, "host.h1")
+    (tmp_path / "outside.key_secret").write_text("not a key")  # what a path-like name would reach
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        echo = Echo(ctx, keys, local=_ipc_socket(tmp_path))
+        server_public = curve.load(keys, curve.SCHEDULER).public
+        clients = []
+        for claimed in (curve.OPERATOR, "../outside", curve.SCHEDULER):  # h1's password, not theirs
+            client = RpcClient(ctx, name=f"as-{claimed}", curve=_Impostor(h1, server_public, claimed))
+            client.connect(echo.local_address)
+            clients.append(client)
+        stranger = RpcClient(
+            ctx, name="stranger", curve=curve.ClientCurve(curve.new_keypair(), server_public, "host.h1")
+        )
+        stranger.connect(echo.local_address)  # a key this cluster never issued
+        bare = RpcClient(ctx, name="bare")  # no credentials at all (NULL)
+        bare.connect(echo.local_address)
+        plain_on_tcp = RpcClient(ctx, name="plain-on-tcp")
+        plain_on_tcp._sock.plain_username = b"host.h1"
+        plain_on_tcp._sock.plain_password = curve.ipc_password(h1, "host.h1")
+        plain_on_tcp.connect(echo.address)  # the right password, on the CURVE endpoint
+        for client in (*clients, stranger, bare, plain_on_tcp):
+            with pytest.raises(RpcTimeout):
+                await client.request(Envelope(messages.CLUSTER_STATUS, {}), timeout=1.0)
+            await client.close()
+        assert echo.seen == []
+        assert echo.authority.refused >= 4
+        await echo.close()
+        ctx.destroy(linger=0)
+
+    run(scenario())
+
+
+def test_the_ipc_password_is_bound_to_the_principal_and_its_secret() -> None:
+    a, b = curve.new_keypair(), curve.new_keypair()
+    assert curve.ipc_password(a, "host.h1") == curve.ipc_password(a, "host.h1")
+    assert curve.ipc_password(a, "host.h1") != curve.ipc_password(a, "host.h2")
+    assert curve.ipc_password(a, "host.h1") != curve.ipc_password(b, "host.h1")
+    assert a.secret is not None and a.secret not in curve.ipc_password(a, "host.h1")
