@@ -20,7 +20,7 @@ from _cluster import ClusterHandle, eventually, running_cluster
 from _kernels import run, tandem_kernel
 from test_batch_jobs import tandem
 
-from shared.private_files import open_private, private_dir, write_private
+from shared.private_files import MAX_SOCKET_PATH, open_private, private_dir, write_private
 
 pytestmark = pytest.mark.integration
 
@@ -85,6 +85,8 @@ def test_state_dir_of_a_cluster_that_ran_a_kernel_is_private(
         assert list(cluster.state_dir.glob(f"jobs/{job_id}/*/progress.json"))
         assert list(cluster.state_dir.glob("arbiter/*")) and list(cluster.state_dir.glob("http/sessions/*"))
         assert (cluster.state_dir / "scheduler" / "hibernated.json").exists()
+        socket_path = cluster.state_dir / "run" / "scheduler.sock"  # the scheduler's ipc endpoint
+        assert socket_path.is_socket() or len(str(socket_path)) > MAX_SOCKET_PATH
         loose = _loose(cluster.state_dir)
     assert not loose, "\n".join(loose)
 
