@@ -226,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
             f"--HistoryManager.db_cache_size={HISTORY_CACHE}",
         ]
     )
+    if app.transport == "ipc":  # bound with the umask's modes: 0600, as every other state file
+        for port in (app.shell_port, app.iopub_port, app.stdin_port, app.control_port, app.hb_port):
+            with contextlib.suppress(OSError):
+                os.chmod(f"{app.ip}-{port}", 0o600)
     kernel: TandemKernel = app.kernel
     main_loop = ioloop.IOLoop.current().asyncio_loop  # the loop app.start() runs
 
