@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ipaddress
 import json
 import os
 import shutil
@@ -38,6 +37,7 @@ from services.cluster_file import CLUSTER_FILE, ClusterNotRunning, ask_sync, pid
 from services.global_scheduler.hibernated_file import forget_hibernated
 from shared import messages
 from shared.config import Config
+from shared.host_address import is_loopback
 from shared.private_files import open_private_file, private_dir, private_socket_path, write_private
 from shared.process_signals import PinnedProcess, descendants_of, process_table, read_stat
 from shared.rpc import RpcError, RpcTimeout
@@ -93,13 +93,6 @@ def registered_hosts(status: dict[str, Any]) -> list[str]:
         if isinstance(host, dict) and host.get("alive", True):
             up.append(str(host.get("id", host.get("host_id", ""))))
     return up
-
-
-def _is_loopback(ip: str) -> bool:
-    try:
-        return ipaddress.ip_address(ip.strip("[]")).is_loopback
-    except ValueError:
-        return ip == "localhost"
 
 
 @dataclass
@@ -354,7 +347,7 @@ class EmbeddedCluster:
         when ``cluster.ipc_links`` is off or the services bind beyond loopback (hosts on other
         machines then share the TCP endpoint, and a host finds its Raft address by its route to
         the scheduler)."""
-        if not self.cfg.get("cluster.ipc_links") or not _is_loopback(self.ip):
+        if not self.cfg.get("cluster.ipc_links") or not is_loopback(self.ip):
             return ""
         path, self._made_run_dir = private_socket_path(self.state_dir / "run" / name, "tandem-run-")
         return f"ipc://{path}"

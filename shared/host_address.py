@@ -10,6 +10,7 @@ address of this machine's route toward ``toward`` (the global scheduler: the clu
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from urllib.parse import urlsplit
 
@@ -18,6 +19,20 @@ WILDCARDS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
 
 def is_wildcard(ip: str) -> bool:
     return ip.strip() in WILDCARDS
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP literal, bracketed or with a zone, or ``localhost``) names this
+    machine's loopback, an IPv4-mapped IPv6 one included."""
+    host = host.strip().strip("[]").split("%", 1)[0]
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return (mapped or ip).is_loopback
 
 
 def address_host(address: str) -> tuple[str, int]:

@@ -40,7 +40,6 @@ what security cost a trivial cell (``scripts/bench_security_cost.py``).
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import os
 import re
@@ -51,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.host_address import is_loopback
 from shared.private_files import write_private
 
 IDENTITY_ENV = "TANDEM_RAFT_IDENTITY"  # a replica's MemberIdentity, JSON, in its environment
@@ -187,16 +187,10 @@ class LinkTls:
 def is_loopback_connection(sockname: Any, peername: Any) -> bool:
     """Whether a TCP connection's two ends (``getsockname()``/``getpeername()`` tuples) are both
     loopback addresses, so that its bytes never leave this machine's kernel."""
-    return _is_loopback(sockname) and _is_loopback(peername)
-
-
-def _is_loopback(address: Any) -> bool:
-    try:
-        ip = ipaddress.ip_address(str(address[0]).split("%", 1)[0])
-    except (ValueError, TypeError, IndexError, KeyError):
-        return False
-    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
-    return (mapped or ip).is_loopback
+    return all(
+        isinstance(end, tuple) and end and isinstance(end[0], str) and is_loopback(end[0])
+        for end in (sockname, peername)
+    )
 
 
 def member_of(cert: dict[str, Any] | None) -> tuple[str, str] | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.host_address import address_host, advertised_ip, is_wildcard, route_source_ip
+from shared.host_address import address_host, advertised_ip, is_loopback, is_wildcard, route_source_ip
 
 
 def test_a_configured_address_wins_over_everything() -> None:
@@ -26,3 +26,23 @@ def test_an_address_that_is_not_tcp_host_port_is_refused() -> None:
     for bad in ("ipc:///tmp/x", "tcp://host", "scheduler:7200"):
         with pytest.raises(ValueError):
             address_host(bad)
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.3.4.5", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("::ffff:127.0.0.1", True),
+        ("localhost", True),
+        ("10.0.0.5", False),
+        ("0.0.0.0", False),
+        ("fe80::1%eth0", False),
+        ("example.org", False),
+        ("", False),
+    ],
+)
+def test_only_this_machine_s_loopback_counts_as_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
