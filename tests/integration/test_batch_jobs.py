@@ -157,10 +157,13 @@ def test_jobs_share_the_gpus_cells_leave_idle_fairly(tandem_kernelspec: Path, tm
             # correct it (finish-time fairness weighs what each app has done since it came)
             stepping = False
             started = measured_from = time.monotonic()
+            at_stepping: dict[str, float] = {}  # each app's GPU time when every job had stepped
             while not stepping or time.monotonic() - measured_from < RUN_S:
                 cell_seconds.extend(execute(client) for client in (first, second))
                 if not stepping and all(j["seconds_per_iteration"] for j in job_list(cluster)):
                     stepping, measured_from = True, time.monotonic()
+                    apps = arbiter_status(cluster)["apps"]
+                    at_stepping = {app: apps.get(app, {}).get("gpu_seconds", 0.0) for app in jobs}
                 assert time.monotonic() - started < START_S, f"not every job stepped: {job_list(cluster)}"
             batch = arbiter_status(cluster)
 
@@ -188,7 +191,14 @@ def test_jobs_share_the_gpus_cells_leave_idle_fairly(tandem_kernelspec: Path, tm
                 granted[event["app_id"]] += 1
         assert all(count >= 2 for count in granted.values()), granted
         gpu_time = {app: round(batch["apps"][app]["gpu_seconds"], 1) for app in jobs}
-        assert min(gpu_time.values()) >= 0.8 * max(gpu_time.values()), gpu_time
+        # within 20%; or, where the start (before the arbiter knew the jobs' step times) left a
+        # larger gap, the app behind got more GPU time since then than the other: catching up
+        since = {app: round(gpu_time[app] - at_stepping[app], 1) for app in jobs}
+        behind, ahead = sorted(jobs, key=lambda app: gpu_time[app])
+        assert min(gpu_time.values()) >= 0.8 * max(gpu_time.values()) or since[behind] > since[ahead], (
+            gpu_time,
+            since,
+        )
         assert batch["rounds"] > 0 and all(batch["apps"][app]["rho"] is not None for app in jobs)
         usage = batch["usage"]
         assert usage["gpu_seconds"]["be"] > 0 and usage["gpu_seconds"]["cells"] > 0
