@@ -5,7 +5,9 @@ what they cost a cell is roughly their number times a per-message price, so fewe
 lever left (see ``scripts/bench_ab.py --without-security``). This checks out a revision in a
 temporary worktree (as ``bench_ab.py`` does), adds counters there (never in a commit: they cost
 the hot path), runs its embedded cluster, sends ``x = 1`` cells and prints one JSON line: per
-process role, per sending socket (``curve``: whether it encrypts), per envelope type (a ``batch``
+process role, per sending socket (``curve``: whether it encrypts, by the socket's last security
+setting: a global scheduler that also serves its ipc endpoint counts as ``plain``, though its
+replies to the operator over TCP are CURVE), per envelope type (a ``batch``
 is counted once as ``batch`` and its items under ``batch/<type>``), the messages sent per cell;
 ``raft`` the writes on Raft TLS links per cell (``raft/records``: a TLS record each where the link
 is encrypted, the clear on a loopback link by default) and the Raft messages in them by type.

@@ -118,13 +118,11 @@ class ServerCurve:
         """Bind ``address``: an ``ipc://`` endpoint speaks PLAIN (module docstring), checked by
         the same ZAP domain; ZMQ takes a socket's security options per endpoint, at bind."""
         if not address.startswith("ipc://"):
+            sock.curve_server = True  # (after an ipc endpoint's PLAIN)
             sock.bind(address)
             return
         sock.plain_server = True
-        try:
-            sock.bind(address)
-        finally:
-            sock.curve_server = True  # later endpoints are CURVE again
+        sock.bind(address)
         os.chmod(address[len("ipc://") :], 0o600)  # its directory is 0700 already
 
 
@@ -154,10 +152,7 @@ class ClientCurve:
             raise ValueError(f"{address}: an ipc endpoint needs the client's principal name")
         sock.plain_username = self.principal.encode()
         sock.plain_password = ipc_password(self.keys, self.principal)
-        try:
-            sock.connect(address)
-        finally:
-            self.apply(sock)
+        sock.connect(address)
 
 
 _IPC_PASSWORD_CONTEXT = b"tandem service ipc PLAIN password v1\0"
