@@ -203,6 +203,8 @@ class RpcServer:
         server's ``ipc://`` endpoint speaks PLAIN (``shared.security.curve``) and is kept apart,
         as ``local_address``: ``address`` stays the one other machines reach."""
         if address.endswith(":0"):
+            if self._curve is not None:
+                self._curve.apply(self._sock)  # CURVE on TCP, even after an ipc endpoint's PLAIN
             base = address.rsplit(":", 1)[0]
             port = self._sock.bind_to_random_port(base)
             self.address = f"{base}:{port}"

@@ -274,3 +274,36 @@ def test_the_ipc_password_is_bound_to_the_principal_and_its_secret() -> None:
     assert curve.ipc_password(a, "host.h1") != curve.ipc_password(a, "host.h2")
     assert curve.ipc_password(a, "host.h1") != curve.ipc_password(b, "host.h1")
     assert a.secret is not None and a.secret not in curve.ipc_password(a, "host.h1")
+
+
+def test_a_tcp_endpoint_bound_after_an_ipc_one_is_still_curve(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    curve.ensure_cluster_keys(keys)
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        authority = curve.CurveAuthority.for_cluster_server(ctx, keys, curve.SCHEDULER)
+        server = RpcServer(
+            ctx,
+            lambda _i, env: env.reply({"ok": True}),
+            name="s",
+            curve=curve.server_curve(keys, curve.SCHEDULER),
+        )
+        server.bind(f"ipc://{_ipc_socket(tmp_path)}")
+        tcp = server.bind("tcp://127.0.0.1:0")
+        server.start()
+        good = RpcClient(ctx, name="good", curve=curve.client_curve(keys, curve.GATEWAY, curve.SCHEDULER))
+        good.connect(tcp)
+        assert (await good.request(Envelope(messages.CLUSTER_STATUS, {}), timeout=5)).body == {"ok": True}
+        plain = RpcClient(ctx, name="plain")
+        plain._sock.plain_username = curve.GATEWAY.encode()
+        plain._sock.plain_password = curve.ipc_password(curve.load(keys, curve.GATEWAY), curve.GATEWAY)
+        plain.connect(tcp)
+        with pytest.raises(RpcTimeout):
+            await plain.request(Envelope(messages.CLUSTER_STATUS, {}), timeout=1.0)
+        for closing in (good, plain, server):
+            await closing.close()
+        authority.release()
+        ctx.destroy(linger=0)
+
+    run(scenario())
