@@ -1,5 +1,5 @@
 """Malformed frames, bounded and seeded, to every socket a running cluster listens on: the
-gateway's API and its kernels' Jupyter ports, the global scheduler, the arbiter, the serving
+gateway's API and its kernels' Jupyter ports, the global scheduler (its ipc endpoint too), the arbiter, the serving
 controller, the checkpoint service, the Kernel Gateway HTTP API, each local scheduler (its
 replicas' ipc socket too), every replica (Raft port, ipykernel ports) and the metrics endpoint.
 Found by asking the OS what the cluster's processes listen on (TCP ports and Unix socket paths),
@@ -156,8 +156,9 @@ def _dealer(address: str, credentials: curve.ClientCurve | None = None) -> Itera
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, 200)
     if credentials is not None:
-        credentials.apply(sock)
-    sock.connect(address)
+        credentials.connect(sock, address)  # CURVE on tcp://, PLAIN on a service's ipc:// endpoint
+    else:
+        sock.connect(address)
     try:
         yield sock
     finally:
@@ -201,6 +202,8 @@ def test_malformed_frames_on_every_listening_socket_leave_the_cluster_working(
         unix_paths = _unix_paths(procs)
         print("FUZZ unix", unix_paths)
         assert any(p.endswith("replicas.sock") for p in unix_paths), "no local scheduler's replica link found"
+        local_scheduler = next((p for p in unix_paths if p.endswith("scheduler.sock")), None)
+        assert local_scheduler is not None, "the global scheduler's ipc endpoint was not found"
         for path in unix_paths:
             _raw_unix(path, rng)
             _zmq_frames(f"ipc://{path}", rng, _random_frames)
@@ -220,12 +223,13 @@ def test_malformed_frames_on_every_listening_socket_leave_the_cluster_working(
             _zmq_frames(
                 checkpoints, rng, _envelope_junk, curve.client_curve(keys, principal, curve.CHECKPOINT)
             )
-        _zmq_frames(
-            tandem_cluster.scheduler,
-            rng,
-            _envelope_junk,
-            curve.client_curve(keys, curve.host_principal(host), curve.SCHEDULER),
-        )
+        for scheduler in (tandem_cluster.scheduler, f"ipc://{local_scheduler}"):  # CURVE, then PLAIN
+            _zmq_frames(
+                scheduler,
+                rng,
+                _envelope_junk,
+                curve.client_curve(keys, curve.host_principal(host), curve.SCHEDULER),
+            )
         serving = str(tandem_cluster.info["serving"])  # pool.report, runtime.acquire, serving.status
         for principal in (curve.OPERATOR, curve.SCHEDULER, curve.host_principal(host)):
             _zmq_frames(serving, rng, _envelope_junk, curve.client_curve(keys, principal, curve.SERVING))
