@@ -117,6 +117,15 @@ class ClusterHandle:
                 if (host != host_id) != cordoned:
                     self.cordon(host, cordoned)
 
+    def processes(self) -> dict[str, int]:
+        """Service name -> pid now, from the cluster.json ``tandem up`` rewrites when it restarts
+        a service (``info`` holds the pids it started with)."""
+        try:
+            current = read_cluster(self.state_dir).raw.get("processes", {})
+        except ClusterNotRunning:  # stopped: cluster.json is gone
+            current = self.info.get("processes", {})
+        return {name: int(pid) for name, pid in current.items() if pid is not None}
+
     def log_text(self, service: str) -> str:
         path = self.log_dir / f"{service}.log"
         return path.read_text(errors="replace") if path.exists() else ""
@@ -232,7 +241,7 @@ def start_cluster(state_dir: Path, *extra: str) -> ClusterHandle:
 
 def stop_cluster(handle: ClusterHandle) -> list[int]:
     """SIGTERM ``tandem up``; return the pids of its services that are still alive afterwards."""
-    pids = list(handle.info.get("processes", {}).values())
+    pids = sorted({*handle.info.get("processes", {}).values(), *handle.processes().values()})
     if handle.process.poll() is None:
         handle.process.send_signal(signal.SIGTERM)
         try:

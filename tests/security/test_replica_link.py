@@ -31,8 +31,8 @@ pytestmark = pytest.mark.integration
 def _link_sockets(cluster: ClusterHandle) -> dict[str, Path]:
     """host id -> the ipc socket its local scheduler listens on for its replicas."""
     found: dict[str, Path] = {}
-    for name, pid in cluster.info.get("processes", {}).items():
-        if not name.startswith("host-") or pid is None:
+    for name, pid in cluster.processes().items():
+        if not name.startswith("host-"):
             continue
         with contextlib.suppress(psutil.Error):
             for conn in psutil.Process(int(pid)).net_connections(kind="unix"):
