@@ -28,6 +28,7 @@ sum of 1M elements differed in the last digit from the same sum on the executor.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import contextlib
 import copyreg
@@ -43,12 +44,13 @@ import types
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import cloudpickle
 
 from kernel_replica.comm_sync import reduce_front_end_object
 from kernel_replica.lazy_modules import Deferred, is_ndarray, is_tensor, loaded_class
+from kernel_replica.memory_index import MemoryIndex, Span
 from shared.datastore.base import DataStore, ObjectRef
 
 if TYPE_CHECKING:
@@ -197,6 +199,21 @@ def _rebuild_storage(buffer: Any, nbytes: int, device: str) -> Any:
             return storage  # a standby without a GPU keeps the bytes on the host
         storage = storage.to(device=target)
     return storage
+
+
+def _rebuild_storage_on_block(block: np.ndarray, offset: int, nbytes: int) -> Any:
+    """A CPU storage on its bytes of a rebuilt block (``_BlockBox``), sharing them with the
+    numpy arrays and other storages on the block."""
+    return torch.frombuffer(
+        block[offset : offset + nbytes], dtype=torch.uint8, count=nbytes
+    ).untyped_storage()
+
+
+def _rebuild_region_on_block(
+    block: np.ndarray, offset: int, nbytes: int, outer: tuple[Any, ...] | None
+) -> np.ndarray:
+    """A numpy region on its bytes of a rebuilt block (``_BlockBox``)."""
+    return _rebuild_region(block[offset : offset + nbytes], nbytes, outer)
 
 
 def _rebuild_tensor(
@@ -373,14 +390,17 @@ def _import_home(cls: type) -> None:
 class _StorageBox:
     """One pickle-memoised stand-in per torch storage, so every view shares it after decode."""
 
-    __slots__ = ("storage",)
+    __slots__ = ("block", "storage")
 
-    def __init__(self, storage: Any) -> None:
+    def __init__(self, storage: Any, block: tuple[_BlockBox, int] | None = None) -> None:
         self.storage = storage
+        self.block = block  # (its block, its offset there): it shares memory with other objects
 
     def __reduce__(self) -> tuple[Any, ...]:
         storage = self.storage
         nbytes = storage.nbytes()
+        if self.block is not None:
+            return (_rebuild_storage_on_block, (*self.block, nbytes))
         device = str(storage.device)
         host = storage if storage.device.type == "cpu" else storage.cpu()
         if nbytes == 0:
@@ -394,9 +414,9 @@ class _Span:
 
     __slots__ = ("__array_interface__", "owner")
 
-    def __init__(self, owner: np.ndarray, address: int, nbytes: int) -> None:
+    def __init__(self, owner: Any, address: int, nbytes: int) -> None:
         self.owner = owner  # keeps the memory alive
-        readonly = not owner.flags.writeable
+        readonly = not owner.flags.writeable if isinstance(owner, np.ndarray) else True
         self.__array_interface__ = {
             "data": (address, readonly),
             "shape": (nbytes,),
@@ -405,14 +425,48 @@ class _Span:
         }
 
 
+class _BlockBox:
+    """The bytes of overlapping numpy regions and CPU storages (``torch.from_numpy(a)`` and
+    ``a``; ``t.numpy()`` and ``t``), which share memory but no Python object: they travel once,
+    as one buffer, and each is rebuilt on its part of it, so they share memory again."""
+
+    __slots__ = ("nbytes", "region")
+
+    def __init__(self, owner: Any, start: int, nbytes: int) -> None:
+        self.nbytes = nbytes
+        # any member keeps the whole allocation alive (a view its base, a from_numpy storage its
+        # array, a t.numpy() array its tensor); read only, never written
+        self.region = np.asarray(_Span(owner, start, nbytes))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_region, (pickle.PickleBuffer(self.region), self.nbytes, None))
+
+
+def _blocks_of(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The extents of the clusters of two or more overlapping spans, sorted."""
+    blocks: list[tuple[int, int]] = []
+    start = end = count = 0
+    for low, high in sorted(spans):
+        if count and low < end:
+            end, count = max(end, high), count + 1
+            continue
+        if count >= 2:
+            blocks.append((start, end))
+        start, end, count = low, high, 1
+    if count >= 2:
+        blocks.append((start, end))
+    return blocks
+
+
 class _RegionBox:
     """One pickle-memoised stand-in per numpy memory region, the span of an outermost array (the
     last array of a ``.base`` chain): its bytes travel once, as one out-of-band buffer, and it
     is rebuilt as that outermost array, of which every other array on the region is a view."""
 
-    __slots__ = ("file", "key", "nbytes", "outer", "region", "start", "state")
+    __slots__ = ("block", "file", "key", "nbytes", "outer", "region", "start", "state")
 
     def __init__(self, outer: np.ndarray) -> None:
+        self.block: tuple[_BlockBox, int] | None = None  # as _StorageBox.block
         self.start, end = _bounds(outer)
         self.nbytes = end - self.start
         self.region = np.asarray(_Span(outer, self.start, self.nbytes))
@@ -437,10 +491,13 @@ class _RegionBox:
     def __reduce__(self) -> tuple[Any, ...]:
         if self.file is not None:
             return (_reopen_memmap, (*self.file, self.nbytes, self.outer))
-        args = (pickle.PickleBuffer(self.region), self.nbytes, self.outer)
+        if self.block is not None:
+            rebuild, args = _rebuild_region_on_block, (*self.block, self.nbytes, self.outer)
+        else:
+            rebuild, args = _rebuild_region, (pickle.PickleBuffer(self.region), self.nbytes, self.outer)
         if self.state is None:
-            return (_rebuild_region, args)
-        return (_rebuild_region, args, self.state, None, None, _set_ndarray_state)
+            return (rebuild, args)
+        return (rebuild, args, self.state, None, None, _set_ndarray_state)
 
 
 def _address(arr: np.ndarray) -> int:
@@ -511,11 +568,20 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
     """cloudpickle + torch/numpy sharing-preserving reducers + identity recording."""
 
     def __init__(
-        self, file: Any, buffers: list[pickle.PickleBuffer] | None, namespace: Mapping[str, Any] | None = None
+        self,
+        file: Any,
+        buffers: list[pickle.PickleBuffer] | None,
+        namespace: Mapping[str, Any] | None = None,
+        blocks: list[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__(file, protocol=5, buffer_callback=buffers.append if buffers is not None else None)
         self._namespace_id = id(namespace) if namespace is not None else None
         self.reach: set[Any] = set()
+        # identity key -> the host memory span of each numpy region and CPU storage pickled
+        self.spans: dict[Any, tuple[int, int]] = {}
+        self._blocks = blocks or []  # spans that overlap (``_blocks_of`` of a first pass)
+        self._block_starts = [start for start, _ in self._blocks]
+        self._block_boxes: dict[int, _BlockBox] = {}
         self._candidates: list[Any] = []  # objects whose identity may matter, filtered by finish()
         self._boxes: dict[tuple[str, int], _StorageBox] = {}
         self._regions: dict[int, _RegionBox] = {}  # id(outermost array) -> its region
@@ -578,6 +644,20 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         self._transient_ids.add(id(obj))
         return obj
 
+    def _block_for(self, owner: Any, start: int, nbytes: int) -> tuple[_BlockBox, int] | None:
+        """The block a span lies in (and its offset there), if it overlaps another span."""
+        index = bisect.bisect_right(self._block_starts, start) - 1
+        if index < 0 or start + nbytes > self._blocks[index][1]:
+            return None
+        block_start, block_end = self._blocks[index]
+        box = self._block_boxes.get(block_start)
+        if box is None:
+            box = self._block_boxes[block_start] = self._keep(
+                _BlockBox(owner, block_start, block_end - block_start)
+            )
+            self._keep(box.region)
+        return box, start - block_start
+
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, type):
             _import_home(obj)
@@ -623,10 +703,16 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         ):
             return NotImplemented  # torch's own reducer (copies, but correct)
         storage = obj.untyped_storage()
-        key = (str(storage.device), storage.data_ptr())
+        address = storage.data_ptr()
+        key = (str(storage.device), address)
         box = self._boxes.get(key)
         if box is None:
-            box = self._boxes[key] = self._keep(_StorageBox(storage))
+            nbytes = storage.nbytes()
+            block = None
+            if storage.device.type == "cpu" and nbytes:
+                self.spans[key] = (address, address + nbytes)
+                block = self._block_for(storage, address, nbytes) if self._blocks else None
+            box = self._boxes[key] = self._keep(_StorageBox(storage, block))
         self.reach.add(key)
         grad = obj.grad if obj.is_leaf else None
         return (
@@ -648,6 +734,10 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         if box is None:
             box = self._regions[id(outer)] = self._keep(_RegionBox(outer))
             self._keep(box.region)
+            if box.file is None:  # a file-backed map is mapped again from its file, never a block
+                self.spans[box.key] = (box.start, box.start + box.nbytes)
+                if self._blocks:
+                    box.block = self._block_for(outer, box.start, box.nbytes)
             if box.file is not None and box.file[1] != "r" and self._sends:
                 # written back, so the replica that maps it next reads what the cell left (another
                 # host through a shared file system); not for a traversal that sends nothing
@@ -679,16 +769,28 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         return (*reduced, state, None, None, _set_ndarray_state)
 
 
-_Dumped = tuple[bytes, list[pickle.PickleBuffer], set[Any]]
+class _Dumped(NamedTuple):
+    pickled: bytes
+    buffers: list[pickle.PickleBuffer]  # out of band, aliasing live memory
+    reach: set[Any]
+    spans: list[Span]  # host memory of its numpy regions and CPU storages (``MemoryIndex``)
 
 
-def _dumps(values: Mapping[str, Any], namespace: Mapping[str, Any] | None = None) -> _Dumped:
-    """One pickle of ``values``, its out-of-band buffers (aliasing live memory) and its reach."""
+def _dumps(
+    values: Mapping[str, Any],
+    namespace: Mapping[str, Any] | None = None,
+    blocks: list[tuple[int, int]] | None = None,
+) -> _Dumped:
+    """One pickle of ``values``. Objects whose memory overlaps without a shared Python object
+    are found by a first pass, then pickled again onto shared blocks (a rare second pass)."""
     file = io.BytesIO()
     buffers: list[pickle.PickleBuffer] = []
-    pickler = _Pickler(file, buffers, namespace)
+    pickler = _Pickler(file, buffers, namespace, blocks)
     pickler.dump(dict(values))
-    return file.getvalue(), buffers, pickler.finish()
+    if blocks is None and (overlapping := _blocks_of(pickler.spans.values())):
+        return _dumps(values, namespace, overlapping)
+    spans = [(start, end, key) for key, (start, end) in pickler.spans.items()]
+    return _Dumped(file.getvalue(), buffers, pickler.finish(), spans)
 
 
 def dumps(
@@ -696,8 +798,8 @@ def dumps(
 ) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """The pickle of ``values`` as the codec writes it (buffers out of band, functions of
     ``namespace`` linked to it rather than carrying copies of its globals)."""
-    pickled, buffers, _ = _dumps(values, namespace)
-    return pickled, buffers
+    dumped = _dumps(values, namespace)
+    return dumped.pickled, dumped.buffers
 
 
 def loads(data: Any, buffers: Iterable[Any] = (), *, namespace: dict[str, Any] | None = None) -> Any:
@@ -716,11 +818,13 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
 
 
-def memo_pass(value: Any, namespace: Mapping[str, Any] | None = None) -> set[Any]:
-    """The identities ``value`` reaches, without keeping any bytes (buffers are never copied)."""
+def memo_pass(value: Any, namespace: Mapping[str, Any] | None = None) -> tuple[set[Any], list[Span]]:
+    """The identities ``value`` reaches and its host memory spans, without keeping any bytes
+    (buffers are never copied)."""
     pickler = _Pickler(_NullWriter(), [], namespace)
     pickler.dump(value)
-    return pickler.finish()
+    spans = [(start, end, key) for key, (start, end) in pickler.spans.items()]
+    return pickler.finish(), spans
 
 
 class TornImage(Exception):
@@ -818,6 +922,7 @@ class ObjectCodec:
         # ``_reach``: rebuilding it per cell cost ~0.2 s for a dict of 100 000 lists)
         self._owners: dict[Any, str | set[str]] = {}
         self._shared: set[Any] = set()  # identities two or more names reach
+        self._memory = MemoryIndex()  # names' host memory, for sharing without a shared object
 
     def forget(self, names: Iterable[str]) -> None:
         """Drop what ``names`` reach: deleted, or replaced by a standby's decode (their objects
@@ -827,6 +932,7 @@ class ObjectCodec:
             if reach is not None:
                 self._unown(name, reach)
             self._held.pop(name, None)
+            self._memory.remove(name)
 
     def sharing_counts(self) -> dict[str, dict[str, tuple[int, int]]]:
         """name -> {other name: (memory regions, other objects) both reach}: what a name shares,
@@ -888,9 +994,10 @@ class ObjectCodec:
 
     def _record(self, namespace: Mapping[str, Any], name: str) -> None:
         try:
-            reach = memo_pass(namespace[name], namespace)
+            reach, spans = memo_pass(namespace[name], namespace)
         except Exception:
-            reach = set()
+            reach, spans = set(), []
+        reach |= self._memory.update(name, spans)
         self._remember(name, reach, namespace[name])
 
     def _remember(self, name: str, reach: set[Any], value: Any) -> None:
@@ -939,7 +1046,7 @@ class ObjectCodec:
                 continue
             try:  # kept: a name alone in its group (the usual case) is not pickled twice
                 singles[name] = _dumps({name: namespace[name]}, namespace)
-                fresh[name] = singles[name][2]
+                fresh[name] = singles[name].reach | self._memory.update(name, singles[name].spans)
             except Exception as exc:
                 skipped.append(Skipped(name, _describe(namespace[name], exc)))
                 fresh[name] = set()
@@ -997,9 +1104,9 @@ class ObjectCodec:
         for group in plan:
             try:
                 if len(group) == 1:
-                    pickled, buffers, _ = singles.pop(group[0])
+                    pickled, buffers, _, _ = singles.pop(group[0])
                 else:
-                    pickled, buffers, _ = _dumps({name: namespace[name] for name in group}, namespace)
+                    pickled, buffers, _, _ = _dumps({name: namespace[name] for name in group}, namespace)
             except Exception as exc:  # a name pickled alone but not with the others: very unusual
                 result.skipped += [Skipped(name, f"group pickle failed: {exc!r}") for name in group]
                 continue

@@ -372,6 +372,28 @@ def test_a_memmap_written_on_the_next_executor_writes_its_file(
     assert moved.stdout.split("] ", 1)[1].strip() == "True False [0.0, 1.0, 2.0, 3.0]", moved.stdout
 
 
+def test_a_tensor_on_an_arrays_memory_still_shares_it_after_two_executor_changes(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
+) -> None:
+    """``torch.from_numpy(a)`` and ``t.numpy()`` share memory with no shared Python object:
+    before, the next executor got two copies, and a write through one no longer showed in the
+    other, silently."""
+    kc, (first, second, *_), _ = kernel
+    _on(tandem_cluster, kc, first, (
+        "import numpy as np, torch\n"
+        "arr = np.arange(6.0)\nfrom_arr = torch.from_numpy(arr[2:])\n"
+        "ten = torch.arange(4.0)\nof_ten = ten.numpy()"
+    ))  # fmt: skip
+    moved = _on(tandem_cluster, kc, second, (
+        "arr[2] = 42\nof_ten[1] = 7\nprint(from_arr[0].item(), ten[1].item())"
+    ))  # fmt: skip
+    assert moved.stdout == "42.0 7.0\n", moved.stdout
+    back = _on(
+        tandem_cluster, kc, first, "from_arr.mul_(2)\nten.add_(1)\nprint(arr.tolist(), of_ten.tolist())"
+    )
+    assert back.stdout == "[0.0, 1.0, 84.0, 6.0, 8.0, 10.0] [1.0, 8.0, 3.0, 4.0]\n", back.stdout
+
+
 def test_a_notebook_showing_every_expression_shows_them_on_the_next_executor(
     tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
 ) -> None:

@@ -5,7 +5,8 @@ A generated program is a list of cells (one statement each), drawn against a scr
 so that every kept cell runs: bases of many dtypes and layouts, views of views (slices with
 negative steps, transposes, reshapes, field and dtype views), ``recarray``, ``matrix``,
 ``MaskedArray`` (with masks and fill values), copies, rebinding and, for cell sequences,
-in-place writes, masking and deletions.
+in-place writes, masking and deletions. With ``tensors``, torch tensors on the arrays' memory
+too (``torch.from_numpy``, ``t.numpy()``, tensor views): memory shared with no shared object.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 from typing import Any
 
 import numpy as np
+import torch
 from hypothesis import strategies as st
 
 STRUCT = "[('a', 'i4'), ('b', 'f8'), ('c', 'S3')]"
@@ -24,7 +26,7 @@ NUMERIC = ("f", "i", "u", "c")
 
 def run(cells: list[str], ns: dict[str, Any] | None = None) -> dict[str, Any]:
     """The namespace ``cells`` make (the reference: no replication)."""
-    ns = {"__name__": "__main__", "np": np} if ns is None else ns
+    ns = {"__name__": "__main__", "np": np, "torch": torch} if ns is None else ns
     for cell in cells:
         exec(cell, ns)
     return ns
@@ -32,6 +34,10 @@ def run(cells: list[str], ns: dict[str, Any] | None = None) -> dict[str, Any]:
 
 def arrays(ns: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in ns.items() if isinstance(v, np.ndarray)}
+
+
+def tensors(ns: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in ns.items() if isinstance(v, torch.Tensor)}
 
 
 def _base(draw: st.DrawFn) -> str:
@@ -69,7 +75,9 @@ def _index(draw: st.DrawFn, shape: tuple[int, ...]) -> str:
     return ", ".join(parts)
 
 
-def _derived(draw: st.DrawFn, src: str, value: np.ndarray) -> str:
+def _derived(draw: st.DrawFn, src: str, value: Any, with_tensors: bool) -> str:
+    if isinstance(value, torch.Tensor):
+        return _derived_tensor(draw, src, value)
     plain = type(value) is np.ndarray
     kind = value.dtype.kind
     ops = ["slice", "slice", "T", "all", "copy", "reshape", "alias", "reverse"]
@@ -79,7 +87,11 @@ def _derived(draw: st.DrawFn, src: str, value: np.ndarray) -> str:
         ops += ["recarray", "field"]
     if plain and kind in (*NUMERIC, "b"):
         ops += ["masked", "masked", "bytes"]
+    if with_tensors:
+        ops += ["tensor", "tensor"]
     op = draw(st.sampled_from(ops))
+    if op == "tensor":
+        return f"torch.from_numpy({src})"
     if op == "slice":
         return f"{src}[{_index(draw, value.shape)}]"
     if op == "masked":
@@ -100,7 +112,26 @@ def _derived(draw: st.DrawFn, src: str, value: np.ndarray) -> str:
     }[op]
 
 
-def _mutation(draw: st.DrawFn, name: str, value: np.ndarray) -> str:
+def _derived_tensor(draw: st.DrawFn, src: str, value: torch.Tensor) -> str:
+    start = draw(st.integers(0, max(0, value.shape[0] - 1))) if value.dim() else 0
+    return draw(
+        st.sampled_from(
+            [
+                f"{src}.numpy()",
+                f"{src}[{start}:].numpy()",
+                f"{src}[{start}:]",
+                f"{src}.T",
+                f"{src}.clone()",
+                f"torch.from_numpy({src}.numpy()[{start}:])",
+                src,
+            ]
+        )
+    )
+
+
+def _mutation(draw: st.DrawFn, name: str, value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return draw(st.sampled_from([f"{name}.mul_(2)", f"{name}.fill_(3)", f"del {name}"]))
     ops = ["flat", "del"]
     if value.dtype.kind in NUMERIC and value.dtype.names is None:
         ops.append("scale")
@@ -119,13 +150,15 @@ def _mutation(draw: st.DrawFn, name: str, value: np.ndarray) -> str:
 
 
 @st.composite
-def programs(draw: st.DrawFn, *, max_cells: int = 8, mutations: bool = False) -> list[str]:
+def programs(
+    draw: st.DrawFn, *, max_cells: int = 8, mutations: bool = False, with_tensors: bool = False
+) -> list[str]:
     """Cells, each kept only if it runs; the namespace they make has at least one array."""
     scratch = run([])
     cells: list[str] = []
     names = (f"a{i}" for i in itertools.count())
     for _ in range(draw(st.integers(1, max_cells))):
-        existing = sorted(arrays(scratch))
+        existing = sorted(_values(scratch))
         choice = draw(
             st.sampled_from(["base", "derive", "derive", "mutate"] if mutations else ["base", "derive"])
         )
@@ -136,7 +169,7 @@ def programs(draw: st.DrawFn, *, max_cells: int = 8, mutations: bool = False) ->
             target = (
                 next(names) if draw(st.booleans()) or len(existing) < 2 else draw(st.sampled_from(existing))
             )
-            cell = f"{target} = {_derived(draw, src, scratch[src])}"
+            cell = f"{target} = {_derived(draw, src, scratch[src], with_tensors)}"
         else:
             name = draw(st.sampled_from(existing))
             cell = _mutation(draw, name, scratch[name])
@@ -153,9 +186,14 @@ def programs(draw: st.DrawFn, *, max_cells: int = 8, mutations: bool = False) ->
 # ----- comparisons ---------------------------------------------------------------------------------
 
 
+def _values(ns: dict[str, Any]) -> dict[str, Any]:
+    return {**arrays(ns), **tensors(ns)}
+
+
 def _memory(ns: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Every array of ``ns`` as a plain ndarray view, masks as entries of their own."""
-    out: dict[str, np.ndarray] = {}
+    """Every array of ``ns`` as a plain ndarray view, masks as entries of their own, every
+    tensor as a numpy view of its elements."""
+    out: dict[str, np.ndarray] = {name: t.numpy() for name, t in tensors(ns).items()}
     for name, value in arrays(ns).items():
         out[name] = np.ndarray.view(value, np.ndarray)
         mask = value._mask if isinstance(value, np.ma.MaskedArray) else np.ma.nomask
@@ -179,6 +217,10 @@ def assert_same_namespace(expected: dict[str, Any], actual: dict[str, Any], *, r
     ``restored``: every array of ``actual`` was decoded, so one that owned its memory in
     ``expected`` must start on a 64-byte boundary."""
     assert sorted(arrays(expected)) == sorted(arrays(actual))
+    assert sorted(tensors(expected)) == sorted(tensors(actual))
+    for name, want in tensors(expected).items():
+        got = actual[name]
+        assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride()), name
     for name, want in arrays(expected).items():
         got = actual[name]
         assert type(got) is type(want), name

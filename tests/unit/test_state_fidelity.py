@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -57,11 +58,26 @@ def test_arrays_views_and_subclasses_round_trip_with_their_sharing(
     assert_writes_alias_alike(expected, actual, seed)
 
 
+@FAST
+@given(cells=programs(with_tensors=True), through_store=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_tensors_on_numpy_memory_round_trip_sharing_it(
+    cells: list[str], through_store: bool, seed: int
+) -> None:
+    """``torch.from_numpy(a)``, ``t.numpy()`` and their views share memory with no shared object:
+    after a decode, a write through either still shows in the other."""
+    expected = run(cells)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = LocalStore(Path(tmp) / "store", fsync=False) if through_store else None
+        actual = encode_decode(expected, store, 64 if through_store else 1 << 20)
+    assert_same_namespace(expected, actual, restored=True)
+    assert_writes_alias_alike(expected, actual, seed)
+
+
 class Replica:
     """One replica's side of the execute path: its own namespace, codec and function registry."""
 
     def __init__(self, store: LocalStore | None, large: int) -> None:
-        self.ns: dict[str, Any] = {"__name__": "__main__", "np": np}
+        self.ns: dict[str, Any] = {"__name__": "__main__", "np": np, "torch": torch}
         self.codec = ObjectCodec(store, large_object_bytes=large)
         self.registry: dict[str, FunctionFacts] = {}
 
@@ -81,7 +97,9 @@ class Replica:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    cells=programs(max_cells=10, mutations=True), through_store=st.booleans(), seed=st.integers(0, 2**32 - 1)
+    cells=programs(max_cells=10, mutations=True, with_tensors=True),
+    through_store=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
 )
 def test_executor_change_after_every_cell_keeps_the_namespace_of_a_single_kernel(
     cells: list[str], through_store: bool, seed: int
