@@ -28,6 +28,7 @@ sum of 1M elements differed in the last digit from the same sum on the executor.
 
 from __future__ import annotations
 
+import array
 import bisect
 import concurrent.futures
 import contextlib
@@ -214,6 +215,17 @@ def _rebuild_region_on_block(
 ) -> np.ndarray:
     """A numpy region on its bytes of a rebuilt block (``_BlockBox``)."""
     return _rebuild_region(block[offset : offset + nbytes], nbytes, outer)
+
+
+def _rebuild_memoryview(
+    owner: Any, offset: int, nbytes: int, fmt: str, shape: tuple[int, ...], readonly: bool
+) -> memoryview:
+    """A memoryview of ``owner``'s bytes ``offset``..``offset + nbytes``, as ``fmt`` and ``shape``:
+    it shares them with ``owner`` (rebuilt in the same pickle), as the original did."""
+    view = memoryview(owner).cast("B")[offset : offset + nbytes]
+    if fmt != "B" or len(shape) != 1:
+        view = view.cast(fmt, shape)
+    return view.toreadonly() if readonly else view
 
 
 def _rebuild_tensor(
@@ -500,6 +512,14 @@ class _RegionBox:
         return (rebuild, args, self.state, None, None, _set_ndarray_state)
 
 
+def _buffer_address(view: memoryview) -> int:
+    """Where a non-empty, C-contiguous buffer starts (numpy only for a read-only one, which
+    ctypes will not take)."""
+    if not view.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return _address(np.frombuffer(view, dtype=np.uint8))
+
+
 def _address(arr: np.ndarray) -> int:
     return int(arr.__array_interface__["data"][0])
 
@@ -594,7 +614,7 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
             return "namespace"
         if isinstance(obj, _ATOMS) or id(obj) in self._transient_ids:
             return None
-        if isinstance(obj, list | dict | set | bytearray) or is_ndarray(obj):
+        if isinstance(obj, list | dict | set | bytearray | array.array) or is_ndarray(obj):
             self._candidates.append(obj)
         elif isinstance(obj, types.FunctionType):
             if not _by_reference(obj):  # a notebook function (pickled by value): identity matters
@@ -663,6 +683,10 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
             _import_home(obj)
         elif (by_comm := reduce_front_end_object(obj)) is not None:
             return by_comm  # a widget or comm: a reference to its replicated model (comm_sync)
+        if isinstance(obj, memoryview):
+            reduced = self._reduce_memoryview(obj)
+            if reduced is not NotImplemented:
+                return reduced
         if isinstance(obj, _UNSENDABLE) and not isinstance(obj, io.BytesIO | io.StringIO):
             # cloudpickle would send a read-mode file's *contents* as a StringIO: not the same object
             raise TypeError(f"cannot pickle {type(obj).__qualname__!r} object (an open OS resource)")
@@ -685,6 +709,28 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
             if reduced is not NotImplemented:
                 return reduced
         return super().reducer_override(obj)
+
+    @staticmethod
+    def _reduce_memoryview(view: memoryview) -> Any:
+        """A view of bytes, a bytearray, an array or a C-contiguous ndarray as its owner plus where
+        it looks: cloudpickle's reducer makes it ``bytes``, a copy of another type, which a write
+        to the owner no longer reaches. Any other view keeps cloudpickle's reducer."""
+        owner = view.obj
+        if not (
+            view.c_contiguous
+            and (
+                isinstance(owner, bytes | bytearray | array.array)
+                or (is_ndarray(owner) and owner.flags.c_contiguous)
+            )
+        ):
+            return NotImplemented
+        try:
+            offset = _buffer_address(view) - _buffer_address(memoryview(owner)) if view.nbytes else 0
+            args = (owner, offset, view.nbytes, view.format, view.shape, view.readonly)
+            _rebuild_memoryview(*args).release()  # formats cast cannot make (a struct's) fail here
+        except (TypeError, ValueError, NotImplementedError):
+            return NotImplemented
+        return (_rebuild_memoryview, args)
 
     def _reduce_tensor(self, obj: Any) -> Any:
         cls = type(obj)

@@ -252,6 +252,31 @@ def test_arrays_that_only_share_a_dtype_are_not_grouped() -> None:
     assert sorted(g.names for g in result.groups) == [("a",), ("b",)]
 
 
+def test_memoryviews_stay_memoryviews_on_their_owners_memory() -> None:
+    """cloudpickle turns a memoryview into ``bytes``: before, after an executor change
+    ``view[0] = 1`` failed and a write to the bytearray no longer showed in its view."""
+    cells = [
+        "import array\nbuf = bytearray(b'abcdefgh')\nview = memoryview(buf)[2:6]",
+        "ints = memoryview(buf).cast('i')\nfrozen = memoryview(buf).toreadonly()[1:3]",
+        "arr = np.arange(6.0)\nof_arr = memoryview(arr)[1:3]",
+        "nums = array.array('i', [1, 2, 3])\nof_nums = memoryview(nums)",
+        "of_bytes = memoryview(b'xyz')[1:]",
+    ]
+    actual = encode_decode(run(cells), None, 1 << 20)
+    for name in ("view", "ints", "frozen", "of_arr", "of_nums", "of_bytes"):
+        assert type(actual[name]) is memoryview, name
+    assert (actual["frozen"].readonly, actual["view"].readonly) == (True, False)
+    assert actual["ints"].format == "i" and actual["of_arr"].format == "d"
+    actual["buf"][2] = ord("Z")
+    actual["view"][1] = ord("Y")
+    actual["arr"][1] = 9.0
+    actual["nums"][0] = 5
+    assert bytes(actual["buf"]) == b"abZYefgh" and bytes(actual["frozen"]) == b"bZ"
+    assert actual["ints"].tolist() == list(memoryview(bytearray(b"abZYefgh")).cast("i"))
+    assert actual["of_arr"].tolist() == [9.0, 2.0] and actual["of_nums"].tolist() == [5, 2, 3]
+    assert bytes(actual["of_bytes"]) == b"yz"
+
+
 def test_masked_sum_recarray_and_matrix_keep_their_class() -> None:
     ns = run(
         [
