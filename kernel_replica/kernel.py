@@ -733,6 +733,10 @@ class TandemKernel(IPythonKernel):
         if comms or closed:
             state = dataclasses.replace(state, comms=comms, comms_closed=closed)
         process, logged = self._process.capture(), bridge.core.namespace.process_context()
+        for name, why in self._process.module_warnings().items():
+            self._warn_unreplicable(
+                name, why, what="module global", then="another executor has the value its import makes"
+            )
         if process != logged:  # %cd, %env, sys.path, %load_ext, np.random.seed
             state = dataclasses.replace(state, process=process.changed_since(logged))
         if history is not None and isinstance(reply.get("execution_count"), int):
@@ -1113,7 +1117,14 @@ class TandemKernel(IPythonKernel):
         self._pending_digests = None
         return bridge.core.namespace.digests()
 
-    def _warn_unreplicable(self, name: str, reason: str, *, what: str = "variable") -> None:
+    def _warn_unreplicable(
+        self,
+        name: str,
+        reason: str,
+        *,
+        what: str = "variable",
+        then: str = "it will be missing if the notebook moves to another executor",
+    ) -> None:
         """Tell the user once per name (on the cell's stderr) that it stays on this replica."""
         if name in self._warned:
             return
@@ -1122,7 +1133,7 @@ class TandemKernel(IPythonKernel):
         if sys.stderr is not None:
             print(
                 f"Tandem: {what} {name!r} is not replicated to this kernel's other replicas "
-                f"({reason}); it will be missing if the notebook moves to another executor.",
+                f"({reason}); {then}.",
                 file=sys.stderr,
             )
             sys.stderr.flush()

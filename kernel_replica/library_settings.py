@@ -37,6 +37,7 @@ from typing import Any
 import structlog
 
 from kernel_replica.cuda_rng import CARRIER
+from kernel_replica.notebook_modules import NotebookModules
 
 log = structlog.get_logger("library_settings")
 
@@ -533,8 +534,11 @@ class SettingsTracker:
     """This process's side: the value of each setting as last read or written here (pickled, so
     an unchanged setting yields the very same bytes), and its probe then."""
 
-    def __init__(self, settings: tuple[Setting, ...] = SETTINGS) -> None:
+    def __init__(
+        self, settings: tuple[Setting, ...] = SETTINGS, modules: NotebookModules | None = None
+    ) -> None:
         self._settings = settings
+        self._modules = modules  # the notebook's own modules' globals, settings of their own
         self._memos: dict[str, Any] = {}
         self._values: dict[str, bytes] = {}
         self._unreplicable: set[str] = set()  # logged once
@@ -560,7 +564,13 @@ class SettingsTracker:
                 self._skip(setting, f"{len(value)} bytes pickled")
                 continue
             self._memos[setting.name], self._values[setting.name] = memo, value
-        return dict(self._values)
+        if self._modules is None:
+            return dict(self._values)
+        return {**self._values, **self._modules.capture()}
+
+    def module_warnings(self) -> dict[str, str]:
+        """Globals of the notebook's modules newly found unreplicable ("module.global" -> why)."""
+        return self._modules.take_warnings() if self._modules is not None else {}
 
     def _skip(self, setting: Setting, why: str) -> None:
         self._values.pop(setting.name, None)
@@ -585,4 +595,6 @@ class SettingsTracker:
                 self._memos[setting.name], self._values[setting.name] = setting.memo(module, raw), value
             except Exception as exc:
                 failed.append(f"{setting.name} ({exc.__class__.__name__}: {exc})")
+        if self._modules is not None:
+            failed += self._modules.apply(values)
         return f"setting {', '.join(failed)} failed on this host" if failed else None

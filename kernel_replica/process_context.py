@@ -33,6 +33,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kernel_replica.library_settings import SETTING_NAMES, SettingsTracker
+from kernel_replica.notebook_modules import PREFIX as MODULE_PREFIX
+from kernel_replica.notebook_modules import NotebookModules
 
 # Variables each replica has of its own (its ids, the GPUs bound for a cell): never replicated.
 OWN_PREFIX = "TANDEM_"
@@ -111,7 +113,8 @@ class ProcessContext:
             isinstance(k, str) and isinstance(v, bytes) for k, v in settings.items()
         ):
             raise ValueError("process context 'settings' must map setting names to bytes")
-        known = {k: v for k, v in settings.items() if k in SETTING_NAMES}  # a newer replica's: its own
+        # a setting only a newer replica knows stays its own
+        known = {k: v for k, v in settings.items() if k in SETTING_NAMES or k.startswith(MODULE_PREFIX)}
         return cls(cwd, env, tuple(path), tuple((name, line) for name, line in magics), known)
 
 
@@ -146,7 +149,7 @@ class ProcessState:
         self._raw_env: dict[bytes, bytes] = {}
         self._env: dict[str, str | None] = {}
         self._magics: list[tuple[str, str]] = []  # run here or replayed here, in order
-        self._settings = SettingsTracker()
+        self._settings = SettingsTracker(modules=NotebookModules())
 
     def record_magic(self, name: str, line: str) -> None:
         """A configuration magic ran here (``CONFIG_MAGICS``); the same one again adds nothing."""
@@ -171,6 +174,10 @@ class ProcessState:
         ):  # fmt: skip
             self.applied = ProcessContext(cwd, dict(self._env), path, magics, settings)
         return self.applied  # type: ignore[return-value]
+
+    def module_warnings(self) -> dict[str, str]:
+        """Globals of the notebook's modules newly found unreplicable ("module.global" -> why)."""
+        return self._settings.module_warnings()
 
     def apply_settings(self, settings: Mapping[str, bytes]) -> str | None:
         """Library settings from the log (``ProcessContext.settings``), set in the context the cells

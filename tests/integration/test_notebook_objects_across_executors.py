@@ -394,6 +394,22 @@ def test_a_tensor_on_an_arrays_memory_still_shares_it_after_two_executor_changes
     assert back.stdout == "[0.0, 1.0, 84.0, 6.0, 8.0, 10.0] [1.0, 8.0, 3.0, 4.0]\n", back.stdout
 
 
+def test_globals_the_notebook_changes_in_its_own_module_follow_the_executor(
+    tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str], tmp_path: Any
+) -> None:
+    """``import nbhelpers; nbhelpers.BATCH = 64``: before, the next executor's replayed import
+    had the file's ``BATCH = 32``, and cells computed with it, silently."""
+    kc, (first, second, *_), _ = kernel
+    (tmp_path / "nbhelpers.py").write_text("BATCH = 32\nseen = []\n\ndef bump():\n    seen.append(BATCH)\n")
+    made = _on(tandem_cluster, kc, first, (
+        f"import sys, threading\nsys.path.insert(0, {str(tmp_path)!r})\nimport nbhelpers\n"
+        "nbhelpers.BATCH = 64\nnbhelpers.bump()\nnbhelpers.guard = threading.Lock()"
+    ))  # fmt: skip
+    assert "module global 'nbhelpers.guard' is not replicated" in made.stdout, made.stdout
+    moved = _on(tandem_cluster, kc, second, "nbhelpers.bump()\nprint(nbhelpers.BATCH, nbhelpers.seen)")
+    assert moved.stdout == "64 [64, 64]\n", moved.stdout
+
+
 def test_a_notebook_showing_every_expression_shows_them_on_the_next_executor(
     tandem_cluster: ClusterHandle, kernel: tuple[BlockingKernelClient, list[str], str]
 ) -> None:

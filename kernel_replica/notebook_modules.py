@@ -1,0 +1,234 @@
+"""Globals the notebook changes in its own modules, replicated with the executor.
+
+A notebook imports modules of its own (``import config``, ``from src import data``, a file it wrote
+with ``%%writefile``) and changes their globals: ``config.BATCH = 64``, a counter a helper bumps,
+a cache a helper fills, a flag. The next executor replays the import and so has each module as its
+file makes it: the notebook's changes were gone, and cells computed with other values, silently.
+
+A module is the notebook's when its file is Python source found through ``sys.path`` (the
+working directory, a directory the notebook added), outside the standard library, the installed
+packages and Tandem itself: not, say, the modules a compiler writes to a temporary directory and
+loads from there (``torch.compile``'s). Its *data globals* are everything in it but dunders,
+modules, and the functions and classes its file defines (the replayed import makes those).
+They travel as a library setting (``library_settings``) named ``module:<name>``: each global
+pickled on its own (one that cannot be pickled does not stop the others), with the names of
+all of them, so that a global the notebook deleted is deleted on the next executor too. A
+module's setting is read again only when one of its globals changed: atoms are compared by
+value, what pickles by reference (functions, classes) by identity, anything else by its pickle.
+
+A global that cannot be pickled, or pickles to more than ``MAX_GLOBAL_BYTES``, stays this
+replica's, and the user is told once (``take_warnings``): the next executor has what its import
+makes (a lock, a connection, a table read from disk: often what the notebook wants, but not
+always, and only the notebook knows). Whether the import made the value or the notebook did
+cannot be told apart here: a module is first seen after the cell that imported it, which may
+have changed it already.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import pickle
+import site
+import sys
+import sysconfig
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import BuiltinFunctionType, FunctionType, ModuleType
+from typing import Any
+
+PREFIX = "module:"
+MAX_GLOBAL_BYTES = 256 * 1024
+_ATOMS = (int, float, complex, bool, str, bytes, type(None))
+_BY_REFERENCE = (FunctionType, BuiltinFunctionType, type)
+
+
+def setting_name(module: str) -> str:
+    return PREFIX + module
+
+
+def library_roots() -> tuple[str, ...]:
+    """Directories whose modules are not the notebook's: the standard library, the installed
+    packages (system, virtual environment, user), and Tandem's own packages."""
+    roots = {sysconfig.get_paths().get(key, "") for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    roots.update(site.getsitepackages() if hasattr(site, "getsitepackages") else ())
+    roots.add(site.getusersitepackages() if hasattr(site, "getusersitepackages") else "")
+    here = Path(__file__).resolve().parent
+    roots.update(str(here.parent / package) for package in ("kernel_replica", "shared", "services"))
+    return tuple(sorted(os.path.join(os.path.realpath(r), "") for r in roots if r))
+
+
+def search_dirs() -> tuple[str, ...]:
+    """The directories ``sys.path`` names (the empty entry: the working directory), resolved."""
+    dirs = set()
+    for entry in sys.path:
+        if isinstance(entry, str):
+            with contextlib.suppress(OSError):
+                dirs.add(os.path.join(os.path.realpath(entry or os.getcwd()), ""))
+    return tuple(sorted(dirs))
+
+
+def is_notebook_module(module: Any, roots: tuple[str, ...], dirs: tuple[str, ...] | None = None) -> bool:
+    """Whether ``module`` is the notebook's: its source is under a ``sys.path`` directory
+    (``dirs``, by default ``search_dirs()``) and not under a library root (``library_roots``)."""
+    path = getattr(module, "__file__", None)
+    if not isinstance(module, ModuleType) or not isinstance(path, str) or not path.endswith((".py", ".pyc")):
+        return False
+    if getattr(module, "__name__", "__main__") == "__main__":
+        return False
+    if path.startswith(roots):  # most library modules, without resolving links (~15 us each)
+        return False
+    real = os.path.realpath(path)
+    return not real.startswith(roots) and real.startswith(search_dirs() if dirs is None else dirs)
+
+
+def data_globals(module: ModuleType) -> dict[str, Any]:
+    """The module's globals a notebook may change (see the module docstring)."""
+    name = module.__name__
+    out = {}
+    for key, value in vars(module).items():
+        if key.startswith("__") and key.endswith("__"):
+            continue
+        if isinstance(value, ModuleType):
+            continue
+        if isinstance(value, FunctionType | type) and getattr(value, "__module__", None) == name:
+            continue
+        out[key] = value
+    return out
+
+
+def _memo(value: Any, pickled: bytes | None) -> Any:
+    """What tells later whether a global changed (see the module docstring)."""
+    if type(value) in _ATOMS:
+        return (type(value), value)
+    if isinstance(value, _BY_REFERENCE) or pickled is None:
+        return id(value)
+    return pickled
+
+
+class NotebookModules:
+    """This process's notebook modules and their data globals as last read or written here."""
+
+    def __init__(self, roots: tuple[str, ...] | None = None) -> None:
+        self._roots = roots if roots is not None else library_roots()
+        self._verdicts: dict[str, tuple[int, bool]] = {}  # module name -> (id(module), its own?)
+        self._count = -1
+        self._mine: list[str] = []
+        self._memos: dict[str, dict[str, Any]] = {}  # module -> global -> _memo
+        self._values: dict[str, bytes] = {}  # setting name -> its value, as last read or written
+        self._warnings: dict[str, str] = {}  # "module.global" -> why it is not replicated (new)
+        self._warned: set[str] = set()
+
+    def modules(self) -> list[str]:
+        """The notebook's modules now imported (classified once per module object)."""
+        modules = sys.modules
+        if len(modules) != self._count:
+            self._count = len(modules)
+            mine = []
+            dirs = search_dirs()
+            for name, module in list(modules.items()):
+                known = self._verdicts.get(name)
+                if known is None or known[0] != id(module):
+                    known = self._verdicts[name] = (id(module), is_notebook_module(module, self._roots, dirs))
+                if known[1]:
+                    mine.append(name)
+            self._mine = mine
+        return self._mine
+
+    def capture(self) -> dict[str, bytes]:
+        """Setting name -> value for every notebook module (re-read only where a global changed)."""
+        current = {}
+        for name in self.modules():
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            setting = setting_name(name)
+            values = data_globals(module)
+            memos = self._memos.get(name)
+            if memos is None or not self._same(values, memos):
+                self._read(name, module, values)
+            current[setting] = self._values[setting]
+        for setting in [s for s in self._values if s not in current]:
+            del self._values[setting]  # a module the notebook removed from sys.modules
+        return current
+
+    @staticmethod
+    def _same(values: Mapping[str, Any], memos: Mapping[str, Any]) -> bool:
+        if values.keys() != memos.keys():
+            return False
+        for key, value in values.items():
+            memo = memos[key]
+            if isinstance(memo, bytes):
+                try:
+                    if pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) != memo:
+                        return False
+                except Exception:
+                    return False
+            elif isinstance(memo, int):  # by reference, or not replicated: the same object?
+                if id(value) != memo:
+                    return False
+            elif memo != (type(value), value):
+                return False
+        return True
+
+    def _read(self, name: str, module: ModuleType, values: Mapping[str, Any]) -> None:
+        pickled: dict[str, bytes] = {}
+        memos: dict[str, Any] = {}
+        for key, value in values.items():
+            raw: bytes | None
+            try:
+                raw = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+                why = (
+                    f"{len(raw)} bytes pickled, over {MAX_GLOBAL_BYTES}"
+                    if len(raw) > MAX_GLOBAL_BYTES
+                    else ""
+                )
+            except Exception as exc:
+                raw, why = None, f"{exc.__class__.__name__}: {exc}"
+            if why:
+                raw = None
+                if f"{name}.{key}" not in self._warned:
+                    self._warned.add(f"{name}.{key}")
+                    self._warnings[f"{name}.{key}"] = why
+            else:
+                pickled[key] = raw  # type: ignore[assignment]
+            memos[key] = _memo(value, raw)
+        self._memos[name] = memos
+        self._values[setting_name(name)] = pickle.dumps(
+            {"globals": pickled, "names": sorted(values)}, protocol=pickle.HIGHEST_PROTOCOL
+        )
+
+    def take_warnings(self) -> dict[str, str]:
+        """Globals found unreplicable since the last call ("module.global" -> why), each once."""
+        taken, self._warnings = self._warnings, {}
+        return taken
+
+    def apply(self, values: Mapping[str, bytes]) -> list[str]:
+        """Give this process's notebook modules the executor's data globals (importing a module
+        it has not imported, as the notebook's imports would); what failed."""
+        failed = []
+        for setting, value in values.items():
+            if not setting.startswith(PREFIX) or value == self._values.get(setting):
+                continue
+            name = setting.removeprefix(PREFIX)
+            try:
+                module = sys.modules.get(name) or importlib.import_module(name)
+                state = pickle.loads(value)
+                names = set(state["names"])
+                for key in [k for k in data_globals(module) if k not in names]:
+                    delattr(module, key)  # deleted on the executor
+                for key, raw in state["globals"].items():
+                    setattr(module, key, pickle.loads(raw))
+            except Exception as exc:
+                failed.append(f"{name}'s globals ({exc.__class__.__name__}: {exc})")
+                continue
+            now = data_globals(module)
+            self._memos[name] = {key: _memo(v, state["globals"].get(key)) for key, v in now.items()}
+            self._values[setting] = value
+        return failed
+
+
+def setting_names(values: Iterable[str]) -> list[str]:
+    """The names among ``values`` that are notebook-module settings."""
+    return [name for name in values if name.startswith(PREFIX)]
