@@ -41,6 +41,9 @@ class MemoryIndex:
         self._clusters: list[_Cluster] = []
         self._spans: dict[str, list[Span]] = {}
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._spans
+
     def update(self, name: str, spans: Iterable[Span]) -> set[Hashable]:
         """Replace ``name``'s spans; return the keys of every span overlapping them, through any
         chain of overlaps (its own keys included), for the name's reach."""

@@ -599,9 +599,10 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         self.reach: set[Any] = set()
         # identity key -> the host memory span of each numpy region and CPU storage pickled
         self.spans: dict[Any, tuple[int, int]] = {}
-        self._blocks = blocks or []  # spans that overlap (``_blocks_of`` of a first pass)
-        self._block_starts = [start for start, _ in self._blocks]
-        self._block_boxes: dict[int, _BlockBox] = {}
+        self._blocks = blocks  # spans that overlap (``_blocks_of`` of a first pass), rarely any
+        if blocks:
+            self._block_starts = [start for start, _ in blocks]
+            self._block_boxes: dict[int, _BlockBox] = {}
         self._candidates: list[Any] = []  # objects whose identity may matter, filtered by finish()
         self._boxes: dict[tuple[str, int], _StorageBox] = {}
         self._regions: dict[int, _RegionBox] = {}  # id(outermost array) -> its region
@@ -666,10 +667,11 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
 
     def _block_for(self, owner: Any, start: int, nbytes: int) -> tuple[_BlockBox, int] | None:
         """The block a span lies in (and its offset there), if it overlaps another span."""
+        blocks = self._blocks or []
         index = bisect.bisect_right(self._block_starts, start) - 1
-        if index < 0 or start + nbytes > self._blocks[index][1]:
+        if index < 0 or start + nbytes > blocks[index][1]:
             return None
-        block_start, block_end = self._blocks[index]
+        block_start, block_end = blocks[index]
         box = self._block_boxes.get(block_start)
         if box is None:
             box = self._block_boxes[block_start] = self._keep(
@@ -833,10 +835,11 @@ def _dumps(
     buffers: list[pickle.PickleBuffer] = []
     pickler = _Pickler(file, buffers, namespace, blocks)
     pickler.dump(dict(values))
-    if blocks is None and (overlapping := _blocks_of(pickler.spans.values())):
+    spans = pickler.spans
+    if blocks is None and len(spans) > 1 and (overlapping := _blocks_of(spans.values())):
         return _dumps(values, namespace, overlapping)
-    spans = [(start, end, key) for key, (start, end) in pickler.spans.items()]
-    return _Dumped(file.getvalue(), buffers, pickler.finish(), spans)
+    listed = [(start, end, key) for key, (start, end) in spans.items()] if spans else []
+    return _Dumped(file.getvalue(), buffers, pickler.finish(), listed)
 
 
 def dumps(
@@ -1043,8 +1046,13 @@ class ObjectCodec:
             reach, spans = memo_pass(namespace[name], namespace)
         except Exception:
             reach, spans = set(), []
-        reach |= self._memory.update(name, spans)
-        self._remember(name, reach, namespace[name])
+        self._remember(name, self._with_memory(name, reach, spans), namespace[name])
+
+    def _with_memory(self, name: str, reach: set[Any], spans: list[Span]) -> set[Any]:
+        """``reach`` plus the keys of what shares host memory with ``spans`` (``MemoryIndex``)."""
+        if not spans and name not in self._memory:
+            return reach
+        return reach | self._memory.update(name, spans)
 
     def _remember(self, name: str, reach: set[Any], value: Any) -> None:
         old = self._reach.get(name)
@@ -1092,7 +1100,7 @@ class ObjectCodec:
                 continue
             try:  # kept: a name alone in its group (the usual case) is not pickled twice
                 singles[name] = _dumps({name: namespace[name]}, namespace)
-                fresh[name] = singles[name].reach | self._memory.update(name, singles[name].spans)
+                fresh[name] = self._with_memory(name, singles[name].reach, singles[name].spans)
             except Exception as exc:
                 skipped.append(Skipped(name, _describe(namespace[name], exc)))
                 fresh[name] = set()
