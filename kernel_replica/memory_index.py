@@ -54,7 +54,11 @@ class MemoryIndex:
         self._spans[name] = mine
         keys: set[Hashable] = set()
         for span in mine:
-            keys |= self._insert(name, span).keys()
+            cluster = self._insert(name, span)
+            if len(cluster.members) == 1 and len(cluster.members[name]) == 1:
+                keys.add(span[2])  # alone (the usual case): no set to build
+            else:
+                keys |= cluster.keys()
         return keys
 
     def remove(self, name: str) -> None:
@@ -83,6 +87,11 @@ class MemoryIndex:
         high = low
         while high < len(self._clusters) and self._clusters[high].start < end:
             high += 1
+        if high == low:  # overlaps nothing (the usual case)
+            alone = _Cluster(start, end, {name: [span]})
+            self._clusters.insert(low, alone)
+            self._starts.insert(low, start)
+            return alone
         merged = _Cluster(start, end)
         for cluster in self._clusters[low:high]:
             merged.start, merged.end = min(merged.start, cluster.start), max(merged.end, cluster.end)

@@ -1052,7 +1052,8 @@ class ObjectCodec:
         """``reach`` plus the keys of what shares host memory with ``spans`` (``MemoryIndex``)."""
         if not spans and name not in self._memory:
             return reach
-        return reach | self._memory.update(name, spans)
+        keys = self._memory.update(name, spans)
+        return reach if keys <= reach else reach | keys
 
     def _remember(self, name: str, reach: set[Any], value: Any) -> None:
         old = self._reach.get(name)
