@@ -183,6 +183,7 @@ class TandemKernel(IPythonKernel):
         # working directory, environment and sys.path: what this process started with, and the
         # context applied here since (kernel_replica/process_context.py)
         self._process = ProcessState()
+        self._process.notebook_modules.holder = self._variable_holding
         self._process_notice: str | None = None  # what could not be applied, for the next cell here
         # library settings other executors changed (library_settings), set before a cell runs here:
         # in the cells' own context (numpy's error and print options, decimal's are context
@@ -733,10 +734,10 @@ class TandemKernel(IPythonKernel):
         if comms or closed:
             state = dataclasses.replace(state, comms=comms, comms_closed=closed)
         process, logged = self._process.capture(), bridge.core.namespace.process_context()
-        for name, why in self._process.module_warnings().items():
-            self._warn_unreplicable(
-                name, why, what="module global", then="another executor has the value its import makes"
-            )
+        for name, notice in self._process.notebook_modules.take_warnings().items():
+            self._slog.warning("module_global_not_replicated", variable=name, notice=notice)
+            if sys.stderr is not None:
+                print(f"Tandem: {notice}.", file=sys.stderr, flush=True)
         if process != logged:  # %cd, %env, sys.path, %load_ext, np.random.seed
             state = dataclasses.replace(state, process=process.changed_since(logged))
         if history is not None and isinstance(reply.get("execution_count"), int):
@@ -1117,14 +1118,11 @@ class TandemKernel(IPythonKernel):
         self._pending_digests = None
         return bridge.core.namespace.digests()
 
-    def _warn_unreplicable(
-        self,
-        name: str,
-        reason: str,
-        *,
-        what: str = "variable",
-        then: str = "it will be missing if the notebook moves to another executor",
-    ) -> None:
+    def _variable_holding(self, obj: t.Any) -> str | None:
+        """A notebook variable that reaches ``obj`` itself, as the codec last recorded."""
+        return self._codec.holder_of(obj) if self._codec is not None else None
+
+    def _warn_unreplicable(self, name: str, reason: str, *, what: str = "variable") -> None:
         """Tell the user once per name (on the cell's stderr) that it stays on this replica."""
         if name in self._warned:
             return
@@ -1133,7 +1131,7 @@ class TandemKernel(IPythonKernel):
         if sys.stderr is not None:
             print(
                 f"Tandem: {what} {name!r} is not replicated to this kernel's other replicas "
-                f"({reason}); {then}.",
+                f"({reason}); it will be missing if the notebook moves to another executor.",
                 file=sys.stderr,
             )
             sys.stderr.flush()

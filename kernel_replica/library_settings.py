@@ -568,10 +568,6 @@ class SettingsTracker:
             return dict(self._values)
         return {**self._values, **self._modules.capture()}
 
-    def module_warnings(self) -> dict[str, str]:
-        """Globals of the notebook's modules newly found unreplicable ("module.global" -> why)."""
-        return self._modules.take_warnings() if self._modules is not None else {}
-
     def _skip(self, setting: Setting, why: str) -> None:
         self._values.pop(setting.name, None)
         self._memos.pop(setting.name, None)

@@ -21,7 +21,10 @@ replica's, and the user is told once (``take_warnings``): the next executor has 
 makes (a lock, a connection, a table read from disk: often what the notebook wants, but not
 always, and only the notebook knows). Whether the import made the value or the notebook did
 cannot be told apart here: a module is first seen after the cell that imported it, which may
-have changed it already.
+have changed it already. A global that holds the very object a notebook variable holds
+(``helpers.items = items``) travels as a copy of its own, so the two are two objects on the next
+executor: the user is told that too (``holder``: the kernel's codec knows which objects the
+namespace's names reach).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import pickle
 import site
 import sys
 import sysconfig
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import BuiltinFunctionType, FunctionType, ModuleType
 from typing import Any
@@ -117,8 +120,11 @@ class NotebookModules:
         self._mine: list[str] = []
         self._memos: dict[str, dict[str, Any]] = {}  # module -> global -> _memo
         self._values: dict[str, bytes] = {}  # setting name -> its value, as last read or written
-        self._warnings: dict[str, str] = {}  # "module.global" -> why it is not replicated (new)
+        # "module.global" -> (why, what another executor has), found since the last take_warnings
+        self._warnings: dict[str, str] = {}  # "module.global" -> what the user is told (new ones)
         self._warned: set[str] = set()
+        # a notebook variable reaching the very object given, if one does (set by the kernel)
+        self.holder: Callable[[Any], str | None] | None = None
 
     def modules(self) -> list[str]:
         """The notebook's modules now imported (classified once per module object)."""
@@ -188,19 +194,36 @@ class NotebookModules:
                 raw, why = None, f"{exc.__class__.__name__}: {exc}"
             if why:
                 raw = None
-                if f"{name}.{key}" not in self._warned:
-                    self._warned.add(f"{name}.{key}")
-                    self._warnings[f"{name}.{key}"] = why
+                self._warn(
+                    f"{name}.{key}",
+                    f"module global '{name}.{key}' is not replicated to this kernel's other replicas"
+                    f" ({why}); another executor has the value its import makes",
+                )
             else:
                 pickled[key] = raw  # type: ignore[assignment]
+                if self.holder is not None and not isinstance(value, _ATOMS + _BY_REFERENCE):
+                    variable = self.holder(value)
+                    if variable is not None:
+                        self._warn(
+                            f"{name}.{key}",
+                            f"module global '{name}.{key}' holds the object the variable {variable!r}"
+                            " holds, and travels to this kernel's other replicas as a copy of its own:"
+                            " after an executor change they are two objects",
+                        )
             memos[key] = _memo(value, raw)
         self._memos[name] = memos
         self._values[setting_name(name)] = pickle.dumps(
             {"globals": pickled, "names": sorted(values)}, protocol=pickle.HIGHEST_PROTOCOL
         )
 
+    def _warn(self, name: str, notice: str) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            self._warnings[name] = notice
+
     def take_warnings(self) -> dict[str, str]:
-        """Globals found unreplicable since the last call ("module.global" -> why), each once."""
+        """Globals found not replicated as they are since the last call, each once:
+        "module.global" -> what to tell the user."""
         taken, self._warnings = self._warnings, {}
         return taken
 

@@ -998,6 +998,13 @@ class ObjectCodec:
                         counts[name].setdefault(other, [0, 0])[kind] += 1
         return {name: {o: (c[0], c[1]) for o, c in others.items()} for name, others in counts.items()}
 
+    def holder_of(self, obj: Any) -> str | None:
+        """A recorded name whose value reaches ``obj`` itself (the first, sorted, of several)."""
+        owner = self._owners.get(id(obj))
+        if owner is None or isinstance(owner, str):
+            return owner
+        return min(owner)
+
     def _own(self, name: str, reach: set[Any]) -> None:
         owners, shared = self._owners, self._shared
         for key in reach:

@@ -149,7 +149,8 @@ class ProcessState:
         self._raw_env: dict[bytes, bytes] = {}
         self._env: dict[str, str | None] = {}
         self._magics: list[tuple[str, str]] = []  # run here or replayed here, in order
-        self._settings = SettingsTracker(modules=NotebookModules())
+        self.notebook_modules = NotebookModules()
+        self._settings = SettingsTracker(modules=self.notebook_modules)
 
     def record_magic(self, name: str, line: str) -> None:
         """A configuration magic ran here (``CONFIG_MAGICS``); the same one again adds nothing."""
@@ -174,10 +175,6 @@ class ProcessState:
         ):  # fmt: skip
             self.applied = ProcessContext(cwd, dict(self._env), path, magics, settings)
         return self.applied  # type: ignore[return-value]
-
-    def module_warnings(self) -> dict[str, str]:
-        """Globals of the notebook's modules newly found unreplicable ("module.global" -> why)."""
-        return self._settings.module_warnings()
 
     def apply_settings(self, settings: Mapping[str, bytes]) -> str | None:
         """Library settings from the log (``ProcessContext.settings``), set in the context the cells

@@ -17,6 +17,7 @@ import pytest
 
 from kernel_replica import notebook_modules
 from kernel_replica.notebook_modules import MAX_GLOBAL_BYTES, NotebookModules, data_globals, library_roots
+from kernel_replica.object_codec import ObjectCodec
 from kernel_replica.process_context import ProcessContext
 
 SOURCE = """\
@@ -141,6 +142,18 @@ def test_a_module_missing_on_the_next_replica_is_reported(module_dir: Path) -> N
     importlib.invalidate_caches()
     (failure,) = NotebookModules().apply(state)
     assert failure.startswith("nbconfig's globals (ModuleNotFoundError")
+
+
+def test_a_global_holding_a_variables_object_is_named_as_travelling_as_a_copy(module_dir: Path) -> None:
+    namespace = {"items": [1, 2]}
+    codec = ObjectCodec(None)
+    codec.index(namespace, ["items"])
+    here = NotebookModules()
+    here.holder = codec.holder_of
+    nbconfig = importlib.import_module("nbconfig")
+    nbconfig.seen = namespace["items"]
+    here.capture()
+    assert "holds the object the variable 'items' holds" in warned(here)["nbconfig.seen"]
 
 
 def test_module_globals_travel_in_the_logged_context() -> None:
