@@ -7,9 +7,9 @@ Tandem kernel of the embedded cluster where, before every cell, every host but o
 replica that did not run the previous cell is cordoned, so each cell runs on a replica that has
 only what replication gave it. Every output (stdout, stderr, results, errors) must be the same.
 
-Process state is not namespace state: the global RNGs and the ``warnings`` filters are not
-replicated, so the notebook draws from a ``Generator`` in the namespace (replicated as an object)
-and each ``matrix`` cell sets its own filter for numpy's ``PendingDeprecationWarning``.
+It ends with state no variable shows: seeded global generators (numpy's and torch's), a tensor
+and an array on one memory (``torch.from_numpy``, ``t.numpy()``), a ``memoryview`` of a
+bytearray, and a global the notebook changes in a module of its own.
 """
 
 from __future__ import annotations
@@ -67,6 +67,18 @@ NOTEBOOK = (
     "half = big[::2]\nhalf[:] = 0.5\nprint(repr(big.sum()), repr(big[1::2].sum()))",
     "print(big.flags.aligned, big32.flags.aligned, np.shares_memory(big, half), np.shares_memory(x2, x2_sub))",
     "print([type(v).__name__ for v in (x2, x2_sub, data, data_rec, m, tail, M, big, rng)])",
+    # state no variable shows
+    "import torch\nnp.random.seed(7)\n_ = torch.manual_seed(7)",
+    "print(np.random.rand(3), torch.rand(2))",
+    "base = np.arange(6.0)\nt = torch.from_numpy(base[1:])\nowner = t.numpy()",
+    "base[1] = 50\nprint(t)",
+    "t.mul_(2)\nprint(base, owner)",
+    "buf = bytearray(b'tandem')\nview = memoryview(buf)[1:4]",
+    "buf[1] = ord('A')\nprint(bytes(view), type(view).__name__)",
+    "import pathlib, sys, tempfile\nsrc = tempfile.mkdtemp()\n"
+    "pathlib.Path(src, 'nbsettings.py').write_text('SCALE = 1\\n')\nsys.path.insert(0, src)\n"
+    "import nbsettings\nnbsettings.SCALE = 3",
+    "print(nbsettings.SCALE * 2)",
 )
 
 
