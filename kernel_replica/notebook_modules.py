@@ -17,7 +17,9 @@ module's setting is read again only when one of its globals changed: atoms are c
 value, what pickles by reference (functions, classes) by identity, anything else by its pickle.
 
 A global that cannot be pickled, or pickles to more than ``MAX_GLOBAL_BYTES``, stays this
-replica's, and the user is told once (``take_warnings``): the next executor has what its import
+replica's (an array, a tensor, a model or a data frame known to be larger is not pickled to find
+out, and any other pickle stops at the limit: a helper module that loads a model at import costs
+no copy of it), and the user is told once (``take_warnings``): the next executor has what its import
 makes (a lock, a connection, a table read from disk: often what the notebook wants, but not
 always, and only the notebook knows). Whether the import made the value or the notebook did
 cannot be told apart here: a module is first seen after the cell that imported it, which may
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import os
 import pickle
 import site
@@ -40,6 +43,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import BuiltinFunctionType, FunctionType, ModuleType
 from typing import Any
+
+from kernel_replica.lazy_modules import is_ndarray, is_tensor, loaded_class
 
 PREFIX = "module:"
 MAX_GLOBAL_BYTES = 256 * 1024
@@ -99,6 +104,47 @@ def data_globals(module: ModuleType) -> dict[str, Any]:
             continue
         out[key] = value
     return out
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _LimitedBuffer(io.BytesIO):
+    """A pickle's output that refuses to grow past ``MAX_GLOBAL_BYTES`` (the pickle stops there)."""
+
+    def write(self, data: Any) -> int:
+        if self.tell() + memoryview(data).nbytes > MAX_GLOBAL_BYTES:
+            raise _TooLarge
+        return super().write(data)
+
+
+def known_size(value: Any) -> int:
+    """A lower bound of what ``value`` pickles to, where its type says so at once (its element
+    bytes), else 0: what is surely over the limit is never pickled."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return memoryview(value).nbytes
+    if is_ndarray(value):
+        return int(value.nbytes)
+    if is_tensor(value):
+        return int(value.untyped_storage().nbytes())
+    module_class = loaded_class("torch.nn", "Module")
+    if module_class is not None and isinstance(value, module_class):
+        tensors = [*value.parameters(), *value.buffers()]
+        return sum(int(t.untyped_storage().nbytes()) for t in tensors)
+    frame_class = loaded_class("pandas", "DataFrame")
+    if frame_class is not None and isinstance(value, frame_class):
+        return int(value.memory_usage(index=False, deep=False).sum())
+    return 0
+
+
+def _pickled(value: Any) -> bytes:
+    """``value``'s pickle, or ``_TooLarge`` without making (or finishing) a larger one."""
+    if known_size(value) > MAX_GLOBAL_BYTES:
+        raise _TooLarge
+    out = _LimitedBuffer()
+    pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return out.getvalue()
 
 
 def _memo(value: Any, pickled: bytes | None) -> Any:
@@ -167,7 +213,7 @@ class NotebookModules:
             memo = memos[key]
             if isinstance(memo, bytes):
                 try:
-                    if pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) != memo:
+                    if _pickled(value) != memo:
                         return False
                 except Exception:
                     return False
@@ -184,12 +230,9 @@ class NotebookModules:
         for key, value in values.items():
             raw: bytes | None
             try:
-                raw = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-                why = (
-                    f"{len(raw)} bytes pickled, over {MAX_GLOBAL_BYTES}"
-                    if len(raw) > MAX_GLOBAL_BYTES
-                    else ""
-                )
+                raw, why = _pickled(value), ""
+            except _TooLarge:
+                raw, why = None, f"over {MAX_GLOBAL_BYTES // 1024} KB pickled"
             except Exception as exc:
                 raw, why = None, f"{exc.__class__.__name__}: {exc}"
             if why:

@@ -8,6 +8,7 @@ import importlib
 import importlib.util
 import json
 import math
+import pickle
 import sys
 import threading
 from collections.abc import Iterator
@@ -131,6 +132,25 @@ def test_a_global_over_the_size_limit_stays_and_is_named(module_dir: Path) -> No
     fresh = reimport()
     NotebookModules().apply(state)
     assert not hasattr(fresh, "table")
+
+
+def test_what_is_known_to_be_over_the_limit_is_not_pickled_and_other_pickles_stop_there() -> None:
+    import numpy as np
+    import pandas as pd
+    import torch
+
+    big = MAX_GLOBAL_BYTES + 8
+    for value in (
+        np.zeros(big, dtype=np.uint8),
+        torch.zeros(big, dtype=torch.uint8)[:10],  # a view: its storage is what pickles
+        torch.nn.Linear(big // 16, 4),
+        pd.DataFrame({"a": np.zeros(big // 8)}),
+        bytearray(big),
+    ):
+        assert notebook_modules.known_size(value) > MAX_GLOBAL_BYTES, type(value)
+    with pytest.raises(notebook_modules._TooLarge):
+        notebook_modules._pickled([f"{i:01000d}" for i in range(big // 1000)])  # unknown size: stops
+    assert pickle.loads(notebook_modules._pickled({"small": [1, 2]})) == {"small": [1, 2]}
 
 
 def test_a_module_missing_on_the_next_replica_is_reported(module_dir: Path) -> None:
