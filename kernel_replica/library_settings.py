@@ -228,6 +228,15 @@ def _set_torch_numerics(torch: ModuleType, value: tuple[str, bool, bool]) -> Non
     torch.autograd.set_detect_anomaly(anomaly)
 
 
+def _torch_default_device(torch: ModuleType) -> str:
+    """``torch.set_default_device("cuda")``: where new tensors go (per thread: the cells')."""
+    return str(torch.get_default_device())
+
+
+def _set_torch_default_device(torch: ModuleType, value: str) -> None:
+    torch.set_default_device(None if value == "cpu" else value)
+
+
 #: Backend switches that change a GPU computation's numbers or which kernel computes it, as
 #: (path under ``torch.backends``, attribute or getter, setter or None for an attribute).
 _TORCH_BACKEND_SWITCHES = (
@@ -455,6 +464,7 @@ SETTINGS: tuple[Setting, ...] = (
     # the GPUs' generator: put on the next cell's GPU when it is bound (kernel_replica/cuda_rng.py)
     Setting("torch.cuda.random.state", "torch", CARRIER.read, CARRIER.write),
     Setting("torch.default_dtype", "torch", lambda m: str(m.get_default_dtype()), _set_torch_dtype),
+    Setting("torch.default_device", "torch", _torch_default_device, _set_torch_default_device),
     Setting("torch.printoptions", "torch", _torch_print, lambda m, v: m.set_printoptions(**v)),
     Setting("torch.deterministic", "torch", _torch_deterministic, _set_torch_deterministic),
     Setting("torch.numerics", "torch", _torch_numerics, _set_torch_numerics),

@@ -179,6 +179,24 @@ def test_torch_numerics_and_grad_mode_follow() -> None:
         torch.set_float32_matmul_precision("highest")
 
 
+def test_torch_default_device_follows() -> None:
+    """``torch.set_default_device("cuda")``: before, the next executor made new tensors on the
+    CPU, silently (here with the meta device, which needs no GPU)."""
+    executor, standby = SettingsTracker(), SettingsTracker()
+    standby.capture()
+    torch.set_default_device("meta")
+    try:
+        captured = executor.capture()
+    finally:
+        torch.set_default_device(None)
+    try:
+        assert standby.apply(captured) is None
+        assert torch.empty(1).device.type == "meta"
+    finally:
+        torch.set_default_device(None)
+    assert torch.empty(1).device.type == "cpu"
+
+
 def test_torch_backend_switches_follow() -> None:
     """``torch.backends.cudnn.allow_tf32 = False`` (convolutions in full fp32, for reproducible
     numbers) or an attention kernel switched off: process state the next executor lacked."""
