@@ -86,6 +86,9 @@ class CellEffects:
     reasons: tuple[str, ...] = ()  # why ``unknown``
     functions: tuple[tuple[str, FunctionFacts], ...] = ()  # defined here ("f", "C.m"): for the registry
     lists_namespace: bool = False  # reads the namespace as a whole (``%who``, ``dir()``), changes nothing
+    # dotted attributes the cell assigns or deletes (``pd.DataFrame.f = f`` -> ("pd", "DataFrame",
+    # "f")): a library's module or class they change is no name's value (``library_patches``)
+    attribute_targets: frozenset[tuple[str, ...]] = frozenset()
 
     def candidates(self) -> frozenset[str]:
         """Every name this cell can have touched (not counting ``unknown``)."""
@@ -107,6 +110,7 @@ class _Acc:
     lists_namespace: bool = False
     method_calls: set[str] = field(default_factory=set)  # attribute names called: x.m() -> "m"
     aliases: dict[str, set[str]] = field(default_factory=dict)  # x -> names x may share objects with
+    attribute_targets: set[tuple[str, ...]] = field(default_factory=set)  # CellEffects'
 
     def alias(self, target: ast.expr, value: ast.expr | None) -> None:
         """``x = y[0]`` then ``x.append(1)`` mutates y, even if x is rebound before the cell ends."""
@@ -126,6 +130,18 @@ class _Acc:
                     mutated.add(other)
                     todo.append(other)
         return mutated
+
+
+def dotted(node: ast.expr) -> tuple[str, ...] | None:
+    """``a.b.c`` as ("a", "b", "c"); None for anything but names and attributes."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    parts.append(node.id)
+    return tuple(reversed(parts))
 
 
 def root_name(node: ast.expr) -> str | None:
@@ -373,6 +389,9 @@ class _Scanner:
             root = root_name(node)
             if root:
                 self.acc.mutated.add(root)
+            chain = dotted(node) if isinstance(node, ast.Attribute) else None
+            if chain is not None:
+                self.acc.attribute_targets.add(chain)
             self.expr(node.value)
             if isinstance(node, ast.Subscript):
                 self.expr(node.slice)
@@ -607,6 +626,7 @@ def analyse_cell(source: str, registry: Mapping[str, FunctionFacts] | None = Non
         reasons=tuple(reasons),
         functions=tuple(sorted(acc.functions.items())),
         lists_namespace=acc.lists_namespace,
+        attribute_targets=frozenset(acc.attribute_targets),
     )
 
 

@@ -184,6 +184,7 @@ class TandemKernel(IPythonKernel):
         # context applied here since (kernel_replica/process_context.py)
         self._process = ProcessState()
         self._process.notebook_modules.holder = self._variable_holding
+        self._process.library_patches.namespace = self.shell.user_ns if self.shell is not None else None
         self._process_notice: str | None = None  # what could not be applied, for the next cell here
         # library settings other executors changed (library_settings), set before a cell runs here:
         # in the cells' own context (numpy's error and print options, decimal's are context
@@ -695,6 +696,7 @@ class TandemKernel(IPythonKernel):
             started = time.perf_counter()
             effects = analyse_cell(code, self._registry)
             update_registry(self._registry, effects)
+            self._process.library_patches.note(effects.attribute_targets, self.shell.user_ns)
             analysed_ms = (time.perf_counter() - started) * 1000
             codec = await self._get_codec()
             timer = self._store_timer
@@ -734,7 +736,11 @@ class TandemKernel(IPythonKernel):
         if comms or closed:
             state = dataclasses.replace(state, comms=comms, comms_closed=closed)
         process, logged = self._process.capture(), bridge.core.namespace.process_context()
-        for name, notice in self._process.notebook_modules.take_warnings().items():
+        notices = {
+            **self._process.notebook_modules.take_warnings(),
+            **self._process.library_patches.take_warnings(),
+        }
+        for name, notice in notices.items():
             self._slog.warning("module_global_not_replicated", variable=name, notice=notice)
             if sys.stderr is not None:
                 print(f"Tandem: {notice}.", file=sys.stderr, flush=True)

@@ -37,6 +37,7 @@ from typing import Any
 import structlog
 
 from kernel_replica.cuda_rng import CARRIER
+from kernel_replica.library_patches import LibraryPatches
 from kernel_replica.notebook_modules import NotebookModules
 
 log = structlog.get_logger("library_settings")
@@ -545,10 +546,14 @@ class SettingsTracker:
     an unchanged setting yields the very same bytes), and its probe then."""
 
     def __init__(
-        self, settings: tuple[Setting, ...] = SETTINGS, modules: NotebookModules | None = None
+        self,
+        settings: tuple[Setting, ...] = SETTINGS,
+        modules: NotebookModules | None = None,
+        patches: LibraryPatches | None = None,
     ) -> None:
         self._settings = settings
         self._modules = modules  # the notebook's own modules' globals, settings of their own
+        self._patches = patches  # what the notebook set on libraries' modules and classes
         self._memos: dict[str, Any] = {}
         self._values: dict[str, bytes] = {}
         self._unreplicable: set[str] = set()  # logged once
@@ -574,9 +579,12 @@ class SettingsTracker:
                 self._skip(setting, f"{len(value)} bytes pickled")
                 continue
             self._memos[setting.name], self._values[setting.name] = memo, value
-        if self._modules is None:
-            return dict(self._values)
-        return {**self._values, **self._modules.capture()}
+        captured = dict(self._values)
+        if self._modules is not None:
+            captured.update(self._modules.capture())
+        if self._patches is not None:
+            captured.update(self._patches.capture())
+        return captured
 
     def _skip(self, setting: Setting, why: str) -> None:
         self._values.pop(setting.name, None)
@@ -603,4 +611,6 @@ class SettingsTracker:
                 failed.append(f"{setting.name} ({exc.__class__.__name__}: {exc})")
         if self._modules is not None:
             failed += self._modules.apply(values)
+        if self._patches is not None:
+            failed += self._patches.apply(values)
         return f"setting {', '.join(failed)} failed on this host" if failed else None

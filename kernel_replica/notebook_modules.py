@@ -188,6 +188,10 @@ class NotebookModules:
             self._mine = mine
         return self._mine
 
+    def is_mine(self, name: str) -> bool:
+        """Whether the module ``name`` is one of the notebook's (its globals travel here)."""
+        return name in self.modules()
+
     def capture(self) -> dict[str, bytes]:
         """Setting name -> value for every notebook module (re-read only where a global changed)."""
         current = {}

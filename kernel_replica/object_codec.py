@@ -851,6 +851,14 @@ def dumps(
     return dumped.pickled, dumped.buffers
 
 
+def dumps_inline(value: Any, namespace: Mapping[str, Any] | None = None) -> bytes:
+    """``value`` pickled as the codec pickles it (notebook functions of ``namespace`` linked to
+    it), every buffer in band: one bytes object, for ``loads`` without buffers."""
+    file = io.BytesIO()
+    _Pickler(file, None, namespace).dump(value)
+    return file.getvalue()
+
+
 def loads(data: Any, buffers: Iterable[Any] = (), *, namespace: dict[str, Any] | None = None) -> Any:
     """Inverse of ``dumps``; notebook functions get ``namespace`` (or a fresh dict) as globals."""
     unpickler = _Unpickler(io.BytesIO(data), buffers=buffers)

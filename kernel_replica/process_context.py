@@ -32,6 +32,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kernel_replica.library_patches import PREFIX as PATCH_PREFIX
+from kernel_replica.library_patches import LibraryPatches
 from kernel_replica.library_settings import SETTING_NAMES, SettingsTracker
 from kernel_replica.notebook_modules import PREFIX as MODULE_PREFIX
 from kernel_replica.notebook_modules import NotebookModules
@@ -114,7 +116,11 @@ class ProcessContext:
         ):
             raise ValueError("process context 'settings' must map setting names to bytes")
         # a setting only a newer replica knows stays its own
-        known = {k: v for k, v in settings.items() if k in SETTING_NAMES or k.startswith(MODULE_PREFIX)}
+        known = {
+            k: v
+            for k, v in settings.items()
+            if k in SETTING_NAMES or k.startswith((MODULE_PREFIX, PATCH_PREFIX))
+        }
         return cls(cwd, env, tuple(path), tuple((name, line) for name, line in magics), known)
 
 
@@ -150,7 +156,8 @@ class ProcessState:
         self._env: dict[str, str | None] = {}
         self._magics: list[tuple[str, str]] = []  # run here or replayed here, in order
         self.notebook_modules = NotebookModules()
-        self._settings = SettingsTracker(modules=self.notebook_modules)
+        self.library_patches = LibraryPatches(skip_module=self.notebook_modules.is_mine)
+        self._settings = SettingsTracker(modules=self.notebook_modules, patches=self.library_patches)
 
     def record_magic(self, name: str, line: str) -> None:
         """A configuration magic ran here (``CONFIG_MAGICS``); the same one again adds nothing."""

@@ -9,7 +9,8 @@ only what replication gave it. Every output (stdout, stderr, results, errors) mu
 
 It ends with state no variable shows: seeded global generators (numpy's and torch's), a tensor
 and an array on one memory (``torch.from_numpy``, ``t.numpy()``), a ``memoryview`` of a
-bytearray, and a global the notebook changes in a module of its own.
+bytearray, a global the notebook changes in a module of its own, and a library function and
+class the notebook patches.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ NOTEBOOK = (
     "pathlib.Path(src, 'nbsettings.py').write_text('SCALE = 1\\n')\nsys.path.insert(0, src)\n"
     "import nbsettings\nnbsettings.SCALE = 3",
     "print(nbsettings.SCALE * 2)",
+    "import fractions, statistics\nstatistics.mean = lambda xs: 42\nfractions.Fraction.half = lambda self: self / 2",
+    "print(statistics.mean([1, 2]), fractions.Fraction(3).half())",
 )
 
 
