@@ -184,7 +184,8 @@ class TandemKernel(IPythonKernel):
         # context applied here since (kernel_replica/process_context.py)
         self._process = ProcessState()
         self._process.notebook_modules.holder = self._variable_holding
-        self._process.library_patches.namespace = self.shell.user_ns if self.shell is not None else None
+        user_ns = self.shell.user_ns if self.shell is not None else None
+        self._process.library_patches.namespace = self._process.notebook_modules.namespace = user_ns
         self._process_notice: str | None = None  # what could not be applied, for the next cell here
         # library settings other executors changed (library_settings), set before a cell runs here:
         # in the cells' own context (numpy's error and print options, decimal's are context

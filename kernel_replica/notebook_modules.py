@@ -171,6 +171,7 @@ class NotebookModules:
         self._warned: set[str] = set()
         # a notebook variable reaching the very object given, if one does (set by the kernel)
         self.holder: Callable[[Any], str | None] | None = None
+        self.namespace: dict[str, Any] | None = None  # the notebook's (set by the kernel)
 
     def modules(self) -> list[str]:
         """The notebook's modules now imported (classified once per module object)."""
@@ -278,6 +279,7 @@ class NotebookModules:
         """Give this process's notebook modules the executor's data globals (importing a module
         it has not imported, as the notebook's imports would); what failed."""
         failed = []
+        replaced: dict[int, Any] = {}  # id of a global's object before -> its object now
         for setting, value in values.items():
             if not setting.startswith(PREFIX) or value == self._values.get(setting):
                 continue
@@ -289,13 +291,22 @@ class NotebookModules:
                 for key in [k for k in data_globals(module) if k not in names]:
                     delattr(module, key)  # deleted on the executor
                 for key, raw in state["globals"].items():
-                    setattr(module, key, pickle.loads(raw))
+                    before, now = vars(module).get(key), pickle.loads(raw)
+                    setattr(module, key, now)
+                    if before is not None and not isinstance(before, _ATOMS + _BY_REFERENCE):
+                        replaced[id(before)] = now
             except Exception as exc:
                 failed.append(f"{name}'s globals ({exc.__class__.__name__}: {exc})")
                 continue
-            now = data_globals(module)
-            self._memos[name] = {key: _memo(v, state["globals"].get(key)) for key, v in now.items()}
+            now_globals = data_globals(module)
+            self._memos[name] = {key: _memo(v, state["globals"].get(key)) for key, v in now_globals.items()}
             self._values[setting] = value
+        if replaced and self.namespace is not None:
+            # ``from config import settings`` was replayed here and took the import's object: the
+            # name holds the module's object, as on the executor
+            for variable, held in list(self.namespace.items()):
+                if id(held) in replaced:
+                    self.namespace[variable] = replaced[id(held)]
         return failed
 
 

@@ -403,14 +403,17 @@ def test_globals_the_notebook_changes_in_its_own_module_follow_the_executor(
     (tmp_path / "nbhelpers.py").write_text("BATCH = 32\nseen = []\n\ndef bump():\n    seen.append(BATCH)\n")
     made = _on(tandem_cluster, kc, first, (
         f"import sys, threading\nsys.path.insert(0, {str(tmp_path)!r})\nimport nbhelpers\n"
+        "from nbhelpers import seen\n"
         "nbhelpers.BATCH = 64\nnbhelpers.bump()\nnbhelpers.guard = threading.Lock()\n"
         "items = [1]\nnbhelpers.items = items"
     ))  # fmt: skip
     assert "module global 'nbhelpers.guard' is not replicated" in made.stdout, made.stdout
     copied = "module global 'nbhelpers.items' holds the object the variable 'items' holds"
     assert copied in made.stdout, made.stdout
-    moved = _on(tandem_cluster, kc, second, "nbhelpers.bump()\nprint(nbhelpers.BATCH, nbhelpers.seen)")
-    assert moved.stdout == "64 [64, 64]\n", moved.stdout
+    moved = _on(
+        tandem_cluster, kc, second, "nbhelpers.bump()\nprint(nbhelpers.BATCH, seen, seen is nbhelpers.seen)"
+    )
+    assert moved.stdout == "64 [64, 64] True\n", moved.stdout
 
 
 def test_a_notebook_showing_every_expression_shows_them_on_the_next_executor(

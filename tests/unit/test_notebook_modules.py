@@ -106,6 +106,22 @@ def test_a_module_is_read_again_only_when_a_global_changed(module_dir: Path) -> 
     assert here.capture()["module:nbconfig"] != before
 
 
+def test_a_name_from_imported_takes_the_executors_object_of_the_module(module_dir: Path) -> None:
+    """``from nbconfig import seen`` is replayed on the next executor, binding the object its
+    import made; once the module's globals arrive the name holds the module's object again."""
+    here = NotebookModules()
+    nbconfig = importlib.import_module("nbconfig")
+    nbconfig.bump()
+    state = here.capture()
+    fresh = reimport()
+    namespace = {"seen": fresh.seen, "other": [0]}  # type: ignore[attr-defined]
+    standby = NotebookModules()
+    standby.namespace = namespace
+    assert standby.apply(state) == []
+    assert namespace["seen"] is fresh.seen and namespace["seen"] == [0]  # type: ignore[attr-defined]
+    assert namespace["other"] == [0]
+
+
 def test_an_unpicklable_global_is_named_once_and_the_next_import_makes_its_own(module_dir: Path) -> None:
     here = NotebookModules()
     nbconfig = importlib.import_module("nbconfig")
