@@ -426,9 +426,10 @@ class _Span:
 
     __slots__ = ("__array_interface__", "owner")
 
-    def __init__(self, owner: Any, address: int, nbytes: int) -> None:
+    def __init__(self, owner: Any, address: int, nbytes: int, readonly: bool | None = None) -> None:
         self.owner = owner  # keeps the memory alive
-        readonly = not owner.flags.writeable if isinstance(owner, np.ndarray) else True
+        if readonly is None:
+            readonly = not owner.flags.writeable
         self.__array_interface__ = {
             "data": (address, readonly),
             "shape": (nbytes,),
@@ -447,8 +448,10 @@ class _BlockBox:
     def __init__(self, owner: Any, start: int, nbytes: int) -> None:
         self.nbytes = nbytes
         # any member keeps the whole allocation alive (a view its base, a from_numpy storage its
-        # array, a t.numpy() array its tensor); read only, never written
-        self.region = np.asarray(_Span(owner, start, nbytes))
+        # array, a t.numpy() array its tensor). Exported writable, though only read here: pickle
+        # hands a buffer exported read-only back read-only, and the decoded block was then
+        # copied for its arrays, away from its storages (and from the 64-byte alignment)
+        self.region = np.asarray(_Span(owner, start, nbytes, readonly=False))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_region, (pickle.PickleBuffer(self.region), self.nbytes, None))
@@ -604,7 +607,7 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
             self._block_starts = [start for start, _ in blocks]
             self._block_boxes: dict[int, _BlockBox] = {}
         self._candidates: list[Any] = []  # objects whose identity may matter, filtered by finish()
-        self._boxes: dict[tuple[str, int], _StorageBox] = {}
+        self._boxes: dict[tuple[str, int, int], _StorageBox] = {}
         self._regions: dict[int, _RegionBox] = {}  # id(outermost array) -> its region
         self._transient: list[Any] = []  # keeps stand-ins alive so their ids are not reused
         self._transient_ids: set[int] = set()
@@ -751,11 +754,13 @@ class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
         ):
             return NotImplemented  # torch's own reducer (copies, but correct)
         storage = obj.untyped_storage()
-        address = storage.data_ptr()
-        key = (str(storage.device), address)
+        address, nbytes = storage.data_ptr(), storage.nbytes()
+        # two storages can start at one address (``torch.from_numpy`` of an array and of its first
+        # half): keyed by address alone, the second tensor was rebuilt on the first's storage,
+        # too short for it
+        key = (str(storage.device), address, nbytes)
         box = self._boxes.get(key)
         if box is None:
-            nbytes = storage.nbytes()
             block = None
             if storage.device.type == "cpu" and nbytes:
                 self.spans[key] = (address, address + nbytes)

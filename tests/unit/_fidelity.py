@@ -220,7 +220,8 @@ def assert_same_namespace(expected: dict[str, Any], actual: dict[str, Any], *, r
     assert sorted(tensors(expected)) == sorted(tensors(actual))
     for name, want in tensors(expected).items():
         got = actual[name]
-        assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride()), name
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), name
+        assert got.stride() == want.stride() or not want.numel(), name  # an empty one's are arbitrary
     for name, want in arrays(expected).items():
         got = actual[name]
         assert type(got) is type(want), name
