@@ -467,6 +467,11 @@ class _Scanner:
         if isinstance(func, ast.Name):
             if func.id == "dir" and not node.args and not node.keywords:
                 acc.lists_namespace = True
+            if func.id in ("setattr", "delattr") and len(node.args) >= 2:
+                # ``setattr(pd.DataFrame, "summary", f)``: the same target as the assignment
+                owner, attr = dotted(node.args[0]), _const_str(node.args[1])
+                if owner is not None and attr is not None:
+                    acc.attribute_targets.add((*owner, attr))
             acc.mutated.add(func.id)  # a callable object (closure, model) may update itself
         elif isinstance(func, ast.Attribute):
             acc.method_calls.add(func.attr)

@@ -81,6 +81,19 @@ def test_a_deleted_attribute_is_deleted_on_the_next_replica(fakelib: types.Modul
     assert not hasattr(fakelib.Frame, "describe")
 
 
+def test_setattr_and_delattr_with_a_literal_name_are_patches_too(fakelib: types.ModuleType) -> None:
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    executor = patched(
+        "import fakelib\nsetattr(fakelib.Frame, 'shape', lambda self: 'patched')\ndelattr(fakelib, 'scale')",
+        namespace,
+    )
+    values = executor.capture()
+    fakelib.scale = lambda x: x  # type: ignore[attr-defined]
+    del fakelib.Frame.shape  # type: ignore[attr-defined]
+    assert LibraryPatches().apply(values) == []
+    assert fakelib.Frame().shape() == "patched" and not hasattr(fakelib, "scale")  # type: ignore[attr-defined]
+
+
 def test_a_patch_is_read_again_only_when_its_value_changed(fakelib: types.ModuleType) -> None:
     namespace: dict[str, object] = {"__name__": "__main__"}
     executor = patched("import fakelib\nfakelib.scale = abs", namespace)
