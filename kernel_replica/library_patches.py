@@ -13,8 +13,9 @@ becomes a *patch*, kept from then on. (The notebook's own modules' globals are
 patch's value is read from the owner's ``__dict__``, so a ``staticmethod`` stays one, and travels
 as a library setting ``patch:<module>:<qualified name>``: pickled by the codec (a notebook
 function by value, its globals the namespace it is decoded into), or as a deletion. A value that
-cannot be pickled, or pickles to more than ``MAX_PATCH_BYTES``, stays the executor's, and the
-user is told once.
+cannot be pickled, or pickles to more than the notebook modules' limit (``MAX_GLOBAL_BYTES``:
+one known to be larger, a model or an array, is not pickled to find out), stays the executor's,
+and the user is told once.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 from typing import Any
 
+from kernel_replica.notebook_modules import MAX_GLOBAL_BYTES, known_size
+
 PREFIX = "patch:"
-MAX_PATCH_BYTES = 256 * 1024
 _ABSENT = object()
 
 
@@ -117,8 +119,15 @@ class LibraryPatches:
         from kernel_replica.object_codec import dumps_inline  # not before a notebook patches
 
         try:
-            data = dumps_inline(value, self.namespace)
-            why = f"{len(data)} bytes pickled, over {MAX_PATCH_BYTES}" if len(data) > MAX_PATCH_BYTES else ""
+            if known_size(value) > MAX_GLOBAL_BYTES:
+                data, why = b"", f"over {MAX_GLOBAL_BYTES // 1024} KB"
+            else:
+                data = dumps_inline(value, self.namespace)
+                why = (
+                    f"{len(data)} bytes pickled, over {MAX_GLOBAL_BYTES}"
+                    if len(data) > MAX_GLOBAL_BYTES
+                    else ""
+                )
         except Exception as exc:
             data, why = b"", f"{exc.__class__.__name__}: {exc}"
         if why:

@@ -39,7 +39,7 @@ import pickle
 import site
 import sys
 import sysconfig
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import BuiltinFunctionType, FunctionType, ModuleType
 from typing import Any
@@ -308,8 +308,3 @@ class NotebookModules:
                 if id(held) in replaced:
                     self.namespace[variable] = replaced[id(held)]
         return failed
-
-
-def setting_names(values: Iterable[str]) -> list[str]:
-    """The names among ``values`` that are notebook-module settings."""
-    return [name for name in values if name.startswith(PREFIX)]
